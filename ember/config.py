@@ -1,0 +1,284 @@
+"""Typed job configuration: dataclass sections, recipes (YAML) and `key=value` overrides.
+
+OmegaConf does the parsing and the type checking (structured configs from these dataclasses); this
+file adds what users of the field expect on top: a recipe lookup, `did you mean` for unknown keys,
+one-line errors, and the cross-field checks that would otherwise fail minutes into a run.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+RECIPES_DIR = Path(__file__).parent / "recipes"
+
+
+class ConfigError(ValueError):
+    """A problem with the user's configuration; the CLI prints it as one line and exits with 2."""
+
+
+@dataclass
+class ModelConfig:
+    family: str = "llama3"  # llama2 | llama3 | llama3.1 | llama3.2
+    flavor: str = "debug"  # a key of the family's FLAVORS, e.g. 8B, 70B, 405B, debug
+    # Optional fields that override the flavor's hyper-parameters (None keeps the flavor's value).
+    dim: Optional[int] = None
+    n_layers: Optional[int] = None
+    n_heads: Optional[int] = None
+    n_kv_heads: Optional[int] = None
+    vocab_size: Optional[int] = None
+    multiple_of: Optional[int] = None
+    ffn_dim_multiplier: Optional[float] = None
+    norm_eps: Optional[float] = None
+    rope_theta: Optional[float] = None
+    max_seq_len: Optional[int] = None
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    lr: float = 3e-4
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    max_grad_norm: float = 1.0  # 0 disables clipping (the norm is still logged)
+    implementation: str = "auto"  # auto | fused | foreach | for-loop
+
+
+@dataclass
+class ScheduleConfig:
+    name: str = "cosine"  # cosine | linear | wsd | constant
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1  # the final lr is lr * min_lr_ratio
+    decay_fraction: float = 0.2  # wsd: share of max_steps spent in the final decay
+
+
+@dataclass
+class DataConfig:
+    # "embedded" (the built-in corpus), "synthetic" (random tokens), a local path, or a HF dataset name
+    dataset: str = "embedded"
+    tokenizer: Optional[str] = None  # None: byte-level BPE trained on the embedded corpus; else tokenizer.json
+    text_field: str = "text"
+    config: Optional[str] = None  # HF dataset config name
+    split: str = "train"
+    val_fraction: float = 0.02
+    num_workers: int = 1
+    prefetch: int = 4
+
+
+@dataclass
+class MetricsConfig:
+    console: bool = True
+    jsonl: bool = True
+    tensorboard: bool = True
+    peak_tflops: Optional[float] = None  # per-device peak, for devices missing from ember.hardware
+
+
+@dataclass
+class JobConfig:
+    seed: int = 0
+    max_steps: int = 200
+    logging_steps: int = 10
+    global_batch_size: int = 16
+    micro_batch_size: int = 16  # per device
+    seq_len: int = 256
+    output_dir: str = "outputs/debug"
+    compile: bool = False
+    precision: str = "auto"  # auto (bf16 where supported, fp32 on CPU) | fp32 | bf16
+    device: str = "auto"  # auto | cpu | cuda
+    eval_interval: int = 0  # validation loss every N steps (0: only at the end)
+    eval_batches: int = 8
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+
+PRECISIONS = ("auto", "fp32", "bf16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def recipe_names() -> list[str]:
+    return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+
+
+def resolve_recipe(recipe: str) -> Path:
+    """A built-in recipe name, or a path to a YAML file (e.g. OUTPUT_DIR/config.yaml)."""
+    builtin = RECIPES_DIR / f"{recipe}.yaml"
+    if builtin.is_file():
+        return builtin
+    path = Path(recipe)
+    if path.is_file():
+        return path
+    if recipe.endswith((".yaml", ".yml")) or "/" in recipe:
+        raise ConfigError(f"recipe file '{recipe}' not found (give an existing YAML path or a built-in recipe name)")
+    hint = difflib.get_close_matches(recipe, recipe_names(), n=1)
+    did_you_mean = f" (did you mean '{hint[0]}'?)" if hint else ""
+    raise ConfigError(
+        f"unknown recipe '{recipe}'{did_you_mean}; built-in recipes: {', '.join(recipe_names())} (see `ember recipes`)"
+    )
+
+
+def _all_keys(node: Any, prefix: str = "") -> list[str]:
+    keys = []
+    for key, value in node.items():
+        dotted = f"{prefix}{key}"
+        keys.append(dotted)
+        if isinstance(value, DictConfig):
+            keys.extend(_all_keys(value, dotted + "."))
+    return keys
+
+
+def _explain(err: OmegaConfBaseException, schema: DictConfig, origin: str) -> ConfigError:
+    """Turn an OmegaConf exception into the one-line message the CLI prints."""
+    key = getattr(err, "full_key", None) or "?"
+    where = f" in {origin}" if origin else ""
+    if isinstance(err, ConfigKeyError) or "not in" in str(err).split("\n")[0]:
+        hint = difflib.get_close_matches(key, _all_keys(schema), n=1, cutoff=0.6)
+        suffix = f" (did you mean '{hint[0]}'?)" if hint else ""
+        return ConfigError(f"unknown config key '{key}'{suffix}{where}")
+    if isinstance(err, ValidationError):
+        first_line = str(err).split("\n")[0]
+        return ConfigError(f"bad value for config key '{key}'{where}: {first_line} (expected {_type_name(key)})")
+    return ConfigError(f"invalid config{where}: {str(err).splitlines()[0]}")
+
+
+def _type_name(key: str) -> str:
+    """The declared type of a dotted key, as a user reads it: 'float', 'int or null', 'list[float]'."""
+    section: Any = JobConfig
+    try:
+        for part in key.split("."):
+            section = typing.get_type_hints(section)[part]
+    except (KeyError, TypeError):
+        return "the declared type"
+    args = [a for a in typing.get_args(section) if a is not type(None)]
+    if typing.get_origin(section) is typing.Union and len(args) == 1:
+        return f"{getattr(args[0], '__name__', args[0])} or null"
+    return getattr(section, "__name__", str(section)) if typing.get_origin(section) is None else str(section)
+
+
+def _load_yaml(path: Path) -> dict:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"recipe file '{path}' is not UTF-8 text") from None
+    try:
+        data = yaml.safe_load(text)  # safe loading: a recipe is data, never code
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"recipe file '{path}' is not valid YAML{where}; fix the syntax") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"recipe file '{path}' must hold a mapping of config keys, not {type(data).__name__}")
+    return data
+
+
+def _parse_overrides(overrides: list[str]) -> DictConfig:
+    for item in overrides:
+        key, sep, _ = item.partition("=")
+        if not sep or not key or key.strip() != key:
+            raise ConfigError(f"override '{item}' is not of the form key=value (e.g. optim.lr=3e-4)")
+    try:
+        return OmegaConf.from_dotlist(overrides)
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"cannot parse overrides: {str(err).splitlines()[0]}") from None
+
+
+def _reject_env_interpolation(node: Any, origin: str) -> None:
+    # Secrets live in the environment and must never be copied into config.yaml, so the `oc.env`
+    # resolver (which would do exactly that when the resolved config is saved) is refused.
+    for key, value in node.items() if isinstance(node, dict) else []:
+        if isinstance(value, dict):
+            _reject_env_interpolation(value, origin)
+        elif isinstance(value, str) and "${oc.env" in value.replace(" ", ""):
+            raise ConfigError(f"config key '{key}' in {origin} reads the environment; pass secrets as env vars, not config")
+
+
+def load(recipe: str = "debug", overrides: Optional[list[str]] = None, world_size: int = 1) -> JobConfig:
+    """Recipe (built-in name or YAML path) + `key=value` overrides -> a validated JobConfig."""
+    overrides = list(overrides or [])
+    path = resolve_recipe(recipe)
+    schema = OmegaConf.structured(JobConfig)
+    recipe_data = _load_yaml(path)
+    _reject_env_interpolation(recipe_data, str(path))
+    try:
+        merged = OmegaConf.merge(schema, OmegaConf.create(recipe_data))
+    except OmegaConfBaseException as err:
+        raise _explain(err, schema, f"recipe '{path}'") from None
+    dotlist = _parse_overrides(overrides)
+    _reject_env_interpolation(OmegaConf.to_container(dotlist), "overrides")
+    try:
+        merged = OmegaConf.merge(merged, dotlist)
+        cfg: JobConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    except OmegaConfBaseException as err:
+        raise _explain(err, schema, "") from None
+    validate(cfg, world_size)
+    return cfg
+
+
+def validate(cfg: JobConfig, world_size: int = 1) -> None:
+    """Cross-field checks that no type system catches; each names the keys to change."""
+    from ember.models import build_model_args  # local import: config must stay importable on its own
+
+    for key in ("max_steps", "global_batch_size", "micro_batch_size", "seq_len", "logging_steps"):
+        if getattr(cfg, key) <= 0:
+            raise ConfigError(f"{key} must be positive, got {getattr(cfg, key)}")
+    if cfg.precision not in PRECISIONS:
+        raise ConfigError(f"precision '{cfg.precision}' is not one of {', '.join(PRECISIONS)}")
+    if cfg.device not in DEVICES:
+        raise ConfigError(f"device '{cfg.device}' is not one of {', '.join(DEVICES)}")
+    if cfg.optim.lr <= 0 or not math.isfinite(cfg.optim.lr):
+        raise ConfigError(f"optim.lr must be a positive number, got {cfg.optim.lr}")
+    if len(cfg.optim.betas) != 2 or not all(0 <= b < 1 for b in cfg.optim.betas):
+        raise ConfigError(f"optim.betas must be two numbers in [0, 1), got {list(cfg.optim.betas)}")
+    if cfg.schedule.warmup_steps < 0 or cfg.schedule.warmup_steps >= cfg.max_steps:
+        raise ConfigError(
+            f"schedule.warmup_steps={cfg.schedule.warmup_steps} must be in [0, max_steps={cfg.max_steps})"
+        )
+    per_step = cfg.micro_batch_size * world_size
+    if cfg.global_batch_size % per_step:
+        raise ConfigError(
+            f"global_batch_size={cfg.global_batch_size} is not divisible by micro_batch_size x data-parallel size "
+            f"= {cfg.micro_batch_size} x {world_size} = {per_step}; change global_batch_size or micro_batch_size"
+        )
+    try:
+        args = build_model_args(cfg.model.family, cfg.model.flavor, model_overrides(cfg.model))
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if cfg.seq_len > args.max_seq_len:
+        raise ConfigError(
+            f"seq_len={cfg.seq_len} exceeds the model's max_seq_len={args.max_seq_len} "
+            f"({cfg.model.family} {cfg.model.flavor}); lower seq_len or set model.max_seq_len"
+        )
+
+
+def model_overrides(model: ModelConfig) -> dict[str, Any]:
+    """The model.* fields the user set, to apply on top of the flavor's hyper-parameters."""
+    return {k: v for k, v in vars(model).items() if k not in ("family", "flavor") and v is not None}
+
+
+def grad_accum_steps(cfg: JobConfig, dp_world: int) -> int:
+    return cfg.global_batch_size // (cfg.micro_batch_size * dp_world)
+
+
+def to_yaml(cfg: JobConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def save(cfg: JobConfig, path: Path) -> None:
+    """Write the resolved config so `ember train PATH` repeats the run exactly."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".yaml.tmp")
+    tmp.write_text(to_yaml(cfg), encoding="utf-8")
+    tmp.replace(path)

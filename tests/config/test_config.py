@@ -1,0 +1,109 @@
+"""Recipes, overrides and every config error: one line, naming the key and the fix."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ember import config as config_lib
+from ember.config import ConfigError
+
+
+def test_debug_recipe_defaults():
+    cfg = config_lib.load("debug")
+    assert cfg.model.family == "llama3" and cfg.model.flavor == "debug"
+    assert cfg.data.dataset == "embedded"
+    assert cfg.global_batch_size % cfg.micro_batch_size == 0
+
+
+def test_every_builtin_recipe_loads():
+    names = config_lib.recipe_names()
+    for required in ("debug", "llama3-8b", "llama3.1-8b", "llama3.1-70b", "llama3.1-405b", "llama3.2-1b", "llama2-7b"):
+        assert required in names
+    for name in names:
+        config_lib.load(name)
+    cfg = config_lib.load("llama3.1-8b")
+    assert (cfg.seq_len, cfg.global_batch_size) == (8192, 1024)
+
+
+def test_overrides_reach_nested_sections_and_cast_types():
+    cfg = config_lib.load(
+        "llama3.1-8b",
+        ["global_batch_size=512", "seq_len=4096", "optim.lr=1e-4", "model.flavor=70B", "optim.betas=[0.9,0.99]"],
+    )
+    assert cfg.global_batch_size == 512 and cfg.seq_len == 4096
+    assert cfg.optim.lr == pytest.approx(1e-4) and isinstance(cfg.optim.lr, float)
+    assert cfg.model.flavor == "70B" and list(cfg.optim.betas) == [0.9, 0.99]
+    cfg = config_lib.load("debug", ["model.n_layers=2", "compile=true"])
+    assert cfg.model.n_layers == 2 and cfg.compile is True
+    assert config_lib.model_overrides(cfg.model) == {"n_layers": 2}
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["optim.lrr=3e-4"], "unknown config key 'optim.lrr' (did you mean 'optim.lr'?)"),
+        (["max_step=10"], "unknown config key 'max_step' (did you mean 'max_steps'?)"),
+        (["optim.lr=fast"], "config key 'optim.lr'"),
+        (["max_steps=1.5"], "config key 'max_steps'"),
+        (["global_batch_size=10", "micro_batch_size=4"], "global_batch_size=10 is not divisible by micro_batch_size"),
+        (["seq_len=100000"], "seq_len=100000 exceeds the model's max_seq_len"),
+        (["model.flavor=9B"], "unknown model.flavor '9B'"),
+        (["model.family=gpt9"], "model.family"),
+        (["precision=fp64"], "precision 'fp64'"),
+        (["schedule.warmup_steps=5000"], "schedule.warmup_steps=5000"),
+        (["optim.lr"], "key=value"),
+        (["output_dir=${oc.env:HF_TOKEN}"], "environment"),
+    ],
+)
+def test_error_messages_name_the_key(overrides, message):
+    with pytest.raises(ConfigError) as info:
+        config_lib.load("debug", overrides)
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_wrong_type_names_value_and_expected_type():
+    with pytest.raises(ConfigError) as info:
+        config_lib.load("debug", ["optim.lr=fast"])
+    text = str(info.value)
+    assert "'fast'" in text and "expected float" in text
+    with pytest.raises(ConfigError) as info:
+        config_lib.load("debug", ["model.n_layers=two"])
+    assert "expected int or null" in str(info.value)
+
+
+def test_recipe_errors(tmp_path: Path):
+    with pytest.raises(ConfigError, match="unknown recipe 'llama3.1-8B'.*did you mean 'llama3.1-8b'"):
+        config_lib.load("llama3.1-8B")
+    with pytest.raises(ConfigError, match="recipe file 'missing.yaml' not found"):
+        config_lib.load("missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("seed: [1,\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        config_lib.load(str(bad))
+    unknown = tmp_path / "unknown.yaml"
+    unknown.write_text("optim:\n  lrr: 1.0\n")
+    with pytest.raises(ConfigError, match=r"unknown config key 'optim.lrr' \(did you mean 'optim.lr'\?\)"):
+        config_lib.load(str(unknown))
+    code = tmp_path / "code.yaml"
+    code.write_text("seed: !!python/object/apply:os.system ['echo pwned']\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        config_lib.load(str(code))
+
+
+def test_saved_config_round_trips(tmp_path: Path):
+    cfg = config_lib.load("debug", ["optim.lr=1e-3", "model.n_layers=2", "max_steps=7"])
+    config_lib.save(cfg, tmp_path / "config.yaml")
+    again = config_lib.load(str(tmp_path / "config.yaml"))
+    assert again == cfg
+
+
+def test_cli_error_is_one_line_exit_2():
+    proc = subprocess.run(
+        [sys.executable, "-m", "ember", "train", "debug", "optim.lrr=3e-4"], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "error: unknown config key 'optim.lrr' (did you mean 'optim.lr'?)"
+    assert "Traceback" not in proc.stderr
