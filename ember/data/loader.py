@@ -1,0 +1,287 @@
+"""The training data loader: stateful, sharded over data-parallel ranks, prefetching in the background.
+
+Sample order. Samples are visited in a permutation seeded by (seed, epoch). One *global* cursor counts
+the samples of the epoch that all ranks together have consumed; global batch k is the slice
+perm[k*mb*W : (k+1)*mb*W] and rank r takes its r-th micro-batch of it:
+
+    rank r, global batch k  ->  perm[k*mb*W + r*mb : k*mb*W + (r+1)*mb]      (mb: micro-batch, W: dp world)
+
+So ranks read disjoint samples, and the state {epoch, cursor} means the same for any number of ranks:
+a run resumed on a different W carries on through the same global order. When the next global batch
+no longer fits in the epoch, the tail (< mb*W samples) is dropped and the next epoch's permutation
+starts, on every rank at once.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import queue
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+import numpy as np
+import torch
+
+from ember.data import packing, sources
+from ember.data.tokenizer import Tokenizer
+
+
+@functools.lru_cache(maxsize=4)
+def epoch_permutation(num_samples: int, seed: int, epoch: int) -> np.ndarray:
+    # SeedSequence mixes (seed, epoch) into independent streams; cached because every batch needs it.
+    return np.random.default_rng([seed % 2**64, epoch]).permutation(num_samples)
+
+
+@dataclass
+class PackedSamples:
+    """Rows of a packed token stream: sample i is rows[i], seq_len + 1 tokens."""
+
+    rows: np.ndarray  # (num_samples, seq_len + 1), possibly a memory map
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.rows)
+
+    @property
+    def seq_len(self) -> int:
+        return self.rows.shape[1] - 1
+
+    def get(self, indices: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(self.rows[indices].astype(np.int64))  # (n, seq_len + 1)
+
+
+@dataclass
+class SyntheticSamples:
+    """Uniform random tokens; sample j is drawn from a generator seeded by (seed, split, j).
+
+    Seeding per global sample index (rather than per rank and step) gives synthetic data the same
+    rank-count-independent order as real data, at the cost of one cheap manual_seed per sample.
+    """
+
+    vocab_size: int
+    seq_len: int
+    seed: int
+    split: str
+    num_samples = None  # infinite: no epochs, no permutation
+
+    def get(self, indices: np.ndarray) -> torch.Tensor:
+        rows = []
+        for j in indices.tolist():
+            mixed = np.random.SeedSequence([self.seed % 2**64, sources.SPLITS.index(self.split), j])
+            gen = torch.Generator().manual_seed(int(mixed.generate_state(1, np.uint64)[0] >> 1))
+            rows.append(torch.randint(0, self.vocab_size, (self.seq_len + 1,), generator=gen))
+        return torch.stack(rows)  # (n, seq_len + 1)
+
+
+Samples = Union[PackedSamples, SyntheticSamples]
+Batch = tuple[torch.Tensor, torch.Tensor, int, int]  # inputs, labels, and the (epoch, cursor) after it
+
+
+def make_batch(samples: Samples, seed: int, mb: int, dp_rank: int, dp_world: int, epoch: int, cursor: int) -> Batch:
+    """This rank's micro-batch at the global position (epoch, cursor), and the position after it."""
+    step = mb * dp_world
+    if samples.num_samples is None:
+        indices = np.arange(cursor + dp_rank * mb, cursor + (dp_rank + 1) * mb)
+    else:
+        if cursor + step > samples.num_samples:  # this global batch does not fit: next epoch
+            epoch, cursor = epoch + 1, 0
+        perm = epoch_permutation(samples.num_samples, seed, epoch)
+        indices = perm[cursor + dp_rank * mb : cursor + (dp_rank + 1) * mb]
+    rows = samples.get(indices)  # (mb, seq_len + 1)
+    return rows[:, :-1].contiguous(), rows[:, 1:].contiguous(), epoch, cursor + step
+
+
+def _produce(make: Callable[[int, int], Batch], epoch: int, cursor: int, out: queue.Queue, stop: threading.Event) -> None:
+    """The prefetch thread: make batches ahead of the consumer until stopped.
+
+    It gets its queue and stop event as arguments (never the loader), so a restarted loader's old
+    thread can neither write into the new queue nor keep the loader alive.
+    """
+    while not stop.is_set():
+        try:
+            item: Any = make(epoch, cursor)
+            epoch, cursor = item[2], item[3]
+        except BaseException as err:  # handed to the consumer, which raises it in the training thread
+            item = err
+        while not stop.is_set():
+            try:
+                out.put(item, timeout=0.1)  # the timeout lets a stop request end a thread blocked on a full queue
+                break
+            except queue.Full:
+                continue
+        if isinstance(item, BaseException):
+            return
+
+
+# Prefetch threads still running. At exit they are stopped and joined before the interpreter
+# finalizes: a daemon thread caught inside a torch op then is killed mid C++ frame, and the process
+# aborts ("terminate called without an active exception") after an otherwise clean run.
+_RUNNING: dict[threading.Thread, threading.Event] = {}
+
+
+@atexit.register
+def _stop_all_prefetch_threads() -> None:
+    for thread, stop in list(_RUNNING.items()):
+        stop.set()
+        thread.join()
+
+
+class TokenLoader:
+    """An infinite iterator of (inputs, labels), each a LongTensor (micro_batch_size, seq_len).
+
+    state_dict() describes what the caller has *consumed*, not what the prefetch thread has made ahead:
+    after load_state_dict(), the next batch is the one an uninterrupted run would have returned.
+    """
+
+    def __init__(
+        self,
+        samples: Samples,
+        *,
+        name: str,
+        split: str,
+        micro_batch_size: int,
+        dp_rank: int = 0,
+        dp_world: int = 1,
+        seed: int = 0,
+        num_workers: int = 1,
+        prefetch: int = 4,
+        num_tokens: Optional[int] = None,
+        skipped: Optional[list[str]] = None,
+    ):
+        if not 0 <= dp_rank < dp_world:
+            raise ValueError(f"dp_rank={dp_rank} must be in [0, dp_world={dp_world})")
+        self.samples, self.name, self.split = samples, name, split
+        self.micro_batch_size, self.dp_rank, self.dp_world, self.seed = micro_batch_size, dp_rank, dp_world, seed
+        self.num_tokens, self.num_samples = num_tokens, samples.num_samples
+        self.skipped = skipped or []
+        # One thread is enough: a batch is a gather of rows from memory (the GIL is released in the
+        # copy), far cheaper than a training step; several workers would only need reordering.
+        self.num_workers, self.prefetch = num_workers, max(prefetch, 1)
+        self.epoch, self.cursor = 0, 0  # consumed position
+        self._make = functools.partial(make_batch, samples, seed, micro_batch_size, dp_rank, dp_world)
+        self._thread: Optional[threading.Thread] = None
+        self._stop = threading.Event()
+        self._queue: queue.Queue = queue.Queue()
+
+    # ------------------------------------------------------------ iteration
+    def __iter__(self) -> "TokenLoader":
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.num_workers == 0:
+            item: Any = self._make(self.epoch, self.cursor)
+        else:
+            if self._thread is None:
+                self._start()
+            item = self._queue.get()
+            if isinstance(item, BaseException):
+                self._shutdown()  # the next call retries from the consumed position
+                raise item
+        inputs, labels, self.epoch, self.cursor = item
+        return inputs, labels
+
+    def _start(self) -> None:
+        self._stop = threading.Event()
+        self._queue = queue.Queue(maxsize=self.prefetch)
+        self._thread = threading.Thread(
+            target=_produce,
+            args=(self._make, self.epoch, self.cursor, self._queue, self._stop),
+            name=f"ember-data-{self.split}-rank{self.dp_rank}",
+            daemon=True,  # never keeps the process alive after training ends
+        )
+        for thread in [t for t in _RUNNING if not t.is_alive()]:
+            del _RUNNING[thread]
+        _RUNNING[self._thread] = self._stop
+        self._thread.start()
+
+    def _shutdown(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            _RUNNING.pop(self._thread, None)
+        self._thread = None
+
+    def close(self) -> None:
+        """Stop the prefetch thread (also done when the loader is garbage collected)."""
+        self._shutdown()
+
+    def __del__(self) -> None:
+        self._stop.set()
+
+    # ------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "cursor": self.cursor}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue from a saved position; batches prefetched from the old position are discarded."""
+        self._shutdown()
+        self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
+
+    def reset(self) -> None:
+        """Back to the first batch (e.g. so every evaluation reads the same validation batches)."""
+        self.load_state_dict({"epoch": 0, "cursor": 0})
+
+    def describe(self) -> str:
+        if self.num_samples is None:
+            return f"{self.name} ({self.split}): random tokens, infinite"
+        seq = self.samples.seq_len
+        text = f"{self.name} ({self.split}): {self.num_tokens:,} tokens, {self.num_samples:,} samples of {seq}+1"
+        if self.skipped:
+            text += f", {len(self.skipped)} file(s) skipped as not UTF-8"
+        return text
+
+
+def build_loader(
+    data_cfg: Any,
+    tokenizer: Optional[Tokenizer],
+    *,
+    seq_len: int,
+    micro_batch_size: int,
+    dp_rank: int = 0,
+    dp_world: int = 1,
+    seed: int = 0,
+    split: str = "train",
+    vocab_size: Optional[int] = None,
+    cache_dir: Optional[Path] = None,
+) -> TokenLoader:
+    """The loader of one split ("train" or "val") of data_cfg.dataset for this data-parallel rank."""
+    if seq_len <= 0 or micro_batch_size <= 0:
+        raise ValueError(f"seq_len={seq_len} and micro_batch_size={micro_batch_size} must be positive")
+    common = dict(
+        split=split,
+        micro_batch_size=micro_batch_size,
+        dp_rank=dp_rank,
+        dp_world=dp_world,
+        seed=seed,
+        num_workers=data_cfg.num_workers,
+        prefetch=data_cfg.prefetch,
+    )
+    if data_cfg.dataset == sources.SYNTHETIC:
+        vocab_size = vocab_size or (tokenizer.vocab_size if tokenizer else None)
+        if not vocab_size:
+            raise ValueError("data.dataset=synthetic needs a vocab_size (the model's model.vocab_size)")
+        samples = SyntheticSamples(vocab_size, seq_len, seed, split)
+        return TokenLoader(samples, name="synthetic", **common)  # type: ignore[arg-type]
+
+    if tokenizer is None:
+        raise ValueError(f"data.dataset '{data_cfg.dataset}' needs a tokenizer (build_tokenizer); got None")
+    if vocab_size is not None and tokenizer.vocab_size > vocab_size:
+        raise ValueError(
+            f"tokenizer {tokenizer.source} has {tokenizer.vocab_size} tokens but model.vocab_size={vocab_size}; "
+            f"set model.vocab_size={tokenizer.vocab_size} or larger"
+        )
+    stream = packing.token_stream(data_cfg, tokenizer, split, cache_dir)
+    rows = packing.pack(stream.tokens, seq_len)
+    needed = micro_batch_size * dp_world
+    if len(rows) < needed:
+        raise ValueError(
+            f"{stream.name} ({split} split) has {len(stream.tokens):,} tokens: {len(rows)} sample(s) of "
+            f"seq_len+1={seq_len + 1}, fewer than micro_batch_size x dp_world = {needed}; "
+            "lower seq_len or micro_batch_size, or add data"
+        )
+    return TokenLoader(
+        PackedSamples(rows), name=stream.name, num_tokens=len(stream.tokens), skipped=stream.skipped, **common  # type: ignore[arg-type]
+    )

@@ -1,0 +1,316 @@
+"""Document sources: the embedded corpus, local files and Hugging Face hub datasets, as lists of strings.
+
+Every source is read the same way: documents get a stable key (a relative path, or `path:row`), and a
+hash of that key puts each one in the train or the held-out validation split, so the split never
+depends on file order, on the machine, or on how many documents there are.
+
+The embedded corpus is the `.py` source of the running Python's standard library (~30 MB, ~1800 files
+for CPython 3.11): real text that every machine already has, so `ember train` needs no download.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import sys
+import sysconfig
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Optional
+
+EMBEDDED = "embedded"
+SYNTHETIC = "synthetic"
+LOCAL_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
+SPLITS = ("train", "val")
+
+
+@dataclass
+class Documents:
+    """The texts of one split of one source, and what could not be read (for the run's log)."""
+
+    name: str  # how messages name the source: a path, a hub name, or "embedded corpus (...)"
+    texts: list[str]
+    skipped: list[str] = field(default_factory=list)  # files that are not valid UTF-8
+
+
+# ---------------------------------------------------------------- cache directory, atomic writes
+def default_cache_dir() -> Path:
+    """$EMBER_CACHE, else $XDG_CACHE_HOME/ember, else ~/.cache/ember."""
+    if os.environ.get("EMBER_CACHE"):
+        return Path(os.environ["EMBER_CACHE"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "ember"
+
+
+def atomic_write(path: Path, write: Callable[[Any], None]) -> None:
+    """Write through a temporary file in the same folder, then rename it into place.
+
+    A run killed halfway (or two runs racing to fill the same cache entry) leaves either no file or a
+    whole one, never a truncated file that a later run would trust.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        os.chmod(tmp, 0o644)  # mkstemp makes it owner-only; a cache may be shared by a team
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def short_hash(*parts: object) -> str:
+    return hashlib.sha256("\x1f".join(map(str, parts)).encode()).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------- the train/val split
+def _unit_hash(key: str) -> float:
+    """A key -> a number in [0, 1), the same on every machine (unlike Python's salted hash())."""
+    return int.from_bytes(hashlib.sha1(key.encode()).digest()[:8], "big") / 2**64
+
+
+def split_keys(keys: list[str], val_fraction: float) -> dict[str, list[str]]:
+    """Keys -> {"train": [...], "val": [...]}, each in the input order.
+
+    A key goes to val when its hash falls under val_fraction. A small corpus can draw no val key at
+    all; then the key with the smallest hash is held out, so a validation split exists whenever there
+    are two documents or more.
+    """
+    if not 0 <= val_fraction < 1:
+        raise ValueError(f"data.val_fraction must be in [0, 1), got {val_fraction}")
+    hashes = {k: _unit_hash(k) for k in keys}
+    val = {k for k in keys if hashes[k] < val_fraction}
+    if val_fraction > 0 and not val and len(keys) >= 2:
+        val = {min(keys, key=hashes.__getitem__)}
+    return {"train": [k for k in keys if k not in val], "val": [k for k in keys if k in val]}
+
+
+def _check_split(split: str) -> None:
+    if split not in SPLITS:
+        raise ValueError(f"unknown split '{split}'; use one of {', '.join(SPLITS)}")
+
+
+def read_utf8(path: Path) -> Optional[str]:
+    """A file's text, or None when it is not valid UTF-8 (the caller skips it and counts it)."""
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+# ---------------------------------------------------------------- the embedded corpus
+def embedded_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def embedded_files(root: Optional[Path] = None) -> list[str]:
+    """Relative POSIX paths of the corpus's .py files, sorted; installed packages are not the stdlib."""
+    root = root or embedded_root()
+    files = []
+    for folder, subdirs, names in os.walk(root):
+        # Pruned while walking: site-packages can be far larger than the stdlib itself.
+        subdirs[:] = [d for d in subdirs if d not in ("site-packages", "dist-packages", "__pycache__")]
+        rel = Path(folder).relative_to(root)
+        files += [(rel / n).as_posix() for n in names if n.endswith(".py")]
+    return sorted(files)
+
+
+def embedded_fingerprint(root: Optional[Path] = None) -> str:
+    """Python version + file count + total size: changes when the corpus does, costs only stat calls."""
+    root = root or embedded_root()
+    files = embedded_files(root)
+    total = sum((root / f).stat().st_size for f in files)
+    return short_hash(sys.version_info[:3], len(files), total)
+
+
+def embedded_name() -> str:
+    return f"embedded corpus (Python {sys.version_info.major}.{sys.version_info.minor} stdlib at {embedded_root()})"
+
+
+def load_embedded(split: str, val_fraction: float) -> Documents:
+    """The corpus's train or val files, skipping (and counting) those that are not UTF-8."""
+    _check_split(split)
+    root = embedded_root()
+    files = split_keys(embedded_files(root), val_fraction)[split]
+    docs = Documents(embedded_name(), [])
+    for rel in files:
+        text = read_utf8(root / rel)
+        if text is None:
+            docs.skipped.append(rel)
+        elif text:
+            docs.texts.append(text)
+    if not docs.texts:
+        raise ValueError(f"{docs.name} has no readable .py files in its {split} split; use data.dataset=synthetic")
+    return docs
+
+
+# ---------------------------------------------------------------- local files
+def _is_glob(spec: str) -> bool:
+    return any(c in spec for c in "*?[")
+
+
+def local_files(spec: str) -> Optional[list[Path]]:
+    """The files a local file/dir/glob names, sorted; None when `spec` is not a local path at all."""
+    path = Path(spec).expanduser()
+    if _is_glob(spec):
+        files = [Path(p) for p in sorted(glob.glob(str(path), recursive=True)) if Path(p).is_file()]
+        if not files:
+            raise FileNotFoundError(f"data.dataset glob '{spec}' matches no files; check the pattern")
+    elif path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in LOCAL_SUFFIXES)
+        if not files:
+            raise ValueError(
+                f"data.dataset folder '{spec}' holds no {'/'.join(LOCAL_SUFFIXES)} files; add some or point elsewhere"
+            )
+    elif path.is_file():
+        files = [path]
+    else:
+        return None
+    for f in files:
+        if f.suffix not in LOCAL_SUFFIXES:
+            raise ValueError(f"data.dataset file '{f}' is not one of {'/'.join(LOCAL_SUFFIXES)}; convert or rename it")
+    return files
+
+
+def _looks_like_path(spec: str) -> bool:
+    # Hub names are `name` or `owner/name`; anything else that is not on disk is a mistyped path.
+    return spec.startswith(("/", ".", "~")) or Path(spec).suffix in LOCAL_SUFFIXES or spec.count("/") > 1
+
+
+def _field(row: Any, text_field: str, where: str) -> str:
+    if not isinstance(row, dict) or text_field not in row:
+        keys = ", ".join(map(str, row)) if isinstance(row, dict) else type(row).__name__
+        raise ValueError(f"{where} has no '{text_field}' field (it has: {keys}); set data.text_field to the text column")
+    text = row[text_field]
+    if not isinstance(text, str):
+        raise ValueError(f"{where} field '{text_field}' is {type(text).__name__}, not text; set data.text_field")
+    return text
+
+
+def _json_rows(path: Path, text: str, text_field: str) -> Iterator[str]:
+    if path.suffix == ".jsonl":
+        for lineno, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path} line {lineno} is not valid JSON ({err.msg}); fix or remove that line") from None
+            yield _field(row, text_field, f"{path} line {lineno}")
+        return
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON ({err.msg} at line {err.lineno}); fix the file") from None
+    rows = data if isinstance(data, list) else [data]
+    for i, row in enumerate(rows):
+        yield _field(row, text_field, f"{path} item {i}")
+
+
+def _parquet_rows(path: Path, text_field: str) -> list[str]:
+    datasets = _import_datasets(f"reading '{path}'")
+    table = datasets.load_dataset("parquet", data_files=[str(path)], split="train")
+    if text_field not in table.column_names:
+        raise ValueError(
+            f"{path} has no '{text_field}' column (it has: {', '.join(table.column_names)}); set data.text_field"
+        )
+    return list(table[text_field])
+
+
+def _local_documents(spec: str, files: list[Path], text_field: str) -> tuple[dict[str, str], list[str]]:
+    """Every document of the files, keyed for the split: the file for .txt, `file:row` for the others."""
+    docs: dict[str, str] = {}
+    skipped: list[str] = []
+    # Keys relative to the files' common folder: the split is the same for `data/` and `/abs/data/`.
+    base = Path(os.path.commonpath([f.parent.resolve() for f in files]))
+    for path in files:
+        if path.suffix == ".parquet":
+            rows: Iterable[str] = _parquet_rows(path, text_field)
+        else:
+            text = read_utf8(path)
+            if text is None:
+                skipped.append(str(path))
+                continue
+            rows = [text] if path.suffix == ".txt" else _json_rows(path, text, text_field)
+        for i, row in enumerate(rows):
+            if row:  # an empty (or null) document would add only an EOS: skip it
+                docs[f"{path.resolve().relative_to(base).as_posix()}:{i}"] = row
+    if not docs:
+        why = f"{len(skipped)} of its files are not UTF-8 text (convert them)" if skipped else "it is empty (add text)"
+        raise ValueError(f"data.dataset '{spec}' yields no documents: {why}")
+    return docs, skipped
+
+
+def load_local(spec: str, files: list[Path], text_field: str, split: str, val_fraction: float) -> Documents:
+    _check_split(split)
+    docs, skipped = _local_documents(spec, files, text_field)
+    keys = split_keys(list(docs), val_fraction)[split]
+    if not keys:
+        raise ValueError(
+            f"data.dataset '{spec}' has {len(docs)} document(s), too few to hold one out for the {split} split "
+            f"(data.val_fraction={val_fraction}); add documents"
+        )
+    return Documents(spec, [docs[k] for k in keys], skipped)
+
+
+# ---------------------------------------------------------------- Hugging Face hub
+def _import_datasets(purpose: str) -> Any:
+    try:
+        import datasets  # lazy: an optional dependency, and slow to import
+    except ImportError:
+        raise ValueError(f"{purpose} needs the `datasets` library; run `pip install datasets`") from None
+    return datasets
+
+
+def load_hub(name: str, config: Optional[str], hf_split: str, text_field: str, split: str, val_fraction: float) -> Documents:
+    """A hub dataset's `hf_split` (data.split), divided into ember's train/val by the same key hash."""
+    _check_split(split)
+    datasets = _import_datasets(
+        f"data.dataset '{name}' is not a local file, folder or glob; loading it from the Hugging Face hub"
+    )
+    try:
+        table = datasets.load_dataset(name, config, split=hf_split)
+    except Exception as err:  # network, auth, unknown name or config: all user-fixable, all one line
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ValueError(f"cannot load data.dataset '{name}' from the Hugging Face hub: {first}") from None
+    if text_field not in table.column_names:
+        raise ValueError(
+            f"hub dataset '{name}' has no '{text_field}' column (it has: {', '.join(table.column_names)}); "
+            "set data.text_field"
+        )
+    texts = table[text_field]
+    keys = [f"{name}:{hf_split}:{i}" for i in range(len(texts))]
+    chosen = set(split_keys(keys, val_fraction)[split])
+    return Documents(name, [text for key, text in zip(keys, texts) if key in chosen and text])
+
+
+# ---------------------------------------------------------------- one entry point
+def load_documents(data_cfg: Any, split: str = "train") -> Documents:
+    """The documents of `split` ("train" or "val") of the source that data_cfg.dataset names."""
+    spec = data_cfg.dataset
+    if spec == SYNTHETIC:
+        raise ValueError("data.dataset=synthetic has no documents; it makes random tokens in the loader")
+    if spec == EMBEDDED:
+        return load_embedded(split, data_cfg.val_fraction)
+    files = local_files(spec)
+    if files is not None:
+        return load_local(spec, files, data_cfg.text_field, split, data_cfg.val_fraction)
+    if _looks_like_path(spec):
+        raise FileNotFoundError(f"data.dataset path '{spec}' does not exist; check the path")
+    return load_hub(spec, data_cfg.config, data_cfg.split, data_cfg.text_field, split, data_cfg.val_fraction)
+
+
+def source_fingerprint(data_cfg: Any) -> Optional[str]:
+    """A key that changes when the documents of either split could; None where none is cheap (the hub)."""
+    spec = data_cfg.dataset
+    if spec == EMBEDDED:
+        return short_hash(EMBEDDED, embedded_fingerprint(), data_cfg.val_fraction)
+    files = local_files(spec) if spec != SYNTHETIC else None
+    if not files:
+        return None
+    stats = [(f.resolve().as_posix(), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+    return short_hash("local", stats, data_cfg.text_field, data_cfg.val_fraction)

@@ -1,0 +1,155 @@
+"""The tokenizer: a thin wrapper over a Hugging Face `tokenizers.Tokenizer`, and how ember gets one.
+
+`data.tokenizer=None` trains a byte-level BPE (GPT-2's scheme: bytes mapped to printable characters,
+so every string encodes and nothing is unknown) on the embedded corpus's train split, once, and
+caches it; a path loads any HF tokenizer.json (Llama 3's, GPT-2's, ...).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from ember.data import sources
+
+BOS, EOS, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"
+# Special tokens of common tokenizer.json files, most specific first (Llama 3, Llama 2/Mistral, GPT-2/NeoX).
+BOS_CANDIDATES = (BOS, "<s>", "<|startoftext|>")
+EOS_CANDIDATES = (EOS, "</s>", "<|endoftext|>")
+PAD_CANDIDATES = (PAD, "<pad>", "<|padding|>", "[PAD]")
+# Bump when the training recipe below changes, so old cached tokenizers are not reused.
+EMBEDDED_TOKENIZER_VERSION = 1
+
+
+class Tokenizer:
+    """encode/decode plus the ids the data pipeline and generation need."""
+
+    def __init__(self, tok: tokenizers.Tokenizer, source: str, special: Optional[dict[str, str]] = None):
+        self.tok = tok
+        # Text is data: a document that happens to contain "<|end_of_text|>" must not encode to the
+        # real EOS id and cut a sample short. Only packing inserts special ids.
+        self.tok.encode_special_tokens = True
+        self.source = source  # for messages: a path, or "embedded byte-level BPE"
+        special = special or {}
+        self.bos_id = self._find(special.get("bos_token"), BOS_CANDIDATES)
+        self.eos_id = self._find(special.get("eos_token"), EOS_CANDIDATES)
+        self.pad_id = self._find(special.get("pad_token"), PAD_CANDIDATES)
+        if self.eos_id is None:
+            raise ValueError(
+                f"tokenizer {source} has no end-of-text token (looked for {', '.join(EOS_CANDIDATES)}); "
+                "add one as a special token, or set eos_token in a tokenizer_config.json beside it"
+            )
+        if self.pad_id is None:
+            self.pad_id = self.eos_id  # padding is masked out of the loss, so any id serves
+        self.vocab_size: int = tok.get_vocab_size(with_added_tokens=True)
+        # The json is the whole tokenizer (model, merges, normalizer, specials): its hash keys caches.
+        self.identity: str = hashlib.sha256(tok.to_str().encode()).hexdigest()[:16]
+
+    def _find(self, preferred: Optional[str], candidates: tuple[str, ...]) -> Optional[int]:
+        for token in (preferred, *candidates):
+            token_id = self.tok.token_to_id(token) if token else None
+            if token_id is not None:
+                return token_id
+        return None
+
+    def encode(self, text: str) -> list[int]:
+        """Plain text -> ids, with no BOS/EOS added (packing adds EOS between documents)."""
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Many texts at once: the Rust encoder spreads them over all cores."""
+        # encode_batch_fast (tokenizers >= 0.21) skips computing character offsets, which we never use.
+        encode = getattr(self.tok, "encode_batch_fast", self.tok.encode_batch)
+        return [e.ids for e in encode(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """ids (a list, or a 1-D tensor/array) -> text."""
+        ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def __repr__(self) -> str:
+        return f"Tokenizer({self.source}, vocab_size={self.vocab_size}, identity={self.identity})"
+
+
+def train_bpe(texts: list[str], vocab_size: int) -> tokenizers.Tokenizer:
+    """A byte-level BPE with BOS/EOS/PAD as ids 0, 1, 2 and `vocab_size` entries in all."""
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[BOS, EOS, PAD],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # all 256 bytes, even ones the corpus lacks
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    return tok
+
+
+def embedded_tokenizer(vocab_size: int, val_fraction: float, cache_dir: Optional[Path] = None) -> Tokenizer:
+    """The BPE trained on the embedded corpus's train split, from the cache when it is there.
+
+    It trains on the whole train split (~30 MB): that takes ~8 s on two cores, so no subset is needed.
+    Keyed by corpus fingerprint, vocab size and val_fraction, so the val files never reach the tokenizer.
+    """
+    name = "embedded byte-level BPE"
+    key = sources.short_hash(sources.embedded_fingerprint(), vocab_size, val_fraction, EMBEDDED_TOKENIZER_VERSION)
+    path = (cache_dir or sources.default_cache_dir()) / "tokenizers" / f"embedded-bpe-{vocab_size}-{key}.json"
+    if path.is_file():
+        try:
+            return Tokenizer(tokenizers.Tokenizer.from_file(str(path)), name)
+        except Exception:  # a cache entry we cannot read is rebuilt, never fatal
+            pass
+    docs = sources.load_embedded("train", val_fraction)
+    tok = train_bpe(docs.texts, vocab_size)
+    sources.atomic_write(path, lambda f: f.write(tok.to_str().encode()))
+    return Tokenizer(tok, name)
+
+
+def load_tokenizer(spec: str) -> Tokenizer:
+    """A tokenizer.json file, or a folder holding one (and maybe a tokenizer_config.json naming the specials)."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"data.tokenizer '{spec}' not found: expected a tokenizer.json file or a folder containing one; "
+            "fix the path or unset data.tokenizer to use the embedded BPE"
+        )
+    try:
+        tok = tokenizers.Tokenizer.from_file(str(path))
+    except Exception as err:
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ValueError(f"data.tokenizer '{path}' is not a valid HF tokenizer.json ({first}); re-export it") from None
+    special: dict[str, str] = {}
+    config_path = path.parent / "tokenizer_config.json"
+    if config_path.is_file():
+        try:
+            config = json.loads(config_path.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError):
+            config = {}
+        for key in ("bos_token", "eos_token", "pad_token"):
+            value = config.get(key)
+            value = value.get("content") if isinstance(value, dict) else value  # older files nest it
+            if isinstance(value, str):
+                special[key] = value
+    return Tokenizer(tok, str(path), special)
+
+
+def build_tokenizer(data_cfg: Any, vocab_size: int, cache_dir: Optional[Path] = None) -> Tokenizer:
+    """The run's tokenizer (see the module docstring); its vocabulary must fit the model's embedding."""
+    if data_cfg.tokenizer is None:
+        tok = embedded_tokenizer(vocab_size, data_cfg.val_fraction, cache_dir)
+    else:
+        tok = load_tokenizer(data_cfg.tokenizer)
+    if tok.vocab_size > vocab_size:
+        raise ValueError(
+            f"tokenizer {tok.source} has {tok.vocab_size} tokens but model.vocab_size={vocab_size}; "
+            f"set model.vocab_size={tok.vocab_size} or larger"
+        )
+    return tok
