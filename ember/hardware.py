@@ -1,0 +1,188 @@
+"""Peak FLOP/s and memory per device, for MFU: a table for accelerators, a measurement for the CPU.
+
+Every number is the vendor's PEAK DENSE rate per device as torch sees it. NVIDIA datasheets print the
+tensor-core rates "with sparsity" (2:4 structured sparsity, which training does not use): the dense rate
+is half of the printed one, and that half is what the table holds. A device missing from the table has
+no peak (never a guess): the caller says so once and MFU is reported as null until the user sets
+`metrics.peak_tflops`.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+T = 1e12  # TFLOP/s -> FLOP/s
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """Dense peak FLOP/s per precision (None: the device has no such rate) and memory per device.
+
+    memory_gb is in GiB (2**30 bytes): the unit behind the vendors' "80GB" of HBM, and the one
+    `ember.metrics.peak_memory_gb` reports, so the two compare.
+    """
+
+    name: str
+    bf16: Optional[float]  # also the fp16 rate: equal on every device below
+    fp8: Optional[float]
+    fp32: Optional[float]  # plain fp32 (CUDA cores / vector units), what fp32 matmuls get without TF32
+    tf32: Optional[float]  # fp32 matmuls with TF32 allowed (NVIDIA) / XF32 (AMD CDNA3)
+    memory_gb: float
+    source: str  # the datasheet or whitepaper the numbers come from
+
+
+# --- NVIDIA: dense = the datasheet's "with sparsity" tensor-core figure / 2; FP32 is not sparse.
+# "NVIDIA A100 Tensor Core GPU" datasheet: BF16 312 (624*), TF32 156 (312*), FP32 19.5; no FP8.
+# The PCIe cards print the same peaks (at a lower power limit), so they share the SXM entries.
+A100_40GB = DeviceSpec("NVIDIA A100 40GB", 312 * T, None, 19.5 * T, 156 * T, 40, "NVIDIA A100 datasheet")
+A100_80GB = DeviceSpec("NVIDIA A100 80GB", 312 * T, None, 19.5 * T, 156 * T, 80, "NVIDIA A100 datasheet")
+# "NVIDIA H100 Tensor Core GPU" datasheet, H100 SXM: BF16 1,979*, FP8 3,958*, TF32 989*, FP32 67.
+# 989.4 / 1978.9 / 494.7 are the unrounded halves (132 SMs x 1,830 MHz boost x 4,096 dense FLOP/clk/SM).
+H100_SXM = DeviceSpec("NVIDIA H100 SXM", 989.4 * T, 1978.9 * T, 66.9 * T, 494.7 * T, 80, "NVIDIA H100 datasheet")
+# Same datasheet, H100 PCIe: BF16 1,513*, FP8 3,026*, TF32 756*, FP32 51; 80 GB HBM2e.
+H100_PCIE = DeviceSpec("NVIDIA H100 PCIe", 756.5 * T, 1513 * T, 51.2 * T, 378 * T, 80, "NVIDIA H100 datasheet")
+# Same datasheet, H100 NVL (per GPU): BF16 1,671*, FP8 3,341*, TF32 835*, FP32 60; 94 GB HBM3.
+H100_NVL = DeviceSpec("NVIDIA H100 NVL", 835.5 * T, 1670.5 * T, 60 * T, 417.5 * T, 94, "NVIDIA H100 datasheet")
+# "NVIDIA H200 Tensor Core GPU" datasheet: H200 SXM has the H100 SXM's compute with 141 GB of HBM3e;
+# H200 NVL has the H100 NVL's compute (BF16 1,671*, FP8 3,341*) with 141 GB.
+H200_SXM = DeviceSpec("NVIDIA H200 SXM", 989.4 * T, 1978.9 * T, 66.9 * T, 494.7 * T, 141, "NVIDIA H200 datasheet")
+H200_NVL = DeviceSpec("NVIDIA H200 NVL", 835.5 * T, 1670.5 * T, 60 * T, 417.5 * T, 141, "NVIDIA H200 datasheet")
+# "NVIDIA GH200 Grace Hopper Superchip" datasheet: the GPU is an H100 SXM (FP8 3,958*); 96 GB HBM3
+# (a 144 GB HBM3e variant exists; memory_gb is informational only).
+GH200 = DeviceSpec("NVIDIA GH200", 989.4 * T, 1978.9 * T, 66.9 * T, 494.7 * T, 96, "NVIDIA GH200 datasheet")
+# "NVIDIA HGX B200" / "DGX B200" datasheets, 8 GPUs: FP16/BF16 36 PF*, FP8 72 PF*, TF32 18 PF*,
+# FP32 600 TF, 1,440 GB -> per GPU BF16 2.25 PF, FP8 4.5 PF, TF32 1.125 PF dense, FP32 75 TF, 180 GB.
+# (The B200 inside a GB200 runs at a higher power limit and reaches 2.5 PF: see GB200 below.)
+B200 = DeviceSpec("NVIDIA B200", 2250 * T, 4500 * T, 75 * T, 1125 * T, 180, "NVIDIA HGX/DGX B200 datasheet")
+# "NVIDIA GB200 NVL72" datasheet, 72 GPUs: FP16/BF16 360 PF*, FP8 720 PF*, TF32 180 PF*, FP32 6,480 TF,
+# HBM3e 13.4 TB -> per GPU BF16 2.5 PF, FP8 5 PF, TF32 1.25 PF dense, FP32 90 TF, 186 GB.
+GB200 = DeviceSpec("NVIDIA GB200", 2500 * T, 5000 * T, 90 * T, 1250 * T, 186, "NVIDIA GB200 NVL72 datasheet")
+
+# --- AMD: the Instinct datasheets print dense peaks (sparsity separately), so no halving.
+# "AMD Instinct MI250X" datasheet: FP16/BF16 383 TF, FP32 matrix 95.7 TF, 128 GB HBM2e, no FP8/TF32.
+# An MI250X is two GCDs and torch sees each GCD as its own device, so one torch device gets half.
+MI250X = DeviceSpec("AMD Instinct MI250X (one GCD)", 191.5 * T, None, 47.9 * T, None, 64, "AMD MI250X datasheet")
+# "AMD Instinct MI300X" datasheet: BF16 1,307.4, FP8 2,614.9, TF32 653.7, FP32 163.4 TF; 192 GB HBM3.
+MI300X = DeviceSpec("AMD Instinct MI300X", 1307.4 * T, 2614.9 * T, 163.4 * T, 653.7 * T, 192, "AMD MI300X datasheet")
+# "AMD Instinct MI325X" datasheet: the MI300X's compute with 256 GB of HBM3E.
+MI325X = DeviceSpec("AMD Instinct MI325X", 1307.4 * T, 2614.9 * T, 163.4 * T, 653.7 * T, 256, "AMD MI325X datasheet")
+# "AMD Instinct MI350X / MI355X" datasheets and the CDNA 4 whitepaper: MI355X FP16/BF16 2.5 PF, FP8 5 PF,
+# FP32 157.3 TF; MI350X 2.3 PF / 4.6 PF / 144.2 TF; 288 GB HBM3E each. Unrounded: 256 CUs x 4,096 dense
+# BF16 FLOP/clk x 2.4 GHz (MI355X) or 2.2 GHz (MI350X). CDNA 4 lists no TF32/XF32 matrix rate.
+MI350X = DeviceSpec("AMD Instinct MI350X", 2306.9 * T, 4613.7 * T, 144.2 * T, None, 288, "AMD MI350X datasheet")
+MI355X = DeviceSpec("AMD Instinct MI355X", 2516.6 * T, 5033.2 * T, 157.3 * T, None, 288, "AMD MI355X datasheet")
+
+# --- Google TPU, per chip, from the Cloud TPU system-architecture pages ("TPU v5e", "TPU v5p",
+# "TPU v6e"): bf16 and int8 only (no fp8, no published fp32 matmul rate). int8 is 2x bf16 on each.
+TPU_V5E = DeviceSpec("TPU v5e", 197 * T, None, None, None, 16, "Cloud TPU v5e docs (int8 394 TOPS)")
+TPU_V5P = DeviceSpec("TPU v5p", 459 * T, None, None, None, 95, "Cloud TPU v5p docs (int8 918 TOPS)")
+TPU_V6E = DeviceSpec("TPU v6e", 918 * T, None, None, None, 32, "Cloud TPU v6e docs (int8 1,836 TOPS)")
+
+# Matched in order against the upper-cased device name; the first hit wins. Order matters where one
+# name contains another: GH200 and GB200 before H200/B200, NVL and PCIe before the plain H100.
+# Name strings are what torch.cuda.get_device_name() returns (ROCm builds too) and the TPU device kinds.
+_NAME_PATTERNS: list[tuple[str, DeviceSpec]] = [
+    (r"GH200", GH200),
+    (r"GB200", GB200),
+    (r"H200.*NVL", H200_NVL),
+    (r"H200", H200_SXM),  # "NVIDIA H200"
+    (r"H100.*NVL", H100_NVL),  # "NVIDIA H100 NVL"
+    (r"H100.*PCIE", H100_PCIE),  # "NVIDIA H100 PCIe"
+    (r"H100", H100_SXM),  # "NVIDIA H100 80GB HBM3"
+    (r"B200", B200),  # "NVIDIA B200"
+    (r"A100.*40GB", A100_40GB),  # "NVIDIA A100-SXM4-40GB", "NVIDIA A100-PCIE-40GB"
+    (r"A100", A100_80GB),  # "NVIDIA A100-SXM4-80GB", "NVIDIA A100 80GB PCIe"
+    (r"MI250X", MI250X),  # "AMD Instinct MI250X"
+    (r"MI300X", MI300X),  # "AMD Instinct MI300X", "AMD Instinct MI300X VF"
+    (r"MI325X", MI325X),
+    (r"MI350X", MI350X),
+    (r"MI355X", MI355X),
+    (r"V5E|V5 ?LITE", TPU_V5E),  # JAX/XLA device kind "TPU v5 lite"
+    (r"V6E|V6 ?LITE|TRILLIUM", TPU_V6E),  # "TPU v6 lite"
+    (r"V5P|TPU V5\b", TPU_V5P),  # "TPU v5"
+]
+
+
+def match_device(name: str) -> Optional[DeviceSpec]:
+    """The table entry for a device name such as torch.cuda.get_device_name() returns, or None."""
+    upper = name.upper()
+    for pattern, spec in _NAME_PATTERNS:
+        if re.search(pattern, upper):
+            return spec
+    return None
+
+
+@dataclass(frozen=True)
+class PeakFlops:
+    value_flops: Optional[float]  # None: unknown, MFU is not reported
+    source: str  # where the number comes from, or why there is none
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype, user_peak_tflops: Optional[float] = None) -> PeakFlops:
+    """Peak dense FLOP/s of one device for matmuls in `dtype`; `metrics.peak_tflops` overrides all."""
+    if user_peak_tflops is not None:
+        return PeakFlops(user_peak_tflops * T, "metrics.peak_tflops")
+    if device.type == "cpu":
+        # Measured in fp32 whatever the dtype: a bf16 matmul on a CPU without AMX/AVX512-BF16 runs at
+        # ~1 GFLOP/s here and would not fit the time budget; the label says which rate MFU is against.
+        return PeakFlops(measure_cpu_matmul_flops(), "measured CPU fp32 matmul")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    spec = match_device(name)
+    if spec is None:
+        return PeakFlops(None, f"unknown device '{name}': set metrics.peak_tflops")
+    precision = _precision(dtype)
+    value = getattr(spec, precision)
+    if value is None:
+        return PeakFlops(None, f"{spec.name} has no {precision} peak in ember.hardware: set metrics.peak_tflops")
+    return PeakFlops(value, f"{spec.name} {precision} dense ({spec.source})")
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """The table column for matmuls in `dtype`."""
+    if dtype in (torch.bfloat16, torch.float16):
+        return "bf16"
+    if dtype.is_floating_point and dtype.itemsize == 1:  # float8_e4m3fn, float8_e5m2, ...
+        return "fp8"
+    return "tf32" if _tf32_allowed() else "fp32"
+
+
+def _tf32_allowed() -> bool:
+    # torch >= 2.9 has per-backend `fp32_precision` ("none" = inherit the global setting); reading the
+    # legacy `allow_tf32` raises once the new API has been used, so read the new one where it exists.
+    matmul = torch.backends.cuda.matmul
+    try:
+        precision = matmul.fp32_precision
+    except AttributeError:
+        return bool(matmul.allow_tf32)
+    if precision == "none":
+        precision = getattr(torch.backends, "fp32_precision", "none")
+    return precision == "tf32"
+
+
+@functools.lru_cache(maxsize=None)
+def measure_cpu_matmul_flops(seconds: float = 0.5, n: int = 1024) -> float:
+    """The best fp32 FLOP/s of n x n matmuls on all of torch's CPU threads, timed for ~`seconds`.
+
+    The best run, not the mean: the peak is what the machine can do, and other processes on a shared
+    host only ever make a run slower. 1024 is large enough to leave the cache-resident regime of
+    smaller sizes (which measure higher than any model layer gets) yet takes only ~15 ms per matmul on
+    two cores. Cached: the number is measured once per process.
+    """
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    out = torch.empty(n, n)
+    torch.mm(a, b, out=out)  # warm-up: thread pool start, first-touch of `out`
+    best = 0.0
+    deadline = time.perf_counter() + seconds
+    while True:
+        start = time.perf_counter()
+        torch.mm(a, b, out=out)
+        end = time.perf_counter()
+        best = max(best, 2 * n**3 / (end - start))  # a multiply and an add per inner-product term
+        if end >= deadline:
+            return best

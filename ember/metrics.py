@@ -1,0 +1,165 @@
+"""MFU arithmetic, memory readings, and the metric sinks: console (rich), metrics.jsonl, TensorBoard."""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import sys
+import warnings
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from rich.console import Console
+
+GIB = 2**30  # "GB" in ember's metrics is GiB: the unit of the vendors' "80GB" of HBM (ember.hardware)
+
+
+def mfu(tokens_per_s_per_device: float, flops_per_token: float, peak_flops: Optional[float]) -> Optional[float]:
+    """Model FLOPs utilisation, a fraction in [0, 1]: achieved model FLOP/s per device / peak FLOP/s.
+
+    FLOPs per token (PaLM, Chowdhery et al. 2022, appendix B):
+        6 * N + 12 * n_layers * n_heads * head_dim * seq_len
+    N is the non-embedding parameter count: 2 FLOPs per parameter per token forward (multiply, add),
+    4 backward (gradients of activations and of weights). The second term is attention's QK^T and
+    AV, which no parameter counts: 2 matmuls x 2 FLOPs x seq_len x (n_heads * head_dim) per layer
+    forward, x3 with the backward. It is the *model's* FLOPs, so activation recomputation does not
+    raise MFU. ember.models computes flops_per_token; this only divides. None when the peak is unknown.
+    """
+    if peak_flops is None or peak_flops <= 0:
+        return None
+    return tokens_per_s_per_device * flops_per_token / peak_flops
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak memory in GiB: on CUDA what torch's allocator handed out; on CPU the process's peak RSS.
+
+    The CPU figure is the whole process's high-water mark since it started (ru_maxrss cannot be
+    reset), data loading included. Other device types: NaN (written to metrics.jsonl as null).
+    """
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / GIB
+    if device.type == "cpu":
+        max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        rss_bytes = max_rss if sys.platform == "darwin" else max_rss * 1024  # bytes on macOS, KiB on Linux
+        return rss_bytes / GIB
+    return math.nan
+
+
+def _fmt(value: Any, spec: str, scale: float = 1.0, suffix: str = "") -> Optional[str]:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return None
+    return f"{value * scale:{spec}}{suffix}"
+
+
+# The console line: (label, key, format, scale, suffix). Keys missing from a record are left out.
+_CONSOLE_FIELDS = [
+    ("loss", "loss", ".4f", 1, ""),
+    ("lr", "lr", ".2e", 1, ""),
+    ("gnorm", "grad_norm", ".3f", 1, ""),
+    ("tok/s", "tokens_per_s", ",.0f", 1, ""),
+    ("tok/s/dev", "tokens_per_s_per_device", ",.0f", 1, ""),
+    ("step", "step_time_s", ".3f", 1, "s"),
+    ("TFLOP/s/dev", "tflops_per_device", ".2f", 1, ""),
+    ("MFU", "mfu", ".1f", 100, "%"),
+    ("mem", "memory_gb", ".2f", 1, "GB"),
+    ("val loss", "val_loss", ".4f", 1, ""),
+]
+
+
+def format_line(step: int, values: dict[str, Any]) -> str:
+    """One compact console line, e.g. `step    10  loss 7.1234  lr 3.00e-04  ...  MFU 12.3%  mem 1.20GB`."""
+    parts = [f"step {step:>6}"]
+    for label, key, spec, scale, suffix in _CONSOLE_FIELDS:
+        text = _fmt(values.get(key), spec, scale, suffix)
+        if text is not None:
+            parts.append(f"{label} {text}")
+    return "  ".join(parts)
+
+
+def _json_value(value: Any) -> Any:
+    """JSON has no NaN or Infinity: write them as null so every line parses with any JSON reader."""
+    if isinstance(value, torch.Tensor):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+_warned_no_tensorboard = False
+
+
+class MetricsLogger:
+    """Writes each logged step to the enabled sinks: console line, OUTPUT_DIR/metrics.jsonl, OUTPUT_DIR/tb.
+
+    Non-zero ranks build it with enabled=False, which makes every method a no-op (no files either).
+    Pass the Console a rich Progress bar draws on, so metric lines print above the bar, not through it.
+    """
+
+    def __init__(self, output_dir: Path, cfg: Any, enabled: bool = True, console: Optional[Console] = None):
+        self.enabled = enabled
+        self.print_to_console = enabled and cfg.console
+        self.console = console if console is not None else Console()
+        self._jsonl = None
+        self._tb = None
+        if not enabled:
+            return
+        output_dir = Path(output_dir)
+        output_dir.mkdir(parents=True, exist_ok=True)
+        if cfg.jsonl:
+            # Append: a resumed run continues the same file.
+            self._jsonl = open(output_dir / "metrics.jsonl", "a", encoding="utf-8")
+        if cfg.tensorboard:
+            self._tb = _summary_writer(output_dir / "tb")
+
+    def log(self, step: int, values: dict[str, Any]) -> None:
+        """Record `values` for optimizer step `step`; JSONL keys are exactly those given (plus `step`)."""
+        if not self.enabled:
+            return
+        if self._jsonl is not None:
+            record = values if "step" in values else {"step": step, **values}
+            self._jsonl.write(json.dumps({k: _json_value(v) for k, v in record.items()}) + "\n")
+            self._jsonl.flush()  # a crash or a kill must not lose the steps already logged
+        if self._tb is not None:
+            for key, value in values.items():
+                value = _json_value(value)
+                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool) and value is not None:
+                    self._tb.add_scalar(key, value, step)
+        if self.print_to_console:
+            self.console.print(format_line(step, values), markup=False, highlight=False)
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._tb is not None:
+            self._tb.close()  # flushes the events written since the last periodic flush
+            self._tb = None
+
+    def __enter__(self) -> "MetricsLogger":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _summary_writer(log_dir: Path) -> Any:
+    """A TensorBoard SummaryWriter, or None (warned once per process) when tensorboard is missing.
+
+    Imported here, not at the top: importing tensorboard takes ~0.6 s on top of torch, which a run with
+    metrics.tensorboard=false, or `ember --help`, should not pay.
+    """
+    global _warned_no_tensorboard
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        if not _warned_no_tensorboard:
+            _warned_no_tensorboard = True
+            warnings.warn(
+                "tensorboard is not installed, so no TensorBoard events are written "
+                "(pip install tensorboard, or set metrics.tensorboard=false)",
+                stacklevel=3,
+            )
+        return None
+    return SummaryWriter(log_dir=str(log_dir))

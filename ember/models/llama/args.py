@@ -1,0 +1,80 @@
+"""Llama hyper-parameters and the published sizes (FLAVORS), by family then flavor."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Optional
+
+
+@dataclass
+class LlamaArgs:
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: Optional[int] = None  # None: multi-head attention (n_kv_heads = n_heads)
+    vocab_size: int = 128256
+    multiple_of: int = 256  # the SwiGLU hidden size is rounded up to a multiple of this
+    ffn_dim_multiplier: Optional[float] = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    # Llama 3.1 RoPE frequency scaling (Meta's `apply_scaling`; HF rope_type "llama3"); None: off.
+    rope_scaling_factor: Optional[float] = None
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq_len: int = 8192
+    max_seq_len: int = 8192
+    tie_embeddings: bool = False
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        # Meta's reference: 2/3 of 4*dim (SwiGLU keeps the FLOPs of a 4*dim GELU MLP), times an optional
+        # multiplier, rounded up to multiple_of. Gives 14336 for 8B, 28672 for 70B, 53248 for 405B.
+        hidden = int(2 * 4 * self.dim / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * math.ceil(hidden / self.multiple_of)
+
+
+_LLAMA2 = LlamaArgs(vocab_size=32000, rope_theta=10000.0, max_seq_len=4096, multiple_of=256)
+_LLAMA3 = LlamaArgs(vocab_size=128256, rope_theta=500000.0, max_seq_len=8192, multiple_of=1024, ffn_dim_multiplier=1.3)
+_LLAMA31 = replace(_LLAMA3, rope_scaling_factor=8.0, max_seq_len=131072)
+_LLAMA32 = replace(_LLAMA31, rope_scaling_factor=32.0, tie_embeddings=True, multiple_of=256)
+# A tiny Llama 3 that trains in minutes on a laptop CPU (GQA 8/4 heads, so every code path runs).
+_DEBUG = dict(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=8192, multiple_of=64,
+              ffn_dim_multiplier=None, max_seq_len=2048)
+
+# Sources: Meta's llama / llama-models repositories (params.json of each release).
+FLAVORS: dict[str, dict[str, LlamaArgs]] = {
+    "llama2": {
+        "debug": replace(_LLAMA2, **_DEBUG),
+        "7B": replace(_LLAMA2, dim=4096, n_layers=32, n_heads=32),
+        "13B": replace(_LLAMA2, dim=5120, n_layers=40, n_heads=40),
+        "70B": replace(_LLAMA2, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=4096),
+    },
+    "llama3": {
+        "debug": replace(_LLAMA3, **_DEBUG),
+        "8B": replace(_LLAMA3, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8),
+        "70B": replace(_LLAMA3, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, multiple_of=4096),
+    },
+    "llama3.1": {
+        "debug": replace(_LLAMA31, **_DEBUG),
+        "8B": replace(_LLAMA31, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8),
+        "70B": replace(_LLAMA31, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, multiple_of=4096),
+        "405B": replace(_LLAMA31, dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim_multiplier=1.2,
+                        multiple_of=4096),
+    },
+    "llama3.2": {
+        "debug": replace(_LLAMA32, **_DEBUG),
+        "1B": replace(_LLAMA32, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5),
+        "3B": replace(_LLAMA32, dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim_multiplier=1.0),
+    },
+}

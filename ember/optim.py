@@ -1,0 +1,125 @@
+"""AdamW with weight-decay groups, LR schedules and gradient clipping, each from its own config section.
+
+`build_optimizer` reads the `optim` section, `lr_multiplier`/`build_lr_scheduler` the `schedule` section
+(any object with the OptimConfig / ScheduleConfig attributes will do).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from ember.config import ConfigError
+
+OPTIMIZERS = ("adamw",)
+IMPLEMENTATIONS = ("auto", "fused", "foreach", "for-loop")
+SCHEDULES = ("cosine", "linear", "wsd", "constant")
+
+# Device types whose fused AdamW kernel `auto` picks. CUDA (ROCm too) has had one since torch 2.0; CPU
+# since 2.4. On the project's 2-core AMD EPYC (AVX2), torch 2.13, a 9.3M-parameter model (62 tensors)
+# steps in ~8 ms fused vs ~47 ms foreach (~24 ms for-loop), identical to 2.4e-7: the fused kernel makes
+# one pass over each tensor, while CPU foreach is a dozen list ops that each write a full temporary.
+FUSED_DEVICE_TYPES = ("cuda", "cpu")
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Two groups: decay on matrices; none on embeddings, norms, biases or any other 1-D parameter.
+
+    Decaying gains and biases pulls them towards 0, which is not a prior anyone wants (GPT-3 / Llama
+    practice, nanoGPT's configure_optimizers); embeddings are lookups whose rows get sparse, uneven
+    gradients, so decay would shrink rare tokens towards 0. Tied weights are listed once: a tied
+    output projection shares its embedding's group (no decay).
+    """
+    embedding_ids = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
+    for param in model.parameters():  # yields each shared parameter once
+        if not param.requires_grad:
+            continue
+        if param.ndim >= 2 and id(param) not in embedding_ids:
+            decay.append(param)
+        else:
+            no_decay.append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [group for group in groups if group["params"]]
+
+
+def build_optimizer(model: nn.Module, cfg: Any, device_type: str) -> torch.optim.AdamW:
+    """AdamW over `model`'s trainable parameters, from the `optim` config section."""
+    if cfg.name not in OPTIMIZERS:
+        raise ConfigError(f"unknown optim.name '{cfg.name}'; choices: {', '.join(OPTIMIZERS)}")
+    if cfg.implementation not in IMPLEMENTATIONS:
+        raise ConfigError(f"unknown optim.implementation '{cfg.implementation}'; choices: {', '.join(IMPLEMENTATIONS)}")
+    implementation = cfg.implementation
+    if implementation == "auto":
+        implementation = "fused" if device_type in FUSED_DEVICE_TYPES else "foreach"
+    flags = {
+        "fused": {"fused": True, "foreach": False},
+        "foreach": {"fused": False, "foreach": True},
+        "for-loop": {"fused": False, "foreach": False},
+    }[implementation]
+    return torch.optim.AdamW(
+        param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **flags
+    )
+
+
+def lr_multiplier(step: int, cfg: Any, max_steps: int) -> float:
+    """The factor on the peak lr for 0-based optimizer step `step` (torchtitan's convention).
+
+    With n = step + 1, the number of optimizer steps taken once this one is done, W = warmup_steps:
+      warmup (n <= W):  n / (W + 1), from lr/(W+1) up to W/(W+1): no step is wasted at lr 0;
+      then the decay progress p = (n - decay_start) / decay_steps, clamped to [0, 1], where
+      cosine:   decay_start = W,                  m = r + (1 - r) * (1 + cos(pi p)) / 2
+      linear:   decay_start = W,                  m = 1 - (1 - r) * p
+      wsd:      decay_start = max_steps - D,      m = 1 - (1 - r) * p  (stable at 1 before it;
+                D = round(decay_fraction * max_steps), at most max_steps - W)
+      constant: m = 1
+    with r = min_lr_ratio. The last step (step = max_steps - 1) runs at exactly r, and steps past
+    max_steps (a run extended on resume) stay there. LambdaLR calls this with the number of
+    scheduler.step() calls so far, which is the 0-based index of the next optimizer step.
+    """
+    warmup, floor = cfg.warmup_steps, cfg.min_lr_ratio
+    n = step + 1
+    if n <= warmup:
+        return n / (warmup + 1)
+    if cfg.name == "constant":
+        return 1.0
+    if cfg.name in ("cosine", "linear"):
+        decay_steps = max_steps - warmup
+    elif cfg.name == "wsd":
+        decay_steps = min(round(cfg.decay_fraction * max_steps), max_steps - warmup)
+    else:
+        raise ConfigError(f"unknown schedule.name '{cfg.name}'; choices: {', '.join(SCHEDULES)}")
+    decay_start = max_steps - decay_steps
+    progress = 1.0 if decay_steps <= 0 else min(max((n - decay_start) / decay_steps, 0.0), 1.0)
+    if cfg.name == "cosine":
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return 1.0 - (1.0 - floor) * progress
+
+
+def build_lr_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: Any, max_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """LambdaLR over `lr_multiplier`; call .step() once after each optimizer.step()."""
+    if cfg.name not in SCHEDULES:  # fail at build time, not at the first step past warmup
+        raise ConfigError(f"unknown schedule.name '{cfg.name}'; choices: {', '.join(SCHEDULES)}")
+    # A partial, not a lambda: LambdaLR.state_dict() saves callable objects' state and skips lambdas.
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(lr_multiplier, cfg=cfg, max_steps=max_steps))
+
+
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """The total L2 norm of the gradients (a 0-d tensor), after clipping them to max_norm when > 0.
+
+    max_norm <= 0 disables clipping but still measures, so the norm is logged either way. foreach=True
+    (as torchtitan): a few kernels per device and dtype instead of several per tensor, which is what
+    matters on GPUs; on this CPU the foreach and per-tensor paths measured the same (~13 ms for 9.3M
+    parameters in 62 tensors). It raises on device types without foreach kernels (not CPU or CUDA).
+    """
+    params = [p for p in parameters if p.grad is not None]
+    if max_norm > 0:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+    return torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0, foreach=True)
