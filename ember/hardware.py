@@ -17,15 +17,14 @@ from typing import Optional
 
 import torch
 
-T = 1e12  # TFLOP/s -> FLOP/s
-
 
 @dataclass(frozen=True)
 class DeviceSpec:
     """Dense peak FLOP/s per precision (None: the device has no such rate) and memory per device.
 
-    memory_gb is in GiB (2**30 bytes): the unit behind the vendors' "80GB" of HBM, and the one
-    `ember.metrics.peak_memory_gb` reports, so the two compare.
+    memory_gb is the HBM per device as the vendor prints it, for display next to the measured peak;
+    vendors' "GB" of HBM are GiB in practice (an H100's "80GB" is 80 GiB), the unit
+    `ember.metrics.peak_memory_gb` reports.
     """
 
     name: str
@@ -37,52 +36,54 @@ class DeviceSpec:
     source: str  # the datasheet or whitepaper the numbers come from
 
 
-# --- NVIDIA: dense = the datasheet's "with sparsity" tensor-core figure / 2; FP32 is not sparse.
+# --- NVIDIA: dense = the datasheet's "with sparsity" tensor-core figure / 2 (marked * below, as the
+# datasheets mark them); FP32 on the CUDA cores has no sparse figure.
 # "NVIDIA A100 Tensor Core GPU" datasheet: BF16 312 (624*), TF32 156 (312*), FP32 19.5; no FP8.
 # The PCIe cards print the same peaks (at a lower power limit), so they share the SXM entries.
-A100_40GB = DeviceSpec("NVIDIA A100 40GB", 312 * T, None, 19.5 * T, 156 * T, 40, "NVIDIA A100 datasheet")
-A100_80GB = DeviceSpec("NVIDIA A100 80GB", 312 * T, None, 19.5 * T, 156 * T, 80, "NVIDIA A100 datasheet")
+A100_40GB = DeviceSpec("NVIDIA A100 40GB", 312e12, None, 19.5e12, 156e12, 40, "NVIDIA A100 datasheet")
+A100_80GB = DeviceSpec("NVIDIA A100 80GB", 312e12, None, 19.5e12, 156e12, 80, "NVIDIA A100 datasheet")
 # "NVIDIA H100 Tensor Core GPU" datasheet, H100 SXM: BF16 1,979*, FP8 3,958*, TF32 989*, FP32 67.
-# 989.4 / 1978.9 / 494.7 are the unrounded halves (132 SMs x 1,830 MHz boost x 4,096 dense FLOP/clk/SM).
-H100_SXM = DeviceSpec("NVIDIA H100 SXM", 989.4 * T, 1978.9 * T, 66.9 * T, 494.7 * T, 80, "NVIDIA H100 datasheet")
-# Same datasheet, H100 PCIe: BF16 1,513*, FP8 3,026*, TF32 756*, FP32 51; 80 GB HBM2e.
-H100_PCIE = DeviceSpec("NVIDIA H100 PCIe", 756.5 * T, 1513 * T, 51.2 * T, 378 * T, 80, "NVIDIA H100 datasheet")
+# The unrounded dense figures 989.4 / 1978.9 / 494.7 and FP32 66.9 are those of the "NVIDIA H100 Tensor
+# Core GPU Architecture" whitepaper's comparison table.
+H100_SXM = DeviceSpec("NVIDIA H100 SXM", 989.4e12, 1978.9e12, 66.9e12, 494.7e12, 80, "NVIDIA H100 datasheet")
+# Same datasheet, H100 PCIe: BF16 1,513*, FP8 3,026*, TF32 756*, FP32 51 (51.2 in the whitepaper); 80 GB.
+H100_PCIE = DeviceSpec("NVIDIA H100 PCIe", 756.5e12, 1513e12, 51.2e12, 378e12, 80, "NVIDIA H100 datasheet")
 # Same datasheet, H100 NVL (per GPU): BF16 1,671*, FP8 3,341*, TF32 835*, FP32 60; 94 GB HBM3.
-H100_NVL = DeviceSpec("NVIDIA H100 NVL", 835.5 * T, 1670.5 * T, 60 * T, 417.5 * T, 94, "NVIDIA H100 datasheet")
+H100_NVL = DeviceSpec("NVIDIA H100 NVL", 835.5e12, 1670.5e12, 60e12, 417.5e12, 94, "NVIDIA H100 datasheet")
 # "NVIDIA H200 Tensor Core GPU" datasheet: H200 SXM has the H100 SXM's compute with 141 GB of HBM3e;
 # H200 NVL has the H100 NVL's compute (BF16 1,671*, FP8 3,341*) with 141 GB.
-H200_SXM = DeviceSpec("NVIDIA H200 SXM", 989.4 * T, 1978.9 * T, 66.9 * T, 494.7 * T, 141, "NVIDIA H200 datasheet")
-H200_NVL = DeviceSpec("NVIDIA H200 NVL", 835.5 * T, 1670.5 * T, 60 * T, 417.5 * T, 141, "NVIDIA H200 datasheet")
+H200_SXM = DeviceSpec("NVIDIA H200 SXM", 989.4e12, 1978.9e12, 66.9e12, 494.7e12, 141, "NVIDIA H200 datasheet")
+H200_NVL = DeviceSpec("NVIDIA H200 NVL", 835.5e12, 1670.5e12, 60e12, 417.5e12, 141, "NVIDIA H200 datasheet")
 # "NVIDIA GH200 Grace Hopper Superchip" datasheet: the GPU is an H100 SXM (FP8 3,958*); 96 GB HBM3
 # (a 144 GB HBM3e variant exists; memory_gb is informational only).
-GH200 = DeviceSpec("NVIDIA GH200", 989.4 * T, 1978.9 * T, 66.9 * T, 494.7 * T, 96, "NVIDIA GH200 datasheet")
+GH200 = DeviceSpec("NVIDIA GH200", 989.4e12, 1978.9e12, 66.9e12, 494.7e12, 96, "NVIDIA GH200 datasheet")
 # "NVIDIA HGX B200" / "DGX B200" datasheets, 8 GPUs: FP16/BF16 36 PF*, FP8 72 PF*, TF32 18 PF*,
 # FP32 600 TF, 1,440 GB -> per GPU BF16 2.25 PF, FP8 4.5 PF, TF32 1.125 PF dense, FP32 75 TF, 180 GB.
 # (The B200 inside a GB200 runs at a higher power limit and reaches 2.5 PF: see GB200 below.)
-B200 = DeviceSpec("NVIDIA B200", 2250 * T, 4500 * T, 75 * T, 1125 * T, 180, "NVIDIA HGX/DGX B200 datasheet")
+B200 = DeviceSpec("NVIDIA B200", 2250e12, 4500e12, 75e12, 1125e12, 180, "NVIDIA HGX/DGX B200 datasheet")
 # "NVIDIA GB200 NVL72" datasheet, 72 GPUs: FP16/BF16 360 PF*, FP8 720 PF*, TF32 180 PF*, FP32 6,480 TF,
 # HBM3e 13.4 TB -> per GPU BF16 2.5 PF, FP8 5 PF, TF32 1.25 PF dense, FP32 90 TF, 186 GB.
-GB200 = DeviceSpec("NVIDIA GB200", 2500 * T, 5000 * T, 90 * T, 1250 * T, 186, "NVIDIA GB200 NVL72 datasheet")
+GB200 = DeviceSpec("NVIDIA GB200", 2500e12, 5000e12, 90e12, 1250e12, 186, "NVIDIA GB200 NVL72 datasheet")
 
 # --- AMD: the Instinct datasheets print dense peaks (sparsity separately), so no halving.
 # "AMD Instinct MI250X" datasheet: FP16/BF16 383 TF, FP32 matrix 95.7 TF, 128 GB HBM2e, no FP8/TF32.
 # An MI250X is two GCDs and torch sees each GCD as its own device, so one torch device gets half.
-MI250X = DeviceSpec("AMD Instinct MI250X (one GCD)", 191.5 * T, None, 47.9 * T, None, 64, "AMD MI250X datasheet")
+MI250X = DeviceSpec("AMD Instinct MI250X (one GCD)", 191.5e12, None, 47.85e12, None, 64, "AMD MI250X datasheet")
 # "AMD Instinct MI300X" datasheet: BF16 1,307.4, FP8 2,614.9, TF32 653.7, FP32 163.4 TF; 192 GB HBM3.
-MI300X = DeviceSpec("AMD Instinct MI300X", 1307.4 * T, 2614.9 * T, 163.4 * T, 653.7 * T, 192, "AMD MI300X datasheet")
+MI300X = DeviceSpec("AMD Instinct MI300X", 1307.4e12, 2614.9e12, 163.4e12, 653.7e12, 192, "AMD MI300X datasheet")
 # "AMD Instinct MI325X" datasheet: the MI300X's compute with 256 GB of HBM3E.
-MI325X = DeviceSpec("AMD Instinct MI325X", 1307.4 * T, 2614.9 * T, 163.4 * T, 653.7 * T, 256, "AMD MI325X datasheet")
+MI325X = DeviceSpec("AMD Instinct MI325X", 1307.4e12, 2614.9e12, 163.4e12, 653.7e12, 256, "AMD MI325X datasheet")
 # "AMD Instinct MI350X / MI355X" datasheets and the CDNA 4 whitepaper: MI355X FP16/BF16 2.5 PF, FP8 5 PF,
 # FP32 157.3 TF; MI350X 2.3 PF / 4.6 PF / 144.2 TF; 288 GB HBM3E each. Unrounded: 256 CUs x 4,096 dense
-# BF16 FLOP/clk x 2.4 GHz (MI355X) or 2.2 GHz (MI350X). CDNA 4 lists no TF32/XF32 matrix rate.
-MI350X = DeviceSpec("AMD Instinct MI350X", 2306.9 * T, 4613.7 * T, 144.2 * T, None, 288, "AMD MI350X datasheet")
-MI355X = DeviceSpec("AMD Instinct MI355X", 2516.6 * T, 5033.2 * T, 157.3 * T, None, 288, "AMD MI355X datasheet")
+# BF16 FLOP/clk x 2.4 GHz (MI355X) or 2.2 GHz (MI350X). No TF32/XF32 rate is listed for CDNA 4.
+MI350X = DeviceSpec("AMD Instinct MI350X", 2306.9e12, 4613.7e12, 144.2e12, None, 288, "AMD MI350X datasheet")
+MI355X = DeviceSpec("AMD Instinct MI355X", 2516.6e12, 5033.2e12, 157.3e12, None, 288, "AMD MI355X datasheet")
 
 # --- Google TPU, per chip, from the Cloud TPU system-architecture pages ("TPU v5e", "TPU v5p",
 # "TPU v6e"): bf16 and int8 only (no fp8, no published fp32 matmul rate). int8 is 2x bf16 on each.
-TPU_V5E = DeviceSpec("TPU v5e", 197 * T, None, None, None, 16, "Cloud TPU v5e docs (int8 394 TOPS)")
-TPU_V5P = DeviceSpec("TPU v5p", 459 * T, None, None, None, 95, "Cloud TPU v5p docs (int8 918 TOPS)")
-TPU_V6E = DeviceSpec("TPU v6e", 918 * T, None, None, None, 32, "Cloud TPU v6e docs (int8 1,836 TOPS)")
+TPU_V5E = DeviceSpec("TPU v5e", 197e12, None, None, None, 16, "Cloud TPU v5e docs (int8 394 TOPS)")
+TPU_V5P = DeviceSpec("TPU v5p", 459e12, None, None, None, 95, "Cloud TPU v5p docs (int8 918 TOPS)")
+TPU_V6E = DeviceSpec("TPU v6e", 918e12, None, None, None, 32, "Cloud TPU v6e docs (int8 1,836 TOPS)")
 
 # Matched in order against the upper-cased device name; the first hit wins. Order matters where one
 # name contains another: GH200 and GB200 before H200/B200, NVL and PCIe before the plain H100.
@@ -127,7 +128,7 @@ class PeakFlops:
 def peak_flops(device: torch.device, dtype: torch.dtype, user_peak_tflops: Optional[float] = None) -> PeakFlops:
     """Peak dense FLOP/s of one device for matmuls in `dtype`; `metrics.peak_tflops` overrides all."""
     if user_peak_tflops is not None:
-        return PeakFlops(user_peak_tflops * T, "metrics.peak_tflops")
+        return PeakFlops(user_peak_tflops * 1e12, "metrics.peak_tflops")
     if device.type == "cpu":
         # Measured in fp32 whatever the dtype: a bf16 matmul on a CPU without AMX/AVX512-BF16 runs at
         # ~1 GFLOP/s here and would not fit the time budget; the label says which rate MFU is against.
@@ -137,6 +138,8 @@ def peak_flops(device: torch.device, dtype: torch.dtype, user_peak_tflops: Optio
     if spec is None:
         return PeakFlops(None, f"unknown device '{name}': set metrics.peak_tflops")
     precision = _precision(dtype)
+    if precision == "tf32" and spec.tf32 is None:
+        precision = "fp32"  # TF32 allowed, but the device has none: its fp32 matmuls run in full fp32
     value = getattr(spec, precision)
     if value is None:
         return PeakFlops(None, f"{spec.name} has no {precision} peak in ember.hardware: set metrics.peak_tflops")

@@ -60,8 +60,8 @@ _CONSOLE_FIELDS = [
     ("gnorm", "grad_norm", ".3f", 1, ""),
     ("tok/s", "tokens_per_s", ",.0f", 1, ""),
     ("tok/s/dev", "tokens_per_s_per_device", ",.0f", 1, ""),
-    ("step", "step_time_s", ".3f", 1, "s"),
-    ("TFLOP/s/dev", "tflops_per_device", ".2f", 1, ""),
+    ("time", "step_time_s", ".3f", 1, "s"),
+    ("TFLOP/s/dev", "tflops_per_device", ".3g", 1, ""),  # 3 significant digits: 0.0213 on a CPU, 412 on a GPU
     ("MFU", "mfu", ".1f", 100, "%"),
     ("mem", "memory_gb", ".2f", 1, "GB"),
     ("val loss", "val_loss", ".4f", 1, ""),
@@ -124,10 +124,11 @@ class MetricsLogger:
         if self._tb is not None:
             for key, value in values.items():
                 value = _json_value(value)
-                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool) and value is not None:
+                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):  # None skipped
                     self._tb.add_scalar(key, value, step)
         if self.print_to_console:
-            self.console.print(format_line(step, values), markup=False, highlight=False)
+            # soft_wrap: one line even when it is wider than the console (a pipe counts as 80 columns).
+            self.console.print(format_line(step, values), markup=False, highlight=False, soft_wrap=True)
 
     def close(self) -> None:
         if self._jsonl is not None:
