@@ -242,10 +242,8 @@ def validate(cfg: JobConfig, world_size: int = 1) -> None:
         raise ConfigError(f"optim.lr must be a positive number, got {cfg.optim.lr}")
     if len(cfg.optim.betas) != 2 or not all(0 <= b < 1 for b in cfg.optim.betas):
         raise ConfigError(f"optim.betas must be two numbers in [0, 1), got {list(cfg.optim.betas)}")
-    if cfg.schedule.warmup_steps < 0 or cfg.schedule.warmup_steps >= cfg.max_steps:
-        raise ConfigError(
-            f"schedule.warmup_steps={cfg.schedule.warmup_steps} must be in [0, max_steps={cfg.max_steps})"
-        )
+    if cfg.schedule.warmup_steps < 0:
+        raise ConfigError(f"schedule.warmup_steps must be >= 0, got {cfg.schedule.warmup_steps}")
     per_step = cfg.micro_batch_size * world_size
     if cfg.global_batch_size % per_step:
         raise ConfigError(

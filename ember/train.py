@@ -56,7 +56,8 @@ class Trainer:
 
     def __init__(self, cfg: JobConfig, console: Optional[Console] = None):
         self.cfg = cfg
-        self.console = console or Console(stderr=False)
+        # soft_wrap: a metrics line stays one line in logs and pipes, whatever the terminal width.
+        self.console = console or Console(soft_wrap=True)
         self.rank, self.world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
         if self.world_size > 1:
             raise ConfigError(
@@ -151,6 +152,7 @@ class Trainer:
             return None
         self.model.eval()
         loss_sum, n_tokens = 0.0, 0
+        self.val_loader.reset()  # the same validation batches every time, so evaluations compare
         val_iter = iter(self.val_loader)
         for _ in range(self.cfg.eval_batches):
             inputs, labels = next(val_iter)

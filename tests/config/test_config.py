@@ -52,7 +52,7 @@ def test_overrides_reach_nested_sections_and_cast_types():
         (["model.flavor=9B"], "unknown model.flavor '9B'"),
         (["model.family=gpt9"], "model.family"),
         (["precision=fp64"], "precision 'fp64'"),
-        (["schedule.warmup_steps=5000"], "schedule.warmup_steps=5000"),
+        (["schedule.warmup_steps=-1"], "schedule.warmup_steps must be >= 0"),
         (["optim.lr"], "key=value"),
         (["output_dir=${oc.env:HF_TOKEN}"], "environment"),
     ],

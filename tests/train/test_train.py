@@ -29,9 +29,9 @@ def _train(tmp_path: Path, *overrides: str) -> tuple[Trainer, dict, list[dict]]:
 
 
 def test_debug_loss_falls(tmp_path: Path):
-    # 60 steps of 1k tokens from a uniform start (ln 8192 = 9.01): the loss must at least drop by 2.5 nats.
+    # 60 steps of 1k tokens from a near-uniform start (ln 8192 = 9.01): the loss must drop by 2.5 nats.
     _, summary, records = _train(tmp_path, "max_steps=60", "schedule.warmup_steps=5")
-    assert summary["first_loss"] == pytest.approx(math.log(8192), abs=0.3)
+    assert summary["first_loss"] == pytest.approx(math.log(8192), abs=0.6)
     assert summary["final_loss_avg"] < summary["first_loss"] - 2.5
     assert summary["val_loss"] < summary["first_loss"] - 2.0
     train_records = [r for r in records if "loss" in r]
