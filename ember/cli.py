@@ -61,7 +61,7 @@ def cmd_recipes(argv: list[str]) -> int:
 
     table = Table(title="ember recipes")
     for column in ("recipe", "family", "flavor", "parameters", "seq_len", "global batch", "tokens/step"):
-        table.add_column(column, justify="right" if column not in ("recipe", "family", "flavor") else "left")
+        table.add_column(column, justify="left" if column in ("recipe", "family", "flavor") else "right", no_wrap=True)
     for name in config_lib.recipe_names():
         cfg = config_lib.load(name)
         spec = MODELS[cfg.model.family]
@@ -77,7 +77,9 @@ def cmd_recipes(argv: list[str]) -> int:
             str(cfg.global_batch_size),
             f"{cfg.seq_len * cfg.global_batch_size:,}",
         )
-    Console().print(table)
+    console = Console()
+    console.width = max(console.width, 110)  # pipes report 80 columns; never truncate the numbers
+    console.print(table)
     return 0
 
 
