@@ -1,8 +1,11 @@
 """`load_model(path)`: an ember run or checkpoint directory, or a Hugging Face model directory.
 
-Weights are read only through safetensors (HF) or torch.distributed.checkpoint (ember): nothing that
-is loaded can execute code. Models are built on the meta device and materialised once, so a large
-model never sits in memory twice.
+Weights are read only through safetensors (HF) or torch.distributed.checkpoint (ember), never by
+unpickling a file someone handed us, and no remote code runs. Models are built on the meta device and
+filled once, so a large model never sits in memory twice.
+
+An ember checkpoint is `<run>/checkpoints/step-N/`: the DCP files of {"model": model.state_dict()} plus
+model.json = {"family", "flavor", "args"}, enough to rebuild the model without the recipe.
 """
 
 from __future__ import annotations
@@ -17,125 +20,169 @@ from pathlib import Path
 from typing import Any, Union
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from ember.models import MODELS
 
-MODEL_JSON = "model.json"  # family, flavor and hyper-parameters, beside the DCP files of a checkpoint
+MODEL_JSON = "model.json"
+HF_FAMILY = "llama3"  # Llama 2 and 3.x share one architecture; config.json carries the differences
+Device = Union[str, torch.device]
 
 
-def _build(family: str, args: Any, device: Union[str, torch.device], dtype: torch.dtype) -> nn.Module:
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"'{path}' is not readable JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"'{path}' does not hold a JSON object")
+    return data
+
+
+def _on_meta(family: str, args: Any, dtype: torch.dtype) -> nn.Module:
     with torch.device("meta"):
-        model = MODELS[family].model_cls(args)
-    model.to_empty(device=device)
-    model.init_weights()  # rope buffers; the weights are overwritten by the checkpoint
-    return _cast_params(model, dtype)
+        return MODELS[family].model_cls(args).to(dtype)  # costs nothing: no storage on meta
 
 
-def _cast_params(model: nn.Module, dtype: torch.dtype) -> nn.Module:
-    # Parameters only: Module.to(dtype) would also cast the complex RoPE buffer to real.
-    for param in model.parameters():
-        param.data = param.data.to(dtype)
-    return model
+# ---- ember checkpoints (DCP) ------------------------------------------------------------------------
+
+
+def _is_rank0() -> bool:
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _quiet_dcp(fn, *args, **kwargs) -> None:
+    with warnings.catch_warnings():  # DCP warns when there is no process group; one process is the intent
+        warnings.simplefilter("ignore", UserWarning)
+        fn(*args, **kwargs)
+
+
+def save_ember_checkpoint(model: nn.Module, family: str, flavor: str, args: Any, step_dir: Union[str, Path]) -> None:
+    """Write model weights (DCP) and model.json to step_dir, via `step_dir.tmp` and a rename, so a
+    directory named step-N is always complete. Collective when torch.distributed is initialised."""
+    step_dir = Path(step_dir)
+    tmp = step_dir.with_name(step_dir.name + ".tmp")
+    if _is_rank0():
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier save
+    _barrier()
+    _quiet_dcp(dcp.save, {"model": model.state_dict()}, checkpoint_id=str(tmp))
+    if _is_rank0():  # DCP returns once every rank's shards and the metadata are written
+        meta = {"family": family, "flavor": flavor, "args": dataclasses.asdict(args)}
+        (tmp / MODEL_JSON).write_text(json.dumps(meta, indent=2) + "\n")
+        if step_dir.exists():
+            shutil.rmtree(step_dir)
+        os.replace(tmp, step_dir)
+    _barrier()
 
 
 def _newest_step_dir(run_dir: Path) -> Path:
-    steps = [(int(m.group(1)), p) for p in (run_dir / "checkpoints").glob("step-*")
+    steps = [(int(m.group(1)), p) for p in (run_dir / "checkpoints").iterdir()
              if (m := re.fullmatch(r"step-(\d+)", p.name)) and (p / MODEL_JSON).is_file()]
     if not steps:
-        raise FileNotFoundError(f"no complete checkpoint under '{run_dir / 'checkpoints'}' (expected step-N/{MODEL_JSON})")
+        raise FileNotFoundError(f"'{run_dir / 'checkpoints'}' holds no complete checkpoint (expected step-N/{MODEL_JSON})")
     return max(steps)[1]
 
 
-def save_ember_checkpoint(model: nn.Module, family: str, flavor: str, args: Any, step_dir: Path) -> None:
-    """Model weights with DCP plus model.json; written under a temporary name, then renamed (atomic)."""
-    import torch.distributed.checkpoint as dcp
-
-    step_dir = Path(step_dir)
-    tmp = step_dir.with_name(step_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    with warnings.catch_warnings():  # "no process group: saving in a single process" is the intent here
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.save({"model": model.state_dict()}, checkpoint_id=str(tmp))
-    meta = {"family": family, "flavor": flavor, "args": dataclasses.asdict(args)}
-    (tmp / MODEL_JSON).write_text(json.dumps(meta, indent=2) + "\n")
-    if step_dir.exists():
-        shutil.rmtree(step_dir)
-    os.replace(tmp, step_dir)
-
-
-def _load_ember(step_dir: Path, device, dtype) -> nn.Module:
-    import torch.distributed.checkpoint as dcp
-
-    meta = json.loads((step_dir / MODEL_JSON).read_text())
+def _load_ember(step_dir: Path, device: Device, dtype: torch.dtype) -> nn.Module:
+    meta = _read_json(step_dir / MODEL_JSON)
     family = meta.get("family")
     if family not in MODELS:
-        raise ValueError(f"'{step_dir / MODEL_JSON}' names unknown model family '{family}'")
-    args = type(MODELS[family].flavors[next(iter(MODELS[family].flavors))])(**meta["args"])
-    model = _build(family, args, device, torch.float32)
+        raise ValueError(f"'{step_dir / MODEL_JSON}' names model family '{family}' (known: {', '.join(MODELS)})")
+    try:
+        args = MODELS[family].args_cls(**meta["args"])
+    except (KeyError, TypeError) as err:
+        raise ValueError(f"'{step_dir / MODEL_JSON}' has no valid 'args' for {family} ({err})") from None
+    model = _on_meta(family, args, dtype)
+    model.to_empty(device=device)
+    model.tie_weights()
+    model.init_rope()
     state = {"model": model.state_dict()}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, checkpoint_id=str(step_dir))
-    model.load_state_dict(state["model"])
-    return _cast_params(model, dtype)
+    # In place into the model's own tensors; DCP reads tensors with weights_only unpickling and
+    # converts to the model's dtype as it copies.
+    _quiet_dcp(dcp.load, state, checkpoint_id=str(step_dir))
+    return model
+
+
+# ---- Hugging Face directories (safetensors) ---------------------------------------------------------
 
 
 def _hf_weight_files(directory: Path) -> list[Path]:
     index = directory / "model.safetensors.index.json"
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        files = [directory / name for name in names]
-    else:
-        files = sorted(directory.glob("*.safetensors"))
-    missing = [f for f in files if not f.is_file()]
-    if not files or missing:
-        what = f"'{missing[0]}' is missing" if missing else "no *.safetensors files"
-        raise FileNotFoundError(f"Hugging Face directory '{directory}': {what} (only safetensors weights are loaded)")
-    return files
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"'{index}' has no 'weight_map'")
+        files = [directory / name for name in sorted(set(weight_map.values()))]
+        missing = [f for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"'{missing[0]}' is missing (listed in '{index}')")
+        return files
+    if (directory / "model.safetensors").is_file():
+        return [directory / "model.safetensors"]
+    pickles = sorted(p.name for p in directory.glob("*.bin")) + sorted(p.name for p in directory.glob("*.pt*"))
+    hint = f"; found {pickles[0]}, which ember does not unpickle: convert it to safetensors" if pickles else ""
+    raise FileNotFoundError(f"'{directory}' has no model.safetensors or model.safetensors.index.json{hint}")
 
 
-def _load_hf(directory: Path, device, dtype) -> nn.Module:
+def _load_hf(directory: Path, device: Device, dtype: torch.dtype) -> nn.Module:
     from safetensors import safe_open
 
-    config = json.loads((directory / "config.json").read_text())
-    model_type = config.get("model_type")
-    family = "llama3"  # Llama 2 and 3 differ only in config values, which args_from_hf_config reads
-    if model_type != "llama":
-        raise ValueError(f"'{directory / 'config.json'}' has model_type '{model_type}'; ember loads 'llama' models")
-    hf = MODELS[family].hf
-    args = hf.args_from_hf_config(config)
-    model = _build(family, args, device, torch.float32)
-    targets = model.state_dict()
-    loaded = set()
-    # Tensor by tensor, straight into the model's storage: peak memory is one model plus one tensor.
-    for path in _hf_weight_files(directory):
+    config_path = directory / "config.json"
+    config = _read_json(config_path)
+    architectures = config.get("architectures") or ["LlamaForCausalLM"]
+    if config.get("model_type") != "llama" or architectures != ["LlamaForCausalLM"]:
+        raise ValueError(f"'{config_path}' describes model_type '{config.get('model_type')}' / architectures "
+                         f"{architectures}; ember loads only LlamaForCausalLM ('llama') models")
+    hf = MODELS[HF_FAMILY].hf
+    try:
+        args = hf.args_from_hf_config(config)
+    except (KeyError, ValueError) as err:
+        raise ValueError(f"'{config_path}': {err}") from None
+    state = {}
+    for path in _hf_weight_files(directory):  # tensor by tensor: only the target copy stays in memory
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for key in f.keys():
-                if key.endswith("rotary_emb.inv_freq"):
+                if hf.skip_hf_key(key, args):
                     continue
-                if args.tie_embeddings and key == "lm_head.weight":
-                    continue
-                ember_key = hf.from_hf_key(key)
-                tensor = hf.convert_tensor_from_hf(ember_key, f.get_tensor(key), args)
-                if targets[ember_key].shape != tensor.shape:
-                    raise ValueError(f"'{path}': {key} has shape {tuple(tensor.shape)}, the config implies "
-                                     f"{tuple(targets[ember_key].shape)}")
-                targets[ember_key].copy_(tensor)
-                loaded.add(ember_key)
-    expected = {k for k in targets if not (args.tie_embeddings and k == "output.weight")}
-    if expected - loaded:
-        raise ValueError(f"'{directory}' lacks weights for {sorted(expected - loaded)[:3]} (incomplete checkpoint?)")
-    return _cast_params(model, dtype)
+                try:
+                    ember_key = hf.from_hf_key(key)
+                except KeyError as err:
+                    raise ValueError(f"'{path}': {err.args[0]}") from None
+                state[ember_key] = hf.tensor_from_hf(ember_key, f.get_tensor(key), args).to(device, dtype)
+    if args.tie_embeddings and "tok_embeddings.weight" in state:
+        state["output.weight"] = state["tok_embeddings.weight"]
+    model = _on_meta(HF_FAMILY, args, dtype)
+    try:  # assign: the loaded tensors become the parameters, so the meta model needs no to_empty
+        model.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as err:
+        detail = " ".join(str(err).split())
+        raise ValueError(f"'{directory}': the weights do not fit config.json: {detail}") from None
+    model.tie_weights()
+    model.init_rope(torch.device(device))
+    return model
 
 
 @torch.no_grad()
-def load_model(path: Union[str, Path], device: Union[str, torch.device] = "cpu",
-               dtype: torch.dtype = torch.float32) -> nn.Module:
-    """The model in `path`, in eval mode: `model(tokens) -> logits` of shape (batch, seq, vocab)."""
+def load_model(path: Union[str, Path], device: Device = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The model stored at `path`, in eval mode: `model(tokens (B, T)) -> logits (B, T, vocab)`.
+
+    `path` is an ember checkpoint (`<run>/checkpoints/step-N`), a run directory (its newest complete
+    step), or a Hugging Face LlamaForCausalLM directory (config.json and safetensors weights).
+    Parameters come in `dtype`; the RoPE tables stay fp32.
+    """
     path = Path(path)
+    expected = f"an ember run or checkpoint directory ({MODEL_JSON}, checkpoints/step-N) or a HF model directory (config.json)"
+    if not path.exists():
+        raise FileNotFoundError(f"'{path}' does not exist (expected {expected})")
     if not path.is_dir():
-        raise FileNotFoundError(f"'{path}' is not a directory (expected an ember run/checkpoint or a HF model directory)")
+        raise ValueError(f"'{path}' is a file (expected {expected})")
     if (path / MODEL_JSON).is_file():
         model = _load_ember(path, device, dtype)
     elif (path / "checkpoints").is_dir():
@@ -143,7 +190,5 @@ def load_model(path: Union[str, Path], device: Union[str, torch.device] = "cpu",
     elif (path / "config.json").is_file():
         model = _load_hf(path, device, dtype)
     else:
-        raise FileNotFoundError(
-            f"'{path}' holds neither an ember checkpoint ({MODEL_JSON}, checkpoints/step-N) nor a HF model (config.json)"
-        )
+        raise FileNotFoundError(f"'{path}' holds no model (expected {expected})")
     return model.eval()

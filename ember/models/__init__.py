@@ -8,41 +8,41 @@ from types import ModuleType
 from typing import Any, Callable
 
 from ember.models import llama
-from ember.models.llama import hf as llama_hf
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    family: str
+    name: str  # the family, as `model.family` names it
     flavors: dict[str, Any]  # flavor name -> args dataclass
-    model_cls: type
-    parallelize: Callable
-    flops_per_token: Callable[[Any, int], float]
-    hf: ModuleType  # key mapping to and from Hugging Face checkpoints
+    model_cls: type  # model_cls(args) -> nn.Module; build it on the meta device
+    args_cls: type
+    parallelize: Callable  # parallelize(model, mesh, *, compile) -> model
+    flops_per_token: Callable[[Any, int], float]  # (args, seq_len) -> training FLOPs per token
+    hf: ModuleType  # config and weight mapping to and from Hugging Face
 
 
 MODELS: dict[str, ModelSpec] = {
-    family: ModelSpec(family, flavors, llama.Transformer, llama.parallelize, llama.flops_per_token, llama_hf)
-    for family, flavors in llama.FLAVORS.items()
+    family: ModelSpec(family, flavors, llama.Transformer, llama.LlamaArgs, llama.parallelize,
+                      llama.flops_per_token, llama.hf)
+    for family, flavors in llama.FLAVORS.items()  # llama2, llama3, llama3.1, llama3.2
 }
 
 
 def build_model_args(family: str, flavor: str, overrides: dict[str, Any] | None = None) -> Any:
-    """The flavor's hyper-parameters with the user's `model.<field>` overrides applied."""
+    """The flavor's hyper-parameters with the user's `model.<field>` overrides (None: keep) applied."""
     if family not in MODELS:
         raise ValueError(f"unknown model.family '{family}' (choose from {', '.join(MODELS)})")
-    flavors = MODELS[family].flavors
-    if flavor not in flavors:
-        raise ValueError(f"unknown model.flavor '{flavor}' for family '{family}' (choose from {', '.join(flavors)})")
-    args = flavors[flavor]
-    fields = {f.name for f in dataclasses.fields(args)}
-    unknown = sorted(set(overrides or {}) - fields)
+    spec = MODELS[family]
+    if flavor not in spec.flavors:
+        raise ValueError(f"unknown model.flavor '{flavor}' for family '{family}' "
+                         f"(choose from {', '.join(spec.flavors)})")
+    fields = {f.name for f in dataclasses.fields(spec.args_cls)}
+    overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
+    unknown = sorted(set(overrides) - fields)
     if unknown:
         raise ValueError(f"model.{unknown[0]} is not a hyper-parameter of {family} (fields: {', '.join(sorted(fields))})")
-    args = dataclasses.replace(args, **(overrides or {}))
-    if args.dim % args.n_heads or args.n_heads % args.kv_heads:
-        raise ValueError(
-            f"model.dim={args.dim} must divide by model.n_heads={args.n_heads}, and n_heads by "
-            f"model.n_kv_heads={args.kv_heads}"
-        )
+    args = dataclasses.replace(spec.flavors[flavor], **overrides)
+    if args.dim % args.n_heads or args.n_heads % args.kv_heads or args.head_dim % 2:
+        raise ValueError(f"model.dim={args.dim} must split into model.n_heads={args.n_heads} heads of even size, "
+                         f"and n_heads must be a multiple of model.n_kv_heads={args.kv_heads}")
     return args

@@ -1,8 +1,9 @@
 """Hugging Face LlamaForCausalLM <-> ember: config fields and state-dict keys.
 
-HF applies RoPE with `rotate_half` (first half / second half of each head), Meta and ember rotate
-interleaved pairs. The weights are the same up to a fixed permutation of the rows of wq and wk
-(Meta's convert_llama_weights_to_hf `permute`): `to_hf` applies it, `from_hf` undoes it.
+Meta's RoPE (and ember's) rotates consecutive pairs (2k, 2k+1) of each head; HF's `rotate_half` pairs
+k with k + head_dim/2. The checkpoints hold the same model because the rows of wq and wk are permuted
+to match: Meta's convert_llama_weights_to_hf applies `permute` on export. `to_hf` applies it here,
+`from_hf` undoes it; no other weight changes.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 
 from ember.models.llama.args import LlamaArgs
 
-# ember name (per layer, after "layers.{i}.") -> HF name (after "model.layers.{i}.")
+# ember key inside a layer -> HF key inside "model.layers.{i}."
 _LAYER_KEYS = {
     "attention.wq.weight": "self_attn.q_proj.weight",
     "attention.wk.weight": "self_attn.k_proj.weight",
@@ -25,17 +26,23 @@ _LAYER_KEYS = {
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
-_TOP_KEYS = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-             "output.weight": "lm_head.weight"}
+_TOP_KEYS = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_KEYS_FROM_HF = {v: k for k, v in _LAYER_KEYS.items()}
+_TOP_KEYS_FROM_HF = {v: k for k, v in _TOP_KEYS.items()}
 
 
-def _interleaved_to_halves(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    # rows of each head: (pair k, member j) -> (member j, pair k)
+def permute_to_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Rows of wq/wk from pair order (k, j), row 2k + j of each head, to half order (j, k), row j * D/2 + k."""
     rows, cols = w.shape
     return w.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
-def _halves_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+def permute_from_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """The inverse of permute_to_hf."""
     rows, cols = w.shape
     return w.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
 
@@ -47,120 +54,111 @@ def to_hf_key(key: str) -> str:
     return f"model.layers.{index}.{_LAYER_KEYS[rest]}"
 
 
-_FROM_HF_LAYER = {v: k for k, v in _LAYER_KEYS.items()}
-_FROM_HF_TOP = {v: k for k, v in _TOP_KEYS.items()}
-
-
 def from_hf_key(key: str) -> str:
-    if key in _FROM_HF_TOP:
-        return _FROM_HF_TOP[key]
-    if not key.startswith("model.layers."):
-        raise KeyError(f"unexpected Hugging Face Llama weight '{key}'")
-    _, _, index, rest = key.split(".", 3)
-    if rest not in _FROM_HF_LAYER:
-        raise KeyError(f"unexpected Hugging Face Llama weight '{key}'")
-    return f"layers.{index}.{_FROM_HF_LAYER[rest]}"
+    """The ember key of a HF weight name; KeyError for a name LlamaForCausalLM does not have."""
+    if key in _TOP_KEYS_FROM_HF:
+        return _TOP_KEYS_FROM_HF[key]
+    parts = key.split(".", 3)  # "model", "layers", "{i}", rest
+    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in _LAYER_KEYS_FROM_HF:
+        return f"layers.{parts[2]}.{_LAYER_KEYS_FROM_HF[parts[3]]}"
+    raise KeyError(f"'{key}' is not a weight of LlamaForCausalLM")
 
 
-def convert_tensor_to_hf(key: str, tensor: torch.Tensor, args: LlamaArgs) -> torch.Tensor:
+def tensor_to_hf(key: str, tensor: torch.Tensor, args: LlamaArgs) -> torch.Tensor:
     if key.endswith("attention.wq.weight"):
-        return _interleaved_to_halves(tensor, args.n_heads)
+        return permute_to_hf(tensor, args.n_heads)
     if key.endswith("attention.wk.weight"):
-        return _interleaved_to_halves(tensor, args.kv_heads)
+        return permute_to_hf(tensor, args.kv_heads)
     return tensor
 
 
-def convert_tensor_from_hf(ember_key: str, tensor: torch.Tensor, args: LlamaArgs) -> torch.Tensor:
+def tensor_from_hf(ember_key: str, tensor: torch.Tensor, args: LlamaArgs) -> torch.Tensor:
     if ember_key.endswith("attention.wq.weight"):
-        return _halves_to_interleaved(tensor, args.n_heads)
+        return permute_from_hf(tensor, args.n_heads)
     if ember_key.endswith("attention.wk.weight"):
-        return _halves_to_interleaved(tensor, args.kv_heads)
+        return permute_from_hf(tensor, args.kv_heads)
     return tensor
+
+
+def skip_hf_key(key: str, args: LlamaArgs) -> bool:
+    """Entries of a HF state dict with no ember counterpart: a tied lm_head, old rotary buffers."""
+    return key.endswith("rotary_emb.inv_freq") or (args.tie_embeddings and key == "lm_head.weight")
 
 
 def to_hf_state_dict(state_dict: dict[str, torch.Tensor], args: LlamaArgs) -> dict[str, torch.Tensor]:
-    out = {}
-    for key, tensor in state_dict.items():
-        if key == "output.weight" and args.tie_embeddings:
-            continue  # HF stores a tied lm_head once, as the embedding
-        out[to_hf_key(key)] = convert_tensor_to_hf(key, tensor, args)
-    return out
+    """ember -> HF, as save_pretrained writes it (a tied lm_head is not stored)."""
+    return {to_hf_key(k): tensor_to_hf(k, t, args) for k, t in state_dict.items()
+            if not (args.tie_embeddings and k == "output.weight")}
 
 
 def from_hf_state_dict(state_dict: dict[str, torch.Tensor], args: LlamaArgs) -> dict[str, torch.Tensor]:
+    """HF -> ember; with tied embeddings output.weight is the embedding tensor itself."""
     out = {}
     for key, tensor in state_dict.items():
-        if key.endswith("rotary_emb.inv_freq"):  # a buffer older transformers versions saved
-            continue
-        ember_key = from_hf_key(key)
-        out[ember_key] = convert_tensor_from_hf(ember_key, tensor, args)
-    if args.tie_embeddings:
-        out.pop("output.weight", None)
+        if not skip_hf_key(key, args):
+            ember_key = from_hf_key(key)
+            out[ember_key] = tensor_from_hf(ember_key, tensor, args)
+    if args.tie_embeddings and "tok_embeddings.weight" in out:
         out["output.weight"] = out["tok_embeddings.weight"]
     return out
 
 
-def _rope_params(config: dict[str, Any]) -> dict[str, Any]:
-    # transformers >= 5 keeps RoPE settings in `rope_parameters`; older files use rope_theta + rope_scaling.
-    params = dict(config.get("rope_parameters") or {})
-    if not params:
-        params = dict(config.get("rope_scaling") or {})
-        params.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+def _rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
+    # transformers 5 writes `rope_parameters` (rope_theta inside); 4.x wrote `rope_theta` beside a
+    # `rope_scaling` dict (or null), with the type under "rope_type" or, older still, "type".
+    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    params.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+    params.setdefault("rope_type", params.get("type", "default"))
     return params
 
 
 def args_from_hf_config(config: dict[str, Any]) -> LlamaArgs:
-    rope = _rope_params(config)
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "llama3"):
-        raise ValueError(f"rope type '{rope_type}' is not supported (ember has default and llama3 RoPE)")
-    dim, hidden = config["hidden_size"], config["intermediate_size"]
-    n_heads = config["num_attention_heads"]
+    """LlamaArgs for a HF LlamaForCausalLM config.json; ValueError for what ember's Llama cannot express."""
+    rope = _rope_parameters(config)
+    if rope["rope_type"] not in ("default", "llama3"):
+        raise ValueError(f"RoPE type '{rope['rope_type']}' is not supported (ember implements 'default' and 'llama3')")
+    dim, n_heads = config["hidden_size"], config["num_attention_heads"]
     if config.get("head_dim") not in (None, dim // n_heads):
-        raise ValueError(f"head_dim={config['head_dim']} != hidden_size/num_attention_heads is not supported")
-    args = LlamaArgs(
+        raise ValueError(f"head_dim={config['head_dim']} differs from hidden_size / num_attention_heads = {dim // n_heads}")
+    for flag in ("attention_bias", "mlp_bias"):
+        if config.get(flag):
+            raise ValueError(f"{flag}=true is not supported (ember's Llama has no biases)")
+    if config.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act='{config['hidden_act']}' is not supported (SwiGLU uses silu)")
+    scaling = {}
+    if rope["rope_type"] == "llama3":
+        scaling = dict(
+            rope_scaling_factor=float(rope["factor"]),
+            rope_low_freq_factor=float(rope["low_freq_factor"]),
+            rope_high_freq_factor=float(rope["high_freq_factor"]),
+            rope_original_max_seq_len=int(rope["original_max_position_embeddings"]),
+        )
+    return LlamaArgs(
         dim=dim,
         n_layers=config["num_hidden_layers"],
         n_heads=n_heads,
         n_kv_heads=config.get("num_key_value_heads") or n_heads,
         vocab_size=config["vocab_size"],
-        # multiple_of=hidden with no multiplier reproduces any intermediate_size >= 8/3 dim exactly;
-        # smaller ones are expressed through ffn_dim_multiplier below.
-        multiple_of=hidden,
-        ffn_dim_multiplier=None,
-        norm_eps=config.get("rms_norm_eps", 1e-6),
-        rope_theta=float(rope.get("rope_theta", 10000.0)),
-        max_seq_len=config.get("max_position_embeddings", 4096),
+        ffn_hidden_dim_override=config["intermediate_size"],  # stated outright: no formula to invert
+        norm_eps=config.get("rms_norm_eps", 1e-6),  # LlamaConfig's default
+        rope_theta=float(rope["rope_theta"]),
+        max_seq_len=config.get("max_position_embeddings", 2048),
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        **scaling,
     )
-    if args.ffn_hidden_dim != hidden:
-        args.ffn_dim_multiplier = hidden / int(2 * 4 * dim / 3)
-        args.multiple_of = 1
-        for nudge in (0.0, 1e-9, 1e-7):  # int() of a float product can land one below
-            args.ffn_dim_multiplier = hidden / int(2 * 4 * dim / 3) + nudge
-            if args.ffn_hidden_dim == hidden:
-                break
-        else:
-            raise ValueError(f"cannot express intermediate_size={hidden} for hidden_size={dim}")
-    if rope_type == "llama3":
-        args.rope_scaling_factor = float(rope["factor"])
-        args.rope_low_freq_factor = float(rope.get("low_freq_factor", 1.0))
-        args.rope_high_freq_factor = float(rope.get("high_freq_factor", 4.0))
-        args.rope_original_max_seq_len = int(rope["original_max_position_embeddings"])
-    return args
 
 
 def hf_config_from_args(args: LlamaArgs) -> dict[str, Any]:
+    """A config.json for LlamaForCausalLM (also `transformers.LlamaConfig(**it)`)."""
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": args.rope_theta}
     if args.rope_scaling_factor is not None:
-        rope = {
-            "rope_type": "llama3",
-            "rope_theta": args.rope_theta,
-            "factor": args.rope_scaling_factor,
-            "low_freq_factor": args.rope_low_freq_factor,
-            "high_freq_factor": args.rope_high_freq_factor,
-            "original_max_position_embeddings": args.rope_original_max_seq_len,
-        }
+        rope.update(
+            rope_type="llama3",
+            factor=args.rope_scaling_factor,
+            low_freq_factor=args.rope_low_freq_factor,
+            high_freq_factor=args.rope_high_freq_factor,
+            original_max_position_embeddings=args.rope_original_max_seq_len,
+        )
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -169,11 +167,16 @@ def hf_config_from_args(args: LlamaArgs) -> dict[str, Any]:
         "num_hidden_layers": args.n_layers,
         "num_attention_heads": args.n_heads,
         "num_key_value_heads": args.kv_heads,
+        "head_dim": args.head_dim,
         "vocab_size": args.vocab_size,
         "rms_norm_eps": args.norm_eps,
         "max_position_embeddings": args.max_seq_len,
         "tie_word_embeddings": args.tie_embeddings,
         "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "rope_parameters": rope,  # transformers 5
+        # transformers 4.x reads these two instead (5.x accepts them beside rope_parameters)
         "rope_theta": args.rope_theta,
-        "rope_parameters": rope,
+        "rope_scaling": {k: v for k, v in rope.items() if k != "rope_theta"} if args.rope_scaling_factor is not None else None,
     }

@@ -1,8 +1,9 @@
 """The Llama 2 / 3 / 3.1 / 3.2 decoder as plain single-device PyTorch.
 
-RMSNorm, rotary position embeddings (Meta's interleaved-pair convention, with the Llama 3.1 frequency
-scaling), grouped-query attention through F.scaled_dot_product_attention, SwiGLU feed-forward.
-No parallelism and no I/O here: `parallelize.py` applies those from outside, `hf.py` maps weights.
+RMSNorm, rotary position embeddings in Meta's convention (consecutive pairs of each head rotate
+together; Llama 3.1 frequency scaling), grouped-query attention through F.scaled_dot_product_attention,
+SwiGLU feed-forward. No parallelism and no I/O here: parallelize.py applies those from outside, hf.py
+maps Hugging Face weights (whose RoPE pairs dimension k with k + head_dim/2) onto this convention.
 """
 
 from __future__ import annotations
@@ -17,38 +18,37 @@ from torch import nn
 from ember.models.llama.args import LlamaArgs
 
 
-def rope_frequencies(args: LlamaArgs, device: Optional[torch.device] = None) -> torch.Tensor:
-    """Rotations e^{i t w_k} for every position t < max_seq_len as (cos, sin): (max_seq_len, head_dim // 2, 2).
-
-    Stored real, not complex: `model.to(dtype)` casts complex buffers to real, dropping the sines.
-    """
+def rope_cos_sin(args: LlamaArgs, device: Optional[torch.device] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the angle t * w_k for every position t < max_seq_len: two (max_seq_len, head_dim // 2)."""
     dim = args.head_dim
     inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
     if args.rope_scaling_factor is not None:
         inv_freq = _llama31_scaling(inv_freq, args)
     positions = torch.arange(args.max_seq_len, device=device, dtype=torch.float32)
-    angles = torch.outer(positions, inv_freq)
-    return torch.view_as_real(torch.polar(torch.ones_like(angles), angles))
+    angles = torch.outer(positions, inv_freq)  # (max_seq_len, head_dim // 2), fp32 even for long contexts
+    return angles.cos(), angles.sin()
 
 
 def _llama31_scaling(inv_freq: torch.Tensor, args: LlamaArgs) -> torch.Tensor:
-    # Llama 3.1 (Meta's `apply_scaling`): long wavelengths are slowed by `factor`, short ones kept,
-    # and the band in between is interpolated smoothly, so 8k-trained weights extend to 128k.
+    # Llama 3.1 (Meta's `apply_scaling`): wavelengths longer than the pre-training window are slowed by
+    # `factor`, those shorter than window / high_freq_factor are kept, and the band between is blended.
     factor, low, high = args.rope_scaling_factor, args.rope_low_freq_factor, args.rope_high_freq_factor
     old_len = args.rope_original_max_seq_len
     wavelen = 2 * math.pi / inv_freq
     smooth = (old_len / wavelen - low) / (high - low)
-    interpolated = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
     scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    is_mid = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-    return torch.where(is_mid, interpolated, scaled)
+    in_band = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(in_band, blended, scaled)
 
 
-def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """Rotate consecutive pairs (x[2k], x[2k+1]) of x: (B, T, H, D) by freqs: (T, D // 2, 2)."""
-    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))  # (B, T, H, D/2) complex
-    rotated = pairs * torch.view_as_complex(freqs.float())[None, :, None, :]
-    return torch.view_as_real(rotated).flatten(3).type_as(x)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each pair (x[..., 2k], x[..., 2k+1]) of x: (B, T, H, D) by the angles of cos, sin: (T, D // 2)."""
+    pairs = x.float().unflatten(-1, (-1, 2))  # (B, T, H, D/2, 2), rotated in fp32 like Meta's reference
+    x0, x1 = pairs[..., 0], pairs[..., 1]  # (B, T, H, D/2) each
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]  # (1, T, 1, D/2)
+    rotated = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)  # (B, T, H, D/2, 2)
+    return rotated.flatten(-2).type_as(x)  # (B, T, H, D)
 
 
 class RMSNorm(nn.Module):
@@ -58,7 +58,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # fp32 statistics even under bf16 autocast; the cast back keeps the activations' dtype.
+        # Statistics in fp32 even for bf16 activations, cast back before the gain (Meta's reference).
         x32 = x.float()
         return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
 
@@ -75,17 +75,18 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim)  # (B, T, n_heads, head_dim)
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, n_kv_heads, head_dim)
-        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
-        q, k = apply_rope(q, freqs), apply_rope(k, freqs)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, head_dim) for SDPA
-        # enable_gqa lets SDPA share each K/V head across its query group without materialising
-        # repeat_interleave copies (torch >= 2.5).
+        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, n_kv_heads, head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, head_dim), the layout SDPA takes
+        # enable_gqa shares each K/V head with its group of query heads inside SDPA. On CPU (torch 2.13,
+        # debug shape B=16 T=256, 8/4 heads of 32) it beat repeat_interleave copies: 224 vs 300 ms
+        # forward+backward, 40 vs 64 ms forward; also at B=1 T=2048 (458 vs 492 ms).
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
-        return self.wo(out.transpose(1, 2).reshape(B, T, -1))  # (B, T, dim)
+        return self.wo(out.transpose(1, 2).reshape(B, T, -1))  # (B, T, n_heads * head_dim) -> (B, T, dim)
 
     def init_weights(self, out_std: float) -> None:
         for linear in (self.wq, self.wk, self.wv):
@@ -94,7 +95,7 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+    """SwiGLU (Shazeer 2020): w2(silu(w1 x) * w3 x)."""
 
     def __init__(self, dim: int, hidden_dim: int):
         super().__init__()
@@ -103,7 +104,7 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))  # (B, T, hidden) -> (B, T, dim)
 
     def init_weights(self, out_std: float) -> None:
         nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=0.02)
@@ -118,11 +119,11 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        # Depth-scaled init of the projections that write into the residual stream (GPT-2, torchtitan).
+        # Depth-scaled init of what writes into the residual stream (torchtitan's depth_init).
         self.out_std = 0.02 / math.sqrt(2 * (layer_id + 1))
 
-    def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), freqs)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)  # (B, T, dim)
         return h + self.feed_forward(self.ffn_norm(h))
 
     def init_weights(self) -> None:
@@ -133,57 +134,86 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    """tokens (B, T) -> logits (B, T, vocab). Embedding, norm and output may be None (pipeline stages)."""
+    """tokens (B, T) -> logits (B, T, vocab_size).
+
+    A pipeline stage sets tok_embeddings, norm or output to None; each then passes its input through,
+    so a middle stage maps hidden states (B, T, dim) to hidden states.
+    """
 
     def __init__(self, args: LlamaArgs):
         super().__init__()
         self.args = args
         self.tok_embeddings: Optional[nn.Embedding] = nn.Embedding(args.vocab_size, args.dim)
-        # Layers keyed by their index: names stay stable when a pipeline stage holds only some of them.
+        # Keyed by layer index: names stay stable when a pipeline stage keeps only some of the layers.
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
         self.norm: Optional[RMSNorm] = RMSNorm(args.dim, args.norm_eps)
         self.output: Optional[nn.Linear] = nn.Linear(args.dim, args.vocab_size, bias=False)
-        if args.tie_embeddings:
-            self.output.weight = self.tok_embeddings.weight
-        # Not persistent: recomputed by init_weights, never stored in checkpoints.
-        self.register_buffer("freqs", rope_frequencies(args), persistent=False)
+        self.tie_weights()
+        # Not persistent: derived from args, recomputed by init_rope, never stored in checkpoints.
+        cos, sin = rope_cos_sin(args)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        T = tokens.shape[1]
+        if T > self.rope_cos.shape[0]:
+            raise ValueError(f"sequence length {T} exceeds max_seq_len={self.rope_cos.shape[0]}")
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (B, T, dim)
-        freqs = self.freqs[: h.shape[1]]
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]  # (T, head_dim // 2)
         for layer in self.layers.values():
-            h = layer(h, freqs)
+            h = layer(h, cos, sin)
         h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h  # (B, T, vocab)
+        return self.output(h) if self.output is not None else h  # (B, T, vocab_size)
+
+    def tie_weights(self) -> None:
+        """With tie_embeddings, make output.weight the embedding Parameter itself. `to_empty()` and
+        `load_state_dict(assign=True)` give each module a Parameter of its own, so call it after them."""
+        if self.args.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
+            self.output.weight = self.tok_embeddings.weight
+
+    @torch.no_grad()
+    def init_rope(self, device: Optional[torch.device] = None) -> None:
+        """Recompute the RoPE tables in fp32 on `device` (default: where they are now)."""
+        cos, sin = rope_cos_sin(self.args, device=device or self.rope_cos.device)
+        self.rope_cos, self.rope_sin = cos, sin
 
     @torch.no_grad()
     def init_weights(self, buffer_device: Optional[torch.device] = None) -> None:
-        """Fill every parameter and buffer; called after `to_empty` so a meta-built model gets real values."""
-        device = buffer_device or (self.freqs.device if self.freqs.device.type != "meta" else None)
-        self.freqs = rope_frequencies(self.args, device=device)
-        if self.args.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
-            # `to_empty` from meta gives each module a new Parameter, which unties them: tie again.
-            self.output.weight = self.tok_embeddings.weight
+        """Fill every parameter and buffer: after `to_empty`, a model built on meta gets real values."""
+        self.init_rope(buffer_device)
+        self.tie_weights()  # undone by to_empty
         if self.tok_embeddings is not None:
-            nn.init.normal_(self.tok_embeddings.weight, std=1.0 if not self.args.tie_embeddings else 0.02)
+            # torchtitan's N(0, 1), except when the matrix is also the output projection: there 1.0
+            # would make logits of size sqrt(dim), so it gets GPT-2's 0.02.
+            nn.init.normal_(self.tok_embeddings.weight, std=0.02 if self.args.tie_embeddings else 1.0)
         for layer in self.layers.values():
             layer.init_weights()
         if self.norm is not None:
             self.norm.init_weights()
         if self.output is not None and not self.args.tie_embeddings:
-            cutoff = 3 / math.sqrt(self.args.dim)
-            nn.init.trunc_normal_(self.output.weight, std=self.args.dim**-0.5, a=-cutoff, b=cutoff)
+            std = self.args.dim**-0.5  # torchtitan: logits start near unit scale, cut off at 3 std
+            nn.init.trunc_normal_(self.output.weight, std=std, a=-3 * std, b=3 * std)
+
+
+def num_params(model: nn.Module, exclude_embedding: bool = False) -> int:
+    """Parameters of `model`, a tied matrix counted once; exclude_embedding drops tok_embeddings (and so
+    a tied output too, which is the same matrix)."""
+    n = sum(p.numel() for p in model.parameters())
+    if exclude_embedding and getattr(model, "tok_embeddings", None) is not None:
+        n -= model.tok_embeddings.weight.numel()
+    return n
 
 
 def flops_per_token(args: LlamaArgs, seq_len: int) -> float:
     """Training FLOPs per token: 6 N + 12 L H Q T (PaLM, Chowdhery et al. 2022, appendix B).
 
-    N counts every matmul weight a token passes through: the layers, the final norm and the output
-    projection (also when it is tied to the embedding, since its matmul still runs); the input
-    embedding is a lookup and is left out.
+    6 N: forward (2) and backward (4) FLOPs per weight a token's activations are multiplied by. N is every
+    parameter except the input embedding, which is a lookup; a tied embedding stays in N once, as the
+    output projection's weight, since that matmul runs whether or not the matrix is shared. 12 L H Q T:
+    the attention scores and weighted values (QK^T and AV), which no parameter counts.
     """
-    attn = args.dim * args.head_dim * (2 * args.n_heads + 2 * args.kv_heads)
-    ffn = 3 * args.dim * args.ffn_hidden_dim
-    per_layer = attn + ffn + 2 * args.dim
-    n = args.n_layers * per_layer + args.dim + args.vocab_size * args.dim
+    attn = args.dim * args.head_dim * (2 * args.n_heads + 2 * args.kv_heads)  # wq, wo; wk, wv
+    ffn = 3 * args.dim * args.ffn_hidden_dim  # w1, w2, w3
+    norms = 2 * args.dim
+    n = args.n_layers * (attn + ffn + norms) + args.dim + args.vocab_size * args.dim  # + final norm, output
     return 6 * n + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len

@@ -1,26 +1,29 @@
 """How the Llama family is parallelised, applied from outside the model.
 
-This version applies torch.compile per transformer block; tensor/sequence parallel, activation
-checkpointing and FSDP2 join here (in that order, before compile and FSDP) with the parallelism work.
+This version compiles each transformer block. Tensor/sequence parallelism, activation checkpointing
+and FSDP2 join here as small `apply_*` functions, called by `parallelize` in the order of
+ARCHITECTURE.md: TP -> AC -> compile -> FSDP.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 from torch import nn
 
 
 def apply_compile(model: nn.Module) -> None:
-    # Per block, not the whole model: every block has the same graph, so one compilation is reused
-    # by all of them, and FSDP can wrap each compiled block on its own later.
+    # Per block rather than the whole model: the blocks share one graph, so it is compiled once and
+    # reused, and FSDP can later wrap each compiled block on its own. Module.compile works in place,
+    # so parameter names (and checkpoints) do not gain an `_orig_mod.` prefix.
     for block in model.layers.values():
         block.compile(fullgraph=True)
 
 
-def parallelize(model: nn.Module, mesh: Optional[object] = None, *, compile: bool = False) -> nn.Module:
+def parallelize(model: nn.Module, mesh: Optional[Any] = None, *, compile: bool = False) -> nn.Module:
+    """Apply this family's parallelism and compilation to `model` (built on meta or a device), in place."""
     if mesh is not None:
-        raise NotImplementedError("parallelism over a DeviceMesh is not in this version of ember")
+        raise NotImplementedError("parallelising over a DeviceMesh is not implemented yet in ember")
     if compile:
         apply_compile(model)
     return model

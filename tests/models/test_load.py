@@ -1,0 +1,107 @@
+"""load_model on ember checkpoints, and its one-line errors for paths that hold no model."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from ember.load import load_model, save_ember_checkpoint
+from ember.models import build_model_args
+from ember.models.llama import Transformer, hf
+
+
+def _model(family: str, seed: int) -> Transformer:
+    args = build_model_args(family, "debug", {"n_layers": 2, "vocab_size": 512, "max_seq_len": 64})
+    torch.manual_seed(seed)
+    model = Transformer(args)
+    model.init_weights()
+    return model
+
+
+@pytest.mark.parametrize("family", ["llama3.1", "llama3.2"])  # untied, tied
+def test_ember_checkpoint_round_trip(tmp_path: Path, family):
+    model = _model(family, seed=0)
+    step_dir = tmp_path / "run" / "checkpoints" / "step-7"
+    save_ember_checkpoint(model, family, "debug", model.args, step_dir)
+    assert json.loads((step_dir / "model.json").read_text())["family"] == family
+    assert not step_dir.with_name("step-7.tmp").exists()
+    loaded = load_model(step_dir)
+    assert not loaded.training and loaded.args == model.args
+    tokens = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens), model(tokens))
+    assert (loaded.output.weight is loaded.tok_embeddings.weight) == (family == "llama3.2")
+
+
+def test_run_directory_loads_its_newest_complete_step(tmp_path: Path):
+    run = tmp_path / "run"
+    old, new = _model("llama3", seed=0), _model("llama3", seed=1)
+    save_ember_checkpoint(old, "llama3", "debug", old.args, run / "checkpoints" / "step-9")
+    save_ember_checkpoint(new, "llama3", "debug", new.args, run / "checkpoints" / "step-10")  # 10 > 9, not "1" < "9"
+    (run / "checkpoints" / "step-11.tmp").mkdir()  # an interrupted save is not a checkpoint
+    (run / "checkpoints" / "step-12").mkdir()  # nor is a step without model.json
+    loaded = load_model(run)
+    assert torch.equal(loaded.layers["0"].attention.wq.weight, new.layers["0"].attention.wq.weight)
+
+
+def test_saving_over_a_step_replaces_it(tmp_path: Path):
+    step_dir = tmp_path / "step-1"
+    for seed in (0, 1):
+        model = _model("llama3", seed)
+        save_ember_checkpoint(model, "llama3", "debug", model.args, step_dir)
+    assert torch.equal(load_model(step_dir).norm.weight, model.norm.weight)
+    assert torch.equal(load_model(step_dir).output.weight, model.output.weight)
+
+
+def test_ember_checkpoint_loads_in_bf16(tmp_path: Path):
+    model = _model("llama3", seed=0)
+    save_ember_checkpoint(model, "llama3", "debug", model.args, tmp_path / "step-1")
+    loaded = load_model(tmp_path / "step-1", dtype=torch.bfloat16)
+    assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16} and loaded.rope_cos.dtype == torch.float32
+    assert torch.equal(loaded.output.weight, model.output.weight.bfloat16())
+
+
+def test_missing_and_garbage_paths(tmp_path: Path):
+    with pytest.raises(FileNotFoundError, match=r"^'.*nope' does not exist \(expected an ember run"):
+        load_model(tmp_path / "nope")
+    (tmp_path / "weights.bin").write_bytes(b"\x80")
+    with pytest.raises(ValueError, match="weights.bin' is a file"):
+        load_model(tmp_path / "weights.bin")
+    with pytest.raises(FileNotFoundError, match="holds no model"):
+        load_model(tmp_path)
+    (tmp_path / "checkpoints").mkdir()
+    with pytest.raises(FileNotFoundError, match="checkpoints' holds no complete checkpoint"):
+        load_model(tmp_path)
+
+
+def test_hf_directory_errors(tmp_path: Path):
+    config = tmp_path / "config.json"
+    config.write_text("{not json")
+    with pytest.raises(ValueError, match="config.json' is not readable JSON"):
+        load_model(tmp_path)
+    config.write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ValueError, match=r"config.json' describes model_type 'gpt2'.*only LlamaForCausalLM"):
+        load_model(tmp_path)
+    llama = hf.hf_config_from_args(build_model_args("llama3", "debug"))
+    config.write_text(json.dumps({**llama, "architectures": ["LlamaForSequenceClassification"]}))
+    with pytest.raises(ValueError, match="LlamaForSequenceClassification"):
+        load_model(tmp_path)
+    config.write_text(json.dumps(llama))
+    (tmp_path / "pytorch_model.bin").write_bytes(b"\x80")  # a pickle: refused, never opened
+    with pytest.raises(FileNotFoundError, match="no model.safetensors.*pytorch_model.bin, which ember does not unpickle"):
+        load_model(tmp_path)
+
+
+def test_hf_weights_that_do_not_fit_the_config(tmp_path: Path):
+    from safetensors.torch import save_file
+
+    args = build_model_args("llama3", "debug", {"n_layers": 1, "vocab_size": 64, "max_seq_len": 32})
+    state = hf.to_hf_state_dict(Transformer(args).state_dict(), args)
+    (tmp_path / "config.json").write_text(json.dumps(hf.hf_config_from_args(args)))
+    save_file({k: v for k, v in state.items() if k != "model.norm.weight"}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"the weights do not fit config.json: .*Missing key\(s\).*norm.weight"):
+        load_model(tmp_path)
+    save_file({**state, "model.layers.0.self_attn.q_norm.weight": torch.ones(32)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="q_norm.weight' is not a weight of LlamaForCausalLM"):
+        load_model(tmp_path)
