@@ -1,0 +1,150 @@
+"""Training tokens/s: ember vs transformers' LlamaForCausalLM, same config, batch, sequence and optimizer.
+
+Both sides run a full training step (forward, loss, backward, AdamW step) on the same random batch.
+ember runs its own Trainer.train_step; transformers runs `model(input_ids, labels=...)` the way its
+users train. Rounds alternate between the contestants so that drift of the machine (thermal, other
+load) hits both alike; the figure per contestant is the median over rounds.
+
+    python benchmarks/train_throughput.py                 # eager and compiled, prints a table
+    python benchmarks/train_throughput.py --no-compile --rounds 3 --steps 3
+
+Writes benchmarks/results/train_throughput-<device>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from datetime import date
+from pathlib import Path
+
+import torch
+
+from ember import config as config_lib
+from ember.models.llama.hf import hf_config_from_args
+from ember.train import Trainer
+
+
+def build_ember(overrides: list[str], compile_model: bool, out: str) -> tuple[str, callable]:
+    cfg = config_lib.load(
+        "debug", overrides + ["data.dataset=synthetic", "metrics.console=false", f"output_dir={out}", f"compile={compile_model}"]
+    )
+    trainer = Trainer(cfg)
+
+    def step(inputs: torch.Tensor, labels: torch.Tensor) -> float:
+        loss, _ = trainer.train_step([(inputs, labels)])
+        return loss
+
+    return trainer, step
+
+
+def build_hf(trainer: Trainer, compile_model: bool) -> callable:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf_config = LlamaConfig(**hf_config_from_args(trainer.model_args))
+    hf_config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(hf_config).train()
+    if compile_model:
+        for layer in model.model.layers:
+            layer.compile()
+    # The same optimizer ember builds (same implementation, groups and hyper-parameters), so that the
+    # comparison is of the model and loss code, not of an optimizer default.
+    from ember.optim import build_optimizer
+
+    optimizer = build_optimizer(model, trainer.cfg.optim, "cpu")
+    max_norm = trainer.cfg.optim.max_grad_norm
+
+    def step(inputs: torch.Tensor, labels: torch.Tensor) -> float:
+        # transformers' own loss path (ForCausalLMLoss); `shift_labels` hands it targets already
+        # aligned with the inputs, so both sides predict the same seq_len tokens.
+        loss = model(input_ids=inputs, labels=labels, shift_labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(loss)
+
+    return step
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per contestant per round")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args()
+
+    overrides = [
+        f"seq_len={args.seq_len}",
+        f"global_batch_size={args.batch}",
+        f"micro_batch_size={args.batch}",
+        f"model.vocab_size={args.vocab}",
+    ]
+    modes = [False] if args.no_compile else [False, True]
+    torch.manual_seed(0)
+    inputs = torch.randint(0, args.vocab, (args.batch, args.seq_len))
+    labels = torch.randint(0, args.vocab, (args.batch, args.seq_len))
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for compiled in modes:
+            trainer, ember_step = build_ember(overrides, compiled, tmp)
+            contestants = {"ember": ember_step, "transformers": build_hf(trainer, compiled)}
+            for step in contestants.values():  # warm-up (and compilation) outside the timing
+                for _ in range(2):
+                    step(inputs, labels)
+            times: dict[str, list[float]] = {name: [] for name in contestants}
+            for _ in range(args.rounds):
+                for name, step in contestants.items():
+                    t0 = time.perf_counter()
+                    for _ in range(args.steps):
+                        step(inputs, labels)
+                    times[name].append((time.perf_counter() - t0) / args.steps)
+            tokens = args.batch * args.seq_len
+            medians = {name: statistics.median(t) for name, t in times.items()}
+            for name, t in medians.items():
+                rows.append(
+                    {
+                        "contestant": name,
+                        "compiled": compiled,
+                        "step_time_s": t,
+                        "tokens_per_s": tokens / t,
+                        "ratio_vs_transformers": medians["transformers"] / t,
+                    }
+                )
+
+    print(f"\ntrain throughput, {platform.processor() or platform.machine()}, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads; llama3 debug (vocab {args.vocab}), batch {args.batch} x seq {args.seq_len}")
+    print(f"{'contestant':<14}{'compiled':<10}{'step s':>10}{'tokens/s':>12}{'vs HF':>8}")
+    for r in rows:
+        print(f"{r['contestant']:<14}{str(r['compiled']):<10}{r['step_time_s']:>10.4f}{r['tokens_per_s']:>12.0f}"
+              f"{r['ratio_vs_transformers']:>7.2f}x")
+    import transformers
+
+    result = {
+        "benchmark": "train_throughput",
+        "date": date.today().isoformat(),
+        "machine": f"{platform.machine()} CPU, {torch.get_num_threads()} threads",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "config": vars(args) | {"out": str(args.out)},
+        "rows": rows,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"train_throughput-{'cuda' if torch.cuda.is_available() else 'cpu'}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
