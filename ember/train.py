@@ -237,6 +237,9 @@ class Trainer:
                     window_time, window_steps, window_loss = 0.0, 0, 0.0
 
         val_loss = self.evaluate()
+        for loader in (self.train_loader, self.val_loader):
+            if loader is not None:
+                loader.close()  # stop the prefetch threads before the process moves on
         step_dir = self.output_dir / "checkpoints" / f"step-{self.step}"
         if self.is_main:
             save_ember_checkpoint(self.model, cfg.model.family, cfg.model.flavor, self.model_args, step_dir)
