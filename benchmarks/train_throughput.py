@@ -22,6 +22,7 @@ import tempfile
 import time
 from datetime import date
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -30,7 +31,7 @@ from ember.models.llama.hf import hf_config_from_args
 from ember.train import Trainer
 
 
-def build_ember(overrides: list[str], compile_model: bool, out: str) -> tuple[str, callable]:
+def build_ember(overrides: list[str], compile_model: bool, out: str) -> tuple[Trainer, Callable]:
     cfg = config_lib.load(
         "debug", overrides + ["data.dataset=synthetic", "metrics.console=false", f"output_dir={out}", f"compile={compile_model}"]
     )
@@ -43,7 +44,7 @@ def build_ember(overrides: list[str], compile_model: bool, out: str) -> tuple[st
     return trainer, step
 
 
-def build_hf(trainer: Trainer, compile_model: bool) -> callable:
+def build_hf(trainer: Trainer, compile_model: bool) -> Callable:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     hf_config = LlamaConfig(**hf_config_from_args(trainer.model_args))

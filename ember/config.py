@@ -142,7 +142,7 @@ def _explain(err: OmegaConfBaseException, schema: DictConfig, origin: str) -> Co
     """Turn an OmegaConf exception into the one-line message the CLI prints."""
     key = getattr(err, "full_key", None) or "?"
     where = f" in {origin}" if origin else ""
-    if isinstance(err, ConfigKeyError) or "not in" in str(err).split("\n")[0]:
+    if isinstance(err, ConfigKeyError):
         hint = difflib.get_close_matches(key, _all_keys(schema), n=1, cutoff=0.6)
         suffix = f" (did you mean '{hint[0]}'?)" if hint else ""
         return ConfigError(f"unknown config key '{key}'{suffix}{where}")

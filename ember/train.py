@@ -230,11 +230,12 @@ class Trainer:
                         "memory_gb": peak_memory_gb(self.device),
                         "tokens_seen": self.step * tokens_per_step,
                     }
-                    if cfg.eval_interval and self.step % cfg.eval_interval == 0:
-                        record["val_loss"] = self.evaluate()
                     logger.log(self.step, record)
                     history.append(record)
                     window_time, window_steps, window_loss = 0.0, 0, 0.0
+                # Validation on its own cadence, outside the timed window of the step it follows.
+                if cfg.eval_interval and self.step % cfg.eval_interval == 0 and self.step < cfg.max_steps:
+                    logger.log(self.step, {"step": self.step, "val_loss": self.evaluate()})
 
         val_loss = self.evaluate()
         for loader in (self.train_loader, self.val_loader):

@@ -102,3 +102,12 @@ def test_cli_end_to_end_writes_config_and_metrics(tmp_path: Path):
 def test_synthetic_dataset_trains_without_tokenizer(tmp_path: Path):
     trainer, summary, _ = _train(tmp_path, "max_steps=3", "data.dataset=synthetic")
     assert trainer.tokenizer is None and summary["steps"] == 3
+
+
+def test_eval_interval_runs_on_its_own_cadence(tmp_path: Path):
+    # eval_interval=2 with logging every 3 steps: validation at step 2 (and 4), then the final one at 5.
+    _, summary, records = _train(tmp_path, "max_steps=5", "logging_steps=3", "eval_interval=2", "eval_batches=2")
+    val_steps = [r["step"] for r in records if "val_loss" in r]
+    assert val_steps == [2, 4, 5]
+    assert [r["step"] for r in records if "loss" in r] == [3, 5]
+    assert all(math.isfinite(r["val_loss"]) for r in records if "val_loss" in r)
