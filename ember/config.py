@@ -40,6 +40,39 @@ class ModelConfig:
     norm_eps: Optional[float] = None
     rope_theta: Optional[float] = None
     max_seq_len: Optional[int] = None
+    # Activation checkpointing (rematerialisation), applied from outside the model (parallel/ac.py):
+    # none | full (every block) | selective (every remat_every-th block) | op (save matmul outputs,
+    # recompute the rest) | offload (keep activations in host memory)
+    remat: str = "none"
+    remat_every: int = 2
+
+
+@dataclass
+class MeshConfig:
+    """Parallel degrees along each axis; ici_mesh within a node, dcn_mesh across nodes. The DeviceMesh
+    has, per axis, dcn x ici devices with the dcn factor outermost. -1 on one axis: whatever is left."""
+
+    data: int = 1  # replicas (DDP-style; with fsdp > 1 this is HSDP's replicate axis)
+    fsdp: int = 1  # FSDP2 parameter/gradient/optimizer sharding
+    tensor: int = 1  # tensor parallel + sequence parallel
+    pipeline: int = 1  # pipeline stages
+    context: int = 1  # the sequence split across ranks
+    expert: int = 1  # expert parallel (mixture-of-experts models only)
+
+
+@dataclass
+class ParallelConfig:
+    """How the techniques of ici_mesh/dcn_mesh behave (ember/parallel/)."""
+
+    reshard_after_forward: bool = True  # FSDP: free gathered parameters after forward (ZeRO-3) or keep (ZeRO-2)
+    cpu_offload: bool = False  # FSDP: parameters, gradients and optimizer state in host memory
+    mixed_precision: bool = True  # FSDP: bf16 parameters with fp32 reductions when precision is bf16
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b
+    pp_microbatches: int = -1  # pipeline micro-batches per micro_batch_size; -1: one sequence each
+    pp_stages_per_rank: int = 1  # virtual stages per rank (interleaved_1f1b needs >= 2)
+    loss_parallel: bool = True  # with tensor > 1: cross-entropy on vocabulary-sharded logits
+    cp_impl: str = "auto"  # context parallel: auto | allgather (K/V all-gather) | ring (torch's, CUDA)
+    timeout_s: int = 600  # collective timeout: a rank that stops answering ends the job after this
 
 
 @dataclass
@@ -83,6 +116,13 @@ class MetricsConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    # Weights to start from instead of the random init: an ember checkpoint (checkpoints/step-N, or a
+    # run directory for its newest step), loaded and resharded onto whatever mesh this run uses.
+    init_from: Optional[str] = None
+
+
+@dataclass
 class JobConfig:
     seed: int = 0
     max_steps: int = 200
@@ -101,9 +141,17 @@ class JobConfig:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     data: DataConfig = field(default_factory=DataConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    ici_mesh: MeshConfig = field(default_factory=lambda: MeshConfig(fsdp=-1))
+    dcn_mesh: MeshConfig = field(default_factory=MeshConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
 PRECISIONS = ("auto", "fp32", "bf16")
+NOT_HYPERPARAMETERS = ("family", "flavor", "remat", "remat_every")  # model.* keys that are not model args
+REMAT_POLICIES = ("none", "full", "selective", "op", "offload")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+CP_IMPLS = ("auto", "allgather", "ring")
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -244,11 +292,16 @@ def validate(cfg: JobConfig, world_size: int = 1) -> None:
         raise ConfigError(f"optim.betas must be two numbers in [0, 1), got {list(cfg.optim.betas)}")
     if cfg.schedule.warmup_steps < 0:
         raise ConfigError(f"schedule.warmup_steps must be >= 0, got {cfg.schedule.warmup_steps}")
-    per_step = cfg.micro_batch_size * world_size
+    if cfg.model.remat not in REMAT_POLICIES:
+        raise ConfigError(f"model.remat '{cfg.model.remat}' is not one of {', '.join(REMAT_POLICIES)}")
+    if cfg.model.remat_every < 1:
+        raise ConfigError(f"model.remat_every must be >= 1, got {cfg.model.remat_every}")
+    shape = mesh_shape(cfg, world_size)
+    per_step = cfg.micro_batch_size * shape.dp
     if cfg.global_batch_size % per_step:
         raise ConfigError(
             f"global_batch_size={cfg.global_batch_size} is not divisible by micro_batch_size x data-parallel size "
-            f"= {cfg.micro_batch_size} x {world_size} = {per_step}; change global_batch_size or micro_batch_size"
+            f"= {cfg.micro_batch_size} x {shape.dp} = {per_step}; change global_batch_size or micro_batch_size"
         )
     try:
         args = build_model_args(cfg.model.family, cfg.model.flavor, model_overrides(cfg.model))
@@ -259,11 +312,78 @@ def validate(cfg: JobConfig, world_size: int = 1) -> None:
             f"seq_len={cfg.seq_len} exceeds the model's max_seq_len={args.max_seq_len} "
             f"({cfg.model.family} {cfg.model.flavor}); lower seq_len or set model.max_seq_len"
         )
+    _validate_parallel(cfg, shape, args)
+
+
+def mesh_shape(cfg: JobConfig, world_size: int) -> Any:
+    """The resolved ici x dcn degrees for `world_size` processes, or a ConfigError naming the numbers."""
+    from ember.parallel.mesh import MeshError, resolve_mesh
+
+    try:
+        return resolve_mesh(cfg.ici_mesh, cfg.dcn_mesh, world_size)
+    except MeshError as err:
+        raise ConfigError(str(err)) from None
+
+
+def _validate_parallel(cfg: JobConfig, shape: Any, args: Any) -> None:
+    par = cfg.parallel
+    tp, pp, cp = shape.degree("tensor"), shape.degree("pipeline"), shape.degree("context")
+    if shape.degree("expert") > 1:
+        raise ConfigError(
+            f"expert parallelism (expert={shape.degree('expert')}) needs a mixture-of-experts model; "
+            f"{cfg.model.family} has no experts: set ici_mesh.expert=1 and dcn_mesh.expert=1"
+        )
+    if tp > 1:
+        for what, n in (("model.n_heads", args.n_heads), ("model.n_kv_heads", args.kv_heads),
+                        ("the FFN hidden size", args.ffn_hidden_dim), ("seq_len", cfg.seq_len)):
+            if n % tp:
+                raise ConfigError(
+                    f"tensor-parallel degree {tp} does not divide {what}={n}; choose a tensor degree that divides it"
+                )
+    if cp > 1 and cfg.seq_len % (2 * cp):
+        raise ConfigError(
+            f"context-parallel degree {cp} needs seq_len divisible by 2 x {cp} = {2 * cp} (load-balanced "
+            f"head-tail chunks), got seq_len={cfg.seq_len}"
+        )
+    if par.cp_impl not in CP_IMPLS:
+        raise ConfigError(f"parallel.cp_impl '{par.cp_impl}' is not one of {', '.join(CP_IMPLS)}")
+    if par.pp_schedule not in PP_SCHEDULES:
+        raise ConfigError(f"parallel.pp_schedule '{par.pp_schedule}' is not one of {', '.join(PP_SCHEDULES)}")
+    if pp > 1:
+        stages = pp * par.pp_stages_per_rank
+        if par.pp_schedule == "interleaved_1f1b" and par.pp_stages_per_rank < 2:
+            raise ConfigError("parallel.pp_schedule=interleaved_1f1b needs parallel.pp_stages_per_rank >= 2")
+        if par.pp_schedule != "interleaved_1f1b" and par.pp_stages_per_rank != 1:
+            raise ConfigError(
+                f"parallel.pp_schedule={par.pp_schedule} runs one stage per rank; set parallel.pp_stages_per_rank=1 "
+                f"or use interleaved_1f1b"
+            )
+        if args.n_layers < stages:
+            raise ConfigError(
+                f"{stages} pipeline stages (pipeline={pp} x pp_stages_per_rank={par.pp_stages_per_rank}) need at "
+                f"least as many layers, got model.n_layers={args.n_layers}"
+            )
+        microbatches = cfg.micro_batch_size if par.pp_microbatches == -1 else par.pp_microbatches
+        if microbatches < 1 or cfg.micro_batch_size % microbatches:
+            raise ConfigError(
+                f"parallel.pp_microbatches={par.pp_microbatches} must divide micro_batch_size={cfg.micro_batch_size}"
+            )
+        if par.pp_schedule == "interleaved_1f1b" and microbatches % pp:
+            raise ConfigError(
+                f"interleaved_1f1b needs the pipeline micro-batches ({microbatches}) to be a multiple of pipeline={pp}"
+            )
+        if args.tie_embeddings:
+            raise ConfigError(
+                f"{cfg.model.family} {cfg.model.flavor} ties its embedding to its output projection, which pipeline "
+                f"stages split apart; use pipeline=1 (FSDP/TP scale it fine)"
+            )
+        if cp > 1:
+            raise ConfigError("context and pipeline parallelism together are not supported yet; set one of them to 1")
 
 
 def model_overrides(model: ModelConfig) -> dict[str, Any]:
     """The model.* fields the user set, to apply on top of the flavor's hyper-parameters."""
-    return {k: v for k, v in vars(model).items() if k not in ("family", "flavor") and v is not None}
+    return {k: v for k, v in vars(model).items() if k not in NOT_HYPERPARAMETERS and v is not None}
 
 
 def grad_accum_steps(cfg: JobConfig, dp_world: int) -> int:

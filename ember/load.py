@@ -64,15 +64,40 @@ def _quiet_dcp(fn, *args, **kwargs) -> None:
         fn(*args, **kwargs)
 
 
-def save_ember_checkpoint(model: nn.Module, family: str, flavor: str, args: Any, step_dir: Union[str, Path]) -> None:
+def model_state_dict(model: Union[nn.Module, list[nn.Module]]) -> dict[str, Any]:
+    """The state dict of a model, or of this rank's pipeline stages merged (their names do not overlap:
+    a stage keeps the whole model's names)."""
+    state: dict[str, Any] = {}
+    for part in model if isinstance(model, (list, tuple)) else [model]:
+        state.update(part.state_dict())
+    return state
+
+
+def load_weights(model: Union[nn.Module, list[nn.Module]], path: Union[str, Path]) -> Path:
+    """Load an ember checkpoint's weights (a step-N directory, or a run directory's newest) into `model`,
+    in place and resharded to its layout (DCP reads only the shards this rank needs). Returns the step dir."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint '{path}' does not exist; give a checkpoints/step-N or run directory")
+    step_dir = path if (path / MODEL_JSON).is_file() else _newest_step_dir(path) if (path / "checkpoints").is_dir() else None
+    if step_dir is None:
+        raise FileNotFoundError(f"'{path}' is neither an ember checkpoint (no {MODEL_JSON}) nor a run directory")
+    state = model_state_dict(model)
+    _quiet_dcp(dcp.load, {"model": state}, checkpoint_id=str(step_dir))
+    return step_dir
+
+
+def save_ember_checkpoint(model: Union[nn.Module, list[nn.Module]], family: str, flavor: str, args: Any,
+                          step_dir: Union[str, Path]) -> None:
     """Write model weights (DCP) and model.json to step_dir, via `step_dir.tmp` and a rename, so a
-    directory named step-N is always complete. Collective when torch.distributed is initialised."""
+    directory named step-N is always complete. Collective when torch.distributed is initialised;
+    `model` may be a list of pipeline stages."""
     step_dir = Path(step_dir)
     tmp = step_dir.with_name(step_dir.name + ".tmp")
     if _is_rank0():
         shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier save
     _barrier()
-    _quiet_dcp(dcp.save, {"model": model.state_dict()}, checkpoint_id=str(tmp))
+    _quiet_dcp(dcp.save, {"model": model_state_dict(model)}, checkpoint_id=str(tmp))
     if _is_rank0():  # DCP returns once every rank's shards and the metadata are written
         meta = {"family": family, "flavor": flavor, "args": dataclasses.asdict(args)}
         (tmp / MODEL_JSON).write_text(json.dumps(meta, indent=2) + "\n")

@@ -113,15 +113,33 @@ def build_lr_scheduler(
     return torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(lr_multiplier, cfg=cfg, max_steps=max_steps))
 
 
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, pp_mesh: Any = None) -> torch.Tensor:
     """The total L2 norm of the gradients (a 0-d tensor), after clipping them to max_norm when > 0.
 
-    max_norm <= 0 disables clipping but still measures, so the norm is logged either way. foreach=True
-    (as torchtitan): a few kernels per device and dtype instead of several per tensor, which is what
-    matters on GPUs; on this CPU the foreach and per-tensor paths measured the same (~13 ms for 9.3M
-    parameters in 62 tensors). It raises on device types without foreach kernels (not CPU or CUDA).
+    max_norm <= 0 disables clipping but still measures, so the norm is logged either way. Under FSDP and
+    TP the gradients are DTensors, and their norm is reduced over their own mesh (DTensor's Partial
+    placement does that); gradients on different meshes are measured apart and combined. Pipeline
+    stages hold different parameters, so their squared norms are summed over the pipeline group.
+    foreach=True (as torchtitan): a few kernels per device and dtype instead of several per tensor,
+    which is what matters on GPUs; on this CPU the foreach and per-tensor paths measured the same.
     """
+    from torch.distributed.tensor import DTensor
+
     params = [p for p in parameters if p.grad is not None]
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for p in params:
+        key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None
+        groups.setdefault(key, []).append(p)
+    squares = []
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type=2.0, foreach=True)
+        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)
+    device = params[0].grad.device if params else torch.device("cpu")
+    total_sq = torch.stack(squares).sum() if squares else torch.zeros((), device=device)
+    if pp_mesh is not None:
+        torch.distributed.all_reduce(total_sq, op=torch.distributed.ReduceOp.SUM, group=pp_mesh.get_group())
+    total = total_sq.sqrt()
     if max_norm > 0:
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
-    return torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0, foreach=True)
+        for group in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
+    return total

@@ -7,14 +7,17 @@ Loss and gradient-accumulation math live in `train_step` and nowhere else.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import math
 import os
 import time
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
@@ -23,10 +26,13 @@ from ember.config import ConfigError, JobConfig
 from ember.data.loader import build_loader
 from ember.data.tokenizer import build_tokenizer
 from ember.hardware import peak_flops
-from ember.load import save_ember_checkpoint
+from ember.load import load_weights, save_ember_checkpoint
 from ember.metrics import MetricsLogger, mfu, peak_memory_gb
 from ember.models import MODELS, build_model_args
 from ember.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
+from ember.parallel import cp as cp_lib
+from ember.parallel import pp as pp_lib
+from ember.parallel.mesh import ParallelMesh
 
 IGNORE_INDEX = -100  # label value that takes a token out of the loss (prompt tokens in SFT, padding)
 
@@ -51,24 +57,49 @@ def pick_compute_dtype(precision: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if bf16_ok else torch.float32
 
 
+def init_distributed(device: torch.device, timeout_s: int) -> None:
+    """Join the torchrun job: gloo on CPU, NCCL on CUDA (RCCL on ROCm). Idempotent. The timeout bounds
+    how long a rank waits on a peer that died, so a failure ends the job instead of hanging it."""
+    if dist.is_initialized():
+        return
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _is_dtensor(x: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(x, DTensor)
+
+
 class Trainer:
-    """Owns the model, optimizer, data and metrics of one run (a single process until the parallelism issue)."""
+    """Owns the model, optimizer, data and metrics of one run, on one process or as one rank of many."""
 
     def __init__(self, cfg: JobConfig, console: Optional[Console] = None):
         self.cfg = cfg
         # soft_wrap: a metrics line stays one line in logs and pipes, whatever the terminal width.
         self.console = console or Console(soft_wrap=True)
         self.rank, self.world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-        if self.world_size > 1:
-            raise ConfigError(
-                "multi-process training (torchrun) needs the ici_mesh/dcn_mesh sections, which are not in this "
-                "version; run a single process"
-            )
-        self.dp_rank, self.dp_world = 0, 1
         self.is_main = self.rank == 0
         self.device = pick_device(cfg.device)
+        if self.device.type == "cuda" and self.world_size > 1:
+            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         self.compute_dtype = pick_compute_dtype(cfg.precision, self.device)
         self.output_dir = Path(cfg.output_dir)
+
+        # The mesh: ici x dcn degrees checked against the world, then one DeviceMesh for the job.
+        shape = config_lib.mesh_shape(cfg, self.world_size)
+        self.mesh: Optional[ParallelMesh] = None
+        if self.world_size > 1:
+            init_distributed(self.device, cfg.parallel.timeout_s)
+            self.mesh = ParallelMesh(shape, self.device.type)
+        self.shape = shape
+        self.tp, self.pp, self.cp = shape.degree("tensor"), shape.degree("pipeline"), shape.degree("context")
+        # The loader reads by data-parallel coordinate: ranks of one replica (tensor, pipeline, context)
+        # read the same batch.
+        self.dp_rank, self.dp_world = (self.mesh.dp_rank if self.mesh else 0), shape.dp
         self.grad_accum = config_lib.grad_accum_steps(cfg, self.dp_world)
         torch.manual_seed(cfg.seed)
 
@@ -79,18 +110,57 @@ class Trainer:
         if cfg.data.dataset != "synthetic":
             self.tokenizer = build_tokenizer(cfg.data, self.model_args.vocab_size)
 
-        # Model: meta -> parallelize -> to_empty -> init_weights (so 405B never materialises on one host).
+        # Model: meta -> (pipeline split) -> parallelize -> to_empty -> init_weights, so 405B never
+        # materialises on one host. Each rank builds only its pipeline stages.
+        self.cp_impl = cfg.parallel.cp_impl
+        if self.cp_impl == "auto":
+            self.cp_impl = "ring" if self.device.type == "cuda" else "allgather"
+        if self.cp > 1 and self.cp_impl == "ring" and self.device.type != "cuda":
+            raise ConfigError("parallel.cp_impl=ring needs CUDA (SDPA's CPU kernel has no ring form); use allgather")
+        # FSDP's mixed precision (bf16 compute, fp32 gradient reduction) replaces autocast where FSDP runs.
+        self.fsdp_mixed = (self.mesh is not None and self.shape.grad_sync > 1 and cfg.parallel.mixed_precision
+                           and self.compute_dtype != torch.float32)
+        self.loss_parallel = self.tp > 1 and cfg.parallel.loss_parallel and self.pp == 1
         with torch.device("meta"):
-            model = spec.model_cls(self.model_args)
-        model = spec.parallelize(model, mesh=None, compile=cfg.compile)
-        model.to_empty(device=self.device)
-        with torch.no_grad():
-            model.init_weights()
-        self.model = model
+            whole = spec.model_cls(self.model_args)
+        self.num_params = sum(p.numel() for p in whole.parameters())
+        if self.pp > 1:
+            num_stages = self.pp * cfg.parallel.pp_stages_per_rank
+            ids = pp_lib.stage_ids(self.mesh.coordinate("pipeline"), self.pp, cfg.parallel.pp_stages_per_rank)
+            parts = [(sid, pp_lib.split_model(whole, sid, num_stages)) for sid in ids]
+        else:
+            num_stages, parts = 1, [(0, whole)]
+        for _, part in parts:
+            spec.parallelize(
+                part, self.mesh, compile=cfg.compile, remat=cfg.model.remat, remat_every=cfg.model.remat_every,
+                param_dtype=self.compute_dtype if self.fsdp_mixed else None,
+                reduce_dtype=torch.float32 if self.fsdp_mixed else None,
+                reshard_after_forward=cfg.parallel.reshard_after_forward, cpu_offload=cfg.parallel.cpu_offload,
+                loss_parallel=self.loss_parallel, cp_impl=self.cp_impl,
+            )
+            # With CPU offload FSDP keeps the sharded parameters in host memory and moves them itself.
+            part.to_empty(device="cpu" if cfg.parallel.cpu_offload else self.device)
+            with torch.no_grad():
+                part.init_weights(buffer_device=self.device)
+        self.model_parts: list[nn.Module] = [part for _, part in parts]
+        if cfg.checkpoint.init_from:
+            load_weights(self.model_parts, cfg.checkpoint.init_from)
+        # One module for the optimizer, clipping and `model.train()`: the model, or this rank's stages.
+        self.model = self.model_parts[0] if len(self.model_parts) == 1 else nn.ModuleList(self.model_parts)
         self.spec = spec
         self.flops_per_token = spec.flops_per_token(self.model_args, cfg.seq_len)
+        self.schedule = None
+        if self.pp > 1:
+            microbatches = cfg.micro_batch_size if cfg.parallel.pp_microbatches == -1 else cfg.parallel.pp_microbatches
+            self._pp_token_count = 1
+            self.schedule = pp_lib.build_schedule(
+                parts, num_stages, self.device, self.mesh.submesh("pipeline"), cfg.parallel.pp_schedule,
+                microbatches, self._pp_loss,
+            )
+            self.has_first_stage = 0 in [sid for sid, _ in parts]
+            self.has_last_stage = num_stages - 1 in [sid for sid, _ in parts]
 
-        self.optimizer = build_optimizer(model, cfg.optim, self.device.type)
+        self.optimizer = build_optimizer(self.model, cfg.optim, self.device.type)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.schedule, cfg.max_steps)
 
         loader_kwargs = dict(
@@ -112,54 +182,118 @@ class Trainer:
 
     # ---------------------------------------------------------------- one optimizer step
     def _autocast(self) -> contextlib.AbstractContextManager:
-        if self.compute_dtype == torch.float32:
+        if self.compute_dtype == torch.float32 or self.fsdp_mixed:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.compute_dtype)
 
-    def _loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        with self._autocast():
-            logits = self.model(inputs)  # (B, T, V)
+    def _loss_context(self) -> contextlib.AbstractContextManager:
+        # Cross-entropy on vocabulary-sharded logits, forward and backward, when tensor parallel.
+        if self.loss_parallel:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def _token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         # fp32 for the softmax over a large vocabulary: bf16 log-sum-exp loses the small probabilities.
         return F.cross_entropy(
             logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=IGNORE_INDEX, reduction="sum"
         )
 
+    def _pp_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self._token_loss_sum(logits, labels) / self._pp_token_count
+
+    def _all_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """Sum a scalar over every rank (a no-op on one process)."""
+        if self.mesh is not None:
+            dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        return value
+
+    def _global_token_count(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+        """Target tokens in the global batch: each replica's count, summed over the data-parallel ranks
+        (the tensor, pipeline and context ranks of a replica hold the same labels, so they divide out)."""
+        local = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in micro_batches)
+        total = self._all_sum(torch.tensor(float(local), device=self.device))
+        return round(float(total) / (self.tp * self.pp * self.cp))
+
+    def _forward_loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float,
+                          backward: bool) -> torch.Tensor:
+        """The summed token loss of this rank's share of one micro-batch, times `scale`; with
+        backward, its gradients too. Context parallelism cuts the sequence here."""
+        inputs = inputs.to(self.device, non_blocking=True)
+        labels = labels.to(self.device, non_blocking=True)
+        positions = None
+        ring = contextlib.nullcontext()
+        if self.cp > 1:
+            cp_rank = self.mesh.coordinate("context")
+            if self.cp_impl == "allgather":
+                positions = cp_lib.headtail_positions(inputs.shape[1], self.cp, cp_rank, self.device)
+                inputs = cp_lib.shard_sequence(inputs, self.cp, cp_rank)
+                labels = cp_lib.shard_sequence(labels, self.cp, cp_rank)
+            else:  # torch's ring attention shards these three in place for the duration
+                positions = torch.arange(inputs.shape[1], device=self.device)
+                ring = cp_lib.ring_context(self.mesh.submesh("context"), [inputs, labels, positions], [1, 1, 0],
+                                           {inputs, labels})
+        with ring, self._loss_context():
+            with self._autocast():
+                logits = self.model(inputs, positions)  # (B, T, V)
+            loss = self._token_loss_sum(logits, labels) * scale
+            if backward:
+                loss.backward()
+        return loss.full_tensor().detach() if _is_dtensor(loss) else loss.detach()
+
+    def _pipeline_loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float,
+                           backward: bool) -> torch.Tensor:
+        """The same through the pipeline schedule: the last stage computes the loss per pipeline
+        micro-batch; other stages report 0."""
+        self._pp_token_count = 1.0 / scale
+        args = (inputs.to(self.device),) if self.has_first_stage else ()
+        losses: list[torch.Tensor] = []
+        run = self.schedule.step if backward else self.schedule.eval
+        run(*args, target=labels.to(self.device), losses=losses)
+        if self.has_last_stage and losses:
+            return torch.stack([l.detach() for l in losses]).sum()
+        return torch.zeros((), device=self.device)
+
     def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
-        """Forward/backward over the micro-batches of one global batch, clip, step.
+        """Forward/backward over this rank's micro-batches of one global batch, clip, step.
 
         The loss is the mean over every target token of the global batch: each micro-batch contributes
         its *sum* of token losses divided by the global token count, so unequal micro-batches (masked
-        labels) weigh correctly and gradient accumulation needs no extra scaling.
+        labels) weigh correctly, gradient accumulation needs no extra scaling, and data-parallel
+        gradient reductions sum (parallel/fsdp.py) instead of averaging.
         """
         self.model.train()
-        n_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in micro_batches)
+        n_tokens = self._global_token_count(micro_batches)
         loss_total = torch.zeros((), device=self.device)
+        step_fn = self._pipeline_loss_sum if self.schedule is not None else self._forward_loss_sum
         for inputs, labels in micro_batches:
-            inputs = inputs.to(self.device, non_blocking=True)
-            labels = labels.to(self.device, non_blocking=True)
-            loss = self._loss_sum(inputs, labels) / max(n_tokens, 1)
-            loss.backward()
-            loss_total += loss.detach()
-        grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.optim.max_grad_norm)
+            loss_total += step_fn(inputs, labels, 1.0 / max(n_tokens, 1), backward=True)
+        grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.optim.max_grad_norm,
+                                    pp_mesh=self.mesh.submesh("pipeline") if self.mesh else None)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
-        return float(loss_total), float(grad_norm)
+        # Every rank's share summed; tensor-parallel ranks each hold the whole replica's loss.
+        loss = self._all_sum(loss_total) / self.tp
+        return float(loss), float(grad_norm)
 
     @torch.no_grad()
     def evaluate(self) -> Optional[float]:
-        if self.val_loader is None:
+        if self.val_loader is None or (self.schedule is not None and not hasattr(self.schedule, "eval")):
             return None
         self.model.eval()
-        loss_sum, n_tokens = 0.0, 0
         self.val_loader.reset()  # the same validation batches every time, so evaluations compare
         val_iter = iter(self.val_loader)
-        for _ in range(self.cfg.eval_batches):
-            inputs, labels = next(val_iter)
-            loss_sum += float(self._loss_sum(inputs.to(self.device), labels.to(self.device)))
-            n_tokens += int((labels != IGNORE_INDEX).sum())
+        batches = [next(val_iter) for _ in range(self.cfg.eval_batches)]
+        n_tokens = self._global_token_count(batches)
+        loss_fn = self._pipeline_loss_sum if self.schedule is not None else self._forward_loss_sum
+        loss_sum = torch.zeros((), device=self.device)
+        for inputs, labels in batches:
+            loss_sum += loss_fn(inputs, labels, 1.0 / max(n_tokens, 1), backward=False)
         self.model.train()
-        return loss_sum / max(n_tokens, 1)
+        return float(self._all_sum(loss_sum) / self.tp)
 
     # ---------------------------------------------------------------- the loop
     def _global_batches(self) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -242,8 +376,7 @@ class Trainer:
             if loader is not None:
                 loader.close()  # stop the prefetch threads before the process moves on
         step_dir = self.output_dir / "checkpoints" / f"step-{self.step}"
-        if self.is_main:
-            save_ember_checkpoint(self.model, cfg.model.family, cfg.model.flavor, self.model_args, step_dir)
+        save_ember_checkpoint(self.model_parts, cfg.model.family, cfg.model.flavor, self.model_args, step_dir)
         summary = {
             "first_loss": first_loss,
             "final_loss": history[-1]["loss"] if history else None,
@@ -267,14 +400,15 @@ class Trainer:
         if not (self.is_main and self.cfg.metrics.console):
             return
         cfg, args = self.cfg, self.model_args
-        n_params = sum(p.numel() for p in self.model.parameters())
+        n_params = self.num_params
         dtype = str(self.compute_dtype).replace("torch.", "")
         tok = f"tokenizer vocab {self.tokenizer.vocab_size}" if self.tokenizer else "synthetic tokens"
         self.console.print(
             f"[bold]ember train[/bold] {cfg.model.family} {cfg.model.flavor}: {n_params:,} params, "
             f"{args.n_layers} layers, dim {args.dim}, {tok} | {self.device.type} {dtype} | "
             f"global batch {cfg.global_batch_size} x seq {cfg.seq_len} "
-            f"(micro {cfg.micro_batch_size} x accum {self.grad_accum}) | peak {self._peak_str()} | "
+            f"(micro {cfg.micro_batch_size} x accum {self.grad_accum}) | mesh {self.shape.describe()} | "
+            f"peak {self._peak_str()} | "
             f"output {self.output_dir}"
         )
 

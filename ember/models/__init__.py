@@ -16,7 +16,7 @@ class ModelSpec:
     flavors: dict[str, Any]  # flavor name -> args dataclass
     model_cls: type  # model_cls(args) -> nn.Module; build it on the meta device
     args_cls: type
-    parallelize: Callable  # parallelize(model, mesh, *, compile) -> model
+    parallelize: Callable  # parallelize(model, mesh, *, compile, remat, ...) -> model, in place
     flops_per_token: Callable[[Any, int], float]  # (args, seq_len) -> training FLOPs per token
     hf: ModuleType  # config and weight mapping to and from Hugging Face
 

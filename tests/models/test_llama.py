@@ -204,8 +204,6 @@ def test_parallelize_compile_keeps_parameter_names():
     assert parallelize(model, compile=True) is model
     assert [k for k, _ in model.named_parameters()] == names
     assert all(block._compiled_call_impl is not None for block in model.layers.values())
-    with pytest.raises(NotImplementedError):
-        parallelize(model, mesh=object())
 
 
 def test_blocks_trace_as_one_graph():

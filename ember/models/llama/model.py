@@ -9,7 +9,7 @@ maps Hugging Face weights (whose RoPE pairs dimension k with k + head_dim/2) ont
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +51,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return rotated.flatten(-2).type_as(x)  # (B, T, H, D)
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention of q: (B, n_heads, T, head_dim) over k, v: (B, n_kv_heads, T, head_dim)."""
+    # enable_gqa shares each K/V head with its group of query heads inside SDPA. On CPU (torch 2.13,
+    # debug shape B=16 T=256, 8/4 heads of 32) it beat repeat_interleave copies: 224 vs 300 ms
+    # forward+backward, 40 vs 64 ms forward; also at B=1 T=2048 (458 vs 492 ms).
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -74,18 +82,19 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=False)
+        # The attention kernel, (q, k, v) -> out over (B, heads, T, head_dim). A plain attribute so that
+        # context parallelism can swap in its distributed form from outside (ember/parallel/cp.py).
+        self.attention_fn: Callable[..., torch.Tensor] = causal_attention
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.wq(x).view(B, T, self.n_heads, self.head_dim)  # (B, T, n_heads, head_dim)
-        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, n_kv_heads, head_dim)
-        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, n_kv_heads, head_dim)
+        # -1 heads, not n_heads: under tensor parallelism each rank holds n_heads / tp of them.
+        q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, n_heads, head_dim)
+        k = self.wk(x).view(B, T, -1, self.head_dim)  # (B, T, n_kv_heads, head_dim)
+        v = self.wv(x).view(B, T, -1, self.head_dim)  # (B, T, n_kv_heads, head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, head_dim), the layout SDPA takes
-        # enable_gqa shares each K/V head with its group of query heads inside SDPA. On CPU (torch 2.13,
-        # debug shape B=16 T=256, 8/4 heads of 32) it beat repeat_interleave copies: 224 vs 300 ms
-        # forward+backward, 40 vs 64 ms forward; also at B=1 T=2048 (458 vs 492 ms).
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
+        out = self.attention_fn(q, k, v)  # (B, n_heads, T, head_dim)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))  # (B, T, n_heads * head_dim) -> (B, T, dim)
 
     def init_weights(self, out_std: float) -> None:
@@ -154,12 +163,17 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """positions: (T,) the position of each of the T tokens, default 0..T-1. Context parallelism
+        passes the positions of its slice of the sequence."""
         T = tokens.shape[1]
-        if T > self.rope_cos.shape[0]:
-            raise ValueError(f"sequence length {T} exceeds max_seq_len={self.rope_cos.shape[0]}")
+        if positions is None:
+            if T > self.rope_cos.shape[0]:
+                raise ValueError(f"sequence length {T} exceeds max_seq_len={self.rope_cos.shape[0]}")
+            cos, sin = self.rope_cos[:T], self.rope_sin[:T]  # (T, head_dim // 2)
+        else:
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # (T, head_dim // 2)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (B, T, dim)
-        cos, sin = self.rope_cos[:T], self.rope_sin[:T]  # (T, head_dim // 2)
         for layer in self.layers.values():
             h = layer(h, cos, sin)
         h = self.norm(h) if self.norm is not None else h

@@ -1,15 +1,50 @@
-"""How the Llama family is parallelised, applied from outside the model.
-
-This version compiles each transformer block. Tensor/sequence parallelism, activation checkpointing
-and FSDP2 join here as small `apply_*` functions, called by `parallelize` in the order of
-ARCHITECTURE.md: TP -> AC -> compile -> FSDP.
+"""How the Llama family is parallelised, applied from outside the model, in the order of ARCHITECTURE.md:
+TP/SP -> CP -> activation checkpointing -> compile per block -> FSDP2. (Pipeline splitting happens
+before, in the trainer: each stage is a Transformer holding some layers, parallelised the same way.)
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
+import torch
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+
+from ember.parallel.ac import apply_ac
+from ember.parallel.cp import apply_cp
+from ember.parallel.fsdp import apply_fsdp
+from ember.parallel.tp import apply_tp
+
+
+def tp_plan(loss_parallel: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(model-level plan, per-block plan). Between blocks the residual stream is sharded on the sequence
+    (sequence parallel: norms run on T/tp tokens); attention and FFN gather it, split heads / hidden
+    units column-wise, and reduce-scatter back to sequence shards in their row-wise output projection
+    (Megatron-LM; Korthikanti et al. 2022 for the sequence-parallel part)."""
+    top = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        # Loss parallel: logits stay sharded over the vocabulary and cross-entropy runs on the shards.
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                  use_local_output=not loss_parallel),
+    }
+    block = {
+        "attention_norm": SequenceParallel(),
+        # (x, cos, sin): x arrives sequence-sharded and is gathered; the RoPE tables are plain tensors.
+        "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        "feed_forward.w3": ColwiseParallel(),
+    }
+    return top, block
 
 
 def apply_compile(model: nn.Module) -> None:
@@ -20,10 +55,33 @@ def apply_compile(model: nn.Module) -> None:
         block.compile(fullgraph=True)
 
 
-def parallelize(model: nn.Module, mesh: Optional[Any] = None, *, compile: bool = False) -> nn.Module:
-    """Apply this family's parallelism and compilation to `model` (built on meta or a device), in place."""
-    if mesh is not None:
-        raise NotImplementedError("parallelising over a DeviceMesh is not implemented yet in ember")
+def parallelize(
+    model: nn.Module,
+    mesh: Optional[Any] = None,
+    *,
+    compile: bool = False,
+    remat: str = "none",
+    remat_every: int = 2,
+    param_dtype: Optional[torch.dtype] = None,
+    reduce_dtype: Optional[torch.dtype] = None,
+    reshard_after_forward: bool = True,
+    cpu_offload: bool = False,
+    loss_parallel: bool = True,
+    cp_impl: str = "allgather",
+) -> nn.Module:
+    """Apply this family's parallelism to `model` (built on meta), in place. `mesh` is an
+    ember.parallel.mesh.ParallelMesh, or None for a single device."""
+    tp_mesh = mesh.submesh("tensor") if mesh is not None else None
+    cp_mesh = mesh.submesh("context") if mesh is not None else None
+    fsdp_mesh = mesh.fsdp_mesh() if mesh is not None else None
+    if tp_mesh is not None:
+        apply_tp(model, tp_mesh, *tp_plan(loss_parallel))
+    if cp_mesh is not None:
+        apply_cp(model, cp_mesh, cp_impl)
+    apply_ac(model, remat, remat_every)
     if compile:
         apply_compile(model)
+    if fsdp_mesh is not None:
+        apply_fsdp(model, fsdp_mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                   reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload)
     return model

@@ -1,0 +1,47 @@
+"""FSDP2 (`fully_shard`) per block, on the embeddings, on the final norm + output, and on the root."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+
+def apply_fsdp(
+    model: nn.Module,
+    mesh: Any,
+    *,
+    param_dtype: Optional[torch.dtype] = None,
+    reduce_dtype: Optional[torch.dtype] = None,
+    reshard_after_forward: bool = True,
+    cpu_offload: bool = False,
+) -> None:
+    """Shard `model` (a whole model or a pipeline stage of one) over `mesh`, in place.
+
+    A 2-D mesh (replicate, shard) gives HSDP: gradients are reduce-scattered within a shard group and
+    all-reduced across replicas. Each block is its own unit so only one block's parameters are gathered
+    at a time; the embedding, and the final norm with the output projection, are units of their own.
+    A tied embedding/output matrix is left to the root unit, since one parameter cannot live in two.
+    """
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    common = dict(mesh=mesh, mp_policy=mp, offload_policy=offload)
+    tied = getattr(model.args, "tie_embeddings", False)
+    if model.tok_embeddings is not None and not tied:
+        fully_shard(model.tok_embeddings, reshard_after_forward=reshard_after_forward, **common)
+    for block in model.layers.values():
+        fully_shard(block, reshard_after_forward=reshard_after_forward, **common)
+    head = [m for m in (model.norm, model.output) if m is not None]
+    if head and not tied:
+        # Not resharded after forward: backward starts here at once and would gather it straight back.
+        fully_shard(head, reshard_after_forward=False, **common)
+    fully_shard(model, reshard_after_forward=reshard_after_forward, **common)
+    # ember's loss is already the mean over the global batch's tokens (train.py divides by the global
+    # token count), so the gradient reductions must sum, not average. gloo has no PREMUL_SUM, so the
+    # reductions are forced to plain sums as well.
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)

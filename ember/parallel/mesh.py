@@ -1,0 +1,146 @@
+"""ici_mesh / dcn_mesh -> one DeviceMesh, and the sub-meshes each technique works on.
+
+Every parallel axis has a degree dcn x ici. The DeviceMesh lays ranks out node-major (torchrun numbers
+a node's processes consecutively) with, on each axis, the dcn factor outermost: the coordinate along
+an axis is dcn_coord * ici + ici_coord, so the groups of an axis that is ici-only stay inside a node
+and only the dcn part of an axis crosses the slow network (MaxText's ici/dcn split). Axes of degree 1
+are left out of the DeviceMesh (no process groups for them), as in torchtitan.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+# Outermost to innermost: the innermost axes get neighbouring ranks, so tensor parallelism (the most
+# traffic) runs between processes of one node, then context, then FSDP; pipeline traffic (the least) is outermost.
+AXES = ("pipeline", "data", "fsdp", "context", "expert", "tensor")
+
+
+class MeshError(ValueError):
+    """The mesh does not fit the world; config.validate turns this into a one-line ConfigError."""
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    """The resolved degree of every axis, split into its across-node (dcn) and within-node (ici) factors."""
+
+    ici: dict[str, int]
+    dcn: dict[str, int]
+
+    def degree(self, axis: str) -> int:
+        return self.ici[axis] * self.dcn[axis]
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.degree(a) for a in AXES)
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: how many different micro-batches are read at once (data x fsdp)."""
+        return self.degree("data") * self.degree("fsdp")
+
+    @property
+    def grad_sync(self) -> int:
+        """Ranks whose gradients FSDP reduces: data x fsdp x context (context shares the FSDP group)."""
+        return self.dp * self.degree("context")
+
+    def describe(self) -> str:
+        parts = [f"{a}={self.degree(a)}" for a in AXES if self.degree(a) > 1]
+        return " x ".join(parts) if parts else "single device"
+
+
+def _axes(section: Any) -> dict[str, int]:
+    return {axis: int(getattr(section, axis)) for axis in AXES}
+
+
+def resolve_mesh(ici_section: Any, dcn_section: Any, world_size: int) -> MeshShape:
+    """Fill in the one -1 axis and check that the axes multiply to the world size."""
+    ici, dcn = _axes(ici_section), _axes(dcn_section)
+    free = [(name, axis) for name, mesh in (("ici_mesh", ici), ("dcn_mesh", dcn)) for axis, v in mesh.items() if v == -1]
+    for name, mesh in (("ici_mesh", ici), ("dcn_mesh", dcn)):
+        for axis, value in mesh.items():
+            if value == 0 or value < -1:
+                raise MeshError(f"{name}.{axis}={value}: a degree must be a positive integer or -1 (whatever is left)")
+    if len(free) > 1:
+        names = ", ".join(f"{n}.{a}" for n, a in free)
+        raise MeshError(f"only one axis may be -1, but {names} are; set all but one of them")
+    fixed = math.prod(v for mesh in (ici, dcn) for v in mesh.values() if v != -1)
+    if free:
+        name, axis = free[0]
+        if world_size % fixed:
+            raise MeshError(
+                f"the world size {world_size} is not divisible by the product of the other mesh axes ({fixed}), "
+                f"so {name}.{axis}=-1 cannot fill it; change the degrees or the number of processes"
+            )
+        (ici if name == "ici_mesh" else dcn)[axis] = world_size // fixed
+    shape = MeshShape(ici=ici, dcn=dcn)
+    if shape.world_size != world_size:
+        product = " x ".join(f"{a}={shape.degree(a)}" for a in AXES if shape.degree(a) > 1) or "1"
+        raise MeshError(
+            f"ici_mesh x dcn_mesh = {product} = {shape.world_size} devices, but the world size is {world_size}; "
+            f"make the axes multiply to the number of processes (or set one axis to -1)"
+        )
+    return shape
+
+
+class ParallelMesh:
+    """The job's DeviceMesh and the sub-meshes that FSDP, TP, PP and CP take (None: that axis is 1)."""
+
+    def __init__(self, shape: MeshShape, device_type: str):
+        from torch.distributed.device_mesh import DeviceMesh
+
+        self.shape = shape
+        # FSDP needs a replicate x shard mesh for HSDP; with data > 1 the fsdp axis is kept even at
+        # degree 1 so that pure data parallelism is FSDP's replicate-only (DDP-style) form.
+        keep = {a for a in AXES if shape.degree(a) > 1}
+        if "data" in keep:
+            keep.add("fsdp")
+        self.names = tuple(a for a in AXES if a in keep)
+        dcn = [shape.dcn[a] for a in self.names]
+        ici = [shape.ici[a] for a in self.names]
+        n = len(self.names)
+        # Rank = node * ranks_per_node + local rank; node and local rank unravel over dcn and ici degrees.
+        ranks = torch.arange(shape.world_size).reshape(dcn + ici)
+        interleaved = [i for pair in zip(range(n), range(n, 2 * n)) for i in pair]  # (dcn_a, ici_a, dcn_b, ...)
+        ranks = ranks.permute(interleaved).reshape([d * i for d, i in zip(dcn, ici)])
+        self.mesh = DeviceMesh(device_type, ranks, mesh_dim_names=self.names)
+        self._flattened: dict[tuple[str, ...], Any] = {}
+
+    def has(self, axis: str) -> bool:
+        return axis in self.names
+
+    def coordinate(self, axis: str) -> int:
+        return self.mesh.get_coordinate()[self.names.index(axis)] if self.has(axis) else 0
+
+    def submesh(self, *axes: str) -> Optional[Any]:
+        """The mesh over `axes` (those of degree > 1), several axes flattened into one; None if none."""
+        present = tuple(a for a in axes if self.has(a) and self.shape.degree(a) > 1)
+        if not present:
+            return None
+        if len(present) == 1:
+            return self.mesh[present[0]]
+        if present not in self._flattened:
+            self._flattened[present] = self.mesh[present]._flatten("_".join(present))
+        return self._flattened[present]
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's index among the data-parallel readers (data x fsdp); tensor, pipeline and context
+        ranks of one replica read the same batch."""
+        return self.coordinate("data") * self.shape.degree("fsdp") + self.coordinate("fsdp")
+
+    def fsdp_mesh(self) -> Optional[Any]:
+        """FSDP's mesh: (data, fsdp x context) for HSDP / replicate, fsdp x context for FSDP, None if no
+        gradients need reducing. Context ranks hold the same parameters, so they shard them too."""
+        if self.shape.grad_sync == 1:
+            return None
+        if not self.has("data"):
+            return self.submesh("fsdp", "context")
+        shard = tuple(a for a in ("fsdp", "context") if self.shape.degree(a) > 1) or ("fsdp",)
+        if len(shard) > 1 and shard not in self._flattened:
+            self._flattened[shard] = self.mesh[shard]._flatten("_".join(shard))
+        return self.mesh[("data", "_".join(shard))]
