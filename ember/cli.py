@@ -1,6 +1,8 @@
 """The `ember` command.
 
     ember train [RECIPE] [key=value ...]     train (RECIPE: a built-in name or a YAML path; default debug)
+    ember train --nproc-per-node N [--nnodes M --node-rank R --rdzv-endpoint HOST:PORT] [RECIPE] [key=value ...]
+                                             the same, as N processes per node through torch.distributed.run
     ember recipes                            the built-in recipes with their parameter counts
 
 User errors (a bad key, value, path or combination) print one line on stderr and exit with 2.
@@ -9,6 +11,7 @@ User errors (a bad key, value, path or combination) print one line on stderr and
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Optional
 
@@ -22,30 +25,126 @@ def _fail(message: str) -> int:
     return EXIT_USAGE
 
 
+LAUNCH_FLAGS = ("--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint")
+TRAIN_USAGE = """usage: ember train [--nproc-per-node N [--nnodes M --node-rank R --rdzv-endpoint HOST:PORT]] [RECIPE] [key=value ...]
+  RECIPE: a built-in recipe (see `ember recipes`) or a YAML path; default debug
+  --nproc-per-node etc.: start N processes per node through torch.distributed.run (torchrun), which
+  is the same as `torchrun --nproc-per-node N -m ember train ...`"""
+
+
+def _split_launch_flags(argv: list[str]) -> tuple[dict[str, str], list[str]]:
+    """Leading launcher flags (`--flag value` or `--flag=value`), and the rest."""
+    flags: dict[str, str] = {}
+    rest = list(argv)
+    while rest and rest[0].startswith("--"):
+        name, eq, value = rest.pop(0).partition("=")
+        name = name.replace("_", "-")
+        if name not in LAUNCH_FLAGS:
+            raise ConfigError(f"unknown option '{name}' for ember train (options: {', '.join(LAUNCH_FLAGS)})")
+        if not eq:
+            if not rest:
+                raise ConfigError(f"option {name} needs a value")
+            value = rest.pop(0)
+        flags[name] = value
+    return flags, rest
+
+
+def _positive_int(flags: dict[str, str], name: str, default: int) -> int:
+    try:
+        value = int(flags.get(name, default))
+    except ValueError:
+        raise ConfigError(f"{name} must be an integer, got '{flags[name]}'") from None
+    if value < 1:
+        raise ConfigError(f"{name} must be >= 1, got {value}")
+    return value
+
+
+def _launch(flags: dict[str, str], train_argv: list[str], recipe: str, overrides: list[str]) -> int:
+    """Validate the config for the whole job, then start it through torch.distributed.run."""
+    from ember import config as config_lib
+
+    nproc = _positive_int(flags, "--nproc-per-node", 1)
+    nnodes = _positive_int(flags, "--nnodes", 1)
+    if nnodes > 1 and "--rdzv-endpoint" not in flags:
+        raise ConfigError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the node of rank 0) and --node-rank")
+    node_rank = int(flags.get("--node-rank", 0)) if flags.get("--node-rank", "0").isdigit() else -1
+    if not 0 <= node_rank < nnodes:
+        raise ConfigError(f"--node-rank must be in [0, {nnodes}), got {flags.get('--node-rank')}")
+    config_lib.load(recipe, overrides, world_size=nproc * nnodes)  # fail here, before any process starts
+    run_args = ["--nproc-per-node", str(nproc), "--nnodes", str(nnodes)]
+    if nnodes > 1:
+        run_args += ["--node-rank", str(node_rank), "--rdzv-backend", "c10d",
+                     "--rdzv-endpoint", flags["--rdzv-endpoint"], "--rdzv-id", "ember"]
+    else:
+        run_args += ["--standalone"]
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun_main
+
+    try:
+        torchrun_main(run_args + ["-m", "ember", "train", *train_argv])
+    except ChildFailedError as err:
+        failures = ", ".join(f"rank {f.rank} (exit {f.exitcode})" for f in err.failures.values())
+        print(f"error: the job failed on {failures}; each rank's error is printed above", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _report_rank_failure(err: BaseException) -> int:
+    """Print an exception with the rank it happened on; torchrun then stops the other ranks."""
+    import traceback
+
+    rank = os.environ.get("RANK", "0")
+    for line in traceback.format_exception(err):
+        for part in line.rstrip("\n").split("\n"):
+            print(f"[rank {rank}] {part}", file=sys.stderr)
+    print(f"error: [rank {rank}] {type(err).__name__}: {err}", file=sys.stderr)
+    return 1
+
+
 def cmd_train(argv: list[str]) -> int:
     from ember import config as config_lib
 
     if argv[:1] in (["-h"], ["--help"]):
-        print("usage: ember train [RECIPE] [key=value ...]\n  RECIPE: a built-in recipe (see `ember recipes`) or a YAML path; default debug")
+        print(TRAIN_USAGE)
         return 0
+    try:
+        flags, argv = _split_launch_flags(argv)
+    except ConfigError as err:
+        return _fail(str(err))
     recipe, overrides = "debug", list(argv)
     if overrides and "=" not in overrides[0]:
         recipe = overrides.pop(0)
     for item in overrides:
         if "=" not in item:
             return _fail(f"expected key=value after the recipe, got '{item}' (e.g. ember train debug max_steps=50)")
+    if flags:
+        try:
+            return _launch(flags, argv, recipe, overrides)
+        except ConfigError as err:
+            return _fail(str(err))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
     try:
-        cfg = config_lib.load(recipe, overrides)
+        cfg = config_lib.load(recipe, overrides, world_size=world_size)
         from ember.train import Trainer  # imported after validation so config errors come back at once
 
         trainer = Trainer(cfg)
     except ConfigError as err:
-        return _fail(str(err))
+        return _fail(str(err) if world_size == 1 else f"[rank {os.environ.get('RANK', 0)}] {err}")
     except (FileNotFoundError, ValueError) as err:
         # Raised while building data, tokenizer and model from user input: the message names the
         # file or key and the fix; a traceback would only bury it.
         return _fail(str(err).splitlines()[0] if str(err) else type(err).__name__)
-    trainer.train()
+    try:
+        trainer.train()
+    except Exception as err:
+        if world_size == 1:
+            raise
+        return _report_rank_failure(err)
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
     return 0
 
 

@@ -135,7 +135,7 @@ class JobConfig:
     precision: str = "auto"  # auto (bf16 where supported, fp32 on CPU) | fp32 | bf16
     device: str = "auto"  # auto | cpu | cuda
     eval_interval: int = 0  # validation loss every N steps (0: only at the end)
-    eval_batches: int = 8
+    eval_batches: int = 8  # global batches of validation data per evaluation
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)

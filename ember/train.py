@@ -117,6 +117,9 @@ class Trainer:
             self.cp_impl = "ring" if self.device.type == "cuda" else "allgather"
         if self.cp > 1 and self.cp_impl == "ring" and self.device.type != "cuda":
             raise ConfigError("parallel.cp_impl=ring needs CUDA (SDPA's CPU kernel has no ring form); use allgather")
+        if cfg.parallel.cpu_offload and (self.device.type != "cuda" or shape.grad_sync == 1):
+            raise ConfigError("parallel.cpu_offload moves FSDP-sharded parameters and optimizer state from the GPU "
+                              "to host memory; it needs device=cuda and a data/fsdp axis > 1 (on CPU they are already there)")
         # FSDP's mixed precision (bf16 compute, fp32 gradient reduction) replaces autocast where FSDP runs.
         self.fsdp_mixed = (self.mesh is not None and self.shape.grad_sync > 1 and cfg.parallel.mixed_precision
                            and self.compute_dtype != torch.float32)
@@ -140,9 +143,8 @@ class Trainer:
             )
             # With CPU offload FSDP keeps the sharded parameters in host memory and moves them itself.
             part.to_empty(device="cpu" if cfg.parallel.cpu_offload else self.device)
-            with torch.no_grad():
-                part.init_weights(buffer_device=self.device)
         self.model_parts: list[nn.Module] = [part for _, part in parts]
+        self._init_weights(spec)
         if cfg.checkpoint.init_from:
             load_weights(self.model_parts, cfg.checkpoint.init_from)
         # One module for the optimizer, clipping and `model.train()`: the model, or this rank's stages.
@@ -179,6 +181,35 @@ class Trainer:
         peak = peak_flops(self.device, self.compute_dtype, cfg.metrics.peak_tflops)
         self.peak_flops, self.peak_source = peak.value_flops, peak.source
         self.step = 0
+
+    @torch.no_grad()
+    def _init_weights(self, spec: Any) -> None:
+        """Random init of this rank's (sharded) parameters, seeded by `seed`."""
+        torch.manual_seed(self.cfg.seed)
+        if self.mesh is None or self.device.type != "cpu":
+            # On CUDA, DTensor's offset-based RNG gives each shard its own part of one random stream.
+            for part in self.model_parts:
+                part.init_weights(buffer_device=self.device)
+            return
+        # On a CPU mesh, DTensor random ops draw the same numbers on every rank (CPU generators have no
+        # offsets), so FSDP/TP shards would be copies of one another. Initialise one full copy instead
+        # and keep this rank's shard: the values a single process would have, whatever the layout.
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        with torch.device("meta"):
+            full = spec.model_cls(self.model_args)
+        full.to_empty(device="cpu")
+        full.init_weights()
+        full_state = full.state_dict()
+        for part in self.model_parts:
+            part.init_weights(buffer_device=self.device)  # RoPE tables and ties
+            for name, tensor in part.state_dict().items():
+                source = full_state[name]
+                if isinstance(tensor, DTensor):
+                    shard = distribute_tensor(source, tensor.device_mesh, tensor.placements, src_data_rank=None)
+                    tensor.to_local().copy_(shard.to_local())
+                else:
+                    tensor.copy_(source)
 
     # ---------------------------------------------------------------- one optimizer step
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -286,7 +317,8 @@ class Trainer:
         self.model.eval()
         self.val_loader.reset()  # the same validation batches every time, so evaluations compare
         val_iter = iter(self.val_loader)
-        batches = [next(val_iter) for _ in range(self.cfg.eval_batches)]
+        # eval_batches global batches, whatever the layout: each rank reads its share of the same samples.
+        batches = [next(val_iter) for _ in range(self.cfg.eval_batches * self.grad_accum)]
         n_tokens = self._global_token_count(batches)
         loss_fn = self._pipeline_loss_sum if self.schedule is not None else self._forward_loss_sum
         loss_sum = torch.zeros((), device=self.device)

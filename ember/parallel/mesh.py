@@ -87,6 +87,18 @@ def resolve_mesh(ici_section: Any, dcn_section: Any, world_size: int) -> MeshSha
     return shape
 
 
+def rank_grid(shape: MeshShape, names: tuple[str, ...]) -> torch.Tensor:
+    """The global rank at each mesh coordinate over axes `names`: rank = node * ranks_per_node + local
+    rank, where the node unravels over the dcn degrees and the local rank over the ici degrees, and each
+    axis' coordinate is dcn_coord * ici + ici_coord."""
+    dcn = [shape.dcn[a] for a in names]
+    ici = [shape.ici[a] for a in names]
+    n = len(names)
+    ranks = torch.arange(shape.world_size).reshape(dcn + ici)  # (dcn_a, dcn_b, ..., ici_a, ici_b, ...)
+    interleaved = [i for pair in zip(range(n), range(n, 2 * n)) for i in pair]  # (dcn_a, ici_a, dcn_b, ...)
+    return ranks.permute(interleaved).reshape([d * i for d, i in zip(dcn, ici)])
+
+
 class ParallelMesh:
     """The job's DeviceMesh and the sub-meshes that FSDP, TP, PP and CP take (None: that axis is 1)."""
 
@@ -100,14 +112,7 @@ class ParallelMesh:
         if "data" in keep:
             keep.add("fsdp")
         self.names = tuple(a for a in AXES if a in keep)
-        dcn = [shape.dcn[a] for a in self.names]
-        ici = [shape.ici[a] for a in self.names]
-        n = len(self.names)
-        # Rank = node * ranks_per_node + local rank; node and local rank unravel over dcn and ici degrees.
-        ranks = torch.arange(shape.world_size).reshape(dcn + ici)
-        interleaved = [i for pair in zip(range(n), range(n, 2 * n)) for i in pair]  # (dcn_a, ici_a, dcn_b, ...)
-        ranks = ranks.permute(interleaved).reshape([d * i for d, i in zip(dcn, ici)])
-        self.mesh = DeviceMesh(device_type, ranks, mesh_dim_names=self.names)
+        self.mesh = DeviceMesh(device_type, rank_grid(shape, self.names), mesh_dim_names=self.names)
         self._flattened: dict[tuple[str, ...], Any] = {}
 
     def has(self, axis: str) -> bool:

@@ -48,7 +48,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     x0, x1 = pairs[..., 0], pairs[..., 1]  # (B, T, H, D/2) each
     cos, sin = cos[None, :, None, :], sin[None, :, None, :]  # (1, T, 1, D/2)
     rotated = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)  # (B, T, H, D/2, 2)
-    return rotated.flatten(-2).type_as(x)  # (B, T, H, D)
+    return rotated.flatten(-2).to(x.dtype)  # (B, T, H, D)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -68,7 +68,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Statistics in fp32 even for bf16 activations, cast back before the gain (Meta's reference).
         x32 = x.float()
-        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
     def init_weights(self) -> None:
         nn.init.ones_(self.weight)

@@ -22,9 +22,13 @@ def tp_plan(loss_parallel: bool) -> tuple[dict[str, Any], dict[str, Any]]:
     """(model-level plan, per-block plan). Between blocks the residual stream is sharded on the sequence
     (sequence parallel: norms run on T/tp tokens); attention and FFN gather it, split heads / hidden
     units column-wise, and reduce-scatter back to sequence shards in their row-wise output projection
-    (Megatron-LM; Korthikanti et al. 2022 for the sequence-parallel part)."""
+    (Megatron-LM; Korthikanti et al. 2022 for the sequence-parallel part).
+
+    The residual stream stays a DTensor (use_local_output=False) so that compiled blocks take and return
+    DTensors: with plain local tensors at the block boundary, torch 2.13's AOT autograd hands the
+    embedding's redistribute a plain-tensor gradient and backward fails."""
     top = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False),
         "norm": SequenceParallel(),
         # Loss parallel: logits stay sharded over the vocabulary and cross-entropy runs on the shards.
         "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel else Replicate(),
@@ -37,14 +41,24 @@ def tp_plan(loss_parallel: bool) -> tuple[dict[str, Any], dict[str, Any]]:
         "attention.wq": ColwiseParallel(),
         "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
         "ffn_norm": SequenceParallel(),
         "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
         "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
         "feed_forward.w3": ColwiseParallel(),
     }
     return top, block
+
+
+def _settle_embedding_output(module: nn.Module, inputs: Any, output: Any) -> Any:
+    # The embedding's reduce-scatter leaves an async collective tensor inside its DTensor output; a
+    # compiled block traced on that input is then reused for the next blocks' plain tensors and fails
+    # (torch 2.13). Waiting here (an elementwise copy, once per forward) gives every block the same kind.
+    from torch.distributed.tensor import DTensor
+
+    local = output.to_local() * 1  # differentiable, and a plain tensor once the collective is done
+    return DTensor.from_local(local, output.device_mesh, output.placements, run_check=False)
 
 
 def apply_compile(model: nn.Module) -> None:
@@ -80,6 +94,8 @@ def parallelize(
         apply_cp(model, cp_mesh, cp_impl)
     apply_ac(model, remat, remat_every)
     if compile:
+        if tp_mesh is not None and model.tok_embeddings is not None:
+            model.tok_embeddings.register_forward_hook(_settle_embedding_output)
         apply_compile(model)
     if fsdp_mesh is not None:
         apply_fsdp(model, fsdp_mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,

@@ -1,0 +1,185 @@
+"""Every parallel layout trains exactly like one process: for each layout the losses and gradient norms
+of the first steps equal the single-process run on the same global batch.
+
+The layouts of one world size run in a single torchrun job that shares one process group
+(layouts_worker.py), on CPU with gloo. Tolerance: rel 1e-5 in fp32; what differs is only the order
+of floating-point sums (reduce-scatters, sharded matmuls, the all-gathered attention).
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ember import config as config_lib
+from ember.train import Trainer
+
+HERE = Path(__file__).parent
+STEPS = 3
+# A small Llama 3 that every layout here can split: 4 layers (4 pipeline stages), 4 query / 2 K/V
+# heads (tensor=2), seq 32 (context=2 makes 4 chunks). lr is high enough that steps 2-3 move.
+BASE = [
+    "data.dataset=synthetic", "model.n_layers=4", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2",
+    "model.vocab_size=512", "seq_len=32", "global_batch_size=8", f"max_steps={STEPS}", "logging_steps=1",
+    "eval_batches=1", "schedule.warmup_steps=0", "optim.lr=1e-2",
+]
+REL = 1e-5
+
+WORLD2 = {
+    "fsdp=2": ["micro_batch_size=4"],
+    "data=2 (replicate)": ["micro_batch_size=4", "ici_mesh.data=2", "ici_mesh.fsdp=1"],
+    "tensor=2 + loss parallel": ["micro_batch_size=4", "ici_mesh.tensor=2"],
+    "tensor=2, replicated logits": ["micro_batch_size=4", "ici_mesh.tensor=2", "parallel.loss_parallel=false"],
+    "pipeline=2 gpipe": ["micro_batch_size=4", "ici_mesh.pipeline=2", "parallel.pp_schedule=gpipe"],
+    "pipeline=2 1f1b": ["micro_batch_size=4", "ici_mesh.pipeline=2", "parallel.pp_schedule=1f1b"],
+    "pipeline=2 interleaved_1f1b": ["micro_batch_size=4", "ici_mesh.pipeline=2",
+                                    "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_stages_per_rank=2"],
+    "context=2 (all-gather K/V)": ["micro_batch_size=4", "ici_mesh.context=2"],
+    "fsdp=2 remat=full": ["micro_batch_size=4", "model.remat=full"],
+    "fsdp=2 remat=selective": ["micro_batch_size=4", "model.remat=selective", "model.remat_every=2"],
+    "fsdp=2 remat=op": ["micro_batch_size=4", "model.remat=op"],
+    "fsdp=2 remat=offload": ["micro_batch_size=4", "model.remat=offload"],
+    "fsdp=2 no reshard after forward": ["micro_batch_size=4", "parallel.reshard_after_forward=false"],
+    "tensor=2 compiled": ["micro_batch_size=4", "ici_mesh.tensor=2", "compile=true"],
+}
+WORLD4 = {
+    "data=2 x fsdp=2 (HSDP)": ["micro_batch_size=2", "ici_mesh.data=2", "ici_mesh.fsdp=2"],
+    "fsdp=2 x tensor=2": ["micro_batch_size=4", "ici_mesh.fsdp=2", "ici_mesh.tensor=2"],
+    "pipeline=2 x fsdp=2": ["micro_batch_size=4", "ici_mesh.pipeline=2", "ici_mesh.fsdp=2"],
+    "context=2 x fsdp=2 remat=full": ["micro_batch_size=4", "ici_mesh.context=2", "ici_mesh.fsdp=2", "model.remat=full"],
+    "tensor=2 x context=2": ["micro_batch_size=4", "ici_mesh.tensor=2", "ici_mesh.context=2", "ici_mesh.fsdp=1"],
+    "dcn fsdp=2 x ici tensor=2, compiled": ["micro_batch_size=4", "dcn_mesh.fsdp=2", "ici_mesh.fsdp=1",
+                                            "ici_mesh.tensor=2", "compile=true"],
+}
+
+
+def _env() -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env.pop("RANK", None), env.pop("WORLD_SIZE", None)
+    return env
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("reference")
+    cfg = config_lib.load("debug", BASE + ["micro_batch_size=8", f"output_dir={out}", "metrics.console=false"])
+    summary = Trainer(cfg).train()
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    return {"loss": [r["loss"] for r in steps], "grad_norm": [r["grad_norm"] for r in steps],
+            "val_loss": summary["val_loss"]}
+
+
+def _run_layouts(nproc: int, cases: dict, tmp_path: Path) -> dict:
+    out = tmp_path / "results.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           str(HERE / "layouts_worker.py"), str(out), json.dumps(cases), *BASE]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def _assert_matches(results: dict, reference: dict) -> None:
+    assert len(reference["loss"]) == STEPS
+    for name, got in results.items():
+        assert got["loss"] == pytest.approx(reference["loss"], rel=REL), name
+        assert got["grad_norm"] == pytest.approx(reference["grad_norm"], rel=REL), name
+        if got["val_loss"] is not None:  # every layout evaluates the same validation samples
+            assert got["val_loss"] == pytest.approx(reference["val_loss"], rel=REL), name
+
+
+def test_world_size_2_layouts_match_single_process(reference, tmp_path):
+    results = _run_layouts(2, WORLD2, tmp_path)
+    assert set(results) == set(WORLD2)
+    # The loss moves over the steps, so agreement is not the trivial agreement of an untrained model.
+    assert reference["loss"][0] - reference["loss"][-1] > 1e-3
+    _assert_matches(results, reference)
+
+
+def test_world_size_4_layouts_match_single_process(reference, tmp_path):
+    results = _run_layouts(4, WORLD4, tmp_path)
+    assert set(results) == set(WORLD4)
+    _assert_matches(results, reference)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("mesh, nproc", [("dcn_mesh.data=2", 1), ("dcn_mesh.fsdp=2", 2)])
+def test_two_nodes_on_loopback(reference, tmp_path, mesh, nproc):
+    """Two launchers with c10d rendezvous on 127.0.0.1, as two nodes would run: `ember train --nnodes 2`."""
+    port = _free_port()
+    out = tmp_path / "run"
+    extra = [mesh, "micro_batch_size=4" if nproc == 1 else "micro_batch_size=2", f"output_dir={out}",
+             "metrics.console=false"]
+    if nproc == 2:
+        extra += ["ici_mesh.fsdp=1", "ici_mesh.data=2"]  # node-local replicas, FSDP across the two nodes
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "ember", "train", f"--nproc-per-node={nproc}", "--nnodes=2", f"--node-rank={node}",
+             f"--rdzv-endpoint=127.0.0.1:{port}", "debug", *BASE, *extra],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
+        )
+        for node in (0, 1)
+    ]
+    outputs = [p.communicate(timeout=600) for p in procs]
+    for p, (_, err) in zip(procs, outputs):
+        assert p.returncode == 0, err[-4000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert losses == pytest.approx(reference["loss"], rel=REL)
+
+
+def test_a_failing_rank_ends_the_job_and_names_itself(tmp_path):
+    """Rank 1 raises at its second step while rank 0 waits in a collective: the launcher must stop the
+    job (no hang), exit non-zero, and the console must show which rank failed and why."""
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    # sitecustomize runs at interpreter start in every rank; it breaks rank 1 only.
+    (inject / "sitecustomize.py").write_text(
+        "import os\n"
+        "if os.environ.get('RANK') == '1':\n"
+        "    import ember.train as t\n"
+        "    original = t.Trainer.train_step\n"
+        "    def failing(self, batches):\n"
+        "        if self.step == 1:\n"
+        "            raise RuntimeError('injected failure')\n"
+        "        return original(self, batches)\n"
+        "    t.Trainer.train_step = failing\n"
+    )
+    env = _env()
+    env["PYTHONPATH"] = os.pathsep.join([str(inject), env.get("PYTHONPATH", "")])
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "ember", "train", "--nproc-per-node", "2", "debug", *BASE, "micro_batch_size=4",
+         "max_steps=20", f"output_dir={tmp_path / 'run'}", "metrics.console=false"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert proc.returncode != 0
+    assert "error: [rank 1] RuntimeError: injected failure" in proc.stderr
+    assert "the job failed on rank 1" in proc.stderr
+    assert time.monotonic() - start < 120
+
+
+def test_launch_flags_are_checked_before_any_process_starts(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "ember", "train", "--nproc-per-node", "3", "debug", "data.dataset=synthetic",
+         "ici_mesh.tensor=2"],
+        capture_output=True, text=True, env=_env(), timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: the world size 3 is not divisible by the product of the other mesh axes (2), so ici_mesh.fsdp=-1 "
+        "cannot fill it; change the degrees or the number of processes"
+    ]
+    proc = subprocess.run([sys.executable, "-m", "ember", "train", "--nnodes", "2", "debug"],
+                          capture_output=True, text=True, env=_env(), timeout=120)
+    assert proc.returncode == 2 and "--nnodes > 1 needs --rdzv-endpoint" in proc.stderr
