@@ -83,8 +83,9 @@ def _launch(flags: dict[str, str], train_argv: list[str], recipe: str, overrides
     try:
         torchrun_main(run_args + ["-m", "ember", "train", *train_argv])
     except ChildFailedError as err:
-        failures = ", ".join(f"rank {f.rank} (exit {f.exitcode})" for f in err.failures.values())
-        print(f"error: the job failed on {failures}; each rank's error is printed above", file=sys.stderr)
+        rank, first = err.get_first_failure()  # the root cause; the launcher stopped the other ranks
+        print(f"error: the job failed on rank {rank} (exit code {first.exitcode}); its error is printed above",
+              file=sys.stderr)
         return 1
     return 0
 

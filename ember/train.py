@@ -143,6 +143,7 @@ class Trainer:
             )
             # With CPU offload FSDP keeps the sharded parameters in host memory and moves them itself.
             part.to_empty(device="cpu" if cfg.parallel.cpu_offload else self.device)
+            part.tie_weights()  # to_empty gives each module its own Parameter
         self.model_parts: list[nn.Module] = [part for _, part in parts]
         self._init_weights(spec)
         if cfg.checkpoint.init_from:
@@ -202,7 +203,7 @@ class Trainer:
         full.init_weights()
         full_state = full.state_dict()
         for part in self.model_parts:
-            part.init_weights(buffer_device=self.device)  # RoPE tables and ties
+            part.init_rope(self.device)
             for name, tensor in part.state_dict().items():
                 source = full_state[name]
                 if isinstance(tensor, DTensor):

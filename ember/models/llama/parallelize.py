@@ -90,6 +90,9 @@ def parallelize(
     fsdp_mesh = mesh.fsdp_mesh() if mesh is not None else None
     if tp_mesh is not None:
         apply_tp(model, tp_mesh, *tp_plan(loss_parallel))
+        # TP replaced the embedding and output weights by DTensors one by one; a tied pair becomes one
+        # again (both are sharded over the vocabulary, Shard(0), so the layouts agree).
+        model.tie_weights()
     if cp_mesh is not None:
         apply_cp(model, cp_mesh, cp_impl)
     apply_ac(model, remat, remat_every)
