@@ -44,4 +44,5 @@ def apply_fsdp(
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
-            module.set_force_sum_reduction_for_comms(True)
+            if hasattr(module, "set_force_sum_reduction_for_comms"):  # torch >= 2.9
+                module.set_force_sum_reduction_for_comms(True)
