@@ -95,6 +95,14 @@ class ScheduleConfig:
 
 
 @dataclass
+class MixtureSource:
+    source: str  # anything data.dataset accepts: embedded, a local path/glob, a prepared dir, a hub name
+    weight: float = 1.0  # relative share of samples (normalised over the mixture)
+    text_field: Optional[str] = None  # None: data.text_field
+    config: Optional[str] = None  # HF dataset config name
+
+
+@dataclass
 class DataConfig:
     # "embedded" (the built-in corpus), "synthetic" (random tokens), a local path, or a HF dataset name
     dataset: str = "embedded"
@@ -105,6 +113,9 @@ class DataConfig:
     val_fraction: float = 0.02
     num_workers: int = 1
     prefetch: int = 4
+    # A weighted mixture of sources, e.g. [{source: a.jsonl, weight: 0.4}, {source: b/, weight: 0.6}];
+    # when set, it replaces data.dataset. Each sample comes from source i with probability w_i / sum(w).
+    mixture: list[MixtureSource] = field(default_factory=list)
 
 
 @dataclass
@@ -296,6 +307,11 @@ def validate(cfg: JobConfig, world_size: int = 1) -> None:
         raise ConfigError(f"model.remat '{cfg.model.remat}' is not one of {', '.join(REMAT_POLICIES)}")
     if cfg.model.remat_every < 1:
         raise ConfigError(f"model.remat_every must be >= 1, got {cfg.model.remat_every}")
+    for i, part in enumerate(cfg.data.mixture):
+        if not (part.weight > 0 and math.isfinite(part.weight)):
+            raise ConfigError(f"data.mixture[{i}] ({part.source}) has weight {part.weight}; weights must be positive")
+    if cfg.data.mixture and cfg.data.dataset == "synthetic":
+        raise ConfigError("data.mixture and data.dataset=synthetic exclude each other; drop one of them")
     shape = mesh_shape(cfg, world_size)
     per_step = cfg.micro_batch_size * shape.dp
     if cfg.global_batch_size % per_step:

@@ -112,6 +112,7 @@ class Trainer:
 
         # Model: meta -> (pipeline split) -> parallelize -> to_empty -> init_weights, so 405B never
         # materialises on one host. Each rank builds only its pipeline stages.
+        self.val_note: Optional[str] = None
         self.cp_impl = cfg.parallel.cp_impl
         if self.cp_impl == "auto":
             self.cp_impl = "ring" if self.device.type == "cuda" else "allgather"
@@ -176,8 +177,10 @@ class Trainer:
         )
         self.train_loader = build_loader(cfg.data, self.tokenizer, split="train", **loader_kwargs)
         self.val_loader = None
-        if cfg.data.dataset in ("embedded", "synthetic"):
+        try:
             self.val_loader = build_loader(cfg.data, self.tokenizer, split="val", **loader_kwargs)
+        except ValueError as err:  # a held-out split too small for one batch: train without validation
+            self.val_note = f"no validation: {err}"
 
         peak = peak_flops(self.device, self.compute_dtype, cfg.metrics.peak_tflops)
         self.peak_flops, self.peak_source = peak.value_flops, peak.source
@@ -346,7 +349,7 @@ class Trainer:
 
         tokens_per_step = cfg.global_batch_size * cfg.seq_len
         history: list[dict] = []
-        window_time, window_steps, window_loss = 0.0, 0, 0.0
+        window_time, window_steps, window_loss, window_data = 0.0, 0, 0.0, 0.0
         first_loss: Optional[float] = None
         batches = self._global_batches()
         progress = Progress(
@@ -366,6 +369,7 @@ class Trainer:
             while self.step < cfg.max_steps:
                 t0 = time.perf_counter()
                 micro_batches = next(batches)
+                data_wait = time.perf_counter() - t0  # time the step waited for the loader
                 lr = self.optimizer.param_groups[0]["lr"]
                 loss, grad_norm = self.train_step(micro_batches)
                 if self.device.type == "cuda":
@@ -378,6 +382,7 @@ class Trainer:
                     )
                 first_loss = loss if first_loss is None else first_loss
                 window_time, window_steps, window_loss = window_time + step_time, window_steps + 1, window_loss + loss
+                window_data += data_wait
                 progress.update(task, advance=1, loss=f"{loss:.3f}")
                 if self.step % cfg.logging_steps == 0 or self.step == cfg.max_steps:
                     tokens_per_s = tokens_per_step * window_steps / window_time
@@ -396,10 +401,13 @@ class Trainer:
                         "mfu": mfu(per_device, self.flops_per_token, self.peak_flops),
                         "memory_gb": peak_memory_gb(self.device),
                         "tokens_seen": self.step * tokens_per_step,
+                        "data_wait_frac": window_data / window_time,  # share of step time spent waiting for data
                     }
+                    for source, count in (self.train_loader.mixture_counts() or {}).items():
+                        record[f"mix/{source}"] = count  # samples drawn from each mixture source so far
                     logger.log(self.step, record)
                     history.append(record)
-                    window_time, window_steps, window_loss = 0.0, 0, 0.0
+                    window_time, window_steps, window_loss, window_data = 0.0, 0, 0.0, 0.0
                 # Validation on its own cadence, outside the timed window of the step it follows.
                 if cfg.eval_interval and self.step % cfg.eval_interval == 0 and self.step < cfg.max_steps:
                     logger.log(self.step, {"step": self.step, "val_loss": self.evaluate()})
@@ -444,6 +452,9 @@ class Trainer:
             f"peak {self._peak_str()} | "
             f"output {self.output_dir}"
         )
+        self.console.print(f"data: {self.train_loader.describe()}", markup=False, highlight=False)
+        if self.val_note:
+            self.console.print(self.val_note, markup=False, highlight=False)
 
     def _peak_str(self) -> str:
         if self.peak_flops is None:

@@ -15,6 +15,7 @@ starts, on every rank at once.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import queue
 import threading
@@ -76,7 +77,73 @@ class SyntheticSamples:
         return torch.stack(rows)  # (n, seq_len + 1)
 
 
-Samples = Union[PackedSamples, SyntheticSamples]
+class MixtureSamples:
+    """A weighted mixture of packed sources, indexed by global sample number j = 0, 1, 2, ...
+
+    Sample j's source is drawn from the weights by a generator seeded with (seed, block of j), so the
+    choice depends on j alone; its row is the next unread one of that source, in the source's own
+    seeded permutation, and a source that runs dry starts its next epoch (a new permutation) while the
+    others go on. Everything is a function of j, so resuming at a cursor, on any number of ranks,
+    continues the same sequence; reaching a cursor costs one pass over the choices before it (blocks
+    of 8192, cached: about a millisecond per million samples).
+    """
+
+    BLOCK = 8192
+    num_samples = None  # no global epoch: the mixture is an endless stream
+
+    def __init__(self, parts: list[PackedSamples], weights: list[float], names: list[str], seed: int):
+        total = float(sum(weights))
+        self.parts, self.names, self.seed = parts, names, seed
+        self.probs = np.array([w / total for w in weights])
+        self.seq_len = parts[0].seq_len
+        self._counts_before: list[np.ndarray] = [np.zeros(len(parts), dtype=np.int64)]  # per block, cumulative
+        self._block_cache: dict[int, np.ndarray] = {}
+        self._lock = threading.RLock()  # the prefetch thread and the trainer's logging both read the caches
+
+    def _choices(self, block: int) -> np.ndarray:
+        with self._lock:
+            return self._choices_locked(block)
+
+    def _choices_locked(self, block: int) -> np.ndarray:
+        if block not in self._block_cache:
+            if len(self._block_cache) > 64:
+                self._block_cache.clear()
+            rng = np.random.default_rng([self.seed % 2**64, 0x6D6978, block])  # 0x6D6978: "mix"
+            self._block_cache[block] = rng.choice(len(self.parts), size=self.BLOCK, p=self.probs)
+        return self._block_cache[block]
+
+    def _counts_at_block(self, block: int) -> np.ndarray:
+        with self._lock:
+            return self._counts_at_block_locked(block)
+
+    def _counts_at_block_locked(self, block: int) -> np.ndarray:
+        while len(self._counts_before) <= block:
+            b = len(self._counts_before) - 1
+            step = np.bincount(self._choices(b), minlength=len(self.parts))
+            self._counts_before.append(self._counts_before[-1] + step)
+        return self._counts_before[block]
+
+    def source_counts(self, end: int) -> dict[str, int]:
+        """How many of the samples 0..end-1 each source supplied."""
+        block, offset = divmod(end, self.BLOCK)
+        counts = self._counts_at_block(block) + np.bincount(self._choices(block)[:offset], minlength=len(self.parts))
+        return {name: int(c) for name, c in zip(self.names, counts)}
+
+    def get(self, indices: np.ndarray) -> torch.Tensor:
+        rows = []
+        for j in indices.tolist():
+            block, offset = divmod(j, self.BLOCK)
+            choices = self._choices(block)
+            source = int(choices[offset])
+            k = int(self._counts_at_block(block)[source] + np.count_nonzero(choices[:offset] == source))
+            part = self.parts[source]
+            epoch, within = divmod(k, part.num_samples)
+            row = epoch_permutation(part.num_samples, self.seed + 1 + source, epoch)[within]
+            rows.append(part.rows[row].astype(np.int64))
+        return torch.from_numpy(np.stack(rows))  # (n, seq_len + 1)
+
+
+Samples = Union[PackedSamples, SyntheticSamples, MixtureSamples]
 Batch = tuple[torch.Tensor, torch.Tensor, int, int]  # inputs, labels, and the (epoch, cursor) after it
 
 
@@ -224,7 +291,15 @@ class TokenLoader:
         """Back to the first batch (e.g. so every evaluation reads the same validation batches)."""
         self.load_state_dict({"epoch": 0, "cursor": 0})
 
+    def mixture_counts(self) -> Optional[dict[str, int]]:
+        """For a mixture: samples consumed so far from each source (all ranks together); else None."""
+        if not isinstance(self.samples, MixtureSamples):
+            return None
+        return self.samples.source_counts(self.cursor)
+
     def describe(self) -> str:
+        if isinstance(self.samples, MixtureSamples):
+            return f"{self.name} ({self.split}): {self.num_tokens:,} tokens, endless weighted stream"
         if self.num_samples is None:
             return f"{self.name} ({self.split}): random tokens, infinite"
         seq = self.samples.seq_len
@@ -273,6 +348,27 @@ def build_loader(
             f"tokenizer {tokenizer.source} has {tokenizer.vocab_size} tokens but model.vocab_size={vocab_size}; "
             f"set model.vocab_size={tokenizer.vocab_size} or larger"
         )
+    mixture = getattr(data_cfg, "mixture", None)
+    if mixture:
+        parts, names, num_tokens, skipped = [], [], 0, []
+        for i, item in enumerate(mixture):
+            part_cfg = dataclasses.replace(data_cfg, dataset=item.source, mixture=[],
+                                           text_field=item.text_field or data_cfg.text_field,
+                                           config=item.config or data_cfg.config)
+            stream = packing.token_stream(part_cfg, tokenizer, split, cache_dir)
+            rows = packing.pack(stream.tokens, seq_len)
+            if len(rows) == 0:
+                raise ValueError(
+                    f"data.mixture[{i}] '{item.source}' ({split} split) has {len(stream.tokens):,} tokens, not one "
+                    f"sample of seq_len+1={seq_len + 1}; lower seq_len, add data, or drop it from the mixture"
+                )
+            parts.append(PackedSamples(rows))
+            names.append(item.source)
+            num_tokens += len(stream.tokens)
+            skipped += stream.skipped
+        samples = MixtureSamples(parts, [item.weight for item in mixture], names, seed)
+        name = "mixture of " + ", ".join(f"{n} ({w:.0%})" for n, w in zip(names, samples.probs))
+        return TokenLoader(samples, name=name, num_tokens=num_tokens, skipped=skipped, **common)  # type: ignore[arg-type]
     stream = packing.token_stream(data_cfg, tokenizer, split, cache_dir)
     rows = packing.pack(stream.tokens, seq_len)
     needed = micro_batch_size * dp_world

@@ -55,6 +55,10 @@ def token_stream(data_cfg: Any, tokenizer: Tokenizer, split: str, cache_dir: Opt
     The cache key is (source fingerprint, tokenizer identity, split): a changed file, corpus, val_fraction
     or tokenizer gives a new entry, never a stale one.
     """
+    from ember.data import prepare  # prepare builds on this module
+
+    if data_cfg.dataset not in (sources.EMBEDDED, sources.SYNTHETIC) and prepare.is_prepared(data_cfg.dataset):
+        return prepare.load_prepared(Path(data_cfg.dataset).expanduser(), split, tokenizer)
     fingerprint = sources.source_fingerprint(data_cfg)
     if fingerprint is None:  # the hub: `datasets` keeps its own cache of the text
         return _tokenize(data_cfg, tokenizer, split)

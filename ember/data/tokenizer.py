@@ -1,8 +1,14 @@
-"""The tokenizer: a thin wrapper over a Hugging Face `tokenizers.Tokenizer`, and how ember gets one.
+"""Tokenizers behind one small interface, and how ember gets one.
+
+Three kinds, each a thin wrapper with the same attributes (source, vocab_size, identity, bos_id,
+eos_id, pad_id) and methods (encode, encode_batch, decode):
+- `Tokenizer`: a Hugging Face tokenizer.json (Llama 3's, GPT-2's, or ember's own BPE);
+- `SentencePieceTokenizer`: a SentencePiece .model (Llama 2's, the Pile/C4 T5 kind);
+- `TiktokenTokenizer`: a tiktoken BPE file in Llama 3's format (Meta's original `tokenizer.model`).
 
 `data.tokenizer=None` trains a byte-level BPE (GPT-2's scheme: bytes mapped to printable characters,
 so every string encodes and nothing is unknown) on the embedded corpus's train split, once, and
-caches it; a path loads any HF tokenizer.json (Llama 3's, GPT-2's, ...).
+caches it; a path loads any of the three kinds.
 """
 
 from __future__ import annotations
@@ -10,7 +16,8 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Optional, Sequence
+import re
+from typing import Any, Optional, Protocol, Sequence, Union
 
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
@@ -111,16 +118,133 @@ def embedded_tokenizer(vocab_size: int, val_fraction: float, cache_dir: Optional
     return Tokenizer(tok, name)
 
 
-def load_tokenizer(spec: str) -> Tokenizer:
-    """A tokenizer.json file, or a folder holding one (and maybe a tokenizer_config.json naming the specials)."""
+class TokenizerLike(Protocol):
+    source: str
+    vocab_size: int
+    identity: str
+    bos_id: Optional[int]
+    eos_id: int
+    pad_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+    def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
+
+
+class SentencePieceTokenizer:
+    """A SentencePiece model file (a protobuf: loading it runs no code)."""
+
+    def __init__(self, path: Path):
+        import sentencepiece as spm
+
+        self.path, self.source = path, str(path)
+        try:
+            self.sp = spm.SentencePieceProcessor(model_file=str(path))
+        except Exception as err:
+            first = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise ValueError(f"data.tokenizer '{path}' is not a valid SentencePiece model ({first}); re-export it") from None
+        self.vocab_size = self.sp.get_piece_size()
+        self.bos_id = self.sp.bos_id() if self.sp.bos_id() >= 0 else None
+        if self.sp.eos_id() < 0:
+            raise ValueError(f"SentencePiece model {path} has no end-of-sentence id (eos_id=-1); retrain it with one")
+        self.eos_id = self.sp.eos_id()
+        self.pad_id = self.sp.pad_id() if self.sp.pad_id() >= 0 else self.eos_id
+        self.identity = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+    def encode(self, text: str) -> list[int]:
+        return self.sp.encode(text, out_type=int)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self.sp.encode(texts, out_type=int, num_threads=-1)  # -1: every core
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self.sp.decode(ids.tolist() if hasattr(ids, "tolist") else list(ids))
+
+    def __repr__(self) -> str:
+        return f"SentencePieceTokenizer({self.source}, vocab_size={self.vocab_size})"
+
+
+# Llama 3's tiktoken setup (Meta's llama3 tokenizer.py): the pre-tokenizer pattern, and 256 special
+# tokens after the BPE ranks, of which the first two are BOS and EOS.
+LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+LLAMA3_NUM_SPECIAL = 256
+LLAMA3_NAMED_SPECIAL = (BOS, EOS, "<|reserved_special_token_0|>", "<|reserved_special_token_1|>",
+                        "<|reserved_special_token_2|>", "<|reserved_special_token_3|>", "<|start_header_id|>",
+                        "<|end_header_id|>", "<|reserved_special_token_4|>", "<|eot_id|>")
+
+
+class TiktokenTokenizer:
+    """A tiktoken BPE file (lines of `base64(token) rank`) with Llama 3's pattern and special tokens."""
+
+    def __init__(self, path: Path):
+        import tiktoken
+        from tiktoken.load import load_tiktoken_bpe
+
+        self.path, self.source = path, str(path)
+        try:
+            ranks = load_tiktoken_bpe(str(path))
+        except Exception as err:
+            first = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise ValueError(f"data.tokenizer '{path}' is not a valid tiktoken BPE file ({first})") from None
+        specials = list(LLAMA3_NAMED_SPECIAL) + [
+            f"<|reserved_special_token_{i}|>" for i in range(5, LLAMA3_NUM_SPECIAL - 5)
+        ]
+        special_ids = {token: len(ranks) + i for i, token in enumerate(specials)}
+        self.enc = tiktoken.Encoding(name=path.name, pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks,
+                                     special_tokens=special_ids)
+        self.vocab_size = len(ranks) + len(specials)
+        self.bos_id, self.eos_id = special_ids[BOS], special_ids[EOS]
+        self.pad_id = self.eos_id
+        self.identity = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+    def encode(self, text: str) -> list[int]:
+        # disallowed_special=(): special-token text in a document is encoded as plain text (data, not control).
+        return self.enc.encode(text, disallowed_special=())
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self.enc.encode_batch(texts, disallowed_special=())
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+        if skip_special_tokens:
+            ids = [i for i in ids if i < self.vocab_size - LLAMA3_NUM_SPECIAL]
+        return self.enc.decode(ids)
+
+    def __repr__(self) -> str:
+        return f"TiktokenTokenizer({self.source}, vocab_size={self.vocab_size})"
+
+
+AnyTokenizer = Union[Tokenizer, SentencePieceTokenizer, TiktokenTokenizer]
+_TIKTOKEN_LINE = re.compile(rb"^[A-Za-z0-9+/=]+ \d+\r?$")
+
+
+def _is_tiktoken_file(path: Path) -> bool:
+    with path.open("rb") as f:
+        head = f.read(4096).split(b"\n")[:-1] or [b""]
+    return all(_TIKTOKEN_LINE.match(line) for line in head[:20] if line)
+
+
+def load_tokenizer(spec: str) -> AnyTokenizer:
+    """A tokenizer.json, a SentencePiece .model, a tiktoken BPE file (Llama 3's `tokenizer.model`), or a
+    folder holding one of them (tokenizer.json first); a tokenizer_config.json beside a tokenizer.json
+    may name its special tokens."""
     path = Path(spec).expanduser()
     if path.is_dir():
-        path = path / "tokenizer.json"
+        found = [path / n for n in ("tokenizer.json", "tokenizer.model") if (path / n).is_file()]
+        path = found[0] if found else path / "tokenizer.json"
     if not path.is_file():
         raise FileNotFoundError(
-            f"data.tokenizer '{spec}' not found: expected a tokenizer.json file or a folder containing one; "
-            "fix the path or unset data.tokenizer to use the embedded BPE"
+            f"data.tokenizer '{spec}' not found: expected a tokenizer.json, a SentencePiece .model, a tiktoken "
+            "BPE file, or a folder containing one; fix the path or unset data.tokenizer to use the embedded BPE"
         )
+    if path.suffix != ".json":
+        return TiktokenTokenizer(path) if _is_tiktoken_file(path) else SentencePieceTokenizer(path)
+    return _load_hf_tokenizer(path)
+
+
+def _load_hf_tokenizer(path: Path) -> Tokenizer:
     try:
         tok = tokenizers.Tokenizer.from_file(str(path))
     except Exception as err:
@@ -141,7 +265,7 @@ def load_tokenizer(spec: str) -> Tokenizer:
     return Tokenizer(tok, str(path), special)
 
 
-def build_tokenizer(data_cfg: Any, vocab_size: int, cache_dir: Optional[Path] = None) -> Tokenizer:
+def build_tokenizer(data_cfg: Any, vocab_size: int, cache_dir: Optional[Path] = None) -> AnyTokenizer:
     """The run's tokenizer (see the module docstring); its vocabulary must fit the model's embedding."""
     if data_cfg.tokenizer is None:
         tok = embedded_tokenizer(vocab_size, data_cfg.val_fraction, cache_dir)

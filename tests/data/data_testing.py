@@ -3,8 +3,8 @@
 (Imported by name, so it lives here rather than in conftest.py, which pytest imports its own way.)
 """
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 SMALL_VOCAB = 512
 CORPUS_FILES = [
@@ -26,3 +26,4 @@ class DataCfg:
     val_fraction: float = 0.02
     num_workers: int = 1
     prefetch: int = 4
+    mixture: list[Any] = field(default_factory=list)

@@ -1,0 +1,112 @@
+"""Pre-tokenized shards: tokenize a source once, train from memory-mapped token files with no tokenizer cost.
+
+`ember data prepare SOURCE OUT_DIR` writes, per split, `OUT_DIR/<split>.bin` (the flat token stream, EOS
+after every document, as uint16 or uint32) and one `OUT_DIR/manifest.json`:
+
+    {"format": "ember-tokens", "version": 1, "source": ..., "text_field": ..., "val_fraction": ...,
+     "tokenizer": {"identity", "source", "vocab_size", "eos_id"},
+     "splits": {"train": {"file", "dtype", "num_tokens", "num_documents", "sha256"}, "val": {...}}}
+
+Training with `data.dataset=OUT_DIR` maps the .bin files; a manifest whose tokenizer identity differs
+from the run's tokenizer is refused, and a .bin whose size disagrees with the manifest (a truncated
+copy) is refused too. The checksum is recorded for `ember data verify`-style audits; checking it on
+every start would read the whole dataset.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from ember.data import packing, sources
+
+MANIFEST = "manifest.json"
+FORMAT, VERSION = "ember-tokens", 1
+DOCS_PER_CHUNK = 4096  # documents tokenized per encode_batch call (the Rust encoder uses every core)
+
+
+def is_prepared(spec: str) -> bool:
+    return (Path(spec).expanduser() / MANIFEST).is_file()
+
+
+def prepare(data_cfg: Any, tokenizer: Any, out_dir: Path,
+            progress: Optional[Callable[[str, int, int], None]] = None) -> dict:
+    """Tokenize both splits of data_cfg.dataset into out_dir; returns the manifest.
+
+    Each .bin is streamed to disk chunk by chunk (never the whole corpus in memory twice) and renamed
+    into place when complete; the manifest is written last, so a directory with a manifest is whole.
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    dtype = packing.token_dtype(tokenizer.vocab_size)
+    manifest: dict[str, Any] = {
+        "format": FORMAT, "version": VERSION, "source": data_cfg.dataset, "text_field": data_cfg.text_field,
+        "val_fraction": data_cfg.val_fraction,
+        "tokenizer": {"identity": tokenizer.identity, "source": tokenizer.source, "vocab_size": tokenizer.vocab_size,
+                      "eos_id": tokenizer.eos_id},
+        "splits": {},
+    }
+    (out_dir / MANIFEST).unlink(missing_ok=True)  # re-preparing: the old manifest no longer describes the files
+    for split in sources.SPLITS:
+        docs = sources.load_documents(data_cfg, split)
+        digest, num_tokens = hashlib.sha256(), 0
+        path = out_dir / f"{split}.bin"
+
+        def write(f: Any) -> None:
+            nonlocal num_tokens
+            for start in range(0, len(docs.texts), DOCS_PER_CHUNK):
+                chunk = packing.tokenize_documents(docs.texts[start : start + DOCS_PER_CHUNK], tokenizer)
+                data = chunk.astype(dtype, copy=False).tobytes()
+                f.write(data)
+                digest.update(data)
+                num_tokens += len(chunk)
+                if progress:
+                    progress(split, min(start + DOCS_PER_CHUNK, len(docs.texts)), len(docs.texts))
+
+        sources.atomic_write(path, write)
+        manifest["splits"][split] = {
+            "file": path.name, "dtype": np.dtype(dtype).name, "num_tokens": num_tokens,
+            "num_documents": len(docs.texts), "sha256": digest.hexdigest(), "skipped": docs.skipped,
+        }
+    sources.atomic_write(out_dir / MANIFEST, lambda f: f.write((json.dumps(manifest, indent=2) + "\n").encode()))
+    return manifest
+
+
+def read_manifest(directory: Path) -> dict:
+    path = directory / MANIFEST
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"'{path}' is not a readable manifest ({err}); run `ember data prepare` again") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        raise ValueError(f"'{path}' is not an {FORMAT} v{VERSION} manifest; run `ember data prepare` again")
+    return manifest
+
+
+def load_prepared(directory: Path, split: str, tokenizer: Any) -> packing.TokenStream:
+    """The memory-mapped tokens of one split, after checking the tokenizer and the file size."""
+    manifest = read_manifest(directory)
+    expected = manifest["tokenizer"]
+    if expected["identity"] != tokenizer.identity:
+        raise ValueError(
+            f"'{directory}' was tokenized with {expected['source']} (identity {expected['identity']}), but this run "
+            f"uses {tokenizer.source} (identity {tokenizer.identity}); set data.tokenizer to the same tokenizer "
+            "or run `ember data prepare` again with this one"
+        )
+    info = manifest["splits"].get(split)
+    if info is None:
+        raise ValueError(f"'{directory / MANIFEST}' has no '{split}' split; run `ember data prepare` again")
+    path = directory / info["file"]
+    dtype = np.dtype(info["dtype"])
+    size = path.stat().st_size if path.is_file() else -1
+    if size != info["num_tokens"] * dtype.itemsize:
+        raise ValueError(
+            f"'{path}' holds {max(size, 0)} bytes but the manifest says {info['num_tokens']} {dtype.name} tokens "
+            f"({info['num_tokens'] * dtype.itemsize} bytes): the copy is incomplete; copy or prepare it again"
+        )
+    tokens = np.memmap(path, dtype=dtype, mode="r") if info["num_tokens"] else np.zeros(0, dtype)
+    return packing.TokenStream(tokens, f"{directory} ({manifest['source']})", info["num_documents"],
+                               info.get("skipped", []))
