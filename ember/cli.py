@@ -237,16 +237,23 @@ def cmd_data(argv: list[str]) -> int:
                 return _fail(f"--vocab-size must be positive, got {args.vocab_size}")
             data_cfg = _data_cfg(args)
             tokenizer = build_tokenizer(data_cfg, args.vocab_size if args.tokenizer is None else 2**32)
-            with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                          TextColumn("documents"), TimeRemainingColumn(), console=console) as progress:
-                tasks: dict[str, int] = {}
+            # Started at the first report, so an error in reading the source stays a single line.
+            progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                TextColumn("documents"), TimeRemainingColumn(), console=console)
+            tasks: dict[str, int] = {}
 
-                def report(split: str, done: int, total: int) -> None:
-                    if split not in tasks:
-                        tasks[split] = progress.add_task(f"tokenize {split}", total=total)
-                    progress.update(tasks[split], completed=done)
+            def report(split: str, done: int, total: int) -> None:
+                if not tasks:
+                    progress.start()
+                if split not in tasks:
+                    tasks[split] = progress.add_task(f"tokenize {split}", total=total)
+                progress.update(tasks[split], completed=done)
 
+            try:
                 manifest = prepare(data_cfg, tokenizer, Path(args.out_dir), report)
+            finally:
+                if tasks:
+                    progress.stop()
             for split, info in manifest["splits"].items():
                 print(f"{split}: {info['num_documents']:,} documents, {info['num_tokens']:,} tokens -> "
                       f"{Path(args.out_dir) / info['file']}")

@@ -222,8 +222,12 @@ _TIKTOKEN_LINE = re.compile(rb"^[A-Za-z0-9+/=]+ \d+\r?$")
 
 def _is_tiktoken_file(path: Path) -> bool:
     with path.open("rb") as f:
-        head = f.read(4096).split(b"\n")[:-1] or [b""]
-    return all(_TIKTOKEN_LINE.match(line) for line in head[:20] if line)
+        head = f.read(4096)
+    lines = head.split(b"\n")
+    if len(head) == 4096:
+        lines = lines[:-1]  # the last line may be cut off by the read
+    lines = [line for line in lines[:20] if line]
+    return bool(lines) and all(_TIKTOKEN_LINE.match(line) for line in lines)
 
 
 def load_tokenizer(spec: str) -> AnyTokenizer:
