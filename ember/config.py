@@ -116,6 +116,12 @@ class DataConfig:
     # A weighted mixture of sources, e.g. [{source: a.jsonl, weight: 0.4}, {source: b/, weight: 0.6}];
     # when set, it replaces data.dataset. Each sample comes from source i with probability w_i / sum(w).
     mixture: list[MixtureSource] = field(default_factory=list)
+    # Stream the source through `datasets` (hub or local files) instead of reading it whole: for corpora
+    # larger than memory. Documents pass a shuffle buffer of this many; val_split names the held-out
+    # split of a streamed hub dataset (e.g. validation).
+    streaming: bool = False
+    shuffle_buffer: int = 1000
+    val_split: Optional[str] = None
 
 
 @dataclass
@@ -310,6 +316,9 @@ def validate(cfg: JobConfig, world_size: int = 1) -> None:
     for i, part in enumerate(cfg.data.mixture):
         if not (part.weight > 0 and math.isfinite(part.weight)):
             raise ConfigError(f"data.mixture[{i}] ({part.source}) has weight {part.weight}; weights must be positive")
+    if cfg.data.streaming and (cfg.data.mixture or cfg.data.dataset in ("synthetic", "embedded")):
+        raise ConfigError("data.streaming=true streams a hub dataset or local files (data.dataset); the embedded "
+                          "corpus, synthetic data and mixtures are read without it: set data.streaming=false")
     if cfg.data.mixture and cfg.data.dataset == "synthetic":
         raise ConfigError("data.mixture and data.dataset=synthetic exclude each other; drop one of them")
     shape = mesh_shape(cfg, world_size)

@@ -334,6 +334,11 @@ def build_loader(
         num_workers=data_cfg.num_workers,
         prefetch=data_cfg.prefetch,
     )
+    if getattr(data_cfg, "streaming", False):
+        from ember.data.stream import build_stream_loader
+
+        return build_stream_loader(data_cfg, tokenizer, split=split, seq_len=seq_len, micro_batch_size=micro_batch_size,
+                                   dp_rank=dp_rank, dp_world=dp_world, seed=seed)
     if data_cfg.dataset == sources.SYNTHETIC:
         vocab_size = vocab_size or (tokenizer.vocab_size if tokenizer else None)
         if not vocab_size:

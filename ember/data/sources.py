@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 
 EMBEDDED = "embedded"
 SYNTHETIC = "synthetic"
-LOCAL_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
+LOCAL_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet", ".arrow")
 SPLITS = ("train", "val")
 
 
@@ -153,7 +153,7 @@ def _is_glob(spec: str) -> bool:
     return any(c in spec for c in "*?[")
 
 
-def local_files(spec: str) -> Optional[list[Path]]:
+def local_files(spec: str, suffixes: tuple[str, ...] = LOCAL_SUFFIXES) -> Optional[list[Path]]:
     """The files a local file/dir/glob names, sorted; None when `spec` is not a local path at all."""
     path = Path(spec).expanduser()
     if _is_glob(spec):
@@ -161,18 +161,18 @@ def local_files(spec: str) -> Optional[list[Path]]:
         if not files:
             raise FileNotFoundError(f"data.dataset glob '{spec}' matches no files; check the pattern")
     elif path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in LOCAL_SUFFIXES)
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in suffixes)
         if not files:
             raise ValueError(
-                f"data.dataset folder '{spec}' holds no {'/'.join(LOCAL_SUFFIXES)} files; add some or point elsewhere"
+                f"data.dataset folder '{spec}' holds no {'/'.join(suffixes)} files; add some or point elsewhere"
             )
     elif path.is_file():
         files = [path]
     else:
         return None
     for f in files:
-        if f.suffix not in LOCAL_SUFFIXES:
-            raise ValueError(f"data.dataset file '{f}' is not one of {'/'.join(LOCAL_SUFFIXES)}; convert or rename it")
+        if f.suffix not in suffixes:
+            raise ValueError(f"data.dataset file '{f}' is not one of {'/'.join(suffixes)}; convert or rename it")
     return files
 
 
@@ -211,9 +211,15 @@ def _json_rows(path: Path, text: str, text_field: str) -> Iterator[str]:
         yield _field(row, text_field, f"{path} item {i}")
 
 
-def _parquet_rows(path: Path, text_field: str) -> list[str]:
+def _table_rows(path: Path, text_field: str) -> list[str]:
+    """The text column of a .parquet or .arrow file, read by `datasets`."""
     datasets = _import_datasets(f"reading '{path}'")
-    table = datasets.load_dataset("parquet", data_files=[str(path)], split="train")
+    builder = "parquet" if path.suffix == ".parquet" else "arrow"
+    try:
+        table = datasets.load_dataset(builder, data_files=[str(path)], split="train")
+    except Exception as err:
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ValueError(f"{path} is not a readable {builder} file ({first}); fix or remove it") from None
     if text_field not in table.column_names:
         raise ValueError(
             f"{path} has no '{text_field}' column (it has: {', '.join(table.column_names)}); set data.text_field"
@@ -228,8 +234,8 @@ def _local_documents(spec: str, files: list[Path], text_field: str) -> tuple[dic
     # Keys relative to the files' common folder: the split is the same for `data/` and `/abs/data/`.
     base = Path(os.path.commonpath([f.parent.resolve() for f in files]))
     for path in files:
-        if path.suffix == ".parquet":
-            rows: Iterable[str] = _parquet_rows(path, text_field)
+        if path.suffix in (".parquet", ".arrow"):
+            rows: Iterable[str] = _table_rows(path, text_field)
         else:
             text = read_utf8(path)
             if text is None:

@@ -27,3 +27,6 @@ class DataCfg:
     num_workers: int = 1
     prefetch: int = 4
     mixture: list[Any] = field(default_factory=list)
+    streaming: bool = False
+    shuffle_buffer: int = 1000
+    val_split: Optional[str] = None

@@ -38,6 +38,7 @@ def data_dir(tmp_path_factory) -> Path:
 def _make_data(root: Path) -> Path:
     a = _write_jsonl(root / "a.jsonl", 400, 0, "alpha")
     b = _write_jsonl(root / "b.jsonl", 200, 1, "beta")
+    _write_jsonl(root / "c.jsonl", 30, 2, "gamma")  # small: a stream of it runs through several epochs
     tok_dir = root / "tok"
     subprocess.run([sys.executable, "-m", "ember", "data", "tokenizer", "train", str(a), str(tok_dir),
                     "--vocab-size", "320"], check=True, capture_output=True)
@@ -54,6 +55,8 @@ def _spec(data_dir: Path, kind: str, workers: int) -> dict:
         return {**base, "dataset": str(data_dir / "a.jsonl")}
     if kind == "prepared":
         return {**base, "dataset": str(data_dir / "prepared")}
+    if kind == "stream":
+        return {**base, "dataset": str(data_dir / "c.jsonl"), "streaming": True, "shuffle_buffer": 8}
     if kind == "mixture":
         return {**base, "mixture": [{"source": str(data_dir / "a.jsonl"), "weight": 0.7},
                                     {"source": str(data_dir / "prepared"), "weight": 0.3}]}
@@ -82,7 +85,7 @@ def _resumed_in_new_process(tmp: Path, spec: dict, n: int, state: dict) -> dict:
     return torch.load(out, weights_only=True)
 
 
-@pytest.mark.parametrize("kind", ["jsonl", "prepared", "mixture", "synthetic"])
+@pytest.mark.parametrize("kind", ["jsonl", "prepared", "mixture", "synthetic", "stream"])
 @pytest.mark.parametrize("workers", [0, 1])
 def test_resume_in_a_new_process_continues_exactly(data_dir, tmp_path, kind, workers):
     spec = _spec(data_dir, kind, workers)
@@ -133,3 +136,27 @@ def test_ranks_read_disjoint_samples_within_an_epoch(data_dir):
     steps = ranks[0].num_samples // 8  # one epoch of global batches
     seen = [tuple(row.tolist()) for _ in range(steps) for loader in ranks for row in next(loader)[0]]
     assert len(seen) == steps * 8 and len(set(seen)) == len(seen)
+
+
+def test_stream_ranks_split_the_documents_and_shuffle(data_dir):
+    spec = _spec(data_dir, "stream", 0)
+    cfg = DataConfig(dataset=spec["dataset"], tokenizer=spec["tokenizer"], streaming=True, shuffle_buffer=8, num_workers=0)
+    tok = build_tokenizer(cfg, 512)
+    from ember.data.stream import open_stream
+
+    texts = [[row["text"] for row in open_stream(cfg, "train", r, 2)[0]] for r in range(2)]
+    assert len(texts[0]) + len(texts[1]) == 30 and not set(texts[0]) & set(texts[1])
+    loader = build_loader(cfg, tok, seq_len=16, micro_batch_size=4, vocab_size=512)
+    rows = [torch.cat([x, y[:, -1:]], dim=1) for x, y in (next(loader) for _ in range(3))]  # (4, 17): whole rows
+    streamed = tok.decode(torch.cat(rows).flatten())
+    in_order = "".join(t + "<|end_of_text|>" for t in texts[0] + texts[1])
+    assert streamed[:200] != in_order[:200]  # the buffer reorders documents
+    assert streamed.split("<|end_of_text|>")[1] in texts[0] + texts[1]  # but keeps them whole
+
+
+def test_stream_refuses_a_missing_text_field_at_start(tmp_path, data_dir):
+    path = tmp_path / "other.jsonl"
+    path.write_text('{"body": "no text field here"}\n' * 5)
+    cfg = DataConfig(dataset=str(path), tokenizer=str(data_dir / "tok" / "tokenizer.json"), streaming=True)
+    with pytest.raises(ValueError, match=r"other\.jsonl has no 'text' field \(it has: body\); set data.text_field"):
+        build_loader(cfg, build_tokenizer(cfg, 512), seq_len=16, micro_batch_size=4)
