@@ -122,6 +122,9 @@ class DataConfig:
     streaming: bool = False
     shuffle_buffer: int = 1000
     val_split: Optional[str] = None
+    # Packed documents do not attend to each other: positions restart after each EOS and attention is
+    # block-causal (flex attention on CUDA, an SDPA mask on CPU).
+    document_mask: bool = False
 
 
 @dataclass
@@ -319,6 +322,8 @@ def validate(cfg: JobConfig, world_size: int = 1) -> None:
     if cfg.data.streaming and (cfg.data.mixture or cfg.data.dataset in ("synthetic", "embedded")):
         raise ConfigError("data.streaming=true streams a hub dataset or local files (data.dataset); the embedded "
                           "corpus, synthetic data and mixtures are read without it: set data.streaming=false")
+    if cfg.data.document_mask and cfg.data.dataset == "synthetic" and not cfg.data.mixture:
+        raise ConfigError("data.document_mask needs documents; synthetic tokens have none: set data.document_mask=false")
     if cfg.data.mixture and cfg.data.dataset == "synthetic":
         raise ConfigError("data.mixture and data.dataset=synthetic exclude each other; drop one of them")
     shape = mesh_shape(cfg, world_size)
@@ -404,6 +409,9 @@ def _validate_parallel(cfg: JobConfig, shape: Any, args: Any) -> None:
             )
         if cp > 1:
             raise ConfigError("context and pipeline parallelism together are not supported yet; set one of them to 1")
+    if cfg.data.document_mask and (cp > 1 or pp > 1):
+        raise ConfigError("data.document_mask does not run with context or pipeline parallelism yet; "
+                          "set data.document_mask=false or use data/fsdp/tensor axes")
 
 
 def model_overrides(model: ModelConfig) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from ember.hardware import peak_flops
 from ember.load import load_weights, save_ember_checkpoint
 from ember.metrics import MetricsLogger, mfu, peak_memory_gb
 from ember.models import MODELS, build_model_args
+from ember.nn.attention import document_layout
 from ember.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from ember.parallel import cp as cp_lib
 from ember.parallel import pp as pp_lib
@@ -141,6 +142,7 @@ class Trainer:
                 reduce_dtype=torch.float32 if self.fsdp_mixed else None,
                 reshard_after_forward=cfg.parallel.reshard_after_forward, cpu_offload=cfg.parallel.cpu_offload,
                 loss_parallel=self.loss_parallel, cp_impl=self.cp_impl,
+                flex_attention=cfg.data.document_mask and self.device.type == "cuda",
             )
             # With CPU offload FSDP keeps the sharded parameters in host memory and moves them itself.
             part.to_empty(device="cpu" if cfg.parallel.cpu_offload else self.device)
@@ -258,7 +260,9 @@ class Trainer:
         backward, its gradients too. Context parallelism cuts the sequence here."""
         inputs = inputs.to(self.device, non_blocking=True)
         labels = labels.to(self.device, non_blocking=True)
-        positions = None
+        positions = document_ids = None
+        if self.cfg.data.document_mask:
+            document_ids, positions = document_layout(inputs, self.tokenizer.eos_id)
         ring = contextlib.nullcontext()
         if self.cp > 1:
             cp_rank = self.mesh.coordinate("context")
@@ -272,7 +276,7 @@ class Trainer:
                                            {inputs, labels})
         with ring, self._loss_context():
             with self._autocast():
-                logits = self.model(inputs, positions)  # (B, T, V)
+                logits = self.model(inputs, positions, document_ids)  # (B, T, V)
             loss = self._token_loss_sum(logits, labels) * scale
             if backward:
                 loss.backward()

@@ -49,9 +49,10 @@ class AllGatherKVAttention:
         k_pos = torch.cat([headtail_positions(seq_len, self.cp, r, device) for r in range(self.cp)])  # (T,), gather order
         return q_pos[:, None] >= k_pos[None, :]  # (T / cp, T): True where the query may attend
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: Any = None) -> torch.Tensor:
         from torch.distributed._functional_collectives import all_gather_tensor_autograd
 
+        assert document_ids is None, "document masking with context parallelism is refused at config time"
         # (B, n_kv_heads, T / cp, head_dim) -> (B, n_kv_heads, T, head_dim), ranks' slices in rank order
         k_all = all_gather_tensor_autograd(k.contiguous(), gather_dim=2, group=self.mesh)
         v_all = all_gather_tensor_autograd(v.contiguous(), gather_dim=2, group=self.mesh)
@@ -59,7 +60,7 @@ class AllGatherKVAttention:
         return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
-def _repeat_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def _repeat_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: Any = None) -> torch.Tensor:
     # Ring attention shards SDPA's plain (B, H, T, D) form; GQA K/V heads are expanded first.
     groups = q.shape[1] // k.shape[1]
     if groups > 1:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.models.llama.args import LlamaArgs
+from ember.nn.attention import causal_attention
 
 
 def rope_cos_sin(args: LlamaArgs, device: Optional[torch.device] = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,20 +44,15 @@ def _llama31_scaling(inv_freq: torch.Tensor, args: LlamaArgs) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate each pair (x[..., 2k], x[..., 2k+1]) of x: (B, T, H, D) by the angles of cos, sin: (T, D // 2)."""
+    """Rotate each pair (x[..., 2k], x[..., 2k+1]) of x: (B, T, H, D) by the angles of cos, sin: (T, D // 2),
+    or (B, T, D // 2) when every sequence has its own positions."""
     pairs = x.float().unflatten(-1, (-1, 2))  # (B, T, H, D/2, 2), rotated in fp32 like Meta's reference
     x0, x1 = pairs[..., 0], pairs[..., 1]  # (B, T, H, D/2) each
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]  # (1, T, 1, D/2)
+    if cos.dim() == 2:
+        cos, sin = cos[None], sin[None]  # (1, T, D/2): the same positions for every sequence
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # (1 or B, T, 1, D/2)
     rotated = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)  # (B, T, H, D/2, 2)
     return rotated.flatten(-2).to(x.dtype)  # (B, T, H, D)
-
-
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal attention of q: (B, n_heads, T, head_dim) over k, v: (B, n_kv_heads, T, head_dim)."""
-    # enable_gqa shares each K/V head with its group of query heads inside SDPA. On CPU (torch 2.13,
-    # debug shape B=16 T=256, 8/4 heads of 32) it beat repeat_interleave copies: 224 vs 300 ms
-    # forward+backward, 40 vs 64 ms forward; also at B=1 T=2048 (458 vs 492 ms).
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
 
 
 class RMSNorm(nn.Module):
@@ -86,7 +82,8 @@ class Attention(nn.Module):
         # context parallelism can swap in its distributed form from outside (ember/parallel/cp.py).
         self.attention_fn: Callable[..., torch.Tensor] = causal_attention
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         B, T, _ = x.shape
         # -1 heads, not n_heads: under tensor parallelism each rank holds n_heads / tp of them.
         q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, n_heads, head_dim)
@@ -94,7 +91,7 @@ class Attention(nn.Module):
         v = self.wv(x).view(B, T, -1, self.head_dim)  # (B, T, n_kv_heads, head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, head_dim), the layout SDPA takes
-        out = self.attention_fn(q, k, v)  # (B, n_heads, T, head_dim)
+        out = self.attention_fn(q, k, v, document_ids)  # (B, n_heads, T, head_dim)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))  # (B, T, n_heads * head_dim) -> (B, T, dim)
 
     def init_weights(self, out_std: float) -> None:
@@ -131,8 +128,9 @@ class TransformerBlock(nn.Module):
         # Depth-scaled init of what writes into the residual stream (torchtitan's depth_init).
         self.out_std = 0.02 / math.sqrt(2 * (layer_id + 1))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)  # (B, T, dim)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, document_ids)  # (B, T, dim)
         return h + self.feed_forward(self.ffn_norm(h))
 
     def init_weights(self) -> None:
@@ -163,19 +161,21 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """positions: (T,) the position of each of the T tokens, default 0..T-1. Context parallelism
-        passes the positions of its slice of the sequence."""
+    def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None,
+                document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """positions: (T,) or (B, T), the position of each token, default 0..T-1 (context parallelism
+        passes its slice's; document masking restarts them per document). document_ids: (B, T), the
+        packed document of each token, so attention stays within documents; default: plain causal."""
         T = tokens.shape[1]
         if positions is None:
             if T > self.rope_cos.shape[0]:
                 raise ValueError(f"sequence length {T} exceeds max_seq_len={self.rope_cos.shape[0]}")
             cos, sin = self.rope_cos[:T], self.rope_sin[:T]  # (T, head_dim // 2)
         else:
-            cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # (T, head_dim // 2)
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # (T or B x T, head_dim // 2)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (B, T, dim)
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, document_ids)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h  # (B, T, vocab_size)
 

@@ -12,6 +12,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
+from ember.nn.attention import FlexDocumentAttention
 from ember.parallel.ac import apply_ac
 from ember.parallel.cp import apply_cp
 from ember.parallel.fsdp import apply_fsdp
@@ -36,8 +37,9 @@ def tp_plan(loss_parallel: bool) -> tuple[dict[str, Any], dict[str, Any]]:
     }
     block = {
         "attention_norm": SequenceParallel(),
-        # (x, cos, sin): x arrives sequence-sharded and is gathered; the RoPE tables are plain tensors.
-        "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)),
+        # (x, cos, sin, document_ids): x arrives sequence-sharded and is gathered; the rest are plain tensors.
+        "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None, None),
+                                        desired_input_layouts=(Replicate(), None, None, None)),
         "attention.wq": ColwiseParallel(),
         "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(),
@@ -82,6 +84,7 @@ def parallelize(
     cpu_offload: bool = False,
     loss_parallel: bool = True,
     cp_impl: str = "allgather",
+    flex_attention: bool = False,
 ) -> nn.Module:
     """Apply this family's parallelism to `model` (built on meta), in place. `mesh` is an
     ember.parallel.mesh.ParallelMesh, or None for a single device."""
@@ -95,6 +98,10 @@ def parallelize(
         model.tie_weights()
     if cp_mesh is not None:
         apply_cp(model, cp_mesh, cp_impl)
+    if flex_attention:  # document masking on CUDA: one shared kernel, so layers reuse one BlockMask per batch
+        kernel = FlexDocumentAttention()
+        for block in model.layers.values():
+            block.attention.attention_fn = kernel
     apply_ac(model, remat, remat_every)
     if compile:
         if tp_mesh is not None and model.tok_embeddings is not None:
