@@ -197,6 +197,7 @@ def _data_parser() -> argparse.ArgumentParser:
     prep.add_argument("--text-field", default="text")
     prep.add_argument("--config", default=None, help="HF dataset config name")
     prep.add_argument("--val-fraction", type=float, default=0.02)
+    prep.add_argument("--prompt-field", default=None, help="SFT data: the prompt column, masked out of the loss")
     tok = sub.add_parser("tokenizer", help="tokenizer tools")
     tok_sub = tok.add_subparsers(dest="action", required=True)
     train = tok_sub.add_parser("train", help="train a byte-level BPE on SOURCE's train split")
@@ -213,7 +214,8 @@ def _data_cfg(args: argparse.Namespace) -> object:
     from ember.config import DataConfig
 
     return DataConfig(dataset=args.source, text_field=args.text_field, config=args.config,
-                      val_fraction=args.val_fraction, tokenizer=getattr(args, "tokenizer", None))
+                      val_fraction=args.val_fraction, tokenizer=getattr(args, "tokenizer", None),
+                      prompt_field=getattr(args, "prompt_field", None))
 
 
 def cmd_data(argv: list[str]) -> int:

@@ -125,6 +125,9 @@ class DataConfig:
     # Packed documents do not attend to each other: positions restart after each EOS and attention is
     # block-causal (flex attention on CUDA, an SDPA mask on CPU).
     document_mask: bool = False
+    # SFT data: rows with a prompt (this field) and a response (text_field); the prompt tokens are read
+    # but masked out of the loss (label -100).
+    prompt_field: Optional[str] = None
 
 
 @dataclass
@@ -324,6 +327,8 @@ def validate(cfg: JobConfig, world_size: int = 1) -> None:
                           "corpus, synthetic data and mixtures are read without it: set data.streaming=false")
     if cfg.data.document_mask and cfg.data.dataset == "synthetic" and not cfg.data.mixture:
         raise ConfigError("data.document_mask needs documents; synthetic tokens have none: set data.document_mask=false")
+    if cfg.data.prompt_field and cfg.data.streaming:
+        raise ConfigError("data.prompt_field (SFT) reads whole files; set data.streaming=false")
     if cfg.data.mixture and cfg.data.dataset == "synthetic":
         raise ConfigError("data.mixture and data.dataset=synthetic exclude each other; drop one of them")
     shape = mesh_shape(cfg, world_size)

@@ -24,6 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from ember import config as config_lib
 from ember.config import ConfigError, JobConfig
 from ember.data.loader import build_loader
+from ember.data.packing import IGNORE_INDEX
 from ember.data.tokenizer import build_tokenizer
 from ember.hardware import peak_flops
 from ember.load import load_weights, save_ember_checkpoint
@@ -35,7 +36,6 @@ from ember.parallel import cp as cp_lib
 from ember.parallel import pp as pp_lib
 from ember.parallel.mesh import ParallelMesh
 
-IGNORE_INDEX = -100  # label value that takes a token out of the loss (prompt tokens in SFT, padding)
 
 
 def pick_device(name: str) -> torch.device:

@@ -41,6 +41,7 @@ class PackedSamples:
     """Rows of a packed token stream: sample i is rows[i], seq_len + 1 tokens."""
 
     rows: np.ndarray  # (num_samples, seq_len + 1), possibly a memory map
+    mask_rows: Optional[np.ndarray] = None  # the same shape: 1 where a token is a training target (SFT)
 
     @property
     def num_samples(self) -> int:
@@ -50,8 +51,10 @@ class PackedSamples:
     def seq_len(self) -> int:
         return self.rows.shape[1] - 1
 
-    def get(self, indices: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(self.rows[indices].astype(np.int64))  # (n, seq_len + 1)
+    def get(self, indices: np.ndarray) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Rows (n, seq_len + 1) and their loss mask (None: every token counts)."""
+        mask = None if self.mask_rows is None else torch.from_numpy(self.mask_rows[indices].astype(np.bool_))
+        return torch.from_numpy(self.rows[indices].astype(np.int64)), mask
 
 
 @dataclass
@@ -68,13 +71,13 @@ class SyntheticSamples:
     split: str
     num_samples = None  # infinite: no epochs, no permutation
 
-    def get(self, indices: np.ndarray) -> torch.Tensor:
+    def get(self, indices: np.ndarray) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         rows = []
         for j in indices.tolist():
             mixed = np.random.SeedSequence([self.seed % 2**64, sources.SPLITS.index(self.split), j])
             gen = torch.Generator().manual_seed(int(mixed.generate_state(1, np.uint64)[0] >> 1))
             rows.append(torch.randint(0, self.vocab_size, (self.seq_len + 1,), generator=gen))
-        return torch.stack(rows)  # (n, seq_len + 1)
+        return torch.stack(rows), None  # (n, seq_len + 1)
 
 
 class MixtureSamples:
@@ -129,8 +132,9 @@ class MixtureSamples:
         counts = self._counts_at_block(block) + np.bincount(self._choices(block)[:offset], minlength=len(self.parts))
         return {name: int(c) for name, c in zip(self.names, counts)}
 
-    def get(self, indices: np.ndarray) -> torch.Tensor:
-        rows = []
+    def get(self, indices: np.ndarray) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        rows, masks = [], []
+        with_mask = any(part.mask_rows is not None for part in self.parts)
         for j in indices.tolist():
             block, offset = divmod(j, self.BLOCK)
             choices = self._choices(block)
@@ -140,7 +144,10 @@ class MixtureSamples:
             epoch, within = divmod(k, part.num_samples)
             row = epoch_permutation(part.num_samples, self.seed + 1 + source, epoch)[within]
             rows.append(part.rows[row].astype(np.int64))
-        return torch.from_numpy(np.stack(rows))  # (n, seq_len + 1)
+            if with_mask:
+                masks.append(part.mask_rows[row] if part.mask_rows is not None else np.ones(self.seq_len + 1, np.uint8))
+        mask = torch.from_numpy(np.stack(masks).astype(np.bool_)) if with_mask else None
+        return torch.from_numpy(np.stack(rows)), mask  # (n, seq_len + 1) each
 
 
 Samples = Union[PackedSamples, SyntheticSamples, MixtureSamples]
@@ -157,8 +164,11 @@ def make_batch(samples: Samples, seed: int, mb: int, dp_rank: int, dp_world: int
             epoch, cursor = epoch + 1, 0
         perm = epoch_permutation(samples.num_samples, seed, epoch)
         indices = perm[cursor + dp_rank * mb : cursor + (dp_rank + 1) * mb]
-    rows = samples.get(indices)  # (mb, seq_len + 1)
-    return rows[:, :-1].contiguous(), rows[:, 1:].contiguous(), epoch, cursor + step
+    rows, mask = samples.get(indices)  # (mb, seq_len + 1) each
+    labels = rows[:, 1:].clone()
+    if mask is not None:
+        labels[~mask[:, 1:]] = packing.IGNORE_INDEX  # prompt tokens are read, not trained on
+    return rows[:, :-1].contiguous(), labels, epoch, cursor + step
 
 
 def _produce(make: Callable[[int, int], Batch], epoch: int, cursor: int, out: queue.Queue, stop: threading.Event) -> None:
@@ -362,12 +372,13 @@ def build_loader(
                                            config=item.config or data_cfg.config)
             stream = packing.token_stream(part_cfg, tokenizer, split, cache_dir)
             rows = packing.pack(stream.tokens, seq_len)
+            mask_rows = packing.pack(stream.loss_mask, seq_len) if stream.loss_mask is not None else None
             if len(rows) == 0:
                 raise ValueError(
                     f"data.mixture[{i}] '{item.source}' ({split} split) has {len(stream.tokens):,} tokens, not one "
                     f"sample of seq_len+1={seq_len + 1}; lower seq_len, add data, or drop it from the mixture"
                 )
-            parts.append(PackedSamples(rows))
+            parts.append(PackedSamples(rows, mask_rows))
             names.append(item.source)
             num_tokens += len(stream.tokens)
             skipped += stream.skipped
@@ -383,6 +394,7 @@ def build_loader(
             f"seq_len+1={seq_len + 1}, fewer than micro_batch_size x dp_world = {needed}; "
             "lower seq_len or micro_batch_size, or add data"
         )
+    mask_rows = packing.pack(stream.loss_mask, seq_len) if stream.loss_mask is not None else None
     return TokenLoader(
-        PackedSamples(rows), name=stream.name, num_tokens=len(stream.tokens), skipped=stream.skipped, **common  # type: ignore[arg-type]
+        PackedSamples(rows, mask_rows), name=stream.name, num_tokens=len(stream.tokens), skipped=stream.skipped, **common  # type: ignore[arg-type]
     )

@@ -18,6 +18,7 @@ from ember.data import sources
 from ember.data.tokenizer import Tokenizer
 
 ENCODE_BATCH_DOCS = 256  # documents per encode_batch call: enough to keep every core busy, bounded memory
+IGNORE_INDEX = -100  # label value that takes a token out of the loss (prompt tokens in SFT, padding)
 
 
 @dataclass
@@ -26,6 +27,8 @@ class TokenStream:
     name: str  # the source, for messages
     num_documents: int
     skipped: list[str] = field(default_factory=list)  # files left out because they are not UTF-8
+    # SFT: 1 where the token is a training target (response and EOS), 0 for prompt tokens; None: all are.
+    loss_mask: Optional[np.ndarray] = None
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -44,8 +47,27 @@ def tokenize_documents(texts: list[str], tokenizer: Tokenizer) -> np.ndarray:
     return np.concatenate(pieces) if pieces else np.zeros(0, dtype=dtype)
 
 
+def tokenize_prompted(prompts: list[str], responses: list[str], tokenizer: Tokenizer) -> tuple[np.ndarray, np.ndarray]:
+    """SFT documents: prompt + response + EOS each, and a loss mask that is 0 on the prompt tokens."""
+    dtype = token_dtype(tokenizer.vocab_size)
+    tokens: list[np.ndarray] = []
+    mask: list[np.ndarray] = []
+    for start in range(0, len(prompts), ENCODE_BATCH_DOCS):
+        batch_p = tokenizer.encode_batch(prompts[start : start + ENCODE_BATCH_DOCS])
+        batch_r = tokenizer.encode_batch(responses[start : start + ENCODE_BATCH_DOCS])
+        for p, r in zip(batch_p, batch_r):
+            tokens.append(np.asarray(p + r + [tokenizer.eos_id], dtype=dtype))
+            mask.append(np.concatenate([np.zeros(len(p), np.uint8), np.ones(len(r) + 1, np.uint8)]))
+    if not tokens:
+        return np.zeros(0, dtype), np.zeros(0, np.uint8)
+    return np.concatenate(tokens), np.concatenate(mask)
+
+
 def _tokenize(data_cfg: Any, tokenizer: Tokenizer, split: str) -> TokenStream:
     docs = sources.load_documents(data_cfg, split)
+    if docs.prompts is not None:
+        tokens, mask = tokenize_prompted(docs.prompts, docs.texts, tokenizer)
+        return TokenStream(tokens, docs.name, len(docs.texts), docs.skipped, loss_mask=mask)
     return TokenStream(tokenize_documents(docs.texts, tokenizer), docs.name, len(docs.texts), docs.skipped)
 
 
@@ -63,17 +85,23 @@ def token_stream(data_cfg: Any, tokenizer: Tokenizer, split: str, cache_dir: Opt
     if fingerprint is None:  # the hub: `datasets` keeps its own cache of the text
         return _tokenize(data_cfg, tokenizer, split)
     stem = (cache_dir or sources.default_cache_dir()) / "tokens" / f"{fingerprint}-{tokenizer.identity}-{split}"
-    npy, meta = stem.with_suffix(".npy"), stem.with_suffix(".json")
+    npy, meta, mask_npy = stem.with_suffix(".npy"), stem.with_suffix(".json"), stem.with_suffix(".mask.npy")
     if npy.is_file() and meta.is_file():
         try:
+            info = json.loads(meta.read_text(encoding="utf-8"))
+            has_mask = info.pop("has_mask", False)
             tokens = np.load(npy, mmap_mode="r", allow_pickle=False)
-            return TokenStream(tokens, **json.loads(meta.read_text(encoding="utf-8")))
+            mask = np.load(mask_npy, mmap_mode="r", allow_pickle=False) if has_mask else None
+            return TokenStream(tokens, **info, loss_mask=mask)
         except (OSError, ValueError, TypeError):
             pass  # a damaged entry is rebuilt, never fatal
     stream = _tokenize(data_cfg, tokenizer, split)
-    info = {"name": stream.name, "num_documents": stream.num_documents, "skipped": stream.skipped}
-    # The .json goes first: the .npy appearing is what marks the entry complete.
+    info = {"name": stream.name, "num_documents": stream.num_documents, "skipped": stream.skipped,
+            "has_mask": stream.loss_mask is not None}
+    # The .json and the mask go first: the .npy appearing is what marks the entry complete.
     sources.atomic_write(meta, lambda f: f.write(json.dumps(info).encode()))
+    if stream.loss_mask is not None:
+        sources.atomic_write(mask_npy, lambda f: np.save(f, stream.loss_mask, allow_pickle=False))
     sources.atomic_write(npy, lambda f: np.save(f, stream.tokens, allow_pickle=False))
     return stream
 

@@ -53,12 +53,18 @@ def prepare(data_cfg: Any, tokenizer: Any, out_dir: Path,
     for split in sources.SPLITS:
         docs = sources.load_documents(data_cfg, split)
         digest, num_tokens = hashlib.sha256(), 0
-        path = out_dir / f"{split}.bin"
+        path, mask_path = out_dir / f"{split}.bin", out_dir / f"{split}.mask.bin"
+        masks: list[np.ndarray] = []
 
         def write(f: Any) -> None:
             nonlocal num_tokens
             for start in range(0, len(docs.texts), DOCS_PER_CHUNK):
-                chunk = packing.tokenize_documents(docs.texts[start : start + DOCS_PER_CHUNK], tokenizer)
+                texts = docs.texts[start : start + DOCS_PER_CHUNK]
+                if docs.prompts is None:
+                    chunk = packing.tokenize_documents(texts, tokenizer)
+                else:  # SFT: the loss mask (1 byte a token) is kept beside the tokens
+                    chunk, mask = packing.tokenize_prompted(docs.prompts[start : start + DOCS_PER_CHUNK], texts, tokenizer)
+                    masks.append(mask)
                 data = chunk.astype(dtype, copy=False).tobytes()
                 f.write(data)
                 digest.update(data)
@@ -67,10 +73,12 @@ def prepare(data_cfg: Any, tokenizer: Any, out_dir: Path,
                     progress(split, min(start + DOCS_PER_CHUNK, len(docs.texts)), len(docs.texts))
 
         sources.atomic_write(path, write)
-        manifest["splits"][split] = {
-            "file": path.name, "dtype": np.dtype(dtype).name, "num_tokens": num_tokens,
-            "num_documents": len(docs.texts), "sha256": digest.hexdigest(), "skipped": docs.skipped,
-        }
+        info = {"file": path.name, "dtype": np.dtype(dtype).name, "num_tokens": num_tokens,
+                "num_documents": len(docs.texts), "sha256": digest.hexdigest(), "skipped": docs.skipped}
+        if docs.prompts is not None:
+            sources.atomic_write(mask_path, lambda f: [f.write(m.tobytes()) for m in masks])
+            info["mask_file"] = mask_path.name
+        manifest["splits"][split] = info
     sources.atomic_write(out_dir / MANIFEST, lambda f: f.write((json.dumps(manifest, indent=2) + "\n").encode()))
     return manifest
 
@@ -108,5 +116,11 @@ def load_prepared(directory: Path, split: str, tokenizer: Any) -> packing.TokenS
             f"({info['num_tokens'] * dtype.itemsize} bytes): the copy is incomplete; copy or prepare it again"
         )
     tokens = np.memmap(path, dtype=dtype, mode="r") if info["num_tokens"] else np.zeros(0, dtype)
+    mask = None
+    if info.get("mask_file"):
+        mask_path = directory / info["mask_file"]
+        if not mask_path.is_file() or mask_path.stat().st_size != info["num_tokens"]:
+            raise ValueError(f"'{mask_path}' is missing or not {info['num_tokens']} bytes; prepare the data again")
+        mask = np.memmap(mask_path, dtype=np.uint8, mode="r") if info["num_tokens"] else np.zeros(0, np.uint8)
     return packing.TokenStream(tokens, f"{directory} ({manifest['source']})", info["num_documents"],
-                               info.get("skipped", []))
+                               info.get("skipped", []), loss_mask=mask)

@@ -19,7 +19,7 @@ import sysconfig
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional, Union
 
 EMBEDDED = "embedded"
 SYNTHETIC = "synthetic"
@@ -34,6 +34,8 @@ class Documents:
     name: str  # how messages name the source: a path, a hub name, or "embedded corpus (...)"
     texts: list[str]
     skipped: list[str] = field(default_factory=list)  # files that are not valid UTF-8
+    # SFT data (data.prompt_field set): the prompt of each document, which is read but not trained on.
+    prompts: Optional[list[str]] = None
 
 
 # ---------------------------------------------------------------- cache directory, atomic writes
@@ -191,7 +193,15 @@ def _field(row: Any, text_field: str, where: str) -> str:
     return text
 
 
-def _json_rows(path: Path, text: str, text_field: str) -> Iterator[str]:
+Row = Union[str, tuple[str, str]]  # a document's text, or (prompt, response) for SFT data
+
+
+def _row(row: Any, text_field: str, prompt_field: Optional[str], where: str) -> Row:
+    text = _field(row, text_field, where)
+    return text if prompt_field is None else (_field(row, prompt_field, where), text)
+
+
+def _json_rows(path: Path, text: str, text_field: str, prompt_field: Optional[str] = None) -> Iterator[Row]:
     if path.suffix == ".jsonl":
         for lineno, line in enumerate(text.splitlines(), 1):
             if not line.strip():
@@ -200,7 +210,7 @@ def _json_rows(path: Path, text: str, text_field: str) -> Iterator[str]:
                 row = json.loads(line)
             except json.JSONDecodeError as err:
                 raise ValueError(f"{path} line {lineno} is not valid JSON ({err.msg}); fix or remove that line") from None
-            yield _field(row, text_field, f"{path} line {lineno}")
+            yield _row(row, text_field, prompt_field, f"{path} line {lineno}")
         return
     try:
         data = json.loads(text)
@@ -208,11 +218,11 @@ def _json_rows(path: Path, text: str, text_field: str) -> Iterator[str]:
         raise ValueError(f"{path} is not valid JSON ({err.msg} at line {err.lineno}); fix the file") from None
     rows = data if isinstance(data, list) else [data]
     for i, row in enumerate(rows):
-        yield _field(row, text_field, f"{path} item {i}")
+        yield _row(row, text_field, prompt_field, f"{path} item {i}")
 
 
-def _table_rows(path: Path, text_field: str) -> list[str]:
-    """The text column of a .parquet or .arrow file, read by `datasets`."""
+def _table_rows(path: Path, text_field: str, prompt_field: Optional[str] = None) -> list[Row]:
+    """The text column (and prompt column) of a .parquet or .arrow file, read by `datasets`."""
     datasets = _import_datasets(f"reading '{path}'")
     builder = "parquet" if path.suffix == ".parquet" else "arrow"
     try:
@@ -220,30 +230,38 @@ def _table_rows(path: Path, text_field: str) -> list[str]:
     except Exception as err:
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise ValueError(f"{path} is not a readable {builder} file ({first}); fix or remove it") from None
-    if text_field not in table.column_names:
-        raise ValueError(
-            f"{path} has no '{text_field}' column (it has: {', '.join(table.column_names)}); set data.text_field"
-        )
-    return list(table[text_field])
+    for name, key in ((text_field, "text_field"), (prompt_field, "prompt_field")):
+        if name is not None and name not in table.column_names:
+            raise ValueError(
+                f"{path} has no '{name}' column (it has: {', '.join(table.column_names)}); set data.{key}"
+            )
+    if prompt_field is None:
+        return list(table[text_field])
+    return list(zip(table[prompt_field], table[text_field]))
 
 
-def _local_documents(spec: str, files: list[Path], text_field: str) -> tuple[dict[str, str], list[str]]:
+def _local_documents(spec: str, files: list[Path], text_field: str,
+                     prompt_field: Optional[str] = None) -> tuple[dict[str, Row], list[str]]:
     """Every document of the files, keyed for the split: the file for .txt, `file:row` for the others."""
-    docs: dict[str, str] = {}
+    docs: dict[str, Row] = {}
     skipped: list[str] = []
     # Keys relative to the files' common folder: the split is the same for `data/` and `/abs/data/`.
     base = Path(os.path.commonpath([f.parent.resolve() for f in files]))
     for path in files:
+        if path.suffix == ".txt" and prompt_field is not None:
+            raise ValueError(f"{path} is plain text, but data.prompt_field is set: SFT data needs rows with a "
+                             f"'{prompt_field}' and a '{text_field}' field (jsonl, json, parquet, arrow)")
         if path.suffix in (".parquet", ".arrow"):
-            rows: Iterable[str] = _table_rows(path, text_field)
+            rows: Iterable[Row] = _table_rows(path, text_field, prompt_field)
         else:
             text = read_utf8(path)
             if text is None:
                 skipped.append(str(path))
                 continue
-            rows = [text] if path.suffix == ".txt" else _json_rows(path, text, text_field)
+            rows = [text] if path.suffix == ".txt" else _json_rows(path, text, text_field, prompt_field)
         for i, row in enumerate(rows):
-            if row:  # an empty (or null) document would add only an EOS: skip it
+            # An empty (or null) document, or a prompt with no response, adds nothing to train on: skipped.
+            if row if isinstance(row, str) else row[1]:
                 docs[f"{path.resolve().relative_to(base).as_posix()}:{i}"] = row
     if not docs:
         why = f"{len(skipped)} of its files are not UTF-8 text (convert them)" if skipped else "it is empty (add text)"
@@ -251,16 +269,23 @@ def _local_documents(spec: str, files: list[Path], text_field: str) -> tuple[dic
     return docs, skipped
 
 
-def load_local(spec: str, files: list[Path], text_field: str, split: str, val_fraction: float) -> Documents:
+def _documents(name: str, rows: list[Row], skipped: list[str], prompted: bool) -> Documents:
+    if not prompted:
+        return Documents(name, rows, skipped)  # type: ignore[arg-type]
+    return Documents(name, [r[1] for r in rows], skipped, prompts=[r[0] for r in rows])  # type: ignore[index]
+
+
+def load_local(spec: str, files: list[Path], text_field: str, split: str, val_fraction: float,
+               prompt_field: Optional[str] = None) -> Documents:
     _check_split(split)
-    docs, skipped = _local_documents(spec, files, text_field)
+    docs, skipped = _local_documents(spec, files, text_field, prompt_field)
     keys = split_keys(list(docs), val_fraction)[split]
     if not keys:
         raise ValueError(
             f"data.dataset '{spec}' has {len(docs)} document(s), too few to hold one out for the {split} split "
             f"(data.val_fraction={val_fraction}); add documents"
         )
-    return Documents(spec, [docs[k] for k in keys], skipped)
+    return _documents(spec, [docs[k] for k in keys], skipped, prompt_field is not None)
 
 
 # ---------------------------------------------------------------- Hugging Face hub
@@ -272,7 +297,8 @@ def _import_datasets(purpose: str) -> Any:
     return datasets
 
 
-def load_hub(name: str, config: Optional[str], hf_split: str, text_field: str, split: str, val_fraction: float) -> Documents:
+def load_hub(name: str, config: Optional[str], hf_split: str, text_field: str, split: str, val_fraction: float,
+             prompt_field: Optional[str] = None) -> Documents:
     """A hub dataset's `hf_split` (data.split), divided into ember's train/val by the same key hash."""
     _check_split(split)
     datasets = _import_datasets(
@@ -283,15 +309,18 @@ def load_hub(name: str, config: Optional[str], hf_split: str, text_field: str, s
     except Exception as err:  # network, auth, unknown name or config: all user-fixable, all one line
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise ValueError(f"cannot load data.dataset '{name}' from the Hugging Face hub: {first}") from None
-    if text_field not in table.column_names:
-        raise ValueError(
-            f"hub dataset '{name}' has no '{text_field}' column (it has: {', '.join(table.column_names)}); "
-            "set data.text_field"
-        )
+    for column, key in ((text_field, "text_field"), (prompt_field, "prompt_field")):
+        if column is not None and column not in table.column_names:
+            raise ValueError(
+                f"hub dataset '{name}' has no '{column}' column (it has: {', '.join(table.column_names)}); "
+                f"set data.{key}"
+            )
     texts = table[text_field]
+    rows: list[Row] = list(texts) if prompt_field is None else list(zip(table[prompt_field], texts))
     keys = [f"{name}:{hf_split}:{i}" for i in range(len(texts))]
     chosen = set(split_keys(keys, val_fraction)[split])
-    return Documents(name, [text for key, text in zip(keys, texts) if key in chosen and text])
+    kept = [row for key, row, text in zip(keys, rows, texts) if key in chosen and text]
+    return _documents(name, kept, [], prompt_field is not None)
 
 
 # ---------------------------------------------------------------- one entry point
@@ -302,12 +331,14 @@ def load_documents(data_cfg: Any, split: str = "train") -> Documents:
         raise ValueError("data.dataset=synthetic has no documents; it makes random tokens in the loader")
     if spec == EMBEDDED:
         return load_embedded(split, data_cfg.val_fraction)
+    prompt_field = getattr(data_cfg, "prompt_field", None)
     files = local_files(spec)
     if files is not None:
-        return load_local(spec, files, data_cfg.text_field, split, data_cfg.val_fraction)
+        return load_local(spec, files, data_cfg.text_field, split, data_cfg.val_fraction, prompt_field)
     if _looks_like_path(spec):
         raise FileNotFoundError(f"data.dataset path '{spec}' does not exist; check the path")
-    return load_hub(spec, data_cfg.config, data_cfg.split, data_cfg.text_field, split, data_cfg.val_fraction)
+    return load_hub(spec, data_cfg.config, data_cfg.split, data_cfg.text_field, split, data_cfg.val_fraction,
+                    prompt_field)
 
 
 def source_fingerprint(data_cfg: Any) -> Optional[str]:
@@ -319,4 +350,4 @@ def source_fingerprint(data_cfg: Any) -> Optional[str]:
     if not files:
         return None
     stats = [(f.resolve().as_posix(), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
-    return short_hash("local", stats, data_cfg.text_field, data_cfg.val_fraction)
+    return short_hash("local", stats, data_cfg.text_field, data_cfg.val_fraction, getattr(data_cfg, "prompt_field", None))

@@ -30,3 +30,5 @@ class DataCfg:
     streaming: bool = False
     shuffle_buffer: int = 1000
     val_split: Optional[str] = None
+    document_mask: bool = False
+    prompt_field: Optional[str] = None

@@ -82,7 +82,8 @@ def _packed(n: int, value: int) -> PackedSamples:
 
 def test_mixture_weights_hold_in_expectation_and_sources_wrap():
     mix = MixtureSamples([_packed(10, 1), _packed(1000, 2), _packed(1000, 3)], [0.4, 0.5, 0.1], ["a", "b", "c"], seed=3)
-    batch = mix.get(np.arange(20000))
+    batch, mask = mix.get(np.arange(20000))
+    assert mask is None
     shares = [(batch[:, 1] == v).float().mean().item() for v in (1, 2, 3)]
     # 20,000 draws: the standard error of a share is <= 0.0035, so 0.015 is over 4 of them.
     assert shares == pytest.approx([0.4, 0.5, 0.1], abs=0.015)
@@ -95,9 +96,9 @@ def test_mixture_weights_hold_in_expectation_and_sources_wrap():
         assert sorted(a_rows[epoch * 10 : (epoch + 1) * 10].tolist()) == list(range(10))
     assert not torch.equal(a_rows[:10], a_rows[10:20])  # reshuffled per epoch
     # A function of the global index alone: any slice equals the same rows read in one go.
-    assert torch.equal(mix.get(np.arange(12345, 12400)), batch[12345:12400])
+    assert torch.equal(mix.get(np.arange(12345, 12400))[0], batch[12345:12400])
     fresh = MixtureSamples([_packed(10, 1), _packed(1000, 2), _packed(1000, 3)], [0.4, 0.5, 0.1], ["a", "b", "c"], seed=3)
-    assert torch.equal(fresh.get(np.arange(19990, 20000)), batch[19990:20000])
+    assert torch.equal(fresh.get(np.arange(19990, 20000))[0], batch[19990:20000])
 
 
 def test_mixture_from_config_and_its_errors(tmp_path: Path, small_tokenizer: Tokenizer):

@@ -108,11 +108,11 @@ def test_empty_file_and_empty_folder(tmp_path: Path):
         load_documents(DataCfg(dataset=str(empty)), "train")
     folder = tmp_path / "folder"
     folder.mkdir()
-    with pytest.raises(ValueError, match=rf"data\.dataset folder '{folder}' holds no \.txt/\.jsonl/\.json/\.parquet files"):
+    with pytest.raises(ValueError, match=rf"data\.dataset folder '{folder}' holds no \.txt/\.jsonl/\.json/\.parquet/\.arrow files"):
         load_documents(DataCfg(dataset=str(folder)), "train")
     csv = tmp_path / "table.csv"
     csv.write_text("a,b\n")
-    with pytest.raises(ValueError, match=r"is not one of \.txt/\.jsonl/\.json/\.parquet"):
+    with pytest.raises(ValueError, match=r"is not one of \.txt/\.jsonl/\.json/\.parquet/\.arrow"):
         load_documents(DataCfg(dataset=str(csv)), "train")
 
 
