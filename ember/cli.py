@@ -4,6 +4,7 @@
     ember train --nproc-per-node N [--nnodes M --node-rank R --rdzv-endpoint HOST:PORT] [RECIPE] [key=value ...]
                                              the same, as N processes per node through torch.distributed.run
     ember recipes                            the built-in recipes with their parameter counts
+    ember convert SRC DST [--to hf|ember|torch]   between HF safetensors, ember DCP checkpoints and torch.save files
     ember data prepare SOURCE OUT_DIR        tokenize a source once into memory-mapped shards + manifest
     ember data tokenizer train SOURCE OUT --vocab-size N     train a byte-level BPE tokenizer.json
 
@@ -137,8 +138,13 @@ def cmd_train(argv: list[str]) -> int:
         # Raised while building data, tokenizer and model from user input: the message names the
         # file or key and the fix; a traceback would only bury it.
         return _fail(str(err).splitlines()[0] if str(err) else type(err).__name__)
+    from ember.train import TrainingStopped
+
     try:
         trainer.train()
+    except TrainingStopped as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     except Exception as err:
         if world_size == 1:
             raise
@@ -283,7 +289,28 @@ def cmd_data(argv: list[str]) -> int:
         return _fail(str(err).splitlines()[0] if str(err) else type(err).__name__)
 
 
-COMMANDS = {"train": cmd_train, "recipes": cmd_recipes, "data": cmd_data}
+def cmd_convert(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="ember convert", description="Convert a model between formats: a Hugging "
+                                     "Face directory (hf), an ember DCP checkpoint (ember), a torch.save file (torch).")
+    parser.add_argument("src")
+    parser.add_argument("dst")
+    parser.add_argument("--to", choices=("hf", "ember", "torch"), default=None,
+                        help="target format (default: hf -> ember, ember -> hf, torch -> ember)")
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:
+        return 0 if exit_.code == 0 else EXIT_USAGE
+    from ember.load import convert
+
+    try:
+        target = convert(args.src, args.dst, args.to)
+    except (FileNotFoundError, ValueError) as err:
+        return _fail(str(err).splitlines()[0] if str(err) else type(err).__name__)
+    print(f"wrote {args.dst} ({target})")
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "recipes": cmd_recipes, "data": cmd_data, "convert": cmd_convert}
 
 
 def main(argv: Optional[list[str]] = None) -> int:

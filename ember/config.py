@@ -45,6 +45,10 @@ class ModelConfig:
     # recompute the rest) | offload (keep activations in host memory)
     remat: str = "none"
     remat_every: int = 2
+    # Weights to start from instead of the random init (continued pretraining, fine-tuning): an ember
+    # checkpoint (checkpoints/step-N or a run directory) or a Hugging Face directory, resharded onto
+    # whatever mesh this run uses.
+    init_from: Optional[str] = None
 
 
 @dataclass
@@ -140,9 +144,10 @@ class MetricsConfig:
 
 @dataclass
 class CheckpointConfig:
-    # Weights to start from instead of the random init: an ember checkpoint (checkpoints/step-N, or a
-    # run directory for its newest step), loaded and resharded onto whatever mesh this run uses.
-    init_from: Optional[str] = None
+    interval: int = 0  # save every N steps (0: only at the end); also on SIGTERM/SIGUSR1
+    keep: int = 3  # keep the newest K checkpoints (0: all)
+    keep_every: int = 0  # and keep every step that is a multiple of this for good (milestones; 0: none)
+    async_save: bool = False  # write in the background while training goes on (`checkpoint.async` also works)
 
 
 @dataclass
@@ -157,6 +162,9 @@ class JobConfig:
     compile: bool = False
     precision: str = "auto"  # auto (bf16 where supported, fp32 on CPU) | fp32 | bf16
     device: str = "auto"  # auto | cpu | cuda
+    resume: str = "auto"  # auto (the newest complete checkpoint in output_dir, if any) | none | a checkpoint path
+    max_skipped_steps: int = 5  # non-finite loss or grad norm: skip the step; stop after this many in a row
+    loss_spike_factor: float = 3.0  # warn when a step's loss exceeds this times the running mean (0: off)
     eval_interval: int = 0  # validation loss every N steps (0: only at the end)
     eval_batches: int = 8  # global batches of validation data per evaluation
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -171,7 +179,7 @@ class JobConfig:
 
 
 PRECISIONS = ("auto", "fp32", "bf16")
-NOT_HYPERPARAMETERS = ("family", "flavor", "remat", "remat_every")  # model.* keys that are not model args
+NOT_HYPERPARAMETERS = ("family", "flavor", "remat", "remat_every", "init_from")  # model.* keys that are not model args
 REMAT_POLICIES = ("none", "full", "selective", "op", "offload")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 CP_IMPLS = ("auto", "allgather", "ring")
@@ -276,12 +284,32 @@ def _reject_env_interpolation(node: Any, origin: str) -> None:
             raise ConfigError(f"config key '{key}' in {origin} reads the environment; pass secrets as env vars, not config")
 
 
+# Keys users may write that are Python keywords, so the dataclass field has another name.
+ALIASES = {"checkpoint.async": "checkpoint.async_save"}
+
+
+def _alias_overrides(overrides: list[str]) -> list[str]:
+    out = []
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        out.append(f"{ALIASES.get(key, key)}{sep}{value}")
+    return out
+
+
+def _alias_recipe(data: dict) -> dict:
+    for dotted, target in ALIASES.items():
+        section, key = dotted.split(".")
+        if isinstance(data.get(section), dict) and key in data[section]:
+            data[section][target.split(".")[1]] = data[section].pop(key)
+    return data
+
+
 def load(recipe: str = "debug", overrides: Optional[list[str]] = None, world_size: int = 1) -> JobConfig:
     """Recipe (built-in name or YAML path) + `key=value` overrides -> a validated JobConfig."""
-    overrides = list(overrides or [])
+    overrides = _alias_overrides(list(overrides or []))
     path = resolve_recipe(recipe)
     schema = OmegaConf.structured(JobConfig)
-    recipe_data = _load_yaml(path)
+    recipe_data = _alias_recipe(_load_yaml(path))
     _reject_env_interpolation(recipe_data, str(path))
     try:
         merged = OmegaConf.merge(schema, OmegaConf.create(recipe_data))
@@ -315,6 +343,10 @@ def validate(cfg: JobConfig, world_size: int = 1) -> None:
         raise ConfigError(f"optim.betas must be two numbers in [0, 1), got {list(cfg.optim.betas)}")
     if cfg.schedule.warmup_steps < 0:
         raise ConfigError(f"schedule.warmup_steps must be >= 0, got {cfg.schedule.warmup_steps}")
+    if cfg.checkpoint.interval < 0 or cfg.checkpoint.keep < 0 or cfg.checkpoint.keep_every < 0:
+        raise ConfigError("checkpoint.interval, checkpoint.keep and checkpoint.keep_every must be >= 0")
+    if cfg.resume not in ("auto", "none") and not Path(cfg.resume).expanduser().exists():
+        raise ConfigError(f"resume={cfg.resume}: no such checkpoint; give a checkpoints/step-N path, auto or none")
     if cfg.model.remat not in REMAT_POLICIES:
         raise ConfigError(f"model.remat '{cfg.model.remat}' is not one of {', '.join(REMAT_POLICIES)}")
     if cfg.model.remat_every < 1:

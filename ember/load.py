@@ -17,7 +17,7 @@ import re
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -73,18 +73,94 @@ def model_state_dict(model: Union[nn.Module, list[nn.Module]]) -> dict[str, Any]
     return state
 
 
+@torch.no_grad()
+def load_hf_weights(model: Union[nn.Module, list[nn.Module]], directory: Path) -> None:
+    """Copy a Hugging Face directory's weights into `model` (maybe sharded: FSDP/TP DTensors, pipeline
+    stages), tensor by tensor: each is read, mapped to ember's layout, and only this rank's shard kept."""
+    from safetensors import safe_open
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    hf = MODELS[HF_FAMILY].hf
+    args = hf.args_from_hf_config(_read_json(directory / "config.json"))
+    targets = model_state_dict(model)
+    loaded: set[str] = set()
+    for path in _hf_weight_files(directory):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                if hf.skip_hf_key(key, args):
+                    continue
+                ember_key = hf.from_hf_key(key)
+                names = [ember_key] + (["output.weight"] if args.tie_embeddings and ember_key == "tok_embeddings.weight" else [])
+                for name in names:
+                    target = targets.get(name)
+                    if target is None:
+                        continue  # another pipeline stage's weight
+                    full = hf.tensor_from_hf(ember_key, f.get_tensor(key), args)
+                    if tuple(full.shape) != tuple(target.shape):
+                        raise ValueError(f"'{path}': {key} has shape {tuple(full.shape)} but this run's model has "
+                                         f"{tuple(target.shape)} for {name}; match the model config to config.json")
+                    if isinstance(target, DTensor):
+                        shard = distribute_tensor(full.to(target.dtype), target.device_mesh, target.placements,
+                                                  src_data_rank=None)
+                        target.to_local().copy_(shard.to_local())
+                    else:
+                        target.copy_(full)
+                    loaded.add(name)
+    missing = sorted(set(targets) - loaded)
+    if missing:
+        raise ValueError(f"'{directory}' has no weight for {missing[0]} (and {len(missing) - 1} more)")
+
+
 def load_weights(model: Union[nn.Module, list[nn.Module]], path: Union[str, Path]) -> Path:
-    """Load an ember checkpoint's weights (a step-N directory, or a run directory's newest) into `model`,
-    in place and resharded to its layout (DCP reads only the shards this rank needs). Returns the step dir."""
+    """Load weights into `model` in place, resharded to its layout: an ember checkpoint (a step-N
+    directory, or a run directory's newest; DCP reads only the shards this rank needs) or a Hugging Face
+    directory (config.json + safetensors). Returns the directory read."""
     path = Path(path)
     if not path.is_dir():
-        raise FileNotFoundError(f"checkpoint '{path}' does not exist; give a checkpoints/step-N or run directory")
+        raise FileNotFoundError(f"model.init_from '{path}' does not exist; give a checkpoints/step-N, run or HF directory")
+    if (path / "config.json").is_file() and not (path / MODEL_JSON).is_file():
+        load_hf_weights(model, path)
+        return path
     step_dir = path if (path / MODEL_JSON).is_file() else _newest_step_dir(path) if (path / "checkpoints").is_dir() else None
     if step_dir is None:
         raise FileNotFoundError(f"'{path}' is neither an ember checkpoint (no {MODEL_JSON}) nor a run directory")
     state = model_state_dict(model)
     _quiet_dcp(dcp.load, {"model": state}, checkpoint_id=str(step_dir))
     return step_dir
+
+
+def save_hf(model: nn.Module, args: Any, out_dir: Union[str, Path], max_shard_bytes: int = 5 * 2**30) -> None:
+    """Write `model` as a Hugging Face LlamaForCausalLM directory: config.json and safetensors shards
+    (with an index when there is more than one), converting tensor by tensor."""
+    from safetensors.torch import save_file
+
+    hf = MODELS[HF_FAMILY].hf
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.json").write_text(json.dumps(hf.hf_config_from_args(args), indent=2) + "\n")
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key, tensor in model.state_dict().items():
+        if args.tie_embeddings and key == "output.weight":
+            continue
+        hf_tensor = hf.tensor_to_hf(key, tensor.detach(), args).contiguous()
+        nbytes = hf_tensor.numel() * hf_tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][hf.to_hf_key(key)] = hf_tensor
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out_dir / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in shard})
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for s in shards for t in s.values())},
+             "weight_map": weight_map}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
 def save_ember_checkpoint(model: Union[nn.Module, list[nn.Module]], family: str, flavor: str, args: Any,
@@ -217,3 +293,67 @@ def load_model(path: Union[str, Path], device: Device = "cpu", dtype: torch.dtyp
     else:
         raise FileNotFoundError(f"'{path}' holds no model (expected {expected})")
     return model.eval()
+
+
+# ---- conversion between formats (`ember convert`) ----------------------------------------------------
+
+
+def detect_format(path: Path) -> str:
+    """'hf' (config.json + safetensors), 'ember' (a DCP checkpoint or run directory) or 'torch' (a file)."""
+    if path.is_file():
+        return "torch"
+    if (path / MODEL_JSON).is_file() or (path / "checkpoints").is_dir():
+        return "ember"
+    if (path / "config.json").is_file():
+        return "hf"
+    raise FileNotFoundError(f"'{path}' is not a Hugging Face directory, an ember checkpoint or a torch.save file")
+
+
+def _meta_of(model: nn.Module, family: str = HF_FAMILY, flavor: str = "custom") -> dict[str, Any]:
+    return {"family": family, "flavor": flavor, "args": dataclasses.asdict(model.args)}
+
+
+def _load_torch_file(path: Path) -> nn.Module:
+    try:  # weights_only: a checkpoint file is data; mmap: the tensors stay on disk until copied
+        payload = torch.load(path, weights_only=True, mmap=True, map_location="cpu")
+    except Exception as err:
+        raise ValueError(f"'{path}' is not a torch.save file ember can read safely ({str(err).splitlines()[0]})") from None
+    if not isinstance(payload, dict) or "model" not in payload or "ember" not in payload:
+        raise ValueError(f"'{path}' holds no {{'model': state_dict, 'ember': model.json}}; write it with ember convert")
+    meta = payload["ember"]
+    model = _on_meta(meta["family"], MODELS[meta["family"]].args_cls(**meta["args"]), torch.float32)
+    model.load_state_dict(payload["model"], strict=True, assign=True)
+    model.tie_weights()
+    model.init_rope(torch.device("cpu"))
+    return model
+
+
+def convert(src: Union[str, Path], dst: Union[str, Path], to: Optional[str] = None) -> str:
+    """Convert a model between a Hugging Face directory, an ember checkpoint and a torch.save file.
+    Returns the target format. The model is held in memory once; formats convert tensor by tensor."""
+    src, dst = Path(src), Path(dst)
+    source = detect_format(src) if src.exists() else None
+    if source is None:
+        raise FileNotFoundError(f"'{src}' does not exist")
+    target = to or {"hf": "ember", "ember": "hf", "torch": "ember"}[source]
+    if target not in ("hf", "ember", "torch"):
+        raise ValueError(f"--to {target}: choose hf, ember or torch")
+    if source == target:
+        raise ValueError(f"'{src}' is already in {target} format")
+    if source == "torch":
+        model = _load_torch_file(src)
+        meta = _meta_of(model)
+    else:
+        model = load_model(src)
+        meta = _read_json(_newest_step_dir(src) / MODEL_JSON) if source == "ember" and not (src / MODEL_JSON).is_file() \
+            else _read_json(src / MODEL_JSON) if source == "ember" else _meta_of(model)
+    if target == "hf":
+        save_hf(model, model.args, dst)
+    elif target == "torch":
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dst.with_name(dst.name + ".tmp")
+        torch.save({"model": model.state_dict(), "ember": meta}, tmp)
+        os.replace(tmp, dst)
+    else:
+        save_ember_checkpoint(model, meta["family"], meta["flavor"], model.args, dst)
+    return target

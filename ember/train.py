@@ -10,6 +10,8 @@ import contextlib
 import datetime
 import math
 import os
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -27,7 +29,8 @@ from ember.data.loader import build_loader
 from ember.data.packing import IGNORE_INDEX
 from ember.data.tokenizer import build_tokenizer
 from ember.hardware import peak_flops
-from ember.load import load_weights, save_ember_checkpoint
+from ember.checkpoint import CheckpointError, CheckpointManager, meta_for, rng_state, set_rng_state
+from ember.load import load_weights
 from ember.metrics import MetricsLogger, mfu, peak_memory_gb
 from ember.models import MODELS, build_model_args
 from ember.nn.attention import document_layout
@@ -36,6 +39,10 @@ from ember.parallel import cp as cp_lib
 from ember.parallel import pp as pp_lib
 from ember.parallel.mesh import ParallelMesh
 
+
+
+class TrainingStopped(RuntimeError):
+    """The run stopped itself (e.g. too many non-finite steps); the message says why and what to do."""
 
 
 def pick_device(name: str) -> torch.device:
@@ -149,8 +156,8 @@ class Trainer:
             part.tie_weights()  # to_empty gives each module its own Parameter
         self.model_parts: list[nn.Module] = [part for _, part in parts]
         self._init_weights(spec)
-        if cfg.checkpoint.init_from:
-            load_weights(self.model_parts, cfg.checkpoint.init_from)
+        if cfg.model.init_from:
+            load_weights(self.model_parts, cfg.model.init_from)
         # One module for the optimizer, clipping and `model.train()`: the model, or this rank's stages.
         self.model = self.model_parts[0] if len(self.model_parts) == 1 else nn.ModuleList(self.model_parts)
         self.spec = spec
@@ -187,6 +194,37 @@ class Trainer:
         peak = peak_flops(self.device, self.compute_dtype, cfg.metrics.peak_tflops)
         self.peak_flops, self.peak_source = peak.value_flops, peak.source
         self.step = 0
+        self.last_step_skipped = False
+        self.skipped_in_a_row, self.skipped_total = 0, 0
+        self._loss_mean: Optional[float] = None  # running mean for the loss-spike warning
+        self._stop_signal: Optional[int] = None
+
+        # Checkpoints: resume restores weights, optimizer, schedule, data position and RNG exactly.
+        self.checkpointer = CheckpointManager(
+            cfg.checkpoint, self.output_dir, self.model_parts, self.model, self.optimizer,
+            meta_for(cfg.model.family, cfg.model.flavor, self.model_args), say=self._say)
+        try:
+            state = self.checkpointer.resume(cfg.resume)
+        except CheckpointError as err:
+            raise ConfigError(str(err)) from None
+        if state is not None:
+            self.step = int(state["step"])
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+            self.train_loader.load_state_dict(state["data"])
+            set_rng_state(state["rng"])
+            self.skipped_in_a_row, self.skipped_total = state["skipped_in_a_row"], state["skipped_total"]
+            self._loss_mean = state["loss_mean"]
+
+    def _say(self, message: str) -> None:
+        if self.is_main:
+            self.console.print(message, markup=False, highlight=False)
+
+    def train_state(self) -> dict:
+        """This rank's part of a checkpoint beside the DCP weights and optimizer state."""
+        return {"step": self.step, "lr_scheduler": self.lr_scheduler.state_dict(),
+                "data": self.train_loader.state_dict(), "rng": rng_state(),
+                "skipped_in_a_row": self.skipped_in_a_row, "skipped_total": self.skipped_total,
+                "loss_mean": self._loss_mean}
 
     @torch.no_grad()
     def _init_weights(self, spec: Any) -> None:
@@ -311,12 +349,16 @@ class Trainer:
             loss_total += step_fn(inputs, labels, 1.0 / max(n_tokens, 1), backward=True)
         grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.optim.max_grad_norm,
                                     pp_mesh=self.mesh.submesh("pipeline") if self.mesh else None)
-        self.optimizer.step()
+        # Every rank's share summed; tensor-parallel ranks each hold the whole replica's loss.
+        loss = float(self._all_sum(loss_total) / self.tp)
+        grad_norm = float(grad_norm)
+        # Both are global, so every rank takes the same decision: a non-finite step changes no weight.
+        self.last_step_skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
+        if not self.last_step_skipped:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
-        # Every rank's share summed; tensor-parallel ranks each hold the whole replica's loss.
-        loss = self._all_sum(loss_total) / self.tp
-        return float(loss), float(grad_norm)
+        return loss, grad_norm
 
     @torch.no_grad()
     def evaluate(self) -> Optional[float]:
@@ -368,8 +410,13 @@ class Trainer:
             disable=not (self.is_main and cfg.metrics.console),
             transient=False,
         )
+        stopped = False
+        previous_handlers = self._install_signal_handlers()
+        if self.step >= cfg.max_steps and self.step > 0:
+            self._say(f"already at step {self.step} of max_steps={cfg.max_steps}: nothing to train "
+                      "(raise max_steps to continue, or resume=none to start over)")
         with progress:
-            task = progress.add_task("train", total=cfg.max_steps, loss="-")
+            task = progress.add_task("train", total=cfg.max_steps, loss="-", completed=self.step)
             while self.step < cfg.max_steps:
                 t0 = time.perf_counter()
                 micro_batches = next(batches)
@@ -380,10 +427,12 @@ class Trainer:
                     torch.cuda.synchronize()
                 step_time = time.perf_counter() - t0
                 self.step += 1
-                if not math.isfinite(loss):
-                    raise FloatingPointError(
-                        f"loss is {loss} at step {self.step}; lower optim.lr or raise schedule.warmup_steps"
-                    )
+                if self.last_step_skipped:
+                    self._skipped_step(loss, grad_norm)
+                    progress.update(task, advance=1)
+                    continue
+                self.skipped_in_a_row = 0
+                self._check_spike(loss, logger)
                 first_loss = loss if first_loss is None else first_loss
                 window_time, window_steps, window_loss = window_time + step_time, window_steps + 1, window_loss + loss
                 window_data += data_wait
@@ -415,13 +464,24 @@ class Trainer:
                 # Validation on its own cadence, outside the timed window of the step it follows.
                 if cfg.eval_interval and self.step % cfg.eval_interval == 0 and self.step < cfg.max_steps:
                     logger.log(self.step, {"step": self.step, "val_loss": self.evaluate()})
+                self.checkpointer.poll()
+                if self._agree_to_stop():
+                    self._say(f"signal {self._stop_signal}: saving a checkpoint at step {self.step} and exiting")
+                    self.checkpointer.save(self.step, self.train_state(), blocking=True)
+                    stopped = True
+                    break
+                if self.checkpointer.due(self.step) and self.step < cfg.max_steps:
+                    self.checkpointer.save(self.step, self.train_state())
 
-        val_loss = self.evaluate()
+        self._restore_signal_handlers(previous_handlers)
+        val_loss = None if stopped else self.evaluate()
         for loader in (self.train_loader, self.val_loader):
             if loader is not None:
                 loader.close()  # stop the prefetch threads before the process moves on
         step_dir = self.output_dir / "checkpoints" / f"step-{self.step}"
-        save_ember_checkpoint(self.model_parts, cfg.model.family, cfg.model.flavor, self.model_args, step_dir)
+        if not stopped and not (step_dir / "model.json").is_file():
+            self.checkpointer.save(self.step, self.train_state(), blocking=True)
+        self.checkpointer.wait()
         summary = {
             "first_loss": first_loss,
             "final_loss": history[-1]["loss"] if history else None,
@@ -429,17 +489,71 @@ class Trainer:
             "val_loss": val_loss,
             "steps": self.step,
             "checkpoint": str(step_dir),
+            "stopped_by_signal": stopped,
+            "skipped_steps": self.skipped_total,
         }
         if val_loss is not None:
             logger.log(self.step, {"step": self.step, "val_loss": val_loss})
         logger.close()
-        if self.is_main and cfg.metrics.console:
+        if self.is_main and cfg.metrics.console and first_loss is not None:
             val = f", validation loss {val_loss:.3f}" if val_loss is not None else ""
             self.console.print(
                 f"done: {self.step} steps, loss {first_loss:.3f} -> {summary['final_loss_avg']:.3f} "
                 f"(mean of the last {cfg.logging_steps} steps){val}; model saved to {step_dir}"
             )
         return summary
+
+    # ---------------------------------------------------------------- guards and signals
+    def _skipped_step(self, loss: float, grad_norm: float) -> None:
+        self.skipped_in_a_row += 1
+        self.skipped_total += 1
+        self._say(f"warning: step {self.step} skipped: loss {loss}, grad norm {grad_norm} "
+                  f"({self.skipped_in_a_row} in a row, {self.skipped_total} in all)")
+        if self.skipped_in_a_row > self.cfg.max_skipped_steps:
+            self.checkpointer.save(self.step, self.train_state(), blocking=True)
+            raise TrainingStopped(
+                f"{self.skipped_in_a_row} steps in a row had a non-finite loss or grad norm (max_skipped_steps="
+                f"{self.cfg.max_skipped_steps}); the last good weights are in checkpoints/step-{self.step}. "
+                "Lower optim.lr, raise schedule.warmup_steps or check the data, then resume"
+            )
+
+    def _check_spike(self, loss: float, logger: MetricsLogger) -> None:
+        factor = self.cfg.loss_spike_factor
+        mean = self._loss_mean
+        if factor > 0 and mean is not None and self.step > 10 and loss > factor * mean:
+            position = self.train_loader.state_dict()
+            position = {k: v for k, v in position.items() if k in ("epoch", "cursor", "draws")}
+            self._say(f"warning: loss spike at step {self.step}: {loss:.4f} is over {factor}x the running mean "
+                      f"{mean:.4f}; the batch was read before data position {position}")
+            logger.log(self.step, {"step": self.step, "loss_spike": loss, "loss_mean": mean, "data_position": position})
+        self._loss_mean = loss if mean is None else 0.95 * mean + 0.05 * loss
+
+    def _install_signal_handlers(self) -> dict:
+        """SIGTERM and SIGUSR1 (preemption, SLURM's warning) ask for a checkpoint at the next step
+        boundary; a second one exits at once."""
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+
+        def handler(signum: int, frame: Any) -> None:
+            if self._stop_signal is not None:
+                os._exit(128 + signum)
+            self._stop_signal = signum
+
+        return {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+
+    @staticmethod
+    def _restore_signal_handlers(previous: dict) -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+    def _agree_to_stop(self) -> bool:
+        """Whether any rank got a stop signal: all ranks must save and stop at the same step."""
+        flag = torch.tensor(0.0 if self._stop_signal is None else 1.0, device=self.device)
+        if self.mesh is not None:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() > 0 and self._stop_signal is None:
+            self._stop_signal = -1  # another rank's signal
+        return bool(flag.item() > 0)
 
     def _print_header(self) -> None:
         if not (self.is_main and self.cfg.metrics.console):

@@ -1,0 +1,256 @@
+"""Training checkpoints: distributed (DCP), atomic, optionally asynchronous, kept N at a time, resumable.
+
+A checkpoint is `OUTPUT_DIR/checkpoints/step-N/`:
+- DCP files of {"model": weights, "optim": optimizer state}, sharded as the run was and resharded on
+  load (a checkpoint of fsdp=2 loads on one process or with tensor=2);
+- `train-rank{R}.pt`: that rank's small training state (step, LR schedule, data-loader position, RNG
+  states), written with torch.save and read back with weights_only=True;
+- `model.json`, written last: the marker of a complete checkpoint (and what `load_model` reads).
+
+Atomic: everything is written under `step-N.tmp` and renamed to `step-N` by rank 0 once every rank is
+done, so a crash at any point leaves the previous checkpoints intact; leftover `.tmp` folders are removed
+at the next start. Asynchronous saves (`checkpoint.async_save`) stage the state in host memory, write it
+in the background over a process group of their own (on gloo, sharing the default group was seen to
+hang), and are committed at a later step boundary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+from ember.load import MODEL_JSON, model_state_dict
+
+STEP_DIR = re.compile(r"step-(\d+)")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used: the message names the file and what does not match."""
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def complete_checkpoints(checkpoint_dir: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every complete checkpoint, oldest first."""
+    if not checkpoint_dir.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in checkpoint_dir.iterdir()
+             if (m := STEP_DIR.fullmatch(p.name)) and (p / MODEL_JSON).is_file()]
+    return sorted(found)
+
+
+def verify(step_dir: Path, template: dict[str, Any]) -> None:
+    """Check a checkpoint against what this run will load, before loading: every shard file present and
+    long enough, every tensor of the same global shape. Names the first problem."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    try:
+        metadata = FileSystemReader(str(step_dir)).read_metadata()
+    except Exception as err:
+        raise CheckpointError(f"checkpoint {step_dir}: its .metadata cannot be read ({_first_line(err)})") from None
+    needed: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        path = step_dir / name
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint {step_dir}: shard file {name} is missing")
+        if path.stat().st_size < size:
+            raise CheckpointError(f"checkpoint {step_dir}: shard file {name} is truncated "
+                                  f"({path.stat().st_size} of at least {size} bytes)")
+    for key, value in _flatten(template).items():
+        if not isinstance(value, torch.Tensor):
+            continue  # lists and numbers (param_groups) are flattened by DCP its own way
+        stored = metadata.state_dict_metadata.get(key)
+        if stored is None:
+            raise CheckpointError(f"checkpoint {step_dir} has no '{key}'; it was saved from another model or optimizer")
+        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else None
+        if shape is not None and isinstance(stored, TensorStorageMetadata) and tuple(stored.size) != shape:
+            raise CheckpointError(f"checkpoint {step_dir}: '{key}' has shape {tuple(stored.size)} but this run's "
+                                  f"model has {shape}; resume with the same model config or resume=none")
+
+
+def _flatten(state: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    # DCP's own key flattening: nested dicts joined with dots.
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def _first_line(err: BaseException) -> str:
+    return str(err).splitlines()[0] if str(err) else type(err).__name__
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+class CheckpointManager:
+    """Saves and restores the whole training state of one run; every rank calls every method."""
+
+    def __init__(self, cfg: Any, output_dir: Path, model_parts: list[nn.Module], optim_model: nn.Module,
+                 optimizer: torch.optim.Optimizer, meta: dict[str, Any], say: Callable[[str], None] = print):
+        self.cfg, self.dir = cfg, Path(output_dir) / "checkpoints"
+        self.model_parts, self.optim_model, self.optimizer = model_parts, optim_model, optimizer
+        self.meta, self.say = meta, say
+        self._pending: Optional[tuple[Any, Path, Path]] = None  # async save in flight: (future, tmp, final)
+        self._async_group = None
+        if _rank() == 0 and self.dir.is_dir():
+            for leftover in self.dir.glob("step-*.tmp"):  # a save that a crash interrupted
+                shutil.rmtree(leftover, ignore_errors=True)
+                self.say(f"removed the incomplete checkpoint {leftover.name} left by an interrupted save")
+        _barrier()
+
+    # ------------------------------------------------------------------ state
+    def _state(self) -> dict[str, Any]:
+        return {"model": model_state_dict(self.model_parts),
+                "optim": get_optimizer_state_dict(self.optim_model, self.optimizer)}
+
+    # ------------------------------------------------------------------ save
+    def due(self, step: int) -> bool:
+        return self.cfg.interval > 0 and step % self.cfg.interval == 0
+
+    def save(self, step: int, train_state: dict[str, Any], *, blocking: bool = False) -> None:
+        """Write step-N (asynchronously when checkpoint.async_save and not `blocking`)."""
+        self.wait()  # one save in flight at a time
+        final = self.dir / f"step-{step}"
+        tmp = final.with_name(final.name + ".tmp")
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        _barrier()
+        torch.save(train_state, tmp / f"train-rank{_rank()}.pt")
+        state = self._state()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # DCP's notes on single-process use
+            if self.cfg.async_save and not blocking:
+                if self._async_group is None and dist.is_initialized():
+                    self._async_group = dist.new_group(backend="gloo")
+                future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._async_group)
+                self._pending = (future, tmp, final)
+                return
+            dcp.save(state, checkpoint_id=str(tmp))
+        self._commit(tmp, final)
+        _barrier()
+
+    def _commit(self, tmp: Path, final: Path) -> None:
+        """Rank 0, once every rank's shards and the metadata are written: marker, rename, prune."""
+        if _rank() != 0:
+            return
+        (tmp / MODEL_JSON).write_text(json.dumps(self.meta, indent=2) + "\n")
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        self._prune()
+
+    def _prune(self) -> None:
+        keep, every = self.cfg.keep, self.cfg.keep_every
+        if keep <= 0:
+            return
+        checkpoints = complete_checkpoints(self.dir)
+        for step, path in checkpoints[:-keep]:
+            if every > 0 and step % every == 0:
+                continue  # a milestone
+            shutil.rmtree(path, ignore_errors=True)
+
+    def poll(self) -> None:
+        """Commit a finished asynchronous save (call at step boundaries)."""
+        if self._pending is not None and self._pending[0].done():
+            self.wait()
+
+    def wait(self) -> None:
+        """Block until the save in flight is written, then commit it."""
+        if self._pending is None:
+            return
+        future, tmp, final = self._pending
+        self._pending = None
+        future.result()  # raises if writing failed; DCP completes it only after the metadata is written
+        self._commit(tmp, final)
+
+    # ------------------------------------------------------------------ load
+    def resume(self, spec: str) -> Optional[dict[str, Any]]:
+        """Restore model and optimizer from the checkpoint `spec` names ("auto": the newest complete one in
+        this run's directory, falling back to older ones if it is unreadable; "none"; or a path) and return
+        this rank's training state, or None to start from scratch."""
+        if spec == "none":
+            return None
+        if spec == "auto":
+            candidates = [path for _, path in reversed(complete_checkpoints(self.dir))]
+            for i, path in enumerate(candidates):
+                try:
+                    return self.load(path)
+                except CheckpointError as err:
+                    older = f"falling back to {candidates[i + 1].name}" if i + 1 < len(candidates) else "starting from scratch"
+                    self.say(f"warning: {err}; {older}")
+            # get_optimizer_state_dict initialised the optimizer with a zero step (Adam's step count 1);
+            # a run from scratch must start from an empty state, as one that never tried to resume.
+            self.optimizer.state.clear()
+            return None
+        path = Path(spec).expanduser()
+        if (path / "checkpoints").is_dir() and not (path / MODEL_JSON).is_file():
+            found = complete_checkpoints(path / "checkpoints")
+            if not found:
+                raise CheckpointError(f"resume={spec}: no complete checkpoint under {path / 'checkpoints'}")
+            path = found[-1][1]
+        if not (path / MODEL_JSON).is_file():
+            raise CheckpointError(f"resume={spec}: {path} is not a complete checkpoint (no {MODEL_JSON}); "
+                                  "give a checkpoints/step-N directory")
+        return self.load(path)
+
+    def load(self, step_dir: Path) -> dict[str, Any]:
+        state = self._state()
+        verify(step_dir, state)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            try:
+                dcp.load(state, checkpoint_id=str(step_dir))
+            except Exception as err:
+                raise CheckpointError(f"checkpoint {step_dir} cannot be loaded: {_first_line(err)}") from None
+        set_optimizer_state_dict(self.optim_model, self.optimizer, state["optim"])
+        rank_file = step_dir / f"train-rank{_rank()}.pt"
+        if not rank_file.is_file():  # another world size: the global data position is the same on every rank
+            rank_file = step_dir / "train-rank0.pt"
+        try:
+            train_state = torch.load(rank_file, weights_only=True)
+        except Exception as err:
+            raise CheckpointError(f"checkpoint {step_dir}: {rank_file.name} is unreadable ({_first_line(err)})") from None
+        self.say(f"resumed from {step_dir} (step {train_state['step']})")
+        return train_state
+
+
+def meta_for(family: str, flavor: str, args: Any) -> dict[str, Any]:
+    return {"family": family, "flavor": flavor, "args": dataclasses.asdict(args)}
