@@ -1,0 +1,174 @@
+"""Exact resume after a crash, atomic saves, keep-N, corrupt checkpoints, signals, resharding.
+
+Runs go through `ember train` in subprocesses, as a user's job would; faults are injected by a
+sitecustomize module on PYTHONPATH (SIGKILL at a step, or death in the middle of a save).
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+TINY = ["debug", "data.dataset=synthetic", "model.n_layers=2", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2",
+        "model.vocab_size=256", "seq_len=32", "global_batch_size=4", "micro_batch_size=2", "logging_steps=1",
+        "max_steps=6", "checkpoint.interval=2", "eval_batches=1", "metrics.console=false", "optim.lr=1e-2"]
+
+INJECT = '''
+import os
+if os.environ.get("EMBER_KILL_AT_STEP") or os.environ.get("EMBER_DIE_IN_SAVE_AT"):
+    import signal
+    import ember.train as t
+    import ember.checkpoint as c
+    kill_at = int(os.environ.get("EMBER_KILL_AT_STEP", -1))
+    original_step = t.Trainer.train_step
+    def train_step(self, batches):
+        if self.step == kill_at and os.environ.get("RANK", "0") == "0":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original_step(self, batches)
+    t.Trainer.train_step = train_step
+    die_at = os.environ.get("EMBER_DIE_IN_SAVE_AT")
+    original_commit = c.CheckpointManager._commit
+    def commit(self, tmp, final):
+        if die_at and final.name == "step-" + die_at:
+            os._exit(1)  # every shard written, the commit not done: a crash in the middle of the save
+        return original_commit(self, tmp, final)
+    c.CheckpointManager._commit = commit
+'''
+
+
+def _env(tmp_path: Path, **extra: str) -> dict:
+    inject = tmp_path / "inject"
+    inject.mkdir(exist_ok=True)
+    (inject / "sitecustomize.py").write_text(INJECT)
+    env = dict(os.environ, PYTHONPATH=str(inject), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **extra)
+    env.pop("RANK", None), env.pop("WORLD_SIZE", None)
+    return env
+
+
+def _train(tmp_path: Path, out: Path, *overrides: str, nproc: int = 1, env: dict | None = None,
+           expect: int | None = 0) -> subprocess.CompletedProcess:
+    launch = [f"--nproc-per-node={nproc}"] if nproc > 1 else []
+    proc = subprocess.run([sys.executable, "-m", "ember", "train", *launch, *TINY, f"output_dir={out}", *overrides],
+                          capture_output=True, text=True, env=env or _env(tmp_path), timeout=600)
+    if expect is not None:
+        assert proc.returncode == expect, proc.stderr[-3000:]
+    return proc
+
+
+def _steps(out: Path) -> dict[int, tuple[float, float]]:
+    """(loss, grad_norm) per step; a step logged twice (before a crash, then after the resume) keeps the last."""
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: (r["loss"], r["grad_norm"]) for r in records if "loss" in r}
+
+
+def _train_state(out: Path, step: int) -> dict:
+    return torch.load(out / "checkpoints" / f"step-{step}" / "train-rank0.pt", weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("A") / "run"
+    _train(out.parent, out)
+    return out
+
+
+def test_killed_run_resumes_bit_for_bit(uninterrupted: Path, tmp_path: Path):
+    out = tmp_path / "B"
+    _train(tmp_path, out, env=_env(tmp_path, EMBER_KILL_AT_STEP="3"), expect=-signal.SIGKILL)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-2"]
+    proc = _train(tmp_path, out)
+    assert "resumed from" in proc.stdout and "step-2" in proc.stdout
+    a, b = _steps(uninterrupted), _steps(out)
+    assert b == a  # every step from 3 on equals the uninterrupted run's, bit for bit (== on floats)
+    assert _train_state(out, 6)["data"] == _train_state(uninterrupted, 6)["data"]  # the same data consumed
+
+
+def test_crash_in_the_middle_of_a_save_keeps_the_previous_checkpoint(uninterrupted: Path, tmp_path: Path):
+    out = tmp_path / "C"
+    _train(tmp_path, out, env=_env(tmp_path, EMBER_DIE_IN_SAVE_AT="4"), expect=1)
+    names = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert names == ["step-2", "step-4.tmp"]  # the half-written one is not a checkpoint
+    proc = _train(tmp_path, out)
+    assert "removed the incomplete checkpoint step-4.tmp" in proc.stdout
+    assert "resumed from" in proc.stdout and "step-2 (step 2)" in proc.stdout
+    assert _steps(out) == _steps(uninterrupted)
+
+
+def test_fsdp2_killed_run_resumes_bit_for_bit(tmp_path: Path):
+    a, b = tmp_path / "A2", tmp_path / "B2"
+    _train(tmp_path, a, nproc=2)
+    _train(tmp_path, b, nproc=2, env=_env(tmp_path, EMBER_KILL_AT_STEP="3"), expect=None)
+    assert (b / "checkpoints" / "step-2" / "model.json").is_file()
+    assert not (b / "checkpoints" / "step-6").exists()
+    _train(tmp_path, b, nproc=2)
+    assert _steps(b) == _steps(a)
+
+
+def test_a_checkpoint_reshards_to_one_process_and_to_tensor_parallel(tmp_path: Path):
+    a = tmp_path / "fsdp"
+    _train(tmp_path, a, nproc=2)
+    reference = _steps(a)
+    for name, extra, nproc in (("single", [], 1), ("tp", ["ici_mesh.tensor=2", "ici_mesh.fsdp=1"], 2)):
+        out = tmp_path / name
+        _train(tmp_path, out, f"resume={a / 'checkpoints' / 'step-4'}", *extra, nproc=nproc)
+        got = _steps(out)
+        assert sorted(got) == [5, 6]
+        for step in (5, 6):
+            assert got[step][0] == pytest.approx(reference[step][0], rel=1e-5), name
+            assert got[step][1] == pytest.approx(reference[step][1], rel=1e-4), name
+
+
+def test_keep_and_milestones(tmp_path: Path):
+    out = tmp_path / "keep"
+    _train(tmp_path, out, "checkpoint.interval=1", "checkpoint.keep=2", "checkpoint.keep_every=3")
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-3", "step-5", "step-6"]
+
+
+def test_corrupt_checkpoints(uninterrupted: Path, tmp_path: Path):
+    out = tmp_path / "corrupt"
+    _train(tmp_path, out, "max_steps=4")
+    shard = next((out / "checkpoints" / "step-4").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    # resume=auto: says what is wrong and falls back to step-2
+    proc = _train(tmp_path, out, "max_steps=6")
+    assert f"shard file {shard.name} is truncated" in proc.stdout and "falling back to step-2" in proc.stdout
+    assert _steps(out) == _steps(uninterrupted)
+    # An explicit path to a bad checkpoint is an error naming the file, with nothing overwritten.
+    bad = out / "checkpoints" / "step-2"
+    (bad / next(p.name for p in bad.glob("*.distcp"))).unlink()
+    proc = _train(tmp_path, tmp_path / "other", f"resume={bad}", expect=2)
+    assert proc.stderr.count("\n") == 1 and "shard file" in proc.stderr and "is missing" in proc.stderr
+    proc = _train(tmp_path, tmp_path / "other2", f"resume={out / 'checkpoints' / 'step-6'}", "model.dim=128", expect=2)
+    assert "has shape" in proc.stderr and "resume=none" in proc.stderr and proc.stderr.count("\n") == 1
+
+
+def test_sigterm_saves_at_the_next_step_and_exits_0(tmp_path: Path):
+    out = tmp_path / "term"
+    proc = subprocess.Popen([sys.executable, "-m", "ember", "train", *TINY, f"output_dir={out}", "max_steps=100000",
+                             "checkpoint.interval=0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_env(tmp_path))
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (out / "metrics.jsonl").is_file():
+        time.sleep(0.2)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr[-2000:]
+    (step_dir,) = (out / "checkpoints").iterdir()
+    step = int(step_dir.name.split("-")[1])
+    assert step > 0 and (step_dir / "model.json").is_file()
+    assert f"saving a checkpoint at step {step}" in stdout
+    assert _train_state(out, step)["step"] == step
+
+
+def test_async_save_commits_every_checkpoint(uninterrupted: Path, tmp_path: Path):
+    out = tmp_path / "async"
+    _train(tmp_path, out, "checkpoint.async=true")
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-2", "step-4", "step-6"]
+    assert _steps(out) == _steps(uninterrupted)  # saving in the background changes nothing
