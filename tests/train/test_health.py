@@ -1,0 +1,67 @@
+"""Training-health guards: non-finite steps are skipped, too many in a row stop the run with a
+checkpoint of the last good weights; loss spikes are reported with the data position."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from ember import config as config_lib
+from ember.train import Trainer, TrainingStopped
+
+SMALL = ["data.dataset=synthetic", "model.n_layers=1", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2",
+         "model.vocab_size=256", "seq_len=16", "global_batch_size=2", "micro_batch_size=2", "logging_steps=1",
+         "metrics.console=false", "eval_batches=1"]
+
+
+def _trainer(tmp_path: Path, *overrides: str) -> Trainer:
+    return Trainer(config_lib.load("debug", SMALL + [f"output_dir={tmp_path}", *overrides]))
+
+
+def _poison(monkeypatch: pytest.MonkeyPatch, trainer: Trainer, steps: set[int], factor: float) -> None:
+    original = trainer._token_loss_sum
+
+    def scaled(logits, labels):
+        loss = original(logits, labels)
+        return loss * factor if trainer.step + 1 in steps else loss
+
+    monkeypatch.setattr(trainer, "_token_loss_sum", scaled)
+
+
+def test_non_finite_steps_are_skipped_without_touching_the_weights(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    trainer = _trainer(tmp_path, "max_steps=6")
+    _poison(monkeypatch, trainer, {3, 4}, float("nan"))
+    snapshots = {}
+    original_step = trainer.train_step
+
+    def recording(batches):
+        out = original_step(batches)
+        snapshots[trainer.step + 1] = trainer.model.output.weight.detach().clone()
+        return out
+
+    monkeypatch.setattr(trainer, "train_step", recording)
+    summary = trainer.train()
+    assert summary["skipped_steps"] == 2 and summary["steps"] == 6
+    assert torch.equal(snapshots[2], snapshots[3]) and torch.equal(snapshots[3], snapshots[4])  # no update
+    assert not torch.equal(snapshots[4], snapshots[5])  # training goes on after them
+    assert torch.isfinite(trainer.model.output.weight).all()
+
+
+def test_too_many_in_a_row_stop_with_a_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    trainer = _trainer(tmp_path, "max_steps=20", "max_skipped_steps=2")
+    _poison(monkeypatch, trainer, set(range(4, 21)), float("inf"))
+    with pytest.raises(TrainingStopped, match=r"3 steps in a row had a non-finite loss or grad norm \(max_skipped_steps=2\)"):
+        trainer.train()
+    state = torch.load(tmp_path / "checkpoints" / "step-6" / "train-rank0.pt", weights_only=True)
+    assert state["step"] == 6 and state["skipped_in_a_row"] == 3
+
+
+def test_loss_spike_is_reported_with_its_data_position(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    trainer = _trainer(tmp_path, "max_steps=16", "loss_spike_factor=3")
+    _poison(monkeypatch, trainer, {14}, 10.0)
+    trainer.train()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    spikes = [r for r in records if "loss_spike" in r]
+    assert [r["step"] for r in spikes] == [14]
+    assert spikes[0]["data_position"] == {"epoch": 0, "cursor": 28}  # 14 steps x 2 samples read so far
