@@ -27,7 +27,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    family: str = "llama3"  # llama2 | llama3 | llama3.1 | llama3.2
+    family: str = "llama3"  # llama2 | llama3 | llama3.1 | llama3.2 | mixtral
     flavor: str = "debug"  # a key of the family's FLAVORS, e.g. 8B, 70B, 405B, debug
     # Optional fields that override the flavor's hyper-parameters (None keeps the flavor's value).
     dim: Optional[int] = None
@@ -40,6 +40,13 @@ class ModelConfig:
     norm_eps: Optional[float] = None
     rope_theta: Optional[float] = None
     max_seq_len: Optional[int] = None
+    ffn_hidden_dim: Optional[int] = None  # mixture-of-experts families: each expert's hidden size
+    n_experts: Optional[int] = None
+    top_k: Optional[int] = None
+    # MoE auxiliary losses, added to the language-model loss: load balancing (Switch/Mixtral) and the
+    # router z-loss (ST-MoE); 0 turns one off. Both are logged.
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 0.0
     # Activation checkpointing (rematerialisation), applied from outside the model (parallel/ac.py):
     # none | full (every block) | selective (every remat_every-th block) | op (save matmul outputs,
     # recompute the rest) | offload (keep activations in host memory)
@@ -179,7 +186,7 @@ class JobConfig:
 
 
 PRECISIONS = ("auto", "fp32", "bf16")
-NOT_HYPERPARAMETERS = ("family", "flavor", "remat", "remat_every", "init_from")  # model.* keys that are not model args
+NOT_HYPERPARAMETERS = ("family", "flavor", "remat", "remat_every", "init_from", "aux_loss_coef", "z_loss_coef")  # model.* keys that are not model args
 REMAT_POLICIES = ("none", "full", "selective", "op", "offload")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 CP_IMPLS = ("auto", "allgather", "ring")
@@ -400,6 +407,9 @@ def _validate_parallel(cfg: JobConfig, shape: Any, args: Any) -> None:
             f"expert parallelism (expert={shape.degree('expert')}) needs a mixture-of-experts model; "
             f"{cfg.model.family} has no experts: set ici_mesh.expert=1 and dcn_mesh.expert=1"
         )
+    if cfg.model.family == "mixtral" and (tp > 1 or cp > 1):
+        raise ConfigError("mixtral runs with data, fsdp and pipeline axes; tensor and context parallelism are not "
+                          "wired for it yet: set ici_mesh.tensor=1 and ici_mesh.context=1")
     if tp > 1:
         for what, n in (("model.n_heads", args.n_heads), ("model.n_kv_heads", args.kv_heads),
                         ("the FFN hidden size", args.ffn_hidden_dim), ("seq_len", cfg.seq_len)):

@@ -80,8 +80,12 @@ def load_hf_weights(model: Union[nn.Module, list[nn.Module]], directory: Path) -
     from safetensors import safe_open
     from torch.distributed.tensor import DTensor, distribute_tensor
 
+    family, config = _hf_family(directory)
+    if family != HF_FAMILY:  # per-expert HF tensors are stacked on load; not streamed into shards yet
+        raise ValueError(f"model.init_from: streaming a {family} Hugging Face directory into a sharded model is not "
+                         f"supported yet; convert it first (`ember convert {directory} CKPT`) and use model.init_from=CKPT")
     hf = MODELS[HF_FAMILY].hf
-    args = hf.args_from_hf_config(_read_json(directory / "config.json"))
+    args = hf.args_from_hf_config(config)
     targets = model_state_dict(model)
     loaded: set[str] = set()
     for path in _hf_weight_files(directory):
@@ -134,21 +138,21 @@ def save_hf(model: nn.Module, args: Any, out_dir: Union[str, Path], max_shard_by
     (with an index when there is more than one), converting tensor by tensor."""
     from safetensors.torch import save_file
 
-    hf = MODELS[HF_FAMILY].hf
+    family = next(name for name, spec in MODELS.items() if isinstance(model, spec.model_cls))
+    hf = MODELS[family].hf
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.json").write_text(json.dumps(hf.hf_config_from_args(args), indent=2) + "\n")
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
-    for key, tensor in model.state_dict().items():
-        if args.tie_embeddings and key == "output.weight":
-            continue
-        hf_tensor = hf.tensor_to_hf(key, tensor.detach(), args).contiguous()
+    # to_hf_state_dict renames and permutes; the permuted q/k rows are the only copies made.
+    for hf_key, hf_tensor in hf.to_hf_state_dict({k: t.detach() for k, t in model.state_dict().items()}, args).items():
+        hf_tensor = hf_tensor.contiguous()
         nbytes = hf_tensor.numel() * hf_tensor.element_size()
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append({})
             size = 0
-        shards[-1][hf.to_hf_key(key)] = hf_tensor
+        shards[-1][hf_key] = hf_tensor
         size += nbytes
     if len(shards) == 1:
         save_file(shards[0], str(out_dir / "model.safetensors"), metadata={"format": "pt"})
@@ -232,34 +236,44 @@ def _hf_weight_files(directory: Path) -> list[Path]:
     raise FileNotFoundError(f"'{directory}' has no model.safetensors or model.safetensors.index.json{hint}")
 
 
+HF_FAMILIES = {"llama": HF_FAMILY, "mixtral": "mixtral"}  # config.json model_type -> ember family
+
+
+def _hf_family(directory: Path) -> tuple[str, dict[str, Any]]:
+    config_path = directory / "config.json"
+    config = _read_json(config_path)
+    model_type = config.get("model_type")
+    if model_type not in HF_FAMILIES:
+        raise ValueError(f"'{config_path}' describes model_type '{model_type}'; ember loads "
+                         f"{', '.join(HF_FAMILIES)} (LlamaForCausalLM, MixtralForCausalLM) models")
+    expected = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}[model_type]
+    architectures = config.get("architectures") or [expected]
+    if architectures != [expected]:
+        raise ValueError(f"'{config_path}' describes architectures {architectures}; ember loads {expected} "
+                         f"for model_type '{model_type}'")
+    return HF_FAMILIES[model_type], config
+
+
 def _load_hf(directory: Path, device: Device, dtype: torch.dtype) -> nn.Module:
     from safetensors import safe_open
 
-    config_path = directory / "config.json"
-    config = _read_json(config_path)
-    architectures = config.get("architectures") or ["LlamaForCausalLM"]
-    if config.get("model_type") != "llama" or architectures != ["LlamaForCausalLM"]:
-        raise ValueError(f"'{config_path}' describes model_type '{config.get('model_type')}' / architectures "
-                         f"{architectures}; ember loads only LlamaForCausalLM ('llama') models")
-    hf = MODELS[HF_FAMILY].hf
+    family, config = _hf_family(directory)
+    hf = MODELS[family].hf
     try:
         args = hf.args_from_hf_config(config)
     except (KeyError, ValueError) as err:
-        raise ValueError(f"'{config_path}': {err}") from None
-    state = {}
-    for path in _hf_weight_files(directory):  # tensor by tensor: only the target copy stays in memory
+        raise ValueError(f"'{directory / 'config.json'}': {err}") from None
+    hf_state = {}
+    for path in _hf_weight_files(directory):  # tensor by tensor, straight to the target device and dtype
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for key in f.keys():
-                if hf.skip_hf_key(key, args):
-                    continue
-                try:
-                    ember_key = hf.from_hf_key(key)
-                except KeyError as err:
-                    raise ValueError(f"'{path}': {err.args[0]}") from None
-                state[ember_key] = hf.tensor_from_hf(ember_key, f.get_tensor(key), args).to(device, dtype)
-    if args.tie_embeddings and "tok_embeddings.weight" in state:
-        state["output.weight"] = state["tok_embeddings.weight"]
-    model = _on_meta(HF_FAMILY, args, dtype)
+                hf_state[key] = f.get_tensor(key).to(device, dtype)
+    try:
+        state = hf.from_hf_state_dict(hf_state, args)
+    except KeyError as err:
+        raise ValueError(f"'{directory}': {err.args[0]}") from None
+    del hf_state
+    model = _on_meta(family, args, dtype)
     try:  # assign: the loaded tensors become the parameters, so the meta model needs no to_empty
         model.load_state_dict(state, strict=True, assign=True)
     except RuntimeError as err:
@@ -309,7 +323,9 @@ def detect_format(path: Path) -> str:
     raise FileNotFoundError(f"'{path}' is not a Hugging Face directory, an ember checkpoint or a torch.save file")
 
 
-def _meta_of(model: nn.Module, family: str = HF_FAMILY, flavor: str = "custom") -> dict[str, Any]:
+def _meta_of(model: nn.Module, flavor: str = "custom") -> dict[str, Any]:
+    family = HF_FAMILY if isinstance(model, MODELS[HF_FAMILY].model_cls) else \
+        next(name for name, spec in MODELS.items() if isinstance(model, spec.model_cls))
     return {"family": family, "flavor": flavor, "args": dataclasses.asdict(model.args)}
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable
 
-from ember.models import llama
+from ember.models import llama, mixtral
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,8 @@ MODELS: dict[str, ModelSpec] = {
                       llama.flops_per_token, llama.hf)
     for family, flavors in llama.FLAVORS.items()  # llama2, llama3, llama3.1, llama3.2
 }
+MODELS["mixtral"] = ModelSpec("mixtral", mixtral.FLAVORS, mixtral.Transformer, mixtral.MixtralArgs,
+                              mixtral.parallelize, mixtral.flops_per_token, mixtral.hf)
 
 
 def build_model_args(family: str, flavor: str, overrides: dict[str, Any] | None = None) -> Any:

@@ -81,7 +81,7 @@ def test_hf_directory_errors(tmp_path: Path):
     with pytest.raises(ValueError, match="config.json' is not readable JSON"):
         load_model(tmp_path)
     config.write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
-    with pytest.raises(ValueError, match=r"config.json' describes model_type 'gpt2'.*only LlamaForCausalLM"):
+    with pytest.raises(ValueError, match=r"config.json' describes model_type 'gpt2'; ember loads llama, mixtral \(LlamaForCausalLM, MixtralForCausalLM\) models"):
         load_model(tmp_path)
     llama = hf.hf_config_from_args(build_model_args("llama3", "debug"))
     config.write_text(json.dumps({**llama, "architectures": ["LlamaForSequenceClassification"]}))

@@ -1,0 +1,31 @@
+"""How the Mixtral family is parallelised: activation checkpointing -> compile per block -> FSDP2.
+
+Tensor, context and expert parallelism are not wired for this family yet; the config refuses them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from ember.models.llama.parallelize import apply_compile
+from ember.parallel.ac import apply_ac
+from ember.parallel.fsdp import apply_fsdp
+
+
+def parallelize(model: nn.Module, mesh: Optional[Any] = None, *, compile: bool = False, remat: str = "none",
+                remat_every: int = 2, param_dtype: Optional[torch.dtype] = None,
+                reduce_dtype: Optional[torch.dtype] = None, reshard_after_forward: bool = True,
+                cpu_offload: bool = False, **unsupported: Any) -> nn.Module:
+    if mesh is not None and (mesh.submesh("tensor") is not None or mesh.submesh("context") is not None):
+        raise ValueError("mixtral runs with data, fsdp and pipeline axes; tensor and context are not supported yet")
+    apply_ac(model, remat, remat_every)
+    if compile:
+        apply_compile(model)
+    fsdp_mesh = mesh.fsdp_mesh() if mesh is not None else None
+    if fsdp_mesh is not None:
+        apply_fsdp(model, fsdp_mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                   reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload)
+    return model

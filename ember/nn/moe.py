@@ -1,0 +1,113 @@
+"""Mixture-of-experts pieces shared by the MoE families (Mixtral, GLaM-style): router, experts, layer.
+
+Dropless top-k routing: every token goes to its k experts, whatever their load (no capacity factor,
+no dropped tokens). Tokens are sorted by expert so each expert multiplies one contiguous block:
+- grouped: one `grouped_mm` over all experts' blocks (CUDA, where torch has the kernel);
+- looped: one matmul per expert over its block, correct on every device (the CPU path here; torch
+  2.13's CPU grouped_mm rejects these layouts).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Router(nn.Module):
+    """Linear scores over experts; top-k by softmax probability, renormalised over the chosen k (the
+    same as Mixtral's softmax over the selected experts' logits)."""
+
+    def __init__(self, dim: int, n_experts: int, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+        self.gate = nn.Linear(dim, n_experts, bias=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (N, dim) -> weights (N, k), expert indices (N, k), router logits (N, E)."""
+        logits = self.gate(x)
+        probs = F.softmax(logits.float(), dim=-1)  # fp32 routing, as the reference
+        weights, indices = torch.topk(probs, self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), indices, logits
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts as 3-D weights: w1, w3 (E, hidden, dim) and w2 (E, dim, hidden)."""
+
+    def __init__(self, n_experts: int, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
+        self.w3 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
+
+    def forward(self, x_sorted: torch.Tensor, counts: torch.Tensor, grouped: bool) -> torch.Tensor:
+        """x_sorted (M, dim), grouped by expert in order, counts (E,) tokens per expert -> (M, dim)."""
+        if grouped:
+            offsets = torch.cumsum(counts, 0).to(torch.int32)
+            h = F.silu(F.grouped_mm(x_sorted, self.w1.transpose(-2, -1), offs=offsets))
+            h = h * F.grouped_mm(x_sorted, self.w3.transpose(-2, -1), offs=offsets)
+            return F.grouped_mm(h, self.w2.transpose(-2, -1), offs=offsets)
+        outputs = []
+        for e, block in enumerate(torch.split(x_sorted, counts.tolist())):
+            if block.shape[0] == 0:
+                continue
+            h = F.silu(block @ self.w1[e].t()) * (block @ self.w3[e].t())  # (n_e, hidden)
+            outputs.append(h @ self.w2[e].t())  # (n_e, dim)
+        return torch.cat(outputs) if outputs else x_sorted.new_zeros(x_sorted.shape)
+
+    def init_weights(self, out_std: float) -> None:
+        nn.init.trunc_normal_(self.w1, mean=0.0, std=0.02)
+        nn.init.trunc_normal_(self.w3, mean=0.0, std=out_std)
+        nn.init.trunc_normal_(self.w2, mean=0.0, std=out_std)
+
+
+def _grouped_available(x: torch.Tensor) -> bool:
+    return x.is_cuda and hasattr(F, "grouped_mm") and x.dtype == torch.bfloat16
+
+
+class MoE(nn.Module):
+    """A top-k MoE feed-forward layer. After each forward, `aux_loss` holds the load-balancing loss
+    (Switch Transformer / Mixtral: E * sum_e f_e * P_e, f_e the share of routed slots that went to
+    expert e, P_e its mean router probability; 1.0 when perfectly balanced), `z_loss` the router
+    z-loss (ST-MoE: mean squared log-sum-exp of the logits) and `tokens_per_expert` the load."""
+
+    def __init__(self, dim: int, hidden_dim: int, n_experts: int, top_k: int):
+        super().__init__()
+        self.n_experts, self.top_k = n_experts, top_k
+        self.router = Router(dim, n_experts, top_k)
+        self.experts = Experts(n_experts, dim, hidden_dim)
+        self.aux_loss: Optional[torch.Tensor] = None
+        self.z_loss: Optional[torch.Tensor] = None
+        self.tokens_per_expert: Optional[torch.Tensor] = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, D = x.shape
+        flat = x.reshape(-1, D)  # (N, dim)
+        weights, indices, logits = self.router(flat)  # (N, k), (N, k), (N, E)
+        slots = indices.flatten()  # (N*k,): slot j is token j // k's (j % k)-th expert
+        order = torch.argsort(slots, stable=True)
+        counts = torch.bincount(slots, minlength=self.n_experts)  # (E,)
+        token_of_slot = order // self.top_k
+        out_sorted = self.experts(flat[token_of_slot], counts, _grouped_available(flat))  # (N*k, dim)
+        out_sorted = out_sorted * weights.flatten()[order, None]
+        out = torch.zeros_like(flat).index_add_(0, token_of_slot, out_sorted)  # sum of each token's k experts
+        probs = F.softmax(logits.float(), dim=-1)
+        share = counts.float() / slots.numel()  # f_e
+        self.aux_loss = self.n_experts * torch.sum(share.detach() * probs.mean(dim=0))
+        self.z_loss = torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
+        self.tokens_per_expert = counts.detach()
+        return out.reshape(B, T, D)
+
+    def init_weights(self, out_std: float) -> None:
+        nn.init.trunc_normal_(self.router.gate.weight, mean=0.0, std=0.02)
+        self.experts.init_weights(out_std)
+
+
+def load_balance_loss(moe_layers: list[MoE]) -> Optional[torch.Tensor]:
+    """Mean over layers of each layer's latest load-balancing loss."""
+    losses = [m.aux_loss for m in moe_layers if m.aux_loss is not None]
+    return torch.stack(losses).mean() if losses else None
+
