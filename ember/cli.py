@@ -168,25 +168,30 @@ def cmd_recipes(argv: list[str]) -> int:
     from ember.models import MODELS, build_model_args
 
     table = Table(title="ember recipes")
-    for column in ("recipe", "family", "flavor", "parameters", "seq_len", "global batch", "tokens/step"):
+    for column in ("recipe", "family", "flavor", "parameters", "active", "seq_len", "global batch", "tokens/step"):
         table.add_column(column, justify="left" if column in ("recipe", "family", "flavor") else "right", no_wrap=True)
     for name in config_lib.recipe_names():
         cfg = config_lib.load(name)
         spec = MODELS[cfg.model.family]
         args = build_model_args(cfg.model.family, cfg.model.flavor, config_lib.model_overrides(cfg.model))
         with torch.device("meta"):  # shapes only: 405B costs no memory here
-            n_params = sum(p.numel() for p in spec.model_cls(args).parameters())
+            model = spec.model_cls(args)
+            n_params = sum(p.numel() for p in model.parameters())
+        # Active: what one token passes through (a mixture of experts uses top_k of its n_experts).
+        n_experts, top_k = getattr(args, "n_experts", 0), getattr(args, "top_k", 0)
+        idle = args.n_layers * (n_experts - top_k) * 3 * args.dim * getattr(args, "ffn_hidden_dim", 0) if n_experts else 0
         table.add_row(
             name,
             cfg.model.family,
             cfg.model.flavor,
             f"{n_params:,}",
+            f"{n_params - idle:,}",
             str(cfg.seq_len),
             str(cfg.global_batch_size),
             f"{cfg.seq_len * cfg.global_batch_size:,}",
         )
     console = Console()
-    console.width = max(console.width, 110)  # pipes report 80 columns; never truncate the numbers
+    console.width = max(console.width, 130)  # pipes report 80 columns; never truncate the numbers
     console.print(table)
     return 0
 
