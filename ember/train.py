@@ -321,18 +321,18 @@ class Trainer:
                 total.backward()
         return loss.full_tensor().detach() if _is_dtensor(loss) else loss.detach()
 
-    def _moe_aux_loss(self, labels: torch.Tensor, scale: float) -> torch.Tensor | float:
+    def _moe_aux_loss(self, labels: torch.Tensor, scale: float) -> Any:
         """MoE families: the router losses of this micro-batch, weighted by its share of the global
         batch's tokens (so they average over micro-batches and ranks like the main loss)."""
         layers = [m for part in self.model_parts for m in (part.moe_layers() if hasattr(part, "moe_layers") else [])]
         if not layers:
             return 0.0
-        weight = float((labels != IGNORE_INDEX).sum()) * scale
+        weight = (labels != IGNORE_INDEX).sum() * scale  # a tensor: no device sync on the hot path
         aux = torch.stack([m.aux_loss for m in layers]).mean()
         z = torch.stack([m.z_loss for m in layers]).mean()
-        self._moe_stats = {"aux_loss": float(aux), "z_loss": float(z),
-                           "expert_imbalance": float(torch.stack([m.tokens_per_expert.max() / m.tokens_per_expert.float().mean()
-                                                                  for m in layers]).mean())}
+        imbalance = torch.stack([m.tokens_per_expert.max() / m.tokens_per_expert.float().mean() for m in layers]).mean()
+        # Kept as tensors; read (one sync) only when a logging step writes them.
+        self._moe_stats = {"aux_loss": aux.detach(), "z_loss": z.detach(), "expert_imbalance": imbalance}
         return weight * (self.cfg.model.aux_loss_coef * aux + self.cfg.model.z_loss_coef * z)
 
     def _pipeline_loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float,
@@ -472,7 +472,7 @@ class Trainer:
                         "data_wait_frac": window_data / window_time,  # share of step time spent waiting for data
                     }
                     # MoE: router losses and the mean over layers of max/mean tokens per expert (1.0: balanced)
-                    record.update(getattr(self, "_moe_stats", {}))
+                    record.update({k: float(v) for k, v in getattr(self, "_moe_stats", {}).items()})
                     for source, count in (self.train_loader.mixture_counts() or {}).items():
                         record[f"mix/{source}"] = count  # samples drawn from each mixture source so far
                     logger.log(self.step, record)
