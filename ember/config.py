@@ -402,14 +402,26 @@ def mesh_shape(cfg: JobConfig, world_size: int) -> Any:
 def _validate_parallel(cfg: JobConfig, shape: Any, args: Any) -> None:
     par = cfg.parallel
     tp, pp, cp = shape.degree("tensor"), shape.degree("pipeline"), shape.degree("context")
-    if shape.degree("expert") > 1:
+    ep = shape.degree("expert")
+    n_experts = getattr(args, "n_experts", None)
+    if ep > 1 and not n_experts:
         raise ConfigError(
-            f"expert parallelism (expert={shape.degree('expert')}) needs a mixture-of-experts model; "
+            f"expert parallelism (expert={ep}) needs a mixture-of-experts model; "
             f"{cfg.model.family} has no experts: set ici_mesh.expert=1 and dcn_mesh.expert=1"
         )
-    if cfg.model.family == "mixtral" and (tp > 1 or cp > 1):
-        raise ConfigError("mixtral runs with data, fsdp and pipeline axes; tensor and context parallelism are not "
-                          "wired for it yet: set ici_mesh.tensor=1 and ici_mesh.context=1")
+    if ep > 1 and n_experts % ep:
+        raise ConfigError(f"expert-parallel degree {ep} does not divide model.n_experts={n_experts}; "
+                          f"choose an expert degree that divides it")
+    if n_experts and (tp > 1 or cp > 1):
+        raise ConfigError(f"{cfg.model.family} runs with data, fsdp, expert and pipeline axes; tensor and context "
+                          "parallelism are not wired for mixture-of-experts models yet: set ici_mesh.tensor=1 and "
+                          "ici_mesh.context=1")
+    if n_experts and pp > 1 and (cfg.model.aux_loss_coef or cfg.model.z_loss_coef):
+        raise ConfigError("the MoE router losses are not carried through pipeline stages yet; with pipeline > 1 set "
+                          "model.aux_loss_coef=0 and model.z_loss_coef=0, or use the data, fsdp and expert axes")
+    if ep > 1 and cfg.compile:
+        raise ConfigError("compile=true with expert parallelism: the all-to-all's split sizes are read on the host "
+                          "each step, which a compiled block cannot do; set compile=false or ici_mesh.expert=1")
     if tp > 1:
         for what, n in (("model.n_heads", args.n_heads), ("model.n_kv_heads", args.kv_heads),
                         ("the FFN hidden size", args.ffn_hidden_dim), ("seq_len", cfg.seq_len)):

@@ -34,6 +34,8 @@ from ember.load import load_weights
 from ember.metrics import MetricsLogger, mfu, peak_memory_gb
 from ember.models import MODELS, build_model_args
 from ember.nn.attention import document_layout
+from ember.nn.loss import cross_entropy_sum, output_chunks
+from ember.nn.moe import MoE
 from ember.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from ember.parallel import cp as cp_lib
 from ember.parallel import pp as pp_lib
@@ -155,6 +157,15 @@ class Trainer:
             part.to_empty(device="cpu" if cfg.parallel.cpu_offload else self.device)
             part.tie_weights()  # to_empty gives each module its own Parameter
         self.model_parts: list[nn.Module] = [part for _, part in parts]
+        # MoE layers of this rank's stages, by global layer number (GLaM alternates dense and MoE blocks)
+        self.moe_layers: list[tuple[int, MoE]] = [
+            (int(name), module) for part in self.model_parts for name, block in part.layers.items()
+            for module in block.modules() if isinstance(module, MoE)]
+        self._moe_stats: dict[str, torch.Tensor] = {}
+        self._expert_load: Optional[torch.Tensor] = None
+        if self.tp == 1 and self.pp == 1:  # plain-tensor logits of the whole sequence: compute them in chunks
+            whole.output_chunks = output_chunks(cfg.micro_batch_size, cfg.seq_len // self.cp,
+                                                self.model_args.vocab_size, self.device.type)
         self._init_weights(spec)
         if cfg.model.init_from:
             load_weights(self.model_parts, cfg.model.init_from)
@@ -270,11 +281,13 @@ class Trainer:
         return contextlib.nullcontext()
 
     @staticmethod
-    def _token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        # fp32 for the softmax over a large vocabulary: bf16 log-sum-exp loses the small probabilities.
-        return F.cross_entropy(
-            logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=IGNORE_INDEX, reduction="sum"
-        )
+    def _token_loss_sum(logits: Any, labels: torch.Tensor) -> torch.Tensor:
+        """Summed token cross-entropy in fp32; logits (B, T, V), or the model's list of chunks of them."""
+        if _is_dtensor(logits):  # vocabulary-sharded logits (loss parallel): DTensor's cross-entropy
+            return F.cross_entropy(
+                logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=IGNORE_INDEX, reduction="sum"
+            )
+        return cross_entropy_sum(logits, labels)
 
     def _pp_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self._token_loss_sum(logits, labels) / self._pp_token_count
@@ -324,16 +337,50 @@ class Trainer:
     def _moe_aux_loss(self, labels: torch.Tensor, scale: float) -> Any:
         """MoE families: the router losses of this micro-batch, weighted by its share of the global
         batch's tokens (so they average over micro-batches and ranks like the main loss)."""
-        layers = [m for part in self.model_parts for m in (part.moe_layers() if hasattr(part, "moe_layers") else [])]
-        if not layers:
+        if not self.moe_layers:
             return 0.0
+        layers = [moe for _, moe in self.moe_layers]
         weight = (labels != IGNORE_INDEX).sum() * scale  # a tensor: no device sync on the hot path
         aux = torch.stack([m.aux_loss for m in layers]).mean()
         z = torch.stack([m.z_loss for m in layers]).mean()
-        imbalance = torch.stack([m.tokens_per_expert.max() / m.tokens_per_expert.float().mean() for m in layers]).mean()
-        # Kept as tensors; read (one sync) only when a logging step writes them.
-        self._moe_stats = {"aux_loss": aux.detach(), "z_loss": z.detach(), "expert_imbalance": imbalance}
+        self._moe_stats = {"aux_loss": aux.detach(), "z_loss": z.detach()}
+        self._count_expert_load()
         return weight * (self.cfg.model.aux_loss_coef * aux + self.cfg.model.z_loss_coef * z)
+
+    def _count_expert_load(self) -> None:
+        """Add the tokens each expert got in the latest forward to the logging window's (layers, E) sum.
+        Kept as tensors; read (one all-reduce, one sync) only when a logging step writes them."""
+        if not self.model.training:
+            return  # validation batches are not training load
+        counts = torch.stack([moe.tokens_per_expert for _, moe in self.moe_layers])
+        self._expert_load = counts if self._expert_load is None else self._expert_load + counts
+
+    def _expert_load_record(self) -> dict[str, Any]:
+        """Per MoE layer i, over the logging window and every rank: `moe/layer{i}/tokens_per_expert` (a
+        list) and `moe/layer{i}/imbalance` (max over mean tokens per expert, 1.0 when balanced); and
+        `expert_imbalance`, their mean over layers. Every rank must call it (an all-reduce)."""
+        if not self.moe_layers:
+            return {}
+        n_experts = self.moe_layers[0][1].n_experts
+        # Indexed by global layer number, zeros where another pipeline stage holds the layer, so one
+        # sum over all ranks adds data-parallel ranks' loads and gathers the stages' layers.
+        load = torch.zeros(self.model_args.n_layers, n_experts, device=self.device)
+        if self._expert_load is not None:
+            load[[i for i, _ in self.moe_layers]] = self._expert_load.float()
+        self._all_sum(load)
+        self._expert_load = None
+        record: dict[str, Any] = {}
+        imbalances = []
+        for i, tokens in enumerate(load):
+            if not tokens.any():
+                continue  # a dense layer (GLaM alternates dense and MoE layers)
+            imbalance = float(tokens.max() / tokens.mean())
+            record[f"moe/layer{i}/tokens_per_expert"] = [int(n) for n in tokens.tolist()]
+            record[f"moe/layer{i}/imbalance"] = imbalance
+            imbalances.append(imbalance)
+        if imbalances:
+            record["expert_imbalance"] = sum(imbalances) / len(imbalances)
+        return record
 
     def _pipeline_loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float,
                            backward: bool) -> torch.Tensor:
@@ -344,6 +391,8 @@ class Trainer:
         losses: list[torch.Tensor] = []
         run = self.schedule.step if backward else self.schedule.eval
         run(*args, target=labels.to(self.device), losses=losses)
+        if self.moe_layers:  # the load of the schedule's last micro-batch through this rank's stages
+            self._count_expert_load()
         if self.has_last_stage and losses:
             return torch.stack([l.detach() for l in losses]).sum()
         return torch.zeros((), device=self.device)
@@ -471,8 +520,9 @@ class Trainer:
                         "tokens_seen": self.step * tokens_per_step,
                         "data_wait_frac": window_data / window_time,  # share of step time spent waiting for data
                     }
-                    # MoE: router losses and the mean over layers of max/mean tokens per expert (1.0: balanced)
-                    record.update({k: float(v) for k, v in getattr(self, "_moe_stats", {}).items()})
+                    # MoE: router losses, and the load of every expert of every layer over the window
+                    record.update({k: float(v) for k, v in self._moe_stats.items()})
+                    record.update(self._expert_load_record())
                     for source, count in (self.train_loader.mixture_counts() or {}).items():
                         record[f"mix/{source}"] = count  # samples drawn from each mixture source so far
                     logger.log(self.step, record)

@@ -9,7 +9,7 @@ no dropped tokens). Tokens are sorted by expert so each expert multiplies one co
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -45,23 +45,30 @@ class Experts(nn.Module):
 
     def forward(self, x_sorted: torch.Tensor, counts: torch.Tensor, grouped: bool) -> torch.Tensor:
         """x_sorted (M, dim), grouped by expert in order, counts (E,) tokens per expert -> (M, dim)."""
+        w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
         if grouped:
             offsets = torch.cumsum(counts, 0).to(torch.int32)
-            h = F.silu(F.grouped_mm(x_sorted, self.w1.transpose(-2, -1), offs=offsets))
-            h = h * F.grouped_mm(x_sorted, self.w3.transpose(-2, -1), offs=offsets)
-            return F.grouped_mm(h, self.w2.transpose(-2, -1), offs=offsets)
+            h = F.silu(F.grouped_mm(x_sorted, w1.transpose(-2, -1), offs=offsets))
+            h = h * F.grouped_mm(x_sorted, w3.transpose(-2, -1), offs=offsets)
+            return F.grouped_mm(h, w2.transpose(-2, -1), offs=offsets)
         outputs = []
         for e, block in enumerate(torch.split(x_sorted, counts.tolist())):
             if block.shape[0] == 0:
                 continue
-            h = F.silu(block @ self.w1[e].t()) * (block @ self.w3[e].t())  # (n_e, hidden)
-            outputs.append(h @ self.w2[e].t())  # (n_e, dim)
+            h = F.silu(block @ w1[e].t()) * (block @ w3[e].t())  # (n_e, hidden)
+            outputs.append(h @ w2[e].t())  # (n_e, dim)
         return torch.cat(outputs) if outputs else x_sorted.new_zeros(x_sorted.shape)
 
     def init_weights(self, out_std: float) -> None:
         nn.init.trunc_normal_(self.w1, mean=0.0, std=0.02)
         nn.init.trunc_normal_(self.w3, mean=0.0, std=out_std)
         nn.init.trunc_normal_(self.w2, mean=0.0, std=out_std)
+
+
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    """This rank's experts: under expert parallelism the weights are DTensors sharded over the expert
+    dimension (ember/parallel/ep.py) and each rank computes with its local (E / ep, ...) block."""
+    return weight.to_local() if hasattr(weight, "to_local") else weight
 
 
 def _grouped_available(x: torch.Tensor) -> bool:
@@ -82,6 +89,9 @@ class MoE(nn.Module):
         self.aux_loss: Optional[torch.Tensor] = None
         self.z_loss: Optional[torch.Tensor] = None
         self.tokens_per_expert: Optional[torch.Tensor] = None
+        # None: every expert is here. Expert parallelism (ember/parallel/ep.py) sets a callable
+        # (experts, tokens sorted by expert, counts (E,)) -> outputs that runs them on their own ranks.
+        self.dispatch: Optional[Callable[..., torch.Tensor]] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, D = x.shape
@@ -91,7 +101,12 @@ class MoE(nn.Module):
         order = torch.argsort(slots, stable=True)
         counts = torch.bincount(slots, minlength=self.n_experts)  # (E,)
         token_of_slot = order // self.top_k
-        out_sorted = self.experts(flat[token_of_slot], counts, _grouped_available(flat))  # (N*k, dim)
+        grouped = _grouped_available(flat)
+        run_experts = lambda tokens, tokens_per_expert: self.experts(tokens, tokens_per_expert, grouped)  # noqa: E731
+        if self.dispatch is None:
+            out_sorted = run_experts(flat[token_of_slot], counts)  # (N*k, dim)
+        else:
+            out_sorted = self.dispatch(run_experts, flat[token_of_slot], counts)
         out_sorted = out_sorted * weights.flatten()[order, None]
         out = torch.zeros_like(flat).index_add_(0, token_of_slot, out_sorted)  # sum of each token's k experts
         probs = F.softmax(logits.float(), dim=-1)

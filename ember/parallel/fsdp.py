@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import nn
@@ -17,6 +17,8 @@ def apply_fsdp(
     reduce_dtype: Optional[torch.dtype] = None,
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
+    expert_modules: Sequence[nn.Module] = (),
+    expert_mesh: Optional[Any] = None,
 ) -> None:
     """Shard `model` (a whole model or a pipeline stage of one) over `mesh`, in place.
 
@@ -24,10 +26,21 @@ def apply_fsdp(
     all-reduced across replicas. Each block is its own unit so only one block's parameters are gathered
     at a time; the embedding, and the final norm with the output projection, are units of their own.
     A tied embedding/output matrix is left to the root unit, since one parameter cannot live in two.
+
+    expert_modules: expert-parallel experts (parameters already DTensors over the expert axis). Only the
+    ranks in `expert_mesh` hold the same experts, so each is a unit of its own over that mesh; with no
+    such mesh (the expert axis is the only data axis) FSDP leaves them alone: their gradients are whole.
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
-    common = dict(mesh=mesh, mp_policy=mp, offload_policy=offload)
+    ignored: set[nn.Parameter] = set()
+    for experts in expert_modules:
+        if expert_mesh is not None:
+            fully_shard(experts, mesh=expert_mesh, mp_policy=mp, offload_policy=offload,
+                        reshard_after_forward=reshard_after_forward)
+        else:
+            ignored.update(experts.parameters())
+    common = dict(mesh=mesh, mp_policy=mp, offload_policy=offload, ignored_params=ignored or None)
     tied = getattr(model.args, "tie_embeddings", False)
     if model.tok_embeddings is not None and not tied:
         fully_shard(model.tok_embeddings, reshard_after_forward=reshard_after_forward, **common)

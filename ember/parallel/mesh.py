@@ -40,13 +40,21 @@ class MeshShape:
 
     @property
     def dp(self) -> int:
-        """Data-parallel degree: how many different micro-batches are read at once (data x fsdp)."""
-        return self.degree("data") * self.degree("fsdp")
+        """Data-parallel degree: how many different micro-batches are read at once (data x fsdp x expert:
+        expert-parallel ranks read batches of their own, as in MaxText, and exchange tokens only inside
+        the MoE layers)."""
+        return self.degree("data") * self.degree("fsdp") * self.degree("expert")
 
     @property
     def grad_sync(self) -> int:
-        """Ranks whose gradients FSDP reduces: data x fsdp x context (context shares the FSDP group)."""
+        """Ranks whose gradients FSDP reduces for the non-expert parameters: data x fsdp x expert x context
+        (context shares the FSDP group)."""
         return self.dp * self.degree("context")
+
+    @property
+    def expert_grad_sync(self) -> int:
+        """Ranks that hold the same experts and reduce their gradients: data x fsdp x context."""
+        return self.grad_sync // self.degree("expert")
 
     def describe(self) -> str:
         parts = [f"{a}={self.degree(a)}" for a in AXES if self.degree(a) > 1]
@@ -134,18 +142,30 @@ class ParallelMesh:
 
     @property
     def dp_rank(self) -> int:
-        """This rank's index among the data-parallel readers (data x fsdp); tensor, pipeline and context
-        ranks of one replica read the same batch."""
-        return self.coordinate("data") * self.shape.degree("fsdp") + self.coordinate("fsdp")
+        """This rank's index among the data-parallel readers (data x fsdp x expert); tensor, pipeline and
+        context ranks of one replica read the same batch."""
+        index = 0
+        for axis in ("data", "fsdp", "expert"):
+            index = index * self.shape.degree(axis) + self.coordinate(axis)
+        return index
 
     def fsdp_mesh(self) -> Optional[Any]:
-        """FSDP's mesh: (data, fsdp x context) for HSDP / replicate, fsdp x context for FSDP, None if no
-        gradients need reducing. Context ranks hold the same parameters, so they shard them too."""
-        if self.shape.grad_sync == 1:
+        """FSDP's mesh for the non-expert parameters: (data, fsdp x context x expert) for HSDP /
+        replicate, fsdp x context x expert for FSDP, None if no gradients need reducing. Context and
+        expert ranks hold the same (non-expert) parameters, so they shard them too."""
+        return self._sharding_mesh(("fsdp", "context", "expert"), self.shape.grad_sync)
+
+    def expert_fsdp_mesh(self) -> Optional[Any]:
+        """FSDP's mesh for the experts of an expert-parallel MoE layer: the ranks that hold the same
+        experts, (data, fsdp x context) or fsdp x context; None if only the expert axis splits the work."""
+        return self._sharding_mesh(("fsdp", "context"), self.shape.expert_grad_sync)
+
+    def _sharding_mesh(self, shard_axes: tuple[str, ...], n_ranks: int) -> Optional[Any]:
+        if n_ranks == 1:
             return None
         if not self.has("data"):
-            return self.submesh("fsdp", "context")
-        shard = tuple(a for a in ("fsdp", "context") if self.shape.degree(a) > 1) or ("fsdp",)
+            return self.submesh(*shard_axes)
+        shard = tuple(a for a in shard_axes if self.shape.degree(a) > 1) or ("fsdp",)
         if len(shard) > 1 and shard not in self._flattened:
             self._flattened[shard] = self.mesh[shard]._flatten("_".join(shard))
         return self.mesh[("data", "_".join(shard))]

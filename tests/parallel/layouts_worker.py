@@ -35,6 +35,7 @@ def main() -> None:
                 "loss": [r["loss"] for r in steps],
                 "grad_norm": [r["grad_norm"] for r in steps],
                 "val_loss": next((r["val_loss"] for r in records if "val_loss" in r), None),
+                "expert_load": [r.get("moe/layer0/tokens_per_expert") for r in steps],  # MoE models only
             }
     if int(os.environ["RANK"]) == 0:
         with open(out_path, "w") as f:

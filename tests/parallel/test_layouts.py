@@ -89,10 +89,10 @@ def tied_reference(tmp_path_factory) -> dict:
     return _single_process(tmp_path_factory.mktemp("tied"), TIED)
 
 
-def _run_layouts(nproc: int, cases: dict, tmp_path: Path) -> dict:
+def _run_layouts(nproc: int, cases: dict, tmp_path: Path, base: list[str] = BASE) -> dict:
     out = tmp_path / "results.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(HERE / "layouts_worker.py"), str(out), json.dumps(cases), *BASE]
+           str(HERE / "layouts_worker.py"), str(out), json.dumps(cases), *base]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())

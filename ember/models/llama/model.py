@@ -156,16 +156,20 @@ class Transformer(nn.Module):
         self.norm: Optional[RMSNorm] = RMSNorm(args.dim, args.norm_eps)
         self.output: Optional[nn.Linear] = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie_weights()
+        # > 1: forward returns the logits as this many sequence chunks, so the loss can consume each
+        # before the next exists in full (torchtune's chunked output). Set from outside by the trainer.
+        self.output_chunks = 1
         # Not persistent: derived from args, recomputed by init_rope, never stored in checkpoints.
         cos, sin = rope_cos_sin(args)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None,
-                document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                document_ids: Optional[torch.Tensor] = None) -> torch.Tensor | list[torch.Tensor]:
         """positions: (T,) or (B, T), the position of each token, default 0..T-1 (context parallelism
         passes its slice's; document masking restarts them per document). document_ids: (B, T), the
-        packed document of each token, so attention stays within documents; default: plain causal."""
+        packed document of each token, so attention stays within documents; default: plain causal.
+        With output_chunks > 1 the logits come as a list of (B, T_i, vocab_size) chunks along T."""
         T = tokens.shape[1]
         if positions is None:
             if T > self.rope_cos.shape[0]:
@@ -177,7 +181,11 @@ class Transformer(nn.Module):
         for layer in self.layers.values():
             h = layer(h, cos, sin, document_ids)
         h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h  # (B, T, vocab_size)
+        if self.output is None:
+            return h
+        if self.output_chunks > 1:
+            return [self.output(chunk) for chunk in h.tensor_split(self.output_chunks, dim=1)]
+        return self.output(h)  # (B, T, vocab_size)
 
     def tie_weights(self) -> None:
         """With tie_embeddings, make output.weight the embedding Parameter itself. `to_empty()` and

@@ -48,12 +48,13 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
         self.norm: Optional[RMSNorm] = RMSNorm(args.dim, args.norm_eps)
         self.output: Optional[nn.Linear] = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.output_chunks = 1  # > 1: logits as a list of sequence chunks (see the Llama model)
         cos, sin = rope_cos_sin(args)  # type: ignore[arg-type]
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None,
-                document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                document_ids: Optional[torch.Tensor] = None) -> torch.Tensor | list[torch.Tensor]:
         T = tokens.shape[1]
         if positions is None:
             if T > self.rope_cos.shape[0]:
@@ -65,7 +66,11 @@ class Transformer(nn.Module):
         for layer in self.layers.values():
             h = layer(h, cos, sin, document_ids)
         h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h  # (B, T, vocab_size)
+        if self.output is None:
+            return h
+        if self.output_chunks > 1:
+            return [self.output(chunk) for chunk in h.tensor_split(self.output_chunks, dim=1)]
+        return self.output(h)  # (B, T, vocab_size)
 
     def moe_layers(self) -> list[MoE]:
         return [layer.moe for layer in self.layers.values()]

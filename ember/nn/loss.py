@@ -1,0 +1,91 @@
+"""Cross-entropy over a large vocabulary, with its gradient computed in the forward pass.
+
+`F.cross_entropy` runs log_softmax (one (N, V) tensor out), nll_loss, and in backward a zero-filled
+(N, V) gradient for nll_loss plus log_softmax's backward (two more): four passes over, and three fresh
+allocations of, a tensor the size of the logits. Here the forward makes one pass for the log-sum-exp
+and one for the gradient, softmax - onehot, which backward only scales by the incoming scalar; the
+logits themselves need not be kept. On this project's 2-core CPU (debug model, 2048 tokens x 8192
+words) the output projection and loss took ~55% of a training step with `F.cross_entropy` on one
+(2048, 8192) tensor, mostly page faults of the fresh 64 MiB buffers and the passes over them; see
+`benchmarks/train_throughput.py` for the measured effect of this and of chunking (Transformer.output_chunks).
+
+Written by hand because no library op fuses the gradient into the forward for plain tensors: the
+fused kernels elsewhere (Liger, Apple's cut cross-entropy) are Triton/CUDA-only.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import torch
+
+from ember.data.packing import IGNORE_INDEX  # labels equal to it add nothing (SFT prompts, padding)
+
+
+class _CrossEntropySum(torch.autograd.Function):
+    """Forward: the summed loss and its gradient, softmax - onehot(target), built in one buffer with
+    one pass per step below. fp32 logits are turned into their gradient in place (marked dirty: nobody
+    reads logits after the loss, and the output projection's backward needs only its inputs), so the
+    loss allocates no (N, V) buffer at all; fresh buffers that size cost page faults on the CPU, as
+    much as the arithmetic here. torch.logsumexp is not used: it allocates two temporaries of its own."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        ctx.set_materialize_grads(False)
+        # (B, T, V) -> (N, V): a view taken here, since autograd refuses a dirty input that is a view
+        x, labels = logits.flatten(0, -2), labels.flatten()
+        valid = labels != IGNORE_INDEX  # (N,)
+        target = labels.clamp_min(0).unsqueeze(1)  # (N, 1); ignored rows read index 0, then are masked
+        in_place = ctx.needs_input_grad[0] and logits.dtype == torch.float32
+        # fp32 softmax (bf16 log-sum-exp loses the small probabilities)
+        x = x if in_place else x.float()
+        target_logit = x.gather(1, target).squeeze(1)  # (N,), read before x is overwritten
+        row_max = x.amax(dim=-1, keepdim=True)  # (N, 1)
+        probs = x.sub_(row_max) if in_place or x.dtype != logits.dtype else x.sub(row_max)
+        probs = probs.exp_()  # (N, V): exp(x - max)
+        row_sum = probs.sum(dim=-1, keepdim=True)  # (N, 1)
+        lse = (row_max + row_sum.log()).squeeze(1)  # log-sum-exp, stable
+        loss = ((lse - target_logit) * valid).sum()
+        if not ctx.needs_input_grad[0]:
+            return loss, logits
+        grad = probs.mul_(valid.unsqueeze(1) / row_sum)  # softmax, zero on ignored rows
+        grad.scatter_add_(1, target, -valid.unsqueeze(1).to(grad.dtype))  # - onehot(target)
+        if in_place:
+            ctx.mark_dirty(logits)
+            grad = logits  # the same storage, (B, T, V)
+        else:
+            grad = grad.to(logits.dtype).view_as(logits)
+        ctx.save_for_backward(grad)
+        return loss, grad
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor, _: None) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        (grad,) = ctx.saved_tensors
+        # In place: no fresh (N, V) buffer. The graph is backpropagated once per step (no retain_graph).
+        return grad.mul_(grad_loss.to(grad.dtype)), None
+
+
+def cross_entropy_sum(logits: Union[torch.Tensor, list[torch.Tensor]], labels: torch.Tensor) -> torch.Tensor:
+    """The summed token cross-entropy of logits (B, T, V) against labels (B, T) (IGNORE_INDEX skipped),
+    in fp32. `logits` may also be the list of sequence chunks that `Transformer(output_chunks > 1)`
+    returns; labels are split the same way (`tensor_split` along T)."""
+    chunks = logits if isinstance(logits, (list, tuple)) else [logits]
+    label_chunks = labels.tensor_split(len(chunks), dim=1) if len(chunks) > 1 else [labels]
+    total = torch.zeros((), device=labels.device, dtype=torch.float32)
+    for chunk, chunk_labels in zip(chunks, label_chunks):
+        loss, _ = _CrossEntropySum.apply(chunk, chunk_labels)
+        total = total + loss
+    return total
+
+
+def output_chunks(batch: int, seq_len: int, vocab_size: int, device_type: str) -> int:
+    """How many sequence chunks to compute the logits of one micro-batch in (Transformer.output_chunks).
+
+    On the CPU, chunks of about 4M logits (16 MiB in fp32) come from the allocator's reused memory
+    instead of fresh pages, and stay nearer the cache: on this project's 2-core CPU, 512 x 8192 chunks
+    beat both 256 x 8192 and the whole (2048, 8192) tensor (benchmarks/train_throughput.py). On a GPU
+    there are no page faults to avoid and large matmuls are better, so chunks only bound memory: about
+    256M logits (1 GiB in fp32) each, e.g. Llama 3's 128K vocabulary x 8192 tokens in four.
+    """
+    target = 1 << 22 if device_type == "cpu" else 1 << 28
+    return max(1, min(seq_len, round(batch * seq_len * vocab_size / target)))

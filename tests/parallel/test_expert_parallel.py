@@ -1,0 +1,70 @@
+"""Expert parallelism trains exactly like one process: Mixtral's experts sharded over the expert axis
+(tokens exchanged by all-to-all), alone and with FSDP and HSDP, give the single-process losses, grad
+norms and per-expert loads of the first steps; the checkpoint loads on one process as the same weights.
+
+Tolerance: rel 1e-5 in fp32 (only the order of floating-point sums differs). The router losses are off
+here: like every data-parallel layout, expert ranks compute the load-balancing statistics over their
+own tokens (as MaxText and Megatron-LM do by default), which is a different loss from one process's.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from ember import config as config_lib
+from ember import load_model
+from ember.train import Trainer
+
+from test_layouts import _run_layouts  # noqa: E402  (tests/parallel is on sys.path under pytest)
+
+STEPS = 3
+MOE = [
+    "model.family=mixtral", "model.flavor=debug", "data.dataset=synthetic", "model.n_layers=2", "model.dim=64",
+    "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=512", "model.ffn_hidden_dim=96",
+    "model.n_experts=4", "model.top_k=2", "model.aux_loss_coef=0", "model.z_loss_coef=0", "seq_len=32",
+    "global_batch_size=8", f"max_steps={STEPS}", "logging_steps=1", "eval_batches=1", "schedule.warmup_steps=0",
+    "optim.lr=1e-2",
+]
+REL = 1e-5
+CASES = {
+    2: {"expert=2": ["micro_batch_size=4", "ici_mesh.fsdp=1", "ici_mesh.expert=2"]},
+    4: {
+        "fsdp=2 x expert=2": ["micro_batch_size=2", "ici_mesh.fsdp=2", "ici_mesh.expert=2"],
+        "data=2 x expert=2 (replicated experts)": ["micro_batch_size=2", "ici_mesh.fsdp=1", "ici_mesh.data=2",
+                                                   "ici_mesh.expert=2"],
+        "expert=4, remat=full": ["micro_batch_size=2", "ici_mesh.fsdp=1", "ici_mesh.expert=4", "model.remat=full"],
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("moe-reference")
+    cfg = config_lib.load("debug", MOE + ["micro_batch_size=8", f"output_dir={out}", "metrics.console=false"])
+    summary = Trainer(cfg).train()
+    steps = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    return {"loss": [r["loss"] for r in steps], "grad_norm": [r["grad_norm"] for r in steps],
+            "expert_load": [r["moe/layer0/tokens_per_expert"] for r in steps], "val_loss": summary["val_loss"],
+            "dir": out}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_expert_parallel_layouts_match_single_process(reference, tmp_path, world):
+    results = _run_layouts(world, CASES[world], tmp_path, base=MOE)
+    assert set(results) == set(CASES[world])
+    assert reference["loss"][0] - reference["loss"][-1] > 1e-3  # the steps move the weights
+    # every token of the global batch routed twice, in layer 0, summed over the ranks
+    assert [sum(load) for load in reference["expert_load"]] == [8 * 32 * 2] * STEPS
+    for name, got in results.items():
+        assert got["loss"] == pytest.approx(reference["loss"], rel=REL), name
+        assert got["grad_norm"] == pytest.approx(reference["grad_norm"], rel=REL), name
+        assert got["val_loss"] == pytest.approx(reference["val_loss"], rel=REL), name
+        assert got["expert_load"][0] == reference["expert_load"][0], name  # same weights, same routing
+    # Experts written by their own ranks (DCP, sharded over the expert axis) load on one process.
+    expected = load_model(reference["dir"]).state_dict()
+    got = load_model(tmp_path / "results.json.runs" / next(iter(CASES[world]))).state_dict()
+    assert got.keys() == expected.keys()
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], rtol=1e-4, atol=1e-4, msg=key)
