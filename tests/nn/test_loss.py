@@ -1,0 +1,76 @@
+"""The fused cross-entropy equals F.cross_entropy (loss and gradients), chunked or not, in fp32 and bf16,
+with ignored labels; it leaves the logits alone when no gradient is needed; the chunked model output
+equals the whole one."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ember.data.packing import IGNORE_INDEX
+from ember.models import build_model_args
+from ember.models.llama import Transformer
+from ember.nn.loss import cross_entropy_sum, output_chunks
+
+
+def _reference(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    logits = (h @ w.t()).flatten(0, 1).float()
+    return F.cross_entropy(logits, labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_loss_and_gradients_equal_cross_entropy(dtype, tol, chunks):
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(2, 9, 16, generator=g).to(dtype).requires_grad_()
+    w = torch.randn(50, 16, generator=g).to(dtype).requires_grad_()
+    labels = torch.randint(0, 50, (2, 9), generator=g)
+    labels[0, :4] = IGNORE_INDEX  # e.g. an SFT prompt
+    logits = h @ w.t()
+    if chunks > 1:
+        logits = [h_part @ w.t() for h_part in h.tensor_split(chunks, dim=1)]
+    ours = cross_entropy_sum(logits, labels)
+    (ours * 0.5).backward()
+    got_h, got_w = h.grad.clone(), w.grad.clone()
+    h.grad = w.grad = None
+    expected = _reference(h, w, labels)
+    (expected * 0.5).backward()
+    assert ours.dtype == torch.float32
+    torch.testing.assert_close(ours, expected, rtol=tol, atol=tol)
+    torch.testing.assert_close(got_h.float(), h.grad.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(got_w.float(), w.grad.float(), rtol=tol, atol=tol)
+    assert got_h[0, :4].abs().sum() == 0  # ignored positions get no gradient
+
+
+def test_no_grad_leaves_logits_untouched_and_grad_reuses_them():
+    logits = torch.randn(2, 5, 11)
+    labels = torch.randint(0, 11, (2, 5))
+    before = logits.clone()
+    with torch.no_grad():
+        value = cross_entropy_sum(logits, labels)
+    assert torch.equal(logits, before)
+    assert value == pytest.approx(float(F.cross_entropy(before.flatten(0, 1), labels.flatten(), reduction="sum")), rel=1e-6)
+    # With a gradient to compute, fp32 logits become that gradient in place (no second (N, V) buffer).
+    leaf = before.clone().requires_grad_()
+    logits = leaf * 1.0
+    cross_entropy_sum(logits, labels).backward()
+    torch.testing.assert_close(logits, leaf.grad)
+
+
+def test_chunked_model_output_equals_whole():
+    args = build_model_args("llama3", "debug", {"n_layers": 1, "dim": 64, "n_heads": 4, "n_kv_heads": 2})
+    torch.manual_seed(0)
+    model = Transformer(args)
+    model.init_weights()
+    tokens = torch.randint(0, args.vocab_size, (2, 24))
+    whole = model(tokens)
+    model.output_chunks = 5  # uneven: tensor_split gives 5, 5, 5, 5, 4 positions
+    chunks = model(tokens)
+    assert [c.shape[1] for c in chunks] == [5, 5, 5, 5, 4]
+    torch.testing.assert_close(torch.cat(chunks, dim=1), whole)
+
+
+def test_output_chunks_target_sizes():
+    assert output_chunks(8, 256, 8192, "cpu") == 4  # 2048 x 8192 logits in chunks of 512 positions
+    assert output_chunks(1, 64, 128, "cpu") == 1
+    assert output_chunks(1, 8192, 128256, "cuda") == 4  # Llama 3 at 8K: 1 GiB fp32 chunks
+    assert output_chunks(1, 4, 10**9, "cpu") == 4  # never more chunks than positions
