@@ -419,9 +419,6 @@ def _validate_parallel(cfg: JobConfig, shape: Any, args: Any) -> None:
     if n_experts and pp > 1 and (cfg.model.aux_loss_coef or cfg.model.z_loss_coef):
         raise ConfigError("the MoE router losses are not carried through pipeline stages yet; with pipeline > 1 set "
                           "model.aux_loss_coef=0 and model.z_loss_coef=0, or use the data, fsdp and expert axes")
-    if ep > 1 and cfg.compile:
-        raise ConfigError("compile=true with expert parallelism: the all-to-all's split sizes are read on the host "
-                          "each step, which a compiled block cannot do; set compile=false or ici_mesh.expert=1")
     if tp > 1:
         for what, n in (("model.n_heads", args.n_heads), ("model.n_kv_heads", args.kv_heads),
                         ("the FFN hidden size", args.ffn_hidden_dim), ("seq_len", cfg.seq_len)):

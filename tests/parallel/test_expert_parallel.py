@@ -29,7 +29,9 @@ MOE = [
 ]
 REL = 1e-5
 CASES = {
-    2: {"expert=2": ["micro_batch_size=4", "ici_mesh.fsdp=1", "ici_mesh.expert=2"]},
+    2: {"expert=2": ["micro_batch_size=4", "ici_mesh.fsdp=1", "ici_mesh.expert=2"],
+        # attention and norms compiled, the MoE (host-side split sizes) eager
+        "expert=2 compiled": ["micro_batch_size=4", "ici_mesh.fsdp=1", "ici_mesh.expert=2", "compile=true"]},
     4: {
         "fsdp=2 x expert=2": ["micro_batch_size=2", "ici_mesh.fsdp=2", "ici_mesh.expert=2"],
         "data=2 x expert=2 (replicated experts)": ["micro_batch_size=2", "ici_mesh.fsdp=1", "ici_mesh.data=2",

@@ -11,10 +11,20 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from ember.models.llama.parallelize import apply_compile
+from ember.nn.moe import MoE
 from ember.parallel.ac import apply_ac
 from ember.parallel.ep import apply_ep
 from ember.parallel.fsdp import apply_fsdp
+
+
+def apply_compile(model: nn.Module) -> None:
+    """Compile each block's parts except its MoE layer: routing reads the tokens per expert on the host
+    (split sizes for the looped experts and the all-to-all), which a full graph cannot hold, so the MoE
+    runs eagerly and attention, norms and dense feed-forwards are compiled, each as one full graph."""
+    for block in model.layers.values():
+        for child in block.children():
+            if not isinstance(child, MoE):
+                child.compile(fullgraph=True)
 
 
 def parallelize(model: nn.Module, mesh: Optional[Any] = None, *, compile: bool = False, remat: str = "none",
