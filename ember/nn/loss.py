@@ -36,7 +36,9 @@ class _CrossEntropySum(torch.autograd.Function):
         x, labels = logits.flatten(0, -2), labels.flatten()
         valid = labels != IGNORE_INDEX  # (N,)
         target = labels.clamp_min(0).unsqueeze(1)  # (N, 1); ignored rows read index 0, then are masked
-        in_place = ctx.needs_input_grad[0] and logits.dtype == torch.float32
+        # autograd allows a dirty input only if it is not a view (tensor-parallel logits gathered over
+        # the vocabulary are one); those get a buffer of their own
+        in_place = ctx.needs_input_grad[0] and logits.dtype == torch.float32 and not logits._is_view()
         # fp32 softmax (bf16 log-sum-exp loses the small probabilities)
         x = x if in_place else x.float()
         target_logit = x.gather(1, target).squeeze(1)  # (N,), read before x is overwritten

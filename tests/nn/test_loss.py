@@ -74,3 +74,14 @@ def test_output_chunks_target_sizes():
     assert output_chunks(1, 64, 128, "cpu") == 1
     assert output_chunks(1, 8192, 128256, "cuda") == 4  # Llama 3 at 8K: 1 GiB fp32 chunks
     assert output_chunks(1, 4, 10**9, "cpu") == 4  # never more chunks than positions
+
+
+def test_a_view_of_logits_is_not_modified_in_place():
+    """Logits that are a view (tensor parallelism's gathered logits are) get a gradient buffer of their own."""
+    base = torch.randn(2, 5, 22, requires_grad=True)
+    logits = (base * 1.0)[..., :11]  # a view of a tensor autograd tracks
+    labels = torch.randint(0, 11, (2, 5))
+    cross_entropy_sum(logits, labels).backward()
+    expected = base.detach().clone().requires_grad_()
+    F.cross_entropy(expected[..., :11].flatten(0, 1), labels.flatten(), reduction="sum").backward()
+    torch.testing.assert_close(base.grad, expected.grad)
