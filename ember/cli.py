@@ -177,15 +177,15 @@ def cmd_recipes(argv: list[str]) -> int:
         with torch.device("meta"):  # shapes only: 405B costs no memory here
             model = spec.model_cls(args)
             n_params = sum(p.numel() for p in model.parameters())
-        # Active: what one token passes through (a mixture of experts uses top_k of its n_experts).
-        n_experts, top_k = getattr(args, "n_experts", 0), getattr(args, "top_k", 0)
-        idle = args.n_layers * (n_experts - top_k) * 3 * args.dim * getattr(args, "ffn_hidden_dim", 0) if n_experts else 0
+            # Active: what one token passes through, as the family counts it (a mixture of experts uses
+            # top_k of its n_experts, in the layers that have experts); a dense family uses every parameter.
+            n_active = spec.active_params(model) if spec.active_params is not None else n_params
         table.add_row(
             name,
             cfg.model.family,
             cfg.model.flavor,
             f"{n_params:,}",
-            f"{n_params - idle:,}",
+            f"{n_active:,}",
             str(cfg.seq_len),
             str(cfg.global_batch_size),
             f"{cfg.seq_len * cfg.global_batch_size:,}",

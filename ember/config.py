@@ -27,7 +27,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    family: str = "llama3"  # llama2 | llama3 | llama3.1 | llama3.2 | mixtral
+    family: str = "llama3"  # llama2 | llama3 | llama3.1 | llama3.2 | mixtral | glam
     flavor: str = "debug"  # a key of the family's FLAVORS, e.g. 8B, 70B, 405B, debug
     # Optional fields that override the flavor's hyper-parameters (None keeps the flavor's value).
     dim: Optional[int] = None
@@ -43,6 +43,7 @@ class ModelConfig:
     ffn_hidden_dim: Optional[int] = None  # mixture-of-experts families: each expert's hidden size
     n_experts: Optional[int] = None
     top_k: Optional[int] = None
+    moe_every: Optional[int] = None  # GLaM: layer i has experts when i % moe_every == 0 (2: every other layer)
     # MoE auxiliary losses, added to the language-model loss: load balancing (Switch/Mixtral) and the
     # router z-loss (ST-MoE); 0 turns one off. Both are logged.
     aux_loss_coef: float = 0.01

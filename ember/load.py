@@ -236,7 +236,7 @@ def _hf_weight_files(directory: Path) -> list[Path]:
     raise FileNotFoundError(f"'{directory}' has no model.safetensors or model.safetensors.index.json{hint}")
 
 
-HF_FAMILIES = {"llama": HF_FAMILY, "mixtral": "mixtral"}  # config.json model_type -> ember family
+HF_FAMILIES = {"llama": HF_FAMILY, "mixtral": "mixtral", "gpt2": "gpt"}  # config.json model_type -> ember family
 
 
 def _hf_family(directory: Path) -> tuple[str, dict[str, Any]]:
@@ -245,8 +245,8 @@ def _hf_family(directory: Path) -> tuple[str, dict[str, Any]]:
     model_type = config.get("model_type")
     if model_type not in HF_FAMILIES:
         raise ValueError(f"'{config_path}' describes model_type '{model_type}'; ember loads "
-                         f"{', '.join(HF_FAMILIES)} (LlamaForCausalLM, MixtralForCausalLM) models")
-    expected = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}[model_type]
+                         f"{', '.join(HF_FAMILIES)} (LlamaForCausalLM, MixtralForCausalLM, GPT2LMHeadModel) models")
+    expected = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "gpt2": "GPT2LMHeadModel"}[model_type]
     architectures = config.get("architectures") or [expected]
     if architectures != [expected]:
         raise ValueError(f"'{config_path}' describes architectures {architectures}; ember loads {expected} "

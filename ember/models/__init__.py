@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable
 
-from ember.models import llama, mixtral
+from ember.models import glam, gpt, llama, mixtral
 
 
 @dataclass(frozen=True)
@@ -19,6 +19,9 @@ class ModelSpec:
     parallelize: Callable  # parallelize(model, mesh, *, compile, remat, ...) -> model, in place
     flops_per_token: Callable[[Any, int], float]  # (args, seq_len) -> training FLOPs per token
     hf: ModuleType  # config and weight mapping to and from Hugging Face
+    # (model) -> the parameters one token passes through (a mixture of experts uses top_k of its experts);
+    # None: every parameter (a dense family). `ember recipes` shows it as "active".
+    active_params: Callable[[Any], int] | None = None
 
 
 MODELS: dict[str, ModelSpec] = {
@@ -27,7 +30,12 @@ MODELS: dict[str, ModelSpec] = {
     for family, flavors in llama.FLAVORS.items()  # llama2, llama3, llama3.1, llama3.2
 }
 MODELS["mixtral"] = ModelSpec("mixtral", mixtral.FLAVORS, mixtral.Transformer, mixtral.MixtralArgs,
-                              mixtral.parallelize, mixtral.flops_per_token, mixtral.hf)
+                              mixtral.parallelize, mixtral.flops_per_token, mixtral.hf,
+                              active_params=lambda model: mixtral.num_params(model, active=True))
+MODELS["gpt"] = ModelSpec("gpt", gpt.FLAVORS, gpt.Transformer, gpt.GPTArgs, gpt.parallelize,
+                          gpt.flops_per_token, gpt.hf)
+MODELS["glam"] = ModelSpec("glam", glam.FLAVORS, glam.Transformer, glam.GlamArgs, glam.parallelize,
+                           glam.flops_per_token, glam.hf, active_params=lambda model: glam.num_params(model, active=True))
 
 
 def build_model_args(family: str, flavor: str, overrides: dict[str, Any] | None = None) -> Any:

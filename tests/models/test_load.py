@@ -80,8 +80,8 @@ def test_hf_directory_errors(tmp_path: Path):
     config.write_text("{not json")
     with pytest.raises(ValueError, match="config.json' is not readable JSON"):
         load_model(tmp_path)
-    config.write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
-    with pytest.raises(ValueError, match=r"config.json' describes model_type 'gpt2'; ember loads llama, mixtral \(LlamaForCausalLM, MixtralForCausalLM\) models"):
+    config.write_text(json.dumps({"model_type": "bert", "architectures": ["BertForMaskedLM"]}))
+    with pytest.raises(ValueError, match=r"config.json' describes model_type 'bert'; ember loads llama, mixtral, gpt2 \(LlamaForCausalLM, MixtralForCausalLM, GPT2LMHeadModel\) models"):
         load_model(tmp_path)
     llama = hf.hf_config_from_args(build_model_args("llama3", "debug"))
     config.write_text(json.dumps({**llama, "architectures": ["LlamaForSequenceClassification"]}))

@@ -1,0 +1,199 @@
+"""The GPT-2/GPT-3 decoder as plain single-device PyTorch.
+
+Learned absolute position embeddings added to the token embeddings, pre-LayerNorm blocks (LayerNorm
+with bias before attention and MLP, one more after the last block: GPT-2, Radford et al. 2019, sec.
+2.3; GPT-3 keeps it, Brown et al. 2020, sec. 2.1), multi-head attention and a GELU MLP, every linear
+layer with a bias except the output projection, which shares the token embedding matrix. This is also
+Pax's GPT (praxis TransformerLm with TrainablePositionalEmbedding, USE_BIAS, GELU approximate=True).
+No parallelism and no I/O here: parallelize.py applies those from outside, hf.py maps GPT2LMHeadModel.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ember.models.gpt.args import GPTArgs
+from ember.nn.attention import causal_attention
+
+
+class Attention(nn.Module):
+    def __init__(self, args: GPTArgs):
+        super().__init__()
+        self.head_dim = args.head_dim
+        # Three projections rather than GPT-2's fused c_attn: tensor parallelism splits each by heads
+        # (a fused matrix would hand a rank some of q's heads and some of k's). hf.py fuses them for export.
+        self.wq = nn.Linear(args.dim, args.dim, bias=True)
+        self.wk = nn.Linear(args.dim, args.dim, bias=True)
+        self.wv = nn.Linear(args.dim, args.dim, bias=True)
+        self.wo = nn.Linear(args.dim, args.dim, bias=True)
+        # The attention kernel, (q, k, v, document_ids) -> out over (B, heads, T, head_dim). A plain
+        # attribute so that context parallelism can swap in its distributed form (ember/parallel/cp.py).
+        self.attention_fn: Callable[..., torch.Tensor] = causal_attention
+
+    def forward(self, x: torch.Tensor, document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        B, T, _ = x.shape
+        # -1 heads, not n_heads: under tensor parallelism each rank holds n_heads / tp of them.
+        q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, n_heads, T, head_dim)
+        k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, n_heads, T, head_dim)
+        v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, n_heads, T, head_dim)
+        out = self.attention_fn(q, k, v, document_ids)  # (B, n_heads, T, head_dim), scaled by 1/sqrt(head_dim)
+        return self.wo(out.transpose(1, 2).reshape(B, T, -1))  # (B, T, n_heads * head_dim) -> (B, T, dim)
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        for linear in (self.wq, self.wk, self.wv):
+            nn.init.normal_(linear.weight, mean=0.0, std=std)
+            nn.init.zeros_(linear.bias)
+        nn.init.normal_(self.wo.weight, mean=0.0, std=out_std)
+        nn.init.zeros_(self.wo.bias)
+
+
+class FeedForward(nn.Module):
+    """w2(gelu(w1 x + b1)) + b2 with GELU's tanh approximation: GPT-2's `gelu_new` and Pax's GELU
+    (approximate=True), so HF GPT-2 checkpoints give the same logits."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=True)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.gelu(self.w1(x), approximate="tanh"))  # (B, T, hidden) -> (B, T, dim)
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        nn.init.normal_(self.w1.weight, mean=0.0, std=std)
+        nn.init.normal_(self.w2.weight, mean=0.0, std=out_std)
+        nn.init.zeros_(self.w1.bias)
+        nn.init.zeros_(self.w2.bias)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: GPTArgs):
+        super().__init__()
+        self.attention = Attention(args)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+        self.attention_norm = nn.LayerNorm(args.dim, eps=args.norm_eps, bias=True)  # GPT-2's ln_1
+        self.ffn_norm = nn.LayerNorm(args.dim, eps=args.norm_eps, bias=True)  # GPT-2's ln_2
+        # The projections that write into the residual stream start 1/sqrt(2 n_layers) smaller (GPT-2
+        # sec. 2.3; Megatron-LM's scaled_init_method), so the stream's variance does not grow with depth.
+        # Pax's configs use one flat Gaussian instead; the scaled form is the common GPT-3 reproduction.
+        self.std = args.init_std
+        self.out_std = args.init_std / math.sqrt(2 * args.n_layers)
+
+    def forward(self, x: torch.Tensor, document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), document_ids)  # (B, T, dim)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+    def init_weights(self) -> None:
+        self.attention_norm.reset_parameters()  # weight 1, bias 0
+        self.ffn_norm.reset_parameters()
+        self.attention.init_weights(self.std, self.out_std)
+        self.feed_forward.init_weights(self.std, self.out_std)
+
+
+class Transformer(nn.Module):
+    """tokens (B, T) -> logits (B, T, vocab_size).
+
+    A pipeline stage sets tok_embeddings, norm or output to None; each then passes its input through,
+    so a middle stage maps hidden states (B, T, dim) to hidden states. The position table goes with
+    the token embedding: it is added only where tok_embeddings is present.
+    """
+
+    def __init__(self, args: GPTArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings: Optional[nn.Embedding] = nn.Embedding(args.vocab_size, args.dim)  # GPT-2's wte
+        self.pos_embeddings: Optional[nn.Embedding] = nn.Embedding(args.max_seq_len, args.dim)  # GPT-2's wpe
+        # Keyed by layer index: names stay stable when a pipeline stage keeps only some of the layers.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.norm: Optional[nn.LayerNorm] = nn.LayerNorm(args.dim, eps=args.norm_eps, bias=True)  # GPT-2's ln_f
+        # No bias: GPT-2's lm_head has none, nor has Pax's softmax (feed_forward_tpl.has_bias = False).
+        self.output: Optional[nn.Linear] = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.tie_weights()
+        # > 1: forward returns the logits as this many sequence chunks, so the loss can consume each
+        # before the next exists in full (see the Llama model). Set from outside by the trainer.
+        self.output_chunks = 1
+
+    def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None,
+                document_ids: Optional[torch.Tensor] = None) -> torch.Tensor | list[torch.Tensor]:
+        """positions: (T,) or (B, T), the position of each token, default 0..T-1 (context parallelism
+        passes its slice's; document masking restarts them per document); they index the learned
+        position table. document_ids: (B, T), the packed document of each token, so attention stays
+        within documents; default: plain causal."""
+        T = tokens.shape[1]
+        if self.tok_embeddings is not None:
+            if positions is None:
+                if T > self.args.max_seq_len:
+                    raise ValueError(f"sequence length {T} exceeds max_seq_len={self.args.max_seq_len}")
+                positions = torch.arange(T, device=tokens.device)
+            # (1 or B, T): a 2-D index makes the lookup (1 or B, T, dim), whose dim 1 is the sequence,
+            # the dim that tensor parallelism's sequence-sharded layout splits, as for the token lookup.
+            positions = positions if positions.dim() == 2 else positions[None]
+            h = self.tok_embeddings(tokens) + self.pos_embeddings(positions)  # (B, T, dim)
+        else:
+            h = tokens  # a later pipeline stage: hidden states (B, T, dim)
+        for layer in self.layers.values():
+            h = layer(h, document_ids)
+        h = self.norm(h) if self.norm is not None else h
+        if self.output is None:
+            return h
+        if self.output_chunks > 1:
+            return [self.output(chunk) for chunk in h.tensor_split(self.output_chunks, dim=1)]
+        return self.output(h)  # (B, T, vocab_size)
+
+    def tie_weights(self) -> None:
+        """With tie_embeddings, make output.weight the embedding Parameter itself. `to_empty()` and
+        `load_state_dict(assign=True)` give each module a Parameter of its own, so call it after them."""
+        if self.args.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
+            self.output.weight = self.tok_embeddings.weight
+
+    def init_rope(self, device: Optional[torch.device] = None) -> None:
+        """Nothing to do: positions are a learned parameter, not a table derived from args. Kept so the
+        trainer and loader, which refresh Llama's RoPE buffers through it, treat every family alike."""
+
+    @torch.no_grad()
+    def init_weights(self, buffer_device: Optional[torch.device] = None) -> None:
+        """Fill every parameter: after `to_empty`, a model built on meta gets real values. Gaussian
+        weights of std init_std (Pax's params_init, GPT-2's initializer_range), zero biases, unit norms."""
+        self.tie_weights()  # undone by to_empty
+        std = self.args.init_std
+        if self.tok_embeddings is not None:  # also the output projection when tied
+            nn.init.normal_(self.tok_embeddings.weight, std=std)
+        if self.pos_embeddings is not None:
+            nn.init.normal_(self.pos_embeddings.weight, std=std)
+        for layer in self.layers.values():
+            layer.init_weights()
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        if self.output is not None and not self.args.tie_embeddings:
+            nn.init.normal_(self.output.weight, std=std)
+
+
+def num_params(model: nn.Module, exclude_embedding: bool = False) -> int:
+    """Parameters of `model`, a tied matrix counted once; exclude_embedding drops the two lookup tables,
+    tok_embeddings (and so a tied output too, which is the same matrix) and pos_embeddings."""
+    n = sum(p.numel() for p in model.parameters())
+    if exclude_embedding:
+        for table in (getattr(model, "tok_embeddings", None), getattr(model, "pos_embeddings", None)):
+            n -= table.weight.numel() if table is not None else 0
+    return n
+
+
+def flops_per_token(args: GPTArgs, seq_len: int) -> float:
+    """Training FLOPs per token: 6 N + 12 L H Q T (PaLM, Chowdhery et al. 2022, appendix B).
+
+    6 N: forward (2) and backward (4) FLOPs per weight a token's activations are multiplied by. N is every
+    parameter except the two lookups (token and position embeddings); a tied embedding stays in N once,
+    as the output projection's weight, since that matmul runs whether or not the matrix is shared.
+    Biases and norm gains are in N too, as a parameter count would have them. 12 L H Q T: the attention
+    scores and weighted values (QK^T and AV), which no parameter counts.
+    """
+    attn = 4 * args.dim * args.dim + 4 * args.dim  # wq, wk, wv, wo and their biases
+    ffn = 2 * args.dim * args.ffn_hidden_dim + args.ffn_hidden_dim + args.dim  # w1, w2 and biases
+    norms = 2 * 2 * args.dim  # two LayerNorms, weight and bias
+    n = args.n_layers * (attn + ffn + norms) + 2 * args.dim + args.vocab_size * args.dim  # + final norm, output
+    return 6 * n + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
