@@ -35,28 +35,52 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """E SwiGLU experts as 3-D weights: w1, w3 (E, hidden, dim) and w2 (E, dim, hidden)."""
+    """E SwiGLU experts as 3-D weights: w1, w3 (E, hidden, dim) and w2 (E, dim, hidden).
+
+    Two paths with the same result (tests/nn/test_moe.py checks outputs and gradients):
+    - grouped: one `F.grouped_mm` per weight over every expert's block: CUDA's grouped GEMM kernel, or
+      on CPU torch's own kernel (one GEMM per expert inside the op: no Python loop, no padding, the
+      loop's numbers bit for bit). Its backward wants a dense output gradient (MoE's routing weights
+      give one; a bare `.sum()` gives an expanded one that it rejects).
+    - looped: one matmul per expert from Python; runs everywhere, including under torch.compile in fp32.
+    MoE passes `grouped=_grouped_available(tokens)`; `impl` = "grouped" or "looped" forces a path
+    (benchmarks/moe_throughput.py times both, tests compare them).
+    """
 
     def __init__(self, n_experts: int, dim: int, hidden_dim: int):
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
+        self.impl: Optional[str] = None  # None: the caller's choice; "grouped" | "looped": forced
 
     def forward(self, x_sorted: torch.Tensor, counts: torch.Tensor, grouped: bool) -> torch.Tensor:
         """x_sorted (M, dim), grouped by expert in order, counts (E,) tokens per expert -> (M, dim)."""
         w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
+        dtype = _compute_dtype(x_sorted)
+        if self.impl is not None:
+            if self.impl not in ("grouped", "looped"):
+                raise ValueError(f"Experts.impl must be None, 'grouped' or 'looped', not {self.impl!r}")
+            grouped = self.impl == "grouped"
+        elif w1.shape[1] * dtype.itemsize % 16:  # grouped_mm wants rows of 16-byte multiples, hidden ones too
+            grouped = False
         if grouped:
+            # grouped_mm is on no autocast list: cast to the dtype autocast gives the looped matmuls (bf16
+            # on CUDA, where the MoE input is the fp32 residual stream), or the fused kernel never runs.
+            x_sorted, w1, w2, w3 = (t.to(dtype) for t in (x_sorted, w1, w2, w3))
             offsets = torch.cumsum(counts, 0).to(torch.int32)
-            h = F.silu(F.grouped_mm(x_sorted, w1.transpose(-2, -1), offs=offsets))
+            h = F.silu(F.grouped_mm(x_sorted, w1.transpose(-2, -1), offs=offsets))  # (M, hidden)
             h = h * F.grouped_mm(x_sorted, w3.transpose(-2, -1), offs=offsets)
-            return F.grouped_mm(h, w2.transpose(-2, -1), offs=offsets)
+            return F.grouped_mm(h, w2.transpose(-2, -1), offs=offsets)  # (M, dim)
+        # unbind, not w[e]: the backward of each w[e] writes a zero-filled (E, ...) gradient (E^2 memory
+        # traffic: aten::fill_ was 33% of a debug Mixtral step, batch 2 x 256); unbind's stacks E slices once.
         outputs = []
-        for e, block in enumerate(torch.split(x_sorted, counts.tolist())):
+        blocks = torch.split(x_sorted, counts.tolist())
+        for block, w1_e, w2_e, w3_e in zip(blocks, w1.unbind(0), w2.unbind(0), w3.unbind(0)):
             if block.shape[0] == 0:
                 continue
-            h = F.silu(block @ w1[e].t()) * (block @ w3[e].t())  # (n_e, hidden)
-            outputs.append(h @ w2[e].t())  # (n_e, dim)
+            h = F.silu(block @ w1_e.t()) * (block @ w3_e.t())  # (n_e, hidden)
+            outputs.append(h @ w2_e.t())  # (n_e, dim)
         return torch.cat(outputs) if outputs else x_sorted.new_zeros(x_sorted.shape)
 
     def init_weights(self, out_std: float) -> None:
@@ -71,8 +95,36 @@ def _local(weight: torch.Tensor) -> torch.Tensor:
     return weight.to_local() if hasattr(weight, "to_local") else weight
 
 
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype matmuls on x run in: autocast's where it is on for x's device, else x's own."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
 def _grouped_available(x: torch.Tensor) -> bool:
-    return x.is_cuda and hasattr(F, "grouped_mm") and x.dtype == torch.bfloat16
+    """Whether the experts take the grouped path for these tokens (N, dim):
+    - CUDA, bf16 compute (bf16 tokens, or fp32 ones under bf16 autocast): the grouped GEMM kernel;
+    - CPU, fp32 or bf16 compute: torch's CPU grouped_mm (one GEMM per expert inside the op). Forward +
+      backward of 4,096 routed tokens, 256 -> 448 -> 256, 1 thread, best of 15 on a busy 2-core CPU:
+      8 experts 129 ms vs the loop's 123 (skewed loads 122 vs 118), 64 experts 167 vs 196 (the loop's
+      Python and autograd cost grows with E). Equal where E is small, ahead where it is large, and the
+      CPU tests then run the op GPUs run. (Padding every block to the largest for one torch.bmm would
+      compute E x the largest block: 2.4x the work at a 1,211 .. 98 load skew, so it is not used.)
+    - under torch.compile only with bf16 compute: the op's meta function rejects fp32 ("Expected inputs
+      of BF16 type", torch 2.13), while the loop compiles;
+    - rows of 16-byte multiples (the kernel's stride check; Experts checks its hidden size too).
+    """
+    dtype = _compute_dtype(x)
+    if not hasattr(F, "grouped_mm"):
+        return False
+    if x.is_cuda:
+        return dtype == torch.bfloat16
+    if x.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if torch.compiler.is_compiling() and dtype != torch.bfloat16:
+        return False
+    return x.shape[-1] * dtype.itemsize % 16 == 0
 
 
 class MoE(nn.Module):
@@ -81,11 +133,13 @@ class MoE(nn.Module):
     expert e, P_e its mean router probability; 1.0 when perfectly balanced), `z_loss` the router
     z-loss (ST-MoE: mean squared log-sum-exp of the logits) and `tokens_per_expert` the load."""
 
-    def __init__(self, dim: int, hidden_dim: int, n_experts: int, top_k: int):
+    def __init__(self, dim: int, hidden_dim: int, n_experts: int, top_k: int, experts: Optional[nn.Module] = None):
         super().__init__()
         self.n_experts, self.top_k = n_experts, top_k
         self.router = Router(dim, n_experts, top_k)
-        self.experts = Experts(n_experts, dim, hidden_dim)
+        # Default: SwiGLU experts. A family with other experts (GLaM's two-matrix FFNs) passes its own module
+        # with the same forward(x_sorted, counts, grouped) and init_weights(out_std).
+        self.experts = experts if experts is not None else Experts(n_experts, dim, hidden_dim)
         self.aux_loss: Optional[torch.Tensor] = None
         self.z_loss: Optional[torch.Tensor] = None
         self.tokens_per_expert: Optional[torch.Tensor] = None

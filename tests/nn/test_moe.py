@@ -1,0 +1,147 @@
+"""The MoE experts' two paths (grouped_mm and the per-expert loop) agree, and the whole layer equals a
+per-token reference: every token through each of its top-k experts, weighted by its router."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ember.nn.moe import MoE, Experts, _grouped_available
+
+pytestmark = pytest.mark.skipif(not hasattr(F, "grouped_mm"), reason="this torch has no F.grouped_mm")
+
+
+def _experts(n_experts: int = 6, dim: int = 32, hidden: int = 48) -> Experts:
+    experts = Experts(n_experts, dim, hidden)
+    experts.init_weights(out_std=0.1)
+    return experts
+
+
+def _run(experts: Experts, x: torch.Tensor, counts: torch.Tensor, impl: str,
+         grad_out: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Output and the gradients of x, w1, w2, w3 for an upstream gradient grad_out, through one path."""
+    experts.impl = impl
+    x = x.detach().requires_grad_()
+    out = experts(x, counts, grouped=impl == "grouped")
+    params = [x, experts.w1, experts.w2, experts.w3]
+    grads = torch.autograd.grad(out, params, grad_out)
+    return out.detach(), list(grads)
+
+
+@pytest.mark.parametrize("counts", [
+    [5, 0, 9, 0, 3, 7],  # two experts get no token
+    [0, 0, 24, 0, 0, 0],  # one expert gets every token
+    [4, 4, 4, 4, 4, 4],
+])
+def test_grouped_path_equals_looped_path_with_gradients(counts: list[int]):
+    torch.manual_seed(0)
+    experts = _experts()
+    counts_t = torch.tensor(counts)
+    x = torch.randn(sum(counts), 32)
+    grad_out = torch.randn(sum(counts), 32)  # dense, as MoE's routing weights make it
+    out_g, grads_g = _run(experts, x, counts_t, "grouped", grad_out)
+    out_l, grads_l = _run(experts, x, counts_t, "looped", grad_out)
+    torch.testing.assert_close(out_g, out_l, rtol=1e-5, atol=1e-5)
+    for name, g, l in zip(["x", "w1", "w2", "w3"], grads_g, grads_l):
+        torch.testing.assert_close(g, l, rtol=1e-5, atol=1e-5, msg=lambda m: f"d{name}: {m}")
+    for e, n in enumerate(counts):
+        if n == 0:  # an expert without tokens has zero gradient on both paths
+            assert grads_g[1][e].abs().max() == 0 and grads_g[2][e].abs().max() == 0
+
+
+def test_grouped_path_under_bf16_autocast_runs_in_bf16_like_the_loop():
+    # CUDA trains under bf16 autocast with an fp32 residual stream: grouped_mm is on no autocast list, so
+    # Experts casts itself; on CPU autocast shows the same behaviour.
+    torch.manual_seed(0)
+    experts = _experts()
+    counts = torch.tensor([5, 0, 9, 0, 3, 7])
+    x = torch.randn(24, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert _grouped_available(x)
+        out_g, grads_g = _run(experts, x, counts, "grouped", torch.randn(24, 32))
+        experts.impl = "looped"
+        out_l = experts(x, counts, grouped=False)
+    assert out_g.dtype == out_l.dtype == torch.bfloat16
+    assert all(g.dtype == torch.float32 for g in grads_g[1:])  # fp32 master weights keep fp32 gradients
+    torch.testing.assert_close(out_g, out_l, rtol=1e-2, atol=1e-2)
+
+
+def test_path_choice_is_explicit_and_forcible(monkeypatch: pytest.MonkeyPatch):
+    assert _grouped_available(torch.randn(4, 256))  # CPU fp32, 1 KiB rows
+    assert _grouped_available(torch.randn(4, 256, dtype=torch.bfloat16))
+    assert not _grouped_available(torch.randn(4, 30))  # 120-byte rows: grouped_mm's stride check refuses them
+    assert not _grouped_available(torch.randn(4, 256, dtype=torch.float64))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert not _grouped_available(torch.randn(4, 256))  # fp32 grouped_mm does not compile (bf16 only)
+    assert _grouped_available(torch.randn(4, 256, dtype=torch.bfloat16))
+    monkeypatch.undo()
+
+    calls = []
+    real = F.grouped_mm
+    monkeypatch.setattr(F, "grouped_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    experts = _experts()
+    x, counts = torch.randn(24, 32), torch.tensor([5, 0, 9, 0, 3, 7])
+    experts(x, counts, grouped=True)
+    assert len(calls) == 3  # w1, w3, w2
+    experts.impl = "looped"  # forced: the caller's choice is ignored
+    experts(x, counts, grouped=True)
+    assert len(calls) == 3
+    experts.impl = "grouped"
+    experts(x, counts, grouped=False)
+    assert len(calls) == 6
+    experts.impl = "batched"
+    with pytest.raises(ValueError, match="impl"):
+        experts(x, counts, grouped=True)
+    odd = _experts(hidden=30)  # hidden rows of 120 bytes: the loop, whatever the caller says
+    odd(x, counts, grouped=True)
+    assert len(calls) == 6
+
+
+def _per_token_reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    flat = x.reshape(-1, x.shape[-1])
+    logits = flat @ moe.router.gate.weight.t()
+    probs = torch.softmax(logits.float(), dim=-1)
+    out = torch.zeros_like(flat)
+    w1, w2, w3 = moe.experts.w1, moe.experts.w2, moe.experts.w3
+    for t in range(flat.shape[0]):
+        top = torch.topk(probs[t], moe.top_k)
+        weights = top.values / top.values.sum()
+        for w, e in zip(weights, top.indices):
+            h = F.silu(w1[e] @ flat[t]) * (w3[e] @ flat[t])  # (hidden,)
+            out[t] = out[t] + w * (w2[e] @ h)
+    return out.reshape(x.shape)
+
+
+@pytest.mark.parametrize("impl", ["grouped", "looped"])
+@pytest.mark.parametrize("batch, seq", [(1, 3), (2, 8)])  # 3 tokens: 6 slots over 8 experts leave some empty
+def test_moe_layer_equals_per_token_reference(impl: str, batch: int, seq: int):
+    torch.manual_seed(0)
+    moe = MoE(dim=32, hidden_dim=48, n_experts=8, top_k=2)
+    moe.init_weights(out_std=0.1)
+    moe.experts.impl = impl
+    x = torch.randn(batch, seq, 32)
+    out = moe(x)
+    assert int(moe.tokens_per_expert.sum()) == batch * seq * 2
+    assert batch * seq > 3 or (moe.tokens_per_expert == 0).any()
+    with torch.no_grad():
+        expected = _per_token_reference(moe, x)
+    torch.testing.assert_close(out.detach(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_moe_layer_gradients_equal_across_paths():
+    torch.manual_seed(0)
+    moe = MoE(dim=32, hidden_dim=48, n_experts=8, top_k=2)
+    moe.init_weights(out_std=0.1)
+    x = torch.randn(2, 16, 32)
+    grad_out = torch.randn(2, 16, 32)
+    results = {}
+    for impl in ("grouped", "looped"):
+        moe.experts.impl = impl
+        xi = x.clone().requires_grad_()
+        out = moe(xi)
+        params = [xi] + list(moe.parameters())
+        results[impl] = (out.detach(), torch.autograd.grad(out, params, grad_out))
+    torch.testing.assert_close(results["grouped"][0], results["looped"][0], rtol=1e-5, atol=1e-5)
+    for g, l in zip(results["grouped"][1], results["looped"][1]):
+        torch.testing.assert_close(g, l, rtol=1e-5, atol=1e-5)
