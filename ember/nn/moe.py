@@ -2,9 +2,10 @@
 
 Dropless top-k routing: every token goes to its k experts, whatever their load (no capacity factor,
 no dropped tokens). Tokens are sorted by expert so each expert multiplies one contiguous block:
-- grouped: one `grouped_mm` over all experts' blocks (CUDA, where torch has the kernel);
-- looped: one matmul per expert over its block, correct on every device (the CPU path here; torch
-  2.13's CPU grouped_mm rejects these layouts).
+- grouped: one `grouped_mm` over all experts' blocks (CUDA's grouped GEMM kernel; on CPU torch's own,
+  one GEMM per expert inside the op);
+- looped: one matmul per expert from Python, which runs on every device and under torch.compile in fp32.
+Expert parallelism (ember/parallel/ep.py) sends each block to the rank that holds its expert.
 """
 
 from __future__ import annotations
