@@ -41,15 +41,32 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("moe-reference")
-    cfg = config_lib.load("debug", MOE + ["micro_batch_size=8", f"output_dir={out}", "metrics.console=false"])
+# GLaM: dense and MoE layers alternate (layer 0 is MoE), two-matrix experts, tied embeddings.
+GLAM = [item for item in MOE if not item.startswith(("model.family", "model.flavor", "model.n_kv_heads"))] + [
+    "model.family=glam", "model.flavor=debug"]
+
+
+def _single_process(out, base: list[str]) -> dict:
+    cfg = config_lib.load("debug", base + ["micro_batch_size=8", f"output_dir={out}", "metrics.console=false"])
     summary = Trainer(cfg).train()
     steps = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
     return {"loss": [r["loss"] for r in steps], "grad_norm": [r["grad_norm"] for r in steps],
             "expert_load": [r["moe/layer0/tokens_per_expert"] for r in steps], "val_loss": summary["val_loss"],
             "dir": out}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict:
+    return _single_process(tmp_path_factory.mktemp("moe-reference"), MOE)
+
+
+def test_glam_expert_parallel_matches_single_process(tmp_path):
+    expected = _single_process(tmp_path / "reference", GLAM)
+    results = _run_layouts(2, {"glam expert=2": CASES[2]["expert=2"]}, tmp_path, base=GLAM)
+    got = results["glam expert=2"]
+    assert got["loss"] == pytest.approx(expected["loss"], rel=REL)
+    assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=REL)
+    assert got["expert_load"][0] == expected["expert_load"][0]
 
 
 @pytest.mark.parametrize("world", [2, 4])
