@@ -359,9 +359,9 @@ class Trainer:
         """Per MoE layer i, over the logging window and every rank: `moe/layer{i}/tokens_per_expert` (a
         list) and `moe/layer{i}/imbalance` (max over mean tokens per expert, 1.0 when balanced); and
         `expert_imbalance`, their mean over layers. Every rank must call it (an all-reduce)."""
-        if not self.moe_layers:
+        n_experts = getattr(self.model_args, "n_experts", 0)
+        if not n_experts:  # the model's family, not this rank's stage: a stage of dense layers still joins the sum
             return {}
-        n_experts = self.moe_layers[0][1].n_experts
         # Indexed by global layer number, zeros where another pipeline stage holds the layer, so one
         # sum over all ranks adds data-parallel ranks' loads and gathers the stages' layers.
         load = torch.zeros(self.model_args.n_layers, n_experts, device=self.device)
