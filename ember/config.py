@@ -413,10 +413,6 @@ def _validate_parallel(cfg: JobConfig, shape: Any, args: Any) -> None:
     if ep > 1 and n_experts % ep:
         raise ConfigError(f"expert-parallel degree {ep} does not divide model.n_experts={n_experts}; "
                           f"choose an expert degree that divides it")
-    if n_experts and (tp > 1 or cp > 1):
-        raise ConfigError(f"{cfg.model.family} runs with data, fsdp, expert and pipeline axes; tensor and context "
-                          "parallelism are not wired for mixture-of-experts models yet: set ici_mesh.tensor=1 and "
-                          "ici_mesh.context=1")
     if n_experts and pp > 1 and (cfg.model.aux_loss_coef or cfg.model.z_loss_coef):
         raise ConfigError("the MoE router losses are not carried through pipeline stages yet; with pipeline > 1 set "
                           "model.aux_loss_coef=0 and model.z_loss_coef=0, or use the data, fsdp and expert axes")

@@ -117,23 +117,38 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, pp_mesh
     """The total L2 norm of the gradients (a 0-d tensor), after clipping them to max_norm when > 0.
 
     max_norm <= 0 disables clipping but still measures, so the norm is logged either way. Under FSDP and
-    TP the gradients are DTensors, and their norm is reduced over their own mesh (DTensor's Partial
-    placement does that); gradients on different meshes are measured apart and combined. Pipeline
+    TP the gradients are DTensors: their local squares are summed over the mesh dims they are sharded
+    on; gradients on different meshes or layouts are measured apart and combined. Pipeline
     stages hold different parameters, so their squared norms are summed over the pipeline group.
     foreach=True (as torchtitan): a few kernels per device and dtype instead of several per tensor,
     which is what matters on GPUs; on this CPU the foreach and per-tensor paths measured the same.
     """
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Replicate
 
     params = [p for p in parameters if p.grad is not None]
     groups: dict[Any, list[torch.Tensor]] = {}
     for p in params:
+        if isinstance(p.grad, DTensor) and any(pl.is_partial() for pl in p.grad.placements):
+            # Tensor parallelism without FSDP leaves sums pending on replicated parameters (norms under
+            # sequence parallelism): reduce them here, once, for the norm and the optimizer alike.
+            p.grad = p.grad.redistribute(placements=[Replicate() if pl.is_partial() else pl for pl in p.grad.placements])
         key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None
         groups.setdefault(key, []).append(p)
     squares = []
-    for group in groups.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type=2.0, foreach=True)
-        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)
+    for key, group in groups.items():
+        if key is None:
+            squares.append(torch.nn.utils.get_total_norm([p.grad for p in group], norm_type=2.0, foreach=True) ** 2)
+            continue
+        # The local shards' squares, summed over each mesh dim the gradients are sharded on (Replicate dims
+        # hold copies). By hand rather than DTensor's norm: torch 2.13 reduces several sharded dims at
+        # once over a flattened group it builds only for dims in the root mesh's order, and FSDP puts its
+        # own dims first (an expert-parallel expert's gradient lives on (tensor, expert) under TP).
+        mesh, placements = key
+        square = torch.nn.utils.get_total_norm([p.grad.to_local() for p in group], norm_type=2.0, foreach=True) ** 2
+        for dim, placement in enumerate(placements):
+            if not placement.is_replicate():  # Shard, or FSDP's strided shard of a TP-sharded dim
+                torch.distributed.all_reduce(square, group=mesh.get_group(dim))
+        squares.append(square)
     device = params[0].grad.device if params else torch.device("cpu")
     total_sq = torch.stack(squares).sum() if squares else torch.zeros((), device=device)
     if pp_mesh is not None:

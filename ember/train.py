@@ -329,9 +329,11 @@ class Trainer:
             with self._autocast():
                 logits = self.model(inputs, positions, document_ids)  # (B, T, V)
             loss = self._token_loss_sum(logits, labels) * scale
-            total = loss + self._moe_aux_loss(labels, scale)
+            router_loss = self._moe_aux_loss(labels, scale)
             if backward:
-                total.backward()
+                # Two roots rather than their sum: under loss parallelism the loss is a DTensor and the
+                # router losses are plain tensors (the MoE runs on local shards), which do not mix.
+                torch.autograd.backward([loss] + ([router_loss] if torch.is_tensor(router_loss) else []))
         return loss.full_tensor().detach() if _is_dtensor(loss) else loss.detach()
 
     def _moe_aux_loss(self, labels: torch.Tensor, scale: float) -> Any:
@@ -340,7 +342,9 @@ class Trainer:
         if not self.moe_layers:
             return 0.0
         layers = [moe for _, moe in self.moe_layers]
-        weight = (labels != IGNORE_INDEX).sum() * scale  # a tensor: no device sync on the hot path
+        # A tensor: no device sync on the hot path. Tensor ranks hold the same labels but each routes
+        # its own sequence shard (ember/models/mixtral/parallelize.py): each weighs 1/tp of them.
+        weight = (labels != IGNORE_INDEX).sum() * (scale / self.tp)
         aux = torch.stack([m.aux_loss for m in layers]).mean()
         z = torch.stack([m.z_loss for m in layers]).mean()
         self._moe_stats = {"aux_loss": aux.detach(), "z_loss": z.detach()}

@@ -11,14 +11,13 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 
 def apply_fsdp(
     model: nn.Module,
-    mesh: Any,
+    mesh: Optional[Any],
     *,
     param_dtype: Optional[torch.dtype] = None,
     reduce_dtype: Optional[torch.dtype] = None,
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
-    expert_modules: Sequence[nn.Module] = (),
-    expert_mesh: Optional[Any] = None,
+    own_units: Sequence[tuple[nn.Module, Optional[Any]]] = (),
 ) -> None:
     """Shard `model` (a whole model or a pipeline stage of one) over `mesh`, in place.
 
@@ -27,30 +26,33 @@ def apply_fsdp(
     at a time; the embedding, and the final norm with the output projection, are units of their own.
     A tied embedding/output matrix is left to the root unit, since one parameter cannot live in two.
 
-    expert_modules: expert-parallel experts (parameters already DTensors over the expert axis). Only the
-    ranks in `expert_mesh` hold the same experts, so each is a unit of its own over that mesh; with no
-    such mesh (the expert axis is the only data axis) FSDP leaves them alone: their gradients are whole.
+    own_units: (module, its mesh) for parts of the model whose parameters are shared, and so reduced, by
+    other ranks than the rest: expert-parallel experts (only the ranks holding the same experts), a MoE
+    layer under tensor parallelism (tensor ranks route different tokens). Listed inner first, each is a
+    unit over its own mesh; where the mesh is None (nothing to reduce: the expert axis is the only data
+    axis) FSDP leaves its parameters alone, their gradients being whole. `mesh` None: only these units.
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     ignored: set[nn.Parameter] = set()
-    for experts in expert_modules:
-        if expert_mesh is not None:
-            fully_shard(experts, mesh=expert_mesh, mp_policy=mp, offload_policy=offload,
+    for module, unit_mesh in own_units:
+        if unit_mesh is not None:
+            fully_shard(module, mesh=unit_mesh, mp_policy=mp, offload_policy=offload,
                         reshard_after_forward=reshard_after_forward)
         else:
-            ignored.update(experts.parameters())
-    common = dict(mesh=mesh, mp_policy=mp, offload_policy=offload, ignored_params=ignored or None)
-    tied = getattr(model.args, "tie_embeddings", False)
-    if model.tok_embeddings is not None and not tied:
-        fully_shard(model.tok_embeddings, reshard_after_forward=reshard_after_forward, **common)
-    for block in model.layers.values():
-        fully_shard(block, reshard_after_forward=reshard_after_forward, **common)
-    head = [m for m in (model.norm, model.output) if m is not None]
-    if head and not tied:
-        # Not resharded after forward: backward starts here at once and would gather it straight back.
-        fully_shard(head, reshard_after_forward=False, **common)
-    fully_shard(model, reshard_after_forward=reshard_after_forward, **common)
+            ignored.update(module.parameters())
+    if mesh is not None:
+        common = dict(mesh=mesh, mp_policy=mp, offload_policy=offload, ignored_params=ignored or None)
+        tied = getattr(model.args, "tie_embeddings", False)
+        if model.tok_embeddings is not None and not tied:
+            fully_shard(model.tok_embeddings, reshard_after_forward=reshard_after_forward, **common)
+        for block in model.layers.values():
+            fully_shard(block, reshard_after_forward=reshard_after_forward, **common)
+        head = [m for m in (model.norm, model.output) if m is not None]
+        if head and not tied:
+            # Not resharded after forward: backward starts here at once and would gather it straight back.
+            fully_shard(head, reshard_after_forward=False, **common)
+        fully_shard(model, reshard_after_forward=reshard_after_forward, **common)
     # ember's loss is already the mean over the global batch's tokens (train.py divides by the global
     # token count), so the gradient reductions must sum, not average. gloo has no PREMUL_SUM, so the
     # reductions are forced to plain sums as well.

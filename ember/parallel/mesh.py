@@ -51,11 +51,6 @@ class MeshShape:
         (context shares the FSDP group)."""
         return self.dp * self.degree("context")
 
-    @property
-    def expert_grad_sync(self) -> int:
-        """Ranks that hold the same experts and reduce their gradients: data x fsdp x context."""
-        return self.grad_sync // self.degree("expert")
-
     def describe(self) -> str:
         parts = [f"{a}={self.degree(a)}" for a in AXES if self.degree(a) > 1]
         return " x ".join(parts) if parts else "single device"
@@ -153,15 +148,24 @@ class ParallelMesh:
         """FSDP's mesh for the non-expert parameters: (data, fsdp x context x expert) for HSDP /
         replicate, fsdp x context x expert for FSDP, None if no gradients need reducing. Context and
         expert ranks hold the same (non-expert) parameters, so they shard them too."""
-        return self._sharding_mesh(("fsdp", "context", "expert"), self.shape.grad_sync)
+        return self._sharding_mesh(("fsdp", "context", "expert"))
+
+    def moe_fsdp_mesh(self) -> Optional[Any]:
+        """FSDP's mesh for the router (and the experts, without expert parallelism) of a MoE layer under
+        tensor parallelism: each tensor rank routes its own sequence shard, so for these parameters the
+        tensor axis is one more data axis (Megatron-LM's "MoE parallel folding" with expert-TP 1)."""
+        return self._sharding_mesh(("fsdp", "context", "expert", "tensor"))
 
     def expert_fsdp_mesh(self) -> Optional[Any]:
         """FSDP's mesh for the experts of an expert-parallel MoE layer: the ranks that hold the same
-        experts, (data, fsdp x context) or fsdp x context; None if only the expert axis splits the work."""
-        return self._sharding_mesh(("fsdp", "context"), self.shape.expert_grad_sync)
+        experts, (data, fsdp x context x tensor) or fsdp x context x tensor; None if only the expert
+        axis splits the work."""
+        return self._sharding_mesh(("fsdp", "context", "tensor"))
 
-    def _sharding_mesh(self, shard_axes: tuple[str, ...], n_ranks: int) -> Optional[Any]:
-        if n_ranks == 1:
+    def _sharding_mesh(self, shard_axes: tuple[str, ...]) -> Optional[Any]:
+        """(data, the shard axes flattened) with data > 1, else the shard axes flattened; None if these
+        axes and data are all of degree 1 (nothing to reduce)."""
+        if math.prod(self.shape.degree(a) for a in ("data", *shard_axes)) == 1:
             return None
         if not self.has("data"):
             return self.submesh(*shard_axes)

@@ -1,6 +1,7 @@
 """Expert parallelism trains exactly like one process: Mixtral's experts sharded over the expert axis
-(tokens exchanged by all-to-all), alone and with FSDP and HSDP, give the single-process losses, grad
-norms and per-expert loads of the first steps; the checkpoint loads on one process as the same weights.
+(tokens exchanged by all-to-all), alone and with FSDP, HSDP, tensor and context parallelism (the MoE
+layers on each rank's own sequence shard), give the single-process losses, grad norms and per-expert
+loads of the first steps; the checkpoints load on one process as the same weights.
 
 Tolerance: rel 1e-5 in fp32 (only the order of floating-point sums differs). The router losses are off
 here: like every data-parallel layout, expert ranks compute the load-balancing statistics over their
@@ -31,12 +32,19 @@ REL = 1e-5
 CASES = {
     2: {"expert=2": ["micro_batch_size=4", "ici_mesh.fsdp=1", "ici_mesh.expert=2"],
         # attention and norms compiled, the MoE (host-side split sizes) eager
-        "expert=2 compiled": ["micro_batch_size=4", "ici_mesh.fsdp=1", "ici_mesh.expert=2", "compile=true"]},
+        "expert=2 compiled": ["micro_batch_size=4", "ici_mesh.fsdp=1", "ici_mesh.expert=2", "compile=true"],
+        # attention tensor-parallel, the MoE on each tensor rank's sequence shard, its weights reduced over tensor
+        "tensor=2": ["micro_batch_size=4", "ici_mesh.fsdp=1", "ici_mesh.tensor=2"],
+        "context=2": ["micro_batch_size=4", "ici_mesh.fsdp=1", "ici_mesh.context=2"]},
     4: {
         "fsdp=2 x expert=2": ["micro_batch_size=2", "ici_mesh.fsdp=2", "ici_mesh.expert=2"],
         "data=2 x expert=2 (replicated experts)": ["micro_batch_size=2", "ici_mesh.fsdp=1", "ici_mesh.data=2",
                                                    "ici_mesh.expert=2"],
         "expert=4, remat=full": ["micro_batch_size=2", "ici_mesh.fsdp=1", "ici_mesh.expert=4", "model.remat=full"],
+        # experts on a (tensor, expert) mesh: sharded over expert, their gradients reduced over tensor
+        "expert=2 x tensor=2": ["micro_batch_size=4", "ici_mesh.fsdp=1", "ici_mesh.expert=2", "ici_mesh.tensor=2"],
+        "fsdp=2 x tensor=2": ["micro_batch_size=4", "ici_mesh.fsdp=2", "ici_mesh.tensor=2"],
+        "expert=2 x context=2": ["micro_batch_size=4", "ici_mesh.fsdp=1", "ici_mesh.expert=2", "ici_mesh.context=2"],
     },
 }
 
@@ -60,13 +68,28 @@ def reference(tmp_path_factory) -> dict:
     return _single_process(tmp_path_factory.mktemp("moe-reference"), MOE)
 
 
-def test_glam_expert_parallel_matches_single_process(tmp_path):
+def test_glam_expert_and_tensor_parallel_match_single_process(tmp_path):
     expected = _single_process(tmp_path / "reference", GLAM)
-    results = _run_layouts(2, {"glam expert=2": CASES[2]["expert=2"]}, tmp_path, base=GLAM)
-    got = results["glam expert=2"]
-    assert got["loss"] == pytest.approx(expected["loss"], rel=REL)
-    assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=REL)
-    assert got["expert_load"][0] == expected["expert_load"][0]
+    # tensor=2: GLaM's dense layers column/row-split, its MoE layers sequence-sharded, its tied matrix whole
+    cases = {"glam expert=2": CASES[2]["expert=2"], "glam tensor=2": CASES[2]["tensor=2"]}
+    results = _run_layouts(2, cases, tmp_path, base=GLAM)
+    for name, got in results.items():
+        assert got["loss"] == pytest.approx(expected["loss"], rel=REL), name
+        assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=REL), name
+        assert got["expert_load"][0] == expected["expert_load"][0], name
+
+
+def test_router_losses_under_tensor_parallelism_weigh_each_shard_once(tmp_path):
+    """With router losses on, each tensor rank computes them over its own sequence shard and weighs them
+    1/tp, so the objective is their mean: close to one process's full-sequence statistics (measured rel
+    ~1e-3 on the grad norm), while counting every shard at full weight is off by ~3e-2."""
+    losses = ["model.aux_loss_coef=1.0", "model.z_loss_coef=0.1"]
+    expected = _single_process(tmp_path / "reference", MOE + losses)
+    without = _single_process(tmp_path / "no-router-losses", MOE)
+    assert expected["grad_norm"][0] - without["grad_norm"][0] > 3e-3  # the router losses move the gradients
+    got = _run_layouts(2, {"tensor=2": CASES[2]["tensor=2"]}, tmp_path, base=MOE + losses)["tensor=2"]
+    assert got["loss"] == pytest.approx(expected["loss"], rel=1e-4)
+    assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=3e-3)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -83,7 +106,8 @@ def test_expert_parallel_layouts_match_single_process(reference, tmp_path, world
         assert got["expert_load"][0] == reference["expert_load"][0], name  # same weights, same routing
     # Experts written by their own ranks (DCP, sharded over the expert axis) load on one process.
     expected = load_model(reference["dir"]).state_dict()
-    got = load_model(tmp_path / "results.json.runs" / next(iter(CASES[world]))).state_dict()
-    assert got.keys() == expected.keys()
-    for key in expected:
-        torch.testing.assert_close(got[key], expected[key], rtol=1e-4, atol=1e-4, msg=key)
+    for name in {next(iter(CASES[world])), "expert=2 x tensor=2" if world == 4 else "tensor=2"}:
+        got = load_model(tmp_path / "results.json.runs" / name).state_dict()
+        assert got.keys() == expected.keys()
+        for key in expected:
+            torch.testing.assert_close(got[key], expected[key], rtol=1e-4, atol=1e-4, msg=f"{name}: {key}")
