@@ -413,9 +413,6 @@ def _validate_parallel(cfg: JobConfig, shape: Any, args: Any) -> None:
     if ep > 1 and n_experts % ep:
         raise ConfigError(f"expert-parallel degree {ep} does not divide model.n_experts={n_experts}; "
                           f"choose an expert degree that divides it")
-    if n_experts and pp > 1 and (cfg.model.aux_loss_coef or cfg.model.z_loss_coef):
-        raise ConfigError("the MoE router losses are not carried through pipeline stages yet; with pipeline > 1 set "
-                          "model.aux_loss_coef=0 and model.z_loss_coef=0, or use the data, fsdp and expert axes")
     if tp > 1:
         for what, n in (("model.n_heads", args.n_heads), ("model.n_kv_heads", args.kv_heads),
                         ("the FFN hidden size", args.ffn_hidden_dim), ("seq_len", cfg.seq_len)):
@@ -450,6 +447,11 @@ def _validate_parallel(cfg: JobConfig, shape: Any, args: Any) -> None:
         if microbatches < 1 or cfg.micro_batch_size % microbatches:
             raise ConfigError(
                 f"parallel.pp_microbatches={par.pp_microbatches} must divide micro_batch_size={cfg.micro_batch_size}"
+            )
+        if par.pp_schedule == "1f1b" and microbatches < pp:
+            raise ConfigError(
+                f"1f1b needs at least as many pipeline micro-batches as stages: parallel.pp_microbatches={microbatches} "
+                f"< pipeline={pp}; raise parallel.pp_microbatches (or -1: one per sequence) or use pp_schedule=gpipe"
             )
         if par.pp_schedule == "interleaved_1f1b" and microbatches % pp:
             raise ConfigError(

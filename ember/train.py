@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import math
 import os
 import signal
@@ -35,7 +36,7 @@ from ember.metrics import MetricsLogger, mfu, peak_memory_gb
 from ember.models import MODELS, build_model_args
 from ember.nn.attention import document_layout
 from ember.nn.loss import cross_entropy_sum, output_chunks
-from ember.nn.moe import MoE
+from ember.nn.moe import MoE, attach_router_loss
 from ember.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from ember.parallel import cp as cp_lib
 from ember.parallel import pp as pp_lib
@@ -138,6 +139,7 @@ class Trainer:
         with torch.device("meta"):
             whole = spec.model_cls(self.model_args)
         self.num_params = sum(p.numel() for p in whole.parameters())
+        self.n_moe_layers = sum(isinstance(m, MoE) for m in whole.modules())  # the whole model's, not a stage's
         if self.pp > 1:
             num_stages = self.pp * cfg.parallel.pp_stages_per_rank
             ids = pp_lib.stage_ids(self.mesh.coordinate("pipeline"), self.pp, cfg.parallel.pp_stages_per_rank)
@@ -161,8 +163,11 @@ class Trainer:
         self.moe_layers: list[tuple[int, MoE]] = [
             (int(name), module) for part in self.model_parts for name, block in part.layers.items()
             for module in block.modules() if isinstance(module, MoE)]
-        self._moe_stats: dict[str, torch.Tensor] = {}
-        self._expert_load: Optional[torch.Tensor] = None
+        self._router_stats: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> latest (aux, z)
+        self._expert_load: Optional[torch.Tensor] = None  # (layers, experts) tokens over the logging window
+        self._step_load: dict[int, list[torch.Tensor]] = {}  # layer -> tokens per expert of each training forward
+        for i, moe in self.moe_layers:
+            moe.register_forward_hook(functools.partial(self._on_moe_forward, i), prepend=True)
         if self.tp == 1 and self.pp == 1:  # plain-tensor logits of the whole sequence: compute them in chunks
             whole.output_chunks = output_chunks(cfg.micro_batch_size, cfg.seq_len // self.cp,
                                                 self.model_args.vocab_size, self.device.type)
@@ -174,12 +179,14 @@ class Trainer:
         self.spec = spec
         self.flops_per_token = spec.flops_per_token(self.model_args, cfg.seq_len)
         self.schedule = None
+        self.pp_microbatches = 1  # forwards of each layer per micro-batch
         if self.pp > 1:
-            microbatches = cfg.micro_batch_size if cfg.parallel.pp_microbatches == -1 else cfg.parallel.pp_microbatches
+            pp_mb = cfg.parallel.pp_microbatches
+            self.pp_microbatches = cfg.micro_batch_size if pp_mb == -1 else pp_mb
             self._pp_token_count = 1
             self.schedule = pp_lib.build_schedule(
                 parts, num_stages, self.device, self.mesh.submesh("pipeline"), cfg.parallel.pp_schedule,
-                microbatches, self._pp_loss,
+                self.pp_microbatches, self._pp_loss,
             )
             self.has_first_stage = 0 in [sid for sid, _ in parts]
             self.has_last_stage = num_stages - 1 in [sid for sid, _ in parts]
@@ -329,35 +336,37 @@ class Trainer:
             with self._autocast():
                 logits = self.model(inputs, positions, document_ids)  # (B, T, V)
             loss = self._token_loss_sum(logits, labels) * scale
-            router_loss = self._moe_aux_loss(labels, scale)
             if backward:
-                # Two roots rather than their sum: under loss parallelism the loss is a DTensor and the
-                # router losses are plain tensors (the MoE runs on local shards), which do not mix.
-                torch.autograd.backward([loss] + ([router_loss] if torch.is_tensor(router_loss) else []))
+                loss.backward()  # the MoE router losses join in their layers (_on_moe_forward)
         return loss.full_tensor().detach() if _is_dtensor(loss) else loss.detach()
 
-    def _moe_aux_loss(self, labels: torch.Tensor, scale: float) -> Any:
-        """MoE families: the router losses of this micro-batch, weighted by its share of the global
-        batch's tokens (so they average over micro-batches and ranks like the main loss)."""
-        if not self.moe_layers:
-            return 0.0
-        layers = [moe for _, moe in self.moe_layers]
-        # A tensor: no device sync on the hot path. Tensor ranks hold the same labels but each routes
-        # its own sequence shard (ember/models/mixtral/parallelize.py): each weighs 1/tp of them.
-        weight = (labels != IGNORE_INDEX).sum() * (scale / self.tp)
-        aux = torch.stack([m.aux_loss for m in layers]).mean()
-        z = torch.stack([m.z_loss for m in layers]).mean()
-        self._moe_stats = {"aux_loss": aux.detach(), "z_loss": z.detach()}
-        self._count_expert_load()
-        return weight * (self.cfg.model.aux_loss_coef * aux + self.cfg.model.z_loss_coef * z)
+    def _on_moe_forward(self, layer: int, moe: MoE, inputs: tuple, output: torch.Tensor) -> Optional[torch.Tensor]:
+        """After each training forward of a MoE layer: add its tokens per expert to the logging window's
+        load, and attach its router losses to its output (ember.nn.moe.attach_router_loss), weighted so
+        that the objective adds coef x their mean over the model's MoE layers and over the step's routed
+        tokens. Weighing each forward by the tokens it routed makes that hold in every layout: data,
+        expert and pipeline micro-batches, and the sequence shards of tensor and context ranks."""
+        if not moe.training or torch._C._current_graph_task_id() != -1:
+            return None  # evaluation, or activation checkpointing recomputing the forward inside backward
+        self._step_load.setdefault(layer, []).append(moe.tokens_per_expert)
+        self._router_stats[layer] = (moe.aux_loss.detach(), moe.z_loss.detach())
+        aux_coef, z_coef = self.cfg.model.aux_loss_coef, self.cfg.model.z_loss_coef
+        if not (aux_coef or z_coef):
+            return None
+        routed = inputs[0].to_local() if _is_dtensor(inputs[0]) else inputs[0]
+        weight = routed.shape[:-1].numel() / (self.cfg.global_batch_size * self.cfg.seq_len * self.n_moe_layers)
+        return attach_router_loss(output, aux_coef * moe.aux_loss + z_coef * moe.z_loss, weight)
 
-    def _count_expert_load(self) -> None:
-        """Add the tokens each expert got in the latest forward to the logging window's (layers, E) sum.
-        Kept as tensors; read (one all-reduce, one sync) only when a logging step writes them."""
-        if not self.model.training:
-            return  # validation batches are not training load
-        counts = torch.stack([moe.tokens_per_expert for _, moe in self.moe_layers])
-        self._expert_load = counts if self._expert_load is None else self._expert_load + counts
+    def _add_step_load(self, forwards_per_layer: int) -> None:
+        """Add this step's expert load to the logging window's, from the last `forwards_per_layer` training
+        forwards of each layer (a step's micro-batches, times the pipeline's): torch 2.13's pipeline stages
+        run one more forward on their first step, on placeholder inputs to infer shapes, which is no load."""
+        for layer, counts in self._step_load.items():
+            if self._expert_load is None:
+                self._expert_load = torch.zeros(self.model_args.n_layers, counts[0].numel(), device=self.device,
+                                                dtype=torch.long)
+            self._expert_load[layer] += torch.stack(counts[-forwards_per_layer:]).sum(0)  # read only when logged
+        self._step_load.clear()
 
     def _expert_load_record(self) -> dict[str, Any]:
         """Per MoE layer i, over the logging window and every rank: `moe/layer{i}/tokens_per_expert` (a
@@ -370,7 +379,7 @@ class Trainer:
         # sum over all ranks adds data-parallel ranks' loads and gathers the stages' layers.
         load = torch.zeros(self.model_args.n_layers, n_experts, device=self.device)
         if self._expert_load is not None:
-            load[[i for i, _ in self.moe_layers]] = self._expert_load.float()
+            load += self._expert_load
         self._all_sum(load)
         self._expert_load = None
         record: dict[str, Any] = {}
@@ -395,8 +404,6 @@ class Trainer:
         losses: list[torch.Tensor] = []
         run = self.schedule.step if backward else self.schedule.eval
         run(*args, target=labels.to(self.device), losses=losses)
-        if self.moe_layers:  # the load of the schedule's last micro-batch through this rank's stages
-            self._count_expert_load()
         if self.has_last_stage and losses:
             return torch.stack([l.detach() for l in losses]).sum()
         return torch.zeros((), device=self.device)
@@ -415,6 +422,7 @@ class Trainer:
         step_fn = self._pipeline_loss_sum if self.schedule is not None else self._forward_loss_sum
         for inputs, labels in micro_batches:
             loss_total += step_fn(inputs, labels, 1.0 / max(n_tokens, 1), backward=True)
+        self._add_step_load(len(micro_batches) * self.pp_microbatches)
         grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.optim.max_grad_norm,
                                     pp_mesh=self.mesh.submesh("pipeline") if self.mesh else None)
         # Every rank's share summed; tensor-parallel ranks each hold the whole replica's loss.
@@ -525,7 +533,9 @@ class Trainer:
                         "data_wait_frac": window_data / window_time,  # share of step time spent waiting for data
                     }
                     # MoE: router losses, and the load of every expert of every layer over the window
-                    record.update({k: float(v) for k, v in self._moe_stats.items()})
+                    if self._router_stats:  # the latest micro-batch's, averaged over this rank's layers
+                        for k, name in enumerate(("aux_loss", "z_loss")):
+                            record[name] = float(torch.stack([v[k] for v in self._router_stats.values()]).mean())
                     record.update(self._expert_load_record())
                     for source, count in (self.train_loader.mixture_counts() or {}).items():
                         record[f"mix/{source}"] = count  # samples drawn from each mixture source so far

@@ -176,8 +176,26 @@ class MoE(nn.Module):
         self.experts.init_weights(out_std)
 
 
-def load_balance_loss(moe_layers: list[MoE]) -> Optional[torch.Tensor]:
-    """Mean over layers of each layer's latest load-balancing loss."""
-    losses = [m.aux_loss for m in moe_layers if m.aux_loss is not None]
-    return torch.stack(losses).mean() if losses else None
+class _RouterLossGradient(torch.autograd.Function):
+    """Identity on a MoE layer's output whose backward also starts the router loss's own backward with
+    d(objective)/d(router loss) = `weight`."""
 
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, router_loss: torch.Tensor, weight: float) -> torch.Tensor:
+        # Only the loss's metadata is kept: a saved tensor would have to be recomputed identically under
+        # activation checkpointing, which the trainer does not attach again.
+        ctx.weight, ctx.like = weight, (router_loss.shape, router_loss.dtype, router_loss.device)
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        shape, dtype, device = ctx.like
+        return grad_output, torch.full(shape, ctx.weight, dtype=dtype, device=device), None
+
+
+def attach_router_loss(output: torch.Tensor, router_loss: torch.Tensor, weight: float) -> torch.Tensor:
+    """`output`, unchanged, carrying `weight * router_loss` into whatever backward reaches it: the router
+    losses join the gradient in the layer that computed them, so nothing has to carry them to the
+    loss (a pipeline's last stage holds no earlier stage's MoE layers). Megatron-LM's
+    MoEAuxLossAutoScaler does the same."""
+    return _RouterLossGradient.apply(output, router_loss, weight)

@@ -90,7 +90,8 @@ def test_debug_mixtral_trains_with_router_losses_logged(tmp_path: Path):
     assert records[-1]["expert_imbalance"] >= 1.0
     assert summary["final_loss_avg"] < summary["first_loss"]  # random tokens: it learns the unigram floor
     config_lib.load("debug", ["model.family=mixtral", "ici_mesh.tensor=2", "ici_mesh.fsdp=1"], world_size=2)
-    with pytest.raises(config_lib.ConfigError, match="router losses are not carried through pipeline stages"):
-        config_lib.load("debug", ["model.family=mixtral", "ici_mesh.pipeline=2", "ici_mesh.fsdp=1"], world_size=2)
+    with pytest.raises(config_lib.ConfigError, match="expert-parallel degree 3 does not divide model.n_experts=8"):
+        config_lib.load("debug", ["model.family=mixtral", "ici_mesh.expert=3", "ici_mesh.fsdp=1", "global_batch_size=24",
+                                  "micro_batch_size=8"], world_size=3)
     assert build_model_args("mixtral", "debug", {"n_experts": 4}).n_experts == 4
     assert "mixtral" in MODELS

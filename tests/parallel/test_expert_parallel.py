@@ -79,17 +79,28 @@ def test_glam_expert_and_tensor_parallel_match_single_process(tmp_path):
         assert got["expert_load"][0] == expected["expert_load"][0], name
 
 
-def test_router_losses_under_tensor_parallelism_weigh_each_shard_once(tmp_path):
-    """With router losses on, each tensor rank computes them over its own sequence shard and weighs them
-    1/tp, so the objective is their mean: close to one process's full-sequence statistics (measured rel
-    ~1e-3 on the grad norm), while counting every shard at full weight is off by ~3e-2."""
+def test_router_losses_under_pipeline_and_tensor_parallelism(tmp_path):
+    """Router losses on. Each MoE layer adds them to the gradient where it runs (a pipeline stage needs
+    nothing from the last), weighted by the share of the step's tokens it routed. Pipeline stages see
+    the whole micro-batch (one pipeline micro-batch here), so they equal one process exactly, with
+    activation checkpointing too (its recomputed forwards add no second loss and no second load).
+    Tensor ranks compute the statistics over their own sequence shard, each weighted 1/tp: close to one
+    process (measured rel ~1e-3 on the grad norm), while counting every shard at full weight is ~3e-2 off."""
     losses = ["model.aux_loss_coef=1.0", "model.z_loss_coef=0.1"]
     expected = _single_process(tmp_path / "reference", MOE + losses)
     without = _single_process(tmp_path / "no-router-losses", MOE)
     assert expected["grad_norm"][0] - without["grad_norm"][0] > 3e-3  # the router losses move the gradients
-    got = _run_layouts(2, {"tensor=2": CASES[2]["tensor=2"]}, tmp_path, base=MOE + losses)["tensor=2"]
-    assert got["loss"] == pytest.approx(expected["loss"], rel=1e-4)
-    assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=3e-3)
+    pipeline = ["micro_batch_size=8", "ici_mesh.fsdp=1", "ici_mesh.pipeline=2", "parallel.pp_schedule=gpipe",
+                "parallel.pp_microbatches=1"]
+    cases = {"pipeline=2": pipeline, "pipeline=2 remat=full": pipeline + ["model.remat=full"],
+             "tensor=2": CASES[2]["tensor=2"]}
+    results = _run_layouts(2, cases, tmp_path, base=MOE + losses)
+    for name in ("pipeline=2", "pipeline=2 remat=full"):
+        assert results[name]["loss"] == pytest.approx(expected["loss"], rel=REL), name
+        assert results[name]["grad_norm"] == pytest.approx(expected["grad_norm"], rel=REL), name
+        assert results[name]["expert_load"] == expected["expert_load"], name
+    assert results["tensor=2"]["loss"] == pytest.approx(expected["loss"], rel=1e-4)
+    assert results["tensor=2"]["grad_norm"] == pytest.approx(expected["grad_norm"], rel=3e-3)
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -58,6 +58,8 @@ def test_ranks_are_node_major_with_dcn_outermost():
         (["ici_mesh.pipeline=4", "ici_mesh.fsdp=1", "model.n_layers=3"], "4 pipeline stages"),
         (["ici_mesh.pipeline=2", "parallel.pp_schedule=interleaved_1f1b"], "needs parallel.pp_stages_per_rank >= 2"),
         (["ici_mesh.pipeline=2", "parallel.pp_microbatches=3"], "parallel.pp_microbatches=3 must divide micro_batch_size=2"),
+        (["ici_mesh.pipeline=2", "parallel.pp_microbatches=1", "parallel.pp_schedule=1f1b"],
+         "1f1b needs at least as many pipeline micro-batches as stages"),
         (["ici_mesh.pipeline=2", "model.family=llama3.2"], "ties its embedding to its output projection"),
         (["ici_mesh.pipeline=2", "ici_mesh.context=2", "ici_mesh.fsdp=1"], "context and pipeline parallelism together"),
         (["ici_mesh.expert=2"], "needs a mixture-of-experts model"),
