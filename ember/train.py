@@ -368,13 +368,21 @@ class Trainer:
             self._expert_load[layer] += torch.stack(counts[-forwards_per_layer:]).sum(0)  # read only when logged
         self._step_load.clear()
 
-    def _expert_load_record(self) -> dict[str, Any]:
-        """Per MoE layer i, over the logging window and every rank: `moe/layer{i}/tokens_per_expert` (a
-        list) and `moe/layer{i}/imbalance` (max over mean tokens per expert, 1.0 when balanced); and
-        `expert_imbalance`, their mean over layers. Every rank must call it (an all-reduce)."""
+    def _moe_record(self) -> dict[str, Any]:
+        """`aux_loss` and `z_loss`: the latest micro-batch's router losses, averaged over every rank's MoE
+        layers. Per MoE layer i, over the logging window and every rank: `moe/layer{i}/tokens_per_expert`
+        (a list) and `moe/layer{i}/imbalance` (max over mean tokens per expert, 1.0 when balanced); and
+        `expert_imbalance`, their mean over layers. Every rank must call it (all-reduces)."""
         n_experts = getattr(self.model_args, "n_experts", 0)
         if not n_experts:  # the model's family, not this rank's stage: a stage of dense layers still joins the sum
             return {}
+        router = torch.zeros(3, device=self.device)  # sum of aux, sum of z, layers
+        for aux, z in self._router_stats.values():
+            router += torch.stack([aux.float(), z.float(), torch.ones((), device=self.device)])
+        self._all_sum(router)
+        record: dict[str, Any] = {}
+        if router[2] > 0:
+            record["aux_loss"], record["z_loss"] = float(router[0] / router[2]), float(router[1] / router[2])
         # Indexed by global layer number, zeros where another pipeline stage holds the layer, so one
         # sum over all ranks adds data-parallel ranks' loads and gathers the stages' layers.
         load = torch.zeros(self.model_args.n_layers, n_experts, device=self.device)
@@ -382,7 +390,6 @@ class Trainer:
             load += self._expert_load
         self._all_sum(load)
         self._expert_load = None
-        record: dict[str, Any] = {}
         imbalances = []
         for i, tokens in enumerate(load):
             if not tokens.any():
@@ -533,10 +540,7 @@ class Trainer:
                         "data_wait_frac": window_data / window_time,  # share of step time spent waiting for data
                     }
                     # MoE: router losses, and the load of every expert of every layer over the window
-                    if self._router_stats:  # the latest micro-batch's, averaged over this rank's layers
-                        for k, name in enumerate(("aux_loss", "z_loss")):
-                            record[name] = float(torch.stack([v[k] for v in self._router_stats.values()]).mean())
-                    record.update(self._expert_load_record())
+                    record.update(self._moe_record())
                     for source, count in (self.train_loader.mixture_counts() or {}).items():
                         record[f"mix/{source}"] = count  # samples drawn from each mixture source so far
                     logger.log(self.step, record)
