@@ -73,7 +73,13 @@ def test_output_chunks_target_sizes():
     assert output_chunks(8, 256, 8192, "cpu") == 4  # 2048 x 8192 logits in chunks of 512 positions
     assert output_chunks(1, 64, 128, "cpu") == 1
     assert output_chunks(1, 8192, 128256, "cuda") == 4  # Llama 3 at 8K: 1 GiB fp32 chunks
-    assert output_chunks(1, 4, 10**9, "cpu") == 4  # never more chunks than positions
+    # a large vocabulary on the CPU: as few chunks as memory allows, never under 512 tokens each
+    assert output_chunks(8, 256, 128256, "cpu") == 1
+    assert output_chunks(8, 8192, 128256, "cpu") == 31  # 2,093 tokens (~1 GiB of logits) per chunk
+    assert output_chunks(1, 4, 10**9, "cpu") == 1
+    assert output_chunks(2, 4096, 8192, "cpu") == 16
+    assert output_chunks(256, 4, 8192, "cpu") == 2  # 1,024 tokens
+    assert output_chunks(1024, 4, 8192, "cpu") == 4  # 4,096 tokens, but never more chunks than positions
 
 
 def test_a_view_of_logits_is_not_modified_in_place():
