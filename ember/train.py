@@ -14,6 +14,7 @@ import os
 import signal
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -77,6 +78,11 @@ def init_distributed(device: torch.device, timeout_s: int) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _on_moe_forward(trainer: weakref.ref, *args: Any) -> Any:
+    alive = trainer()
+    return None if alive is None else alive._on_moe_forward(*args)
 
 
 def _is_dtensor(x: Any) -> bool:
@@ -166,8 +172,9 @@ class Trainer:
         self._router_stats: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> latest (aux, z)
         self._expert_load: Optional[torch.Tensor] = None  # (layers, experts) tokens over the logging window
         self._step_load: dict[int, list[torch.Tensor]] = {}  # layer -> tokens per expert of each training forward
+        # Held weakly: the model can then be deep-copied (an EMA, an export) and does not keep the trainer alive.
         for i, moe in self.moe_layers:
-            moe.register_forward_hook(functools.partial(self._on_moe_forward, i), prepend=True)
+            moe.register_forward_hook(functools.partial(_on_moe_forward, weakref.ref(self), i), prepend=True)
         if self.tp == 1 and self.pp == 1:  # plain-tensor logits of the whole sequence: compute them in chunks
             whole.output_chunks = output_chunks(cfg.micro_batch_size, cfg.seq_len // self.cp,
                                                 self.model_args.vocab_size, self.device.type)

@@ -1,5 +1,6 @@
 """Mixtral: published sizes, logits equal to transformers' MixtralForCausalLM, HF import/export, training."""
 
+import copy
 import json
 from pathlib import Path
 
@@ -84,9 +85,13 @@ def test_debug_mixtral_trains_with_router_losses_logged(tmp_path: Path):
     cfg = config_lib.load("debug", ["model.family=mixtral", "data.dataset=synthetic", "model.n_layers=2",
                                     "seq_len=64", "max_steps=30", "logging_steps=10", "optim.lr=3e-3",
                                     f"output_dir={tmp_path}", "metrics.console=false", "model.z_loss_coef=1e-3"])
-    summary = Trainer(cfg).train()
+    trainer = Trainer(cfg)
+    summary = trainer.train()
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
     assert {"aux_loss", "z_loss", "expert_imbalance"} <= records[-1].keys()
+    # every training forward of every MoE layer counted: 10 steps x 8 x 64 tokens x top-2, per layer
+    assert sum(records[-1]["moe/layer1/tokens_per_expert"]) == 10 * 8 * 64 * 2
+    copy.deepcopy(trainer.model)  # the trainer's MoE hooks hold it weakly: the model still copies (EMA, export)
     assert records[-1]["expert_imbalance"] >= 1.0
     assert summary["final_loss_avg"] < summary["first_loss"]  # random tokens: it learns the unigram floor
     config_lib.load("debug", ["model.family=mixtral", "ici_mesh.tensor=2", "ici_mesh.fsdp=1"], world_size=2)
