@@ -170,7 +170,10 @@ class Trainer:
             (int(name), module) for part in self.model_parts for name, block in part.layers.items()
             for module in block.modules() if isinstance(module, MoE)]
         self._router_stats: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> latest (aux, z)
-        self._expert_load: Optional[torch.Tensor] = None  # (layers, experts) tokens over the logging window
+        # (layers, experts) tokens over the logging window, indexed by global layer number (zeros where
+        # another pipeline stage holds the layer, or a dense GLaM layer); fp64 counts stay exact when summed.
+        n_experts = getattr(self.model_args, "n_experts", None) or 0
+        self._expert_load = torch.zeros(self.model_args.n_layers, n_experts, device=self.device, dtype=torch.float64)
         self._step_load: dict[int, list[torch.Tensor]] = {}  # layer -> tokens per expert of each training forward
         # Held weakly: the model can then be deep-copied (an EMA, an export) and does not keep the trainer alive.
         for i, moe in self.moe_layers:
@@ -307,7 +310,7 @@ class Trainer:
         return self._token_loss_sum(logits, labels) / self._pp_token_count
 
     def _all_sum(self, value: torch.Tensor) -> torch.Tensor:
-        """Sum a scalar over every rank (a no-op on one process)."""
+        """Sum a tensor over every rank, in place (a no-op on one process)."""
         if self.mesh is not None:
             dist.all_reduce(value, op=dist.ReduceOp.SUM)
         return value
@@ -369,9 +372,6 @@ class Trainer:
         forwards of each layer (a step's micro-batches, times the pipeline's): torch 2.13's pipeline stages
         run one more forward on their first step, on placeholder inputs to infer shapes, which is no load."""
         for layer, counts in self._step_load.items():
-            if self._expert_load is None:
-                self._expert_load = torch.zeros(self.model_args.n_layers, counts[0].numel(), device=self.device,
-                                                dtype=torch.long)
             self._expert_load[layer] += torch.stack(counts[-forwards_per_layer:]).sum(0)  # read only when logged
         self._step_load.clear()
 
@@ -379,24 +379,19 @@ class Trainer:
         """`aux_loss` and `z_loss`: the latest micro-batch's router losses, averaged over every rank's MoE
         layers. Per MoE layer i, over the logging window and every rank: `moe/layer{i}/tokens_per_expert`
         (a list) and `moe/layer{i}/imbalance` (max over mean tokens per expert, 1.0 when balanced); and
-        `expert_imbalance`, their mean over layers. Every rank must call it (all-reduces)."""
-        n_experts = getattr(self.model_args, "n_experts", 0)
-        if not n_experts:  # the model's family, not this rank's stage: a stage of dense layers still joins the sum
+        `expert_imbalance`, their mean over layers. Every rank must call it (one all-reduce)."""
+        if not self._expert_load.numel():  # the model's family, not this rank's stage: a dense stage still joins
             return {}
-        router = torch.zeros(3, device=self.device)  # sum of aux, sum of z, layers
+        router = torch.zeros(3, device=self.device, dtype=torch.float64)  # sum of aux, sum of z, layers
         for aux, z in self._router_stats.values():
-            router += torch.stack([aux.float(), z.float(), torch.ones((), device=self.device)])
-        self._all_sum(router)
+            router += torch.stack([aux.double(), z.double(), torch.ones((), device=self.device, dtype=torch.float64)])
+        # One sum over all ranks: data-parallel ranks' loads add up, pipeline stages' layers are gathered.
+        totals = self._all_sum(torch.cat([self._expert_load.flatten(), router]))
+        self._expert_load.zero_()
+        load = totals[:-3].view_as(self._expert_load)
         record: dict[str, Any] = {}
-        if router[2] > 0:
-            record["aux_loss"], record["z_loss"] = float(router[0] / router[2]), float(router[1] / router[2])
-        # Indexed by global layer number, zeros where another pipeline stage holds the layer, so one
-        # sum over all ranks adds data-parallel ranks' loads and gathers the stages' layers.
-        load = torch.zeros(self.model_args.n_layers, n_experts, device=self.device)
-        if self._expert_load is not None:
-            load += self._expert_load
-        self._all_sum(load)
-        self._expert_load = None
+        if totals[-1] > 0:  # layers that reported router losses, over all ranks
+            record["aux_loss"], record["z_loss"] = float(totals[-3] / totals[-1]), float(totals[-2] / totals[-1])
         imbalances = []
         for i, tokens in enumerate(load):
             if not tokens.any():
