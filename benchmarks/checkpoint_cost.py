@@ -37,7 +37,7 @@ def measure(async_save: bool, overrides: list[str], rounds: int) -> dict:
         cfg = config_lib.load("debug", BASE + overrides + [f"output_dir={tmp}", f"checkpoint.async_save={async_save}",
                                                            "checkpoint.keep=2", "max_steps=1000"])
         trainer = Trainer(cfg)
-        batches = trainer._global_batches()
+        batches = trainer.global_batches()
 
         def step() -> float:
             t0 = time.perf_counter()

@@ -71,7 +71,7 @@ def worker(out_path: str, steps: int, warmup: int, overrides: list[str]) -> None
     with tempfile.TemporaryDirectory() as tmp:
         cfg = config_lib.load("debug", BASE + overrides + [f"output_dir={tmp}"], world_size=world)
         trainer = Trainer(cfg)
-        batches = trainer._global_batches()
+        batches = trainer.global_batches()
         times = []
         for i in range(warmup + steps):
             micro_batches = next(batches)

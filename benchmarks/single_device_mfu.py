@@ -36,7 +36,7 @@ def measure(recipe: str, overrides: list[str], steps: int, warmup: int) -> dict:
         cfg = config_lib.load(recipe, overrides + ["data.dataset=synthetic", "metrics.console=false",
                                                    f"output_dir={tmp}", f"max_steps={steps + warmup}"])
         trainer = Trainer(cfg)
-        batches = trainer._global_batches()
+        batches = trainer.global_batches()
         times, losses = [], []
         for _ in range(warmup + steps):
             micro_batches = next(batches)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable
@@ -16,7 +17,9 @@ class ModelSpec:
     flavors: dict[str, Any]  # flavor name -> args dataclass
     model_cls: type  # model_cls(args) -> nn.Module; build it on the meta device
     args_cls: type
-    parallelize: Callable  # parallelize(model, mesh, *, compile, remat, ...) -> model, in place
+    # loss_parallel -> (model-level, per-block) tensor-parallel plans; ember/parallel/parallelize.py applies
+    # it with every other parallelism
+    tp_plan: Callable[[bool], tuple[dict[str, Any], dict[str, Any]]]
     flops_per_token: Callable[[Any, int], float]  # (args, seq_len) -> training FLOPs per token
     hf: ModuleType  # config and weight mapping to and from Hugging Face
     # (model) -> the parameters one token passes through (a mixture of experts uses top_k of its experts);
@@ -25,17 +28,17 @@ class ModelSpec:
 
 
 MODELS: dict[str, ModelSpec] = {
-    family: ModelSpec(family, flavors, llama.Transformer, llama.LlamaArgs, llama.parallelize,
+    family: ModelSpec(family, flavors, llama.Transformer, llama.LlamaArgs, llama.tp_plan,
                       llama.flops_per_token, llama.hf)
     for family, flavors in llama.FLAVORS.items()  # llama2, llama3, llama3.1, llama3.2
 }
 MODELS["mixtral"] = ModelSpec("mixtral", mixtral.FLAVORS, mixtral.Transformer, mixtral.MixtralArgs,
-                              mixtral.parallelize, mixtral.flops_per_token, mixtral.hf,
-                              active_params=lambda model: mixtral.num_params(model, active=True))
-MODELS["gpt"] = ModelSpec("gpt", gpt.FLAVORS, gpt.Transformer, gpt.GPTArgs, gpt.parallelize,
+                              mixtral.tp_plan, mixtral.flops_per_token, mixtral.hf,
+                              active_params=functools.partial(mixtral.num_params, active=True))
+MODELS["gpt"] = ModelSpec("gpt", gpt.FLAVORS, gpt.Transformer, gpt.GPTArgs, gpt.tp_plan,
                           gpt.flops_per_token, gpt.hf)
-MODELS["glam"] = ModelSpec("glam", glam.FLAVORS, glam.Transformer, glam.GlamArgs, glam.parallelize,
-                           glam.flops_per_token, glam.hf, active_params=lambda model: glam.num_params(model, active=True))
+MODELS["glam"] = ModelSpec("glam", glam.FLAVORS, glam.Transformer, glam.GlamArgs, glam.tp_plan,
+                           glam.flops_per_token, glam.hf, active_params=functools.partial(glam.num_params, active=True))
 
 
 def build_model_args(family: str, flavor: str, overrides: dict[str, Any] | None = None) -> Any:

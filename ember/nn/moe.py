@@ -10,7 +10,7 @@ Expert parallelism (ember/parallel/ep.py) sends each block to the rank that hold
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +36,9 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """E SwiGLU experts as 3-D weights: w1, w3 (E, hidden, dim) and w2 (E, dim, hidden).
+    """E experts as 3-D weights, w1 (E, hidden, dim) and w2 (E, dim, hidden): w2[e](act(w1[e] x)), or with
+    gated=True (SwiGLU for act=silu: Mixtral) also w3 (E, hidden, dim): w2[e](act(w1[e] x) * w3[e] x).
+    GLaM's experts are the ungated two-matrix ReLU form.
 
     Two paths with the same result (tests/nn/test_moe.py checks outputs and gradients):
     - grouped: one `F.grouped_mm` per weight over every expert's block: CUDA's grouped GEMM kernel, or
@@ -48,16 +50,19 @@ class Experts(nn.Module):
     (benchmarks/moe_throughput.py times both, tests compare them).
     """
 
-    def __init__(self, n_experts: int, dim: int, hidden_dim: int):
+    def __init__(self, n_experts: int, dim: int, hidden_dim: int,
+                 activation: Callable[[torch.Tensor], torch.Tensor] = F.silu, gated: bool = True):
         super().__init__()
+        self.activation, self.gated = activation, gated
         self.w1 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
-        self.w3 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
+        self.w3 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim)) if gated else None
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
         self.impl: Optional[str] = None  # None: the caller's choice; "grouped" | "looped": forced
 
     def forward(self, x_sorted: torch.Tensor, counts: torch.Tensor, grouped: bool) -> torch.Tensor:
         """x_sorted (M, dim), grouped by expert in order, counts (E,) tokens per expert -> (M, dim)."""
-        w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
+        w1, w2 = _local(self.w1), _local(self.w2)  # this rank's experts under expert parallelism
+        w3 = _local(self.w3) if self.gated else None
         dtype = _compute_dtype(x_sorted)
         if self.impl is not None:
             if self.impl not in ("grouped", "looped"):
@@ -68,25 +73,30 @@ class Experts(nn.Module):
         if grouped:
             # grouped_mm is on no autocast list: cast to the dtype autocast gives the looped matmuls (bf16
             # on CUDA, where the MoE input is the fp32 residual stream), or the fused kernel never runs.
-            x_sorted, w1, w2, w3 = (t.to(dtype) for t in (x_sorted, w1, w2, w3))
+            x_sorted, w1, w2 = (t.to(dtype) for t in (x_sorted, w1, w2))
             offsets = torch.cumsum(counts, 0).to(torch.int32)
-            h = F.silu(F.grouped_mm(x_sorted, w1.transpose(-2, -1), offs=offsets))  # (M, hidden)
-            h = h * F.grouped_mm(x_sorted, w3.transpose(-2, -1), offs=offsets)
+            h = self.activation(F.grouped_mm(x_sorted, w1.transpose(-2, -1), offs=offsets))  # (M, hidden)
+            if self.gated:
+                h = h * F.grouped_mm(x_sorted, w3.to(dtype).transpose(-2, -1), offs=offsets)
             return F.grouped_mm(h, w2.transpose(-2, -1), offs=offsets)  # (M, dim)
         # unbind, not w[e]: the backward of each w[e] writes a zero-filled (E, ...) gradient (E^2 memory
-        # traffic: aten::fill_ was 33% of a debug Mixtral step, batch 2 x 256); unbind's stacks E slices once.
+        # traffic, a third of a debug Mixtral step); unbind's backward stacks the E slices once.
         outputs = []
         blocks = torch.split(x_sorted, counts.tolist())
-        for block, w1_e, w2_e, w3_e in zip(blocks, w1.unbind(0), w2.unbind(0), w3.unbind(0)):
+        w3_slices = w3.unbind(0) if self.gated else [None] * len(blocks)
+        for block, w1_e, w2_e, w3_e in zip(blocks, w1.unbind(0), w2.unbind(0), w3_slices):
             if block.shape[0] == 0:
                 continue
-            h = F.silu(block @ w1_e.t()) * (block @ w3_e.t())  # (n_e, hidden)
+            h = self.activation(block @ w1_e.t())  # (n_e, hidden)
+            if w3_e is not None:
+                h = h * (block @ w3_e.t())
             outputs.append(h @ w2_e.t())  # (n_e, dim)
         return torch.cat(outputs) if outputs else x_sorted.new_zeros(x_sorted.shape)
 
     def init_weights(self, out_std: float) -> None:
         nn.init.trunc_normal_(self.w1, mean=0.0, std=0.02)
-        nn.init.trunc_normal_(self.w3, mean=0.0, std=out_std)
+        if self.gated:
+            nn.init.trunc_normal_(self.w3, mean=0.0, std=out_std)
         nn.init.trunc_normal_(self.w2, mean=0.0, std=out_std)
 
 
@@ -132,21 +142,29 @@ class MoE(nn.Module):
     """A top-k MoE feed-forward layer. After each forward, `aux_loss` holds the load-balancing loss
     (Switch Transformer / Mixtral: E * sum_e f_e * P_e, f_e the share of routed slots that went to
     expert e, P_e its mean router probability; 1.0 when perfectly balanced), `z_loss` the router
-    z-loss (ST-MoE: mean squared log-sum-exp of the logits) and `tokens_per_expert` the load."""
+    z-loss (ST-MoE: mean squared log-sum-exp of the logits) and `tokens_per_expert` the load.
 
-    def __init__(self, dim: int, hidden_dim: int, n_experts: int, top_k: int, experts: Optional[nn.Module] = None):
+    Training bookkeeping is the layer's own (see `set_router_loss`, `end_moe_step`, `collect_moe_metrics`):
+    each training forward records its load, and with router-loss coefficients set it attaches its
+    router losses to its output, so they join the gradient wherever backward reaches this layer."""
+
+    def __init__(self, dim: int, hidden_dim: int, n_experts: int, top_k: int,
+                 activation: Callable[[torch.Tensor], torch.Tensor] = F.silu, gated: bool = True):
         super().__init__()
         self.n_experts, self.top_k = n_experts, top_k
         self.router = Router(dim, n_experts, top_k)
-        # Default: SwiGLU experts. A family with other experts (GLaM's two-matrix FFNs) passes its own module
-        # with the same forward(x_sorted, counts, grouped) and init_weights(out_std).
-        self.experts = experts if experts is not None else Experts(n_experts, dim, hidden_dim)
+        self.experts = Experts(n_experts, dim, hidden_dim, activation, gated)
         self.aux_loss: Optional[torch.Tensor] = None
         self.z_loss: Optional[torch.Tensor] = None
         self.tokens_per_expert: Optional[torch.Tensor] = None
         # None: every expert is here. Expert parallelism (ember/parallel/ep.py) sets a callable
         # (experts, tokens sorted by expert, counts (E,)) -> outputs that runs them on their own ranks.
         self.dispatch: Optional[Callable[..., torch.Tensor]] = None
+        # Set by set_router_loss: the objective gains aux_coef * aux_loss + z_coef * z_loss, weighted by
+        # `loss_weight_per_token` x the tokens this forward routed.
+        self.aux_loss_coef, self.z_loss_coef, self.loss_weight_per_token = 0.0, 0.0, 0.0
+        self._step_loads: list[torch.Tensor] = []  # tokens per expert of each training forward of this step
+        self.window_load: Optional[torch.Tensor] = None  # (E,) fp64, summed over steps until collected
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, D = x.shape
@@ -169,11 +187,83 @@ class MoE(nn.Module):
         self.aux_loss = self.n_experts * torch.sum(share.detach() * probs.mean(dim=0))
         self.z_loss = torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
         self.tokens_per_expert = counts.detach()
-        return out.reshape(B, T, D)
+        out = out.reshape(B, T, D)
+        # Activation checkpointing recomputes this forward inside backward (a graph task is running then):
+        # that is neither new load nor a second router loss.
+        if not self.training or torch._C._current_graph_task_id() != -1:
+            return out
+        self._step_loads.append(self.tokens_per_expert)
+        if not (self.aux_loss_coef or self.z_loss_coef):
+            return out
+        router_loss = self.aux_loss_coef * self.aux_loss + self.z_loss_coef * self.z_loss
+        return attach_router_loss(out, router_loss, flat.shape[0] * self.loss_weight_per_token)
 
     def init_weights(self, out_std: float) -> None:
         nn.init.trunc_normal_(self.router.gate.weight, mean=0.0, std=0.02)
         self.experts.init_weights(out_std)
+
+
+def set_router_loss(model: nn.Module, aux_coef: float, z_coef: float, tokens_per_step: int,
+                    n_moe_layers: int) -> None:
+    """Make every MoE layer of `model` (a model or one pipeline stage) add its router losses to the
+    objective, so that it gains coef x their mean over the whole model's `n_moe_layers` and over the step's
+    `tokens_per_step` routed tokens. Weighing each forward by the tokens it routed makes that hold in every
+    layout: data, expert and pipeline micro-batches, and the sequence shards of tensor and context ranks."""
+    for moe in model.modules():
+        if isinstance(moe, MoE):
+            moe.aux_loss_coef, moe.z_loss_coef = aux_coef, z_coef
+            moe.loss_weight_per_token = 1.0 / (tokens_per_step * n_moe_layers)
+
+
+def end_moe_step(model: nn.Module, forwards_per_layer: int) -> None:
+    """Add this step's load to each MoE layer's logging window, from its last `forwards_per_layer` training
+    forwards (a step's micro-batches, times the pipeline's): torch's pipeline stages run one more forward on
+    their first step, on placeholder inputs to infer shapes, which is no load."""
+    for moe in model.modules():
+        if isinstance(moe, MoE) and moe._step_loads:
+            step = torch.stack(moe._step_loads[-forwards_per_layer:]).sum(0).double()
+            moe.window_load = step if moe.window_load is None else moe.window_load + step
+            moe._step_loads.clear()
+
+
+def collect_moe_metrics(model_parts: list[nn.Module], n_layers: int, n_experts: int,
+                        all_sum: Callable[[torch.Tensor], torch.Tensor], device: torch.device) -> dict[str, Any]:
+    """The MoE metrics of the logging window, over every rank; resets the window. Every rank must call it
+    (one `all_sum`), a pipeline stage without MoE layers too.
+    - `aux_loss`, `z_loss`: the latest forward's router losses, averaged over every rank's MoE layers;
+    - per MoE layer i: `moe/layer{i}/tokens_per_expert` (a list) and `moe/layer{i}/imbalance` (max over
+      mean tokens per expert, 1.0 when balanced); `expert_imbalance`, their mean over layers.
+    Layers are numbered as in the whole model (the blocks' keys), so pipeline stages' layers gather."""
+    # (layers, experts) loads and three router sums in one fp64 tensor: counts stay exact when summed.
+    totals = torch.zeros(n_layers * n_experts + 3, device=device, dtype=torch.float64)
+    load = totals[:-3].view(n_layers, n_experts)
+    for part in model_parts:
+        for name, block in part.layers.items():
+            for moe in block.modules():
+                if not isinstance(moe, MoE):
+                    continue
+                if moe.window_load is not None:
+                    load[int(name)] += moe.window_load
+                    moe.window_load = None
+                if moe.aux_loss is not None:
+                    totals[-3:] += torch.stack([moe.aux_loss.detach().double(), moe.z_loss.detach().double(),
+                                                torch.ones((), device=device, dtype=torch.float64)])
+    totals = all_sum(totals)
+    load = totals[:-3].view(n_layers, n_experts)
+    record: dict[str, Any] = {}
+    if totals[-1] > 0:  # layers that reported router losses, over all ranks
+        record["aux_loss"], record["z_loss"] = float(totals[-3] / totals[-1]), float(totals[-2] / totals[-1])
+    imbalances = []
+    for i, tokens in enumerate(load):
+        if not tokens.any():
+            continue  # a dense layer (GLaM alternates dense and MoE layers)
+        imbalance = float(tokens.max() / tokens.mean())
+        record[f"moe/layer{i}/tokens_per_expert"] = [int(n) for n in tokens.tolist()]
+        record[f"moe/layer{i}/imbalance"] = imbalance
+        imbalances.append(imbalance)
+    if imbalances:
+        record["expert_imbalance"] = sum(imbalances) / len(imbalances)
+    return record
 
 
 class _RouterLossGradient(torch.autograd.Function):

@@ -9,11 +9,14 @@ are left out of the DeviceMesh (no process groups for them), as in torchtitan.
 
 from __future__ import annotations
 
+import datetime
 import math
+import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 
 # Outermost to innermost: the innermost axes get neighbouring ranks, so tensor parallelism (the most
 # traffic) runs between processes of one node, then context, then FSDP; pipeline traffic (the least) is outermost.
@@ -173,3 +176,14 @@ class ParallelMesh:
         if len(shard) > 1 and shard not in self._flattened:
             self._flattened[shard] = self.mesh[shard]._flatten("_".join(shard))
         return self.mesh[("data", "_".join(shard))]
+
+
+def init_distributed(device: torch.device, timeout_s: int) -> None:
+    """Join the torchrun job: gloo on CPU, NCCL on CUDA (RCCL on ROCm). Idempotent. The timeout bounds
+    how long a rank waits on a peer that died, so a failure ends the job instead of hanging it."""
+    if dist.is_initialized():
+        return
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))

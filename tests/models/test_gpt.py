@@ -14,7 +14,8 @@ from ember import config as config_lib
 from ember import load_model
 from ember.load import convert, save_hf
 from ember.models import MODELS, build_model_args
-from ember.models.gpt import FLAVORS, GPTArgs, Transformer, flops_per_token, hf, num_params, parallelize
+from ember.parallel.parallelize import parallelize
+from ember.models.gpt import FLAVORS, GPTArgs, Transformer, flops_per_token, hf, num_params, tp_plan
 from ember.train import Trainer
 
 # (n_layers, dim, n_heads, ffn_hidden_dim, vocab_size, max_seq_len) of Pax's GPU configs
@@ -117,7 +118,7 @@ def test_positions_index_the_learned_table_and_attention_is_causal():
 def test_parallelize_on_one_device_keeps_parameter_names():
     model = _debug_model()
     names = [k for k, _ in model.named_parameters()]
-    assert parallelize(model, remat="full", compile=True) is model
+    assert parallelize(model, None, tp_plan, remat="full", compile=True) is model
     assert [k for k, _ in model.named_parameters()] == names
     assert "pos_embeddings.weight" in names and "output.weight" not in names  # tied: one Parameter
 

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from ember.models import MODELS, build_model_args
-from ember.models.llama import FLAVORS, LlamaArgs, Transformer, flops_per_token, num_params, parallelize
-from ember.models.llama.model import apply_rope
+from ember.parallel.parallelize import parallelize
+from ember.models.llama import FLAVORS, LlamaArgs, Transformer, flops_per_token, num_params, tp_plan
+from ember.nn.decoder import apply_rope
 
 # Published parameter counts (Meta's model cards; HF num_parameters() of the released checkpoints).
 PUBLISHED = {
@@ -200,8 +201,8 @@ def test_build_model_args_overrides_and_errors():
 def test_parallelize_compile_keeps_parameter_names():
     model = _debug_model()
     names = [k for k, _ in model.named_parameters()]
-    assert parallelize(model) is model
-    assert parallelize(model, compile=True) is model
+    assert parallelize(model, None, tp_plan) is model
+    assert parallelize(model, None, tp_plan, compile=True) is model
     assert [k for k, _ in model.named_parameters()] == names
     assert all(block._compiled_call_impl is not None for block in model.layers.values())
 

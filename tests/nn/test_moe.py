@@ -9,7 +9,10 @@ import torch.nn.functional as F
 
 from ember.nn.moe import MoE, Experts, _grouped_available
 
-pytestmark = pytest.mark.skipif(not hasattr(F, "grouped_mm"), reason="this torch has no F.grouped_mm")
+# Only the grouped path needs the kernel; the loop and the references run on any torch.
+needs_grouped_mm = pytest.mark.skipif(not hasattr(F, "grouped_mm"),
+                                      reason="torch.nn.functional.grouped_mm (the grouped GEMM kernel) is missing")
+GROUPED = pytest.param("grouped", marks=needs_grouped_mm)
 
 
 def _experts(n_experts: int = 6, dim: int = 32, hidden: int = 48) -> Experts:
@@ -24,11 +27,12 @@ def _run(experts: Experts, x: torch.Tensor, counts: torch.Tensor, impl: str,
     experts.impl = impl
     x = x.detach().requires_grad_()
     out = experts(x, counts, grouped=impl == "grouped")
-    params = [x, experts.w1, experts.w2, experts.w3]
+    params = [x, experts.w1, experts.w2] + ([experts.w3] if experts.gated else [])
     grads = torch.autograd.grad(out, params, grad_out)
     return out.detach(), list(grads)
 
 
+@needs_grouped_mm
 @pytest.mark.parametrize("counts", [
     [5, 0, 9, 0, 3, 7],  # two experts get no token
     [0, 0, 24, 0, 0, 0],  # one expert gets every token
@@ -50,6 +54,7 @@ def test_grouped_path_equals_looped_path_with_gradients(counts: list[int]):
             assert grads_g[1][e].abs().max() == 0 and grads_g[2][e].abs().max() == 0
 
 
+@needs_grouped_mm
 def test_grouped_path_under_bf16_autocast_runs_in_bf16_like_the_loop():
     # CUDA trains under bf16 autocast with an fp32 residual stream: grouped_mm is on no autocast list, so
     # Experts casts itself; on CPU autocast shows the same behaviour.
@@ -67,6 +72,7 @@ def test_grouped_path_under_bf16_autocast_runs_in_bf16_like_the_loop():
     torch.testing.assert_close(out_g, out_l, rtol=1e-2, atol=1e-2)
 
 
+@needs_grouped_mm
 def test_path_choice_is_explicit_and_forcible(monkeypatch: pytest.MonkeyPatch):
     assert _grouped_available(torch.randn(4, 256))  # CPU fp32, 1 KiB rows
     assert _grouped_available(torch.randn(4, 256, dtype=torch.bfloat16))
@@ -113,7 +119,7 @@ def _per_token_reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     return out.reshape(x.shape)
 
 
-@pytest.mark.parametrize("impl", ["grouped", "looped"])
+@pytest.mark.parametrize("impl", [GROUPED, "looped"])
 @pytest.mark.parametrize("batch, seq", [(1, 3), (2, 8)])  # 3 tokens: 6 slots over 8 experts leave some empty
 def test_moe_layer_equals_per_token_reference(impl: str, batch: int, seq: int):
     torch.manual_seed(0)
@@ -129,6 +135,7 @@ def test_moe_layer_equals_per_token_reference(impl: str, batch: int, seq: int):
     torch.testing.assert_close(out.detach(), expected, rtol=1e-5, atol=1e-5)
 
 
+@needs_grouped_mm
 def test_moe_layer_gradients_equal_across_paths():
     torch.manual_seed(0)
     moe = MoE(dim=32, hidden_dim=48, n_experts=8, top_k=2)
@@ -145,3 +152,21 @@ def test_moe_layer_gradients_equal_across_paths():
     torch.testing.assert_close(results["grouped"][0], results["looped"][0], rtol=1e-5, atol=1e-5)
     for g, l in zip(results["grouped"][1], results["looped"][1]):
         torch.testing.assert_close(g, l, rtol=1e-5, atol=1e-5)
+
+
+@needs_grouped_mm
+def test_ungated_relu_experts_grouped_equal_looped():
+    # GLaM's two-matrix ReLU experts: the same Experts module with gated=False has no w3.
+    torch.manual_seed(0)
+    experts = Experts(4, 16, 32, activation=F.relu, gated=False)
+    experts.init_weights(out_std=0.1)
+    assert experts.w3 is None and [n for n, _ in experts.named_parameters()] == ["w1", "w2"]
+    x, counts, grad_out = torch.randn(10, 16), torch.tensor([2, 3, 0, 5]), torch.randn(10, 16)
+    out_l, grads_l = _run(experts, x, counts, "looped", grad_out)
+    out_g, grads_g = _run(experts, x, counts, "grouped", grad_out)
+    expected = torch.cat([torch.relu(b @ w1.t()) @ w2.t() for b, w1, w2, n in
+                          zip(x.split(counts.tolist()), experts.w1, experts.w2, counts) if n > 0])
+    torch.testing.assert_close(out_l, expected.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out_g, out_l, rtol=1e-5, atol=1e-6)
+    for g, l in zip(grads_g, grads_l):
+        torch.testing.assert_close(g, l, rtol=1e-5, atol=1e-6)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from ember import config as config_lib
+from ember import step as step_lib
 from ember.train import Trainer, TrainingStopped
 
 SMALL = ["data.dataset=synthetic", "model.n_layers=1", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2",
@@ -20,13 +21,13 @@ def _trainer(tmp_path: Path, *overrides: str) -> Trainer:
 
 
 def _poison(monkeypatch: pytest.MonkeyPatch, trainer: Trainer, steps: set[int], factor: float) -> None:
-    original = trainer._token_loss_sum
+    original = step_lib.token_loss_sum
 
     def scaled(logits, labels):
         loss = original(logits, labels)
         return loss * factor if trainer.step + 1 in steps else loss
 
-    monkeypatch.setattr(trainer, "_token_loss_sum", scaled)
+    monkeypatch.setattr(step_lib, "token_loss_sum", scaled)
 
 
 def test_non_finite_steps_are_skipped_without_touching_the_weights(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):

@@ -19,6 +19,10 @@ from torch import nn
 
 from ember.models.gpt.args import GPTArgs
 from ember.nn.attention import causal_attention
+from ember.nn.decoder import Decoder, num_params
+
+
+__all__ = ["Transformer", "num_params", "flops_per_token"]
 
 
 class Attention(nn.Module):
@@ -95,92 +99,35 @@ class TransformerBlock(nn.Module):
         self.feed_forward.init_weights(self.std, self.out_std)
 
 
-class Transformer(nn.Module):
-    """tokens (B, T) -> logits (B, T, vocab_size).
-
-    A pipeline stage sets tok_embeddings, norm or output to None; each then passes its input through,
-    so a middle stage maps hidden states (B, T, dim) to hidden states. The position table goes with
-    the token embedding: it is added only where tok_embeddings is present.
-    """
+class Transformer(Decoder):
+    """tokens (B, T) -> logits (B, T, vocab_size): the shared Decoder with GPT blocks, LayerNorm, and a learned
+    position table instead of RoPE. The table goes with the token embedding: it is added only where
+    tok_embeddings is present (a pipeline's first stage)."""
 
     def __init__(self, args: GPTArgs):
-        super().__init__()
-        self.args = args
-        self.tok_embeddings: Optional[nn.Embedding] = nn.Embedding(args.vocab_size, args.dim)  # GPT-2's wte
+        super().__init__(args, lambda i: TransformerBlock(args),
+                         lambda: nn.LayerNorm(args.dim, eps=args.norm_eps, bias=True), rope=False)  # GPT-2's ln_f
         self.pos_embeddings: Optional[nn.Embedding] = nn.Embedding(args.max_seq_len, args.dim)  # GPT-2's wpe
-        # Keyed by layer index: names stay stable when a pipeline stage keeps only some of the layers.
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
-        self.norm: Optional[nn.LayerNorm] = nn.LayerNorm(args.dim, eps=args.norm_eps, bias=True)  # GPT-2's ln_f
-        # No bias: GPT-2's lm_head has none, nor has Pax's softmax (feed_forward_tpl.has_bias = False).
-        self.output: Optional[nn.Linear] = nn.Linear(args.dim, args.vocab_size, bias=False)
-        self.tie_weights()
-        # > 1: forward returns the logits as this many sequence chunks, so the loss can consume each
-        # before the next exists in full (see the Llama model). Set from outside by the trainer.
-        self.output_chunks = 1
 
-    def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None,
-                document_ids: Optional[torch.Tensor] = None) -> torch.Tensor | list[torch.Tensor]:
-        """positions: (T,) or (B, T), the position of each token, default 0..T-1 (context parallelism
-        passes its slice's; document masking restarts them per document); they index the learned
-        position table. document_ids: (B, T), the packed document of each token, so attention stays
-        within documents; default: plain causal."""
-        T = tokens.shape[1]
-        if self.tok_embeddings is not None:
-            if positions is None:
-                if T > self.args.max_seq_len:
-                    raise ValueError(f"sequence length {T} exceeds max_seq_len={self.args.max_seq_len}")
-                positions = torch.arange(T, device=tokens.device)
-            # (1 or B, T): a 2-D index makes the lookup (1 or B, T, dim), whose dim 1 is the sequence,
-            # the dim that tensor parallelism's sequence-sharded layout splits, as for the token lookup.
-            positions = positions if positions.dim() == 2 else positions[None]
-            h = self.tok_embeddings(tokens) + self.pos_embeddings(positions)  # (B, T, dim)
-        else:
-            h = tokens  # a later pipeline stage: hidden states (B, T, dim)
-        for layer in self.layers.values():
-            h = layer(h, document_ids)
-        h = self.norm(h) if self.norm is not None else h
-        if self.output is None:
-            return h
-        if self.output_chunks > 1:
-            return [self.output(chunk) for chunk in h.tensor_split(self.output_chunks, dim=1)]
-        return self.output(h)  # (B, T, vocab_size)
+    def embed(self, tokens: torch.Tensor, positions: Optional[torch.Tensor]) -> torch.Tensor:
+        """Token plus position embeddings; positions index the learned table, default 0..T-1."""
+        if self.tok_embeddings is None:
+            return tokens  # a later pipeline stage: hidden states (B, T, dim)
+        if positions is None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
+        # (1 or B, T): a 2-D index makes the lookup (1 or B, T, dim), whose dim 1 is the sequence,
+        # the dim that tensor parallelism's sequence-sharded layout splits, as for the token lookup.
+        positions = positions if positions.dim() == 2 else positions[None]
+        return self.tok_embeddings(tokens) + self.pos_embeddings(positions)  # (B, T, dim)
 
-    def tie_weights(self) -> None:
-        """With tie_embeddings, make output.weight the embedding Parameter itself. `to_empty()` and
-        `load_state_dict(assign=True)` give each module a Parameter of its own, so call it after them."""
-        if self.args.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
-            self.output.weight = self.tok_embeddings.weight
+    def init_embeddings(self) -> None:
+        """Gaussian of std init_std (Pax's params_init, GPT-2's initializer_range) for both tables."""
+        for table in (self.tok_embeddings, self.pos_embeddings):  # tok_embeddings: also the tied output
+            if table is not None:
+                nn.init.normal_(table.weight, std=self.args.init_std)
 
-    def init_rope(self, device: Optional[torch.device] = None) -> None:
-        """Nothing to do: positions are a learned parameter, not a table derived from args. Kept so the
-        trainer and loader, which refresh Llama's RoPE buffers through it, treat every family alike."""
-
-    @torch.no_grad()
-    def init_weights(self, buffer_device: Optional[torch.device] = None) -> None:
-        """Fill every parameter: after `to_empty`, a model built on meta gets real values. Gaussian
-        weights of std init_std (Pax's params_init, GPT-2's initializer_range), zero biases, unit norms."""
-        self.tie_weights()  # undone by to_empty
-        std = self.args.init_std
-        if self.tok_embeddings is not None:  # also the output projection when tied
-            nn.init.normal_(self.tok_embeddings.weight, std=std)
-        if self.pos_embeddings is not None:
-            nn.init.normal_(self.pos_embeddings.weight, std=std)
-        for layer in self.layers.values():
-            layer.init_weights()
-        if self.norm is not None:
-            self.norm.reset_parameters()
-        if self.output is not None and not self.args.tie_embeddings:
-            nn.init.normal_(self.output.weight, std=std)
-
-
-def num_params(model: nn.Module, exclude_embedding: bool = False) -> int:
-    """Parameters of `model`, a tied matrix counted once; exclude_embedding drops the two lookup tables,
-    tok_embeddings (and so a tied output too, which is the same matrix) and pos_embeddings."""
-    n = sum(p.numel() for p in model.parameters())
-    if exclude_embedding:
-        for table in (getattr(model, "tok_embeddings", None), getattr(model, "pos_embeddings", None)):
-            n -= table.weight.numel() if table is not None else 0
-    return n
+    def init_output(self) -> None:
+        nn.init.normal_(self.output.weight, std=self.args.init_std)
 
 
 def flops_per_token(args: GPTArgs, seq_len: int) -> float:

@@ -1,103 +1,20 @@
 """The Llama 2 / 3 / 3.1 / 3.2 decoder as plain single-device PyTorch.
 
-RMSNorm, rotary position embeddings in Meta's convention (consecutive pairs of each head rotate
-together; Llama 3.1 frequency scaling), grouped-query attention through F.scaled_dot_product_attention,
-SwiGLU feed-forward. No parallelism and no I/O here: parallelize.py applies those from outside, hf.py
-maps Hugging Face weights (whose RoPE pairs dimension k with k + head_dim/2) onto this convention.
+RMSNorm, rotary position embeddings in Meta's convention (ember/nn/decoder.py: consecutive pairs of each
+head rotate together; Llama 3.1 frequency scaling), grouped-query attention through
+F.scaled_dot_product_attention, SwiGLU feed-forward. The skeleton (embedding, blocks, norm, output, RoPE
+tables, tying, init) is the shared Decoder; this file holds the Llama block. No parallelism and no I/O
+here: parallelize.py holds the tensor-parallel plan, hf.py maps Hugging Face weights.
 """
 
 from __future__ import annotations
-
-import math
-from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ember.models.llama.args import LlamaArgs
-from ember.nn.attention import causal_attention
-
-
-def rope_cos_sin(args: LlamaArgs, device: Optional[torch.device] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the angle t * w_k for every position t < max_seq_len: two (max_seq_len, head_dim // 2)."""
-    dim = args.head_dim
-    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
-    if args.rope_scaling_factor is not None:
-        inv_freq = _llama31_scaling(inv_freq, args)
-    positions = torch.arange(args.max_seq_len, device=device, dtype=torch.float32)
-    angles = torch.outer(positions, inv_freq)  # (max_seq_len, head_dim // 2), fp32 even for long contexts
-    return angles.cos(), angles.sin()
-
-
-def _llama31_scaling(inv_freq: torch.Tensor, args: LlamaArgs) -> torch.Tensor:
-    # Llama 3.1 (Meta's `apply_scaling`): wavelengths longer than the pre-training window are slowed by
-    # `factor`, those shorter than window / high_freq_factor are kept, and the band between is blended.
-    factor, low, high = args.rope_scaling_factor, args.rope_low_freq_factor, args.rope_high_freq_factor
-    old_len = args.rope_original_max_seq_len
-    wavelen = 2 * math.pi / inv_freq
-    smooth = (old_len / wavelen - low) / (high - low)
-    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    in_band = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-    return torch.where(in_band, blended, scaled)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate each pair (x[..., 2k], x[..., 2k+1]) of x: (B, T, H, D) by the angles of cos, sin: (T, D // 2),
-    or (B, T, D // 2) when every sequence has its own positions."""
-    pairs = x.float().unflatten(-1, (-1, 2))  # (B, T, H, D/2, 2), rotated in fp32 like Meta's reference
-    x0, x1 = pairs[..., 0], pairs[..., 1]  # (B, T, H, D/2) each
-    if cos.dim() == 2:
-        cos, sin = cos[None], sin[None]  # (1, T, D/2): the same positions for every sequence
-    cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # (1 or B, T, 1, D/2)
-    rotated = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)  # (B, T, H, D/2, 2)
-    return rotated.flatten(-2).to(x.dtype)  # (B, T, H, D)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.empty(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Statistics in fp32 even for bf16 activations, cast back before the gain (Meta's reference).
-        x32 = x.float()
-        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
-
-    def init_weights(self) -> None:
-        nn.init.ones_(self.weight)
-
-
-class Attention(nn.Module):
-    def __init__(self, args: LlamaArgs):
-        super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.kv_heads, args.head_dim
-        self.wq = nn.Linear(args.dim, self.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=False)
-        # The attention kernel, (q, k, v) -> out over (B, heads, T, head_dim). A plain attribute so that
-        # context parallelism can swap in its distributed form from outside (ember/parallel/cp.py).
-        self.attention_fn: Callable[..., torch.Tensor] = causal_attention
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        B, T, _ = x.shape
-        # -1 heads, not n_heads: under tensor parallelism each rank holds n_heads / tp of them.
-        q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, n_heads, head_dim)
-        k = self.wk(x).view(B, T, -1, self.head_dim)  # (B, T, n_kv_heads, head_dim)
-        v = self.wv(x).view(B, T, -1, self.head_dim)  # (B, T, n_kv_heads, head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, head_dim), the layout SDPA takes
-        out = self.attention_fn(q, k, v, document_ids)  # (B, n_heads, T, head_dim)
-        return self.wo(out.transpose(1, 2).reshape(B, T, -1))  # (B, T, n_heads * head_dim) -> (B, T, dim)
-
-    def init_weights(self, out_std: float) -> None:
-        for linear in (self.wq, self.wk, self.wv):
-            nn.init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
-        nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=out_std)
+from ember.nn.decoder import Decoder, RMSNorm, TransformerBlock, num_params
 
 
 class FeedForward(nn.Module):
@@ -118,112 +35,12 @@ class FeedForward(nn.Module):
         nn.init.trunc_normal_(self.w2.weight, mean=0.0, std=out_std)
 
 
-class TransformerBlock(nn.Module):
-    def __init__(self, layer_id: int, args: LlamaArgs):
-        super().__init__()
-        self.attention = Attention(args)
-        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        # Depth-scaled init of what writes into the residual stream (torchtitan's depth_init).
-        self.out_std = 0.02 / math.sqrt(2 * (layer_id + 1))
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, document_ids)  # (B, T, dim)
-        return h + self.feed_forward(self.ffn_norm(h))
-
-    def init_weights(self) -> None:
-        self.attention_norm.init_weights()
-        self.ffn_norm.init_weights()
-        self.attention.init_weights(self.out_std)
-        self.feed_forward.init_weights(self.out_std)
-
-
-class Transformer(nn.Module):
-    """tokens (B, T) -> logits (B, T, vocab_size).
-
-    A pipeline stage sets tok_embeddings, norm or output to None; each then passes its input through,
-    so a middle stage maps hidden states (B, T, dim) to hidden states.
-    """
+class Transformer(Decoder):
+    """tokens (B, T) -> logits (B, T, vocab_size): the shared Decoder with Llama blocks and RMSNorm."""
 
     def __init__(self, args: LlamaArgs):
-        super().__init__()
-        self.args = args
-        self.tok_embeddings: Optional[nn.Embedding] = nn.Embedding(args.vocab_size, args.dim)
-        # Keyed by layer index: names stay stable when a pipeline stage keeps only some of the layers.
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
-        self.norm: Optional[RMSNorm] = RMSNorm(args.dim, args.norm_eps)
-        self.output: Optional[nn.Linear] = nn.Linear(args.dim, args.vocab_size, bias=False)
-        self.tie_weights()
-        # > 1: forward returns the logits as this many sequence chunks, so the loss can consume each
-        # before the next exists in full (torchtune's chunked output). Set from outside by the trainer.
-        self.output_chunks = 1
-        # Not persistent: derived from args, recomputed by init_rope, never stored in checkpoints.
-        cos, sin = rope_cos_sin(args)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
-
-    def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None,
-                document_ids: Optional[torch.Tensor] = None) -> torch.Tensor | list[torch.Tensor]:
-        """positions: (T,) or (B, T), the position of each token, default 0..T-1 (context parallelism
-        passes its slice's; document masking restarts them per document). document_ids: (B, T), the
-        packed document of each token, so attention stays within documents; default: plain causal.
-        With output_chunks > 1 the logits come as a list of (B, T_i, vocab_size) chunks along T."""
-        T = tokens.shape[1]
-        if positions is None:
-            if T > self.rope_cos.shape[0]:
-                raise ValueError(f"sequence length {T} exceeds max_seq_len={self.rope_cos.shape[0]}")
-            cos, sin = self.rope_cos[:T], self.rope_sin[:T]  # (T, head_dim // 2)
-        else:
-            cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # (T or B x T, head_dim // 2)
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (B, T, dim)
-        for layer in self.layers.values():
-            h = layer(h, cos, sin, document_ids)
-        h = self.norm(h) if self.norm is not None else h
-        if self.output is None:
-            return h
-        if self.output_chunks > 1:
-            return [self.output(chunk) for chunk in h.tensor_split(self.output_chunks, dim=1)]
-        return self.output(h)  # (B, T, vocab_size)
-
-    def tie_weights(self) -> None:
-        """With tie_embeddings, make output.weight the embedding Parameter itself. `to_empty()` and
-        `load_state_dict(assign=True)` give each module a Parameter of its own, so call it after them."""
-        if self.args.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
-            self.output.weight = self.tok_embeddings.weight
-
-    @torch.no_grad()
-    def init_rope(self, device: Optional[torch.device] = None) -> None:
-        """Recompute the RoPE tables in fp32 on `device` (default: where they are now)."""
-        cos, sin = rope_cos_sin(self.args, device=device or self.rope_cos.device)
-        self.rope_cos, self.rope_sin = cos, sin
-
-    @torch.no_grad()
-    def init_weights(self, buffer_device: Optional[torch.device] = None) -> None:
-        """Fill every parameter and buffer: after `to_empty`, a model built on meta gets real values."""
-        self.init_rope(buffer_device)
-        self.tie_weights()  # undone by to_empty
-        if self.tok_embeddings is not None:
-            # torchtitan's N(0, 1), except when the matrix is also the output projection: there 1.0
-            # would make logits of size sqrt(dim), so it gets GPT-2's 0.02.
-            nn.init.normal_(self.tok_embeddings.weight, std=0.02 if self.args.tie_embeddings else 1.0)
-        for layer in self.layers.values():
-            layer.init_weights()
-        if self.norm is not None:
-            self.norm.init_weights()
-        if self.output is not None and not self.args.tie_embeddings:
-            std = self.args.dim**-0.5  # torchtitan: logits start near unit scale, cut off at 3 std
-            nn.init.trunc_normal_(self.output.weight, std=std, a=-3 * std, b=3 * std)
-
-
-def num_params(model: nn.Module, exclude_embedding: bool = False) -> int:
-    """Parameters of `model`, a tied matrix counted once; exclude_embedding drops tok_embeddings (and so
-    a tied output too, which is the same matrix)."""
-    n = sum(p.numel() for p in model.parameters())
-    if exclude_embedding and getattr(model, "tok_embeddings", None) is not None:
-        n -= model.tok_embeddings.weight.numel()
-    return n
+        super().__init__(args, lambda i: TransformerBlock(i, args, FeedForward(args.dim, args.ffn_hidden_dim)),
+                         lambda: RMSNorm(args.dim, args.norm_eps))
 
 
 def flops_per_token(args: LlamaArgs, seq_len: int) -> float:

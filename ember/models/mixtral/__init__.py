@@ -3,6 +3,6 @@
 from ember.models.mixtral import hf
 from ember.models.mixtral.args import FLAVORS, MixtralArgs
 from ember.models.mixtral.model import Transformer, flops_per_token, num_params
-from ember.models.mixtral.parallelize import parallelize
+from ember.models.llama.parallelize import tp_plan  # the dense parts are named as Llama's
 
-__all__ = ["FLAVORS", "MixtralArgs", "Transformer", "flops_per_token", "hf", "num_params", "parallelize"]
+__all__ = ["FLAVORS", "MixtralArgs", "Transformer", "flops_per_token", "hf", "num_params", "tp_plan"]

@@ -1,0 +1,148 @@
+"""The forward and backward of one rank's micro-batches: loss math, context-parallel sequence cuts, the
+pipeline schedule, autocast and loss parallelism. The Trainer calls it; nothing else computes a loss.
+
+The loss of a step is the mean over every target token of the global batch: each micro-batch contributes
+its *sum* of token losses divided by the global token count, so unequal micro-batches (masked labels)
+weigh correctly, gradient accumulation needs no extra scaling, and data-parallel gradient reductions sum
+(parallel/fsdp.py) instead of averaging.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ember.constants import IGNORE_INDEX
+from ember.nn.attention import document_layout
+from ember.nn.loss import cross_entropy_sum
+from ember.parallel import cp as cp_lib
+from ember.parallel import pp as pp_lib
+from ember.parallel.mesh import ParallelMesh
+
+Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, labels), each (B, T)
+
+
+def _is_dtensor(x: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(x, DTensor)
+
+
+def token_loss_sum(logits: Any, labels: torch.Tensor) -> torch.Tensor:
+    """Summed token cross-entropy in fp32; logits (B, T, V), or the model's list of chunks of them."""
+    if _is_dtensor(logits):  # vocabulary-sharded logits (loss parallel): DTensor's cross-entropy
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=IGNORE_INDEX,
+                               reduction="sum")
+    return cross_entropy_sum(logits, labels)
+
+
+class ForwardBackward:
+    """Runs this rank's share of micro-batches through the model (or its pipeline stages)."""
+
+    def __init__(self, model: nn.Module, mesh: Optional[ParallelMesh], device: torch.device, *,
+                 autocast_dtype: Optional[torch.dtype], loss_parallel: bool, cp_impl: str,
+                 eos_id: Optional[int] = None):
+        """autocast_dtype: None for no autocast (fp32, or FSDP's mixed precision casting instead);
+        eos_id: set for document masking (attention within packed documents, positions restart)."""
+        self.model, self.mesh, self.device = model, mesh, device
+        self.autocast_dtype, self.loss_parallel, self.cp_impl, self.eos_id = autocast_dtype, loss_parallel, cp_impl, eos_id
+        degree = (lambda axis: mesh.shape.degree(axis)) if mesh is not None else (lambda axis: 1)
+        self.tp, self.pp, self.cp = degree("tensor"), degree("pipeline"), degree("context")
+        self.schedule: Any = None
+        self.has_first_stage = self.has_last_stage = True
+        self._pp_tokens = 1.0
+
+    def build_pipeline(self, stages: list[tuple[int, nn.Module]], num_stages: int, schedule: str,
+                       n_microbatches: int) -> None:
+        """Run through torch.distributed.pipelining from now on: `stages` are this rank's (stage id, module)."""
+        self.schedule = pp_lib.build_schedule(stages, num_stages, self.device, self.mesh.submesh("pipeline"),
+                                              schedule, n_microbatches, self._pipeline_loss)
+        ids = [sid for sid, _ in stages]
+        self.has_first_stage, self.has_last_stage = 0 in ids, num_stages - 1 in ids
+
+    def all_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """Sum a tensor over every rank, in place (a no-op on one process)."""
+        if self.mesh is not None:
+            dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        return value
+
+    def global_token_count(self, micro_batches: list[Batch]) -> int:
+        """Target tokens in the global batch: each replica's count, summed over the data-parallel ranks
+        (the tensor, pipeline and context ranks of a replica hold the same labels, so they divide out)."""
+        local = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in micro_batches)
+        total = self.all_sum(torch.tensor(float(local), device=self.device))
+        return round(float(total) / (self.tp * self.pp * self.cp))
+
+    def run(self, micro_batches: list[Batch], backward: bool) -> float:
+        """The mean token loss of the global batch whose share `micro_batches` is; with backward, its
+        gradients accumulate in the parameters. Every rank gets the same number."""
+        scale = 1.0 / max(self.global_token_count(micro_batches), 1)
+        loss_total = torch.zeros((), device=self.device)
+        for inputs, labels in micro_batches:
+            if self.schedule is not None:
+                loss_total += self._pipeline_loss_sum(inputs, labels, scale, backward)
+            else:
+                loss_total += self._loss_sum(inputs, labels, scale, backward)
+        # Every rank's share summed; tensor-parallel ranks each hold the whole replica's loss.
+        return float(self.all_sum(loss_total) / self.tp)
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def _loss_context(self) -> contextlib.AbstractContextManager:
+        # Cross-entropy on vocabulary-sharded logits, forward and backward, when tensor parallel.
+        if self.loss_parallel:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        return contextlib.nullcontext()
+
+    def _loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float, backward: bool) -> torch.Tensor:
+        """The summed token loss of this rank's share of one micro-batch, times `scale`; with backward, its
+        gradients too. Context parallelism cuts the sequence here."""
+        inputs = inputs.to(self.device, non_blocking=True)
+        labels = labels.to(self.device, non_blocking=True)
+        positions = document_ids = None
+        if self.eos_id is not None:
+            document_ids, positions = document_layout(inputs, self.eos_id)
+        ring = contextlib.nullcontext()
+        if self.cp > 1:
+            cp_rank = self.mesh.coordinate("context")
+            if self.cp_impl == "allgather":
+                positions = cp_lib.headtail_positions(inputs.shape[1], self.cp, cp_rank, self.device)
+                inputs = cp_lib.shard_sequence(inputs, self.cp, cp_rank)
+                labels = cp_lib.shard_sequence(labels, self.cp, cp_rank)
+            else:  # torch's ring attention shards these three in place for the duration
+                positions = torch.arange(inputs.shape[1], device=self.device)
+                ring = cp_lib.ring_context(self.mesh.submesh("context"), [inputs, labels, positions], [1, 1, 0],
+                                           {inputs, labels})
+        with ring, self._loss_context():
+            with self._autocast():
+                logits = self.model(inputs, positions, document_ids)  # (B, T, V)
+            loss = token_loss_sum(logits, labels) * scale
+            if backward:
+                loss.backward()  # MoE router losses join in their layers (ember.nn.moe.attach_router_loss)
+        return loss.full_tensor().detach() if _is_dtensor(loss) else loss.detach()
+
+    def _pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return token_loss_sum(logits, labels) / self._pp_tokens
+
+    def _pipeline_loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float,
+                           backward: bool) -> torch.Tensor:
+        """The same through the pipeline schedule: the last stage computes the loss per pipeline
+        micro-batch; other stages report 0."""
+        self._pp_tokens = 1.0 / scale
+        args = (inputs.to(self.device),) if self.has_first_stage else ()
+        losses: list[torch.Tensor] = []
+        step = self.schedule.step if backward else self.schedule.eval
+        step(*args, target=labels.to(self.device), losses=losses)
+        if self.has_last_stage and losses:
+            return torch.stack([loss.detach() for loss in losses]).sum()
+        return torch.zeros((), device=self.device)
