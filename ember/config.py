@@ -40,7 +40,7 @@ class ModelConfig:
     norm_eps: Optional[float] = None
     rope_theta: Optional[float] = None
     max_seq_len: Optional[int] = None
-    ffn_hidden_dim: Optional[int] = None  # mixture-of-experts families: each expert's hidden size
+    ffn_hidden_dim: Optional[int] = None  # the FFN hidden size (MoE: each expert's); Llama derives it unless set
     n_experts: Optional[int] = None
     top_k: Optional[int] = None
     moe_every: Optional[int] = None  # GLaM: layer i has experts when i % moe_every == 0 (2: every other layer)

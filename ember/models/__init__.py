@@ -49,11 +49,13 @@ def build_model_args(family: str, flavor: str, overrides: dict[str, Any] | None 
     if flavor not in spec.flavors:
         raise ValueError(f"unknown model.flavor '{flavor}' for family '{family}' "
                          f"(choose from {', '.join(spec.flavors)})")
-    fields = {f.name for f in dataclasses.fields(spec.args_cls)}
+    keys = getattr(spec.args_cls, "CONFIG_KEYS", {})  # config key -> field, where they differ
+    fields = {f.name for f in dataclasses.fields(spec.args_cls)} - set(keys.values()) | set(keys)
     overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
     unknown = sorted(set(overrides) - fields)
     if unknown:
         raise ValueError(f"model.{unknown[0]} is not a hyper-parameter of {family} (fields: {', '.join(sorted(fields))})")
+    overrides = {keys.get(k, k): v for k, v in overrides.items()}
     args = dataclasses.replace(spec.flavors[flavor], **overrides)
     if args.dim % args.n_heads or args.n_heads % args.kv_heads or args.head_dim % 2:
         raise ValueError(f"model.dim={args.dim} must split into model.n_heads={args.n_heads} heads of even size, "

@@ -24,6 +24,19 @@ from ember.nn.attention import causal_attention
 from ember.nn.moe import MoE
 
 
+class HeadShape:
+    """Attention head sizes shared by every family's args dataclass (a base class with no fields)."""
+
+    @property
+    def kv_heads(self) -> int:
+        """K/V heads: n_kv_heads where the family has grouped-query attention and sets it, else n_heads."""
+        return getattr(self, "n_kv_heads", None) or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
 def rope_cos_sin(args: Any, device: Optional[torch.device] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the angle t * w_k for every position t < max_seq_len: two (max_seq_len, head_dim // 2).
     `args` needs head_dim, rope_theta, max_seq_len and rope_scaling_factor (None: no scaling)."""
@@ -143,9 +156,10 @@ class TransformerBlock(nn.Module):
 class Decoder(nn.Module):
     """tokens (B, T) -> logits (B, T, vocab_size); see the module docstring.
 
-    Blocks are called as block(h, cos, sin, document_ids) with RoPE (`rope=True`), else block(h,
-    document_ids). `logit_scale` multiplies the final hidden state before the output projection (GLaM's
-    shared-embedding softmax)."""
+    Positions are either RoPE (`rope=True`: blocks are called as block(h, cos, sin, document_ids)) or a
+    learned table added to the token embeddings (`rope=False`, GPT: `pos_embeddings`, blocks are called as
+    block(h, document_ids)). `logit_scale` multiplies the final hidden state before the output projection
+    (GLaM's shared-embedding softmax)."""
 
     def __init__(self, args: Any, make_block: Callable[[int], nn.Module], make_norm: Callable[[], nn.Module],
                  *, rope: bool = True, logit_scale: Optional[float] = None):
@@ -153,6 +167,8 @@ class Decoder(nn.Module):
         self.args = args
         self.rope, self.logit_scale = rope, logit_scale
         self.tok_embeddings: Optional[nn.Embedding] = nn.Embedding(args.vocab_size, args.dim)
+        # The learned position table goes with the token embedding: a pipeline's first stage holds both.
+        self.pos_embeddings: Optional[nn.Embedding] = None if rope else nn.Embedding(args.max_seq_len, args.dim)
         # Keyed by layer index: names stay stable when a pipeline stage keeps only some of the layers.
         self.layers = nn.ModuleDict({str(i): make_block(i) for i in range(args.n_layers)})
         self.norm: Optional[nn.Module] = make_norm()
@@ -167,8 +183,18 @@ class Decoder(nn.Module):
             self.register_buffer("rope_sin", sin, persistent=False)
 
     def embed(self, tokens: torch.Tensor, positions: Optional[torch.Tensor]) -> torch.Tensor:
-        """tokens (B, T) -> hidden states (B, T, dim); a later pipeline stage gets hidden states already."""
-        return self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        """tokens (B, T) -> hidden states (B, T, dim), plus the learned positions (default 0..T-1) where the
+        model has them; a later pipeline stage gets hidden states already and passes them through."""
+        if self.tok_embeddings is None:
+            return tokens
+        if self.pos_embeddings is None:
+            return self.tok_embeddings(tokens)
+        if positions is None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
+        # (1 or B, T): a 2-D index makes the lookup (1 or B, T, dim), whose dim 1 is the sequence, the dim
+        # that tensor parallelism's sequence-sharded layout splits, as for the token lookup.
+        positions = positions if positions.dim() == 2 else positions[None]
+        return self.tok_embeddings(tokens) + self.pos_embeddings(positions)  # (B, T, dim)
 
     def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None,
                 document_ids: Optional[torch.Tensor] = None) -> torch.Tensor | list[torch.Tensor]:

@@ -4,10 +4,9 @@
 (N, V) gradient for nll_loss plus log_softmax's backward (two more): four passes over, and three fresh
 allocations of, a tensor the size of the logits. Here the forward makes one pass for the log-sum-exp
 and one for the gradient, softmax - onehot, which backward only scales by the incoming scalar; the
-logits themselves need not be kept. On this project's 2-core CPU (debug model, 2048 tokens x 8192
-words) the output projection and loss took ~55% of a training step with `F.cross_entropy` on one
-(2048, 8192) tensor, mostly page faults of the fresh 64 MiB buffers and the passes over them; see
-`benchmarks/train_throughput.py` for the measured effect of this and of chunking (Transformer.output_chunks).
+logits themselves need not be kept. On a CPU the fresh (N, V) buffers cost page faults as much as the
+arithmetic; `benchmarks/train_throughput.py` measures the effect of this and of chunking
+(Decoder.output_chunks).
 
 Written by hand because no library op fuses the gradient into the forward for plain tensors: the
 fused kernels elsewhere (Liger, Apple's cut cross-entropy) are Triton/CUDA-only.
@@ -84,15 +83,12 @@ def output_chunks(batch: int, seq_len: int, vocab_size: int, device_type: str) -
     """How many sequence chunks to compute the logits of one micro-batch in (Transformer.output_chunks).
 
     Every chunk re-reads the whole output matrix (forward, and both products of its backward) and is a
-    matmul of its own, so chunks keep at least 512 tokens. Beyond that, measured on this project's
-    2-core CPU (output projection + loss, forward and backward, 2048 tokens, dim 256):
-    - vocabularies up to 16K: 512-token chunks (16-32 MiB of fp32 logits) beat the whole tensor by
-      ~10%: they come from the allocator's reused memory instead of fresh pages, and stay nearer the
-      cache;
-    - larger ones: a 512-token chunk is already far beyond any cache, and the fewer the chunks the
-      faster (Llama 3's 128K vocabulary: 3.97 s whole, 4.40 s in 4, 12.5 s in 64 chunks of 32 tokens).
-    So, and on GPUs (no page faults, large matmuls best), chunks only bound memory: about 256M logits
-    (1 GiB in fp32) each, e.g. 128K x 8192 tokens in four.
+    matmul of its own, so chunks keep at least 512 tokens. Beyond that:
+    - on CPU, vocabularies up to 16K: 512-token chunks (16-32 MiB of fp32 logits) beat the whole tensor:
+      they come from the allocator's reused memory instead of fresh pages, and stay nearer the cache;
+    - larger vocabularies, and GPUs (no page faults, large matmuls best): a chunk is far beyond any cache
+      and the fewer the chunks the faster, so chunks only bound memory: about 256M logits (1 GiB in
+      fp32) each, e.g. 128K x 8192 tokens in four. (benchmarks/train_throughput.py sweeps 8K/32K/128K.)
     """
     if device_type == "cpu" and vocab_size <= 16384:
         tokens_per_chunk = 512

@@ -116,12 +116,10 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 def _grouped_available(x: torch.Tensor) -> bool:
     """Whether the experts take the grouped path for these tokens (N, dim):
     - CUDA, bf16 compute (bf16 tokens, or fp32 ones under bf16 autocast): the grouped GEMM kernel;
-    - CPU, fp32 or bf16 compute: torch's CPU grouped_mm (one GEMM per expert inside the op). Forward +
-      backward of 4,096 routed tokens, 256 -> 448 -> 256, 1 thread, best of 15 on a busy 2-core CPU:
-      8 experts 129 ms vs the loop's 123 (skewed loads 122 vs 118), 64 experts 167 vs 196 (the loop's
-      Python and autograd cost grows with E). Equal where E is small, ahead where it is large, and the
-      CPU tests then run the op GPUs run. (Padding every block to the largest for one torch.bmm would
-      compute E x the largest block: 2.4x the work at a 1,211 .. 98 load skew, so it is not used.)
+    - CPU, fp32 or bf16 compute: torch's CPU grouped_mm (one GEMM per expert inside the op), level with
+      the loop at few experts and ahead at many (the loop's Python and autograd cost grows with E), so
+      CPU tests run the op GPUs run (benchmarks/moe_throughput.py times both paths). Padding every block
+      to the largest for one torch.bmm would compute E x the largest block, so it is not used;
     - under torch.compile only with bf16 compute: the op's meta function rejects fp32 ("Expected inputs
       of BF16 type", torch 2.13), while the loop compiles;
     - rows of 16-byte multiples (the kernel's stride check; Experts checks its hidden size too).

@@ -38,8 +38,7 @@ def split_model(model: nn.Module, stage_id: int, num_stages: int) -> nn.Module:
             del stage.layers[name]
     if stage_id != 0:
         stage.tok_embeddings = None
-        if getattr(stage, "pos_embeddings", None) is not None:  # GPT's learned positions go with the tokens
-            stage.pos_embeddings = None
+        stage.pos_embeddings = None  # learned positions (GPT) go with the token embedding
     if stage_id != num_stages - 1:
         stage.norm = None
         stage.output = None

@@ -5,9 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from ember.nn.decoder import HeadShape
+
 
 @dataclass(frozen=True, kw_only=True)
-class GlamArgs:
+class GlamArgs(HeadShape):
     dim: int
     n_layers: int
     n_heads: int
@@ -29,13 +31,7 @@ class GlamArgs:
     # Present so that the Llama attention and RoPE code, which GLaM shares, reads them: no scaling.
     rope_scaling_factor: Optional[float] = None
 
-    @property
-    def kv_heads(self) -> int:
-        return self.n_heads  # multi-head attention: one K/V head per query head
 
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
 
     def is_moe_layer(self, layer_id: int) -> bool:
         return layer_id % self.moe_every == 0

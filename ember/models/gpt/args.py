@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ember.nn.decoder import HeadShape
+
 
 @dataclass(frozen=True, kw_only=True)
-class GPTArgs:
+class GPTArgs(HeadShape):
     dim: int
     n_layers: int
     n_heads: int
@@ -17,13 +19,7 @@ class GPTArgs:
     tie_embeddings: bool = True  # the output projection reuses the token embedding (Pax, GPT-2, GPT-3)
     init_std: float = 0.02  # std of the Gaussian weight init (Pax's INIT_STD; GPT-2's initializer_range)
 
-    @property
-    def kv_heads(self) -> int:
-        return self.n_heads  # multi-head attention: one K/V head per query head
 
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
 
 
 # Sizes from Pax's GPU configs (google/paxml, paxml/contrib/gpu/scripts_gpu/configs.py: GPT126M, GPT5B,

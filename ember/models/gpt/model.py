@@ -101,24 +101,11 @@ class TransformerBlock(nn.Module):
 
 class Transformer(Decoder):
     """tokens (B, T) -> logits (B, T, vocab_size): the shared Decoder with GPT blocks, LayerNorm, and a learned
-    position table instead of RoPE. The table goes with the token embedding: it is added only where
-    tok_embeddings is present (a pipeline's first stage)."""
+    position table (GPT-2's wpe, the Decoder's pos_embeddings) instead of RoPE."""
 
     def __init__(self, args: GPTArgs):
         super().__init__(args, lambda i: TransformerBlock(args),
                          lambda: nn.LayerNorm(args.dim, eps=args.norm_eps, bias=True), rope=False)  # GPT-2's ln_f
-        self.pos_embeddings: Optional[nn.Embedding] = nn.Embedding(args.max_seq_len, args.dim)  # GPT-2's wpe
-
-    def embed(self, tokens: torch.Tensor, positions: Optional[torch.Tensor]) -> torch.Tensor:
-        """Token plus position embeddings; positions index the learned table, default 0..T-1."""
-        if self.tok_embeddings is None:
-            return tokens  # a later pipeline stage: hidden states (B, T, dim)
-        if positions is None:
-            positions = torch.arange(tokens.shape[1], device=tokens.device)
-        # (1 or B, T): a 2-D index makes the lookup (1 or B, T, dim), whose dim 1 is the sequence,
-        # the dim that tensor parallelism's sequence-sharded layout splits, as for the token lookup.
-        positions = positions if positions.dim() == 2 else positions[None]
-        return self.tok_embeddings(tokens) + self.pos_embeddings(positions)  # (B, T, dim)
 
     def init_embeddings(self) -> None:
         """Gaussian of std init_std (Pax's params_init, GPT-2's initializer_range) for both tables."""

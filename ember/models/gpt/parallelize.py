@@ -1,14 +1,18 @@
-"""The GPT family's tensor-parallel plan: Llama's, plus the position table and biases.
+"""The GPT family's tensor-parallel plan: Llama's (ColwiseParallel/RowwiseParallel split the biases with
+their weights), plus the position table, without SwiGLU's w3, and attention without RoPE inputs.
 ember/parallel/parallelize.py applies it, with every other parallelism, in the fixed order of
 docs/architecture.md.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+from torch.distributed.tensor.parallel import PrepareModuleInput
+
+from ember.models.llama.parallelize import tp_plan as llama_tp_plan
 
 
 def tp_plan(loss_parallel: bool) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -21,28 +25,9 @@ def tp_plan(loss_parallel: bool) -> tuple[dict[str, Any], dict[str, Any]]:
     Both lookup tables are split over their rows and reduce-scatter to sequence shards, so token and
     position embeddings arrive in the same layout and add locally. The model indexes the position table
     with (1 or B, T) positions for that reason: dim 1 is the sequence in both lookups."""
-    def embedding() -> RowwiseParallel:
-        return RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False)
-
-    top = {
-        "tok_embeddings": embedding(),
-        "pos_embeddings": embedding(),
-        "norm": SequenceParallel(),
-        # Loss parallel: logits stay sharded over the vocabulary and cross-entropy runs on the shards.
-        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                                  use_local_output=not loss_parallel),
-    }
-    block = {
-        "attention_norm": SequenceParallel(),
-        # (x, document_ids): x arrives sequence-sharded and is gathered; document_ids stays a plain tensor.
-        "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
-        "ffn_norm": SequenceParallel(),
-        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
-    }
+    top, block = llama_tp_plan(loss_parallel)
+    top = {**top, "pos_embeddings": copy.deepcopy(top["tok_embeddings"])}  # the same layout as the tokens'
+    block = {name: style for name, style in block.items() if name != "feed_forward.w3"}  # a plain GELU MLP
+    # (x, document_ids): x arrives sequence-sharded and is gathered; document_ids stays a plain tensor.
+    block["attention"] = PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None))
     return top, block

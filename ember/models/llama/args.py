@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import ClassVar, Optional
+
+from ember.nn.decoder import HeadShape
 
 
 @dataclass(frozen=True, kw_only=True)
-class LlamaArgs:
+class LlamaArgs(HeadShape):
     dim: int
     n_layers: int
     n_heads: int
@@ -18,7 +20,7 @@ class LlamaArgs:
     ffn_dim_multiplier: Optional[float] = None
     # The SwiGLU hidden size stated outright. Every Meta release is expressed by the formula in
     # `ffn_hidden_dim`; a Hugging Face config states `intermediate_size`, which is kept verbatim here.
-    ffn_hidden_dim_override: Optional[int] = None
+    ffn_hidden_dim_override: Optional[int] = None  # set by `model.ffn_hidden_dim` (see CONFIG_KEYS)
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     # Llama 3.1 RoPE frequency scaling (Meta's `apply_scaling`, HF rope_type "llama3"); factor None: off.
@@ -29,13 +31,12 @@ class LlamaArgs:
     max_seq_len: int
     tie_embeddings: bool = False  # the output projection reuses the token embedding matrix
 
-    @property
-    def kv_heads(self) -> int:
-        return self.n_kv_heads or self.n_heads
+    # `model.<key>` -> field, where the field is not named as the key every family shares: Llama's hidden size
+    # is derived by Meta's rule unless set, so the field holds only the user's choice and the property below
+    # the value (the field's name is kept: checkpoints' model.json files store it).
+    CONFIG_KEYS: ClassVar[dict[str, str]] = {"ffn_hidden_dim": "ffn_hidden_dim_override"}
 
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+
 
     @property
     def ffn_hidden_dim(self) -> int:

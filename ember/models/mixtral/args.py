@@ -5,9 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from ember.nn.decoder import HeadShape
+
 
 @dataclass(frozen=True, kw_only=True)
-class MixtralArgs:
+class MixtralArgs(HeadShape):
     dim: int
     n_layers: int
     n_heads: int
@@ -23,13 +25,7 @@ class MixtralArgs:
     # Present so that the Llama attention and RoPE code, which Mixtral shares, reads them: no scaling.
     rope_scaling_factor: Optional[float] = None
 
-    @property
-    def kv_heads(self) -> int:
-        return self.n_kv_heads or self.n_heads
 
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
 
 
 # Values from the params.json / config.json of Mistral AI's releases.
