@@ -12,6 +12,12 @@ The model is the debug Llama 3 (dim 256, 4 layers) at each vocabulary size asked
 recipe's 8K, Llama 2's 32K and Llama 3's 128K. The output projection and loss are a third of the step
 at 8K and most of it at 128K, so the sizes show the trunk and the head apart.
 
+For ember's eager step the benchmark also prints the **floor ratio**: the step time divided by the time
+of its matrix products and attention kernels alone (self time of aten::mm/addmm/bmm and SDPA's kernels,
+forward and backward, from torch.profiler over a few steps). 1.00x would mean the step is nothing but
+those kernels: the distance to this machine's limit for the same FLOPs. The largest other ops are listed
+under it, so the remaining time has names.
+
 Writes benchmarks/results/train_throughput-<device>.json.
 """
 
@@ -78,6 +84,37 @@ def build_hf(trainer: Trainer, compile_model: bool) -> Callable:
     return step
 
 
+# The kernels a training step cannot do without at equal FLOPs: matrix products and attention, forward and
+# backward (matmul backward is aten::mm too). Looked up by name: attention kernels differ between builds.
+FLOOR_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_grouped_mm",
+             "aten::_scaled_dot_product_flash_attention_for_cpu",
+             "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
+             "aten::_scaled_dot_product_flash_attention", "aten::_scaled_dot_product_flash_attention_backward",
+             "aten::_scaled_dot_product_efficient_attention", "aten::_scaled_dot_product_efficient_attention_backward",
+             "aten::_scaled_dot_product_cudnn_attention", "aten::_scaled_dot_product_cudnn_attention_backward")
+
+
+def kernel_floor(step: Callable, inputs: torch.Tensor, labels: torch.Tensor, steps: int = 3) -> tuple[float, list]:
+    """(seconds per step spent in FLOOR_OPS, the ten largest other ops as (name, seconds per step)), from the
+    profiler's self times over `steps` steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step(inputs, labels)
+    use_cuda = torch.cuda.is_available()
+    floor, others = 0.0, []
+    for event in prof.key_averages():
+        seconds = (event.self_device_time_total if use_cuda else event.self_cpu_time_total) / 1e6 / steps
+        if event.key in FLOOR_OPS:
+            floor += seconds
+        elif seconds > 0:
+            others.append((event.key, seconds))
+    others.sort(key=lambda item: -item[1])
+    return floor, others[:10]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
@@ -117,6 +154,10 @@ def main() -> int:
                 for name, t in medians.items():
                     rows.append({"contestant": name, "vocab": vocab, "compiled": compiled, "step_time_s": t,
                                  "tokens_per_s": tokens / t, "ratio_vs_transformers": medians["transformers"] / t})
+                if not compiled:  # the floor of ember's eager step (compiled kernels are fused, not comparable)
+                    floor_s, others = kernel_floor(ember_step, inputs, labels)
+                    rows[-2].update({"floor_s": floor_s, "floor_ratio": medians["ember"] / floor_s,
+                                     "largest_other_ops_s": others})
                 del trainer, contestants
 
     print(f"\ntrain throughput, {platform.processor() or platform.machine()}, torch {torch.__version__}, "
@@ -125,6 +166,12 @@ def main() -> int:
     for r in rows:
         print(f"{r['contestant']:<14}{r['vocab']:>8}{str(r['compiled']):>10}{r['step_time_s']:>10.4f}"
               f"{r['tokens_per_s']:>12.0f}{r['ratio_vs_transformers']:>7.2f}x")
+    for r in rows:
+        if "floor_ratio" in r:
+            print(f"\nember eager, vocab {r['vocab']}: floor ratio {r['floor_ratio']:.2f}x "
+                  f"(step {r['step_time_s']:.4f} s, matmul + attention kernels {r['floor_s']:.4f} s); largest other ops:")
+            for name, seconds in r["largest_other_ops_s"]:
+                print(f"    {name:<56}{seconds * 1e3:>8.1f} ms/step")
     import transformers
 
     result = {

@@ -107,3 +107,21 @@ def test_cli_error_is_one_line_exit_2():
     assert proc.returncode == 2
     assert proc.stderr.strip() == "error: unknown config key 'optim.lrr' (did you mean 'optim.lr'?)"
     assert "Traceback" not in proc.stderr
+
+
+def test_llama_ffn_hidden_dim_is_settable_like_every_family():
+    # It used to be a derived property for Llama only: the key was refused with a hint naming
+    # ffn_hidden_dim_override, which was refused in turn as an unknown key.
+    import torch
+
+    from ember.models import MODELS, build_model_args
+
+    cfg = config_lib.load("debug", ["model.ffn_hidden_dim=176"])
+    args = build_model_args(cfg.model.family, cfg.model.flavor, config_lib.model_overrides(cfg.model))
+    assert args.ffn_hidden_dim == 176
+    with torch.device("meta"):
+        model = MODELS[cfg.model.family].model_cls(args)
+    assert model.layers["0"].feed_forward.w1.weight.shape == (176, args.dim)
+    assert build_model_args("llama3", "debug").ffn_hidden_dim == 704  # Meta's rule when unset
+    with pytest.raises(config_lib.ConfigError, match="unknown config key 'model.ffn_hidden_dim_override'"):
+        config_lib.load("debug", ["model.ffn_hidden_dim_override=176"])
