@@ -141,7 +141,9 @@ def cmd_train(argv: list[str]) -> int:
     from ember.train import TrainingStopped
 
     try:
-        trainer.train()
+        summary = trainer.train()
+        if summary["stopped_by_signal"] == "SIGINT":
+            return 130  # the shell's "interrupted" (128 + SIGINT): saved, but not finished
     except TrainingStopped as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
@@ -327,7 +329,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0 if argv else EXIT_USAGE
     if argv[0] not in COMMANDS:
         return _fail(f"unknown command '{argv[0]}' (choose from {', '.join(sorted(COMMANDS))})")
-    return COMMANDS[argv[0]](argv[1:])
+    try:
+        return COMMANDS[argv[0]](argv[1:])
+    except KeyboardInterrupt:  # Ctrl-C outside the training loop (which saves first): nothing to save yet
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

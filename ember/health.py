@@ -63,13 +63,14 @@ class HealthGuard:
 
 
 class StopSignals:
-    """SIGTERM and SIGUSR1 (preemption, SLURM's warning) ask for a checkpoint at the next step boundary; a
-    second one exits at once. Use as a context manager around the loop (handlers are restored after)."""
+    """SIGTERM, SIGUSR1 (preemption, SLURM's warning) and SIGINT (Ctrl-C) ask for a checkpoint at the next
+    step boundary; a second one exits at once, without saving. Use as a context manager around the loop
+    (the previous handlers are restored after)."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
-    def __init__(self, device: torch.device, distributed: bool):
-        self.device, self.distributed = device, distributed
+    def __init__(self, device: torch.device, distributed: bool, say: Callable[[str], None] = print):
+        self.device, self.distributed, self.say = device, distributed, say
         self.received: Optional[int] = None  # the signal number; -1 for another rank's
         self._previous: dict[int, Any] = {}
 
@@ -87,6 +88,14 @@ class StopSignals:
         if self.received is not None:
             os._exit(128 + signum)
         self.received = signum
+        if signum == signal.SIGINT:  # a person at the terminal: say at once what happens next
+            self.say("interrupted: saving a checkpoint after this step, then exiting (Ctrl-C again: exit now, "
+                     "without saving)")
+
+    def describe(self) -> str:
+        if self.received is None:
+            return "no stop signal"
+        return "a stop signal on another rank" if self.received < 0 else signal.Signals(self.received).name
 
     def agree_to_stop(self) -> bool:
         """Whether any rank got a stop signal: all ranks must save and stop at the same step."""

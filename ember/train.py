@@ -8,6 +8,7 @@ ember/nn/moe.py.
 
 from __future__ import annotations
 
+import collections
 import math
 import os
 import time
@@ -255,9 +256,9 @@ class Trainer:
         logger = MetricsLogger(self.output_dir, cfg.metrics, enabled=self.is_main, console=self.console)
         self._print_header()
         tokens_per_step = cfg.global_batch_size * cfg.seq_len
-        history: list[dict] = []
+        recent: collections.deque = collections.deque(maxlen=cfg.logging_steps)  # (step, loss) of the last good steps
         window = {"time": 0.0, "steps": 0, "loss": 0.0, "data": 0.0}
-        first_loss: Optional[float] = None
+        first: Optional[tuple[int, float]] = None  # (step, loss) of this run's first good step
         batches = self.global_batches()
         progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
                             TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn(), TextColumn("eta"),
@@ -267,7 +268,7 @@ class Trainer:
             self._say(f"already at step {self.step} of max_steps={cfg.max_steps}: nothing to train "
                       "(raise max_steps to continue, or resume=none to start over)")
         stopped = False
-        with progress, StopSignals(self.device, self.mesh is not None) as signals:
+        with progress, StopSignals(self.device, self.mesh is not None, self._say) as signals:
             task = progress.add_task("train", total=cfg.max_steps, loss="-", completed=self.step)
             while self.step < cfg.max_steps:
                 t0 = time.perf_counter()
@@ -286,7 +287,8 @@ class Trainer:
                 spike = self.health.good_step(self.step, loss, self.train_loader.state_dict())
                 if spike is not None:
                     logger.log(self.step, spike)
-                first_loss = loss if first_loss is None else first_loss
+                first = (self.step, loss) if first is None else first
+                recent.append((self.step, loss))
                 window["time"] += step_time
                 window["steps"] += 1
                 window["loss"] += loss
@@ -294,14 +296,13 @@ class Trainer:
                 if self.step % cfg.logging_steps == 0 or self.step == cfg.max_steps:
                     record = self._metrics_record(loss, lr, grad_norm, window, tokens_per_step)
                     logger.log(self.step, record)
-                    history.append(record)
                     window = {"time": 0.0, "steps": 0, "loss": 0.0, "data": 0.0}
                 # Validation on its own cadence, outside the timed window of the step it follows.
                 if cfg.eval_interval and self.step % cfg.eval_interval == 0 and self.step < cfg.max_steps:
                     logger.log(self.step, {"step": self.step, "val_loss": self.evaluate()})
                 self.checkpointer.poll()
                 if signals.agree_to_stop():
-                    self._say(f"signal {signals.received}: saving a checkpoint at step {self.step} and exiting")
+                    self._say(f"{signals.describe()}: saving a checkpoint at step {self.step} and exiting")
                     self._save_now()
                     stopped = True
                     break
@@ -317,24 +318,26 @@ class Trainer:
             self._save_now()
         self.checkpointer.wait()
         summary = {
-            "first_loss": first_loss,
-            "final_loss": history[-1]["loss"] if history else None,
-            "final_loss_avg": history[-1]["loss_avg"] if history else None,
+            "first_loss": first[1] if first else None,
+            "final_loss": recent[-1][1] if recent else None,
+            # the mean of the last min(logging_steps, steps run) good steps, and which steps those were
+            "final_loss_avg": sum(l for _, l in recent) / len(recent) if recent else None,
+            "final_loss_steps": [recent[0][0], recent[-1][0]] if recent else None,
             "val_loss": val_loss,
             "steps": self.step,
             "checkpoint": str(step_dir),
-            "stopped_by_signal": stopped,
+            "stopped_by_signal": signals.describe() if stopped else None,  # e.g. "SIGTERM"
             "skipped_steps": self.health.skipped_total,
         }
         if val_loss is not None:
             logger.log(self.step, {"step": self.step, "val_loss": val_loss})
         logger.close()
-        if self.is_main and cfg.metrics.console and first_loss is not None:
+        if self.is_main and cfg.metrics.console and first is not None:
             val = f", validation loss {val_loss:.3f}" if val_loss is not None else ""
-            self.console.print(
-                f"done: {self.step} steps, loss {first_loss:.3f} -> {summary['final_loss_avg']:.3f} "
-                f"(mean of the last {cfg.logging_steps} steps){val}; model saved to {step_dir}"
-            )
+            (lo, hi) = summary["final_loss_steps"]
+            last = f"step {hi}" if lo == hi else f"mean of steps {lo}-{hi}"
+            self.console.print(f"done: {self.step} steps, loss {first[1]:.3f} (step {first[0]}) -> "
+                               f"{summary['final_loss_avg']:.3f} ({last}){val}; model saved to {step_dir}")
         return summary
 
     def _save_now(self) -> None:

@@ -148,7 +148,10 @@ def test_corrupt_checkpoints(uninterrupted: Path, tmp_path: Path):
     assert "has shape" in proc.stderr and "resume=none" in proc.stderr and proc.stderr.count("\n") == 1
 
 
-def test_sigterm_saves_at_the_next_step_and_exits_0(tmp_path: Path):
+@pytest.mark.parametrize("sig, exit_code", [(signal.SIGTERM, 0), (signal.SIGINT, 130)])
+def test_stop_signal_saves_at_the_next_step_and_exits(tmp_path: Path, sig: signal.Signals, exit_code: int):
+    # SIGTERM: preemption, the run is saved and may be resumed (exit 0). SIGINT: Ctrl-C, saved the same
+    # way, with the shell's "interrupted" exit status so that `ember train && next` does not go on.
     out = tmp_path / "term"
     proc = subprocess.Popen([sys.executable, "-m", "ember", "train", *TINY, f"output_dir={out}", "max_steps=100000",
                              "checkpoint.interval=0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -157,14 +160,17 @@ def test_sigterm_saves_at_the_next_step_and_exits_0(tmp_path: Path):
     while time.monotonic() < deadline and not (out / "metrics.jsonl").is_file():
         time.sleep(0.2)
     time.sleep(1.0)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)
     stdout, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 0, stderr[-2000:]
+    assert proc.returncode == exit_code, stderr[-2000:]
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr
     (step_dir,) = (out / "checkpoints").iterdir()
     step = int(step_dir.name.split("-")[1])
     assert step > 0 and (step_dir / "model.json").is_file()
-    assert f"saving a checkpoint at step {step}" in stdout
+    assert f"{sig.name}: saving a checkpoint at step {step}" in stdout
     assert _train_state(out, step)["step"] == step
+    if sig == signal.SIGINT:
+        assert "interrupted: saving a checkpoint after this step" in stdout
 
 
 def test_async_save_commits_every_checkpoint(uninterrupted: Path, tmp_path: Path):

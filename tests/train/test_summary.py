@@ -1,0 +1,35 @@
+"""The end-of-run line says exactly what it averaged: never more steps than ran, never steps of another run."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+from rich.console import Console
+
+from ember import config as config_lib
+from ember.train import Trainer
+
+TINY = ["model.n_layers=1", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "seq_len=32",
+        "global_batch_size=2", "micro_batch_size=2", "data.dataset=synthetic", "eval_batches=1"]
+
+
+def _run(tmp_path: Path, *overrides: str) -> tuple[dict, str]:
+    out = io.StringIO()
+    cfg = config_lib.load("debug", TINY + [f"output_dir={tmp_path}", *overrides])
+    summary = Trainer(cfg, console=Console(file=out, width=400, soft_wrap=True)).train()
+    return summary, out.getvalue()
+
+
+def test_fewer_steps_than_the_logging_window(tmp_path: Path):
+    summary, text = _run(tmp_path, "max_steps=5", "logging_steps=10")
+    assert summary["final_loss_steps"] == [1, 5]
+    assert "(step 1) ->" in text and "(mean of steps 1-5)" in text and "last 10" not in text
+
+
+def test_a_resumed_run_averages_its_own_last_steps(tmp_path: Path):
+    _run(tmp_path, "max_steps=4", "logging_steps=3")
+    summary, text = _run(tmp_path, "max_steps=9", "logging_steps=3")
+    assert summary["final_loss_steps"] == [7, 9] and "(step 5) ->" in text and "(mean of steps 7-9)" in text
+    summary, text = _run(tmp_path, "max_steps=10", "logging_steps=3")
+    assert summary["final_loss_steps"] == [10, 10] and "(step 10)" in text
