@@ -123,6 +123,8 @@ class DataConfig:
     config: Optional[str] = None  # HF dataset config name
     split: str = "train"
     val_fraction: float = 0.02
+    # 0: batches are made in the training thread; 1: in one background thread, `prefetch` batches ahead.
+    # One thread keeps ahead of any step here (ember/data/prefetch.py says why), so more are refused.
     num_workers: int = 1
     prefetch: int = 4
     # A weighted mixture of sources, e.g. [{source: a.jsonl, weight: 0.4}, {source: b/, weight: 0.6}];
@@ -351,6 +353,11 @@ def validate(cfg: JobConfig, world_size: int = 1) -> None:
         raise ConfigError(f"optim.betas must be two numbers in [0, 1), got {list(cfg.optim.betas)}")
     if cfg.schedule.warmup_steps < 0:
         raise ConfigError(f"schedule.warmup_steps must be >= 0, got {cfg.schedule.warmup_steps}")
+    if cfg.data.num_workers not in (0, 1):
+        raise ConfigError(f"data.num_workers={cfg.data.num_workers}: 0 reads batches in the training thread, 1 in one "
+                          "background thread (one keeps ahead of the step; more would reorder samples); use 0 or 1")
+    if cfg.data.prefetch < 1:
+        raise ConfigError(f"data.prefetch={cfg.data.prefetch}: batches made ahead must be >= 1")
     if cfg.checkpoint.interval < 0 or cfg.checkpoint.keep < 0 or cfg.checkpoint.keep_every < 0:
         raise ConfigError("checkpoint.interval, checkpoint.keep and checkpoint.keep_every must be >= 0")
     if cfg.resume not in ("auto", "none") and not Path(cfg.resume).expanduser().exists():

@@ -14,10 +14,8 @@ starts, on every rank at once.
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import functools
-import queue
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +24,9 @@ from typing import Any, Callable, Optional, Union
 import numpy as np
 import torch
 
-from ember.data import packing, sources
+from ember.constants import IGNORE_INDEX
+from ember.data import packing, prepare, sources
+from ember.data.prefetch import Prefetcher
 from ember.data.tokenizer import Tokenizer
 
 
@@ -167,43 +167,21 @@ def make_batch(samples: Samples, seed: int, mb: int, dp_rank: int, dp_world: int
     rows, mask = samples.get(indices)  # (mb, seq_len + 1) each
     labels = rows[:, 1:].clone()
     if mask is not None:
-        labels[~mask[:, 1:]] = packing.IGNORE_INDEX  # prompt tokens are read, not trained on
+        labels[~mask[:, 1:]] = IGNORE_INDEX  # prompt tokens are read, not trained on
     return rows[:, :-1].contiguous(), labels, epoch, cursor + step
 
 
-def _produce(make: Callable[[int, int], Batch], epoch: int, cursor: int, out: queue.Queue, stop: threading.Event) -> None:
-    """The prefetch thread: make batches ahead of the consumer until stopped.
+def _batches_from(make: Callable[[int, int], Batch], epoch: int, cursor: int) -> Callable[[], Batch]:
+    """make_batch's successive batches from (epoch, cursor) on, one per call. Holds no loader, so a prefetch
+    thread running it does not keep the loader alive."""
+    position = [epoch, cursor]
 
-    It gets its queue and stop event as arguments (never the loader), so a restarted loader's old
-    thread can neither write into the new queue nor keep the loader alive.
-    """
-    while not stop.is_set():
-        try:
-            item: Any = make(epoch, cursor)
-            epoch, cursor = item[2], item[3]
-        except BaseException as err:  # handed to the consumer, which raises it in the training thread
-            item = err
-        while not stop.is_set():
-            try:
-                out.put(item, timeout=0.1)  # the timeout lets a stop request end a thread blocked on a full queue
-                break
-            except queue.Full:
-                continue
-        if isinstance(item, BaseException):
-            return
+    def next_batch() -> Batch:
+        batch = make(*position)
+        position[:] = batch[2], batch[3]
+        return batch
 
-
-# Prefetch threads still running. At exit they are stopped and joined before the interpreter
-# finalizes: a daemon thread caught inside a torch op then is killed mid C++ frame, and the process
-# aborts ("terminate called without an active exception") after an otherwise clean run.
-_RUNNING: dict[threading.Thread, threading.Event] = {}
-
-
-@atexit.register
-def _stop_all_prefetch_threads() -> None:
-    for thread, stop in list(_RUNNING.items()):
-        stop.set()
-        thread.join()
+    return next_batch
 
 
 class TokenLoader:
@@ -234,59 +212,40 @@ class TokenLoader:
         self.micro_batch_size, self.dp_rank, self.dp_world, self.seed = micro_batch_size, dp_rank, dp_world, seed
         self.num_tokens, self.num_samples = num_tokens, samples.num_samples
         self.skipped = skipped or []
-        # One thread is enough: a batch is a gather of rows from memory (the GIL is released in the
-        # copy), far cheaper than a training step; several workers would only need reordering.
+        # 0: batches are made in the training thread; 1: one prefetch thread (ember/data/prefetch.py).
         self.num_workers, self.prefetch = num_workers, max(prefetch, 1)
         self.epoch, self.cursor = 0, 0  # consumed position
         self._make = functools.partial(make_batch, samples, seed, micro_batch_size, dp_rank, dp_world)
-        self._thread: Optional[threading.Thread] = None
-        self._stop = threading.Event()
-        self._queue: queue.Queue = queue.Queue()
+        self._prefetcher: Optional[Prefetcher] = None
 
     # ------------------------------------------------------------ iteration
     def __iter__(self) -> "TokenLoader":
         return self
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.num_workers == 0:
-            item: Any = self._make(self.epoch, self.cursor)
-        else:
-            if self._thread is None:
-                self._start()
-            item = self._queue.get()
-            if isinstance(item, BaseException):
-                self._shutdown()  # the next call retries from the consumed position
-                raise item
-        inputs, labels, self.epoch, self.cursor = item
+        if self._prefetcher is None:
+            self._prefetcher = Prefetcher(_batches_from(self._make, self.epoch, self.cursor), depth=self.prefetch,
+                                          name=f"ember-data-{self.split}-rank{self.dp_rank}",
+                                          threaded=self.num_workers > 0)
+        try:
+            inputs, labels, epoch, cursor = self._prefetcher.get()
+        except BaseException:
+            self._shutdown()  # the next call retries from the consumed position
+            raise
+        self.epoch, self.cursor = epoch, cursor
         return inputs, labels
 
-    def _start(self) -> None:
-        self._stop = threading.Event()
-        self._queue = queue.Queue(maxsize=self.prefetch)
-        self._thread = threading.Thread(
-            target=_produce,
-            args=(self._make, self.epoch, self.cursor, self._queue, self._stop),
-            name=f"ember-data-{self.split}-rank{self.dp_rank}",
-            daemon=True,  # never keeps the process alive after training ends
-        )
-        for thread in [t for t in _RUNNING if not t.is_alive()]:
-            del _RUNNING[thread]
-        _RUNNING[self._thread] = self._stop
-        self._thread.start()
-
     def _shutdown(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-            _RUNNING.pop(self._thread, None)
-        self._thread = None
+        if self._prefetcher is not None:
+            self._prefetcher.close()
+            self._prefetcher = None
 
     def close(self) -> None:
         """Stop the prefetch thread (also done when the loader is garbage collected)."""
         self._shutdown()
 
     def __del__(self) -> None:
-        self._stop.set()
+        self._shutdown()
 
     # ------------------------------------------------------------ state
     def state_dict(self) -> dict[str, int]:
@@ -370,7 +329,7 @@ def build_loader(
             part_cfg = dataclasses.replace(data_cfg, dataset=item.source, mixture=[],
                                            text_field=item.text_field or data_cfg.text_field,
                                            config=item.config or data_cfg.config)
-            stream = packing.token_stream(part_cfg, tokenizer, split, cache_dir)
+            stream = prepare.token_stream(part_cfg, tokenizer, split, cache_dir)
             rows = packing.pack(stream.tokens, seq_len)
             mask_rows = packing.pack(stream.loss_mask, seq_len) if stream.loss_mask is not None else None
             if len(rows) == 0:
@@ -385,7 +344,7 @@ def build_loader(
         samples = MixtureSamples(parts, [item.weight for item in mixture], names, seed)
         name = "mixture of " + ", ".join(f"{n} ({w:.0%})" for n, w in zip(names, samples.probs))
         return TokenLoader(samples, name=name, num_tokens=num_tokens, skipped=skipped, **common)  # type: ignore[arg-type]
-    stream = packing.token_stream(data_cfg, tokenizer, split, cache_dir)
+    stream = prepare.token_stream(data_cfg, tokenizer, split, cache_dir)
     rows = packing.pack(stream.tokens, seq_len)
     needed = micro_batch_size * dp_world
     if len(rows) < needed:

@@ -1,13 +1,12 @@
 """Documents -> one flat token stream (EOS after each document) -> fixed-length training samples.
 
 Packing documents end to end, with no padding, is how GPT-style pretraining spends every position on
-a real token (GPT-2/3, Llama). The stream of a cacheable source (the embedded corpus, local files) is
-saved as .npy and memory-mapped on later runs, so the second run starts without tokenizing.
+a real token (GPT-2/3, Llama). Where the tokens are kept on disk (the automatic cache, prepared shards)
+is prepare.py's business, which builds on this module.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -18,7 +17,6 @@ from ember.data import sources
 from ember.data.tokenizer import Tokenizer
 
 ENCODE_BATCH_DOCS = 256  # documents per encode_batch call: enough to keep every core busy, bounded memory
-IGNORE_INDEX = -100  # label value that takes a token out of the loss (prompt tokens in SFT, padding)
 
 
 @dataclass
@@ -63,47 +61,13 @@ def tokenize_prompted(prompts: list[str], responses: list[str], tokenizer: Token
     return np.concatenate(tokens), np.concatenate(mask)
 
 
-def _tokenize(data_cfg: Any, tokenizer: Tokenizer, split: str) -> TokenStream:
+def tokenize_source(data_cfg: Any, tokenizer: Tokenizer, split: str) -> TokenStream:
+    """Read one split of the configured source and tokenize it (no cache: see prepare.token_stream)."""
     docs = sources.load_documents(data_cfg, split)
     if docs.prompts is not None:
         tokens, mask = tokenize_prompted(docs.prompts, docs.texts, tokenizer)
         return TokenStream(tokens, docs.name, len(docs.texts), docs.skipped, loss_mask=mask)
     return TokenStream(tokenize_documents(docs.texts, tokenizer), docs.name, len(docs.texts), docs.skipped)
-
-
-def token_stream(data_cfg: Any, tokenizer: Tokenizer, split: str, cache_dir: Optional[Path] = None) -> TokenStream:
-    """The tokens of one split, from the cache when the source has a fingerprint and was seen before.
-
-    The cache key is (source fingerprint, tokenizer identity, split): a changed file, corpus, val_fraction
-    or tokenizer gives a new entry, never a stale one.
-    """
-    from ember.data import prepare  # prepare builds on this module
-
-    if data_cfg.dataset not in (sources.EMBEDDED, sources.SYNTHETIC) and prepare.is_prepared(data_cfg.dataset):
-        return prepare.load_prepared(Path(data_cfg.dataset).expanduser(), split, tokenizer)
-    fingerprint = sources.source_fingerprint(data_cfg)
-    if fingerprint is None:  # the hub: `datasets` keeps its own cache of the text
-        return _tokenize(data_cfg, tokenizer, split)
-    stem = (cache_dir or sources.default_cache_dir()) / "tokens" / f"{fingerprint}-{tokenizer.identity}-{split}"
-    npy, meta, mask_npy = stem.with_suffix(".npy"), stem.with_suffix(".json"), stem.with_suffix(".mask.npy")
-    if npy.is_file() and meta.is_file():
-        try:
-            info = json.loads(meta.read_text(encoding="utf-8"))
-            has_mask = info.pop("has_mask", False)
-            tokens = np.load(npy, mmap_mode="r", allow_pickle=False)
-            mask = np.load(mask_npy, mmap_mode="r", allow_pickle=False) if has_mask else None
-            return TokenStream(tokens, **info, loss_mask=mask)
-        except (OSError, ValueError, TypeError):
-            pass  # a damaged entry is rebuilt, never fatal
-    stream = _tokenize(data_cfg, tokenizer, split)
-    info = {"name": stream.name, "num_documents": stream.num_documents, "skipped": stream.skipped,
-            "has_mask": stream.loss_mask is not None}
-    # The .json and the mask go first: the .npy appearing is what marks the entry complete.
-    sources.atomic_write(meta, lambda f: f.write(json.dumps(info).encode()))
-    if stream.loss_mask is not None:
-        sources.atomic_write(mask_npy, lambda f: np.save(f, stream.loss_mask, allow_pickle=False))
-    sources.atomic_write(npy, lambda f: np.save(f, stream.tokens, allow_pickle=False))
-    return stream
 
 
 def pack(tokens: np.ndarray, seq_len: int) -> np.ndarray:

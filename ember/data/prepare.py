@@ -124,3 +124,36 @@ def load_prepared(directory: Path, split: str, tokenizer: Any) -> packing.TokenS
         mask = np.memmap(mask_path, dtype=np.uint8, mode="r") if info["num_tokens"] else np.zeros(0, np.uint8)
     return packing.TokenStream(tokens, f"{directory} ({manifest['source']})", info["num_documents"],
                                info.get("skipped", []), loss_mask=mask)
+
+
+def token_stream(data_cfg: Any, tokenizer: Tokenizer, split: str, cache_dir: Optional[Path] = None) -> packing.TokenStream:
+    """The tokens of one split, from the cache when the source has a fingerprint and was seen before.
+
+    The cache key is (source fingerprint, tokenizer identity, split): a changed file, corpus, val_fraction
+    or tokenizer gives a new entry, never a stale one.
+    """
+    if data_cfg.dataset not in (sources.EMBEDDED, sources.SYNTHETIC) and is_prepared(data_cfg.dataset):
+        return load_prepared(Path(data_cfg.dataset).expanduser(), split, tokenizer)
+    fingerprint = sources.source_fingerprint(data_cfg)
+    if fingerprint is None:  # the hub: `datasets` keeps its own cache of the text
+        return packing.tokenize_source(data_cfg, tokenizer, split)
+    stem = (cache_dir or sources.default_cache_dir()) / "tokens" / f"{fingerprint}-{tokenizer.identity}-{split}"
+    npy, meta, mask_npy = stem.with_suffix(".npy"), stem.with_suffix(".json"), stem.with_suffix(".mask.npy")
+    if npy.is_file() and meta.is_file():
+        try:
+            info = json.loads(meta.read_text(encoding="utf-8"))
+            has_mask = info.pop("has_mask", False)
+            tokens = np.load(npy, mmap_mode="r", allow_pickle=False)
+            mask = np.load(mask_npy, mmap_mode="r", allow_pickle=False) if has_mask else None
+            return packing.TokenStream(tokens, **info, loss_mask=mask)
+        except (OSError, ValueError, TypeError):
+            pass  # a damaged entry is rebuilt, never fatal
+    stream = packing.tokenize_source(data_cfg, tokenizer, split)
+    info = {"name": stream.name, "num_documents": stream.num_documents, "skipped": stream.skipped,
+            "has_mask": stream.loss_mask is not None}
+    # The .json and the mask go first: the .npy appearing is what marks the entry complete.
+    sources.atomic_write(meta, lambda f: f.write(json.dumps(info).encode()))
+    if stream.loss_mask is not None:
+        sources.atomic_write(mask_npy, lambda f: np.save(f, stream.loss_mask, allow_pickle=False))
+    sources.atomic_write(npy, lambda f: np.save(f, stream.tokens, allow_pickle=False))
+    return stream

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import queue
-import threading
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -26,6 +24,7 @@ import numpy as np
 import torch
 
 from ember.data import sources
+from ember.data.prefetch import Prefetcher
 
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".arrow": "arrow"}
 
@@ -156,65 +155,29 @@ class StreamLoader:
         self.num_workers, self.prefetch = num_workers, max(prefetch, 1)
         self._state = self.reader.state_dict()  # after the last consumed batch
         self._initial = copy.deepcopy(self._state)
-        self._thread: Optional[threading.Thread] = None
-        self._stop = threading.Event()
-        self._queue: queue.Queue = queue.Queue()
+        self._prefetcher: Optional[Prefetcher] = None
 
     def __iter__(self) -> "StreamLoader":
         return self
 
-    def _make(self) -> tuple[torch.Tensor, dict]:
-        rows = self.reader.next_rows()
-        return rows, self.reader.state_dict()
-
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.num_workers == 0:
-            rows, state = self._make()
-        else:
-            if self._thread is None:
-                self._start()
-            item = self._queue.get()
-            if isinstance(item, BaseException):
-                self._shutdown()
-                raise item
-            rows, state = item
+        if self._prefetcher is None:
+            reader = self.reader
+            reader.load_state_dict(self._state)  # made ahead from the consumed position
+            self._prefetcher = Prefetcher(lambda: (reader.next_rows(), reader.state_dict()), depth=self.prefetch,
+                                          name=f"ember-stream-{self.split}", threaded=self.num_workers > 0)
+        try:
+            rows, state = self._prefetcher.get()
+        except BaseException:
+            self._shutdown()
+            raise
         self._state = state
         return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
-    def _produce(self, out: queue.Queue, stop: threading.Event) -> None:
-        while not stop.is_set():
-            try:
-                item: Any = self._make()
-            except BaseException as err:
-                item = err
-            while not stop.is_set():
-                try:
-                    out.put(item, timeout=0.1)
-                    break
-                except queue.Full:
-                    continue
-            if isinstance(item, BaseException):
-                return
-
-    def _start(self) -> None:
-        from ember.data import loader as loader_lib
-
-        self.reader.load_state_dict(self._state)  # the thread starts from the consumed position
-        self._stop = threading.Event()
-        self._queue = queue.Queue(maxsize=self.prefetch)
-        self._thread = threading.Thread(target=self._produce, args=(self._queue, self._stop), daemon=True,
-                                        name=f"ember-stream-{self.split}")
-        loader_lib._RUNNING[self._thread] = self._stop
-        self._thread.start()
-
     def _shutdown(self) -> None:
-        from ember.data import loader as loader_lib
-
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-            loader_lib._RUNNING.pop(self._thread, None)
-        self._thread = None
+        if self._prefetcher is not None:
+            self._prefetcher.close()
+            self._prefetcher = None
 
     def close(self) -> None:
         self._shutdown()

@@ -18,7 +18,7 @@ from typing import Union
 
 import torch
 
-from ember.data.packing import IGNORE_INDEX  # labels equal to it add nothing (SFT prompts, padding)
+from ember.constants import IGNORE_INDEX  # labels equal to it add nothing (SFT prompts, padding)
 
 
 class _CrossEntropySum(torch.autograd.Function):

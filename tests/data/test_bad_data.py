@@ -7,7 +7,7 @@ import pytest
 import torch
 from data_testing import DataCfg
 
-from ember.data import packing
+from ember.data import packing, prepare
 from ember.data.loader import build_loader
 from ember.data.tokenizer import Tokenizer
 
@@ -19,7 +19,7 @@ def test_a_document_longer_than_seq_len_spans_consecutive_samples(tmp_path: Path
     (folder / "long.txt").write_text(long_text)
     (folder / "short.txt").write_text("tiny " * 40)  # after it: the dropped tail of the stream is not the long one
     cfg = DataCfg(dataset=str(folder), val_fraction=0.0, num_workers=0)
-    stream = packing.token_stream(cfg, small_tokenizer, "train")
+    stream = prepare.token_stream(cfg, small_tokenizer, "train")
     rows = packing.pack(stream.tokens, 16)
     assert len(rows) > 10  # the long document fills many samples: nothing is cut off or dropped but the tail
     joined = torch.from_numpy(rows.reshape(-1).astype("int64"))
@@ -39,7 +39,7 @@ def test_a_folder_with_empty_and_non_utf8_files_trains_on_the_rest(tmp_path: Pat
     assert next(loader)[0].shape == (2, 16)
     assert loader.skipped == [str(folder / "latin1.txt")]  # skipped, and said so in the run's header line
     assert "1 file(s) skipped as not UTF-8" in loader.describe()
-    assert packing.token_stream(cfg, small_tokenizer, "train").num_documents == 20  # the empty ones add nothing
+    assert prepare.token_stream(cfg, small_tokenizer, "train").num_documents == 20  # the empty ones add nothing
 
 
 @pytest.mark.parametrize("fmt", ["parquet", "arrow"])
@@ -51,11 +51,11 @@ def test_table_files_through_datasets(tmp_path: Path, small_tokenizer: Tokenizer
     else:
         table.save_to_disk(str(tmp_path / "saved"))
         (path,) = (tmp_path / "saved").glob("*.arrow")
-    stream = packing.token_stream(DataCfg(dataset=str(path), text_field="content"), small_tokenizer, "train")
+    stream = prepare.token_stream(DataCfg(dataset=str(path), text_field="content"), small_tokenizer, "train")
     assert stream.num_documents >= 45
     with pytest.raises(ValueError, match=rf"{path.name} has no 'text' column \(it has: content, id\); set data\.text_field"):
-        packing.token_stream(DataCfg(dataset=str(path)), small_tokenizer, "train")
+        prepare.token_stream(DataCfg(dataset=str(path)), small_tokenizer, "train")
     broken = tmp_path / f"broken.{fmt}"
     broken.write_bytes(b"not a table at all")
     with pytest.raises(ValueError, match=rf"broken\.{fmt} is not a readable {fmt} file"):
-        packing.token_stream(DataCfg(dataset=str(broken)), small_tokenizer, "train")
+        prepare.token_stream(DataCfg(dataset=str(broken)), small_tokenizer, "train")

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from data_testing import LATIN1_FILE, DataCfg
 
-from ember.data import packing, sources
+from ember.data import packing, prepare, sources
 from ember.data.tokenizer import Tokenizer
 
 
@@ -37,7 +37,7 @@ def test_pack_windows_and_shift():
 
 
 def test_token_stream_is_cached(small_tokenizer: Tokenizer, cache_dir: Path, monkeypatch: pytest.MonkeyPatch):
-    first = packing.token_stream(DataCfg(), small_tokenizer, "train")
+    first = prepare.token_stream(DataCfg(), small_tokenizer, "train")
     assert first.skipped == [LATIN1_FILE] and first.num_documents > 5
     (npy,) = (cache_dir / "tokens").glob("*-train.npy")
     assert small_tokenizer.identity in npy.name
@@ -46,7 +46,7 @@ def test_token_stream_is_cached(small_tokenizer: Tokenizer, cache_dir: Path, mon
         raise AssertionError("read and tokenized the corpus although its tokens are cached")
 
     monkeypatch.setattr(sources, "load_documents", no_reading)
-    second = packing.token_stream(DataCfg(), small_tokenizer, "train")
+    second = prepare.token_stream(DataCfg(), small_tokenizer, "train")
     assert isinstance(second.tokens, np.memmap) and not second.tokens.flags.writeable
     assert np.array_equal(second.tokens, first.tokens)
     assert (second.name, second.num_documents, second.skipped) == (first.name, first.num_documents, first.skipped)
@@ -54,10 +54,10 @@ def test_token_stream_is_cached(small_tokenizer: Tokenizer, cache_dir: Path, mon
 
 
 def test_token_cache_key_follows_the_source(small_tokenizer: Tokenizer, small_corpus: Path, cache_dir: Path):
-    packing.token_stream(DataCfg(), small_tokenizer, "train")
+    prepare.token_stream(DataCfg(), small_tokenizer, "train")
     (small_corpus / "added.py").write_text("added = True\n" * 50)
-    packing.token_stream(DataCfg(), small_tokenizer, "train")
-    packing.token_stream(DataCfg(val_fraction=0.3), small_tokenizer, "train")
+    prepare.token_stream(DataCfg(), small_tokenizer, "train")
+    prepare.token_stream(DataCfg(val_fraction=0.3), small_tokenizer, "train")
     assert len(list((cache_dir / "tokens").glob("*-train.npy"))) == 3
 
 

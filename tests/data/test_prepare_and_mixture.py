@@ -11,7 +11,7 @@ import torch
 from data_testing import SMALL_VOCAB, DataCfg
 
 from ember.config import MixtureSource
-from ember.data import packing
+from ember.data import packing, prepare as prepare_lib
 from ember.data.loader import MixtureSamples, PackedSamples, build_loader
 from ember.data.prepare import MANIFEST, load_prepared, prepare
 from ember.data.tokenizer import Tokenizer, build_tokenizer
@@ -31,7 +31,7 @@ def test_prepare_writes_tokens_and_manifest_equal_to_on_the_fly(tmp_path: Path, 
     assert manifest["tokenizer"]["identity"] == small_tokenizer.identity
     for split in ("train", "val"):
         info = manifest["splits"][split]
-        on_the_fly = packing.token_stream(cfg, small_tokenizer, split).tokens
+        on_the_fly = prepare_lib.token_stream(cfg, small_tokenizer, split).tokens
         prepared = load_prepared(out, split, small_tokenizer)
         assert isinstance(prepared.tokens, np.memmap)
         assert np.array_equal(np.asarray(prepared.tokens), on_the_fly)  # the same stream, no tokenizer needed

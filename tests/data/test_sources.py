@@ -1,7 +1,7 @@
 """Document sources: the embedded corpus and its split, local files, and the one-line errors."""
 
-import importlib.util
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -11,7 +11,6 @@ from data_testing import CORPUS_FILES, LATIN1_FILE, DataCfg
 from ember.data import sources
 from ember.data.sources import load_documents
 
-HAS_DATASETS = importlib.util.find_spec("datasets") is not None
 
 
 def test_embedded_files_sorted_without_installed_packages(small_corpus: Path):
@@ -138,12 +137,24 @@ def test_jsonl_without_the_text_field(tmp_path: Path):
         load_documents(DataCfg(dataset=str(path)), "train")
 
 
-@pytest.mark.skipif(HAS_DATASETS, reason="checks the message shown when `datasets` is not installed")
 def test_hub_and_parquet_need_datasets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    # `datasets` is a dependency, so its absence is simulated: a None entry in sys.modules makes
+    # `import datasets` raise ImportError, as on a machine without it.
+    monkeypatch.setitem(sys.modules, "datasets", None)
     monkeypatch.chdir(tmp_path)  # so "owner/name" is not accidentally a local folder
     with pytest.raises(ValueError, match=r"'owner/corpus' is not a local file, folder or glob.*pip install datasets"):
         load_documents(DataCfg(dataset="owner/corpus"), "train")
     (tmp_path / "t.parquet").write_bytes(b"PAR1")
     with pytest.raises(ValueError, match=r"reading '.*t\.parquet' needs the `datasets` library; run `pip install datasets`"):
         load_documents(DataCfg(dataset=str(tmp_path / "t.parquet")), "train")
-    assert "datasets" not in sys.modules  # imported lazily, only when a source needs it
+
+
+def test_local_text_does_not_import_datasets(tmp_path: Path):
+    # `datasets` is imported lazily, only when a source needs it (it is slow to import).
+    (tmp_path / "a.txt").write_text("hello world\n")
+    code = ("import sys; from ember.data.sources import load_documents; from data_testing import DataCfg; "
+            f"load_documents(DataCfg(dataset={str(tmp_path / 'a.txt')!r}, val_fraction=0.0), 'train'); "
+            "assert 'datasets' not in sys.modules, 'datasets was imported'")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=Path(__file__).parent)
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ember.data.packing import IGNORE_INDEX
+from ember.constants import IGNORE_INDEX
 from ember.models import build_model_args
 from ember.models.llama import Transformer
 from ember.nn.loss import cross_entropy_sum, output_chunks

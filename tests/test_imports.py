@@ -1,0 +1,82 @@
+"""The package's dependency rules, read from the source with `ast` (nothing is imported):
+- no import cycle between ember's modules, counting imports inside functions too (a lazy import that
+  closes a cycle is still a cycle a reader has to untangle);
+- model code and ember/nn are single-device PyTorch: no torch.distributed;
+- ember/nn never imports ember.data (shared constants live in ember/constants.py)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "ember"
+MODULES = {
+    ".".join(("ember", *path.relative_to(PACKAGE).with_suffix("").parts)).removesuffix(".__init__"): path
+    for path in PACKAGE.rglob("*.py")
+}
+
+
+def _imports(module: str) -> set[str]:
+    """Every module `module` imports, anywhere in the file (not only at the top)."""
+    path = MODULES[module]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from . import x, from ..nn import y
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parent + ([base] if base else []))
+            for alias in node.names:  # `from ember.data import packing` names a module, not a value
+                found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base)
+    return found
+
+
+GRAPH = {module: {m for m in _imports(module) if m in MODULES and m != module} for module in MODULES}
+
+
+def _find_cycle() -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(module: str) -> list[str] | None:
+        state[module] = 1
+        path.append(module)
+        for target in sorted(GRAPH[module]):
+            if state.get(target) == 1:
+                return path[path.index(target):] + [target]
+            if target not in state and (cycle := visit(target)):
+                return cycle
+        path.pop()
+        state[module] = 2
+        return None
+
+    for module in sorted(GRAPH):
+        if module not in state and (cycle := visit(module)):
+            return cycle
+    return None
+
+
+def test_the_graph_is_read():
+    assert "ember.train" in GRAPH and "ember.step" in GRAPH["ember.train"]
+    assert "ember.nn.moe" in GRAPH["ember.nn.decoder"]
+
+
+def test_no_import_cycles():
+    cycle = _find_cycle()
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+SINGLE_DEVICE = sorted(m for m in MODULES if m.startswith("ember.nn.") or (m.startswith("ember.models.")
+                                                                          and m.endswith(".model")))
+
+
+@pytest.mark.parametrize("module", SINGLE_DEVICE)
+def test_model_code_is_single_device(module: str):
+    assert not {m for m in _imports(module) if m.startswith("torch.distributed")}, f"{module} imports torch.distributed"
+    if module.startswith("ember.nn."):
+        assert not {m for m in _imports(module) if m.startswith("ember.data")}, f"{module} imports ember.data"
