@@ -55,6 +55,8 @@ def test_overrides_reach_nested_sections_and_cast_types():
         (["schedule.warmup_steps=-1"], "schedule.warmup_steps must be >= 0"),
         (["optim.lr"], "key=value"),
         (["output_dir=${oc.env:HF_TOKEN}"], "environment"),
+        (["data.num_workers=4"], "data.num_workers=4: 0 reads batches in the training thread, 1 in one"),
+        (["data.prefetch=0"], "data.prefetch=0"),
     ],
 )
 def test_error_messages_name_the_key(overrides, message):
