@@ -9,13 +9,20 @@ no peak (never a guess): the caller says so once and MFU is reported as null unt
 
 from __future__ import annotations
 
-import functools
+import contextlib
+import fcntl
+import json
+import os
+import platform
 import re
 import time
 from dataclasses import dataclass
-from typing import Optional
+from pathlib import Path
+from typing import Iterator, Optional
 
 import torch
+
+from ember.constants import default_cache_dir
 
 
 @dataclass(frozen=True)
@@ -123,6 +130,7 @@ def match_device(name: str) -> Optional[DeviceSpec]:
 class PeakFlops:
     value_flops: Optional[float]  # None: unknown, MFU is not reported
     source: str  # where the number comes from, or why there is none
+    measured: bool = False  # a CPU measurement: raised if a run ever goes faster (see raise_measured_peak)
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype, user_peak_tflops: Optional[float] = None) -> PeakFlops:
@@ -131,8 +139,10 @@ def peak_flops(device: torch.device, dtype: torch.dtype, user_peak_tflops: Optio
         return PeakFlops(user_peak_tflops * 1e12, "metrics.peak_tflops")
     if device.type == "cpu":
         # Measured in fp32 whatever the dtype: a bf16 matmul on a CPU without AMX/AVX512-BF16 runs at
-        # ~1 GFLOP/s here and would not fit the time budget; the label says which rate MFU is against.
-        return PeakFlops(measure_cpu_matmul_flops(), "measured CPU fp32 matmul")
+        # ~1 GFLOP/s and would not fit the time budget; the label says which rate MFU is against.
+        value, path = cpu_peak_flops()
+        return PeakFlops(value, f"measured CPU fp32 matmul, {torch.get_num_threads()} threads, cached in {path}",
+                         measured=True)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     spec = match_device(name)
     if spec is None:
@@ -168,24 +178,108 @@ def _tf32_allowed() -> bool:
     return precision == "tf32"
 
 
-@functools.lru_cache(maxsize=None)
-def measure_cpu_matmul_flops(seconds: float = 0.5, n: int = 1024) -> float:
-    """The best fp32 FLOP/s of n x n matmuls on all of torch's CPU threads, timed for ~`seconds`.
+MATMUL_SIZES = (512, 1024, 2048)  # beyond the cache-resident sizes that measure higher than any layer gets
 
-    The best run, not the mean: the peak is what the machine can do, and other processes on a shared
-    host only ever make a run slower. 1024 is large enough to leave the cache-resident regime of
-    smaller sizes (which measure higher than any model layer gets) yet takes only ~15 ms per matmul on
-    two cores. Cached: the number is measured once per process.
+
+def measure_cpu_matmul_flops(seconds: float = 0.6, sizes: tuple[int, ...] = MATMUL_SIZES) -> float:
+    """The best fp32 FLOP/s of n x n matmuls on all of torch's CPU threads, over `sizes`, ~`seconds` each.
+
+    The best run, not the mean: the peak is what the machine can do, and other processes on a shared host
+    only ever make a run slower. Several sizes because BLAS kernels peak at different shapes on different
+    CPUs; each gets a warm-up (thread pool start, first touch of the output) outside the timing.
     """
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    out = torch.empty(n, n)
-    torch.mm(a, b, out=out)  # warm-up: thread pool start, first-touch of `out`
     best = 0.0
-    deadline = time.perf_counter() + seconds
-    while True:
-        start = time.perf_counter()
+    for n in sizes:
+        a, b, out = torch.randn(n, n), torch.randn(n, n), torch.empty(n, n)
         torch.mm(a, b, out=out)
-        end = time.perf_counter()
-        best = max(best, 2 * n**3 / (end - start))  # a multiply and an add per inner-product term
-        if end >= deadline:
-            return best
+        deadline = time.perf_counter() + seconds
+        while True:
+            start = time.perf_counter()
+            torch.mm(a, b, out=out)
+            end = time.perf_counter()
+            best = max(best, 2 * n**3 / (end - start))  # a multiply and an add per inner-product term
+            if end >= deadline:
+                break
+    return best
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo on Linux), part of the peak cache's key."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _cpu_peak_key() -> str:
+    return f"{cpu_model()} | {torch.get_num_threads()} threads | torch {torch.__version__}"
+
+
+def _cpu_peak_path() -> Path:
+    return default_cache_dir() / "hardware" / "cpu-peak.json"
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive lock beside `path`: the ranks of a node that start together measure once, one at a time."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _read_peaks(path: Path) -> dict[str, float]:
+    try:
+        peaks = json.loads(path.read_text())
+        return {k: float(v) for k, v in peaks.items()} if isinstance(peaks, dict) else {}
+    except (OSError, ValueError, TypeError):
+        return {}  # missing or damaged: measured again, never fatal
+
+
+def _write_peaks(path: Path, peaks: dict[str, float]) -> None:
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(peaks, indent=2) + "\n")
+    os.replace(tmp, path)  # atomic: a reader sees the old file or the new one
+
+
+_PEAK_IN_PROCESS: dict[str, float] = {}
+
+
+def cpu_peak_flops() -> tuple[float, Path]:
+    """This machine's CPU matmul peak for this process's thread count, and the cache file that holds it.
+
+    Measured once per (CPU model, threads, torch version) and kept in the ember cache, so every run and
+    every rank of a node divides by the same number: a peak measured at each start, while other threads
+    or processes compete, comes out low and made MFU exceed 100%."""
+    path, key = _cpu_peak_path(), _cpu_peak_key()
+    if key in _PEAK_IN_PROCESS:
+        return _PEAK_IN_PROCESS[key], path
+    with _locked(path):
+        peaks = _read_peaks(path)
+        if key not in peaks:
+            peaks[key] = measure_cpu_matmul_flops()
+            _write_peaks(path, peaks)
+    _PEAK_IN_PROCESS[key] = peaks[key]
+    return peaks[key], path
+
+
+def raise_measured_peak(peak: PeakFlops, achieved_flops: float) -> PeakFlops:
+    """A measured CPU peak that a run beat was measured too low (a model's FLOPs are matmul FLOPs: it
+    cannot outrun the matmul rate): the best rate seen becomes the peak, in the cache too, so MFU stays a
+    fraction of what this machine has shown it can do. Other peaks (datasheets, metrics.peak_tflops) are
+    returned as they are."""
+    if not peak.measured or peak.value_flops is None or achieved_flops <= peak.value_flops:
+        return peak
+    path, key = _cpu_peak_path(), _cpu_peak_key()
+    with _locked(path):
+        peaks = _read_peaks(path)
+        peaks[key] = max(peaks.get(key, 0.0), achieved_flops)
+        _write_peaks(path, peaks)
+    _PEAK_IN_PROCESS[key] = peaks[key]
+    return PeakFlops(peaks[key], peak.source.replace("matmul", "matmul, raised to a training run's rate", 1), True)

@@ -25,7 +25,7 @@ from ember.checkpoint import CheckpointError, CheckpointManager, meta_for, rng_s
 from ember.config import ConfigError, JobConfig
 from ember.data.loader import build_loader
 from ember.data.tokenizer import build_tokenizer
-from ember.hardware import peak_flops
+from ember.hardware import peak_flops, raise_measured_peak
 from ember.health import HealthGuard, StopSignals, TrainingStopped
 from ember.load import load_weights
 from ember.metrics import MetricsLogger, mfu, peak_memory_gb
@@ -138,8 +138,7 @@ class Trainer:
             self.val_note = f"no validation: {err}"
 
         # 6. Metrics, health, checkpoints: resume restores weights, optimizer, schedule, data position and RNG.
-        peak = peak_flops(self.device, self.compute_dtype, cfg.metrics.peak_tflops)
-        self.peak_flops, self.peak_source = peak.value_flops, peak.source
+        self.peak = peak_flops(self.device, self.compute_dtype, cfg.metrics.peak_tflops)
         self.step = 0
         self.last_step_skipped = False
         self.health = HealthGuard(cfg.max_skipped_steps, cfg.loss_spike_factor, self._say)
@@ -347,6 +346,11 @@ class Trainer:
         """The metrics.jsonl record of a logging step (window: time, steps, loss and data wait since the last)."""
         tokens_per_s = tokens_per_step * window["steps"] / window["time"]
         per_device = tokens_per_s / self.world_size
+        peak = raise_measured_peak(self.peak, per_device * self.flops_per_token)
+        if peak != self.peak:
+            self._say(f"note: this run beat the measured CPU matmul peak; MFU is now against "
+                      f"{peak.value_flops / 1e12:.3f} TFLOP/s, the best rate seen ({peak.source})")
+            self.peak = peak
         record = {
             "step": self.step,
             "loss": loss,
@@ -357,7 +361,7 @@ class Trainer:
             "tokens_per_s_per_device": per_device,
             "step_time_s": window["time"] / window["steps"],
             "tflops_per_device": per_device * self.flops_per_token / 1e12,
-            "mfu": mfu(per_device, self.flops_per_token, self.peak_flops),
+            "mfu": mfu(per_device, self.flops_per_token, self.peak.value_flops),
             "memory_gb": peak_memory_gb(self.device),
             "tokens_seen": self.step * tokens_per_step,
             "data_wait_frac": window["data"] / window["time"],  # share of step time spent waiting for data
@@ -375,7 +379,7 @@ class Trainer:
         cfg, args = self.cfg, self.model_args
         dtype = str(self.compute_dtype).replace("torch.", "")
         tok = f"tokenizer vocab {self.tokenizer.vocab_size}" if self.tokenizer else "synthetic tokens"
-        peak = f"{self.peak_flops / 1e12:.2f} TFLOP/s ({self.peak_source})" if self.peak_flops else "unknown"
+        peak = f"{self.peak.value_flops / 1e12:.3f} TFLOP/s ({self.peak.source})" if self.peak.value_flops else "unknown"
         self.console.print(
             f"[bold]ember train[/bold] {cfg.model.family} {cfg.model.flavor}: {self.num_params:,} params, "
             f"{args.n_layers} layers, dim {args.dim}, {tok} | {self.device.type} {dtype} | "
@@ -386,8 +390,8 @@ class Trainer:
         self.console.print(f"data: {self.train_loader.describe()}", markup=False, highlight=False)
         if self.val_note:
             self.console.print(self.val_note, markup=False, highlight=False)
-        if self.peak_flops is None:
-            self.console.print(f"[yellow]MFU not reported: {self.peak_source}[/yellow]")
+        if self.peak.value_flops is None:
+            self.console.print(f"[yellow]MFU not reported: {self.peak.source}[/yellow]")
 
 
 def run(cfg: JobConfig) -> dict:

@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from ember.constants import default_cache_dir
 from ember.data import packing, sources
 
 MANIFEST = "manifest.json"
@@ -137,7 +138,7 @@ def token_stream(data_cfg: Any, tokenizer: Tokenizer, split: str, cache_dir: Opt
     fingerprint = sources.source_fingerprint(data_cfg)
     if fingerprint is None:  # the hub: `datasets` keeps its own cache of the text
         return packing.tokenize_source(data_cfg, tokenizer, split)
-    stem = (cache_dir or sources.default_cache_dir()) / "tokens" / f"{fingerprint}-{tokenizer.identity}-{split}"
+    stem = (cache_dir or default_cache_dir()) / "tokens" / f"{fingerprint}-{tokenizer.identity}-{split}"
     npy, meta, mask_npy = stem.with_suffix(".npy"), stem.with_suffix(".json"), stem.with_suffix(".mask.npy")
     if npy.is_file() and meta.is_file():
         try:

@@ -39,14 +39,6 @@ class Documents:
 
 
 # ---------------------------------------------------------------- cache directory, atomic writes
-def default_cache_dir() -> Path:
-    """$EMBER_CACHE, else $XDG_CACHE_HOME/ember, else ~/.cache/ember."""
-    if os.environ.get("EMBER_CACHE"):
-        return Path(os.environ["EMBER_CACHE"]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "ember"
-
-
 def atomic_write(path: Path, write: Callable[[Any], None]) -> None:
     """Write through a temporary file in the same folder, then rename it into place.
 

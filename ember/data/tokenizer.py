@@ -22,6 +22,7 @@ from typing import Any, Optional, Protocol, Sequence, Union
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from ember.constants import default_cache_dir
 from ember.data import sources
 
 BOS, EOS, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"
@@ -106,7 +107,7 @@ def embedded_tokenizer(vocab_size: int, val_fraction: float, cache_dir: Optional
     """
     name = "embedded byte-level BPE"
     key = sources.short_hash(sources.embedded_fingerprint(), vocab_size, val_fraction, EMBEDDED_TOKENIZER_VERSION)
-    path = (cache_dir or sources.default_cache_dir()) / "tokenizers" / f"embedded-bpe-{vocab_size}-{key}.json"
+    path = (cache_dir or default_cache_dir()) / "tokenizers" / f"embedded-bpe-{vocab_size}-{key}.json"
     if path.is_file():
         try:
             return Tokenizer(tokenizers.Tokenizer.from_file(str(path)), name)

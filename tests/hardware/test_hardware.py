@@ -1,6 +1,11 @@
 """Device-name matching, the dense-peak table, the unknown-device and override paths, the CPU measurement."""
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -115,11 +120,66 @@ def test_user_peak_overrides_everything(cuda_named, monkeypatch):
     assert peak_flops(torch.device("cpu"), torch.float32, 0.5).value_flops == 0.5e12
 
 
-def test_cpu_peak_is_measured_and_cached():
+@pytest.fixture
+def fresh_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("EMBER_CACHE", str(tmp_path))
+    monkeypatch.setattr(hardware, "_PEAK_IN_PROCESS", {})
+    return tmp_path / "hardware" / "cpu-peak.json"
+
+
+def test_cpu_peak_is_measured_once_per_machine_and_cached(fresh_cache: Path, monkeypatch: pytest.MonkeyPatch):
+    calls = []
+    monkeypatch.setattr(hardware, "measure_cpu_matmul_flops", lambda: calls.append(1) or 1.5e11)
     peak = peak_flops(torch.device("cpu"), torch.float32, None)
-    assert peak.source == "measured CPU fp32 matmul"
-    assert 1e9 < peak.value_flops < 1e15  # above a GFLOP/s, below any CPU that exists
-    assert peak_flops(torch.device("cpu"), torch.float32, None).value_flops == peak.value_flops  # cached
+    assert peak.value_flops == 1.5e11 and peak.measured and calls == [1]
+    assert peak.source.startswith("measured CPU fp32 matmul") and str(fresh_cache) in peak.source
+    key = f"{hardware.cpu_model()} | {torch.get_num_threads()} threads | torch {torch.__version__}"
+    assert json.loads(fresh_cache.read_text()) == {key: 1.5e11}  # keyed by the CPU model, threads, torch
+    monkeypatch.setattr(hardware, "_PEAK_IN_PROCESS", {})  # a new process: reads the file, measures nothing
+    assert peak_flops(torch.device("cpu"), torch.float32, None).value_flops == 1.5e11 and calls == [1]
+
+
+def test_a_damaged_cache_is_measured_again(fresh_cache: Path, monkeypatch: pytest.MonkeyPatch):
+    fresh_cache.parent.mkdir(parents=True)
+    fresh_cache.write_text("{not json")
+    monkeypatch.setattr(hardware, "measure_cpu_matmul_flops", lambda: 2e11)
+    assert hardware.cpu_peak_flops()[0] == 2e11
+    assert list(json.loads(fresh_cache.read_text()).values()) == [2e11]
+
+
+def test_ranks_starting_together_measure_once(tmp_path: Path):
+    # Three processes at once, as torchrun starts a node's ranks: the file lock lets one measure (slowly
+    # here) while the others wait, then read its number.
+    counter = tmp_path / "measured"
+    code = ("import time, ember.hardware as h\n"
+            "def slow():\n"
+            f"    open({str(counter)!r}, 'a').write('x')\n"
+            "    time.sleep(1.0)\n"
+            "    return 3e11\n"
+            "h.measure_cpu_matmul_flops = slow\n"
+            "print(h.cpu_peak_flops()[0])\n")
+    env = {**os.environ, "EMBER_CACHE": str(tmp_path)}
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+             for _ in range(3)]
+    outputs = [p.communicate(timeout=120)[0].strip() for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0]
+    assert outputs == ["300000000000.0"] * 3 and counter.read_text() == "x"
+
+
+def test_a_measured_peak_that_a_run_beats_is_raised(fresh_cache: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(hardware, "measure_cpu_matmul_flops", lambda: 1e11)
+    peak = peak_flops(torch.device("cpu"), torch.float32, None)
+    assert hardware.raise_measured_peak(peak, 0.9e11) is peak  # slower than the peak: unchanged
+    raised = hardware.raise_measured_peak(peak, 1.2e11)
+    assert raised.value_flops == 1.2e11 and "raised to a training run's rate" in raised.source
+    assert list(json.loads(fresh_cache.read_text()).values()) == [1.2e11]  # the next run starts from it
+    given = hardware.PeakFlops(1e11, "metrics.peak_tflops")
+    assert hardware.raise_measured_peak(given, 5e11) is given  # the user's number is the user's
+
+
+def test_real_cpu_measurement_is_plausible():
+    rate = hardware.measure_cpu_matmul_flops(seconds=0.05, sizes=(256,))
+    assert 1e9 < rate < 1e15  # above a GFLOP/s, below any CPU that exists
 
 
 def test_device_spec_is_frozen():

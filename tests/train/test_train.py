@@ -39,9 +39,9 @@ def test_debug_loss_falls(tmp_path: Path):
     for record in train_records:
         assert REQUIRED_KEYS <= record.keys()
         assert record["tokens_per_s"] > 0 and record["tflops_per_device"] > 0
-        # MFU is achieved FLOP/s over the measured CPU peak (not asserted < 1: a peak measured while
-        # another process holds a core reads low, which a timed test cannot rule out).
-        assert record["mfu"] == pytest.approx(record["tflops_per_device"] * 1e12 / trainer.peak_flops, rel=1e-9)
+        # MFU against this machine's cached CPU matmul peak never exceeds 1 (the FLOP formula itself is
+        # pinned by hand-computed counts in tests/metrics/test_flops.py).
+        assert 0 < record["mfu"] <= 1.0
         assert record["tflops_per_device"] == pytest.approx(
             record["tokens_per_s_per_device"] * trainer.flops_per_token / 1e12, rel=1e-9
         )
