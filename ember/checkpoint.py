@@ -31,13 +31,10 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
+from ember.errors import CheckpointError
 from ember.load import MODEL_JSON, model_state_dict
 
 STEP_DIR = re.compile(r"step-(\d+)")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used: the message names the file and what does not match."""
 
 
 def _rank() -> int:

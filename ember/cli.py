@@ -18,9 +18,13 @@ import os
 import sys
 from typing import Optional
 
-from ember.config import ConfigError
+from ember.errors import ConfigError, EmberError
 
 EXIT_USAGE = 2
+
+
+def _one_line(err: BaseException) -> str:
+    return str(err).splitlines()[0] if str(err) else type(err).__name__
 
 
 def _fail(message: str) -> int:
@@ -132,12 +136,10 @@ def cmd_train(argv: list[str]) -> int:
         from ember.train import Trainer  # imported after validation so config errors come back at once
 
         trainer = Trainer(cfg)
-    except ConfigError as err:
-        return _fail(str(err) if world_size == 1 else f"[rank {os.environ.get('RANK', 0)}] {err}")
-    except (FileNotFoundError, ValueError) as err:
-        # Raised while building data, tokenizer and model from user input: the message names the
-        # file or key and the fix; a traceback would only bury it.
-        return _fail(str(err).splitlines()[0] if str(err) else type(err).__name__)
+    except EmberError as err:
+        # A mistake in the user's config, data or files: the message names it and the fix, a traceback
+        # would only bury it. Any other exception is a bug and keeps its traceback.
+        return _fail(_one_line(err) if world_size == 1 else f"[rank {os.environ.get('RANK', 0)}] {_one_line(err)}")
     from ember.train import TrainingStopped
 
     try:
@@ -160,6 +162,10 @@ def cmd_train(argv: list[str]) -> int:
 
 
 def cmd_recipes(argv: list[str]) -> int:
+    if argv[:1] in (["-h"], ["--help"]):
+        print("usage: ember recipes\n  the built-in recipes with their parameter counts (total and active), "
+              "sequence length and batch")
+        return 0
     if argv:
         return _fail(f"`ember recipes` takes no arguments, got {' '.join(argv)}")
     import torch
@@ -290,10 +296,8 @@ def cmd_data(argv: list[str]) -> int:
         print(f"trained a byte-level BPE of {tok.get_vocab_size():,} tokens on {len(docs.texts):,} documents "
               f"of {docs.name}: {out}")
         return 0
-    except ConfigError as err:
-        return _fail(str(err))
-    except (FileNotFoundError, ValueError) as err:
-        return _fail(str(err).splitlines()[0] if str(err) else type(err).__name__)
+    except EmberError as err:
+        return _fail(_one_line(err))
 
 
 def cmd_convert(argv: list[str]) -> int:
@@ -311,8 +315,8 @@ def cmd_convert(argv: list[str]) -> int:
 
     try:
         target = convert(args.src, args.dst, args.to)
-    except (FileNotFoundError, ValueError) as err:
-        return _fail(str(err).splitlines()[0] if str(err) else type(err).__name__)
+    except EmberError as err:
+        return _fail(_one_line(err))
     print(f"wrote {args.dst} ({target})")
     return 0
 

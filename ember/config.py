@@ -18,11 +18,11 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from ember.errors import ConfigError
+
 RECIPES_DIR = Path(__file__).parent / "recipes"
 
 
-class ConfigError(ValueError):
-    """A problem with the user's configuration; the CLI prints it as one line and exits with 2."""
 
 
 @dataclass
@@ -190,8 +190,6 @@ class JobConfig:
 
 PRECISIONS = ("auto", "fp32", "bf16")
 NOT_HYPERPARAMETERS = ("family", "flavor", "remat", "remat_every", "init_from", "aux_loss_coef", "z_loss_coef")  # model.* keys that are not model args
-REMAT_POLICIES = ("none", "full", "selective", "op", "offload")
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 CP_IMPLS = ("auto", "allgather", "ring")
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -338,7 +336,9 @@ def load(recipe: str = "debug", overrides: Optional[list[str]] = None, world_siz
 
 def validate(cfg: JobConfig, world_size: int = 1) -> None:
     """Cross-field checks that no type system catches; each names the keys to change."""
-    from ember.models import build_model_args  # local import: config must stay importable on its own
+    # local imports: config must stay importable on its own (and fast, without torch)
+    from ember.models import build_model_args
+    from ember.parallel.ac import POLICIES as REMAT_POLICIES
 
     for key in ("max_steps", "global_batch_size", "micro_batch_size", "seq_len", "logging_steps"):
         if getattr(cfg, key) <= 0:
@@ -434,6 +434,8 @@ def _validate_parallel(cfg: JobConfig, shape: Any, args: Any) -> None:
         )
     if par.cp_impl not in CP_IMPLS:
         raise ConfigError(f"parallel.cp_impl '{par.cp_impl}' is not one of {', '.join(CP_IMPLS)}")
+    from ember.parallel.pp import SCHEDULES as PP_SCHEDULES
+
     if par.pp_schedule not in PP_SCHEDULES:
         raise ConfigError(f"parallel.pp_schedule '{par.pp_schedule}' is not one of {', '.join(PP_SCHEDULES)}")
     if pp > 1:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from ember.errors import CheckpointError, UserFileNotFound
 from ember.models import MODELS
 
 MODEL_JSON = "model.json"
@@ -31,14 +32,50 @@ HF_FAMILY = "llama3"  # Llama 2 and 3.x share one architecture; config.json carr
 Device = Union[str, torch.device]
 
 
+def _first_error_line(err: BaseException) -> str:
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return " ".join(lines[:2]) if lines else type(err).__name__
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"'{path}' is not readable JSON ({err})") from None
+        raise CheckpointError(f"'{path}' is not readable JSON ({err})") from None
     if not isinstance(data, dict):
-        raise ValueError(f"'{path}' does not hold a JSON object")
+        raise CheckpointError(f"'{path}' does not hold a JSON object")
     return data
+
+
+def args_from_meta(meta: Any, where: Union[str, Path]) -> tuple[str, Any]:
+    """(family, args dataclass) from the model description of a checkpoint or converted file ({"family",
+    "flavor", "args"}, as `checkpoint.meta_for` writes it), checked key by key: a file read from disk names
+    an unknown family or an unknown, missing or mistyped hyper-parameter as one CheckpointError."""
+    if not isinstance(meta, dict) or not isinstance(meta.get("args"), dict):
+        raise CheckpointError(f"'{where}' has no model description {{family, flavor, args}}; "
+                              "write it with ember train or ember convert")
+    family = meta.get("family")
+    if family not in MODELS:
+        raise CheckpointError(f"'{where}' names model family '{family}', which ember does not know "
+                              f"(known: {', '.join(MODELS)})")
+    fields = {f.name: f for f in dataclasses.fields(MODELS[family].args_cls)}
+    given = meta["args"]
+    unknown = sorted(set(given) - set(fields))
+    if unknown:
+        raise CheckpointError(f"'{where}': '{unknown[0]}' is not a hyper-parameter of {family} "
+                              f"(a file from another ember version or family?)")
+    for name, value in given.items():
+        if not (value is None or isinstance(value, (bool, int, float, str))):
+            raise CheckpointError(f"'{where}': {family} hyper-parameter '{name}' = {value!r} is not a number")
+    required = [name for name, f in fields.items()
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    missing = [name for name in required if name not in given]
+    if missing:
+        raise CheckpointError(f"'{where}': the {family} hyper-parameter '{missing[0]}' is missing")
+    try:
+        return family, MODELS[family].args_cls(**given)
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(f"'{where}': the {family} hyper-parameters do not fit together ({err})") from None
 
 
 def _on_meta(family: str, args: Any, dtype: torch.dtype) -> nn.Module:
@@ -82,7 +119,7 @@ def load_hf_weights(model: Union[nn.Module, list[nn.Module]], directory: Path) -
 
     family, config = _hf_family(directory)
     if family != HF_FAMILY:  # per-expert HF tensors are stacked on load; not streamed into shards yet
-        raise ValueError(f"model.init_from: streaming a {family} Hugging Face directory into a sharded model is not "
+        raise CheckpointError(f"model.init_from: streaming a {family} Hugging Face directory into a sharded model is not "
                          f"supported yet; convert it first (`ember convert {directory} CKPT`) and use model.init_from=CKPT")
     hf = MODELS[HF_FAMILY].hf
     args = hf.args_from_hf_config(config)
@@ -101,7 +138,7 @@ def load_hf_weights(model: Union[nn.Module, list[nn.Module]], directory: Path) -
                         continue  # another pipeline stage's weight
                     full = hf.tensor_from_hf(ember_key, f.get_tensor(key), args)
                     if tuple(full.shape) != tuple(target.shape):
-                        raise ValueError(f"'{path}': {key} has shape {tuple(full.shape)} but this run's model has "
+                        raise CheckpointError(f"'{path}': {key} has shape {tuple(full.shape)} but this run's model has "
                                          f"{tuple(target.shape)} for {name}; match the model config to config.json")
                     if isinstance(target, DTensor):
                         shard = distribute_tensor(full.to(target.dtype), target.device_mesh, target.placements,
@@ -112,7 +149,7 @@ def load_hf_weights(model: Union[nn.Module, list[nn.Module]], directory: Path) -
                     loaded.add(name)
     missing = sorted(set(targets) - loaded)
     if missing:
-        raise ValueError(f"'{directory}' has no weight for {missing[0]} (and {len(missing) - 1} more)")
+        raise CheckpointError(f"'{directory}' has no weight for {missing[0]} (and {len(missing) - 1} more)")
 
 
 def load_weights(model: Union[nn.Module, list[nn.Module]], path: Union[str, Path]) -> Path:
@@ -121,13 +158,13 @@ def load_weights(model: Union[nn.Module, list[nn.Module]], path: Union[str, Path
     directory (config.json + safetensors). Returns the directory read."""
     path = Path(path)
     if not path.is_dir():
-        raise FileNotFoundError(f"model.init_from '{path}' does not exist; give a checkpoints/step-N, run or HF directory")
+        raise UserFileNotFound(f"model.init_from '{path}' does not exist; give a checkpoints/step-N, run or HF directory")
     if (path / "config.json").is_file() and not (path / MODEL_JSON).is_file():
         load_hf_weights(model, path)
         return path
     step_dir = path if (path / MODEL_JSON).is_file() else _newest_step_dir(path) if (path / "checkpoints").is_dir() else None
     if step_dir is None:
-        raise FileNotFoundError(f"'{path}' is neither an ember checkpoint (no {MODEL_JSON}) nor a run directory")
+        raise UserFileNotFound(f"'{path}' is neither an ember checkpoint (no {MODEL_JSON}) nor a run directory")
     state = model_state_dict(model)
     _quiet_dcp(dcp.load, {"model": state}, checkpoint_id=str(step_dir))
     return step_dir
@@ -191,19 +228,12 @@ def _newest_step_dir(run_dir: Path) -> Path:
     steps = [(int(m.group(1)), p) for p in (run_dir / "checkpoints").iterdir()
              if (m := re.fullmatch(r"step-(\d+)", p.name)) and (p / MODEL_JSON).is_file()]
     if not steps:
-        raise FileNotFoundError(f"'{run_dir / 'checkpoints'}' holds no complete checkpoint (expected step-N/{MODEL_JSON})")
+        raise UserFileNotFound(f"'{run_dir / 'checkpoints'}' holds no complete checkpoint (expected step-N/{MODEL_JSON})")
     return max(steps)[1]
 
 
 def _load_ember(step_dir: Path, device: Device, dtype: torch.dtype) -> nn.Module:
-    meta = _read_json(step_dir / MODEL_JSON)
-    family = meta.get("family")
-    if family not in MODELS:
-        raise ValueError(f"'{step_dir / MODEL_JSON}' names model family '{family}' (known: {', '.join(MODELS)})")
-    try:
-        args = MODELS[family].args_cls(**meta["args"])
-    except (KeyError, TypeError) as err:
-        raise ValueError(f"'{step_dir / MODEL_JSON}' has no valid 'args' for {family} ({err})") from None
+    family, args = args_from_meta(_read_json(step_dir / MODEL_JSON), step_dir / MODEL_JSON)
     model = _on_meta(family, args, dtype)
     model.to_empty(device=device)
     model.tie_weights()
@@ -223,17 +253,17 @@ def _hf_weight_files(directory: Path) -> list[Path]:
     if index.is_file():
         weight_map = _read_json(index).get("weight_map")
         if not isinstance(weight_map, dict):
-            raise ValueError(f"'{index}' has no 'weight_map'")
+            raise CheckpointError(f"'{index}' has no 'weight_map'")
         files = [directory / name for name in sorted(set(weight_map.values()))]
         missing = [f for f in files if not f.is_file()]
         if missing:
-            raise FileNotFoundError(f"'{missing[0]}' is missing (listed in '{index}')")
+            raise UserFileNotFound(f"'{missing[0]}' is missing (listed in '{index}')")
         return files
     if (directory / "model.safetensors").is_file():
         return [directory / "model.safetensors"]
     pickles = sorted(p.name for p in directory.glob("*.bin")) + sorted(p.name for p in directory.glob("*.pt*"))
     hint = f"; found {pickles[0]}, which ember does not unpickle: convert it to safetensors" if pickles else ""
-    raise FileNotFoundError(f"'{directory}' has no model.safetensors or model.safetensors.index.json{hint}")
+    raise UserFileNotFound(f"'{directory}' has no model.safetensors or model.safetensors.index.json{hint}")
 
 
 HF_FAMILIES = {"llama": HF_FAMILY, "mixtral": "mixtral", "gpt2": "gpt"}  # config.json model_type -> ember family
@@ -244,12 +274,12 @@ def _hf_family(directory: Path) -> tuple[str, dict[str, Any]]:
     config = _read_json(config_path)
     model_type = config.get("model_type")
     if model_type not in HF_FAMILIES:
-        raise ValueError(f"'{config_path}' describes model_type '{model_type}'; ember loads "
+        raise CheckpointError(f"'{config_path}' describes model_type '{model_type}'; ember loads "
                          f"{', '.join(HF_FAMILIES)} (LlamaForCausalLM, MixtralForCausalLM, GPT2LMHeadModel) models")
     expected = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "gpt2": "GPT2LMHeadModel"}[model_type]
     architectures = config.get("architectures") or [expected]
     if architectures != [expected]:
-        raise ValueError(f"'{config_path}' describes architectures {architectures}; ember loads {expected} "
+        raise CheckpointError(f"'{config_path}' describes architectures {architectures}; ember loads {expected} "
                          f"for model_type '{model_type}'")
     return HF_FAMILIES[model_type], config
 
@@ -262,7 +292,7 @@ def _load_hf(directory: Path, device: Device, dtype: torch.dtype) -> nn.Module:
     try:
         args = hf.args_from_hf_config(config)
     except (KeyError, ValueError) as err:
-        raise ValueError(f"'{directory / 'config.json'}': {err}") from None
+        raise CheckpointError(f"'{directory / 'config.json'}': {err}") from None
     hf_state = {}
     for path in _hf_weight_files(directory):  # tensor by tensor, straight to the target device and dtype
         with safe_open(str(path), framework="pt", device="cpu") as f:
@@ -271,14 +301,14 @@ def _load_hf(directory: Path, device: Device, dtype: torch.dtype) -> nn.Module:
     try:
         state = hf.from_hf_state_dict(hf_state, args)
     except KeyError as err:
-        raise ValueError(f"'{directory}': {err.args[0]}") from None
+        raise CheckpointError(f"'{directory}': {err.args[0]}") from None
     del hf_state
     model = _on_meta(family, args, dtype)
     try:  # assign: the loaded tensors become the parameters, so the meta model needs no to_empty
         model.load_state_dict(state, strict=True, assign=True)
     except RuntimeError as err:
         detail = " ".join(str(err).split())
-        raise ValueError(f"'{directory}': the weights do not fit config.json: {detail}") from None
+        raise CheckpointError(f"'{directory}': the weights do not fit config.json: {detail}") from None
     model.tie_weights()
     model.init_rope(torch.device(device))
     return model
@@ -295,9 +325,9 @@ def load_model(path: Union[str, Path], device: Device = "cpu", dtype: torch.dtyp
     path = Path(path)
     expected = f"an ember run or checkpoint directory ({MODEL_JSON}, checkpoints/step-N) or a HF model directory (config.json)"
     if not path.exists():
-        raise FileNotFoundError(f"'{path}' does not exist (expected {expected})")
+        raise UserFileNotFound(f"'{path}' does not exist (expected {expected})")
     if not path.is_dir():
-        raise ValueError(f"'{path}' is a file (expected {expected})")
+        raise CheckpointError(f"'{path}' is a file (expected {expected})")
     if (path / MODEL_JSON).is_file():
         model = _load_ember(path, device, dtype)
     elif (path / "checkpoints").is_dir():
@@ -305,7 +335,7 @@ def load_model(path: Union[str, Path], device: Device = "cpu", dtype: torch.dtyp
     elif (path / "config.json").is_file():
         model = _load_hf(path, device, dtype)
     else:
-        raise FileNotFoundError(f"'{path}' holds no model (expected {expected})")
+        raise UserFileNotFound(f"'{path}' holds no model (expected {expected})")
     return model.eval()
 
 
@@ -320,7 +350,7 @@ def detect_format(path: Path) -> str:
         return "ember"
     if (path / "config.json").is_file():
         return "hf"
-    raise FileNotFoundError(f"'{path}' is not a Hugging Face directory, an ember checkpoint or a torch.save file")
+    raise UserFileNotFound(f"'{path}' is not a Hugging Face directory, an ember checkpoint or a torch.save file")
 
 
 def _meta_of(model: nn.Module, flavor: str = "custom") -> dict[str, Any]:
@@ -333,12 +363,16 @@ def _load_torch_file(path: Path) -> nn.Module:
     try:  # weights_only: a checkpoint file is data; mmap: the tensors stay on disk until copied
         payload = torch.load(path, weights_only=True, mmap=True, map_location="cpu")
     except Exception as err:
-        raise ValueError(f"'{path}' is not a torch.save file ember can read safely ({str(err).splitlines()[0]})") from None
+        raise CheckpointError(f"'{path}' is not a torch.save file ember can read safely ({str(err).splitlines()[0]})") from None
     if not isinstance(payload, dict) or "model" not in payload or "ember" not in payload:
-        raise ValueError(f"'{path}' holds no {{'model': state_dict, 'ember': model.json}}; write it with ember convert")
-    meta = payload["ember"]
-    model = _on_meta(meta["family"], MODELS[meta["family"]].args_cls(**meta["args"]), torch.float32)
-    model.load_state_dict(payload["model"], strict=True, assign=True)
+        raise CheckpointError(f"'{path}' holds no {{'model': state_dict, 'ember': model.json}}; write it with ember convert")
+    family, args = args_from_meta(payload["ember"], path)
+    model = _on_meta(family, args, torch.float32)
+    try:
+        model.load_state_dict(payload["model"], strict=True, assign=True)
+    except RuntimeError as err:  # missing, unexpected or mis-shaped tensors: the message's first line says which
+        raise CheckpointError(f"'{path}': its weights do not fit its {family} description "
+                              f"({_first_error_line(err)})") from None
     model.tie_weights()
     model.init_rope(torch.device("cpu"))
     return model
@@ -350,12 +384,12 @@ def convert(src: Union[str, Path], dst: Union[str, Path], to: Optional[str] = No
     src, dst = Path(src), Path(dst)
     source = detect_format(src) if src.exists() else None
     if source is None:
-        raise FileNotFoundError(f"'{src}' does not exist")
+        raise UserFileNotFound(f"'{src}' does not exist")
     target = to or {"hf": "ember", "ember": "hf", "torch": "ember"}[source]
     if target not in ("hf", "ember", "torch"):
-        raise ValueError(f"--to {target}: choose hf, ember or torch")
+        raise CheckpointError(f"--to {target}: choose hf, ember or torch")
     if source == target:
-        raise ValueError(f"'{src}' is already in {target} format")
+        raise CheckpointError(f"'{src}' is already in {target} format")
     if source == "torch":
         model = _load_torch_file(src)
         meta = _meta_of(model)

@@ -23,6 +23,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from ember import config as config_lib
 from ember.checkpoint import CheckpointError, CheckpointManager, meta_for, rng_state, set_rng_state
 from ember.config import ConfigError, JobConfig
+from ember.errors import DataError
 from ember.data.loader import build_loader
 from ember.data.tokenizer import build_tokenizer
 from ember.hardware import peak_flops, raise_measured_peak
@@ -134,7 +135,7 @@ class Trainer:
         self.val_loader, self.val_note = None, None
         try:
             self.val_loader = build_loader(cfg.data, self.tokenizer, split="val", **loader_kwargs)
-        except ValueError as err:  # a held-out split too small for one batch: train without validation
+        except DataError as err:  # a held-out split too small for one batch: train without validation
             self.val_note = f"no validation: {err}"
 
         # 6. Metrics, health, checkpoints: resume restores weights, optimizer, schedule, data position and RNG.

@@ -22,3 +22,24 @@ def test_unknown_command_and_recipe_are_one_line_errors():
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "did you mean 'llama3-8b'" in proc.stderr
     assert _ember("train", "--help").returncode == 0
+
+
+def test_every_command_has_help():
+    for command in ("train", "recipes", "convert", "data"):
+        proc = _ember(command, "--help")
+        assert proc.returncode == 0 and "usage" in proc.stdout.lower(), (command, proc.stderr)
+
+
+def test_only_user_errors_are_one_line(tmp_path):
+    # A user's mistake (here a data path that does not exist) is one line; a bug (a ValueError from inside
+    # ember, simulated by a broken model class) keeps its traceback instead of being dressed as a user error.
+    proc = _ember("train", "data.dataset=" + str(tmp_path / "nowhere"), f"output_dir={tmp_path / 'o'}")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "does not exist" in proc.stderr
+    code = ("import sys, ember.models as m, ember.cli as c\n"
+            "class Broken:\n"
+            "    def __init__(self, args): raise ValueError('an internal bug')\n"
+            "import dataclasses; m.MODELS['llama3'] = dataclasses.replace(m.MODELS['llama3'], model_cls=Broken)\n"
+            "sys.exit(c.main(sys.argv[1:]))\n")
+    proc = subprocess.run([sys.executable, "-c", code, "train", "data.dataset=synthetic", f"output_dir={tmp_path / 'p'}"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "Traceback" in proc.stderr and "an internal bug" in proc.stderr

@@ -28,6 +28,7 @@ from ember.constants import IGNORE_INDEX
 from ember.data import packing, prepare, sources
 from ember.data.prefetch import Prefetcher
 from ember.data.tokenizer import Tokenizer
+from ember.errors import DataError
 
 
 @functools.lru_cache(maxsize=4)
@@ -207,7 +208,7 @@ class TokenLoader:
         skipped: Optional[list[str]] = None,
     ):
         if not 0 <= dp_rank < dp_world:
-            raise ValueError(f"dp_rank={dp_rank} must be in [0, dp_world={dp_world})")
+            raise DataError(f"dp_rank={dp_rank} must be in [0, dp_world={dp_world})")
         self.samples, self.name, self.split = samples, name, split
         self.micro_batch_size, self.dp_rank, self.dp_world, self.seed = micro_batch_size, dp_rank, dp_world, seed
         self.num_tokens, self.num_samples = num_tokens, samples.num_samples
@@ -293,7 +294,7 @@ def build_loader(
 ) -> TokenLoader:
     """The loader of one split ("train" or "val") of data_cfg.dataset for this data-parallel rank."""
     if seq_len <= 0 or micro_batch_size <= 0:
-        raise ValueError(f"seq_len={seq_len} and micro_batch_size={micro_batch_size} must be positive")
+        raise DataError(f"seq_len={seq_len} and micro_batch_size={micro_batch_size} must be positive")
     common = dict(
         split=split,
         micro_batch_size=micro_batch_size,
@@ -311,14 +312,14 @@ def build_loader(
     if data_cfg.dataset == sources.SYNTHETIC:
         vocab_size = vocab_size or (tokenizer.vocab_size if tokenizer else None)
         if not vocab_size:
-            raise ValueError("data.dataset=synthetic needs a vocab_size (the model's model.vocab_size)")
+            raise DataError("data.dataset=synthetic needs a vocab_size (the model's model.vocab_size)")
         samples = SyntheticSamples(vocab_size, seq_len, seed, split)
         return TokenLoader(samples, name="synthetic", **common)  # type: ignore[arg-type]
 
     if tokenizer is None:
-        raise ValueError(f"data.dataset '{data_cfg.dataset}' needs a tokenizer (build_tokenizer); got None")
+        raise DataError(f"data.dataset '{data_cfg.dataset}' needs a tokenizer (build_tokenizer); got None")
     if vocab_size is not None and tokenizer.vocab_size > vocab_size:
-        raise ValueError(
+        raise DataError(
             f"tokenizer {tokenizer.source} has {tokenizer.vocab_size} tokens but model.vocab_size={vocab_size}; "
             f"set model.vocab_size={tokenizer.vocab_size} or larger"
         )
@@ -333,7 +334,7 @@ def build_loader(
             rows = packing.pack(stream.tokens, seq_len)
             mask_rows = packing.pack(stream.loss_mask, seq_len) if stream.loss_mask is not None else None
             if len(rows) == 0:
-                raise ValueError(
+                raise DataError(
                     f"data.mixture[{i}] '{item.source}' ({split} split) has {len(stream.tokens):,} tokens, not one "
                     f"sample of seq_len+1={seq_len + 1}; lower seq_len, add data, or drop it from the mixture"
                 )
@@ -348,7 +349,7 @@ def build_loader(
     rows = packing.pack(stream.tokens, seq_len)
     needed = micro_batch_size * dp_world
     if len(rows) < needed:
-        raise ValueError(
+        raise DataError(
             f"{stream.name} ({split} split) has {len(stream.tokens):,} tokens: {len(rows)} sample(s) of "
             f"seq_len+1={seq_len + 1}, fewer than micro_batch_size x dp_world = {needed}; "
             "lower seq_len or micro_batch_size, or add data"

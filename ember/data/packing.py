@@ -8,7 +8,6 @@ is prepare.py's business, which builds on this module.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np

@@ -24,6 +24,7 @@ import numpy as np
 
 from ember.constants import default_cache_dir
 from ember.data import packing, sources
+from ember.errors import DataError
 
 MANIFEST = "manifest.json"
 FORMAT, VERSION = "ember-tokens", 1
@@ -89,9 +90,9 @@ def read_manifest(directory: Path) -> dict:
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"'{path}' is not a readable manifest ({err}); run `ember data prepare` again") from None
+        raise DataError(f"'{path}' is not a readable manifest ({err}); run `ember data prepare` again") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
-        raise ValueError(f"'{path}' is not an {FORMAT} v{VERSION} manifest; run `ember data prepare` again")
+        raise DataError(f"'{path}' is not an {FORMAT} v{VERSION} manifest; run `ember data prepare` again")
     return manifest
 
 
@@ -100,19 +101,19 @@ def load_prepared(directory: Path, split: str, tokenizer: Any) -> packing.TokenS
     manifest = read_manifest(directory)
     expected = manifest["tokenizer"]
     if expected["identity"] != tokenizer.identity:
-        raise ValueError(
+        raise DataError(
             f"'{directory}' was tokenized with {expected['source']} (identity {expected['identity']}), but this run "
             f"uses {tokenizer.source} (identity {tokenizer.identity}); set data.tokenizer to the same tokenizer "
             "or run `ember data prepare` again with this one"
         )
     info = manifest["splits"].get(split)
     if info is None:
-        raise ValueError(f"'{directory / MANIFEST}' has no '{split}' split; run `ember data prepare` again")
+        raise DataError(f"'{directory / MANIFEST}' has no '{split}' split; run `ember data prepare` again")
     path = directory / info["file"]
     dtype = np.dtype(info["dtype"])
     size = path.stat().st_size if path.is_file() else -1
     if size != info["num_tokens"] * dtype.itemsize:
-        raise ValueError(
+        raise DataError(
             f"'{path}' holds {max(size, 0)} bytes but the manifest says {info['num_tokens']} {dtype.name} tokens "
             f"({info['num_tokens'] * dtype.itemsize} bytes): the copy is incomplete; copy or prepare it again"
         )
@@ -121,7 +122,7 @@ def load_prepared(directory: Path, split: str, tokenizer: Any) -> packing.TokenS
     if info.get("mask_file"):
         mask_path = directory / info["mask_file"]
         if not mask_path.is_file() or mask_path.stat().st_size != info["num_tokens"]:
-            raise ValueError(f"'{mask_path}' is missing or not {info['num_tokens']} bytes; prepare the data again")
+            raise DataError(f"'{mask_path}' is missing or not {info['num_tokens']} bytes; prepare the data again")
         mask = np.memmap(mask_path, dtype=np.uint8, mode="r") if info["num_tokens"] else np.zeros(0, np.uint8)
     return packing.TokenStream(tokens, f"{directory} ({manifest['source']})", info["num_documents"],
                                info.get("skipped", []), loss_mask=mask)

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional, Union
 
+from ember.errors import DataError, UserFileNotFound
+
 EMBEDDED = "embedded"
 SYNTHETIC = "synthetic"
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet", ".arrow")
@@ -75,7 +77,7 @@ def split_keys(keys: list[str], val_fraction: float) -> dict[str, list[str]]:
     are two documents or more.
     """
     if not 0 <= val_fraction < 1:
-        raise ValueError(f"data.val_fraction must be in [0, 1), got {val_fraction}")
+        raise DataError(f"data.val_fraction must be in [0, 1), got {val_fraction}")
     hashes = {k: _unit_hash(k) for k in keys}
     val = {k for k in keys if hashes[k] < val_fraction}
     if val_fraction > 0 and not val and len(keys) >= 2:
@@ -85,7 +87,7 @@ def split_keys(keys: list[str], val_fraction: float) -> dict[str, list[str]]:
 
 def _check_split(split: str) -> None:
     if split not in SPLITS:
-        raise ValueError(f"unknown split '{split}'; use one of {', '.join(SPLITS)}")
+        raise DataError(f"unknown split '{split}'; use one of {', '.join(SPLITS)}")
 
 
 def read_utf8(path: Path) -> Optional[str]:
@@ -138,7 +140,7 @@ def load_embedded(split: str, val_fraction: float) -> Documents:
         elif text:
             docs.texts.append(text)
     if not docs.texts:
-        raise ValueError(f"{docs.name} has no readable .py files in its {split} split; use data.dataset=synthetic")
+        raise DataError(f"{docs.name} has no readable .py files in its {split} split; use data.dataset=synthetic")
     return docs
 
 
@@ -153,11 +155,11 @@ def local_files(spec: str, suffixes: tuple[str, ...] = LOCAL_SUFFIXES) -> Option
     if _is_glob(spec):
         files = [Path(p) for p in sorted(glob.glob(str(path), recursive=True)) if Path(p).is_file()]
         if not files:
-            raise FileNotFoundError(f"data.dataset glob '{spec}' matches no files; check the pattern")
+            raise UserFileNotFound(f"data.dataset glob '{spec}' matches no files; check the pattern")
     elif path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in suffixes)
         if not files:
-            raise ValueError(
+            raise DataError(
                 f"data.dataset folder '{spec}' holds no {'/'.join(suffixes)} files; add some or point elsewhere"
             )
     elif path.is_file():
@@ -166,7 +168,7 @@ def local_files(spec: str, suffixes: tuple[str, ...] = LOCAL_SUFFIXES) -> Option
         return None
     for f in files:
         if f.suffix not in suffixes:
-            raise ValueError(f"data.dataset file '{f}' is not one of {'/'.join(suffixes)}; convert or rename it")
+            raise DataError(f"data.dataset file '{f}' is not one of {'/'.join(suffixes)}; convert or rename it")
     return files
 
 
@@ -178,10 +180,10 @@ def _looks_like_path(spec: str) -> bool:
 def _field(row: Any, text_field: str, where: str) -> str:
     if not isinstance(row, dict) or text_field not in row:
         keys = ", ".join(map(str, row)) if isinstance(row, dict) else type(row).__name__
-        raise ValueError(f"{where} has no '{text_field}' field (it has: {keys}); set data.text_field to the text column")
+        raise DataError(f"{where} has no '{text_field}' field (it has: {keys}); set data.text_field to the text column")
     text = row[text_field]
     if not isinstance(text, str):
-        raise ValueError(f"{where} field '{text_field}' is {type(text).__name__}, not text; set data.text_field")
+        raise DataError(f"{where} field '{text_field}' is {type(text).__name__}, not text; set data.text_field")
     return text
 
 
@@ -201,13 +203,13 @@ def _json_rows(path: Path, text: str, text_field: str, prompt_field: Optional[st
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as err:
-                raise ValueError(f"{path} line {lineno} is not valid JSON ({err.msg}); fix or remove that line") from None
+                raise DataError(f"{path} line {lineno} is not valid JSON ({err.msg}); fix or remove that line") from None
             yield _row(row, text_field, prompt_field, f"{path} line {lineno}")
         return
     try:
         data = json.loads(text)
     except json.JSONDecodeError as err:
-        raise ValueError(f"{path} is not valid JSON ({err.msg} at line {err.lineno}); fix the file") from None
+        raise DataError(f"{path} is not valid JSON ({err.msg} at line {err.lineno}); fix the file") from None
     rows = data if isinstance(data, list) else [data]
     for i, row in enumerate(rows):
         yield _row(row, text_field, prompt_field, f"{path} item {i}")
@@ -221,10 +223,10 @@ def _table_rows(path: Path, text_field: str, prompt_field: Optional[str] = None)
         table = datasets.load_dataset(builder, data_files=[str(path)], split="train")
     except Exception as err:
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise ValueError(f"{path} is not a readable {builder} file ({first}); fix or remove it") from None
+        raise DataError(f"{path} is not a readable {builder} file ({first}); fix or remove it") from None
     for name, key in ((text_field, "text_field"), (prompt_field, "prompt_field")):
         if name is not None and name not in table.column_names:
-            raise ValueError(
+            raise DataError(
                 f"{path} has no '{name}' column (it has: {', '.join(table.column_names)}); set data.{key}"
             )
     if prompt_field is None:
@@ -241,7 +243,7 @@ def _local_documents(spec: str, files: list[Path], text_field: str,
     base = Path(os.path.commonpath([f.parent.resolve() for f in files]))
     for path in files:
         if path.suffix == ".txt" and prompt_field is not None:
-            raise ValueError(f"{path} is plain text, but data.prompt_field is set: SFT data needs rows with a "
+            raise DataError(f"{path} is plain text, but data.prompt_field is set: SFT data needs rows with a "
                              f"'{prompt_field}' and a '{text_field}' field (jsonl, json, parquet, arrow)")
         if path.suffix in (".parquet", ".arrow"):
             rows: Iterable[Row] = _table_rows(path, text_field, prompt_field)
@@ -257,7 +259,7 @@ def _local_documents(spec: str, files: list[Path], text_field: str,
                 docs[f"{path.resolve().relative_to(base).as_posix()}:{i}"] = row
     if not docs:
         why = f"{len(skipped)} of its files are not UTF-8 text (convert them)" if skipped else "it is empty (add text)"
-        raise ValueError(f"data.dataset '{spec}' yields no documents: {why}")
+        raise DataError(f"data.dataset '{spec}' yields no documents: {why}")
     return docs, skipped
 
 
@@ -273,7 +275,7 @@ def load_local(spec: str, files: list[Path], text_field: str, split: str, val_fr
     docs, skipped = _local_documents(spec, files, text_field, prompt_field)
     keys = split_keys(list(docs), val_fraction)[split]
     if not keys:
-        raise ValueError(
+        raise DataError(
             f"data.dataset '{spec}' has {len(docs)} document(s), too few to hold one out for the {split} split "
             f"(data.val_fraction={val_fraction}); add documents"
         )
@@ -285,7 +287,7 @@ def _import_datasets(purpose: str) -> Any:
     try:
         import datasets  # lazy: an optional dependency, and slow to import
     except ImportError:
-        raise ValueError(f"{purpose} needs the `datasets` library; run `pip install datasets`") from None
+        raise DataError(f"{purpose} needs the `datasets` library; run `pip install datasets`") from None
     return datasets
 
 
@@ -300,10 +302,10 @@ def load_hub(name: str, config: Optional[str], hf_split: str, text_field: str, s
         table = datasets.load_dataset(name, config, split=hf_split)
     except Exception as err:  # network, auth, unknown name or config: all user-fixable, all one line
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise ValueError(f"cannot load data.dataset '{name}' from the Hugging Face hub: {first}") from None
+        raise DataError(f"cannot load data.dataset '{name}' from the Hugging Face hub: {first}") from None
     for column, key in ((text_field, "text_field"), (prompt_field, "prompt_field")):
         if column is not None and column not in table.column_names:
-            raise ValueError(
+            raise DataError(
                 f"hub dataset '{name}' has no '{column}' column (it has: {', '.join(table.column_names)}); "
                 f"set data.{key}"
             )
@@ -320,7 +322,7 @@ def load_documents(data_cfg: Any, split: str = "train") -> Documents:
     """The documents of `split` ("train" or "val") of the source that data_cfg.dataset names."""
     spec = data_cfg.dataset
     if spec == SYNTHETIC:
-        raise ValueError("data.dataset=synthetic has no documents; it makes random tokens in the loader")
+        raise DataError("data.dataset=synthetic has no documents; it makes random tokens in the loader")
     if spec == EMBEDDED:
         return load_embedded(split, data_cfg.val_fraction)
     prompt_field = getattr(data_cfg, "prompt_field", None)
@@ -328,7 +330,7 @@ def load_documents(data_cfg: Any, split: str = "train") -> Documents:
     if files is not None:
         return load_local(spec, files, data_cfg.text_field, split, data_cfg.val_fraction, prompt_field)
     if _looks_like_path(spec):
-        raise FileNotFoundError(f"data.dataset path '{spec}' does not exist; check the path")
+        raise UserFileNotFound(f"data.dataset path '{spec}' does not exist; check the path")
     return load_hub(spec, data_cfg.config, data_cfg.split, data_cfg.text_field, split, data_cfg.val_fraction,
                     prompt_field)
 

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import copy
 import hashlib
-from pathlib import Path
 from typing import Any, Callable, Optional
 
-import numpy as np
 import torch
 
 from ember.data import sources
 from ember.data.prefetch import Prefetcher
+from ember.errors import DataError
 
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".arrow": "arrow"}
 
@@ -41,19 +40,19 @@ def open_stream(data_cfg: Any, split: str, dp_rank: int, dp_world: int) -> tuple
 
     hf_split = data_cfg.split if split == "train" else data_cfg.val_split
     if hf_split is None:
-        raise ValueError("a streamed source has no held-out split unless data.val_split names one (e.g. validation)")
+        raise DataError("a streamed source has no held-out split unless data.val_split names one (e.g. validation)")
     spec = data_cfg.dataset
     files = sources.local_files(spec, suffixes=tuple(BUILDERS))
     try:
         if files is not None:
             kinds = {BUILDERS[f.suffix] for f in files}
             if len(kinds) > 1:
-                raise ValueError(f"data.dataset '{spec}' mixes file types ({', '.join(sorted(kinds))}); stream one kind, "
+                raise DataError(f"data.dataset '{spec}' mixes file types ({', '.join(sorted(kinds))}); stream one kind, "
                                  "or use data.mixture")
             builder = kinds.pop()
             extra = {"sample_by": "document"} if builder == "text" else {}  # a .txt file is one document
             if split == "val":
-                raise ValueError("local files have no held-out split when streamed; set data.val_split=null")
+                raise DataError("local files have no held-out split when streamed; set data.val_split=null")
             ds = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", streaming=True, **extra)
             name = spec
         else:
@@ -63,7 +62,7 @@ def open_stream(data_cfg: Any, split: str, dp_rank: int, dp_world: int) -> tuple
         raise
     except Exception as err:  # network, auth, unknown name or config: all user-fixable, all one line
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise ValueError(f"cannot stream data.dataset '{spec}': {first}") from None
+        raise DataError(f"cannot stream data.dataset '{spec}': {first}") from None
     if dp_world > 1:
         ds = split_dataset_by_node(ds, rank=dp_rank, world_size=dp_world)
     return ds, name
@@ -98,7 +97,7 @@ class StreamReader:
         text = row.get(self.text_field) if isinstance(row, dict) else None
         if not isinstance(text, str) or not text:
             if isinstance(row, dict) and self.text_field not in row and not self.carry and not self.buffer:
-                raise ValueError(f"{self.name} has no '{self.text_field}' field (it has: {', '.join(row)}); "
+                raise DataError(f"{self.name} has no '{self.text_field}' field (it has: {', '.join(row)}); "
                                  "set data.text_field to the text column")
             self.skipped += 1
             return None
@@ -132,7 +131,7 @@ class StreamReader:
                 self.epoch, self.draws = self.epoch + 1, 0
                 self.dataset.set_epoch(self.epoch)
                 self._iter = None
-        raise ValueError(f"{self.name} yields no documents with text in '{self.text_field}'; check data.dataset")
+        raise DataError(f"{self.name} yields no documents with text in '{self.text_field}'; check data.dataset")
 
     def next_rows(self) -> torch.Tensor:
         need = self.mb * self.row
@@ -203,7 +202,7 @@ class StreamLoader:
 def build_stream_loader(data_cfg: Any, tokenizer: Any, *, split: str, seq_len: int, micro_batch_size: int,
                         dp_rank: int, dp_world: int, seed: int) -> StreamLoader:
     if tokenizer is None:
-        raise ValueError("data.streaming=true needs a tokenizer")
+        raise DataError("data.streaming=true needs a tokenizer")
     # Opened once here so that a bad name, path or split fails at start, not in the prefetch thread.
     dataset, name = open_stream(data_cfg, split, dp_rank, dp_world)
 

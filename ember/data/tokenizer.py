@@ -24,6 +24,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from ember.constants import default_cache_dir
 from ember.data import sources
+from ember.errors import DataError, UserFileNotFound
 
 BOS, EOS, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"
 # Special tokens of common tokenizer.json files, most specific first (Llama 3, Llama 2/Mistral, GPT-2/NeoX).
@@ -48,7 +49,7 @@ class Tokenizer:
         self.eos_id = self._find(special.get("eos_token"), EOS_CANDIDATES)
         self.pad_id = self._find(special.get("pad_token"), PAD_CANDIDATES)
         if self.eos_id is None:
-            raise ValueError(
+            raise DataError(
                 f"tokenizer {source} has no end-of-text token (looked for {', '.join(EOS_CANDIDATES)}); "
                 "add one as a special token, or set eos_token in a tokenizer_config.json beside it"
             )
@@ -143,11 +144,11 @@ class SentencePieceTokenizer:
             self.sp = spm.SentencePieceProcessor(model_file=str(path))
         except Exception as err:
             first = str(err).splitlines()[0] if str(err) else type(err).__name__
-            raise ValueError(f"data.tokenizer '{path}' is not a valid SentencePiece model ({first}); re-export it") from None
+            raise DataError(f"data.tokenizer '{path}' is not a valid SentencePiece model ({first}); re-export it") from None
         self.vocab_size = self.sp.get_piece_size()
         self.bos_id = self.sp.bos_id() if self.sp.bos_id() >= 0 else None
         if self.sp.eos_id() < 0:
-            raise ValueError(f"SentencePiece model {path} has no end-of-sentence id (eos_id=-1); retrain it with one")
+            raise DataError(f"SentencePiece model {path} has no end-of-sentence id (eos_id=-1); retrain it with one")
         self.eos_id = self.sp.eos_id()
         self.pad_id = self.sp.pad_id() if self.sp.pad_id() >= 0 else self.eos_id
         self.identity = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
@@ -188,7 +189,7 @@ class TiktokenTokenizer:
             ranks = load_tiktoken_bpe(str(path))
         except Exception as err:
             first = str(err).splitlines()[0] if str(err) else type(err).__name__
-            raise ValueError(f"data.tokenizer '{path}' is not a valid tiktoken BPE file ({first})") from None
+            raise DataError(f"data.tokenizer '{path}' is not a valid tiktoken BPE file ({first})") from None
         specials = list(LLAMA3_NAMED_SPECIAL) + [
             f"<|reserved_special_token_{i}|>" for i in range(5, LLAMA3_NUM_SPECIAL - 5)
         ]
@@ -240,7 +241,7 @@ def load_tokenizer(spec: str) -> AnyTokenizer:
         found = [path / n for n in ("tokenizer.json", "tokenizer.model") if (path / n).is_file()]
         path = found[0] if found else path / "tokenizer.json"
     if not path.is_file():
-        raise FileNotFoundError(
+        raise UserFileNotFound(
             f"data.tokenizer '{spec}' not found: expected a tokenizer.json, a SentencePiece .model, a tiktoken "
             "BPE file, or a folder containing one; fix the path or unset data.tokenizer to use the embedded BPE"
         )
@@ -254,7 +255,7 @@ def _load_hf_tokenizer(path: Path) -> Tokenizer:
         tok = tokenizers.Tokenizer.from_file(str(path))
     except Exception as err:
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise ValueError(f"data.tokenizer '{path}' is not a valid HF tokenizer.json ({first}); re-export it") from None
+        raise DataError(f"data.tokenizer '{path}' is not a valid HF tokenizer.json ({first}); re-export it") from None
     special: dict[str, str] = {}
     config_path = path.parent / "tokenizer_config.json"
     if config_path.is_file():
@@ -277,7 +278,7 @@ def build_tokenizer(data_cfg: Any, vocab_size: int, cache_dir: Optional[Path] = 
     else:
         tok = load_tokenizer(data_cfg.tokenizer)
     if tok.vocab_size > vocab_size:
-        raise ValueError(
+        raise DataError(
             f"tokenizer {tok.source} has {tok.vocab_size} tokens but model.vocab_size={vocab_size}; "
             f"set model.vocab_size={tok.vocab_size} or larger"
         )

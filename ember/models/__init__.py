@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable
 
+from ember.errors import ConfigError
 from ember.models import glam, gpt, llama, mixtral
 
 
@@ -44,20 +45,20 @@ MODELS["glam"] = ModelSpec("glam", glam.FLAVORS, glam.Transformer, glam.GlamArgs
 def build_model_args(family: str, flavor: str, overrides: dict[str, Any] | None = None) -> Any:
     """The flavor's hyper-parameters with the user's `model.<field>` overrides (None: keep) applied."""
     if family not in MODELS:
-        raise ValueError(f"unknown model.family '{family}' (choose from {', '.join(MODELS)})")
+        raise ConfigError(f"unknown model.family '{family}' (choose from {', '.join(MODELS)})")
     spec = MODELS[family]
     if flavor not in spec.flavors:
-        raise ValueError(f"unknown model.flavor '{flavor}' for family '{family}' "
+        raise ConfigError(f"unknown model.flavor '{flavor}' for family '{family}' "
                          f"(choose from {', '.join(spec.flavors)})")
     keys = getattr(spec.args_cls, "CONFIG_KEYS", {})  # config key -> field, where they differ
     fields = {f.name for f in dataclasses.fields(spec.args_cls)} - set(keys.values()) | set(keys)
     overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
     unknown = sorted(set(overrides) - fields)
     if unknown:
-        raise ValueError(f"model.{unknown[0]} is not a hyper-parameter of {family} (fields: {', '.join(sorted(fields))})")
+        raise ConfigError(f"model.{unknown[0]} is not a hyper-parameter of {family} (fields: {', '.join(sorted(fields))})")
     overrides = {keys.get(k, k): v for k, v in overrides.items()}
     args = dataclasses.replace(spec.flavors[flavor], **overrides)
     if args.dim % args.n_heads or args.n_heads % args.kv_heads or args.head_dim % 2:
-        raise ValueError(f"model.dim={args.dim} must split into model.n_heads={args.n_heads} heads of even size, "
+        raise ConfigError(f"model.dim={args.dim} must split into model.n_heads={args.n_heads} heads of even size, "
                          f"and n_heads must be a multiple of model.n_kv_heads={args.kv_heads}")
     return args

@@ -77,3 +77,24 @@ def test_training_starts_from_an_hf_directory(tmp_path: Path):
                                     f"output_dir={tmp_path / 'out2'}"])
     with pytest.raises(ValueError, match=r"has shape \(512, 256\) but this run's model has \(1024, 256\)"):
         Trainer(bad)
+
+
+@pytest.mark.parametrize("meta, message", [
+    ({"family": "nope", "flavor": "x", "args": {}}, "names model family 'nope', which ember does not know"),
+    ({"family": "llama3", "flavor": "debug", "args": {"dim": 64, "bogus": 1}}, "'bogus' is not a hyper-parameter"),
+    ({"family": "llama3", "flavor": "debug", "args": {"dim": 64}}, "hyper-parameter 'n_layers' is missing"),
+    ({"family": "llama3", "flavor": "debug", "args": {"dim": [64]}}, "'dim' = [64] is not a number"),
+    ({"flavor": "debug"}, "has no model description"),
+])
+def test_a_file_with_bad_model_metadata_is_one_line(tmp_path: Path, meta: dict, message: str):
+    # Metadata is read from disk: an unknown family or hyper-parameter used to end in a KeyError/TypeError
+    # traceback.
+    torch.save({"model": {}, "ember": meta}, tmp_path / "odd.pt")
+    proc = _convert(str(tmp_path / "odd.pt"), str(tmp_path / "out"))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
+    model = _model("llama3")
+    good = {"family": "llama3", "flavor": "debug", "args": {**model.args.__dict__}}
+    torch.save({"model": {"tok_embeddings.weight": torch.zeros(3)}, "ember": good}, tmp_path / "short.pt")
+    proc = _convert(str(tmp_path / "short.pt"), str(tmp_path / "out2"))
+    assert proc.returncode == 2 and "its weights do not fit its llama3 description" in proc.stderr, proc.stderr

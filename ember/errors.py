@@ -1,0 +1,28 @@
+"""The errors ember raises for a mistake in what the user gave it (config, data, files, checkpoints).
+
+Each message names the problem and the fix in one line; the CLI prints an EmberError as `error: ...` and
+exits with 2, and lets every other exception (a bug) show its traceback. Each class also derives from the
+built-in a caller would catch for it (ValueError, FileNotFoundError).
+"""
+
+from __future__ import annotations
+
+
+class EmberError(Exception):
+    """A user-facing error: one line, naming the problem and the fix."""
+
+
+class ConfigError(EmberError, ValueError):
+    """A config key, value or combination that cannot work."""
+
+
+class DataError(EmberError, ValueError):
+    """Data or a tokenizer that cannot be read or used (empty, not UTF-8, a missing field, too small)."""
+
+
+class CheckpointError(EmberError, ValueError):
+    """A checkpoint or model file that is corrupt, incomplete, or does not fit the run."""
+
+
+class UserFileNotFound(EmberError, FileNotFoundError):
+    """A path the user gave does not exist or holds nothing ember can read."""
