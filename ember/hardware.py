@@ -23,6 +23,7 @@ from typing import Iterator, Optional
 import torch
 
 from ember.constants import default_cache_dir
+from ember.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,29 @@ _NAME_PATTERNS: list[tuple[str, DeviceSpec]] = [
     (r"V6E|V6 ?LITE|TRILLIUM", TPU_V6E),  # "TPU v6 lite"
     (r"V5P|TPU V5\b", TPU_V5P),  # "TPU v5"
 ]
+
+
+def pick_device(name: str) -> torch.device:
+    """The `device` key's device; on CUDA, this process's GPU (LOCAL_RANK, as torchrun sets it)."""
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device=cuda but no CUDA device is visible; use device=cpu or device=auto")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device(name)
+
+
+def pick_compute_dtype(precision: str, device: torch.device) -> torch.dtype:
+    """bf16 autocast where the device runs it fast (CUDA with bf16 support), fp32 on CPU by default."""
+    if precision == "fp32":
+        return torch.float32
+    if precision == "bf16":
+        if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            raise ConfigError("precision=bf16 but this GPU has no bf16 support; use precision=fp32")
+        return torch.bfloat16
+    bf16_ok = device.type == "cuda" and torch.cuda.is_bf16_supported()
+    return torch.bfloat16 if bf16_ok else torch.float32
 
 
 def match_device(name: str) -> Optional[DeviceSpec]:

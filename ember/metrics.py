@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 import torch
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 GIB = 2**30  # "GB" in ember's metrics is GiB: the unit of the vendors' "80GB" of HBM (ember.hardware)
 
@@ -30,6 +31,37 @@ def mfu(tokens_per_s_per_device: float, flops_per_token: float, peak_flops: Opti
     if peak_flops is None or peak_flops <= 0:
         return None
     return tokens_per_s_per_device * flops_per_token / peak_flops
+
+
+def progress_bar(console: Console, enabled: bool) -> Progress:
+    """The training progress bar: steps done of max_steps, the latest loss, elapsed time and ETA."""
+    return Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"),
+                    TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), console=console,
+                    disable=not enabled, transient=False)
+
+
+def throughput_record(*, step: int, loss: float, lr: float, grad_norm: float, window_time: float, window_steps: int,
+                      window_loss: float, window_data_wait: float, tokens_per_step: int, world_size: int,
+                      flops_per_token: float, peak_flops: Optional[float], device: torch.device) -> dict[str, Any]:
+    """The metrics.jsonl record of a logging step: the `window_*` sums cover the good steps since the last
+    record (their wall time, count, summed loss, and time spent waiting for data)."""
+    tokens_per_s = tokens_per_step * window_steps / window_time
+    per_device = tokens_per_s / world_size
+    return {
+        "step": step,
+        "loss": loss,
+        "loss_avg": window_loss / window_steps,
+        "lr": lr,
+        "grad_norm": grad_norm,
+        "tokens_per_s": tokens_per_s,
+        "tokens_per_s_per_device": per_device,
+        "step_time_s": window_time / window_steps,
+        "tflops_per_device": per_device * flops_per_token / 1e12,
+        "mfu": mfu(per_device, flops_per_token, peak_flops),
+        "memory_gb": peak_memory_gb(device),
+        "tokens_seen": step * tokens_per_step,
+        "data_wait_frac": window_data_wait / window_time,  # share of step time spent waiting for data
+    }
 
 
 def peak_memory_gb(device: torch.device) -> float:

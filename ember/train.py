@@ -18,7 +18,6 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from ember import config as config_lib
 from ember.checkpoint import CheckpointError, CheckpointManager, meta_for, rng_state, set_rng_state
@@ -26,10 +25,10 @@ from ember.config import ConfigError, JobConfig
 from ember.errors import DataError
 from ember.data.loader import build_loader
 from ember.data.tokenizer import build_tokenizer
-from ember.hardware import peak_flops, raise_measured_peak
+from ember.hardware import peak_flops, pick_compute_dtype, pick_device, raise_measured_peak
 from ember.health import HealthGuard, StopSignals, TrainingStopped
 from ember.load import load_weights
-from ember.metrics import MetricsLogger, mfu, peak_memory_gb
+from ember.metrics import MetricsLogger, progress_bar, throughput_record
 from ember.models import MODELS, build_model_args
 from ember.nn import moe as moe_lib
 from ember.nn.loss import output_chunks
@@ -42,26 +41,6 @@ from ember.step import Batch, ForwardBackward
 __all__ = ["Trainer", "TrainingStopped", "run"]
 
 
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device=cuda but no CUDA device is visible; use device=cpu or device=auto")
-    return torch.device(name)
-
-
-def pick_compute_dtype(precision: str, device: torch.device) -> torch.dtype:
-    """bf16 autocast where the device runs it fast (CUDA with bf16 support), fp32 on CPU by default."""
-    if precision == "fp32":
-        return torch.float32
-    if precision == "bf16":
-        if device.type == "cuda" and not torch.cuda.is_bf16_supported():
-            raise ConfigError("precision=bf16 but this GPU has no bf16 support; use precision=fp32")
-        return torch.bfloat16
-    bf16_ok = device.type == "cuda" and torch.cuda.is_bf16_supported()
-    return torch.bfloat16 if bf16_ok else torch.float32
-
-
 class Trainer:
     """Owns the model, optimizer, data and metrics of one run, on one process or as one rank of many."""
 
@@ -72,8 +51,6 @@ class Trainer:
         self.rank, self.world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
         self.is_main = self.rank == 0
         self.device = pick_device(cfg.device)
-        if self.device.type == "cuda" and self.world_size > 1:
-            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         self.compute_dtype = pick_compute_dtype(cfg.precision, self.device)
         self.output_dir = Path(cfg.output_dir)
 
@@ -260,10 +237,7 @@ class Trainer:
         window = {"time": 0.0, "steps": 0, "loss": 0.0, "data": 0.0}
         first: Optional[tuple[int, float]] = None  # (step, loss) of this run's first good step
         batches = self.global_batches()
-        progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                            TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn(), TextColumn("eta"),
-                            TimeRemainingColumn(), console=self.console,
-                            disable=not (self.is_main and cfg.metrics.console), transient=False)
+        progress = progress_bar(self.console, enabled=self.is_main and cfg.metrics.console)
         if self.step >= cfg.max_steps and self.step > 0:
             self._say(f"already at step {self.step} of max_steps={cfg.max_steps}: nothing to train "
                       "(raise max_steps to continue, or resume=none to start over)")
@@ -345,28 +319,17 @@ class Trainer:
 
     def _metrics_record(self, loss: float, lr: float, grad_norm: float, window: dict, tokens_per_step: int) -> dict:
         """The metrics.jsonl record of a logging step (window: time, steps, loss and data wait since the last)."""
-        tokens_per_s = tokens_per_step * window["steps"] / window["time"]
-        per_device = tokens_per_s / self.world_size
-        peak = raise_measured_peak(self.peak, per_device * self.flops_per_token)
+        achieved = tokens_per_step * window["steps"] / window["time"] / self.world_size * self.flops_per_token
+        peak = raise_measured_peak(self.peak, achieved)
         if peak != self.peak:
             self._say(f"note: this run beat the measured CPU matmul peak; MFU is now against "
                       f"{peak.value_flops / 1e12:.3f} TFLOP/s, the best rate seen ({peak.source})")
             self.peak = peak
-        record = {
-            "step": self.step,
-            "loss": loss,
-            "loss_avg": window["loss"] / window["steps"],
-            "lr": lr,
-            "grad_norm": grad_norm,
-            "tokens_per_s": tokens_per_s,
-            "tokens_per_s_per_device": per_device,
-            "step_time_s": window["time"] / window["steps"],
-            "tflops_per_device": per_device * self.flops_per_token / 1e12,
-            "mfu": mfu(per_device, self.flops_per_token, self.peak.value_flops),
-            "memory_gb": peak_memory_gb(self.device),
-            "tokens_seen": self.step * tokens_per_step,
-            "data_wait_frac": window["data"] / window["time"],  # share of step time spent waiting for data
-        }
+        record = throughput_record(
+            step=self.step, loss=loss, lr=lr, grad_norm=grad_norm, window_time=window["time"],
+            window_steps=window["steps"], window_loss=window["loss"], window_data_wait=window["data"],
+            tokens_per_step=tokens_per_step, world_size=self.world_size, flops_per_token=self.flops_per_token,
+            peak_flops=self.peak.value_flops, device=self.device)
         if self.n_experts:  # MoE: router losses, and the load of every expert of every layer over the window
             record.update(moe_lib.collect_moe_metrics(self.model_parts, self.model_args.n_layers, self.n_experts,
                                                       self.forward_backward.all_sum, self.device))
