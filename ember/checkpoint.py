@@ -21,6 +21,7 @@ import json
 import os
 import re
 import shutil
+import time
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -210,9 +211,13 @@ class CheckpointManager:
             for i, path in enumerate(candidates):
                 try:
                     return self.load(path)
+                except ArchitectureMismatch:
+                    raise  # every checkpoint of the run has that architecture: no older one fits better
                 except CheckpointError as err:
-                    older = f"falling back to {candidates[i + 1].name}" if i + 1 < len(candidates) else "starting from scratch"
-                    self.say(f"warning: {err}; {older}")
+                    if i + 1 == len(candidates):  # never train from scratch over checkpoints left unused
+                        raise CheckpointError(f"{err}; no checkpoint in {self.dir} can be resumed: fix or remove "
+                                              "them, or start over with resume=none (which moves them aside)") from None
+                    self.say(f"warning: {err}; falling back to {candidates[i + 1].name}")
             # get_optimizer_state_dict initialised the optimizer with a zero step (Adam's step count 1);
             # a run from scratch must start from an empty state, as one that never tried to resume.
             self.optimizer.state.clear()
@@ -229,6 +234,7 @@ class CheckpointManager:
         return self.load(path)
 
     def load(self, step_dir: Path) -> dict[str, Any]:
+        check_architecture(step_dir, self.meta)
         state = self._state()
         verify(step_dir, state)
         with warnings.catch_warnings():
@@ -247,6 +253,59 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint {step_dir}: {rank_file.name} is unreadable ({_first_line(err)})") from None
         self.say(f"resumed from {step_dir} (step {train_state['step']})")
         return train_state
+
+
+class ArchitectureMismatch(CheckpointError):
+    """A checkpoint of another model than the run's (layers, sizes, RoPE, family...)."""
+
+
+def architecture_differences(saved: dict[str, Any], run: dict[str, Any]) -> list[str]:
+    """'key: checkpoint X, this run Y' for each hyper-parameter (and the family) that differs."""
+    diffs = []
+    if saved.get("family") != run.get("family"):
+        diffs.append(f"model.family: checkpoint {saved.get('family')}, this run {run.get('family')}")
+    saved_args, run_args = saved.get("args") or {}, run.get("args") or {}
+    for key in sorted(set(saved_args) | set(run_args)):
+        if saved_args.get(key) != run_args.get(key):
+            diffs.append(f"{key}: checkpoint {saved_args.get(key)}, this run {run_args.get(key)}")
+    return diffs
+
+
+def check_architecture(step_dir: Path, meta: dict[str, Any]) -> None:
+    """Refuse a checkpoint whose model.json describes another architecture than the run's `meta`: loading it
+    would drop layers silently, or keep a changed RoPE base with weights trained for the old one."""
+    try:
+        saved = json.loads((step_dir / MODEL_JSON).read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"checkpoint {step_dir}: {MODEL_JSON} cannot be read ({_first_line(err)})") from None
+    diffs = architecture_differences(saved if isinstance(saved, dict) else {}, meta)
+    if diffs:
+        more = f" (and {len(diffs) - 3} more)" if len(diffs) > 3 else ""
+        raise ArchitectureMismatch(
+            f"checkpoint {step_dir} is of another model: {'; '.join(diffs[:3])}{more}. Resume with the same "
+            "model config, or start over with resume=none (the old run is moved aside) or a new output_dir")
+
+
+def archive_previous_run(output_dir: Path, say: Callable[[str], None]) -> Optional[Path]:
+    """Move another run's checkpoints, metrics and TensorBoard events out of `output_dir` into
+    `output_dir/previous-<time>/`, so a run started over never mixes with it (and nothing is deleted).
+    Rank 0 moves; every rank waits for it. Returns the folder, or None if there was nothing to move."""
+    names = ("checkpoints", "metrics.jsonl", "tb", "config.yaml")
+    present = [output_dir / n for n in names if (output_dir / n).exists()]
+    target: Optional[Path] = None
+    if present and any(p.name != "config.yaml" for p in present):
+        target = output_dir / time.strftime("previous-%Y%m%d-%H%M%S")
+        if _rank() == 0:
+            suffix = 1
+            while target.exists():
+                target, suffix = output_dir / time.strftime(f"previous-%Y%m%d-%H%M%S-{suffix}"), suffix + 1
+            target.mkdir(parents=True)
+            for path in present:
+                os.replace(path, target / path.name)
+            say(f"started over (resume=none): the previous run's {', '.join(p.name for p in present)} "
+                f"moved to {target}")
+    _barrier()
+    return target
 
 
 def meta_for(family: str, flavor: str, args: Any) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 from typing import Optional
 
 from ember.errors import ConfigError, EmberError
@@ -25,6 +26,21 @@ EXIT_USAGE = 2
 
 def _one_line(err: BaseException) -> str:
     return str(err).splitlines()[0] if str(err) else type(err).__name__
+
+
+ERROR_DIR_ENV = "EMBER_ERROR_DIR"  # set by `ember train --nproc-per-node`: where ranks leave their user errors
+
+
+def _fail_rank(message: str, world_size: int) -> int:
+    """A user error on one rank of a job: handed to `ember train --nproc-per-node`'s launcher, which prints
+    each distinct message once with the ranks that hit it; under plain torchrun, printed with the rank."""
+    if world_size == 1:
+        return _fail(message)
+    rank = os.environ.get("RANK", "0")
+    if os.environ.get(ERROR_DIR_ENV):
+        Path(os.environ[ERROR_DIR_ENV], f"rank{rank}.txt").write_text(message + "\n")
+        return EXIT_USAGE
+    return _fail(f"[rank {rank}] {message}")
 
 
 def _fail(message: str) -> int:
@@ -84,16 +100,34 @@ def _launch(flags: dict[str, str], train_argv: list[str], recipe: str, overrides
                      "--rdzv-endpoint", flags["--rdzv-endpoint"], "--rdzv-id", "ember"]
     else:
         run_args += ["--standalone"]
+    import logging
+    import tempfile
+
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
-    try:
-        torchrun_main(run_args + ["-m", "ember", "train", *train_argv])
-    except ChildFailedError as err:
-        rank, first = err.get_first_failure()  # the root cause; the launcher stopped the other ranks
-        print(f"error: the job failed on rank {rank} (exit code {first.exitcode}); its error is printed above",
-              file=sys.stderr)
-        return 1
+    # torchrun sets one thread per process and says so; ember sets its own share of the cores instead.
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    # The ranks' own errors are what the user needs; the launcher's "failed (exitcode: ...)" records are not.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    with tempfile.TemporaryDirectory(prefix="ember-errors-") as error_dir:
+        os.environ[ERROR_DIR_ENV] = error_dir  # ranks write user errors there instead of printing each
+        try:
+            torchrun_main(run_args + ["-m", "ember", "train", *train_argv])
+        except ChildFailedError as err:
+            user_errors: dict[str, list[str]] = {}  # message -> ranks, so an error every rank hit prints once
+            for path in sorted(Path(error_dir).glob("rank*.txt"), key=lambda p: int(p.stem[4:])):
+                user_errors.setdefault(path.read_text().strip(), []).append(path.stem[4:])
+            for message, ranks in user_errors.items():
+                print(f"error: [rank {', '.join(ranks)}] {message}", file=sys.stderr)
+            if user_errors:
+                return EXIT_USAGE
+            rank, first = err.get_first_failure()  # the root cause; the launcher stopped the other ranks
+            print(f"error: the job failed on rank {rank} (exit code {first.exitcode}); its error is printed above",
+                  file=sys.stderr)
+            return 1
+        finally:
+            os.environ.pop(ERROR_DIR_ENV, None)
     return 0
 
 
@@ -139,7 +173,7 @@ def cmd_train(argv: list[str]) -> int:
     except EmberError as err:
         # A mistake in the user's config, data or files: the message names it and the fix, a traceback
         # would only bury it. Any other exception is a bug and keeps its traceback.
-        return _fail(_one_line(err) if world_size == 1 else f"[rank {os.environ.get('RANK', 0)}] {_one_line(err)}")
+        return _fail_rank(_one_line(err), world_size)
     from ember.train import TrainingStopped
 
     try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +19,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from ember.errors import ConfigError
+from ember.errors import ConfigError, EmberError
 
 RECIPES_DIR = Path(__file__).parent / "recipes"
 
@@ -334,10 +335,24 @@ def load(recipe: str = "debug", overrides: Optional[list[str]] = None, world_siz
     return cfg
 
 
+def _check_output_dir(output_dir: str) -> None:
+    """output_dir must be a directory ember can create and write in: found now, not after the model is built."""
+    path = Path(output_dir).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"output_dir={output_dir} is a file, not a directory; choose another output_dir")
+    existing = path
+    while not existing.exists():  # the nearest existing ancestor is where the directory would be created
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"output_dir={output_dir}: {existing} is a file, so the directory cannot be created; "
+                          "choose another output_dir")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"output_dir={output_dir}: {existing} is not writable; choose another output_dir")
+
+
 def validate(cfg: JobConfig, world_size: int = 1) -> None:
     """Cross-field checks that no type system catches; each names the keys to change."""
     # local imports: config must stay importable on its own (and fast, without torch)
-    from ember.models import build_model_args
     from ember.parallel.ac import POLICIES as REMAT_POLICIES
 
     for key in ("max_steps", "global_batch_size", "micro_batch_size", "seq_len", "logging_steps"):
@@ -360,6 +375,15 @@ def validate(cfg: JobConfig, world_size: int = 1) -> None:
         raise ConfigError(f"data.prefetch={cfg.data.prefetch}: batches made ahead must be >= 1")
     if cfg.checkpoint.interval < 0 or cfg.checkpoint.keep < 0 or cfg.checkpoint.keep_every < 0:
         raise ConfigError("checkpoint.interval, checkpoint.keep and checkpoint.keep_every must be >= 0")
+    _check_output_dir(cfg.output_dir)
+    from ember.data.sources import check_source_exists  # local: config stays importable on its own
+
+    try:  # a mistyped data path fails here, once, not in every rank after the model is built
+        for key, source in [("data.dataset", cfg.data.dataset)] + [
+                (f"data.mixture[{i}].source", item.source) for i, item in enumerate(cfg.data.mixture)]:
+            check_source_exists(source, key)
+    except EmberError as err:
+        raise ConfigError(str(err)) from None
     if cfg.resume not in ("auto", "none") and not Path(cfg.resume).expanduser().exists():
         raise ConfigError(f"resume={cfg.resume}: no such checkpoint; give a checkpoints/step-N path, auto or none")
     if cfg.model.remat not in REMAT_POLICIES:
@@ -386,8 +410,8 @@ def validate(cfg: JobConfig, world_size: int = 1) -> None:
             f"= {cfg.micro_batch_size} x {shape.dp} = {per_step}; change global_batch_size or micro_batch_size"
         )
     try:
-        args = build_model_args(cfg.model.family, cfg.model.flavor, model_overrides(cfg.model))
-    except ValueError as err:
+        args = model_choice(cfg).args  # with model.init_from: the source's architecture (read, not loaded)
+    except EmberError as err:
         raise ConfigError(str(err)) from None
     if cfg.seq_len > args.max_seq_len:
         raise ConfigError(
@@ -476,6 +500,14 @@ def _validate_parallel(cfg: JobConfig, shape: Any, args: Any) -> None:
     if cfg.data.document_mask and (cp > 1 or pp > 1):
         raise ConfigError("data.document_mask does not run with context or pipeline parallelism yet; "
                           "set data.document_mask=false or use data/fsdp/tensor axes")
+
+
+def model_choice(cfg: JobConfig) -> Any:
+    """The run's model (ember.load.ModelChoice: family, flavor, args, source): the recipe's flavor with the
+    model.* overrides, or with model.init_from the source's architecture."""
+    from ember.load import resolve_model  # local: loading pulls in torch
+
+    return resolve_model(cfg.model.family, cfg.model.flavor, model_overrides(cfg.model), cfg.model.init_from)
 
 
 def model_overrides(model: ModelConfig) -> dict[str, Any]:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from ember.errors import CheckpointError, UserFileNotFound
+from ember.errors import CheckpointError, ConfigError, UserFileNotFound
 from ember.models import MODELS
 
 MODEL_JSON = "model.json"
@@ -150,6 +150,67 @@ def load_hf_weights(model: Union[nn.Module, list[nn.Module]], directory: Path) -
     missing = sorted(set(targets) - loaded)
     if missing:
         raise CheckpointError(f"'{directory}' has no weight for {missing[0]} (and {len(missing) - 1} more)")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelChoice:
+    """The model a run trains: its family, flavor label and hyper-parameters, and where they came from."""
+
+    family: str
+    flavor: str
+    args: Any
+    source: Optional[str] = None  # model.init_from's description file, when the architecture comes from it
+
+
+def source_architecture(path: Union[str, Path]) -> tuple[str, str, Any, Path]:
+    """(family, flavor, args, the file they were read from) of what model.init_from names: an HF directory's
+    config.json, or an ember checkpoint's model.json (a run directory: its newest complete step)."""
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise UserFileNotFound(f"model.init_from '{path}' does not exist; give a checkpoints/step-N, run or HF directory")
+    if (path / "config.json").is_file() and not (path / MODEL_JSON).is_file():
+        family, config = _hf_family(path)
+        try:
+            args = MODELS[family].hf.args_from_hf_config(config)
+        except (KeyError, ValueError) as err:
+            raise CheckpointError(f"'{path / 'config.json'}': {err}") from None
+        return family, "custom", args, path / "config.json"
+    step_dir = path if (path / MODEL_JSON).is_file() else _newest_step_dir(path) if (path / "checkpoints").is_dir() else None
+    if step_dir is None:
+        raise UserFileNotFound(f"'{path}' is neither an ember checkpoint (no {MODEL_JSON}) nor a run directory")
+    meta = _read_json(step_dir / MODEL_JSON)
+    family, args = args_from_meta(meta, step_dir / MODEL_JSON)
+    return family, str(meta.get("flavor", "custom")), args, step_dir / MODEL_JSON
+
+
+def resolve_model(family: str, flavor: str, overrides: dict[str, Any], init_from: Optional[str]) -> ModelChoice:
+    """The run's model. Without init_from: the flavor with the user's `model.<key>` overrides. With it, the
+    architecture is the source's (config.json or model.json), so nothing needs restating; an override that
+    contradicts it is refused naming the key and both values (silently training another architecture on
+    those weights is the failure this prevents). A RoPE model's max_seq_len may differ: it sizes the RoPE
+    table, no weight. The family must be the source's (any Llama family for an HF Llama directory, which
+    does not say which Llama it is)."""
+    from ember.models import build_model_args
+
+    args = build_model_args(family, flavor, overrides)  # also checks the override keys
+    if not init_from:
+        return ModelChoice(family, flavor, args)
+    src_family, src_flavor, src_args, where = source_architecture(init_from)
+    same_class = MODELS[family].args_cls is MODELS[src_family].args_cls
+    if not same_class or (family != src_family and where.name == MODEL_JSON):
+        raise ConfigError(f"model.family={family} but model.init_from {where} describes a {src_family} model; "
+                          f"set model.family={src_family} (the architecture comes from model.init_from)")
+    keys = getattr(MODELS[family].args_cls, "CONFIG_KEYS", {})
+    for key, value in sorted(overrides.items()):
+        if key == "max_seq_len" and getattr(src_args, "rope_theta", None) is not None:
+            continue
+        have = getattr(src_args, key)  # a config key: ffn_hidden_dim reads Llama's derived size
+        if value != have:
+            raise ConfigError(f"model.{key}={value} contradicts model.init_from {where} ({key} {have}); the "
+                              f"architecture comes from model.init_from: drop model.{key}")
+    field_overrides = {keys.get(k, k): v for k, v in overrides.items() if k == "max_seq_len"}
+    args = dataclasses.replace(src_args, **field_overrides)
+    return ModelChoice(family, src_flavor, args, str(where))
 
 
 def load_weights(model: Union[nn.Module, list[nn.Module]], path: Union[str, Path]) -> Path:
@@ -319,15 +380,18 @@ def load_model(path: Union[str, Path], device: Device = "cpu", dtype: torch.dtyp
     """The model stored at `path`, in eval mode: `model(tokens (B, T)) -> logits (B, T, vocab)`.
 
     `path` is an ember checkpoint (`<run>/checkpoints/step-N`), a run directory (its newest complete
-    step), or a Hugging Face LlamaForCausalLM directory (config.json and safetensors weights).
-    Parameters come in `dtype`; the RoPE tables stay fp32.
+    step), a Hugging Face directory (config.json and safetensors weights), or the torch.save file that
+    `ember convert --to torch` writes. Parameters come in `dtype`; the RoPE tables stay fp32.
     """
     path = Path(path)
-    expected = f"an ember run or checkpoint directory ({MODEL_JSON}, checkpoints/step-N) or a HF model directory (config.json)"
+    expected = (f"an ember run or checkpoint directory ({MODEL_JSON}, checkpoints/step-N), a HF model directory "
+                "(config.json) or an `ember convert --to torch` file")
     if not path.exists():
         raise UserFileNotFound(f"'{path}' does not exist (expected {expected})")
-    if not path.is_dir():
-        raise CheckpointError(f"'{path}' is a file (expected {expected})")
+    if path.is_file():
+        model = _load_torch_file(path).to(device=device, dtype=dtype)
+        model.init_rope(torch.device(device))  # the RoPE tables stay fp32
+        return model.eval()
     if (path / MODEL_JSON).is_file():
         model = _load_ember(path, device, dtype)
     elif (path / "checkpoints").is_dir():

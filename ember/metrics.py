@@ -129,7 +129,11 @@ class MetricsLogger:
     Pass the Console a rich Progress bar draws on, so metric lines print above the bar, not through it.
     """
 
-    def __init__(self, output_dir: Path, cfg: Any, enabled: bool = True, console: Optional[Console] = None):
+    def __init__(self, output_dir: Path, cfg: Any, enabled: bool = True, console: Optional[Console] = None,
+                 start_step: int = 0):
+        """start_step: the step the run starts after (a resumed run's checkpoint step). Records of later steps,
+        logged by a run that crashed after its last checkpoint, are dropped: those steps are trained again,
+        so the file stays one series of one run."""
         self.enabled = enabled
         self.print_to_console = enabled and cfg.console
         self.console = console if console is not None else Console()
@@ -140,10 +144,11 @@ class MetricsLogger:
         output_dir = Path(output_dir)
         output_dir.mkdir(parents=True, exist_ok=True)
         if cfg.jsonl:
-            # Append: a resumed run continues the same file.
-            self._jsonl = open(output_dir / "metrics.jsonl", "a", encoding="utf-8")
+            path = output_dir / "metrics.jsonl"
+            _drop_records_after(path, start_step)
+            self._jsonl = open(path, "a", encoding="utf-8")  # a resumed run continues the same file
         if cfg.tensorboard:
-            self._tb = _summary_writer(output_dir / "tb")
+            self._tb = _summary_writer(output_dir / "tb", purge_step=start_step + 1)
 
     def log(self, step: int, values: dict[str, Any]) -> None:
         """Record `values` for optimizer step `step`; JSONL keys are exactly those given (plus `step`)."""
@@ -177,7 +182,24 @@ class MetricsLogger:
         self.close()
 
 
-def _summary_writer(log_dir: Path) -> Any:
+def _drop_records_after(path: Path, step: int) -> None:
+    """Keep only the records of steps <= `step` (all of them when the file is new)."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record_step = json.loads(line).get("step", 0)
+        except (ValueError, AttributeError):
+            continue  # a line cut by a crash mid-write
+        if isinstance(record_step, int) and record_step <= step:
+            kept.append(line)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    tmp.replace(path)
+
+
+def _summary_writer(log_dir: Path, purge_step: Optional[int] = None) -> Any:
     """A TensorBoard SummaryWriter, or None (warned once per process) when tensorboard is missing.
 
     Imported here, not at the top: importing tensorboard takes ~0.6 s on top of torch, which a run with
@@ -195,4 +217,5 @@ def _summary_writer(log_dir: Path) -> Any:
                 stacklevel=3,
             )
         return None
-    return SummaryWriter(log_dir=str(log_dir))
+    # purge_step: TensorBoard hides the events of steps >= it written before (a crashed run's last steps).
+    return SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)

@@ -20,7 +20,8 @@ from torch import nn
 from rich.console import Console
 
 from ember import config as config_lib
-from ember.checkpoint import CheckpointError, CheckpointManager, meta_for, rng_state, set_rng_state
+from ember.checkpoint import (CheckpointError, CheckpointManager, archive_previous_run, meta_for, rng_state,
+                              set_rng_state)
 from ember.config import ConfigError, JobConfig
 from ember.errors import DataError
 from ember.data.loader import build_loader
@@ -29,7 +30,7 @@ from ember.hardware import peak_flops, pick_compute_dtype, pick_device, raise_me
 from ember.health import HealthGuard, StopSignals, TrainingStopped
 from ember.load import load_weights
 from ember.metrics import MetricsLogger, progress_bar, throughput_record
-from ember.models import MODELS, build_model_args
+from ember.models import MODELS
 from ember.nn import moe as moe_lib
 from ember.nn.loss import output_chunks
 from ember.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
@@ -69,7 +70,9 @@ class Trainer:
 
         # 2. Tokenizer first: the model's vocabulary must cover it, and that is a config error, not a crash.
         self.spec = MODELS[cfg.model.family]
-        self.model_args = build_model_args(cfg.model.family, cfg.model.flavor, config_lib.model_overrides(cfg.model))
+        # With model.init_from the architecture is the source's (config.json / model.json), checked at config time.
+        self.model_choice = config_lib.model_choice(cfg)
+        self.model_args = self.model_choice.args
         self.tokenizer = build_tokenizer(cfg.data, self.model_args.vocab_size) if cfg.data.dataset != "synthetic" else None
 
         # 3. Model: meta -> (pipeline split) -> parallelize -> to_empty -> init_weights, so 405B never
@@ -120,9 +123,11 @@ class Trainer:
         self.step = 0
         self.last_step_skipped = False
         self.health = HealthGuard(cfg.max_skipped_steps, cfg.loss_spike_factor, self._say)
+        if self._starts_over():
+            archive_previous_run(self.output_dir, self._say)
         self.checkpointer = CheckpointManager(
             cfg.checkpoint, self.output_dir, self.model_parts, self.model, self.optimizer,
-            meta_for(cfg.model.family, cfg.model.flavor, self.model_args), say=self._say)
+            meta_for(cfg.model.family, self.model_choice.flavor, self.model_args), say=self._say)
         try:
             state = self.checkpointer.resume(cfg.resume)
         except CheckpointError as err:
@@ -133,6 +138,17 @@ class Trainer:
             self.train_loader.load_state_dict(state["data"])
             set_rng_state(state["rng"])
             self.health.load_state_dict(state)
+
+    def _starts_over(self) -> bool:
+        """Whether this run begins other than from its own output_dir's checkpoints (resume=none, or another
+        run's checkpoint): another run's files there are then moved aside, never mixed with this one's."""
+        resume = self.cfg.resume
+        if resume == "auto":
+            return False
+        if resume == "none":
+            return True
+        own = (self.output_dir / "checkpoints").resolve()
+        return own not in Path(resume).expanduser().resolve().parents and Path(resume).expanduser().resolve() != own.parent
 
     def _check_device_options(self, cp_impl: str) -> None:
         if self.cp > 1 and cp_impl == "ring" and self.device.type != "cuda":
@@ -230,7 +246,8 @@ class Trainer:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         if self.is_main:
             config_lib.save(cfg, self.output_dir / "config.yaml")
-        logger = MetricsLogger(self.output_dir, cfg.metrics, enabled=self.is_main, console=self.console)
+        logger = MetricsLogger(self.output_dir, cfg.metrics, enabled=self.is_main, console=self.console,
+                               start_step=self.step)
         self._print_header()
         tokens_per_step = cfg.global_batch_size * cfg.seq_len
         recent: collections.deque = collections.deque(maxlen=cfg.logging_steps)  # (step, loss) of the last good steps
@@ -351,6 +368,10 @@ class Trainer:
             f"(micro {cfg.micro_batch_size} x accum {self.grad_accum}) | mesh {self.shape.describe()} | "
             f"peak {peak} | output {self.output_dir}"
         )
+        if cfg.model.init_from:
+            source = self.model_choice.source
+            self.console.print(f"model: initialised from {cfg.model.init_from} (architecture from {source})",
+                               markup=False, highlight=False)
         self.console.print(f"data: {self.train_loader.describe()}", markup=False, highlight=False)
         if self.val_note:
             self.console.print(self.val_note, markup=False, highlight=False)

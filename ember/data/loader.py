@@ -330,7 +330,11 @@ def build_loader(
             part_cfg = dataclasses.replace(data_cfg, dataset=item.source, mixture=[],
                                            text_field=item.text_field or data_cfg.text_field,
                                            config=item.config or data_cfg.config)
-            stream = prepare.token_stream(part_cfg, tokenizer, split, cache_dir)
+            try:
+                stream = prepare.token_stream(part_cfg, tokenizer, split, cache_dir)
+            except DataError as err:  # point at this source's own key, which overrides the global one
+                raise DataError(str(err).replace("set data.text_field", f"set data.mixture[{i}].text_field "
+                                                 "(this source's text column; data.text_field is every source's default)")) from None
             rows = packing.pack(stream.tokens, seq_len)
             mask_rows = packing.pack(stream.loss_mask, seq_len) if stream.loss_mask is not None else None
             if len(rows) == 0:

@@ -172,18 +172,28 @@ def local_files(spec: str, suffixes: tuple[str, ...] = LOCAL_SUFFIXES) -> Option
     return files
 
 
+def check_source_exists(spec: str, key: str) -> None:
+    """Refuse, before any work, a source that names a local path that is not there (`key`: the config key
+    that named it). Whether an existing path holds readable data is found when it is read."""
+    if spec in (EMBEDDED, SYNTHETIC) or glob.has_magic(spec):
+        return
+    if not Path(spec).expanduser().exists() and _looks_like_path(spec):
+        raise UserFileNotFound(f"{key} path '{spec}' does not exist; check the path")
+
+
 def _looks_like_path(spec: str) -> bool:
     # Hub names are `name` or `owner/name`; anything else that is not on disk is a mistyped path.
     return spec.startswith(("/", ".", "~")) or Path(spec).suffix in LOCAL_SUFFIXES or spec.count("/") > 1
 
 
-def _field(row: Any, text_field: str, where: str) -> str:
-    if not isinstance(row, dict) or text_field not in row:
+def _field(row: Any, name: str, where: str, key: str = "text_field") -> str:
+    """row[name] as text; `key` is the data.* key that names the field, so the error points at it."""
+    if not isinstance(row, dict) or name not in row:
         keys = ", ".join(map(str, row)) if isinstance(row, dict) else type(row).__name__
-        raise DataError(f"{where} has no '{text_field}' field (it has: {keys}); set data.text_field to the text column")
-    text = row[text_field]
+        raise DataError(f"{where} has no '{name}' field (it has: {keys}); set data.{key} to the right column")
+    text = row[name]
     if not isinstance(text, str):
-        raise DataError(f"{where} field '{text_field}' is {type(text).__name__}, not text; set data.text_field")
+        raise DataError(f"{where} field '{name}' is {type(text).__name__}, not text; set data.{key}")
     return text
 
 
@@ -192,7 +202,7 @@ Row = Union[str, tuple[str, str]]  # a document's text, or (prompt, response) fo
 
 def _row(row: Any, text_field: str, prompt_field: Optional[str], where: str) -> Row:
     text = _field(row, text_field, where)
-    return text if prompt_field is None else (_field(row, prompt_field, where), text)
+    return text if prompt_field is None else (_field(row, prompt_field, where, "prompt_field"), text)
 
 
 def _json_rows(path: Path, text: str, text_field: str, prompt_field: Optional[str] = None) -> Iterator[Row]:
@@ -288,6 +298,9 @@ def _import_datasets(purpose: str) -> Any:
         import datasets  # lazy: an optional dependency, and slow to import
     except ImportError:
         raise DataError(f"{purpose} needs the `datasets` library; run `pip install datasets`") from None
+    # Its progress bars and info logs would break into ember's console (progress bar, metrics lines).
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
     return datasets
 
 

@@ -1,5 +1,6 @@
 """Recipes, overrides and every config error: one line, naming the key and the fix."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -127,3 +128,20 @@ def test_llama_ffn_hidden_dim_is_settable_like_every_family():
     assert build_model_args("llama3", "debug").ffn_hidden_dim == 704  # Meta's rule when unset
     with pytest.raises(config_lib.ConfigError, match="unknown config key 'model.ffn_hidden_dim_override'"):
         config_lib.load("debug", ["model.ffn_hidden_dim_override=176"])
+
+
+def test_output_dir_must_be_a_writable_directory(tmp_path: Path):
+    # Found at config time, not after the model and data were built (it used to end in a traceback).
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("x")
+    with pytest.raises(ConfigError, match=r"output_dir=.*notes\.txt is a file, not a directory"):
+        config_lib.load("debug", [f"output_dir={a_file}"])
+    with pytest.raises(ConfigError, match=r"notes\.txt is a file, so the directory cannot be created"):
+        config_lib.load("debug", [f"output_dir={a_file}/run"])
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    if os.access(locked, os.W_OK):  # root writes anywhere; a read-only mount is the same case for it
+        locked = Path("/proc/sys")
+    with pytest.raises(ConfigError, match=r"is not writable; choose another output_dir"):
+        config_lib.load("debug", [f"output_dir={locked}/run"])
+    assert config_lib.load("debug", [f"output_dir={tmp_path}/new/run"]).output_dir.endswith("new/run")

@@ -116,3 +116,16 @@ def test_mixture_from_config_and_its_errors(tmp_path: Path, small_tokenizer: Tok
     cfg = DataCfg(mixture=[MixtureSource(str(a), 1.0), MixtureSource(str(tiny), 1.0)], num_workers=0)
     with pytest.raises(ValueError, match=r"data\.mixture\[1\] '.*tiny\.txt' \(train split\) has \d+ tokens, not one sample"):
         build_loader(cfg, small_tokenizer, seq_len=64, micro_batch_size=4, vocab_size=SMALL_VOCAB)
+
+
+def test_a_mixture_source_missing_its_text_column_names_its_own_key(tmp_path: Path, small_tokenizer: Tokenizer):
+    good, odd = tmp_path / "good.jsonl", tmp_path / "odd.jsonl"
+    good.write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(40)))
+    odd.write_text("".join(json.dumps({"body": f"other {i} " * 20}) + "\n" for i in range(40)))
+    cfg = DataCfg(mixture=[MixtureSource(str(good), 1.0), MixtureSource(str(odd), 1.0)], num_workers=0)
+    with pytest.raises(ValueError, match=r"odd\.jsonl line 1 has no 'text' field \(it has: body\); "
+                                         r"set data\.mixture\[1\]\.text_field"):
+        build_loader(cfg, small_tokenizer, seq_len=8, micro_batch_size=2)
+    cfg = DataCfg(mixture=[MixtureSource(str(good), 1.0), MixtureSource(str(odd), 1.0, text_field="body")],
+                  num_workers=0)
+    assert build_loader(cfg, small_tokenizer, seq_len=8, micro_batch_size=2).mixture_counts() is not None

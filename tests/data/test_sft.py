@@ -66,7 +66,8 @@ def test_prepared_and_mixed_sft_keep_their_masks(tmp_path: Path, small_tokenizer
 
 def test_sft_needs_the_prompt_field(tmp_path: Path, small_tokenizer: Tokenizer):
     cfg = DataCfg(dataset=str(_sft_file(tmp_path)), text_field="response", prompt_field="question")
-    with pytest.raises(ValueError, match=r"sft\.jsonl line 1 has no 'question' field \(it has: prompt, response\)"):
+    with pytest.raises(ValueError, match=r"sft\.jsonl line 1 has no 'question' field \(it has: prompt, response\); "
+                                         r"set data\.prompt_field"):  # the key that names it, not text_field
         prepare_lib.token_stream(cfg, small_tokenizer, "train")
     txt = tmp_path / "notes.txt"
     txt.write_text("plain")

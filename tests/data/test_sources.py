@@ -158,3 +158,16 @@ def test_local_text_does_not_import_datasets(tmp_path: Path):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           cwd=Path(__file__).parent)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_reading_parquet_prints_no_progress_bars(tmp_path: Path, capfd: pytest.CaptureFixture):
+    # `datasets` draws progress bars and info logs by default; they would break into ember's console.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": [f"document number {i}" for i in range(50)]}), tmp_path / "t.parquet")
+    capfd.readouterr()
+    docs = load_documents(DataCfg(dataset=str(tmp_path / "t.parquet"), val_fraction=0.0), "train")
+    assert len(docs.texts) == 50
+    out, err = capfd.readouterr()
+    assert out == "" and err == "", (out, err)

@@ -66,7 +66,7 @@ def test_missing_and_garbage_paths(tmp_path: Path):
     with pytest.raises(FileNotFoundError, match=r"^'.*nope' does not exist \(expected an ember run"):
         load_model(tmp_path / "nope")
     (tmp_path / "weights.bin").write_bytes(b"\x80")
-    with pytest.raises(ValueError, match="weights.bin' is a file"):
+    with pytest.raises(ValueError, match="weights.bin' is not a torch.save file ember can read safely"):
         load_model(tmp_path / "weights.bin")
     with pytest.raises(FileNotFoundError, match="holds no model"):
         load_model(tmp_path)
@@ -105,3 +105,21 @@ def test_hf_weights_that_do_not_fit_the_config(tmp_path: Path):
     save_file({**state, "model.layers.0.self_attn.q_norm.weight": torch.ones(32)}, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match="q_norm.weight' is not a weight of LlamaForCausalLM"):
         load_model(tmp_path)
+
+
+def test_the_file_of_convert_to_torch_loads(tmp_path: Path):
+    # `ember convert --to torch` writes one file; load_model used to refuse it as "a file".
+    from ember.load import convert, save_ember_checkpoint
+
+    args = build_model_args("llama3", "debug", {"n_layers": 1, "vocab_size": 256, "max_seq_len": 32})
+    torch.manual_seed(0)
+    model = Transformer(args)
+    model.init_weights()
+    save_ember_checkpoint(model, "llama3", "debug", args, tmp_path / "ck")
+    convert(tmp_path / "ck", tmp_path / "model.pt", "torch")
+    tokens = torch.randint(0, 256, (1, 8))
+    loaded = load_model(tmp_path / "model.pt")
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens), model.eval()(tokens))
+    half = load_model(tmp_path / "model.pt", dtype=torch.bfloat16)
+    assert {p.dtype for p in half.parameters()} == {torch.bfloat16} and half.rope_cos.dtype == torch.float32
