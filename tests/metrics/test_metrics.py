@@ -74,12 +74,16 @@ def test_jsonl_lines_parse_with_the_keys_given(tmp_path):
 
 
 def test_jsonl_appends_across_loggers(tmp_path):
+    # A resumed run (start_step = its checkpoint's step) continues the file; records past that step, which a
+    # crashed run logged after its last checkpoint, are dropped since those steps are trained again.
     cfg = MetricsConfig(console=False, tensorboard=False)
-    for step in (1, 2):
-        logger = MetricsLogger(tmp_path, cfg)
-        logger.log(step, {"step": step, "loss": 1.0})
+    for start, steps in ((0, (1, 2, 3)), (2, (3, 4))):
+        logger = MetricsLogger(tmp_path, cfg, start_step=start)
+        for step in steps:
+            logger.log(step, {"step": step, "loss": float(start)})
         logger.close()
-    assert [r["step"] for r in _read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2]
+    records = _read_jsonl(tmp_path / "metrics.jsonl")
+    assert [(r["step"], r["loss"]) for r in records] == [(1, 0.0), (2, 0.0), (3, 2.0), (4, 2.0)]
 
 
 def test_tensorboard_events_written(tmp_path):
