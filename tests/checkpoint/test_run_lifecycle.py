@@ -159,3 +159,14 @@ def test_a_user_error_in_every_rank_prints_once(tmp_path: Path):
     proc = _ember("train", "--nproc-per-node", "2", "debug", *TINY, f"data.dataset={tmp_path / 'missing.jsonl'}",
                   f"output_dir={tmp_path / 'o'}")
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "does not exist" in proc.stderr
+
+
+def test_no_training_from_scratch_over_checkpoints_that_cannot_be_resumed(tmp_path: Path):
+    out = tmp_path / "r"
+    assert _ember("train", "debug", *TINY, "max_steps=2", f"output_dir={out}").returncode == 0
+    step_dir = out / "checkpoints" / "step-2"
+    next(step_dir.glob("*.distcp")).unlink()  # the only checkpoint is now unusable
+    proc = _ember("train", "debug", *TINY, "max_steps=4", f"output_dir={out}")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "is missing" in proc.stderr and "no checkpoint in" in proc.stderr and "resume=none" in proc.stderr
+    assert (step_dir / "model.json").is_file() and not (out / "checkpoints" / "step-4").exists()
