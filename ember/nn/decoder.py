@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from ember.nn.attention import causal_attention
+from ember.nn.attention import KVCache, causal_attention
 from ember.nn.moe import MoE
 
 
@@ -109,6 +109,7 @@ class Attention(nn.Module):
         # The attention kernel, (q, k, v, document_ids) -> out over (B, heads, T, head_dim). A plain attribute
         # so that context parallelism or flex attention can swap in another form from outside.
         self.attention_fn: Callable[..., torch.Tensor] = causal_attention
+        self.kv_cache: Optional[KVCache] = None  # set by ember.generate for incremental decoding
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -119,7 +120,10 @@ class Attention(nn.Module):
         v = self.wv(x).view(B, T, -1, self.head_dim)  # (B, T, n_kv_heads, head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, head_dim), the layout SDPA takes
-        out = self.attention_fn(q, k, v, document_ids)  # (B, n_heads, T, head_dim)
+        if self.kv_cache is not None:
+            out = self.kv_cache.attend(q, k, v)  # (B, n_heads, T, head_dim), over every cached position
+        else:
+            out = self.attention_fn(q, k, v, document_ids)  # (B, n_heads, T, head_dim)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))  # (B, T, n_heads * head_dim) -> (B, T, dim)
 
     def init_weights(self, out_std: float) -> None:

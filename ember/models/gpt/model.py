@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.models.gpt.args import GPTArgs
-from ember.nn.attention import causal_attention
+from ember.nn.attention import KVCache, causal_attention
 from ember.nn.decoder import Decoder, num_params
 
 
@@ -38,6 +38,7 @@ class Attention(nn.Module):
         # The attention kernel, (q, k, v, document_ids) -> out over (B, heads, T, head_dim). A plain
         # attribute so that context parallelism can swap in its distributed form (ember/parallel/cp.py).
         self.attention_fn: Callable[..., torch.Tensor] = causal_attention
+        self.kv_cache: Optional[KVCache] = None  # set by ember.generate for incremental decoding
 
     def forward(self, x: torch.Tensor, document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         B, T, _ = x.shape
@@ -45,7 +46,10 @@ class Attention(nn.Module):
         q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, n_heads, T, head_dim)
         k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, n_heads, T, head_dim)
         v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, n_heads, T, head_dim)
-        out = self.attention_fn(q, k, v, document_ids)  # (B, n_heads, T, head_dim), scaled by 1/sqrt(head_dim)
+        if self.kv_cache is not None:
+            out = self.kv_cache.attend(q, k, v)  # (B, n_heads, T, head_dim), over every cached position
+        else:
+            out = self.attention_fn(q, k, v, document_ids)  # (B, n_heads, T, head_dim), scaled by 1/sqrt(head_dim)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))  # (B, T, n_heads * head_dim) -> (B, T, dim)
 
     def init_weights(self, std: float, out_std: float) -> None:

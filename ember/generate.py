@@ -1,0 +1,139 @@
+"""Text generation with a KV cache: prefill the prompts in one forward, then decode one token per step.
+
+Every family works unchanged: the attention modules take a preallocated `KVCache` (ember/nn/attention.py)
+from outside, RoPE and learned positions come from the positions passed to the model, and a MoE layer
+routes each new token as it comes. Prompts of different lengths share a batch right-aligned: each row's
+left padding is masked out of attention and its positions start at 0 on its first real token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from ember.errors import ConfigError
+from ember.nn.attention import KVCache
+
+
+@dataclasses.dataclass
+class Generation:
+    prompt: str
+    completion: str
+    token_ids: list[int]  # the generated ids only (the stop string or EOS that ended it excluded)
+    stop_reason: str  # "eos", "stop" (a stop string), or "length"
+
+
+def _attention_modules(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if hasattr(m, "kv_cache") and hasattr(m, "wk")]
+
+
+def attach_kv_caches(model: nn.Module, batch: int, max_len: int) -> list[KVCache]:
+    """Give every attention module of `model` a cache for `batch` rows of up to `max_len` positions."""
+    caches = []
+    param = next(model.parameters())
+    for attention in _attention_modules(model):
+        head_dim = attention.head_dim
+        kv_heads = attention.wk.weight.shape[0] // head_dim
+        attention.kv_cache = KVCache(batch, kv_heads, max_len, head_dim, param.dtype, param.device)
+        caches.append(attention.kv_cache)
+    return caches
+
+
+def detach_kv_caches(model: nn.Module) -> None:
+    for attention in _attention_modules(model):
+        attention.kv_cache = None
+
+
+def _sample(logits: torch.Tensor, temperature: float, top_k: Optional[int], top_p: Optional[float],
+            generator: Optional[torch.Generator]) -> torch.Tensor:
+    """Next tokens (B,) from the last position's logits (B, V): greedy at temperature 0, else sampled from
+    the softmax of logits / temperature restricted to the top_k tokens and to the top_p probability mass."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and 0 < top_p < 1:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+        drop = cumulative - torch.softmax(sorted_logits, dim=-1) > top_p  # keep the smallest set reaching top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(model: nn.Module, tokenizer: Any, prompts: Sequence[Union[str, Sequence[int]]], *,
+             max_new_tokens: int = 64, temperature: float = 0.0, top_k: Optional[int] = None,
+             top_p: Optional[float] = None, seed: Optional[int] = None, stop: Sequence[str] = (),
+             stop_at_eos: bool = True, on_text: Optional[Callable[[int, str], None]] = None) -> list[Generation]:
+    """Continue each prompt (text, or token ids) by up to `max_new_tokens` tokens. Greedy at temperature 0.
+    Stops a row at EOS or at any `stop` string (cut from the completion). `on_text(row, piece)` receives the
+    new text of a row as it is decoded (for streaming)."""
+    if max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    ids = [list(p) if not isinstance(p, str) else tokenizer.encode(p) for p in prompts]
+    if not ids or any(len(row) == 0 for row in ids):
+        raise ConfigError("every prompt needs at least one token")
+    limit = model.args.max_seq_len
+    longest = max(len(row) for row in ids)
+    if longest + max_new_tokens > limit:
+        raise ConfigError(f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} exceeds the model's "
+                          f"max_seq_len={limit}; shorten the prompt or lower max_new_tokens")
+    device = next(model.parameters()).device
+    batch, total = len(ids), longest + max_new_tokens
+    pad = torch.tensor([longest - len(row) for row in ids], device=device)  # (B,) right-aligned prompts
+    tokens = torch.tensor([[0] * (longest - len(row)) + row for row in ids], device=device)  # (B, P)
+    generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+    was_training, chunks = model.training, getattr(model, "output_chunks", 1)
+    model.eval()
+    model.output_chunks = 1
+    caches = attach_kv_caches(model, batch, total)
+    out_ids: list[list[int]] = [[] for _ in range(batch)]
+    texts, reasons = [""] * batch, [""] * batch
+    eos = getattr(tokenizer, "eos_id", None) if stop_at_eos else None
+    try:
+        slots = torch.arange(longest, device=device)  # prefill: every prompt slot at once
+        step_tokens = tokens
+        for _ in range(max_new_tokens):
+            for cache in caches:
+                cache.slots, cache.pad = slots, pad
+            positions = (slots[None, :] - pad[:, None]).clamp_min(0)  # (B, T): each row counts from its first token
+            logits = model(step_tokens, positions)[:, -1]  # (B, V)
+            next_tokens = _sample(logits, temperature, top_k, top_p, generator)
+            for row, token in enumerate(next_tokens.tolist()):
+                if reasons[row]:
+                    continue
+                if eos is not None and token == eos:
+                    reasons[row] = "eos"
+                    continue
+                out_ids[row].append(token)
+                text = tokenizer.decode(out_ids[row])
+                hit = next((s for s in stop if s in text), None)
+                if hit is not None:
+                    text = text[: text.index(hit)]
+                    reasons[row] = "stop"
+                if on_text is not None and len(text) > len(texts[row]):
+                    on_text(row, text[len(texts[row]):])
+                texts[row] = text
+            if all(reasons):
+                break
+            slots = slots[-1:] + 1  # decode: one new slot per row
+            step_tokens = next_tokens[:, None]
+    finally:
+        detach_kv_caches(model)
+        model.output_chunks = chunks
+        model.train(was_training)
+    results = []
+    for row, prompt in enumerate(prompts):
+        prompt_text = prompt if isinstance(prompt, str) else tokenizer.decode(list(prompt))
+        kept = out_ids[row]
+        if reasons[row] == "stop":  # the ids of the completion up to the stop string
+            while kept and tokenizer.decode(kept) != texts[row] and len(tokenizer.decode(kept)) > len(texts[row]):
+                kept = kept[:-1]
+        results.append(Generation(prompt_text, texts[row], kept, reasons[row] or "length"))
+    return results

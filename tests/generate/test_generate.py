@@ -1,0 +1,104 @@
+"""Generation with the KV cache: cached logits equal the full-sequence forward at every position, and greedy
+decoding equals transformers' generate(do_sample=False) token for token on the same weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from ember.errors import ConfigError
+from ember.generate import attach_kv_caches, detach_kv_caches, generate
+from ember.load import save_hf
+from ember.models import MODELS, build_model_args
+
+SMALL = {"n_layers": 2, "dim": 64, "n_heads": 4, "vocab_size": 256, "max_seq_len": 64}
+FAMILIES = {"llama3.1": {**SMALL, "n_kv_heads": 2}, "mixtral": {**SMALL, "n_kv_heads": 2, "ffn_hidden_dim": 96,
+                                                               "n_experts": 4},
+            "gpt": {**SMALL, "ffn_hidden_dim": 256}, "glam": {**SMALL, "ffn_hidden_dim": 96, "n_experts": 4}}
+
+
+class IdTokenizer:
+    """Token ids as text, so tests need no trained tokenizer: "5 17 3" <-> [5, 17, 3]."""
+    eos_id = 1
+
+    def encode(self, text: str) -> list[int]:
+        return [int(t) for t in text.split()]
+
+    def decode(self, ids) -> str:
+        return "".join(f" {i}" for i in ids)
+
+
+def _model(family: str) -> torch.nn.Module:
+    args = build_model_args(family, "debug", FAMILIES[family])
+    torch.manual_seed(0)
+    model = MODELS[family].model_cls(args)
+    model.init_weights()
+    if family == "glam":  # GLaM's N(0, 1) tied embedding makes near-ties in greedy picks; smaller keeps them apart
+        model.tok_embeddings.weight.data.mul_(0.1)
+    return model.eval()
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_cached_logits_equal_the_full_forward_at_every_position(family: str):
+    model = _model(family)
+    tokens = torch.randint(2, 256, (3, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(tokens)  # (3, 20, V)
+        caches = attach_kv_caches(model, 3, 20)
+        pad = torch.zeros(3, dtype=torch.long)
+        steps = [model_step(model, caches, tokens[:, :8], torch.arange(8), pad)]  # prefill 8, then one at a time
+        for t in range(8, 20):
+            steps.append(model_step(model, caches, tokens[:, t:t + 1], torch.tensor([t]), pad))
+        detach_kv_caches(model)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-4, atol=1e-4)
+
+
+def model_step(model, caches, tokens, slots, pad):
+    for cache in caches:
+        cache.slots, cache.pad = slots, pad
+    return model(tokens, (slots[None, :] - pad[:, None]).clamp_min(0))
+
+
+def test_prompts_of_different_lengths_batch_like_one_at_a_time():
+    model = _model("llama3.1")
+    prompts = ["5 9 13", "7 3 22 40 8 19 2", "100"]
+    batched = generate(model, IdTokenizer(), prompts, max_new_tokens=6, stop_at_eos=False)
+    for prompt, result in zip(prompts, batched):
+        (alone,) = generate(model, IdTokenizer(), [prompt], max_new_tokens=6, stop_at_eos=False)
+        assert result.token_ids == alone.token_ids and result.completion == alone.completion
+
+
+@pytest.mark.parametrize("family", ["llama3.1", "mixtral", "gpt"])
+def test_greedy_equals_transformers_generate(tmp_path: Path, family: str):
+    model = _model(family)
+    save_hf(model, model.args, tmp_path / "hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32).eval()
+    prompt = torch.randint(2, 256, (1, 10), generator=torch.Generator().manual_seed(3))
+    expected = hf.generate(prompt, max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0,
+                           min_new_tokens=20)[0, 10:].tolist()
+    (result,) = generate(model, IdTokenizer(), [prompt[0].tolist()], max_new_tokens=20, stop_at_eos=False)
+    assert result.token_ids == expected and result.stop_reason == "length"
+
+
+def test_sampling_is_seeded_and_stops():
+    model = _model("gpt")
+    a = generate(model, IdTokenizer(), ["5 9"], max_new_tokens=12, temperature=1.0, top_k=20, top_p=0.9, seed=7,
+                 stop_at_eos=False)
+    b = generate(model, IdTokenizer(), ["5 9"], max_new_tokens=12, temperature=1.0, top_k=20, top_p=0.9, seed=7,
+                 stop_at_eos=False)
+    assert a[0].token_ids == b[0].token_ids and len(a[0].token_ids) == 12
+    third = str(a[0].token_ids[2])
+    (cut,) = generate(model, IdTokenizer(), ["5 9"], max_new_tokens=12, temperature=1.0, top_k=20, top_p=0.9,
+                      seed=7, stop=[f" {third}"], stop_at_eos=False)
+    assert cut.stop_reason == "stop" and f" {third}" not in cut.completion
+    assert cut.completion == "".join(f" {t}" for t in cut.token_ids)
+
+
+def test_a_prompt_beyond_the_context_is_one_line():
+    model = _model("gpt")  # learned positions: the table has max_seq_len rows
+    with pytest.raises(ConfigError, match=r"a prompt of 60 tokens plus max_new_tokens=10 exceeds the model's "
+                                          r"max_seq_len=64"):
+        generate(model, IdTokenizer(), [" ".join(["5"] * 60)], max_new_tokens=10)
