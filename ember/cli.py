@@ -7,6 +7,8 @@
     ember convert SRC DST [--to hf|ember|torch]   between HF safetensors, ember DCP checkpoints and torch.save files
     ember data prepare SOURCE OUT_DIR        tokenize a source once into memory-mapped shards + manifest
     ember data tokenizer train SOURCE OUT --vocab-size N     train a byte-level BPE tokenizer.json
+    ember generate PATH --prompt TEXT [--max-new-tokens N --temperature T --top-k K --top-p P --stop S --json]
+                                             continue prompts with a trained model (KV-cache decoding)
 
 User errors (a bad key, value, path or combination) print one line on stderr and exit with 2.
 """
@@ -355,7 +357,93 @@ def cmd_convert(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "recipes": cmd_recipes, "data": cmd_data, "convert": cmd_convert}
+def cmd_generate(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="ember generate", description="Continue prompts with a trained model (KV-cache decoding). PATH: an ember "
+        "run or checkpoint, an HF directory or an `ember convert --to torch` file.")
+    parser.add_argument("path")
+    parser.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for a batch)")
+    parser.add_argument("--prompt-file", help="a jsonl of {\"prompt\": ...} rows, decoded as one batch")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=[], help="stop at this string (repeatable)")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer file (default: the run's own)")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--json", action="store_true", help="one JSON object per prompt: prompt, completion, token_ids")
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:
+        return 0 if exit_.code == 0 else EXIT_USAGE
+    import json
+
+    import torch
+
+    from ember.generate import generate, tokenizer_for
+    from ember.hardware import pick_device
+    from ember.load import load_model
+
+    try:
+        prompts = list(args.prompt)
+        if args.prompt_file:
+            prompts += _read_prompts(Path(args.prompt_file))
+        if not prompts:
+            return _fail("give --prompt TEXT or --prompt-file FILE.jsonl")
+        device = pick_device(args.device)
+        dtype = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+        model = load_model(args.path, device=device, dtype=dtype)
+        tokenizer = tokenizer_for(args.path, args.tokenizer)
+        stream = not args.json and len(prompts) == 1
+        if stream:
+            print(prompts[0], end="", flush=True)
+        results = generate(model, tokenizer, prompts, max_new_tokens=args.max_new_tokens,
+                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                           stop=args.stop, on_text=(lambda row, piece: print(piece, end="", flush=True)) if stream
+                           else None)
+    except EmberError as err:
+        return _fail(_one_line(err))
+    for result in results:
+        if args.json:
+            print(json.dumps({"prompt": result.prompt, "completion": result.completion, "token_ids": result.token_ids}))
+        elif stream:
+            print()
+        else:
+            print(f"{result.prompt}{result.completion}\n")
+    return 0
+
+
+def _read_prompts(path: Path) -> list[str]:
+    """The "prompt" of every row of a jsonl file; errors name the file and line."""
+    import json
+
+    from ember.errors import DataError, UserFileNotFound
+
+    if not path.is_file():
+        raise UserFileNotFound(f"--prompt-file '{path}' does not exist")
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise DataError(f"--prompt-file '{path}' is not UTF-8 text") from None
+    prompts = []
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            raise DataError(f"{path} line {lineno} is not valid JSON") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            raise DataError(f"{path} line {lineno} has no \"prompt\" text field")
+        prompts.append(row["prompt"])
+    if not prompts:
+        raise DataError(f"--prompt-file '{path}' holds no prompts")
+    return prompts
+
+
+COMMANDS = {"train": cmd_train, "recipes": cmd_recipes, "data": cmd_data, "convert": cmd_convert,
+            "generate": cmd_generate}
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -9,6 +9,8 @@ left padding is masked out of attention and its positions start at 0 on its firs
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
@@ -24,6 +26,35 @@ class Generation:
     completion: str
     token_ids: list[int]  # the generated ids only (the stop string or EOS that ended it excluded)
     stop_reason: str  # "eos", "stop" (a stop string), or "length"
+
+
+def tokenizer_for(path: Union[str, Path], spec: Optional[str] = None) -> Any:
+    """The tokenizer of the model at `path`: `spec` when given (a tokenizer.json, SentencePiece or tiktoken
+    file), else the one its training run used (the run's config.yaml: data.tokenizer, or the embedded BPE of
+    the model's vocabulary), or an HF directory's tokenizer.json."""
+    import yaml
+
+    from ember.data.tokenizer import embedded_tokenizer, load_tokenizer
+    from ember.load import MODEL_JSON
+
+    if spec:
+        return load_tokenizer(spec)
+    path = Path(path).expanduser()
+    if path.is_dir() and (path / "tokenizer.json").is_file():
+        return load_tokenizer(str(path / "tokenizer.json"))
+    run = path if (path / "config.yaml").is_file() else path.parent.parent  # a run, or its checkpoints/step-N
+    step = path if (path / MODEL_JSON).is_file() else None
+    if step is None and (run / "checkpoints").is_dir():
+        steps = sorted(run.glob(f"checkpoints/step-*/{MODEL_JSON}"), key=lambda p: int(p.parent.name[5:]))
+        step = steps[-1].parent if steps else None
+    if not (run / "config.yaml").is_file() or step is None:
+        raise ConfigError(f"no tokenizer is known for '{path}' (no run config.yaml or tokenizer.json beside it); "
+                          "pass --tokenizer FILE")
+    data = (yaml.safe_load((run / "config.yaml").read_text()) or {}).get("data", {})
+    if data.get("tokenizer"):
+        return load_tokenizer(data["tokenizer"])
+    vocab = json.loads((step / MODEL_JSON).read_text())["args"]["vocab_size"]
+    return embedded_tokenizer(vocab, data.get("val_fraction", 0.02))
 
 
 def _attention_modules(model: nn.Module) -> list[nn.Module]:

@@ -102,3 +102,47 @@ def test_a_prompt_beyond_the_context_is_one_line():
     with pytest.raises(ConfigError, match=r"a prompt of 60 tokens plus max_new_tokens=10 exceeds the model's "
                                           r"max_seq_len=64"):
         generate(model, IdTokenizer(), [" ".join(["5"] * 60)], max_new_tokens=10)
+
+
+def _ember(*args: str) -> "subprocess.CompletedProcess":
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "ember", *args], capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("gen") / "run"
+    proc = _ember("train", "debug", "model.n_layers=1", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2",
+                  "seq_len=32", "global_batch_size=2", "micro_batch_size=2", "max_steps=3", "metrics.console=false",
+                  "eval_batches=1", f"output_dir={out}")
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+def test_cli_json_output_and_errors(trained_run: Path, tmp_path: Path):
+    import json
+
+    from ember import load_model
+    from ember.generate import tokenizer_for
+
+    proc = _ember("generate", str(trained_run), "--prompt", "def f(", "--prompt", "import", "--max-new-tokens", "5",
+                  "--json")
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [r["prompt"] for r in rows] == ["def f(", "import"] and all(len(r["token_ids"]) <= 5 for r in rows)
+    # The same as the Python API on the run's own tokenizer (the embedded BPE its config.yaml names).
+    expected = generate(load_model(trained_run), tokenizer_for(trained_run), ["def f(", "import"], max_new_tokens=5)
+    assert [r["token_ids"] for r in rows] == [e.token_ids for e in expected]
+    assert [r["completion"] for r in rows] == [e.completion for e in expected]
+    proc = _ember("generate", str(trained_run), "--prompt", "x " * 3000, "--max-new-tokens", "5")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "exceeds the model's max_seq_len" in proc.stderr
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "no prompt"}\n')
+    proc = _ember("generate", str(trained_run), "--prompt-file", str(bad))
+    assert proc.returncode == 2 and f"{bad} line 1 has no \"prompt\" text field" in proc.stderr
+    not_a_model = tmp_path / "empty"
+    not_a_model.mkdir()
+    proc = _ember("generate", str(not_a_model), "--prompt", "x")
+    assert proc.returncode == 2 and "holds no model" in proc.stderr
