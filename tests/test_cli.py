@@ -25,7 +25,7 @@ def test_unknown_command_and_recipe_are_one_line_errors():
 
 
 def test_every_command_has_help():
-    for command in ("train", "recipes", "convert", "data", "generate"):
+    for command in ("train", "recipes", "convert", "data", "generate", "eval"):
         proc = _ember(command, "--help")
         assert proc.returncode == 0 and "usage" in proc.stdout.lower(), (command, proc.stderr)
 

@@ -1,0 +1,156 @@
+"""Eval tasks equal an independent computation on a tiny model: each expected pick or log-probability here
+comes from one full-sequence forward and log_softmax, written out in the test, not from ember.eval."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ember.eval import boolq, choice, lambada, loglikelihood, rolling_logprob
+from ember.eval.scoring import encode_pair
+from ember.models import MODELS, build_model_args
+
+
+class WordTokenizer:
+    """One id per whitespace-separated word, assigned in order of first sight (ids from 2; EOS is 1)."""
+    eos_id = 1
+
+    def __init__(self) -> None:
+        self.ids: dict[str, int] = {}
+
+    def encode(self, text: str) -> list[int]:
+        return [self.ids.setdefault(word, 2 + len(self.ids)) for word in text.split()]
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        words = {i: w for w, i in self.ids.items()}
+        return " ".join(words.get(i, "") for i in ids)
+
+
+@pytest.fixture(scope="module")
+def model() -> torch.nn.Module:
+    args = build_model_args("llama3", "debug", {"n_layers": 2, "dim": 64, "n_heads": 4, "n_kv_heads": 2,
+                                                "vocab_size": 128, "max_seq_len": 64})
+    torch.manual_seed(0)
+    m = MODELS["llama3"].model_cls(args)
+    m.init_weights()
+    return m.eval()
+
+
+def _logprobs(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    """log p(ids[t] | ids[:t]) for t >= 1, from one forward of the whole sequence."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids[:-1]]))[0]
+    return F.log_softmax(logits, dim=-1).gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)
+
+
+def _write(path: Path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_encode_pair_moves_trailing_spaces_to_the_continuation():
+    tok = WordTokenizer()
+    assert encode_pair(tok, "a b ", "c") == (tok.encode("a b"), tok.encode("c"))
+
+
+def test_lambada_equals_a_hand_computation(model, tmp_path: Path):
+    tok = WordTokenizer()
+    rng = torch.Generator().manual_seed(1)
+    rows = [{"text": " ".join(f"w{int(i)}" for i in torch.randint(0, 40, (9,), generator=rng))} for _ in range(10)]
+    expected_hits, expected_ll = 0, 0.0
+    for row in rows:
+        ids = tok.encode(row["text"])
+        with torch.no_grad():
+            logits = model(torch.tensor([ids[:-1]]))[0, -1]
+        expected_hits += int(logits.argmax()) == ids[-1]
+        expected_ll += float(F.log_softmax(logits, -1)[ids[-1]])
+    result = lambada(model, tok, _write(tmp_path / "l.jsonl", rows), batch_size=3)
+    assert result["n"] == 10 and result["acc"] == expected_hits / 10
+    assert result["perplexity"] == pytest.approx(math.exp(-expected_ll / 10), rel=1e-5)
+
+
+def test_boolq_and_choice_equal_a_hand_computation(model, tmp_path: Path):
+    tok = WordTokenizer()
+    rows = [{"passage": f"p{i} q{i % 3}", "question": f"is q{i}", "answer": bool(i % 2)} for i in range(10)]
+    correct = 0
+    for row in rows:
+        prompt = tok.encode(f"{row['passage']}\nQuestion: {row['question']}?\nAnswer:")
+        no, yes = (float(_logprobs(model, prompt + tok.encode(w))[-1]) for w in ("no", "yes"))
+        correct += (yes > no) == row["answer"]
+    assert boolq(model, tok, _write(tmp_path / "b.jsonl", rows))["acc"] == correct / 10
+    rows = [{"context": f"c{i} d{i}", "choices": ["x", "longer y", f"z{i} z"], "label": i % 3} for i in range(10)]
+    acc = acc_norm = 0
+    for row in rows:
+        ctx = tok.encode(row["context"])
+        lls = [float(_logprobs(model, ctx + tok.encode(c))[-len(tok.encode(c)):].sum()) for c in row["choices"]]
+        acc += max(range(3), key=lambda j: lls[j]) == row["label"]
+        acc_norm += max(range(3), key=lambda j: lls[j] / len(" " + row["choices"][j])) == row["label"]
+    result = choice(model, tok, _write(tmp_path / "c.jsonl", rows), batch_size=4)
+    assert (result["acc"], result["acc_norm"], result["n"]) == (acc / 10, acc_norm / 10, 10)
+
+
+def test_rolling_windows_score_each_token_once(model):
+    ids = torch.randint(2, 128, (50,), generator=torch.Generator().manual_seed(2)).tolist()
+    full = _logprobs(model, ids)
+    logprob, count = rolling_logprob(model, ids, window=64, stride=32)
+    assert count == 49 and logprob == pytest.approx(float(full.sum()), rel=1e-5)
+    # Windows of 20 every 20 tokens: window k is ids[20k : 20k + 20] predicting ids[20k + 1 .. 20k + 20], so each
+    # token is scored once, with its own window's earlier tokens as context.
+    expected = sum(float(_logprobs(model, ids[s:min(s + 21, 50)]).sum()) for s in (0, 20, 40))
+    logprob, count = rolling_logprob(model, ids, window=20, stride=20, batch_size=2)
+    assert count == 49 and logprob == pytest.approx(expected, rel=1e-5)
+    # Overlapping windows (stride 10): window k scores ids[20 + 10(k-1) + 1 ..] with 10 more tokens of context.
+    expected = float(_logprobs(model, ids[0:21]).sum()) + sum(
+        float(_logprobs(model, ids[s:min(s + 21, 50)])[-10:].sum()) for s in (10, 20))
+    tail_start = 30  # the last window ends at the sequence's end: ids[30:50] scores 41..49
+    expected += float(_logprobs(model, ids[tail_start:50])[-9:].sum())
+    logprob, count = rolling_logprob(model, ids, window=20, stride=10)
+    assert count == 49 and logprob == pytest.approx(expected, rel=1e-5)
+
+
+def test_loglikelihood_cuts_long_inputs_from_the_left(model):
+    tok = WordTokenizer()
+    context = " ".join(f"t{i}" for i in range(100))  # longer than max_seq_len=64
+    (score,) = loglikelihood(model, tok, [(context, " end")])
+    ids = tok.encode(context + " end")[-65:]
+    assert score.logprob == pytest.approx(float(_logprobs(model, ids)[-1]), rel=1e-5) and score.n_tokens == 1
+
+
+def _ember(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ember", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_cli_writes_eval_json_and_refuses_bad_input(tmp_path: Path):
+    run = tmp_path / "run"
+    proc = _ember("train", "debug", "model.n_layers=1", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2",
+                  "seq_len=32", "global_batch_size=2", "micro_batch_size=2", "max_steps=2", "metrics.console=false",
+                  "eval_batches=1", f"output_dir={run}")
+    assert proc.returncode == 0, proc.stderr
+    data = _write(tmp_path / "l.jsonl", [{"text": "import os and sys"}, {"text": "def main ( self"}])
+    proc = _ember("eval", str(run), "ppl", f"lambada={data}", "eval.max_tokens=300")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((run / "checkpoints" / "step-2" / "eval.json").read_text())
+    assert report["model"] == str(run) and report["step"] == 2
+    assert set(report["results"]["ppl"]) == {"loss", "perplexity", "bits_per_byte", "tokens"}
+    assert report["results"]["ppl"]["perplexity"] == pytest.approx(math.exp(report["results"]["ppl"]["loss"]))
+    assert set(report["results"]["lambada"]) == {"acc", "perplexity", "n"} and report["results"]["lambada"]["n"] == 2
+    empty, latin = tmp_path / "empty.jsonl", tmp_path / "latin.jsonl"
+    empty.write_text("")
+    latin.write_bytes('{"text": "caf\xe9"}\n'.encode("latin-1"))
+    missing = _write(tmp_path / "m.jsonl", [{"passage": "x", "question": "y"}])
+    for args, message in [(["hellaswag"], "unknown eval task or key 'hellaswag'"),
+                          ([f"boolq={missing}"], "line 1 has no 'answer' field"),
+                          ([f"lambada={empty}"], "is empty"),
+                          ([f"lambada={latin}"], "is not UTF-8 text"),
+                          ([f"lambada={tmp_path / 'nope.jsonl'}"], "does not exist")]:
+        proc = _ember("eval", str(run), *args)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr, (args, proc.stderr)
+    proc = _ember("eval", str(tmp_path), "ppl")
+    assert proc.returncode == 2 and "holds no model" in proc.stderr
