@@ -122,7 +122,7 @@ def generate(model: nn.Module, tokenizer: Any, prompts: Sequence[Union[str, Sequ
     generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
     was_training, chunks = model.training, getattr(model, "output_chunks", 1)
     model.eval()
-    model.output_chunks = 1
+    model.output_chunks, model.last_logits_only = 1, True  # only the last position's logits are sampled from
     caches = attach_kv_caches(model, batch, total)
     out_ids: list[list[int]] = [[] for _ in range(batch)]
     texts, reasons = [""] * batch, [""] * batch
@@ -132,7 +132,7 @@ def generate(model: nn.Module, tokenizer: Any, prompts: Sequence[Union[str, Sequ
         step_tokens = tokens
         for _ in range(max_new_tokens):
             for cache in caches:
-                cache.slots, cache.pad = slots, pad
+                cache.set_positions(slots, pad)
             positions = (slots[None, :] - pad[:, None]).clamp_min(0)  # (B, T): each row counts from its first token
             logits = model(step_tokens, positions)[:, -1]  # (B, V)
             next_tokens = _sample(logits, temperature, top_k, top_p, generator)
@@ -157,7 +157,7 @@ def generate(model: nn.Module, tokenizer: Any, prompts: Sequence[Union[str, Sequ
             step_tokens = next_tokens[:, None]
     finally:
         detach_kv_caches(model)
-        model.output_chunks = chunks
+        model.output_chunks, model.last_logits_only = chunks, False
         model.train(was_training)
     results = []
     for row, prompt in enumerate(prompts):

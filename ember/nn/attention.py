@@ -37,8 +37,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 class KVCache:
     """Keys and values of every position generated so far, preallocated for the whole generation (B, n_kv_heads,
     max_len, head_dim), so decoding never reallocates (gpt-fast's static cache). Before each forward the caller
-    sets `slots` (T,), the cache positions of the tokens going in, and `pad` (B,), how many slots at the
-    start of each row are left padding (prompts of different lengths share one batch, right-aligned).
+    calls `set_positions(slots, pad)`: slots (T,) are the cache positions of the tokens going in, pad (B,) how
+    many slots at the start of each row are left padding (prompts of different lengths share one batch,
+    right-aligned).
     A plain object, not a module: it is no part of the model's state."""
 
     def __init__(self, batch: int, kv_heads: int, max_len: int, head_dim: int, dtype: torch.dtype,
@@ -47,19 +48,31 @@ class KVCache:
         self.v = torch.zeros_like(self.k)
         self.slots = torch.zeros(0, dtype=torch.long, device=device)
         self.pad = torch.zeros(batch, dtype=torch.long, device=device)
+        self.end = 0  # slots[-1] + 1, as a Python int
+        self.padded = False  # whether any row has left padding
+
+    def set_positions(self, slots: torch.Tensor, pad: torch.Tensor) -> None:
+        self.slots, self.pad = slots, pad
+        self.end, self.padded = int(slots[-1]) + 1, bool(pad.any())
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Write this step's k, v (B, n_kv_heads, T, head_dim) at `slots`, and attend q (B, n_heads, T, head_dim)
         over every cached key at or before each query's slot, past the row's padding."""
         self.k.index_copy_(2, self.slots, k.to(self.k.dtype))
         self.v.index_copy_(2, self.slots, v.to(self.v.dtype))
+        gqa = q.shape[1] != k.shape[1]
+        if not self.padded and q.shape[2] == self.end:  # a prefill from empty: plain causal attention
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        if not self.padded and q.shape[2] == 1:  # one new token: every position so far, no mask needed
+            k_all, v_all = self.k[:, :, :self.end].to(q.dtype), self.v[:, :, :self.end].to(q.dtype)
+            return F.scaled_dot_product_attention(q, k_all, v_all, enable_gqa=gqa)
         key = torch.arange(self.k.shape[2], device=q.device)  # (L,)
         causal = key[None, :] <= self.slots[:, None]  # (T, L)
         real = key[None, :] >= self.pad[:, None]  # (B, L): not left padding
         # A padding query may see itself, so its (discarded) row stays finite rather than NaN.
         mask = (causal[None] & real[:, None, :]) | (key[None, :] == self.slots[:, None])[None]  # (B, T, L)
         return F.scaled_dot_product_attention(q, self.k.to(q.dtype), self.v.to(q.dtype), attn_mask=mask[:, None],
-                                              enable_gqa=q.shape[1] != k.shape[1])
+                                              enable_gqa=gqa)
 
 
 class FlexDocumentAttention:

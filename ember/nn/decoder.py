@@ -188,6 +188,8 @@ class Decoder(nn.Module):
         # > 1: forward returns the logits as this many sequence chunks, so the loss can consume each
         # before the next exists in full (torchtune's chunked output). Set from outside by the trainer.
         self.output_chunks = 1
+        # True: forward returns the last position's logits only (B, 1, V): generation samples from nothing else.
+        self.last_logits_only = False
         if rope:  # not persistent: derived from args, recomputed by init_rope, never in checkpoints
             cos, sin = rope_cos_sin(args)
             self.register_buffer("rope_cos", cos, persistent=False)
@@ -227,6 +229,8 @@ class Decoder(nn.Module):
         h = self.norm(h) if self.norm is not None else h
         if self.output is None:
             return h
+        if self.last_logits_only:
+            h = h[:, -1:]  # (B, 1, dim)
         if self.logit_scale is not None:
             h = h * self.logit_scale
         if self.output_chunks > 1:

@@ -58,8 +58,27 @@ def test_cached_logits_equal_the_full_forward_at_every_position(family: str):
 
 def model_step(model, caches, tokens, slots, pad):
     for cache in caches:
-        cache.slots, cache.pad = slots, pad
+        cache.set_positions(slots, pad)
     return model(tokens, (slots[None, :] - pad[:, None]).clamp_min(0))
+
+
+@pytest.mark.parametrize("family", ["llama3.1", "gpt"])
+def test_cached_logits_with_left_padding_equal_each_row_alone(family: str):
+    # Right-aligned rows of a batch go through the masked path; each row's logits equal its unpadded forward.
+    model = _model(family)
+    rows = [torch.randint(2, 256, (n,), generator=torch.Generator().manual_seed(n)) for n in (12, 7)]
+    tokens = torch.zeros(2, 12, dtype=torch.long)
+    tokens[0], tokens[1, 5:] = rows[0], rows[1]
+    pad = torch.tensor([0, 5])
+    with torch.no_grad():
+        caches = attach_kv_caches(model, 2, 14)
+        prefill = model_step(model, caches, tokens, torch.arange(12), pad)
+        step = model_step(model, caches, torch.tensor([[9], [9]]), torch.tensor([12]), pad)
+        detach_kv_caches(model)
+        for row, ids in enumerate(rows):
+            full = model(torch.cat([ids, torch.tensor([9])])[None])[0]
+            torch.testing.assert_close(prefill[row, -len(ids):], full[:-1], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(step[row, 0], full[-1], rtol=1e-4, atol=1e-4)
 
 
 def test_prompts_of_different_lengths_batch_like_one_at_a_time():

@@ -1,0 +1,128 @@
+"""Generation speed: ember's KV-cache generate() vs transformers' generate() on the same weights.
+
+Both sides decode greedily from the same random prompt, with EOS off so every run makes exactly
+--new-tokens tokens. Prefill tokens/s is the prompt's forward alone (one call with max_new_tokens=1);
+decode tokens/s is the remaining tokens over the remaining time. Rounds alternate between the contestants;
+the figure per contestant is the median over rounds. The first round checks that both produced the same
+tokens (so the comparison is of equal work).
+
+    python benchmarks/generate_throughput.py                      # debug Llama and a ~100M Llama, batch 1 and 8
+    python benchmarks/generate_throughput.py --models debug --batch 1 --rounds 3
+
+Writes benchmarks/results/generate_throughput-<device>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from datetime import date
+from pathlib import Path
+
+import torch
+
+from ember.generate import generate
+from ember.load import save_hf
+from ember.models import MODELS, build_model_args
+
+MODELS_TO_RUN = {
+    "debug": {},  # dim 256, 4 layers, vocab 8192: 7.1M parameters
+    "100M": {"dim": 768, "n_layers": 12, "n_heads": 12, "n_kv_heads": 4, "vocab_size": 32000},  # ~110M
+}
+
+
+class Ids:
+    """Token ids are the text: the benchmark times the model, not a tokenizer."""
+    eos_id = -1
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return ""
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="debug,100M")
+    parser.add_argument("--batch", default="1,8")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args()
+    import transformers
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rows = []
+    for name in args.models.split(","):
+        margs = build_model_args("llama3", "debug", MODELS_TO_RUN[name])
+        torch.manual_seed(0)
+        model = MODELS["llama3"].model_cls(margs)
+        model.init_weights()
+        with tempfile.TemporaryDirectory() as tmp:
+            save_hf(model, margs, tmp)
+            hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, torch_dtype=dtype).to(device).eval()
+        model = model.to(device=device, dtype=dtype).eval()
+        model.init_rope(device)
+        for batch in (int(b) for b in args.batch.split(",")):
+            prompt = torch.randint(0, margs.vocab_size, (batch, args.prompt_len), generator=torch.Generator().manual_seed(1))
+
+            def ember_run(new: int) -> list[list[int]]:
+                out = generate(model, Ids(), prompt.tolist(), max_new_tokens=new, stop_at_eos=False)
+                return [g.token_ids for g in out]
+
+            def hf_run(new: int) -> list[list[int]]:
+                with torch.no_grad():
+                    out = hf.generate(prompt.to(device), max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                      pad_token_id=0, eos_token_id=None)
+                return out[:, args.prompt_len:].tolist()
+
+            contestants = {"ember": ember_run, "transformers": hf_run}
+            same = ember_run(args.new_tokens) == hf_run(args.new_tokens)  # also the warm-up
+            times = {n: {"prefill": [], "total": []} for n in contestants}
+            for _ in range(args.rounds):
+                for n, run in contestants.items():
+                    for key, new in (("prefill", 1), ("total", args.new_tokens)):
+                        if device.type == "cuda":
+                            torch.cuda.synchronize()
+                        t0 = time.perf_counter()
+                        run(new)
+                        if device.type == "cuda":
+                            torch.cuda.synchronize()
+                        times[n][key].append(time.perf_counter() - t0)
+            result = {}
+            for n in contestants:
+                prefill, total = statistics.median(times[n]["prefill"]), statistics.median(times[n]["total"])
+                result[n] = {"prefill_tokens_per_s": batch * args.prompt_len / prefill,
+                             "decode_tokens_per_s": batch * (args.new_tokens - 1) / max(total - prefill, 1e-9)}
+            for n in contestants:
+                rows.append({"model": name, "batch": batch, "contestant": n, **result[n],
+                             "decode_vs_transformers": result[n]["decode_tokens_per_s"]
+                             / result["transformers"]["decode_tokens_per_s"],
+                             "prefill_vs_transformers": result[n]["prefill_tokens_per_s"]
+                             / result["transformers"]["prefill_tokens_per_s"],
+                             "same_tokens": same})
+    print(f"\ngeneration, {platform.machine()} {device.type}, torch {torch.__version__}, {torch.get_num_threads()} "
+          f"threads; prompt {args.prompt_len}, {args.new_tokens} new tokens, greedy")
+    print(f"{'model':<8}{'batch':>6}  {'contestant':<14}{'prefill tok/s':>14}{'decode tok/s':>14}{'decode vs HF':>14}"
+          f"{'same tokens':>13}")
+    for r in rows:
+        print(f"{r['model']:<8}{r['batch']:>6}  {r['contestant']:<14}{r['prefill_tokens_per_s']:>14.0f}"
+              f"{r['decode_tokens_per_s']:>14.1f}{r['decode_vs_transformers']:>13.2f}x{str(r['same_tokens']):>13}")
+    result = {"benchmark": "generate_throughput", "date": date.today().isoformat(),
+              "machine": f"{platform.machine()} {device.type}, {torch.get_num_threads()} threads",
+              "torch": torch.__version__, "transformers": transformers.__version__,
+              "config": vars(args) | {"out": str(args.out)}, "rows": rows}
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"generate_throughput-{device.type}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
