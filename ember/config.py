@@ -146,6 +146,21 @@ class DataConfig:
 
 
 @dataclass
+class EvalTask:
+    name: str  # lambada | boolq | choice (ember/eval/tasks.py)
+    data: str  # a local jsonl file, or the task's name for its hub dataset
+
+
+@dataclass
+class EvalConfig:
+    # Downstream tasks run with the validation loss (every eval_interval steps and at the end), logged as
+    # eval/<task>/<metric>, e.g. [{name: lambada, data: lambada.jsonl}, {name: boolq, data: boolq.jsonl}].
+    tasks: list[EvalTask] = field(default_factory=list)
+    limit: Optional[int] = 200  # rows per task at each evaluation (None: all)
+    batch_size: int = 16
+
+
+@dataclass
 class MetricsConfig:
     console: bool = True
     jsonl: bool = True
@@ -183,6 +198,7 @@ class JobConfig:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     data: DataConfig = field(default_factory=DataConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     ici_mesh: MeshConfig = field(default_factory=lambda: MeshConfig(fsdp=-1))
     dcn_mesh: MeshConfig = field(default_factory=MeshConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -335,6 +351,23 @@ def load(recipe: str = "debug", overrides: Optional[list[str]] = None, world_siz
     return cfg
 
 
+def _check_eval_tasks(cfg: JobConfig) -> None:
+    """In-loop eval tasks: known names, data that exists, and a layout where every rank can run the whole
+    model forward on the same requests (data, fsdp, expert axes)."""
+    from ember.eval.tasks import HUB, TASKS  # local: config stays importable on its own
+
+    for i, task in enumerate(cfg.eval.tasks):
+        if task.name not in TASKS:
+            raise ConfigError(f"eval.tasks[{i}].name '{task.name}' is not one of {', '.join(TASKS)}")
+        if not Path(task.data).expanduser().is_file() and not (task.name in HUB and task.data in (task.name, HUB[task.name][0])):
+            raise ConfigError(f"eval.tasks[{i}].data '{task.data}' is not a file; give a local jsonl"
+                              + (f" or '{task.name}' for the hub" if task.name in HUB else ""))
+    if cfg.eval.tasks and cfg.data.dataset == "synthetic" and cfg.data.tokenizer is None:
+        raise ConfigError("eval.tasks need a tokenizer, and data.dataset=synthetic has none; set data.tokenizer")
+    if cfg.eval.batch_size < 1 or (cfg.eval.limit is not None and cfg.eval.limit < 1):
+        raise ConfigError("eval.batch_size and eval.limit must be >= 1")
+
+
 def _check_output_dir(output_dir: str) -> None:
     """output_dir must be a directory ember can create and write in: found now, not after the model is built."""
     path = Path(output_dir).expanduser()
@@ -384,6 +417,7 @@ def validate(cfg: JobConfig, world_size: int = 1) -> None:
             check_source_exists(source, key)
     except EmberError as err:
         raise ConfigError(str(err)) from None
+    _check_eval_tasks(cfg)
     if cfg.resume not in ("auto", "none") and not Path(cfg.resume).expanduser().exists():
         raise ConfigError(f"resume={cfg.resume}: no such checkpoint; give a checkpoints/step-N path, auto or none")
     if cfg.model.remat not in REMAT_POLICIES:
@@ -432,6 +466,9 @@ def mesh_shape(cfg: JobConfig, world_size: int) -> Any:
 
 
 def _validate_parallel(cfg: JobConfig, shape: Any, args: Any) -> None:
+    if cfg.eval.tasks and any(shape.degree(a) > 1 for a in ("tensor", "pipeline", "context")):
+        raise ConfigError("eval.tasks run the whole model on every rank: they work with the data, fsdp and expert "
+                          "axes; use `ember eval` on the checkpoint for tensor, pipeline or context layouts")
     par = cfg.parallel
     tp, pp, cp = shape.degree("tensor"), shape.degree("pipeline"), shape.degree("context")
     ep = shape.degree("expert")

@@ -240,6 +240,19 @@ class Trainer:
         self.model.train()
         return loss
 
+    def eval_tasks(self) -> dict[str, float]:
+        """The downstream tasks of eval.tasks, as eval/<task>/<metric>. Every rank runs the same requests
+        (config allows only layouts where each rank runs the whole model: data, fsdp, expert)."""
+        from ember.eval import TASKS
+
+        results: dict[str, float] = {}
+        for task in self.cfg.eval.tasks:
+            metrics = TASKS[task.name](self.model, self.tokenizer, task.data, self.cfg.eval.limit,
+                                       self.cfg.eval.batch_size)
+            results.update({f"eval/{task.name}/{k}": v for k, v in metrics.items()})
+        self.model.train()
+        return results
+
     # ---------------------------------------------------------------- the loop
     def train(self) -> dict:
         cfg = self.cfg
@@ -290,7 +303,7 @@ class Trainer:
                     window = {"time": 0.0, "steps": 0, "loss": 0.0, "data": 0.0}
                 # Validation on its own cadence, outside the timed window of the step it follows.
                 if cfg.eval_interval and self.step % cfg.eval_interval == 0 and self.step < cfg.max_steps:
-                    logger.log(self.step, {"step": self.step, "val_loss": self.evaluate()})
+                    logger.log(self.step, {"step": self.step, "val_loss": self.evaluate(), **self.eval_tasks()})
                 self.checkpointer.poll()
                 if signals.agree_to_stop():
                     self._say(f"{signals.describe()}: saving a checkpoint at step {self.step} and exiting")
@@ -301,6 +314,7 @@ class Trainer:
                     self.checkpointer.save(self.step, self.train_state())
 
         val_loss = None if stopped else self.evaluate()
+        tasks = {} if stopped else self.eval_tasks()
         for loader in (self.train_loader, self.val_loader):
             if loader is not None:
                 loader.close()  # stop the prefetch threads before the process moves on
@@ -319,9 +333,10 @@ class Trainer:
             "checkpoint": str(step_dir),
             "stopped_by_signal": signals.describe() if stopped else None,  # e.g. "SIGTERM"
             "skipped_steps": self.health.skipped_total,
+            "eval": tasks,  # eval/<task>/<metric> of eval.tasks at the end
         }
-        if val_loss is not None:
-            logger.log(self.step, {"step": self.step, "val_loss": val_loss})
+        if val_loss is not None or tasks:
+            logger.log(self.step, {"step": self.step, "val_loss": val_loss, **tasks})
         logger.close()
         if self.is_main and cfg.metrics.console and first is not None:
             val = f", validation loss {val_loss:.3f}" if val_loss is not None else ""

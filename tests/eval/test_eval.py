@@ -154,3 +154,38 @@ def test_cli_writes_eval_json_and_refuses_bad_input(tmp_path: Path):
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr, (args, proc.stderr)
     proc = _ember("eval", str(tmp_path), "ppl")
     assert proc.returncode == 2 and "holds no model" in proc.stderr
+
+
+def test_in_loop_eval_logs_the_tasks_and_equals_ember_eval(tmp_path: Path):
+    lam = _write(tmp_path / "l.jsonl", [{"text": "import os and sys"}, {"text": "def main ( self"},
+                                        {"text": "return None if x"}])
+    bq = _write(tmp_path / "b.jsonl", [{"passage": "import os", "question": "is it python", "answer": True},
+                                       {"passage": "a b c", "question": "is it python", "answer": False}])
+    run = tmp_path / "run"
+    proc = _ember("train", "debug", "model.n_layers=1", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2",
+                  "seq_len=32", "global_batch_size=2", "micro_batch_size=2", "max_steps=4", "eval_interval=2",
+                  "metrics.console=false", "eval_batches=1", f"output_dir={run}",
+                  f"eval.tasks=[{{name: lambada, data: {lam}}}, {{name: boolq, data: {bq}}}]")
+    assert proc.returncode == 0, proc.stderr
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    logged = {r["step"]: r for r in records if "eval/lambada/acc" in r}
+    assert sorted(logged) == [2, 4] and logged[4]["eval/boolq/n"] == 2 and "val_loss" in logged[4]
+    proc = _ember("eval", str(run), f"lambada={lam}", f"boolq={bq}", "--output", str(tmp_path / "e.json"))
+    assert proc.returncode == 0, proc.stderr
+    results = json.loads((tmp_path / "e.json").read_text())["results"]
+    assert logged[4]["eval/lambada/perplexity"] == pytest.approx(results["lambada"]["perplexity"], rel=1e-5)
+    assert logged[4]["eval/boolq/acc"] == results["boolq"]["acc"]
+
+
+def test_in_loop_eval_config_errors(tmp_path: Path):
+    from ember import config as config_lib
+    from ember.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"eval.tasks\[0\].name 'mmlu' is not one of lambada, boolq, choice"):
+        config_lib.load("debug", ["eval.tasks=[{name: mmlu, data: x.jsonl}]"])
+    with pytest.raises(ConfigError, match=r"eval.tasks\[0\].data '.*nope.jsonl' is not a file"):
+        config_lib.load("debug", [f"eval.tasks=[{{name: boolq, data: {tmp_path / 'nope.jsonl'}}}]"])
+    data = _write(tmp_path / "l.jsonl", [{"text": "a b"}])
+    with pytest.raises(ConfigError, match="use `ember eval` on the checkpoint for tensor"):
+        config_lib.load("debug", [f"eval.tasks=[{{name: lambada, data: {data}}}]", "ici_mesh.tensor=2",
+                                  "micro_batch_size=8"], world_size=2)
