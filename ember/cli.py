@@ -450,7 +450,10 @@ EVAL_USAGE = """usage: ember eval PATH TASK[=DATA] ... [key=value ...] [--output
          choice=FILE.jsonl ({"context", "choices", "label"}); `lambada` / `boolq` alone: the hub dataset
   keys: eval.limit=N (rows per task), eval.batch_size=N, eval.seq_len=N and eval.stride=N (ppl window),
         eval.max_tokens=N (ppl), eval.split=val|train (ppl)
-  writes eval.json next to the checkpoint: {"model", "step", "results": {task: {metric: value}}}"""
+  writes eval.json next to the checkpoint: {"model", "step", "results": {task: {metric: value}}}
+       ember eval PATH --harness TASK[,TASK] [--include-path DIR] [--limit N]
+  lm-evaluation-harness tasks (pip install -e '.[eval]'); offline: local task YAMLs with dataset_path: json and
+  absolute data_files, and HF_DATASETS_OFFLINE=1"""
 
 EVAL_KEYS = {"eval.limit": int, "eval.batch_size": int, "eval.seq_len": int, "eval.stride": int,
              "eval.max_tokens": int, "eval.split": str}
@@ -461,6 +464,9 @@ def cmd_eval(argv: list[str]) -> int:
         print(EVAL_USAGE)
         return 0 if argv else EXIT_USAGE
     import json
+
+    if "--harness" in argv:
+        return _eval_harness(argv)
 
     try:
         path, tasks, options, data_overrides, output, tokenizer_spec = _parse_eval_args(argv)
@@ -493,6 +499,47 @@ def cmd_eval(argv: list[str]) -> int:
     for task, metrics in results.items():
         shown = "  ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
         print(f"{task:<10}{shown}")
+    print(f"wrote {target}")
+    return 0
+
+
+def _eval_harness(argv: list[str]) -> int:
+    """`ember eval PATH --harness TASK[,TASK] [--include-path DIR] [--limit N] [--output FILE] [--tokenizer F]`:
+    lm-evaluation-harness tasks through ember.eval.harness.EmberLM."""
+    import json
+
+    parser = argparse.ArgumentParser(prog="ember eval PATH --harness")
+    parser.add_argument("path")
+    parser.add_argument("--harness", required=True, help="comma-separated lm-eval task names")
+    parser.add_argument("--include-path", default=None, help="a folder of task YAMLs (local tasks, offline)")
+    parser.add_argument("--limit", type=int, default=None)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--output", default=None)
+    parser.add_argument("--tokenizer", default=None)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:
+        return 0 if exit_.code == 0 else EXIT_USAGE
+    try:
+        from ember.eval.harness import EmberLM, simple_evaluate
+        from ember.generate import tokenizer_for
+        from ember.load import load_model
+
+        lm = EmberLM(load_model(args.path), tokenizer_for(args.path, args.tokenizer), batch_size=args.batch_size)
+        out = simple_evaluate(lm, args.harness.split(","), include_path=args.include_path, limit=args.limit)
+    except EmberError as err:
+        return _fail(_one_line(err))
+    if out is None or not out.get("results"):
+        return _fail(f"lm-eval ran no task of '{args.harness}' (check the names and --include-path)")
+    results = {task: {key.split(",")[0]: value for key, value in metrics.items()
+                      if isinstance(value, (int, float)) and not isinstance(value, bool)}
+               for task, metrics in out["results"].items()}
+    path = Path(args.path)
+    target = Path(args.output) if args.output else _eval_json_path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps({"model": str(path), "step": _step_of(path), "results": results}, indent=2) + "\n")
+    for task, metrics in results.items():
+        print(f"{task:<16}" + "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
     print(f"wrote {target}")
     return 0
 

@@ -1,0 +1,82 @@
+"""The lm-evaluation-harness adapter: the same log-likelihoods as lm-eval's own `hf` model on the HF export
+of the same weights, and a local task run offline through `ember eval --harness`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("lm_eval", reason="lm-eval is the [eval] extra; the test extra installs it")
+from lm_eval.api.instance import Instance  # noqa: E402
+from lm_eval.models.huggingface import HFLM  # noqa: E402
+
+from ember.data.tokenizer import embedded_tokenizer  # noqa: E402
+from ember.eval.harness import EmberLM  # noqa: E402
+from ember.load import save_hf  # noqa: E402
+from ember.models import MODELS, build_model_args  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory):
+    """(ember model, its tokenizer, lm-eval's HFLM on the HF export of the same weights and tokenizer)."""
+    import transformers
+
+    tokenizer = embedded_tokenizer(512, 0.02)
+    args = build_model_args("llama3", "debug", {"n_layers": 2, "dim": 64, "n_heads": 4, "n_kv_heads": 2,
+                                                "vocab_size": 512, "max_seq_len": 64})
+    torch.manual_seed(0)
+    model = MODELS["llama3"].model_cls(args)
+    model.init_weights()
+    model.eval()
+    out = tmp_path_factory.mktemp("harness") / "hf"
+    save_hf(model, args, out)
+    hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer.tok, eos_token="<|end_of_text|>")
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
+    return model, tokenizer, HFLM(pretrained=hf_model, tokenizer=hf_tok, batch_size=4, max_length=64)
+
+
+def _requests(kind: str, args: list[tuple]) -> list[Instance]:
+    return [Instance(request_type=kind, doc={}, arguments=a, idx=i) for i, a in enumerate(args)]
+
+
+def test_loglikelihoods_equal_lm_evals_hf_model(pair):
+    model, tokenizer, hflm = pair
+    requests = _requests("loglikelihood", [("def main(self):", " return"), ("import os ", "sys"),
+                                           ("x = 1\n" * 40, "y = 2"), ("The cat", " sat on the mat")])
+    ours = EmberLM(model, tokenizer, batch_size=3).loglikelihood(requests)
+    theirs = hflm.loglikelihood(requests)
+    for (a, greedy_a), (b, greedy_b) in zip(ours, theirs):
+        assert a == pytest.approx(b, abs=1e-4) and greedy_a == greedy_b
+    texts = _requests("loglikelihood_rolling", [("for i in range(10):\n    print(i)\n" * 6,), ("short text",)])
+    for a, b in zip(EmberLM(model, tokenizer).loglikelihood_rolling(texts), hflm.loglikelihood_rolling(texts)):
+        assert a == pytest.approx(b, abs=1e-4)
+
+
+def test_a_local_task_runs_offline_through_the_cli(tmp_path: Path):
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "ember", "train", "debug", "model.n_layers=1", "model.dim=64",
+                           "model.n_heads=4", "model.n_kv_heads=2", "seq_len=32", "global_batch_size=2",
+                           "micro_batch_size=2", "max_steps=2", "metrics.console=false", "eval_batches=1",
+                           f"output_dir={run}"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"q": f"import os{i}", "a": " sys"}) + "\n" for i in range(6)))
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "tiny.yaml").write_text(
+        f"task: ember_tiny\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
+        "test_split: test\noutput_type: loglikelihood\ndoc_to_text: '{{q}}'\ndoc_to_target: '{{a}}'\n"
+        "metric_list:\n  - metric: perplexity\n  - metric: acc\n")
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-m", "ember", "eval", str(run), "--harness", "ember_tiny",
+                           "--include-path", str(tasks), "--output", str(tmp_path / "e.json")],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((tmp_path / "e.json").read_text())["results"]["ember_tiny"]
+    assert results["perplexity"] > 1 and 0 <= results["acc"] <= 1
