@@ -7,6 +7,7 @@ the figure per contestant is the median over rounds. The first round checks that
 tokens (so the comparison is of equal work).
 
     python benchmarks/generate_throughput.py                      # debug Llama and a ~100M Llama, batch 1 and 8
+    (ember runs eager and with its decode step compiled: generate(..., compile=True))
     python benchmarks/generate_throughput.py --models debug --batch 1 --rounds 3
 
 Writes benchmarks/results/generate_throughput-<device>.json.
@@ -71,9 +72,12 @@ def main() -> int:
         for batch in (int(b) for b in args.batch.split(",")):
             prompt = torch.randint(0, margs.vocab_size, (batch, args.prompt_len), generator=torch.Generator().manual_seed(1))
 
-            def ember_run(new: int) -> list[list[int]]:
-                out = generate(model, Ids(), prompt.tolist(), max_new_tokens=new, stop_at_eos=False)
+            def ember_run(new: int, compile: bool = False) -> list[list[int]]:
+                out = generate(model, Ids(), prompt.tolist(), max_new_tokens=new, stop_at_eos=False, compile=compile)
                 return [g.token_ids for g in out]
+
+            def ember_compiled_run(new: int) -> list[list[int]]:
+                return ember_run(new, compile=True)
 
             def hf_run(new: int) -> list[list[int]]:
                 with torch.no_grad():
@@ -81,8 +85,9 @@ def main() -> int:
                                       pad_token_id=0, eos_token_id=None)
                 return out[:, args.prompt_len:].tolist()
 
-            contestants = {"ember": ember_run, "transformers": hf_run}
-            same = ember_run(args.new_tokens) == hf_run(args.new_tokens)  # also the warm-up
+            contestants = {"ember": ember_run, "ember compiled": ember_compiled_run, "transformers": hf_run}
+            reference = hf_run(args.new_tokens)  # also the warm-up (and the compilation, below)
+            same = all(run(args.new_tokens) == reference for run in (ember_run, ember_compiled_run))
             times = {n: {"prefill": [], "total": []} for n in contestants}
             for _ in range(args.rounds):
                 for n, run in contestants.items():
@@ -108,10 +113,10 @@ def main() -> int:
                              "same_tokens": same})
     print(f"\ngeneration, {platform.machine()} {device.type}, torch {torch.__version__}, {torch.get_num_threads()} "
           f"threads; prompt {args.prompt_len}, {args.new_tokens} new tokens, greedy")
-    print(f"{'model':<8}{'batch':>6}  {'contestant':<14}{'prefill tok/s':>14}{'decode tok/s':>14}{'decode vs HF':>14}"
+    print(f"{'model':<8}{'batch':>6}  {'contestant':<16}{'prefill tok/s':>14}{'decode tok/s':>14}{'decode vs HF':>14}"
           f"{'same tokens':>13}")
     for r in rows:
-        print(f"{r['model']:<8}{r['batch']:>6}  {r['contestant']:<14}{r['prefill_tokens_per_s']:>14.0f}"
+        print(f"{r['model']:<8}{r['batch']:>6}  {r['contestant']:<16}{r['prefill_tokens_per_s']:>14.0f}"
               f"{r['decode_tokens_per_s']:>14.1f}{r['decode_vs_transformers']:>13.2f}x{str(r['same_tokens']):>13}")
     result = {"benchmark": "generate_throughput", "date": date.today().isoformat(),
               "machine": f"{platform.machine()} {device.type}, {torch.get_num_threads()} threads",

@@ -374,6 +374,7 @@ def cmd_generate(argv: list[str]) -> int:
     parser.add_argument("--tokenizer", default=None, help="tokenizer file (default: the run's own)")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--json", action="store_true", help="one JSON object per prompt: prompt, completion, token_ids")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the decode step (for long outputs)")
     try:
         args = parser.parse_args(argv)
     except SystemExit as exit_:
@@ -401,8 +402,8 @@ def cmd_generate(argv: list[str]) -> int:
             print(prompts[0], end="", flush=True)
         results = generate(model, tokenizer, prompts, max_new_tokens=args.max_new_tokens,
                            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                           stop=args.stop, on_text=(lambda row, piece: print(piece, end="", flush=True)) if stream
-                           else None)
+                           stop=args.stop, compile=args.compile,
+                           on_text=(lambda row, piece: print(piece, end="", flush=True)) if stream else None)
     except EmberError as err:
         return _fail(_one_line(err))
     for result in results:

@@ -101,10 +101,13 @@ def _sample(logits: torch.Tensor, temperature: float, top_k: Optional[int], top_
 def generate(model: nn.Module, tokenizer: Any, prompts: Sequence[Union[str, Sequence[int]]], *,
              max_new_tokens: int = 64, temperature: float = 0.0, top_k: Optional[int] = None,
              top_p: Optional[float] = None, seed: Optional[int] = None, stop: Sequence[str] = (),
-             stop_at_eos: bool = True, on_text: Optional[Callable[[int, str], None]] = None) -> list[Generation]:
+             stop_at_eos: bool = True, on_text: Optional[Callable[[int, str], None]] = None,
+             compile: bool = False) -> list[Generation]:
     """Continue each prompt (text, or token ids) by up to `max_new_tokens` tokens. Greedy at temperature 0.
     Stops a row at EOS or at any `stop` string (cut from the completion). `on_text(row, piece)` receives the
-    new text of a row as it is decoded (for streaming)."""
+    new text of a row as it is decoded (for streaming). compile=True runs the decode step through
+    torch.compile with static shapes (the cache attended whole, under a mask): one compilation, then no
+    Python between the kernels of a step; worth it for long generations."""
     if max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens={max_new_tokens} must be >= 1")
     ids = [list(p) if not isinstance(p, str) else tokenizer.encode(p) for p in prompts]
@@ -124,6 +127,11 @@ def generate(model: nn.Module, tokenizer: Any, prompts: Sequence[Union[str, Sequ
     model.eval()
     model.output_chunks, model.last_logits_only = 1, True  # only the last position's logits are sampled from
     caches = attach_kv_caches(model, batch, total)
+    decode_step = model
+    if compile:
+        for cache in caches:
+            cache.static = True
+        decode_step = torch.compile(model, dynamic=False)
     out_ids: list[list[int]] = [[] for _ in range(batch)]
     texts, reasons = [""] * batch, [""] * batch
     eos = getattr(tokenizer, "eos_id", None) if stop_at_eos else None
@@ -134,7 +142,8 @@ def generate(model: nn.Module, tokenizer: Any, prompts: Sequence[Union[str, Sequ
             for cache in caches:
                 cache.set_positions(slots, pad)
             positions = (slots[None, :] - pad[:, None]).clamp_min(0)  # (B, T): each row counts from its first token
-            logits = model(step_tokens, positions)[:, -1]  # (B, V)
+            step = decode_step if step_tokens.shape[1] == 1 else model  # the prefill runs eagerly
+            logits = step(step_tokens, positions)[:, -1]  # (B, V)
             next_tokens = _sample(logits, temperature, top_k, top_p, generator)
             for row, token in enumerate(next_tokens.tolist()):
                 if reasons[row]:

@@ -50,6 +50,9 @@ class KVCache:
         self.pad = torch.zeros(batch, dtype=torch.long, device=device)
         self.end = 0  # slots[-1] + 1, as a Python int
         self.padded = False  # whether any row has left padding
+        # True: always attend over the whole preallocated length with a mask, so every decode step has the same
+        # shapes (a compiled decode step then compiles once instead of once per length).
+        self.static = False
 
     def set_positions(self, slots: torch.Tensor, pad: torch.Tensor) -> None:
         self.slots, self.pad = slots, pad
@@ -61,9 +64,9 @@ class KVCache:
         self.k.index_copy_(2, self.slots, k.to(self.k.dtype))
         self.v.index_copy_(2, self.slots, v.to(self.v.dtype))
         gqa = q.shape[1] != k.shape[1]
-        if not self.padded and q.shape[2] == self.end:  # a prefill from empty: plain causal attention
+        if not self.static and not self.padded and q.shape[2] == self.end:  # a prefill from empty: plain causal
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        if not self.padded and q.shape[2] == 1:  # one new token: every position so far, no mask needed
+        if not self.static and not self.padded and q.shape[2] == 1:  # one new token: every position so far
             k_all, v_all = self.k[:, :, :self.end].to(q.dtype), self.v[:, :, :self.end].to(q.dtype)
             return F.scaled_dot_product_attention(q, k_all, v_all, enable_gqa=gqa)
         key = torch.arange(self.k.shape[2], device=q.device)  # (L,)

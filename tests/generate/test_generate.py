@@ -102,6 +102,14 @@ def test_greedy_equals_transformers_generate(tmp_path: Path, family: str):
     assert result.token_ids == expected and result.stop_reason == "length"
 
 
+def test_a_compiled_decode_step_gives_the_same_tokens():
+    model = _model("llama3.1")
+    prompts = ["5 9 13 40", "7 3"]  # a padded batch: the static-shape masked path
+    eager = generate(model, IdTokenizer(), prompts, max_new_tokens=8, stop_at_eos=False)
+    compiled = generate(model, IdTokenizer(), prompts, max_new_tokens=8, stop_at_eos=False, compile=True)
+    assert [g.token_ids for g in compiled] == [g.token_ids for g in eager]
+
+
 def test_sampling_is_seeded_and_stops():
     model = _model("gpt")
     a = generate(model, IdTokenizer(), ["5 9"], max_new_tokens=12, temperature=1.0, top_k=20, top_p=0.9, seed=7,
