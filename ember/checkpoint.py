@@ -30,10 +30,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 from ember.errors import CheckpointError
-from ember.load import MODEL_JSON, model_state_dict
+from ember.load import MODEL_JSON, first_error_line, model_state_dict, read_model_json
 
 STEP_DIR = re.compile(r"step-(\d+)")
 
@@ -65,7 +66,7 @@ def verify(step_dir: Path, template: dict[str, Any]) -> None:
     try:
         metadata = FileSystemReader(str(step_dir)).read_metadata()
     except Exception as err:
-        raise CheckpointError(f"checkpoint {step_dir}: its .metadata cannot be read ({_first_line(err)})") from None
+        raise CheckpointError(f"checkpoint {step_dir}: its .metadata cannot be read ({first_error_line(err)})") from None
     needed: dict[str, int] = {}
     for info in metadata.storage_data.values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
@@ -98,10 +99,6 @@ def _flatten(state: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[name] = value
     return out
-
-
-def _first_line(err: BaseException) -> str:
-    return str(err).splitlines()[0] if str(err) else type(err).__name__
 
 
 def rng_state() -> dict[str, Any]:
@@ -241,8 +238,8 @@ class CheckpointManager:
             warnings.simplefilter("ignore", UserWarning)
             try:
                 dcp.load(state, checkpoint_id=str(step_dir))
-            except Exception as err:
-                raise CheckpointError(f"checkpoint {step_dir} cannot be loaded: {_first_line(err)}") from None
+            except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
+                raise CheckpointError(f"checkpoint {step_dir} cannot be loaded: {first_error_line(err)}") from None
         set_optimizer_state_dict(self.optim_model, self.optimizer, state["optim"])
         rank_file = step_dir / f"train-rank{_rank()}.pt"
         if not rank_file.is_file():  # another world size: the global data position is the same on every rank
@@ -250,7 +247,7 @@ class CheckpointManager:
         try:
             train_state = torch.load(rank_file, weights_only=True)
         except Exception as err:
-            raise CheckpointError(f"checkpoint {step_dir}: {rank_file.name} is unreadable ({_first_line(err)})") from None
+            raise CheckpointError(f"checkpoint {step_dir}: {rank_file.name} is unreadable ({first_error_line(err)})") from None
         self.say(f"resumed from {step_dir} (step {train_state['step']})")
         return train_state
 
@@ -274,11 +271,8 @@ def architecture_differences(saved: dict[str, Any], run: dict[str, Any]) -> list
 def check_architecture(step_dir: Path, meta: dict[str, Any]) -> None:
     """Refuse a checkpoint whose model.json describes another architecture than the run's `meta`: loading it
     would drop layers silently, or keep a changed RoPE base with weights trained for the old one."""
-    try:
-        saved = json.loads((step_dir / MODEL_JSON).read_text())
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"checkpoint {step_dir}: {MODEL_JSON} cannot be read ({_first_line(err)})") from None
-    diffs = architecture_differences(saved if isinstance(saved, dict) else {}, meta)
+    saved = meta_for(*read_model_json(step_dir / MODEL_JSON))  # every key checked; defaults filled in
+    diffs = architecture_differences(saved, meta)
     if diffs:
         more = f" (and {len(diffs) - 3} more)" if len(diffs) > 3 else ""
         raise ArchitectureMismatch(

@@ -75,6 +75,11 @@ def _split_launch_flags(argv: list[str]) -> tuple[dict[str, str], list[str]]:
     return flags, rest
 
 
+def _wants_help(argv: list[str]) -> bool:
+    """-h/--help anywhere (`ember train debug --help` too): the hand-parsed commands answer as argparse does."""
+    return any(arg in ("-h", "--help") for arg in argv)
+
+
 def _positive_int(flags: dict[str, str], name: str, default: int) -> int:
     try:
         value = int(flags.get(name, default))
@@ -149,7 +154,7 @@ def _report_rank_failure(err: BaseException) -> int:
 def cmd_train(argv: list[str]) -> int:
     from ember import config as config_lib
 
-    if argv[:1] in (["-h"], ["--help"]):
+    if _wants_help(argv):
         print(TRAIN_USAGE)
         return 0
     try:
@@ -186,6 +191,8 @@ def cmd_train(argv: list[str]) -> int:
     except TrainingStopped as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
+    except EmberError as err:  # a user mistake found mid-run (data read lazily, a checkpoint that cannot be written)
+        return _fail_rank(_one_line(err), world_size)
     except Exception as err:
         if world_size == 1:
             raise
@@ -199,7 +206,7 @@ def cmd_train(argv: list[str]) -> int:
 
 
 def cmd_recipes(argv: list[str]) -> int:
-    if argv[:1] in (["-h"], ["--help"]):
+    if _wants_help(argv):
         print("usage: ember recipes\n  the built-in recipes with their parameter counts (total and active), "
               "sequence length and batch")
         return 0
@@ -418,29 +425,12 @@ def cmd_generate(argv: list[str]) -> int:
 
 def _read_prompts(path: Path) -> list[str]:
     """The "prompt" of every row of a jsonl file; errors name the file and line."""
-    import json
+    from ember.errors import DataError
+    from ember.eval.tasks import read_rows
 
-    from ember.errors import DataError, UserFileNotFound
-
-    if not path.is_file():
-        raise UserFileNotFound(f"--prompt-file '{path}' does not exist")
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError:
-        raise DataError(f"--prompt-file '{path}' is not UTF-8 text") from None
-    prompts = []
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except ValueError:
-            raise DataError(f"{path} line {lineno} is not valid JSON") from None
-        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-            raise DataError(f"{path} line {lineno} has no \"prompt\" text field")
-        prompts.append(row["prompt"])
-    if not prompts:
-        raise DataError(f"--prompt-file '{path}' holds no prompts")
+    prompts = [row["prompt"] for row in read_rows(str(path), "--prompt-file", ("prompt",))]
+    if not all(isinstance(p, str) for p in prompts):
+        raise DataError(f"--prompt-file '{path}': every \"prompt\" must be text")
     return prompts
 
 
@@ -461,7 +451,7 @@ EVAL_KEYS = {"eval.limit": int, "eval.batch_size": int, "eval.seq_len": int, "ev
 
 
 def cmd_eval(argv: list[str]) -> int:
-    if not argv or argv[0] in ("-h", "--help"):
+    if not argv or _wants_help(argv):
         print(EVAL_USAGE)
         return 0 if argv else EXIT_USAGE
     import json
@@ -489,8 +479,6 @@ def cmd_eval(argv: list[str]) -> int:
             else:
                 results[task] = TASKS[task](model, tokenizer, data or task, limit, batch)
     except EmberError as err:
-        return _fail(_one_line(err))
-    except ValueError as err:  # a continuation or prompt the tokenizer makes empty, a bad option value
         return _fail(_one_line(err))
     step = _step_of(Path(path))
     report = {"model": str(path), "step": step, "results": results}

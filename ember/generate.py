@@ -9,7 +9,6 @@ left padding is masked out of attention and its positions start at 0 on its firs
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -35,7 +34,7 @@ def tokenizer_for(path: Union[str, Path], spec: Optional[str] = None) -> Any:
     import yaml
 
     from ember.data.tokenizer import embedded_tokenizer, load_tokenizer
-    from ember.load import MODEL_JSON
+    from ember.load import MODEL_JSON, read_model_json
 
     if spec:
         return load_tokenizer(spec)
@@ -53,7 +52,7 @@ def tokenizer_for(path: Union[str, Path], spec: Optional[str] = None) -> Any:
     data = (yaml.safe_load((run / "config.yaml").read_text()) or {}).get("data", {})
     if data.get("tokenizer"):
         return load_tokenizer(data["tokenizer"])
-    vocab = json.loads((step / MODEL_JSON).read_text())["args"]["vocab_size"]
+    vocab = read_model_json(step / MODEL_JSON)[2].vocab_size
     return embedded_tokenizer(vocab, data.get("val_fraction", 0.02))
 
 

@@ -16,7 +16,7 @@ import os
 import platform
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -164,9 +164,8 @@ def peak_flops(device: torch.device, dtype: torch.dtype, user_peak_tflops: Optio
     if device.type == "cpu":
         # Measured in fp32 whatever the dtype: a bf16 matmul on a CPU without AMX/AVX512-BF16 runs at
         # ~1 GFLOP/s and would not fit the time budget; the label says which rate MFU is against.
-        value, path = cpu_peak_flops()
-        return PeakFlops(value, f"measured CPU fp32 matmul, {torch.get_num_threads()} threads, cached in {path}",
-                         measured=True)
+        value, where = cpu_peak_flops()
+        return PeakFlops(value, f"measured CPU fp32 matmul, {torch.get_num_threads()} threads, {where}", measured=True)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     spec = match_device(name)
     if spec is None:
@@ -228,14 +227,18 @@ def measure_cpu_matmul_flops(seconds: float = 0.6, sizes: tuple[int, ...] = MATM
 
 
 def cpu_model() -> str:
-    """The CPU's model name (/proc/cpuinfo on Linux), part of the peak cache's key."""
+    """The CPU's model, part of the peak cache's key: /proc/cpuinfo's model name with its family, model and
+    stepping numbers (virtual machines often show only "AMD EPYC" or "Intel Xeon Processor", the same name
+    for generations that differ in peak several-fold), else what `platform` knows."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        first = Path("/proc/cpuinfo").read_text().split("\n\n", 1)[0]  # the first processor's block
     except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        first = ""
+    info = {key.strip(): value.strip() for key, _, value in (line.partition(":") for line in first.splitlines())}
+    name = info.get("model name") or platform.processor() or platform.machine()
+    ids = [f"{key} {info[key]}" for key in ("cpu family", "model", "stepping", "CPU implementer", "CPU part")
+           if info.get(key)]  # x86 numbers; ARM's implementer and part (Neoverse V1, V2, ...)
+    return f"{name} ({', '.join(ids)})" if ids else name
 
 
 def _cpu_peak_key() -> str:
@@ -258,39 +261,117 @@ def _locked(path: Path) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def _read_peaks(path: Path) -> dict[str, float]:
+@dataclass(frozen=True)
+class CpuPeak:
+    """One cache entry. quiet: no other process took cores from the measurement (see `_busy_elsewhere`);
+    job: the job that measured (`_job_id`), whose other ranks use its figure even when it is not quiet."""
+
+    flops: float
+    quiet: bool = True
+    job: str = ""
+
+
+def _read_peaks(path: Path) -> dict[str, CpuPeak]:
     try:
-        peaks = json.loads(path.read_text())
-        return {k: float(v) for k, v in peaks.items()} if isinstance(peaks, dict) else {}
-    except (OSError, ValueError, TypeError):
+        raw = json.loads(path.read_text())
+        peaks = {}
+        for key, entry in raw.items():
+            if isinstance(entry, dict):  # {"flops", "quiet", "job"}
+                peaks[key] = CpuPeak(float(entry["flops"]), bool(entry.get("quiet", True)), str(entry.get("job", "")))
+            else:  # a bare number (the first version of this file): measured unchecked, so measured again once
+                peaks[key] = CpuPeak(float(entry), quiet=False)
+        return peaks
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return {}  # missing or damaged: measured again, never fatal
 
 
-def _write_peaks(path: Path, peaks: dict[str, float]) -> None:
+def _write_peaks(path: Path, peaks: dict[str, CpuPeak]) -> None:
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(peaks, indent=2) + "\n")
+    tmp.write_text(json.dumps({k: asdict(v) for k, v in peaks.items()}, indent=2) + "\n")
     os.replace(tmp, path)  # atomic: a reader sees the old file or the new one
 
 
-_PEAK_IN_PROCESS: dict[str, float] = {}
+def _cpu_seconds() -> Optional[tuple[float, float]]:
+    """(busy CPU-seconds of the cores this process may run on, from /proc/stat; this process's CPU-seconds),
+    or None where there is no /proc/stat. Busy includes steal: a hypervisor's other guests compete too."""
+    try:
+        cpus, busy = _usable_cpus(), 0
+        with open("/proc/stat") as stat:
+            for line in stat:
+                name, *ticks = line.split()
+                if name[3:].isdigit() and name.startswith("cpu") and int(name[3:]) in cpus:
+                    user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, ticks[:8])
+                    busy += user + nice + system + irq + softirq + steal
+    except (OSError, ValueError, AttributeError):
+        return None
+    own = os.times()
+    return busy / os.sysconf("SC_CLK_TCK"), own.user + own.system
 
 
-def cpu_peak_flops() -> tuple[float, Path]:
-    """This machine's CPU matmul peak for this process's thread count, and the cache file that holds it.
+def _usable_cpus() -> set[int]:
+    return os.sched_getaffinity(0)  # Linux; elsewhere AttributeError, and no contention check
+
+
+def _busy_elsewhere(before: Optional[tuple[float, float]], wall_s: float) -> Optional[float]:
+    """How many of this process's cores other processes kept busy since `before` (a mean over `wall_s`), beyond
+    the cores torch's threads leave free; None where it cannot be read."""
+    after = _cpu_seconds()
+    if before is None or after is None or wall_s <= 0:
+        return None
+    others = ((after[0] - before[0]) - (after[1] - before[1])) / wall_s
+    spare = len(_usable_cpus()) - torch.get_num_threads()
+    return max(0.0, others - max(spare, 0))
+
+
+def _job_id() -> str:
+    """The ranks of one torchrun job on a node share their launcher (the parent process); a plain run is its own."""
+    launched = "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
+    return f"{platform.node()}:{os.getppid() if launched else os.getpid()}"
+
+
+# Other processes may keep this much of a core busy during the measurement (daemons, a shell) and it still
+# counts as quiet: the best-of-many timing rides out short interruptions, not a competitor that never stops.
+QUIET_CORES = 0.5
+
+_PEAK_IN_PROCESS: dict[str, CpuPeak] = {}
+
+
+def cpu_peak_flops() -> tuple[float, str]:
+    """This machine's CPU matmul peak for this process's thread count, and where it is kept (for the label).
 
     Measured once per (CPU model, threads, torch version) and kept in the ember cache, so every run and
     every rank of a node divides by the same number: a peak measured at each start, while other threads
-    or processes compete, comes out low and made MFU exceed 100%."""
+    or processes compete, comes out low and made MFU exceed 100%. A measurement during which other
+    processes kept cores busy is kept as provisional: the ranks of the job that made it use it (one figure
+    per job), the next job measures again and keeps the higher figure, until a quiet measurement settles it.
+    Where the cache cannot be written, the process measures for itself."""
     path, key = _cpu_peak_path(), _cpu_peak_key()
-    if key in _PEAK_IN_PROCESS:
-        return _PEAK_IN_PROCESS[key], path
-    with _locked(path):
-        peaks = _read_peaks(path)
-        if key not in peaks:
-            peaks[key] = measure_cpu_matmul_flops()
-            _write_peaks(path, peaks)
-    _PEAK_IN_PROCESS[key] = peaks[key]
-    return peaks[key], path
+    where = f"cached in {path}"
+    entry = _PEAK_IN_PROCESS.get(key)
+    if entry is None:
+        try:
+            with _locked(path):
+                peaks = _read_peaks(path)
+                entry = peaks.get(key)
+                if entry is None or not (entry.quiet or entry.job == _job_id()):
+                    peaks[key] = entry = _measure(entry)
+                    _write_peaks(path, peaks)
+        except OSError as err:  # an unwritable cache (read-only home, full disk): this process's figure only
+            entry = entry or _measure(None)
+            where = f"not cached ({err.strerror or err}: {path})"
+        _PEAK_IN_PROCESS[key] = entry
+    if not entry.quiet:
+        where = f"measured while other processes were busy: provisional, {where}"
+    return entry.flops, where
+
+
+def _measure(previous: Optional[CpuPeak]) -> CpuPeak:
+    """A new measurement, kept with the previous figure if that was higher (contention only lowers a rate)."""
+    before, start = _cpu_seconds(), time.perf_counter()
+    flops = measure_cpu_matmul_flops()
+    elsewhere = _busy_elsewhere(before, time.perf_counter() - start)
+    quiet = elsewhere is None or elsewhere <= QUIET_CORES
+    return CpuPeak(max(flops, previous.flops if previous else 0.0), quiet, _job_id())
 
 
 def raise_measured_peak(peak: PeakFlops, achieved_flops: float) -> PeakFlops:
@@ -301,9 +382,16 @@ def raise_measured_peak(peak: PeakFlops, achieved_flops: float) -> PeakFlops:
     if not peak.measured or peak.value_flops is None or achieved_flops <= peak.value_flops:
         return peak
     path, key = _cpu_peak_path(), _cpu_peak_key()
-    with _locked(path):
-        peaks = _read_peaks(path)
-        peaks[key] = max(peaks.get(key, 0.0), achieved_flops)
-        _write_peaks(path, peaks)
-    _PEAK_IN_PROCESS[key] = peaks[key]
-    return PeakFlops(peaks[key], peak.source.replace("matmul", "matmul, raised to a training run's rate", 1), True)
+    entry = _PEAK_IN_PROCESS.get(key, CpuPeak(peak.value_flops))
+    entry = replace(entry, flops=max(entry.flops, achieved_flops))
+    try:
+        with _locked(path):
+            peaks = _read_peaks(path)
+            if key in peaks:
+                entry = replace(entry, flops=max(entry.flops, peaks[key].flops))
+            peaks[key] = entry
+            _write_peaks(path, peaks)
+    except OSError:
+        pass  # an unwritable cache: this run still divides by the raised figure
+    _PEAK_IN_PROCESS[key] = entry
+    return PeakFlops(entry.flops, peak.source.replace("matmul", "matmul, raised to a training run's rate", 1), True)

@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import shutil
+import types
+import typing
 import warnings
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -22,6 +25,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
 
 from ember.errors import CheckpointError, ConfigError, UserFileNotFound
@@ -32,7 +36,11 @@ HF_FAMILY = "llama3"  # Llama 2 and 3.x share one architecture; config.json carr
 Device = Union[str, torch.device]
 
 
-def _first_error_line(err: BaseException) -> str:
+def first_error_line(err: BaseException) -> str:
+    """The gist of an exception for a one-line error: its first two lines; for DCP's CheckpointException
+    (a traceback per rank in its text), those of the first rank's own exception."""
+    if isinstance(err, CheckpointException) and err.failures:
+        err = next(iter(err.failures.values()))[0]
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
     return " ".join(lines[:2]) if lines else type(err).__name__
 
@@ -47,35 +55,81 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def args_from_meta(meta: Any, where: Union[str, Path]) -> tuple[str, Any]:
-    """(family, args dataclass) from the model description of a checkpoint or converted file ({"family",
-    "flavor", "args"}, as `checkpoint.meta_for` writes it), checked key by key: a file read from disk names
-    an unknown family or an unknown, missing or mistyped hyper-parameter as one CheckpointError."""
+def parse_model_meta(meta: Any, where: Union[str, Path]) -> tuple[str, str, Any]:
+    """(family, flavor, args dataclass) of a model description read from disk ({"family", "flavor", "args"},
+    as `checkpoint.meta_for` writes it into model.json and `ember convert --to torch` into a torch file).
+
+    Every key is checked against the family's args dataclass: an unknown family, an unknown, missing or
+    mistyped hyper-parameter, a size below 1, or sizes that do not fit together is one CheckpointError naming
+    the file and the key (it used to surface as a KeyError/TypeError traceback from deep inside a model)."""
     if not isinstance(meta, dict) or not isinstance(meta.get("args"), dict):
         raise CheckpointError(f"'{where}' has no model description {{family, flavor, args}}; "
                               "write it with ember train or ember convert")
-    family = meta.get("family")
-    if family not in MODELS:
-        raise CheckpointError(f"'{where}' names model family '{family}', which ember does not know "
+    family, flavor = meta.get("family"), meta.get("flavor", "custom")
+    if not isinstance(family, str) or family not in MODELS:
+        raise CheckpointError(f"'{where}' names model family {family!r}, which ember does not know "
                               f"(known: {', '.join(MODELS)})")
-    fields = {f.name: f for f in dataclasses.fields(MODELS[family].args_cls)}
+    if not isinstance(flavor, str):
+        raise CheckpointError(f"'{where}': flavor {flavor!r} is not a name (a string)")
+    args_cls = MODELS[family].args_cls
+    fields = {f.name: f for f in dataclasses.fields(args_cls)}
+    hints = typing.get_type_hints(args_cls)
     given = meta["args"]
     unknown = sorted(set(given) - set(fields))
     if unknown:
         raise CheckpointError(f"'{where}': '{unknown[0]}' is not a hyper-parameter of {family} "
                               f"(a file from another ember version or family?)")
     for name, value in given.items():
-        if not (value is None or isinstance(value, (bool, int, float, str))):
-            raise CheckpointError(f"'{where}': {family} hyper-parameter '{name}' = {value!r} is not a number")
+        if not _fits(value, hints[name]):
+            raise CheckpointError(f"'{where}': {family} hyper-parameter '{name}' = {value!r} is not "
+                                  f"{_type_name(hints[name])}")
+        if isinstance(value, int) and not isinstance(value, bool) and _is_int(hints[name]) and value < 1:
+            raise CheckpointError(f"'{where}': {family} hyper-parameter '{name}' = {value} must be >= 1")
     required = [name for name, f in fields.items()
                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     missing = [name for name in required if name not in given]
     if missing:
         raise CheckpointError(f"'{where}': the {family} hyper-parameter '{missing[0]}' is missing")
     try:
-        return family, MODELS[family].args_cls(**given)
-    except (TypeError, ValueError) as err:
-        raise CheckpointError(f"'{where}': the {family} hyper-parameters do not fit together ({err})") from None
+        args = args_cls(**given)
+        _on_meta(family, args, torch.float32)  # shapes only, no storage: sizes that cannot build a model
+    except (TypeError, ValueError, RuntimeError, AssertionError, ZeroDivisionError) as err:
+        raise CheckpointError(f"'{where}': the {family} hyper-parameters do not fit together "
+                              f"({first_error_line(err)})") from None
+    return family, flavor, args
+
+
+def read_model_json(path: Path) -> tuple[str, str, Any]:
+    """(family, flavor, args) of a checkpoint's model.json: the one way ember reads it (parse_model_meta)."""
+    return parse_model_meta(_read_json(path), path)
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    """Whether a JSON value has a hyper-parameter's annotated type: int, float (an int is fine), bool, str or
+    an Optional/union of them. bool is not an int here (JSON true for a size is a mistake)."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return any(_fits(value, option) for option in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if hint in (bool, str):
+        return isinstance(value, hint)
+    return value is None or isinstance(value, (bool, int, float, str))  # another annotation: any JSON scalar
+
+
+def _is_int(hint: Any) -> bool:
+    """An int (or Optional[int]) hyper-parameter: every one is a size or a count (dims, heads, layers, experts)."""
+    return hint is int or int in typing.get_args(hint)
+
+
+def _type_name(hint: Any) -> str:
+    options = [h for h in typing.get_args(hint) if h is not type(None)] or [hint]
+    names = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+    text = " or ".join(names.get(h, getattr(h, "__name__", str(h))) for h in options)
+    return text + (" or null" if type(None) in typing.get_args(hint) else "")
 
 
 def _on_meta(family: str, args: Any, dtype: torch.dtype) -> nn.Module:
@@ -178,9 +232,8 @@ def source_architecture(path: Union[str, Path]) -> tuple[str, str, Any, Path]:
     step_dir = path if (path / MODEL_JSON).is_file() else _newest_step_dir(path) if (path / "checkpoints").is_dir() else None
     if step_dir is None:
         raise UserFileNotFound(f"'{path}' is neither an ember checkpoint (no {MODEL_JSON}) nor a run directory")
-    meta = _read_json(step_dir / MODEL_JSON)
-    family, args = args_from_meta(meta, step_dir / MODEL_JSON)
-    return family, str(meta.get("flavor", "custom")), args, step_dir / MODEL_JSON
+    family, flavor, args = read_model_json(step_dir / MODEL_JSON)
+    return family, flavor, args, step_dir / MODEL_JSON
 
 
 def resolve_model(family: str, flavor: str, overrides: dict[str, Any], init_from: Optional[str]) -> ModelChoice:
@@ -239,8 +292,12 @@ def save_hf(model: nn.Module, args: Any, out_dir: Union[str, Path], max_shard_by
     family = next(name for name, spec in MODELS.items() if isinstance(model, spec.model_cls))
     hf = MODELS[family].hf
     out_dir = Path(out_dir)
+    try:
+        config = hf.hf_config_from_args(args)
+    except ValueError as err:  # a family (GLaM) or an option the HF format cannot express
+        raise CheckpointError(f"cannot write a Hugging Face directory: {first_error_line(err)}") from None
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "config.json").write_text(json.dumps(hf.hf_config_from_args(args), indent=2) + "\n")
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     # to_hf_state_dict renames and permutes; the permuted q/k rows are the only copies made.
@@ -294,7 +351,7 @@ def _newest_step_dir(run_dir: Path) -> Path:
 
 
 def _load_ember(step_dir: Path, device: Device, dtype: torch.dtype) -> nn.Module:
-    family, args = args_from_meta(_read_json(step_dir / MODEL_JSON), step_dir / MODEL_JSON)
+    family, _, args = read_model_json(step_dir / MODEL_JSON)
     model = _on_meta(family, args, dtype)
     model.to_empty(device=device)
     model.tie_weights()
@@ -302,7 +359,10 @@ def _load_ember(step_dir: Path, device: Device, dtype: torch.dtype) -> nn.Module
     state = {"model": model.state_dict()}
     # In place into the model's own tensors; DCP reads tensors with weights_only unpickling and
     # converts to the model's dtype as it copies.
-    _quiet_dcp(dcp.load, state, checkpoint_id=str(step_dir))
+    try:
+        _quiet_dcp(dcp.load, state, checkpoint_id=str(step_dir))
+    except (RuntimeError, ValueError, OSError, CheckpointException) as err:  # missing or mis-shaped tensors
+        raise CheckpointError(f"'{step_dir}': its weights do not fit its {MODEL_JSON} ({first_error_line(err)})") from None
     return model
 
 
@@ -430,13 +490,13 @@ def _load_torch_file(path: Path) -> nn.Module:
         raise CheckpointError(f"'{path}' is not a torch.save file ember can read safely ({str(err).splitlines()[0]})") from None
     if not isinstance(payload, dict) or "model" not in payload or "ember" not in payload:
         raise CheckpointError(f"'{path}' holds no {{'model': state_dict, 'ember': model.json}}; write it with ember convert")
-    family, args = args_from_meta(payload["ember"], path)
+    family, _, args = parse_model_meta(payload["ember"], path)
     model = _on_meta(family, args, torch.float32)
     try:
         model.load_state_dict(payload["model"], strict=True, assign=True)
     except RuntimeError as err:  # missing, unexpected or mis-shaped tensors: the message's first line says which
         raise CheckpointError(f"'{path}': its weights do not fit its {family} description "
-                              f"({_first_error_line(err)})") from None
+                              f"({first_error_line(err)})") from None
     model.tie_weights()
     model.init_rope(torch.device("cpu"))
     return model
@@ -459,8 +519,11 @@ def convert(src: Union[str, Path], dst: Union[str, Path], to: Optional[str] = No
         meta = _meta_of(model)
     else:
         model = load_model(src)
-        meta = _read_json(_newest_step_dir(src) / MODEL_JSON) if source == "ember" and not (src / MODEL_JSON).is_file() \
-            else _read_json(src / MODEL_JSON) if source == "ember" else _meta_of(model)
+        step_dir = src if (src / MODEL_JSON).is_file() else _newest_step_dir(src) if source == "ember" else None
+        meta = _meta_of(model)
+        if step_dir is not None:  # keep the checkpoint's own family (llama3.1, not the class's) and flavor labels
+            family, flavor, _ = read_model_json(step_dir / MODEL_JSON)
+            meta.update(family=family, flavor=flavor)
     if target == "hf":
         save_hf(model, model.args, dst)
     elif target == "torch":

@@ -67,6 +67,9 @@ class Trainer:
         self.dp_rank, self.dp_world = (self.mesh.dp_rank if self.mesh else 0), self.shape.dp
         self.grad_accum = config_lib.grad_accum_steps(cfg, self.dp_world)
         torch.manual_seed(cfg.seed)
+        # The peak for MFU now, while the ranks are in step (just past the job's start) and nothing else runs:
+        # on CPU it is measured once per machine, and a measurement among busy ranks would read low.
+        self.peak = peak_flops(self.device, self.compute_dtype, cfg.metrics.peak_tflops)
 
         # 2. Tokenizer first: the model's vocabulary must cover it, and that is a config error, not a crash.
         self.spec = MODELS[cfg.model.family]
@@ -119,7 +122,6 @@ class Trainer:
             self.val_note = f"no validation: {err}"
 
         # 6. Metrics, health, checkpoints: resume restores weights, optimizer, schedule, data position and RNG.
-        self.peak = peak_flops(self.device, self.compute_dtype, cfg.metrics.peak_tflops)
         self.step = 0
         self.last_step_skipped = False
         self.health = HealthGuard(cfg.max_skipped_steps, cfg.loss_spike_factor, self._say)

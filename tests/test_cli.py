@@ -43,3 +43,12 @@ def test_only_user_errors_are_one_line(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code, "train", "data.dataset=synthetic", f"output_dir={tmp_path / 'p'}"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "Traceback" in proc.stderr and "an internal bug" in proc.stderr
+
+
+def test_help_after_other_arguments(capsys):
+    # `ember train debug --help` (help asked for after a recipe) is help, not an unknown key=value.
+    from ember import cli
+
+    for argv in (["train", "debug", "--help"], ["eval", "run/", "-h"], ["recipes", "--help"]):
+        assert cli.main(argv) == 0, argv
+        assert "usage" in capsys.readouterr().out.lower(), argv

@@ -8,12 +8,15 @@ context from the left, and `greedy` says whether argmax decoding would have prod
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ember.errors import DataError
 
 
 @dataclass(frozen=True)
@@ -21,6 +24,19 @@ class Score:
     logprob: float  # sum of the continuation tokens' log-probabilities (natural log)
     greedy: bool  # every continuation token is the argmax at its position
     n_tokens: int
+
+
+@contextlib.contextmanager
+def _scoring(model: nn.Module) -> Iterator[None]:
+    """Eval mode and whole (unchunked) logits for the duration; the model's own settings after."""
+    was_training, chunks = model.training, getattr(model, "output_chunks", 1)
+    model.eval()
+    model.output_chunks = 1
+    try:
+        yield
+    finally:
+        model.output_chunks = chunks
+        model.train(was_training)
 
 
 def encode_pair(tokenizer: Any, context: str, continuation: str) -> tuple[list[int], list[int]]:
@@ -42,15 +58,12 @@ def score_tokens(model: nn.Module, pairs: Sequence[tuple[list[int], list[int]]],
     inputs = []
     for context, continuation in pairs:
         if not continuation:
-            raise ValueError("a continuation encodes to no tokens")
+            raise DataError("a continuation encodes to no tokens (an empty answer or choice in the task data)")
         whole = (context + continuation)[-(limit + 1):][:-1]  # the last continuation token is only a target
         inputs.append((whole, continuation))
     order = sorted(range(len(inputs)), key=lambda i: -len(inputs[i][0]))
     scores: list[Score] = [None] * len(inputs)  # type: ignore[list-item]
-    was_training, chunks = model.training, getattr(model, "output_chunks", 1)
-    model.eval()
-    model.output_chunks = 1
-    try:
+    with _scoring(model):
         for start in range(0, len(order), batch_size):
             batch = order[start:start + batch_size]
             width = len(inputs[batch[0]][0])
@@ -66,9 +79,6 @@ def score_tokens(model: nn.Module, pairs: Sequence[tuple[list[int], list[int]]],
                 target = torch.tensor(continuation, device=device)
                 picked = logprobs.gather(1, target[:, None]).squeeze(1)
                 scores[i] = Score(float(picked.sum()), bool((logprobs.argmax(-1) == target).all()), n)
-    finally:
-        model.output_chunks = chunks
-        model.train(was_training)
     return scores
 
 
@@ -95,10 +105,7 @@ def rolling_logprob(model: nn.Module, ids: list[int], window: int, stride: int, 
             spans.append((start, last, scored + 1))
             scored = last
     total, count = 0.0, 0
-    was_training, chunks = model.training, getattr(model, "output_chunks", 1)
-    model.eval()
-    model.output_chunks = 1
-    try:
+    with _scoring(model):
         for i in range(0, len(spans), batch_size):
             group = spans[i:i + batch_size]
             width = max(last - start for start, last, _ in group)
@@ -111,7 +118,4 @@ def rolling_logprob(model: nn.Module, ids: list[int], window: int, stride: int, 
                 logprobs = F.log_softmax(logits[row, first - start - 1:last - start], dim=-1)
                 total += float(logprobs.gather(1, target[:, None]).sum())
                 count += len(target)
-    finally:
-        model.output_chunks = chunks
-        model.train(was_training)
     return total, count

@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 
 from torch import nn
 
-from ember.errors import DataError, UserFileNotFound
+from ember.errors import ConfigError, DataError, UserFileNotFound
 from ember.eval.scoring import loglikelihood, rolling_logprob
 
 HUB = {"lambada": ("EleutherAI/lambada_openai", "default", "test"), "boolq": ("super_glue", "boolq", "validation")}
@@ -118,6 +118,9 @@ def ppl(model: nn.Module, tokenizer: Any, data_cfg: Any, split: str = "val", seq
     docs = load_documents(data_cfg, split)
     window = seq_len or model.args.max_seq_len
     stride = stride or window // 2
+    if window > model.args.max_seq_len:
+        raise ConfigError(f"eval.seq_len={window} exceeds the model's max_seq_len={model.args.max_seq_len}; "
+                          f"set eval.seq_len={model.args.max_seq_len} or less")
     if not 0 < stride <= window:
         raise DataError(f"eval stride={stride} must be in (0, seq_len={window}]")
     ids: list[int] = []

@@ -1,5 +1,6 @@
 """`ember convert` between HF safetensors, ember DCP checkpoints and torch.save files, and model.init_from."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -9,9 +10,12 @@ import pytest
 import torch
 import transformers
 
+from ember import cli
 from ember import config as config_lib
+from ember.checkpoint import check_architecture
+from ember.errors import CheckpointError
 from ember.load import load_model, save_ember_checkpoint
-from ember.models import build_model_args
+from ember.models import MODELS, build_model_args
 from ember.models.llama import Transformer
 from ember.train import Trainer
 
@@ -80,22 +84,76 @@ def test_training_starts_from_an_hf_directory(tmp_path: Path):
                                   f"output_dir={tmp_path / 'out2'}"])
 
 
+def _full_args() -> dict:
+    return dataclasses.asdict(_model("llama3").args)
+
+
 @pytest.mark.parametrize("meta, message", [
     ({"family": "nope", "flavor": "x", "args": {}}, "names model family 'nope', which ember does not know"),
     ({"family": "llama3", "flavor": "debug", "args": {"dim": 64, "bogus": 1}}, "'bogus' is not a hyper-parameter"),
     ({"family": "llama3", "flavor": "debug", "args": {"dim": 64}}, "hyper-parameter 'n_layers' is missing"),
-    ({"family": "llama3", "flavor": "debug", "args": {"dim": [64]}}, "'dim' = [64] is not a number"),
+    ({"family": "llama3", "flavor": "debug", "args": {"dim": [64]}}, "'dim' = [64] is not an integer"),
     ({"flavor": "debug"}, "has no model description"),
 ])
 def test_a_file_with_bad_model_metadata_is_one_line(tmp_path: Path, meta: dict, message: str):
     # Metadata is read from disk: an unknown family or hyper-parameter used to end in a KeyError/TypeError
-    # traceback.
+    # traceback. Through the real command line: exit code 2, one line on stderr, no traceback.
     torch.save({"model": {}, "ember": meta}, tmp_path / "odd.pt")
     proc = _convert(str(tmp_path / "odd.pt"), str(tmp_path / "out"))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
+
+
+def _convert_in_process(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str]:
+    code = cli.main(["convert", *args])  # a traceback would raise out of main(); a user error returns 2
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"dim": "64"}, "hyper-parameter 'dim' = '64' is not an integer"),
+    ({"dim": True}, "'dim' = True is not an integer"),
+    ({"n_layers": 0}, "'n_layers' = 0 must be >= 1"),
+    ({"norm_eps": "1e-5"}, "'norm_eps' = '1e-5' is not a number"),
+    ({"rope_theta": float("nan")}, "'rope_theta' = nan is not a number"),
+    ({"tie_embeddings": 1}, "'tie_embeddings' = 1 is not true or false"),
+    ({"n_kv_heads": 2.0}, "'n_kv_heads' = 2.0 is not an integer or null"),
+])
+def test_a_mistyped_hyper_parameter_is_one_line(tmp_path: Path, capsys, change: dict, message: str):
+    meta = {"family": "llama3", "flavor": "debug", "args": {**_full_args(), **change}}
+    torch.save({"model": {}, "ember": meta}, tmp_path / "odd.pt")
+    code, err = _convert_in_process(capsys, str(tmp_path / "odd.pt"), str(tmp_path / "out"))
+    assert code == 2 and err.count("\n") == 1 and message in err and "odd.pt" in err, err
+
+
+def test_weights_that_do_not_fit_their_description_are_one_line(tmp_path: Path, capsys):
     model = _model("llama3")
-    good = {"family": "llama3", "flavor": "debug", "args": {**model.args.__dict__}}
+    good = {"family": "llama3", "flavor": "debug", "args": _full_args()}
     torch.save({"model": {"tok_embeddings.weight": torch.zeros(3)}, "ember": good}, tmp_path / "short.pt")
-    proc = _convert(str(tmp_path / "short.pt"), str(tmp_path / "out2"))
-    assert proc.returncode == 2 and "its weights do not fit its llama3 description" in proc.stderr, proc.stderr
+    code, err = _convert_in_process(capsys, str(tmp_path / "short.pt"), str(tmp_path / "out"))
+    assert code == 2 and "its weights do not fit its llama3 description" in err, err
+    torch.save({"model": {}, "ember": {**good, "flavor": 3}}, tmp_path / "flavor.pt")
+    code, err = _convert_in_process(capsys, str(tmp_path / "flavor.pt"), str(tmp_path / "out"))
+    assert code == 2 and "flavor 3 is not a name" in err, err
+    # A checkpoint's model.json read from disk: damaged, or describing other weights than the DCP files hold.
+    save_ember_checkpoint(model, "llama3", "debug", model.args, tmp_path / "ck")
+    (tmp_path / "ck" / "model.json").write_text("{not json")
+    code, err = _convert_in_process(capsys, str(tmp_path / "ck"), str(tmp_path / "hf"))
+    assert code == 2 and err.count("\n") == 1 and "model.json' is not readable JSON" in err, err
+    (tmp_path / "ck" / "model.json").write_text(json.dumps({**good, "args": {**good["args"], "n_layers": 3}}))
+    code, err = _convert_in_process(capsys, str(tmp_path / "ck"), str(tmp_path / "hf"))
+    assert code == 2 and err.count("\n") == 1 and "its weights do not fit its model.json" in err, err
+    assert "layers.2" in err  # the missing tensor is named
+    with pytest.raises(CheckpointError, match="'bogus' is not a hyper-parameter"):  # resume reads it the same way
+        (tmp_path / "ck" / "model.json").write_text(json.dumps({**good, "args": {**good["args"], "bogus": 1}}))
+        check_architecture(tmp_path / "ck", good)
+
+
+def test_a_family_without_an_hf_format_is_one_line(tmp_path: Path, capsys):
+    args = build_model_args("glam", "debug", {"n_layers": 2, "dim": 64, "n_heads": 4, "vocab_size": 256,
+                                              "ffn_hidden_dim": 64, "n_experts": 2, "max_seq_len": 64})
+    model = MODELS["glam"].model_cls(args)
+    model.init_weights()
+    save_ember_checkpoint(model, "glam", "debug", args, tmp_path / "ck")
+    code, err = _convert_in_process(capsys, str(tmp_path / "ck"), str(tmp_path / "hf"))  # ember -> hf by default
+    assert code == 2 and err.count("\n") == 1 and "GLaM family has no Hugging Face format" in err, err
+    assert not (tmp_path / "hf").exists()  # nothing half-written

@@ -168,7 +168,7 @@ def test_cli_json_output_and_errors(trained_run: Path, tmp_path: Path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "no prompt"}\n')
     proc = _ember("generate", str(trained_run), "--prompt-file", str(bad))
-    assert proc.returncode == 2 and f"{bad} line 1 has no \"prompt\" text field" in proc.stderr
+    assert proc.returncode == 2 and f"{bad} line 1 has no 'prompt' field" in proc.stderr
     not_a_model = tmp_path / "empty"
     not_a_model.mkdir()
     proc = _ember("generate", str(not_a_model), "--prompt", "x")

@@ -6,19 +6,43 @@ and weighted values. MFU is then that times tokens/s over the peak."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from ember.metrics import mfu
 from ember.models.glam import GlamArgs
+from ember.models.glam import Transformer as GlamTransformer
 from ember.models.glam import flops_per_token as glam_flops
 from ember.models.gpt import GPTArgs
+from ember.models.gpt import Transformer as GPTTransformer
 from ember.models.gpt import flops_per_token as gpt_flops
 from ember.models.llama import LlamaArgs
+from ember.models.llama import Transformer as LlamaTransformer
 from ember.models.llama import flops_per_token as llama_flops
 from ember.models.mixtral import MixtralArgs
+from ember.models.mixtral import Transformer as MixtralTransformer
 from ember.models.mixtral import flops_per_token as mixtral_flops
 
 SEQ = 32
 ATTENTION = 12 * 2 * 4 * 16 * SEQ  # layers 2, heads 4, head_dim 16, T 32: 49,152
+
+
+def _active_weights(model_cls, args) -> int:
+    """N read off the built model's own parameters, independent of flops_per_token: every parameter but the
+    embedding lookups (a tied matrix counted once, as the output), experts scaled to the top_k a token uses.
+    Equal to the hand count below, it also catches a model that gains a weight the formula forgets."""
+    with torch.device("meta"):
+        model = model_cls(args)
+    n = 0
+    for name, param in model.named_parameters():  # tied weights are listed once, under tok_embeddings
+        if name.startswith("pos_embeddings"):
+            continue  # learned positions: a lookup
+        if name.startswith("tok_embeddings"):
+            n += param.numel() if args.tie_embeddings else 0  # tied: it is the output projection's weight
+        elif ".experts." in name:
+            n += param.numel() * args.top_k // args.n_experts
+        else:
+            n += param.numel()
+    return n
 
 
 def test_llama():
@@ -28,6 +52,7 @@ def test_llama():
     # two RMSNorm gains 64 each: 12,288 + 24,576 + 128 = 36,992; two layers 73,984;
     # final norm 64, output 256 x 64 = 16,384: N = 90,432
     assert llama_flops(args, SEQ) == 6 * 90_432 + ATTENTION == 591_744
+    assert _active_weights(LlamaTransformer, args) == 90_432
 
 
 def test_mixtral_counts_only_the_active_experts_and_the_router():
@@ -36,6 +61,7 @@ def test_mixtral_counts_only_the_active_experts_and_the_router():
     # per layer: attention 12,288 (as Llama's); 2 of 4 SwiGLU experts, 3 x 64 x 96 = 18,432 each: 36,864;
     # router 64 x 4 = 256; norms 128: 49,536; two layers 99,072; + 64 + 16,384: N = 115,520
     assert mixtral_flops(args, SEQ) == 6 * 115_520 + ATTENTION == 742_272
+    assert _active_weights(MixtralTransformer, args) == 115_520
 
 
 def test_gpt_counts_biases_and_layernorm_parameters():
@@ -44,6 +70,7 @@ def test_gpt_counts_biases_and_layernorm_parameters():
     # two LayerNorms, weight and bias: 256: 49,984; two layers 99,968; final LayerNorm 128, tied output
     # 16,384 (counted once, as the output matmul; the position table is a lookup): N = 116,480
     assert gpt_flops(args, SEQ) == 6 * 116_480 + ATTENTION == 748_032
+    assert _active_weights(GPTTransformer, args) == 116_480
 
 
 def test_glam_alternates_moe_and_dense_layers():
@@ -53,6 +80,7 @@ def test_glam_alternates_moe_and_dense_layers():
     # 2 x 2 x 64 x 96 = 24,576, router 256; layer 1 (dense gated GELU): 3 x 64 x 96 = 18,432;
     # final norm 64, tied output 16,384: N = 33,024 + 24,832 + 18,432 + 16,448 = 92,736
     assert glam_flops(args, SEQ) == 6 * 92_736 + ATTENTION == 605_568
+    assert _active_weights(GlamTransformer, args) == 92_736
 
 
 def test_mfu_is_achieved_over_peak():
