@@ -280,6 +280,17 @@ def check_architecture(step_dir: Path, meta: dict[str, Any]) -> None:
             "model config, or start over with resume=none (the old run is moved aside) or a new output_dir")
 
 
+def starts_over(resume: str, output_dir: Path) -> bool:
+    """Whether a run begins other than from its own output_dir's checkpoints (resume=none, or another run's
+    checkpoint): another run's files there are then moved aside, never mixed with this one's."""
+    if resume == "auto":
+        return False
+    if resume == "none":
+        return True
+    own, given = (Path(output_dir) / "checkpoints").resolve(), Path(resume).expanduser().resolve()
+    return own not in given.parents and given != own.parent
+
+
 def archive_previous_run(output_dir: Path, say: Callable[[str], None]) -> Optional[Path]:
     """Move another run's checkpoints, metrics and TensorBoard events out of `output_dir` into
     `output_dir/previous-<time>/`, so a run started over never mixes with it (and nothing is deleted).

@@ -21,9 +21,10 @@ from rich.console import Console
 
 from ember import config as config_lib
 from ember.checkpoint import (CheckpointError, CheckpointManager, archive_previous_run, meta_for, rng_state,
-                              set_rng_state)
+                              set_rng_state, starts_over)
 from ember.config import ConfigError, JobConfig
 from ember.errors import DataError
+from ember.eval.tasks import run_tasks
 from ember.data.loader import build_loader
 from ember.data.tokenizer import build_tokenizer
 from ember.hardware import peak_flops, pick_compute_dtype, pick_device, raise_measured_peak
@@ -125,7 +126,7 @@ class Trainer:
         self.step = 0
         self.last_step_skipped = False
         self.health = HealthGuard(cfg.max_skipped_steps, cfg.loss_spike_factor, self._say)
-        if self._starts_over():
+        if starts_over(cfg.resume, self.output_dir):
             archive_previous_run(self.output_dir, self._say)
         self.checkpointer = CheckpointManager(
             cfg.checkpoint, self.output_dir, self.model_parts, self.model, self.optimizer,
@@ -140,17 +141,6 @@ class Trainer:
             self.train_loader.load_state_dict(state["data"])
             set_rng_state(state["rng"])
             self.health.load_state_dict(state)
-
-    def _starts_over(self) -> bool:
-        """Whether this run begins other than from its own output_dir's checkpoints (resume=none, or another
-        run's checkpoint): another run's files there are then moved aside, never mixed with this one's."""
-        resume = self.cfg.resume
-        if resume == "auto":
-            return False
-        if resume == "none":
-            return True
-        own = (self.output_dir / "checkpoints").resolve()
-        return own not in Path(resume).expanduser().resolve().parents and Path(resume).expanduser().resolve() != own.parent
 
     def _check_device_options(self, cp_impl: str) -> None:
         if self.cp > 1 and cp_impl == "ring" and self.device.type != "cuda":
@@ -243,15 +233,9 @@ class Trainer:
         return loss
 
     def eval_tasks(self) -> dict[str, float]:
-        """The downstream tasks of eval.tasks, as eval/<task>/<metric>. Every rank runs the same requests
-        (config allows only layouts where each rank runs the whole model: data, fsdp, expert)."""
-        from ember.eval import TASKS
-
-        results: dict[str, float] = {}
-        for task in self.cfg.eval.tasks:
-            metrics = TASKS[task.name](self.model, self.tokenizer, task.data, self.cfg.eval.limit,
-                                       self.cfg.eval.batch_size)
-            results.update({f"eval/{task.name}/{k}": v for k, v in metrics.items()})
+        """eval.tasks as eval/<task>/<metric>; every rank runs the same requests (config allows only layouts
+        where each rank runs the whole model: data, fsdp, expert)."""
+        results = run_tasks(self.model, self.tokenizer, self.cfg.eval.tasks, self.cfg.eval.limit, self.cfg.eval.batch_size)
         self.model.train()
         return results
 

@@ -139,3 +139,13 @@ def ppl(model: nn.Module, tokenizer: Any, data_cfg: Any, split: str = "val", seq
 
 
 TASKS: dict[str, Callable[..., dict]] = {"lambada": lambada, "boolq": boolq, "choice": choice}
+
+
+def run_tasks(model: nn.Module, tokenizer: Any, tasks: list[Any], limit: Optional[int] = None,
+              batch_size: int = 16) -> dict[str, float]:
+    """Several tasks ({name, data} each, as eval.tasks holds them) as one flat record: eval/<task>/<metric>."""
+    results: dict[str, float] = {}
+    for task in tasks:
+        metrics = TASKS[task.name](model, tokenizer, task.data, limit, batch_size)
+        results.update({f"eval/{task.name}/{k}": v for k, v in metrics.items()})
+    return results
