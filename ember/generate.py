@@ -151,6 +151,8 @@ def generate(model: nn.Module, tokenizer: Any, prompts: Sequence[Union[str, Sequ
                     reasons[row] = "eos"
                     continue
                 out_ids[row].append(token)
+                if not (stop or on_text):
+                    continue  # decoded once at the end: text is needed per token only to stop or stream
                 text = tokenizer.decode(out_ids[row])
                 hit = next((s for s in stop if s in text), None)
                 if hit is not None:
@@ -167,6 +169,8 @@ def generate(model: nn.Module, tokenizer: Any, prompts: Sequence[Union[str, Sequ
         detach_kv_caches(model)
         model.output_chunks, model.last_logits_only = chunks, False
         model.train(was_training)
+    if not (stop or on_text):
+        texts = [tokenizer.decode(ids) for ids in out_ids]
     results = []
     for row, prompt in enumerate(prompts):
         prompt_text = prompt if isinstance(prompt, str) else tokenizer.decode(list(prompt))
