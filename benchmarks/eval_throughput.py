@@ -13,17 +13,16 @@ Writes benchmarks/results/eval_throughput-<device>.json. Needs the [eval] extra 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import random
 import statistics
 import sys
 import tempfile
 import time
-from datetime import date
 from pathlib import Path
 
 import torch
+from results_file import write_results
 
 
 def main() -> int:
@@ -83,14 +82,7 @@ def main() -> int:
               f"   same loglikelihoods: {same}")
     import lm_eval
 
-    result = {"benchmark": "eval_throughput", "date": date.today().isoformat(),
-              "machine": f"{platform.machine()} CPU, {torch.get_num_threads()} threads", "torch": torch.__version__,
-              "transformers": transformers.__version__, "lm_eval": lm_eval.__version__,
-              "config": vars(args) | {"out": str(args.out)}, "rows": rows}
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"eval_throughput-{'cuda' if torch.cuda.is_available() else 'cpu'}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {path}")
+    write_results("eval_throughput", rows, args, transformers=transformers.__version__, lm_eval=lm_eval.__version__)
     return 0
 
 

@@ -16,16 +16,15 @@ Writes benchmarks/results/generate_throughput-<device>.json.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
 import tempfile
 import time
-from datetime import date
 from pathlib import Path
 
 import torch
+from results_file import write_results
 
 from ember.generate import generate
 from ember.load import save_hf
@@ -118,14 +117,7 @@ def main() -> int:
     for r in rows:
         print(f"{r['model']:<8}{r['batch']:>6}  {r['contestant']:<16}{r['prefill_tokens_per_s']:>14.0f}"
               f"{r['decode_tokens_per_s']:>14.1f}{r['decode_vs_transformers']:>13.2f}x{str(r['same_tokens']):>13}")
-    result = {"benchmark": "generate_throughput", "date": date.today().isoformat(),
-              "machine": f"{platform.machine()} {device.type}, {torch.get_num_threads()} threads",
-              "torch": torch.__version__, "transformers": transformers.__version__,
-              "config": vars(args) | {"out": str(args.out)}, "rows": rows}
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"generate_throughput-{device.type}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {path}")
+    write_results("generate_throughput", rows, args, transformers=transformers.__version__)
     return 0
 
 
