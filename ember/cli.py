@@ -4,7 +4,9 @@
     ember train --nproc-per-node N [--nnodes M --node-rank R --rdzv-endpoint HOST:PORT] [RECIPE] [key=value ...]
                                              the same, as N processes per node through torch.distributed.run
     ember recipes                            the built-in recipes with their parameter counts
-    ember convert SRC DST [--to hf|ember|torch]   between HF safetensors, ember DCP checkpoints and torch.save files
+    ember convert SRC DST [--to hf|ember|torch|peft] [--merge]
+                                             between HF safetensors, ember DCP checkpoints and torch.save files;
+                                             a LoRA run's adapters as a peft directory, or merged into its base
     ember data prepare SOURCE OUT_DIR        tokenize a source once into memory-mapped shards + manifest
     ember data tokenizer train SOURCE OUT --vocab-size N     train a byte-level BPE tokenizer.json
     ember eval PATH TASK[=DATA] ... [key=value ...]   ppl, lambada, boolq, choice (see `ember eval --help`)
@@ -20,7 +22,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from ember.errors import ConfigError, EmberError
 
@@ -58,7 +60,7 @@ TRAIN_USAGE = """usage: ember train [--nproc-per-node N [--nnodes M --node-rank 
   is the same as `torchrun --nproc-per-node N -m ember train ...`"""
 
 
-def _split_launch_flags(argv: list[str]) -> tuple[dict[str, str], list[str]]:
+def _split_launch_flags(argv: list[str], command: str = "train") -> tuple[dict[str, str], list[str]]:
     """Leading launcher flags (`--flag value` or `--flag=value`), and the rest."""
     flags: dict[str, str] = {}
     rest = list(argv)
@@ -66,7 +68,7 @@ def _split_launch_flags(argv: list[str]) -> tuple[dict[str, str], list[str]]:
         name, eq, value = rest.pop(0).partition("=")
         name = name.replace("_", "-")
         if name not in LAUNCH_FLAGS:
-            raise ConfigError(f"unknown option '{name}' for ember train (options: {', '.join(LAUNCH_FLAGS)})")
+            raise ConfigError(f"unknown option '{name}' for ember {command} (options: {', '.join(LAUNCH_FLAGS)})")
         if not eq:
             if not rest:
                 raise ConfigError(f"option {name} needs a value")
@@ -90,10 +92,9 @@ def _positive_int(flags: dict[str, str], name: str, default: int) -> int:
     return value
 
 
-def _launch(flags: dict[str, str], train_argv: list[str], recipe: str, overrides: list[str]) -> int:
-    """Validate the config for the whole job, then start it through torch.distributed.run."""
-    from ember import config as config_lib
-
+def _launch(flags: dict[str, str], command: str, command_argv: list[str], check: Callable[[int], object]) -> int:
+    """`check(world_size)` the job's config (it raises ConfigError), then start `ember COMMAND ...` on every
+    rank through torch.distributed.run."""
     nproc = _positive_int(flags, "--nproc-per-node", 1)
     nnodes = _positive_int(flags, "--nnodes", 1)
     if nnodes > 1 and "--rdzv-endpoint" not in flags:
@@ -101,7 +102,7 @@ def _launch(flags: dict[str, str], train_argv: list[str], recipe: str, overrides
     node_rank = int(flags.get("--node-rank", 0)) if flags.get("--node-rank", "0").isdigit() else -1
     if not 0 <= node_rank < nnodes:
         raise ConfigError(f"--node-rank must be in [0, {nnodes}), got {flags.get('--node-rank')}")
-    config_lib.load(recipe, overrides, world_size=nproc * nnodes)  # fail here, before any process starts
+    check(nproc * nnodes)  # fail here, before any process starts
     run_args = ["--nproc-per-node", str(nproc), "--nnodes", str(nnodes)]
     if nnodes > 1:
         run_args += ["--node-rank", str(node_rank), "--rdzv-backend", "c10d",
@@ -121,7 +122,7 @@ def _launch(flags: dict[str, str], train_argv: list[str], recipe: str, overrides
     with tempfile.TemporaryDirectory(prefix="ember-errors-") as error_dir:
         os.environ[ERROR_DIR_ENV] = error_dir  # ranks write user errors there instead of printing each
         try:
-            torchrun_main(run_args + ["-m", "ember", "train", *train_argv])
+            torchrun_main(run_args + ["-m", "ember", command, *command_argv])
         except ChildFailedError as err:
             user_errors: dict[str, list[str]] = {}  # message -> ranks, so an error every rank hit prints once
             for path in sorted(Path(error_dir).glob("rank*.txt"), key=lambda p: int(p.stem[4:])):
@@ -169,7 +170,7 @@ def cmd_train(argv: list[str]) -> int:
             return _fail(f"expected key=value after the recipe, got '{item}' (e.g. ember train debug max_steps=50)")
     if flags:
         try:
-            return _launch(flags, argv, recipe, overrides)
+            return _launch(flags, "train", argv, lambda world: config_lib.load(recipe, overrides, world_size=world))
         except ConfigError as err:
             return _fail(str(err))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
@@ -184,14 +185,25 @@ def cmd_train(argv: list[str]) -> int:
         return _fail_rank(_one_line(err), world_size)
     from ember.train import TrainingStopped
 
+    def train() -> int:
+        try:
+            summary = trainer.train()
+        except TrainingStopped as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 1
+        # 130: the shell's "interrupted" (128 + SIGINT): saved, but not finished
+        return 130 if summary["stopped_by_signal"] == "SIGINT" else 0
+
+    return _as_rank(train, world_size)
+
+
+def _as_rank(body: Callable[[], int], world_size: int) -> int:
+    """Run a command's body on one rank of a job (or alone): a user mistake found on the way (data read lazily, a
+    checkpoint that cannot be written) is one line, once for all ranks under the launcher; another exception
+    keeps its traceback, named by rank. The process group is closed either way."""
     try:
-        summary = trainer.train()
-        if summary["stopped_by_signal"] == "SIGINT":
-            return 130  # the shell's "interrupted" (128 + SIGINT): saved, but not finished
-    except TrainingStopped as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    except EmberError as err:  # a user mistake found mid-run (data read lazily, a checkpoint that cannot be written)
+        return body()
+    except EmberError as err:
         return _fail_rank(_one_line(err), world_size)
     except Exception as err:
         if world_size == 1:
@@ -202,7 +214,6 @@ def cmd_train(argv: list[str]) -> int:
 
         if dist.is_initialized():
             dist.destroy_process_group()
-    return 0
 
 
 def cmd_recipes(argv: list[str]) -> int:
@@ -349,8 +360,11 @@ def cmd_convert(argv: list[str]) -> int:
                                      "Face directory (hf), an ember DCP checkpoint (ember), a torch.save file (torch).")
     parser.add_argument("src")
     parser.add_argument("dst")
-    parser.add_argument("--to", choices=("hf", "ember", "torch"), default=None,
-                        help="target format (default: hf -> ember, ember -> hf, torch -> ember)")
+    parser.add_argument("--to", choices=("hf", "ember", "torch", "peft"), default=None,
+                        help="target format (default: hf -> ember, ember -> hf, torch -> ember); peft: a LoRA run's "
+                        "adapters as adapter_config.json + adapter_model.safetensors")
+    parser.add_argument("--merge", action="store_true", help="fold a LoRA run's adapters into its base (W + alpha/r "
+                        "B A) and write a whole model (hf unless --to says otherwise; implied for hf, ember, torch)")
     try:
         args = parser.parse_args(argv)
     except SystemExit as exit_:
@@ -358,7 +372,7 @@ def cmd_convert(argv: list[str]) -> int:
     from ember.load import convert
 
     try:
-        target = convert(args.src, args.dst, args.to)
+        target = convert(args.src, args.dst, args.to, merge=args.merge)
     except EmberError as err:
         return _fail(_one_line(err))
     print(f"wrote {args.dst} ({target})")
@@ -440,10 +454,15 @@ def cmd_eval(argv: list[str]) -> int:
     if not argv or _wants_help(argv):
         print(EVAL_USAGE)
         return 0 if argv else EXIT_USAGE
+    from ember.eval.command import check_eval_launch
+
     try:
-        return run_eval(argv)
+        flags, argv = _split_launch_flags(argv, "eval")
+        if flags:
+            return _launch(flags, "eval", argv, lambda world: check_eval_launch(argv, world))
     except EmberError as err:
         return _fail(_one_line(err))
+    return _as_rank(lambda: run_eval(argv), int(os.environ.get("WORLD_SIZE", 1)))
 
 
 COMMANDS = {"train": cmd_train, "recipes": cmd_recipes, "data": cmd_data, "convert": cmd_convert,

@@ -67,6 +67,11 @@ def attach_kv_caches(model: nn.Module, batch: int, max_len: int) -> list[KVCache
     for attention in _attention_modules(model):
         head_dim = attention.head_dim
         kv_heads = attention.wk.weight.shape[0] // head_dim
+        # Under tensor parallelism (a sharded model, ember.eval.distributed) this rank computes only its share of
+        # the heads: wk is a DTensor over a mesh with a "tensor" dimension, split over output features.
+        mesh = getattr(attention.wk.weight, "device_mesh", None)
+        if mesh is not None and "tensor" in (mesh.mesh_dim_names or ()):
+            kv_heads //= mesh.size(mesh.mesh_dim_names.index("tensor"))
         attention.kv_cache = KVCache(batch, kv_heads, max_len, head_dim, param.dtype, param.device)
         caches.append(attention.kv_cache)
     return caches

@@ -24,6 +24,7 @@ from ember.checkpoint import (CheckpointError, CheckpointManager, archive_previo
                               set_rng_state, starts_over)
 from ember.config import ConfigError, JobConfig
 from ember.errors import DataError
+from ember.eval.distributed import EvalRanks
 from ember.eval.tasks import run_tasks
 from ember.data.loader import build_loader
 from ember.data.tokenizer import build_tokenizer
@@ -233,9 +234,10 @@ class Trainer:
         return loss
 
     def eval_tasks(self) -> dict[str, float]:
-        """eval.tasks as eval/<task>/<metric>; every rank runs the same requests (config allows only layouts
-        where each rank runs the whole model: data, fsdp, expert)."""
-        results = run_tasks(self.model, self.tokenizer, self.cfg.eval.tasks, self.cfg.eval.limit, self.cfg.eval.batch_size)
+        """eval.tasks as eval/<task>/<metric>; the requests are shared out over the data-parallel ranks (config
+        allows only layouts where each rank runs the whole model: data, fsdp, expert)."""
+        results = run_tasks(self.model, self.tokenizer, self.cfg.eval.tasks, self.cfg.eval.limit, self.cfg.eval.batch_size,
+                            EvalRanks(self.dp_rank, self.dp_world))
         self.model.train()
         return results
 

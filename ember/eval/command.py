@@ -1,7 +1,8 @@
 """`ember eval`: the command-line side of ember.eval (argument parsing, the eval.json report).
 
     ember eval PATH TASK[=DATA] ... [key=value ...] [--output FILE] [--tokenizer FILE]
-    ember eval PATH --harness TASK[,TASK] [--include-path DIR] [--limit N]
+    ember eval PATH --harness TASK[,TASK] [--include-path DIR] [--limit N] [mesh keys]
+    ember eval --nproc-per-node N PATH ... ici_mesh.fsdp=N | ici_mesh.tensor=N ...   (or under torchrun)
 """
 
 from __future__ import annotations
@@ -23,7 +24,10 @@ EVAL_USAGE = """usage: ember eval PATH TASK[=DATA] ... [key=value ...] [--output
   writes eval.json next to the checkpoint: {"model", "step", "results": {task: {metric: value}}}
        ember eval PATH --harness TASK[,TASK] [--include-path DIR] [--limit N]
   lm-evaluation-harness tasks (pip install -e '.[eval]'); offline: local task YAMLs with dataset_path: json and
-  absolute data_files, and HF_DATASETS_OFFLINE=1"""
+  absolute data_files, and HF_DATASETS_OFFLINE=1
+       ember eval --nproc-per-node N [--nnodes M ...] PATH ... [ici_mesh.AXIS=N dcn_mesh.AXIS=N]
+  a model sharded as in training (axes data, fsdp, tensor; default fsdp over every process); requests are
+  shared out over the data ranks; the same results as one process. Plain `torchrun ... -m ember eval` works too."""
 
 EVAL_KEYS = {"eval.limit": int, "eval.batch_size": int, "eval.seq_len": int, "eval.stride": int,
              "eval.max_tokens": int, "eval.split": str}
@@ -32,14 +36,14 @@ EVAL_KEYS = {"eval.limit": int, "eval.batch_size": int, "eval.seq_len": int, "ev
 def run_eval(argv: list[str]) -> int:
     """`ember eval` without its help text and error printing (the CLI's): returns the exit code, raises
     EmberError for a user's mistake."""
+    argv, meshes = _split_mesh_keys(argv)
     if "--harness" in argv:
-        return _eval_harness(argv)
+        return _eval_harness(argv, meshes)
     path, tasks, options, data_overrides, output, tokenizer_spec = _parse_eval_args(argv)
     from ember.eval import TASKS, ppl
     from ember.generate import tokenizer_for
-    from ember.load import load_model
 
-    model = load_model(path)
+    model, ranks = _load(path, meshes)
     tokenizer = tokenizer_for(path, tokenizer_spec)
     # ppl's default window: the sequence length the run trained at (its config.yaml), else the model's
     options.setdefault("eval.seq_len", _trained_seq_len(Path(path)))
@@ -49,11 +53,49 @@ def run_eval(argv: list[str]) -> int:
         if task == "ppl":
             results["ppl"] = ppl(model, tokenizer, _eval_data_config(path, data_overrides),
                                  options.get("eval.split", "val"), options.get("eval.seq_len"),
-                                 options.get("eval.stride"), options.get("eval.max_tokens"), batch)
+                                 options.get("eval.stride"), options.get("eval.max_tokens"), batch, ranks)
         else:
-            results[task] = TASKS[task](model, tokenizer, data or task, limit, batch)
-    _report(Path(path), results, output)
+            results[task] = TASKS[task](model, tokenizer, data or task, limit, batch, ranks)
+    if _is_main():
+        _report(Path(path), results, output)
     return 0
+
+
+def _split_mesh_keys(argv: list[str]) -> tuple[list[str], dict[str, dict[str, int]]]:
+    """The `ici_mesh.AXIS=N` / `dcn_mesh.AXIS=N` items out of argv, parsed."""
+    from ember.eval.distributed import eval_mesh_overrides
+
+    mesh_items = [a for a in argv if a.startswith(("ici_mesh.", "dcn_mesh.")) and "=" in a]
+    return [a for a in argv if a not in mesh_items], eval_mesh_overrides(mesh_items)
+
+
+def check_eval_launch(argv: list[str], world_size: int) -> None:
+    """What `ember eval --nproc-per-node` checks before it starts any process: the mesh fits the world."""
+    from ember.eval.distributed import eval_mesh_shape
+
+    eval_mesh_shape(_split_mesh_keys(argv)[1], world_size)
+
+
+def _load(path: str, meshes: dict[str, dict[str, int]]) -> tuple[Any, Any]:
+    """The model and this process's EvalRanks: on one process load_model; under torchrun (or with mesh keys)
+    sharded over the mesh."""
+    import os
+
+    from ember.eval.distributed import EvalRanks, load_sharded
+    from ember.load import load_model
+
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1 or any(meshes.values()):
+        model, ranks = load_sharded(path, meshes)
+        if _is_main():
+            print(f"model sharded over {ranks.layout}; requests shared over {ranks.dp_world} data-parallel ranks")
+        return model, ranks
+    return load_model(path), EvalRanks()
+
+
+def _is_main() -> bool:
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def _report(path: Path, results: dict[str, dict], output: Optional[str]) -> None:
@@ -67,7 +109,7 @@ def _report(path: Path, results: dict[str, dict], output: Optional[str]) -> None
     print(f"wrote {target}")
 
 
-def _eval_harness(argv: list[str]) -> int:
+def _eval_harness(argv: list[str], meshes: dict[str, dict[str, int]]) -> int:
     """`ember eval PATH --harness TASK[,TASK] [--include-path DIR] [--limit N] [--output FILE] [--tokenizer F]`:
     lm-evaluation-harness tasks through ember.eval.harness.EmberLM."""
     parser = argparse.ArgumentParser(prog="ember eval PATH --harness")
@@ -84,16 +126,20 @@ def _eval_harness(argv: list[str]) -> int:
         return 0 if exit_.code == 0 else 2
     from ember.eval.harness import EmberLM, simple_evaluate
     from ember.generate import tokenizer_for
-    from ember.load import load_model
 
-    lm = EmberLM(load_model(args.path), tokenizer_for(args.path, args.tokenizer), batch_size=args.batch_size)
+    model, ranks = _load(args.path, meshes)
+    tokenizer = tokenizer_for(args.path, args.tokenizer)
+    lm = EmberLM(model, tokenizer, batch_size=args.batch_size, ranks=ranks)
     out = simple_evaluate(lm, args.harness.split(","), include_path=args.include_path, limit=args.limit)
+    if not _is_main():  # lm-eval returns the results on the first process only (its convention under torchrun)
+        return 0
     if out is None or not out.get("results"):
         raise ConfigError(f"lm-eval ran no task of '{args.harness}' (check the names and --include-path)")
     results = {task: {key.split(",")[0]: value for key, value in metrics.items()
                       if isinstance(value, (int, float)) and not isinstance(value, bool)}
                for task, metrics in out["results"].items()}
-    _report(Path(args.path), results, args.output)
+    if _is_main():
+        _report(Path(args.path), results, args.output)
     return 0
 
 

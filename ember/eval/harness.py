@@ -16,6 +16,7 @@ from typing import Any, Optional
 from torch import nn
 
 from ember.errors import ConfigError
+from ember.eval.distributed import EvalRanks
 from ember.eval.scoring import encode_pair, score_tokens
 from ember.generate import generate
 
@@ -34,24 +35,32 @@ def _require_lm_eval() -> None:
 class EmberLM(LM):  # type: ignore[misc]
     """lm-eval's `LM` interface (loglikelihood, loglikelihood_rolling, generate_until), batched."""
 
-    def __init__(self, model: nn.Module, tokenizer: Any, batch_size: int = 16, max_gen_toks: int = 256):
+    def __init__(self, model: nn.Module, tokenizer: Any, batch_size: int = 16, max_gen_toks: int = 256,
+                 ranks: EvalRanks = EvalRanks()):
+        """`ranks`: this process's place when the model is sharded over a mesh (ember.eval.distributed). Every
+        rank then sees every request, as one process would (lm-eval is told of one rank), and the scoring shares
+        the forwards out over the data-parallel ranks."""
         _require_lm_eval()
         super().__init__()
         self.model, self.tokenizer, self.batch_size, self.max_gen_toks = model, tokenizer, batch_size, max_gen_toks
+        self.ranks = ranks
         self.max_length = model.args.max_seq_len
 
     def loglikelihood(self, requests: list, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         pairs = [encode_pair(self.tokenizer, *req.args) for req in requests]
-        return [(s.logprob, s.greedy) for s in score_tokens(self.model, pairs, self.batch_size)]
+        return [(s.logprob, s.greedy) for s in score_tokens(self.model, pairs, self.batch_size, self.ranks)]
 
     def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list[float]:
-        results = []
-        for req in requests:
-            windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
-                token_list=self.tokenizer.encode(req.args[0]), prefix_token=self.tokenizer.eos_id,
-                max_seq_len=self.max_length, context_len=1)]
-            scores = score_tokens(self.model, [(list(c), list(x)) for c, x in windows], self.batch_size)
-            results.append(sum(s.logprob for s in scores))
+        windows, owner = [], []  # every request's windows in one scoring pass, so batches fill up
+        for n, req in enumerate(requests):
+            for context, continuation in (make_disjoint_window(w) for w in get_rolling_token_windows(
+                    token_list=self.tokenizer.encode(req.args[0]), prefix_token=self.tokenizer.eos_id,
+                    max_seq_len=self.max_length, context_len=1)):
+                windows.append((list(context), list(continuation)))
+                owner.append(n)
+        results = [0.0] * len(requests)
+        for n, score in zip(owner, score_tokens(self.model, windows, self.batch_size, self.ranks)):
+            results[n] += score.logprob
         return results
 
     def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.errors import DataError
+from ember.eval.distributed import EvalRanks
 
 
 @dataclass(frozen=True)
@@ -49,10 +50,42 @@ def encode_pair(tokenizer: Any, context: str, continuation: str) -> tuple[list[i
     return context_ids, whole[len(context_ids):]
 
 
+def _scored_logprobs(model: nn.Module, tokens: torch.Tensor, ends: list[int], counts: list[int],
+                     targets: list[list[int]], ranks: EvalRanks) -> tuple[list[float], list[bool]]:
+    """Row r predicts targets[r] (counts[r] tokens) at the positions just before ends[r]: the summed
+    log-probability of each row's targets and whether each was the argmax everywhere. Only those positions'
+    logits are computed (`logits_at`), right-aligned in K = the longest count: shorter rows repeat a position
+    that their mask then ignores. Under tensor parallelism the logits come whole and are picked after."""
+    device = tokens.device
+    K = max(counts)
+    index = torch.stack([torch.arange(end - K, end).clamp(min=0) for end in ends]).to(device)  # (B, K)
+    valid = torch.stack([torch.arange(K) >= K - n for n in counts]).to(device)  # (B, K)
+    target = torch.zeros(len(ends), K, dtype=torch.long)
+    for row, ids in enumerate(targets):
+        target[row, K - len(ids):] = torch.tensor(ids)
+    target = target.to(device)
+    if ranks.tensor > 1:
+        logits = model(tokens)  # (B, T, V) whole on every tensor rank
+        logits = logits.gather(1, index[..., None].expand(-1, -1, logits.shape[-1]))
+    else:
+        logits = model(tokens, logits_at=index)  # (B, K, V)
+    logprobs = F.log_softmax(logits.float(), dim=-1)
+    picked = logprobs.gather(-1, target[..., None]).squeeze(-1)  # (B, K)
+    hit = (logprobs.argmax(-1) == target) | ~valid
+    return (picked * valid).sum(1).tolist(), hit.all(1).tolist()
+
+
+def _idle_forward(model: nn.Module, device: torch.device, ranks: EvalRanks) -> None:
+    """A forward that scores nothing: a rank whose share of batches ran out keeps FSDP/TP collectives in step."""
+    model(torch.zeros(1, ranks.width(1), dtype=torch.long, device=device))
+
+
 @torch.no_grad()
-def score_tokens(model: nn.Module, pairs: Sequence[tuple[list[int], list[int]]], batch_size: int = 16) -> list[Score]:
+def score_tokens(model: nn.Module, pairs: Sequence[tuple[list[int], list[int]]], batch_size: int = 16,
+                 ranks: EvalRanks = EvalRanks()) -> list[Score]:
     """Score each (context ids, continuation ids): longest first in batches (right padding cannot change a
-    causal model's earlier positions), the input cut to max_seq_len tokens from the left."""
+    causal model's earlier positions), the input cut to max_seq_len tokens from the left. On a mesh the
+    batches are shared out over the data-parallel ranks and every rank returns every score."""
     device = next(model.parameters()).device
     limit = model.args.max_seq_len
     inputs = []
@@ -62,38 +95,38 @@ def score_tokens(model: nn.Module, pairs: Sequence[tuple[list[int], list[int]]],
         whole = (context + continuation)[-(limit + 1):][:-1]  # the last continuation token is only a target
         inputs.append((whole, continuation))
     order = sorted(range(len(inputs)), key=lambda i: -len(inputs[i][0]))
-    scores: list[Score] = [None] * len(inputs)  # type: ignore[list-item]
+    batches = [order[start:start + batch_size] for start in range(0, len(order), batch_size)]
+    scored: dict[int, Score] = {}
     with _scoring(model):
-        for start in range(0, len(order), batch_size):
-            batch = order[start:start + batch_size]
-            width = len(inputs[batch[0]][0])
-            tokens = torch.zeros(len(batch), width, dtype=torch.long)
+        for batch in ranks.share(batches):
+            if batch is None:
+                _idle_forward(model, device, ranks)
+                continue
+            tokens = torch.zeros(len(batch), ranks.width(len(inputs[batch[0]][0])), dtype=torch.long)
             for row, i in enumerate(batch):
                 ids = inputs[i][0]
                 tokens[row, :len(ids)] = torch.tensor(ids)
-            logits = model(tokens.to(device)).float()  # (B, T, V)
+            sums, greedy = _scored_logprobs(model, tokens.to(device), [len(inputs[i][0]) for i in batch],
+                                            [len(inputs[i][1]) for i in batch], [inputs[i][1] for i in batch], ranks)
             for row, i in enumerate(batch):
-                ids, continuation = inputs[i]
-                n = len(continuation)
-                logprobs = F.log_softmax(logits[row, len(ids) - n:len(ids)], dim=-1)  # (n, V)
-                target = torch.tensor(continuation, device=device)
-                picked = logprobs.gather(1, target[:, None]).squeeze(1)
-                scores[i] = Score(float(picked.sum()), bool((logprobs.argmax(-1) == target).all()), n)
-    return scores
+                scored[i] = Score(sums[row], greedy[row], len(inputs[i][1]))
+    scored = ranks.gather(scored)
+    return [scored[i] for i in range(len(inputs))]
 
 
 def loglikelihood(model: nn.Module, tokenizer: Any, requests: Sequence[tuple[str, str]],
-                  batch_size: int = 16) -> list[Score]:
+                  batch_size: int = 16, ranks: EvalRanks = EvalRanks()) -> list[Score]:
     """Score each (context, continuation) text pair (lm-eval's `loglikelihood`)."""
-    return score_tokens(model, [encode_pair(tokenizer, c, x) for c, x in requests], batch_size)
+    return score_tokens(model, [encode_pair(tokenizer, c, x) for c, x in requests], batch_size, ranks)
 
 
 @torch.no_grad()
-def rolling_logprob(model: nn.Module, ids: list[int], window: int, stride: int, batch_size: int = 8) -> tuple[float, int]:
+def rolling_logprob(model: nn.Module, ids: list[int], window: int, stride: int, batch_size: int = 8,
+                    ranks: EvalRanks = EvalRanks()) -> tuple[float, int]:
     """(summed log-probability, tokens scored) of every token of `ids` after the first, each predicted once
     with up to `window` tokens of context: windows start every `stride` tokens and each scores only the tokens
     the previous one did not (the sliding-window perplexity of lm-eval's loglikelihood_rolling and of HF's
-    perplexity guide)."""
+    perplexity guide). On a mesh the windows are shared out over the data-parallel ranks."""
     device = next(model.parameters()).device
     # A window is the input ids[start:last] predicting ids[start + 1 .. last]; it scores the targets after the
     # previous window's (stride <= window, so every target keeps at least window - stride tokens of context).
@@ -104,18 +137,22 @@ def rolling_logprob(model: nn.Module, ids: list[int], window: int, stride: int, 
         if last > scored:
             spans.append((start, last, scored + 1))
             scored = last
-    total, count = 0.0, 0
+    batches = [list(range(i, min(i + batch_size, len(spans)))) for i in range(0, len(spans), batch_size)]
+    results: dict[int, float] = {}
     with _scoring(model):
-        for i in range(0, len(spans), batch_size):
-            group = spans[i:i + batch_size]
-            width = max(last - start for start, last, _ in group)
-            tokens = torch.zeros(len(group), width, dtype=torch.long)
+        for batch in ranks.share(batches):
+            if batch is None:
+                _idle_forward(model, device, ranks)
+                continue
+            group = [spans[i] for i in batch]
+            tokens = torch.zeros(len(group), ranks.width(max(last - start for start, last, _ in group)), dtype=torch.long)
             for row, (start, last, _) in enumerate(group):
                 tokens[row, :last - start] = torch.tensor(ids[start:last])
-            logits = model(tokens.to(device)).float()  # (B, width, V): position p predicts ids[start + p + 1]
-            for row, (start, last, first) in enumerate(group):
-                target = torch.tensor(ids[first:last + 1], device=device)
-                logprobs = F.log_softmax(logits[row, first - start - 1:last - start], dim=-1)
-                total += float(logprobs.gather(1, target[:, None]).sum())
-                count += len(target)
-    return total, count
+            # position p of a row predicts ids[start + p + 1]: the targets ids[first..last] end at position last - start
+            sums, _ = _scored_logprobs(model, tokens.to(device), [last - start for start, last, _ in group],
+                                       [last - first + 1 for _, last, first in group],
+                                       [ids[first:last + 1] for _, last, first in group], ranks)
+            results.update(zip(batch, sums))
+    results = ranks.gather(results)
+    total = sum(results[i] for i in range(len(spans)))  # in window order: the same sum on any mesh
+    return total, sum(last - first + 1 for _, last, first in spans)

@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional
 from torch import nn
 
 from ember.errors import ConfigError, DataError, UserFileNotFound
+from ember.eval.distributed import EvalRanks
 from ember.eval.scoring import loglikelihood, rolling_logprob
 
 HUB = {"lambada": ("EleutherAI/lambada_openai", "default", "test"), "boolq": ("super_glue", "boolq", "validation")}
@@ -62,30 +63,33 @@ def read_rows(spec: str, task: str, fields: tuple[str, ...], limit: Optional[int
     return rows[:limit] if limit else rows
 
 
-def lambada(model: nn.Module, tokenizer: Any, spec: str, limit: Optional[int] = None, batch_size: int = 16) -> dict:
+def lambada(model: nn.Module, tokenizer: Any, spec: str, limit: Optional[int] = None, batch_size: int = 16,
+            ranks: EvalRanks = EvalRanks()) -> dict:
     rows = read_rows(spec, "lambada", ("text",), limit)
     requests = []
     for row in rows:
         context, _, word = row["text"].strip().rpartition(" ")  # lm-eval: the target is " " + the last word
         requests.append((context, " " + word))
-    scores = loglikelihood(model, tokenizer, requests, batch_size)
+    scores = loglikelihood(model, tokenizer, requests, batch_size, ranks)
     return {"acc": sum(s.greedy for s in scores) / len(scores),
             "perplexity": math.exp(-sum(s.logprob for s in scores) / len(scores)), "n": len(scores)}
 
 
-def boolq(model: nn.Module, tokenizer: Any, spec: str, limit: Optional[int] = None, batch_size: int = 16) -> dict:
+def boolq(model: nn.Module, tokenizer: Any, spec: str, limit: Optional[int] = None, batch_size: int = 16,
+          ranks: EvalRanks = EvalRanks()) -> dict:
     rows = read_rows(spec, "boolq", ("passage", "question", "answer"), limit)
     requests = []
     for row in rows:
         prompt = f"{row['passage']}\nQuestion: {row['question']}?\nAnswer:"
         requests += [(prompt, " no"), (prompt, " yes")]
-    scores = loglikelihood(model, tokenizer, requests, batch_size)
+    scores = loglikelihood(model, tokenizer, requests, batch_size, ranks)
     correct = sum((scores[2 * i + 1].logprob > scores[2 * i].logprob) == bool(row["answer"])
                   for i, row in enumerate(rows))
     return {"acc": correct / len(rows), "n": len(rows)}
 
 
-def choice(model: nn.Module, tokenizer: Any, spec: str, limit: Optional[int] = None, batch_size: int = 16) -> dict:
+def choice(model: nn.Module, tokenizer: Any, spec: str, limit: Optional[int] = None, batch_size: int = 16,
+           ranks: EvalRanks = EvalRanks()) -> dict:
     rows = read_rows(spec, "choice", ("context", "choices", "label"), limit)
     requests, owners = [], []
     for i, row in enumerate(rows):
@@ -95,7 +99,7 @@ def choice(model: nn.Module, tokenizer: Any, spec: str, limit: Optional[int] = N
         for text in row["choices"]:
             requests.append((row["context"], " " + str(text)))
             owners.append(i)
-    scores = loglikelihood(model, tokenizer, requests, batch_size)
+    scores = loglikelihood(model, tokenizer, requests, batch_size, ranks)
     acc = acc_norm = 0
     offset = 0
     for row in rows:
@@ -109,7 +113,8 @@ def choice(model: nn.Module, tokenizer: Any, spec: str, limit: Optional[int] = N
 
 
 def ppl(model: nn.Module, tokenizer: Any, data_cfg: Any, split: str = "val", seq_len: Optional[int] = None,
-        stride: Optional[int] = None, max_tokens: Optional[int] = None, batch_size: int = 8) -> dict:
+        stride: Optional[int] = None, max_tokens: Optional[int] = None, batch_size: int = 8,
+        ranks: EvalRanks = EvalRanks()) -> dict:
     """Loss per token, perplexity and bits per byte of `split` of an ember data source: documents joined with
     EOS as in training, scored by a sliding window. Bits per byte divide the total negative log-likelihood (in
     bits) by the UTF-8 bytes of the text scored, so models with different tokenizers compare."""
@@ -131,7 +136,7 @@ def ppl(model: nn.Module, tokenizer: Any, data_cfg: Any, split: str = "val", seq
     ids = ids[:max_tokens + 1] if max_tokens else ids
     if len(ids) < 2:
         raise DataError(f"{docs.name} ({split} split) has no text to score")
-    logprob, count = rolling_logprob(model, ids, window, stride, batch_size)
+    logprob, count = rolling_logprob(model, ids, window, stride, batch_size, ranks)
     loss = -logprob / count
     n_bytes = len(tokenizer.decode(ids[1:], skip_special_tokens=True).encode("utf-8"))  # the text scored
     return {"loss": loss, "perplexity": math.exp(loss), "bits_per_byte": -logprob / math.log(2) / max(n_bytes, 1),
@@ -142,10 +147,10 @@ TASKS: dict[str, Callable[..., dict]] = {"lambada": lambada, "boolq": boolq, "ch
 
 
 def run_tasks(model: nn.Module, tokenizer: Any, tasks: list[Any], limit: Optional[int] = None,
-              batch_size: int = 16) -> dict[str, float]:
+              batch_size: int = 16, ranks: EvalRanks = EvalRanks()) -> dict[str, float]:
     """Several tasks ({name, data} each, as eval.tasks holds them) as one flat record: eval/<task>/<metric>."""
     results: dict[str, float] = {}
     for task in tasks:
-        metrics = TASKS[task.name](model, tokenizer, task.data, limit, batch_size)
+        metrics = TASKS[task.name](model, tokenizer, task.data, limit, batch_size, ranks)
         results.update({f"eval/{task.name}/{k}": v for k, v in metrics.items()})
     return results
