@@ -143,6 +143,15 @@ class DataConfig:
     # SFT data: rows with a prompt (this field) and a response (text_field); the prompt tokens are read
     # but masked out of the loss (label -100).
     prompt_field: Optional[str] = None
+    # Chat SFT data: rows whose field of this name (usually "messages") holds [{"role": "system" | "user" |
+    # "assistant", "content": ...}]; rendered with chat_template, the loss covers assistant turns only.
+    messages_field: Optional[str] = None
+    # auto: the tokenizer folder's template (chat_template.jinja or tokenizer_config.json), as transformers
+    # renders it; or a built-in for a folder without one: llama3 | chatml (ember/data/chat.py)
+    chat_template: str = "auto"
+    # true: documents end to end in every sample (no padding; with document_mask they do not attend to each
+    # other); false: one document per sample, cut or padded to seq_len, padding out of the loss
+    packing: bool = True
 
 
 @dataclass
@@ -177,20 +186,6 @@ class CheckpointConfig:
 
 
 @dataclass
-class LoraConfig:
-    """LoRA (Hu et al. 2021) on a frozen base from model.init_from; ember/finetune/lora.py applies it."""
-
-    rank: int = 0  # r of each adapter; 0: off (full fine-tuning)
-    alpha: float = 16.0  # the update is alpha / rank * B A (peft's lora_alpha)
-    dropout: float = 0.0  # on the adapter's input only (peft's lora_dropout)
-    # all (every linear of attention and MLP) | attn | mlp | a module name (wq, feed_forward.w2, q_proj) or a
-    # list of them. Any: a string or a list, which OmegaConf's typed fields cannot both take.
-    targets: Any = "all"
-    train_embeddings: bool = False  # also train the token (and position) embeddings and the output projection
-    train_norms: bool = False  # also train every norm's gain (and bias)
-
-
-@dataclass
 class JobConfig:
     seed: int = 0
     max_steps: int = 200
@@ -217,7 +212,6 @@ class JobConfig:
     dcn_mesh: MeshConfig = field(default_factory=MeshConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 PRECISIONS = ("auto", "fp32", "bf16")
@@ -383,6 +377,30 @@ def _check_eval_tasks(cfg: JobConfig) -> None:
         raise ConfigError("eval.batch_size and eval.limit must be >= 1")
 
 
+def _check_chat_data(cfg: JobConfig) -> None:
+    """Chat SFT (data.messages_field, data.chat_template) and data.packing."""
+    from ember.data.chat import TEMPLATE_CHOICES  # local: config stays importable on its own
+
+    data = cfg.data
+    if data.chat_template not in TEMPLATE_CHOICES:
+        raise ConfigError(f"data.chat_template '{data.chat_template}' is not one of {', '.join(TEMPLATE_CHOICES)} "
+                          "(auto: the tokenizer folder's own template)")
+    if data.messages_field is not None:
+        if data.prompt_field:
+            raise ConfigError("data.messages_field (chat rows) and data.prompt_field (prompt/response rows) exclude "
+                              "each other; set one of them")
+        if data.streaming:
+            raise ConfigError("data.messages_field (chat SFT) reads whole files; set data.streaming=false")
+        if data.dataset == "synthetic" and not data.mixture:
+            raise ConfigError("data.messages_field (chat SFT) reads conversations, and synthetic tokens have none; "
+                              "set data.dataset=chat.jsonl")
+        # A missing tokenizer or dataset is refused when the run builds its tokenizer (chat.check_chat_source),
+        # before the model: the *-sft recipes leave both to the command line and still load for `ember recipes`.
+    if not data.packing and (data.streaming or (data.dataset == "synthetic" and not data.mixture)):
+        raise ConfigError("data.packing=false pads each document, read whole; synthetic tokens and streamed data "
+                          "have none: set data.packing=true")
+
+
 def _check_output_dir(output_dir: str) -> None:
     """output_dir must be a directory ember can create and write in: found now, not after the model is built."""
     path = Path(output_dir).expanduser()
@@ -449,6 +467,7 @@ def validate(cfg: JobConfig, world_size: int = 1) -> None:
         raise ConfigError("data.document_mask needs documents; synthetic tokens have none: set data.document_mask=false")
     if cfg.data.prompt_field and cfg.data.streaming:
         raise ConfigError("data.prompt_field (SFT) reads whole files; set data.streaming=false")
+    _check_chat_data(cfg)
     if cfg.data.mixture and cfg.data.dataset == "synthetic":
         raise ConfigError("data.mixture and data.dataset=synthetic exclude each other; drop one of them")
     shape = mesh_shape(cfg, world_size)
@@ -468,12 +487,6 @@ def validate(cfg: JobConfig, world_size: int = 1) -> None:
             f"({cfg.model.family} {cfg.model.flavor}); lower seq_len or set model.max_seq_len"
         )
     _validate_parallel(cfg, shape, args)
-    if cfg.lora.rank < 0:
-        raise ConfigError(f"lora.rank must be >= 0 (0: LoRA off), got {cfg.lora.rank}")
-    if cfg.lora.rank:
-        from ember.finetune.lora import check_lora  # local: config stays importable on its own
-
-        check_lora(cfg.lora, cfg.model.family, args, cfg.model.init_from)
 
 
 def mesh_shape(cfg: JobConfig, world_size: int) -> Any:

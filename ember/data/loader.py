@@ -279,6 +279,19 @@ class TokenLoader:
         return text
 
 
+def _check_chat_documents(data_cfg: Any, stream: packing.TokenStream, tokenizer: Tokenizer, pad_to: Optional[int]) -> None:
+    """Document masking ends a document at every EOS. A chat template that writes the EOS token inside a
+    conversation (an instruct tokenizer whose eos_token is its end-of-turn marker, e.g. Llama 3's <|eot_id|>)
+    would cut each conversation into turns that cannot see each other: refused, not trained wrongly."""
+    if not (getattr(data_cfg, "messages_field", None) and getattr(data_cfg, "document_mask", False)) or pad_to:
+        return
+    if np.count_nonzero(np.asarray(stream.tokens) == tokenizer.eos_id) > stream.num_documents:
+        eos = tokenizer.decode([tokenizer.eos_id])
+        raise DataError(f"the chat template writes the tokenizer's EOS {eos} inside conversations, and "
+                        "data.document_mask ends a document at every EOS; set data.document_mask=false, or "
+                        "data.packing=false, or an end-of-text eos_token in the tokenizer's tokenizer_config.json")
+
+
 def build_loader(
     data_cfg: Any,
     tokenizer: Optional[Tokenizer],
@@ -323,6 +336,9 @@ def build_loader(
             f"tokenizer {tokenizer.source} has {tokenizer.vocab_size} tokens but model.vocab_size={vocab_size}; "
             f"set model.vocab_size={tokenizer.vocab_size} or larger"
         )
+    # data.packing=false: each document is padded to one sample when tokenized (packing.pad_pieces), so the
+    # samples, their order and the loader's (epoch, cursor) state work exactly as for packed data.
+    pad_to = None if getattr(data_cfg, "packing", True) else seq_len + 1
     mixture = getattr(data_cfg, "mixture", None)
     if mixture:
         parts, names, num_tokens, skipped = [], [], 0, []
@@ -331,7 +347,8 @@ def build_loader(
                                            text_field=item.text_field or data_cfg.text_field,
                                            config=item.config or data_cfg.config)
             try:
-                stream = prepare.token_stream(part_cfg, tokenizer, split, cache_dir)
+                stream = prepare.token_stream(part_cfg, tokenizer, split, cache_dir, pad_to)
+                _check_chat_documents(part_cfg, stream, tokenizer, pad_to)
             except DataError as err:  # point at this source's own key, which overrides the global one
                 raise DataError(str(err).replace("set data.text_field", f"set data.mixture[{i}].text_field "
                                                  "(this source's text column; data.text_field is every source's default)")) from None
@@ -349,7 +366,8 @@ def build_loader(
         samples = MixtureSamples(parts, [item.weight for item in mixture], names, seed)
         name = "mixture of " + ", ".join(f"{n} ({w:.0%})" for n, w in zip(names, samples.probs))
         return TokenLoader(samples, name=name, num_tokens=num_tokens, skipped=skipped, **common)  # type: ignore[arg-type]
-    stream = prepare.token_stream(data_cfg, tokenizer, split, cache_dir)
+    stream = prepare.token_stream(data_cfg, tokenizer, split, cache_dir, pad_to)
+    _check_chat_documents(data_cfg, stream, tokenizer, pad_to)
     rows = packing.pack(stream.tokens, seq_len)
     needed = micro_batch_size * dp_world
     if len(rows) < needed:

@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ember.data import sources
+from ember.data import chat, sources
 from ember.data.tokenizer import Tokenizer
 
 ENCODE_BATCH_DOCS = 256  # documents per encode_batch call: enough to keep every core busy, bounded memory
@@ -60,9 +60,54 @@ def tokenize_prompted(prompts: list[str], responses: list[str], tokenizer: Token
     return np.concatenate(tokens), np.concatenate(mask)
 
 
-def tokenize_source(data_cfg: Any, tokenizer: Tokenizer, split: str) -> TokenStream:
-    """Read one split of the configured source and tokenize it (no cache: see prepare.token_stream)."""
+def document_pieces(docs: sources.Documents, tokenizer: Tokenizer,
+                    template: Optional[chat.ChatTemplate] = None) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(tokens, loss mask) of each document, EOS included: for padding them one per sample."""
+    if docs.conversations is not None:
+        if template is None:
+            raise ValueError("chat documents need their chat template")
+        return chat.encode_conversations(docs.conversations, tokenizer, template, token_dtype(tokenizer.vocab_size))
+    dtype = token_dtype(tokenizer.vocab_size)
+    pieces = []
+    for start in range(0, docs.num_documents, ENCODE_BATCH_DOCS):
+        texts = tokenizer.encode_batch(docs.texts[start : start + ENCODE_BATCH_DOCS])
+        prompts = (tokenizer.encode_batch(docs.prompts[start : start + ENCODE_BATCH_DOCS])
+                   if docs.prompts is not None else [[] for _ in texts])
+        for p, r in zip(prompts, texts):
+            pieces.append((np.asarray(p + r + [tokenizer.eos_id], dtype=dtype),
+                           np.concatenate([np.zeros(len(p), np.uint8), np.ones(len(r) + 1, np.uint8)])))
+    return pieces
+
+
+def pad_pieces(pieces: list[tuple[np.ndarray, np.ndarray]], width: int, pad_id: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """One document per `width` tokens (data.packing=false): cut to width, padded with pad_id under mask 0, so
+    pack(tokens, width - 1) gives one document per sample. A document left with no target after the cut
+    trains nothing and is dropped. Returns (tokens, mask, documents kept)."""
+    kept = [(t[:width], m[:width]) for t, m in pieces if m[1:width].any()]  # m[0] is never a label
+    dtype = pieces[0][0].dtype if pieces else np.uint32
+    tokens = np.full((len(kept), width), pad_id, dtype=dtype)
+    mask = np.zeros((len(kept), width), np.uint8)
+    for row, (t, m) in enumerate(kept):
+        tokens[row, : len(t)], mask[row, : len(m)] = t, m
+    return tokens.reshape(-1), mask.reshape(-1), len(kept)
+
+
+def tokenize_source(data_cfg: Any, tokenizer: Tokenizer, split: str, template: Optional[chat.ChatTemplate] = None,
+                    pad_to: Optional[int] = None) -> TokenStream:
+    """Read one split of the configured source and tokenize it (no cache: see prepare.token_stream).
+
+    Chat documents are rendered with `template` (chat.load_template). pad_to: one document per pad_to
+    tokens (data.packing=false), instead of packed end to end."""
     docs = sources.load_documents(data_cfg, split)
+    if docs.conversations is not None and template is None:
+        template = chat.load_template(getattr(data_cfg, "chat_template", None), tokenizer)
+    if pad_to is not None:
+        tokens, mask, kept = pad_pieces(document_pieces(docs, tokenizer, template), pad_to, tokenizer.pad_id)
+        return TokenStream(tokens, docs.name, kept, docs.skipped, loss_mask=mask)
+    if docs.conversations is not None:
+        pieces = document_pieces(docs, tokenizer, template)
+        return TokenStream(np.concatenate([t for t, _ in pieces]), docs.name, len(pieces), docs.skipped,
+                           loss_mask=np.concatenate([m for _, m in pieces]))
     if docs.prompts is not None:
         tokens, mask = tokenize_prompted(docs.prompts, docs.texts, tokenizer)
         return TokenStream(tokens, docs.name, len(docs.texts), docs.skipped, loss_mask=mask)

@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from ember.constants import default_cache_dir
-from ember.data import packing, sources
+from ember.data import chat, packing, sources
 from ember.errors import DataError
 
 MANIFEST = "manifest.json"
@@ -54,6 +54,9 @@ def prepare(data_cfg: Any, tokenizer: Any, out_dir: Path,
     (out_dir / MANIFEST).unlink(missing_ok=True)  # re-preparing: the old manifest no longer describes the files
     for split in sources.SPLITS:
         docs = sources.load_documents(data_cfg, split)
+        if docs.conversations is not None:
+            raise DataError("ember data prepare does not take chat data (data.messages_field) yet; train from the "
+                            "file itself: its tokens are cached on first use")
         digest, num_tokens = hashlib.sha256(), 0
         path, mask_path = out_dir / f"{split}.bin", out_dir / f"{split}.mask.bin"
         masks: list[np.ndarray] = []
@@ -128,17 +131,27 @@ def load_prepared(directory: Path, split: str, tokenizer: Any) -> packing.TokenS
                                info.get("skipped", []), loss_mask=mask)
 
 
-def token_stream(data_cfg: Any, tokenizer: Tokenizer, split: str, cache_dir: Optional[Path] = None) -> packing.TokenStream:
+def token_stream(data_cfg: Any, tokenizer: Tokenizer, split: str, cache_dir: Optional[Path] = None,
+                 pad_to: Optional[int] = None) -> packing.TokenStream:
     """The tokens of one split, from the cache when the source has a fingerprint and was seen before.
 
-    The cache key is (source fingerprint, tokenizer identity, split): a changed file, corpus, val_fraction
-    or tokenizer gives a new entry, never a stale one.
+    The cache key is (source fingerprint, tokenizer identity, split), and for chat data the chat template,
+    with pad_to (data.packing=false: one document per pad_to tokens): a changed file, corpus, val_fraction,
+    tokenizer or template gives a new entry, never a stale one.
     """
     if data_cfg.dataset not in (sources.EMBEDDED, sources.SYNTHETIC) and is_prepared(data_cfg.dataset):
+        if pad_to is not None:
+            raise DataError(f"'{data_cfg.dataset}' holds prepared, packed tokens, and data.packing=false pads each "
+                            "document as it is tokenized; train from the source files or set data.packing=true")
         return load_prepared(Path(data_cfg.dataset).expanduser(), split, tokenizer)
+    template = None
+    if getattr(data_cfg, "messages_field", None):
+        template = chat.load_template(getattr(data_cfg, "chat_template", None), tokenizer)
     fingerprint = sources.source_fingerprint(data_cfg)
     if fingerprint is None:  # the hub: `datasets` keeps its own cache of the text
-        return packing.tokenize_source(data_cfg, tokenizer, split)
+        return packing.tokenize_source(data_cfg, tokenizer, split, template, pad_to)
+    if template is not None or pad_to is not None:  # other entries keep their keys
+        fingerprint = sources.short_hash(fingerprint, template.identity if template else None, pad_to)
     stem = (cache_dir or default_cache_dir()) / "tokens" / f"{fingerprint}-{tokenizer.identity}-{split}"
     npy, meta, mask_npy = stem.with_suffix(".npy"), stem.with_suffix(".json"), stem.with_suffix(".mask.npy")
     if npy.is_file() and meta.is_file():
@@ -150,7 +163,7 @@ def token_stream(data_cfg: Any, tokenizer: Tokenizer, split: str, cache_dir: Opt
             return packing.TokenStream(tokens, **info, loss_mask=mask)
         except (OSError, ValueError, TypeError):
             pass  # a damaged entry is rebuilt, never fatal
-    stream = packing.tokenize_source(data_cfg, tokenizer, split)
+    stream = packing.tokenize_source(data_cfg, tokenizer, split, template, pad_to)
     info = {"name": stream.name, "num_documents": stream.num_documents, "skipped": stream.skipped,
             "has_mask": stream.loss_mask is not None}
     # The .json and the mask go first: the .npy appearing is what marks the entry complete.

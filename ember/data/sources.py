@@ -38,6 +38,13 @@ class Documents:
     skipped: list[str] = field(default_factory=list)  # files that are not valid UTF-8
     # SFT data (data.prompt_field set): the prompt of each document, which is read but not trained on.
     prompts: Optional[list[str]] = None
+    # Chat SFT data (data.messages_field set): one list of {"role", "content"} messages per document, in
+    # place of texts (which stays empty); ember/data/chat.py renders and masks them.
+    conversations: Optional[list[list[dict]]] = None
+
+    @property
+    def num_documents(self) -> int:
+        return len(self.conversations) if self.conversations is not None else len(self.texts)
 
 
 # ---------------------------------------------------------------- cache directory, atomic writes
@@ -197,15 +204,51 @@ def _field(row: Any, name: str, where: str, key: str = "text_field") -> str:
     return text
 
 
-Row = Union[str, tuple[str, str]]  # a document's text, or (prompt, response) for SFT data
+# A document's text, (prompt, response) for SFT data, or a conversation's messages for chat SFT data.
+Row = Union[str, tuple[str, str], list[dict]]
 
 
-def _row(row: Any, text_field: str, prompt_field: Optional[str], where: str) -> Row:
-    text = _field(row, text_field, where)
-    return text if prompt_field is None else (_field(row, prompt_field, where, "prompt_field"), text)
+@dataclass(frozen=True)
+class Fields:
+    """The columns a row is read from: the text, and for SFT the prompt, or for chat SFT the messages."""
+
+    text: str = "text"
+    prompt: Optional[str] = None
+    messages: Optional[str] = None
+
+    @staticmethod
+    def of(data_cfg: Any) -> "Fields":
+        return Fields(data_cfg.text_field, getattr(data_cfg, "prompt_field", None),
+                      getattr(data_cfg, "messages_field", None))
+
+    @property
+    def columns(self) -> list[tuple[str, str]]:
+        """(column, the data.* key that names it) of every column a row needs."""
+        if self.messages is not None:
+            return [(self.messages, "messages_field")]
+        return [(self.text, "text_field")] + ([(self.prompt, "prompt_field")] if self.prompt is not None else [])
 
 
-def _json_rows(path: Path, text: str, text_field: str, prompt_field: Optional[str] = None) -> Iterator[Row]:
+def _row(row: Any, fields: Fields, where: str) -> Row:
+    if fields.messages is not None:
+        from ember.data.chat import check_messages  # local: only chat data needs it (and jinja2)
+
+        if not isinstance(row, dict) or fields.messages not in row:
+            keys = ", ".join(map(str, row)) if isinstance(row, dict) else type(row).__name__
+            raise DataError(f"{where} has no '{fields.messages}' field (it has: {keys}); set data.messages_field "
+                            "to the column holding the conversation's list of messages")
+        return check_messages(row[fields.messages], f"{where} field '{fields.messages}'")
+    text = _field(row, fields.text, where)
+    return text if fields.prompt is None else (_field(row, fields.prompt, where, "prompt_field"), text)
+
+
+def _has_content(row: Row) -> bool:
+    # An empty (or null) document, or a prompt with no response, adds nothing to train on. A conversation
+    # always has an assistant turn (check_messages refuses one without), so it always counts.
+    return bool(row) if isinstance(row, (str, list)) else bool(row[1])
+
+
+def _json_rows(path: Path, text: str, fields: Fields) -> Iterator[Row]:
     if path.suffix == ".jsonl":
         for lineno, line in enumerate(text.splitlines(), 1):
             if not line.strip():
@@ -214,7 +257,7 @@ def _json_rows(path: Path, text: str, text_field: str, prompt_field: Optional[st
                 row = json.loads(line)
             except json.JSONDecodeError as err:
                 raise DataError(f"{path} line {lineno} is not valid JSON ({err.msg}); fix or remove that line") from None
-            yield _row(row, text_field, prompt_field, f"{path} line {lineno}")
+            yield _row(row, fields, f"{path} line {lineno}")
         return
     try:
         data = json.loads(text)
@@ -222,11 +265,12 @@ def _json_rows(path: Path, text: str, text_field: str, prompt_field: Optional[st
         raise DataError(f"{path} is not valid JSON ({err.msg} at line {err.lineno}); fix the file") from None
     rows = data if isinstance(data, list) else [data]
     for i, row in enumerate(rows):
-        yield _row(row, text_field, prompt_field, f"{path} item {i}")
+        yield _row(row, fields, f"{path} item {i}")
 
 
-def _table_rows(path: Path, text_field: str, prompt_field: Optional[str] = None) -> list[Row]:
-    """The text column (and prompt column) of a .parquet or .arrow file, read by `datasets`."""
+def _table_rows(path: Path, fields: Fields) -> list[Row]:
+    """The text column (and prompt column), or the messages column, of a .parquet or .arrow file, read by
+    `datasets`."""
     datasets = _import_datasets(f"reading '{path}'")
     builder = "parquet" if path.suffix == ".parquet" else "arrow"
     try:
@@ -234,38 +278,46 @@ def _table_rows(path: Path, text_field: str, prompt_field: Optional[str] = None)
     except Exception as err:
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise DataError(f"{path} is not a readable {builder} file ({first}); fix or remove it") from None
-    for name, key in ((text_field, "text_field"), (prompt_field, "prompt_field")):
-        if name is not None and name not in table.column_names:
+    for name, key in fields.columns:
+        if name not in table.column_names:
             raise DataError(
                 f"{path} has no '{name}' column (it has: {', '.join(table.column_names)}); set data.{key}"
             )
-    if prompt_field is None:
-        return list(table[text_field])
-    return list(zip(table[prompt_field], table[text_field]))
+    return _column_rows(table, fields, str(path))
 
 
-def _local_documents(spec: str, files: list[Path], text_field: str,
-                     prompt_field: Optional[str] = None) -> tuple[dict[str, Row], list[str]]:
+def _column_rows(table: Any, fields: Fields, name: str) -> list[Row]:
+    """The rows of a `datasets` table whose columns are known to be there."""
+    if fields.messages is not None:
+        return [_row({fields.messages: m}, fields, f"{name} row {i}") for i, m in enumerate(table[fields.messages])]
+    if fields.prompt is None:
+        return list(table[fields.text])
+    return list(zip(table[fields.prompt], table[fields.text]))
+
+
+def _local_documents(spec: str, files: list[Path], fields: Fields) -> tuple[dict[str, Row], list[str]]:
     """Every document of the files, keyed for the split: the file for .txt, `file:row` for the others."""
     docs: dict[str, Row] = {}
     skipped: list[str] = []
     # Keys relative to the files' common folder: the split is the same for `data/` and `/abs/data/`.
     base = Path(os.path.commonpath([f.parent.resolve() for f in files]))
     for path in files:
-        if path.suffix == ".txt" and prompt_field is not None:
+        if path.suffix == ".txt" and fields.messages is not None:
+            raise DataError(f"{path} is plain text, but data.messages_field is set: chat data needs rows with a "
+                            f"'{fields.messages}' list of messages (jsonl, json, parquet, arrow)")
+        if path.suffix == ".txt" and fields.prompt is not None:
             raise DataError(f"{path} is plain text, but data.prompt_field is set: SFT data needs rows with a "
-                             f"'{prompt_field}' and a '{text_field}' field (jsonl, json, parquet, arrow)")
+                             f"'{fields.prompt}' and a '{fields.text}' field (jsonl, json, parquet, arrow)")
         if path.suffix in (".parquet", ".arrow"):
-            rows: Iterable[Row] = _table_rows(path, text_field, prompt_field)
+            rows: Iterable[Row] = _table_rows(path, fields)
         else:
             text = read_utf8(path)
             if text is None:
                 skipped.append(str(path))
                 continue
-            rows = [text] if path.suffix == ".txt" else _json_rows(path, text, text_field, prompt_field)
+            rows = [text] if path.suffix == ".txt" else _json_rows(path, text, fields)
         for i, row in enumerate(rows):
-            # An empty (or null) document, or a prompt with no response, adds nothing to train on: skipped.
-            if row if isinstance(row, str) else row[1]:
+            if _has_content(row):
                 docs[f"{path.resolve().relative_to(base).as_posix()}:{i}"] = row
     if not docs:
         why = f"{len(skipped)} of its files are not UTF-8 text (convert them)" if skipped else "it is empty (add text)"
@@ -273,23 +325,24 @@ def _local_documents(spec: str, files: list[Path], text_field: str,
     return docs, skipped
 
 
-def _documents(name: str, rows: list[Row], skipped: list[str], prompted: bool) -> Documents:
-    if not prompted:
+def _documents(name: str, rows: list[Row], skipped: list[str], fields: Fields) -> Documents:
+    if fields.messages is not None:
+        return Documents(name, [], skipped, conversations=rows)  # type: ignore[arg-type]
+    if fields.prompt is None:
         return Documents(name, rows, skipped)  # type: ignore[arg-type]
     return Documents(name, [r[1] for r in rows], skipped, prompts=[r[0] for r in rows])  # type: ignore[index]
 
 
-def load_local(spec: str, files: list[Path], text_field: str, split: str, val_fraction: float,
-               prompt_field: Optional[str] = None) -> Documents:
+def load_local(spec: str, files: list[Path], fields: Fields, split: str, val_fraction: float) -> Documents:
     _check_split(split)
-    docs, skipped = _local_documents(spec, files, text_field, prompt_field)
+    docs, skipped = _local_documents(spec, files, fields)
     keys = split_keys(list(docs), val_fraction)[split]
     if not keys:
         raise DataError(
             f"data.dataset '{spec}' has {len(docs)} document(s), too few to hold one out for the {split} split "
             f"(data.val_fraction={val_fraction}); add documents"
         )
-    return _documents(spec, [docs[k] for k in keys], skipped, prompt_field is not None)
+    return _documents(spec, [docs[k] for k in keys], skipped, fields)
 
 
 # ---------------------------------------------------------------- Hugging Face hub
@@ -304,8 +357,7 @@ def _import_datasets(purpose: str) -> Any:
     return datasets
 
 
-def load_hub(name: str, config: Optional[str], hf_split: str, text_field: str, split: str, val_fraction: float,
-             prompt_field: Optional[str] = None) -> Documents:
+def load_hub(name: str, config: Optional[str], hf_split: str, fields: Fields, split: str, val_fraction: float) -> Documents:
     """A hub dataset's `hf_split` (data.split), divided into ember's train/val by the same key hash."""
     _check_split(split)
     datasets = _import_datasets(
@@ -316,18 +368,17 @@ def load_hub(name: str, config: Optional[str], hf_split: str, text_field: str, s
     except Exception as err:  # network, auth, unknown name or config: all user-fixable, all one line
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise DataError(f"cannot load data.dataset '{name}' from the Hugging Face hub: {first}") from None
-    for column, key in ((text_field, "text_field"), (prompt_field, "prompt_field")):
-        if column is not None and column not in table.column_names:
+    for column, key in fields.columns:
+        if column not in table.column_names:
             raise DataError(
                 f"hub dataset '{name}' has no '{column}' column (it has: {', '.join(table.column_names)}); "
                 f"set data.{key}"
             )
-    texts = table[text_field]
-    rows: list[Row] = list(texts) if prompt_field is None else list(zip(table[prompt_field], texts))
-    keys = [f"{name}:{hf_split}:{i}" for i in range(len(texts))]
+    rows = _column_rows(table, fields, f"hub dataset '{name}'")
+    keys = [f"{name}:{hf_split}:{i}" for i in range(len(rows))]
     chosen = set(split_keys(keys, val_fraction)[split])
-    kept = [row for key, row, text in zip(keys, rows, texts) if key in chosen and text]
-    return _documents(name, kept, [], prompt_field is not None)
+    kept = [row for key, row in zip(keys, rows) if key in chosen and _has_content(row)]
+    return _documents(name, kept, [], fields)
 
 
 # ---------------------------------------------------------------- one entry point
@@ -338,14 +389,13 @@ def load_documents(data_cfg: Any, split: str = "train") -> Documents:
         raise DataError("data.dataset=synthetic has no documents; it makes random tokens in the loader")
     if spec == EMBEDDED:
         return load_embedded(split, data_cfg.val_fraction)
-    prompt_field = getattr(data_cfg, "prompt_field", None)
+    fields = Fields.of(data_cfg)
     files = local_files(spec)
     if files is not None:
-        return load_local(spec, files, data_cfg.text_field, split, data_cfg.val_fraction, prompt_field)
+        return load_local(spec, files, fields, split, data_cfg.val_fraction)
     if _looks_like_path(spec):
         raise UserFileNotFound(f"data.dataset path '{spec}' does not exist; check the path")
-    return load_hub(spec, data_cfg.config, data_cfg.split, data_cfg.text_field, split, data_cfg.val_fraction,
-                    prompt_field)
+    return load_hub(spec, data_cfg.config, data_cfg.split, fields, split, data_cfg.val_fraction)
 
 
 def source_fingerprint(data_cfg: Any) -> Optional[str]:
@@ -357,4 +407,7 @@ def source_fingerprint(data_cfg: Any) -> Optional[str]:
     if not files:
         return None
     stats = [(f.resolve().as_posix(), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
-    return short_hash("local", stats, data_cfg.text_field, data_cfg.val_fraction, getattr(data_cfg, "prompt_field", None))
+    fields = Fields.of(data_cfg)
+    if fields.messages is None:  # unchanged for text and SFT data, so their existing caches stay valid
+        return short_hash("local", stats, data_cfg.text_field, data_cfg.val_fraction, fields.prompt)
+    return short_hash("local", stats, data_cfg.val_fraction, fields.messages)

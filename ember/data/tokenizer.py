@@ -273,6 +273,10 @@ def _load_hf_tokenizer(path: Path) -> Tokenizer:
 
 def build_tokenizer(data_cfg: Any, vocab_size: int, cache_dir: Optional[Path] = None) -> AnyTokenizer:
     """The run's tokenizer (see the module docstring); its vocabulary must fit the model's embedding."""
+    if getattr(data_cfg, "messages_field", None):
+        from ember.data.chat import check_chat_source  # local: only chat data needs it
+
+        check_chat_source(data_cfg)
     if data_cfg.tokenizer is None:
         tok = embedded_tokenizer(vocab_size, data_cfg.val_fraction, cache_dir)
     else:

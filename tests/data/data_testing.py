@@ -32,3 +32,6 @@ class DataCfg:
     val_split: Optional[str] = None
     document_mask: bool = False
     prompt_field: Optional[str] = None
+    messages_field: Optional[str] = None
+    chat_template: str = "auto"
+    packing: bool = True

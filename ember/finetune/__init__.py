@@ -1,1 +1,0 @@
-"""Fine-tuning transforms applied to a model from outside: lora.py (LoRA adapters, peft import/export)."""
