@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 from ember.errors import CheckpointError
+from ember.finetune.lora import trainable_state_dict
 from ember.load import MODEL_JSON, first_error_line, model_state_dict, read_model_json
 
 STEP_DIR = re.compile(r"step-(\d+)")
@@ -118,8 +119,11 @@ class CheckpointManager:
     """Saves and restores the whole training state of one run; every rank calls every method."""
 
     def __init__(self, cfg: Any, output_dir: Path, model_parts: list[nn.Module], optim_model: nn.Module,
-                 optimizer: torch.optim.Optimizer, meta: dict[str, Any], say: Callable[[str], None] = print):
+                 optimizer: torch.optim.Optimizer, meta: dict[str, Any], say: Callable[[str], None] = print,
+                 adapters_only: bool = False):
         self.cfg, self.dir = cfg, Path(output_dir) / "checkpoints"
+        # LoRA: the frozen base is model.init_from's (meta["base"]), so only the trainable tensors are saved.
+        self.adapters_only = adapters_only
         self.model_parts, self.optim_model, self.optimizer = model_parts, optim_model, optimizer
         self.meta, self.say = meta, say
         self._pending: Optional[tuple[Any, Path, Path]] = None  # async save in flight: (future, tmp, final)
@@ -132,7 +136,8 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ state
     def _state(self) -> dict[str, Any]:
-        return {"model": model_state_dict(self.model_parts),
+        model = trainable_state_dict(self.model_parts) if self.adapters_only else model_state_dict(self.model_parts)
+        return {"model": model,
                 "optim": get_optimizer_state_dict(self.optim_model, self.optimizer)}
 
     # ------------------------------------------------------------------ save

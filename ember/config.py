@@ -186,6 +186,20 @@ class CheckpointConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA (Hu et al. 2021) on a frozen base from model.init_from; ember/finetune/lora.py applies it."""
+
+    rank: int = 0  # r of each adapter; 0: off (full fine-tuning)
+    alpha: float = 16.0  # the update is alpha / rank * B A (peft's lora_alpha)
+    dropout: float = 0.0  # on the adapter's input only (peft's lora_dropout)
+    # all (every linear of attention and MLP) | attn | mlp | a module name (wq, feed_forward.w2, q_proj) or a
+    # list of them. Any: a string or a list, which OmegaConf's typed fields cannot both take.
+    targets: Any = "all"
+    train_embeddings: bool = False  # also train the token (and position) embeddings and the output projection
+    train_norms: bool = False  # also train every norm's gain (and bias)
+
+
+@dataclass
 class JobConfig:
     seed: int = 0
     max_steps: int = 200
@@ -212,6 +226,7 @@ class JobConfig:
     dcn_mesh: MeshConfig = field(default_factory=MeshConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 PRECISIONS = ("auto", "fp32", "bf16")
@@ -487,6 +502,12 @@ def validate(cfg: JobConfig, world_size: int = 1) -> None:
             f"({cfg.model.family} {cfg.model.flavor}); lower seq_len or set model.max_seq_len"
         )
     _validate_parallel(cfg, shape, args)
+    if cfg.lora.rank < 0:
+        raise ConfigError(f"lora.rank must be >= 0 (0: LoRA off), got {cfg.lora.rank}")
+    if cfg.lora.rank:
+        from ember.finetune.lora import check_lora  # local: config stays importable on its own
+
+        check_lora(cfg.lora, cfg.model.family, args, cfg.model.init_from)
 
 
 def mesh_shape(cfg: JobConfig, world_size: int) -> Any:

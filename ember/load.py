@@ -29,6 +29,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
 
 from ember.errors import CheckpointError, ConfigError, UserFileNotFound
+from ember.finetune.lora import LoraLinear, apply_lora, is_adapter_key, merge_lora, trainable_names
+from ember.finetune.peft_format import check_adapter_config, is_peft_dir, merge_peft_adapter, peft_base, save_peft
 from ember.models import MODELS
 
 MODEL_JSON = "model.json"
@@ -164,6 +166,11 @@ def model_state_dict(model: Union[nn.Module, list[nn.Module]]) -> dict[str, Any]
     return state
 
 
+def base_state_dict(model: Union[nn.Module, list[nn.Module]]) -> dict[str, Any]:
+    """model_state_dict without LoRA adapters: what a base checkpoint (model.init_from) fills."""
+    return {k: v for k, v in model_state_dict(model).items() if not is_adapter_key(k)}
+
+
 @torch.no_grad()
 def load_hf_weights(model: Union[nn.Module, list[nn.Module]], directory: Path) -> None:
     """Copy a Hugging Face directory's weights into `model` (maybe sharded: FSDP/TP DTensors, pipeline
@@ -177,7 +184,7 @@ def load_hf_weights(model: Union[nn.Module, list[nn.Module]], directory: Path) -
                          f"supported yet; convert it first (`ember convert {directory} CKPT`) and use model.init_from=CKPT")
     hf = MODELS[HF_FAMILY].hf
     args = hf.args_from_hf_config(config)
-    targets = model_state_dict(model)
+    targets = base_state_dict(model)
     loaded: set[str] = set()
     for path in _hf_weight_files(directory):
         with safe_open(str(path), framework="pt", device="cpu") as f:
@@ -222,6 +229,8 @@ def source_architecture(path: Union[str, Path]) -> tuple[str, str, Any, Path]:
     path = Path(path).expanduser()
     if not path.is_dir():
         raise UserFileNotFound(f"model.init_from '{path}' does not exist; give a checkpoints/step-N, run or HF directory")
+    if is_peft_dir(path):  # an adapter: the architecture is its base's
+        return source_architecture(_peft_base(path))
     if (path / "config.json").is_file() and not (path / MODEL_JSON).is_file():
         family, config = _hf_family(path)
         try:
@@ -273,15 +282,40 @@ def load_weights(model: Union[nn.Module, list[nn.Module]], path: Union[str, Path
     path = Path(path)
     if not path.is_dir():
         raise UserFileNotFound(f"model.init_from '{path}' does not exist; give a checkpoints/step-N, run or HF directory")
+    if is_peft_dir(path):
+        _copy_whole(model, load_model(path), path)
+        return path
     if (path / "config.json").is_file() and not (path / MODEL_JSON).is_file():
         load_hf_weights(model, path)
         return path
     step_dir = path if (path / MODEL_JSON).is_file() else _newest_step_dir(path) if (path / "checkpoints").is_dir() else None
     if step_dir is None:
         raise UserFileNotFound(f"'{path}' is neither an ember checkpoint (no {MODEL_JSON}) nor a run directory")
-    state = model_state_dict(model)
+    if "lora" in _read_json(step_dir / MODEL_JSON):  # a LoRA run: its base with the adapters folded in
+        source = load_model(step_dir)
+        merge_lora(source)
+        _copy_whole(model, source, step_dir)
+        return step_dir
+    state = base_state_dict(model)
     _quiet_dcp(dcp.load, {"model": state}, checkpoint_id=str(step_dir))
     return step_dir
+
+
+@torch.no_grad()
+def _copy_whole(model: Union[nn.Module, list[nn.Module]], source: nn.Module, where: Path) -> None:
+    """Copy a whole model (read on every rank: a peft adapter or a LoRA run, merged) into `model`'s shards."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    full_state = source.state_dict()
+    for name, target in base_state_dict(model).items():
+        full = full_state.get(name)
+        if full is None or tuple(full.shape) != tuple(target.shape):
+            raise CheckpointError(f"'{where}' does not fit this run's model at {name}; match the model config to it")
+        if isinstance(target, DTensor):
+            shard = distribute_tensor(full.to(target.dtype), target.device_mesh, target.placements, src_data_rank=None)
+            target.to_local().copy_(shard.to_local())
+        else:
+            target.copy_(full)
 
 
 def save_hf(model: nn.Module, args: Any, out_dir: Union[str, Path], max_shard_bytes: int = 5 * 2**30) -> None:
@@ -352,6 +386,9 @@ def _newest_step_dir(run_dir: Path) -> Path:
 
 def _load_ember(step_dir: Path, device: Device, dtype: torch.dtype) -> nn.Module:
     family, _, args = read_model_json(step_dir / MODEL_JSON)
+    raw = _read_json(step_dir / MODEL_JSON)
+    if "lora" in raw:  # adapters only: the base they name, with them applied
+        return _load_lora_checkpoint(step_dir, raw, device, dtype)
     model = _on_meta(family, args, dtype)
     model.to_empty(device=device)
     model.tie_weights()
@@ -363,6 +400,60 @@ def _load_ember(step_dir: Path, device: Device, dtype: torch.dtype) -> nn.Module
         _quiet_dcp(dcp.load, state, checkpoint_id=str(step_dir))
     except (RuntimeError, ValueError, OSError, CheckpointException) as err:  # missing or mis-shaped tensors
         raise CheckpointError(f"'{step_dir}': its weights do not fit its {MODEL_JSON} ({first_error_line(err)})") from None
+    return model
+
+
+# ---- LoRA: adapter-only checkpoints and peft adapter directories (ember/finetune/) ---------------------
+
+
+def _load_lora_checkpoint(step_dir: Path, meta: dict[str, Any], device: Device, dtype: torch.dtype) -> nn.Module:
+    """A LoRA checkpoint: its base (meta["base"], model.init_from of the run) with the saved adapters, unmerged."""
+    base = meta.get("base")
+    if not isinstance(base, str) or not Path(base).exists():
+        raise UserFileNotFound(f"'{step_dir}' holds LoRA adapters for the base '{base}', which is gone; put the base "
+                               f"back there (or point \"base\" in its {MODEL_JSON} at it)")
+    model = load_model(base, device, dtype)
+    merge_lora(model)  # a base that is itself a LoRA run; another architecture fails the load below, naming the tensor
+    apply_lora(model, family=meta["family"], **meta["lora"])
+    for module in model.modules():
+        if isinstance(module, LoraLinear):
+            module.lora_A.to(device, dtype), module.lora_B.to(device, dtype)
+    names = trainable_names([model])
+    state = {k: v for k, v in model.state_dict().items() if k in names}
+    try:
+        _quiet_dcp(dcp.load, {"model": state}, checkpoint_id=str(step_dir))
+    except (RuntimeError, ValueError, OSError, CheckpointException) as err:
+        raise CheckpointError(f"'{step_dir}': its adapters do not fit its base '{base}' ({first_error_line(err)})") from None
+    return model
+
+
+def _adapter_tensors(step_dir: Path, meta: dict[str, Any]) -> tuple[Any, dict[str, torch.Tensor]]:
+    """(args, {name: tensor}) of a LoRA checkpoint's trainable tensors, read without loading the base."""
+    family, _, args = read_model_json(step_dir / MODEL_JSON)
+    model = _on_meta(family, args, torch.float32)
+    apply_lora(model, family=family, **meta["lora"])
+    shapes = dict(model.named_parameters(remove_duplicate=False))
+    state = {name: torch.empty(shapes[name].shape) for name in sorted(trainable_names([model]))}
+    try:
+        _quiet_dcp(dcp.load, {"model": state}, checkpoint_id=str(step_dir))
+    except (RuntimeError, ValueError, OSError, CheckpointException) as err:
+        raise CheckpointError(f"'{step_dir}': its adapters do not fit its {MODEL_JSON} ({first_error_line(err)})") from None
+    return args, state
+
+
+def _peft_base(adapter_dir: Path) -> Path:
+    return peft_base(check_adapter_config(_read_json(adapter_dir / "adapter_config.json"), adapter_dir), adapter_dir)
+
+
+def _load_peft(adapter_dir: Path, device: Device, dtype: torch.dtype) -> nn.Module:
+    """A peft adapter directory: its base (base_model_name_or_path, local) with the adapter folded in."""
+    config = _read_json(adapter_dir / "adapter_config.json")
+    model = load_model(_peft_base(adapter_dir), device, torch.float32)
+    merge_lora(model)  # a base that is itself a LoRA run
+    family = next(name for name, spec in MODELS.items() if isinstance(model, spec.model_cls))
+    merge_peft_adapter(model, family, config, adapter_dir)
+    model.to(dtype)
+    model.init_rope(torch.device(device))  # the RoPE tables stay fp32
     return model
 
 
@@ -456,6 +547,8 @@ def load_model(path: Union[str, Path], device: Device = "cpu", dtype: torch.dtyp
         model = _load_ember(path, device, dtype)
     elif (path / "checkpoints").is_dir():
         model = _load_ember(_newest_step_dir(path), device, dtype)
+    elif is_peft_dir(path):
+        model = _load_peft(path, device, dtype)
     elif (path / "config.json").is_file():
         model = _load_hf(path, device, dtype)
     else:
@@ -472,6 +565,8 @@ def detect_format(path: Path) -> str:
         return "torch"
     if (path / MODEL_JSON).is_file() or (path / "checkpoints").is_dir():
         return "ember"
+    if is_peft_dir(path):
+        return "peft"
     if (path / "config.json").is_file():
         return "hf"
     raise UserFileNotFound(f"'{path}' is not a Hugging Face directory, an ember checkpoint or a torch.save file")
@@ -502,18 +597,29 @@ def _load_torch_file(path: Path) -> nn.Module:
     return model
 
 
-def convert(src: Union[str, Path], dst: Union[str, Path], to: Optional[str] = None) -> str:
-    """Convert a model between a Hugging Face directory, an ember checkpoint and a torch.save file.
+def convert(src: Union[str, Path], dst: Union[str, Path], to: Optional[str] = None, merge: bool = False) -> str:
+    """Convert a model between a Hugging Face directory, an ember checkpoint and a torch.save file; a LoRA
+    run's adapters to a peft directory (`to="peft"`), or folded into its base (`merge`, and always for the
+    whole-model formats). A peft directory reads as its base with the adapter folded in.
     Returns the target format. The model is held in memory once; formats convert tensor by tensor."""
     src, dst = Path(src), Path(dst)
     source = detect_format(src) if src.exists() else None
     if source is None:
         raise UserFileNotFound(f"'{src}' does not exist")
-    target = to or {"hf": "ember", "ember": "hf", "torch": "ember"}[source]
-    if target not in ("hf", "ember", "torch"):
-        raise CheckpointError(f"--to {target}: choose hf, ember or torch")
+    target = to or ("hf" if merge else {"hf": "ember", "ember": "hf", "torch": "ember", "peft": "hf"}[source])
+    if target not in ("hf", "ember", "torch", "peft"):
+        raise CheckpointError(f"--to {target}: choose hf, ember, torch or peft")
     if source == target:
         raise CheckpointError(f"'{src}' is already in {target} format")
+    if target == "peft":
+        step_dir = src if (src / MODEL_JSON).is_file() else _newest_step_dir(src) if source == "ember" else None
+        meta = _read_json(step_dir / MODEL_JSON) if step_dir is not None else {}
+        if merge or "lora" not in meta:
+            raise CheckpointError(f"--to peft writes a LoRA run's adapters; '{src}' is not one (trained without "
+                                  "lora.rank)" if not merge else "--merge folds the adapters into the base: use --to hf")
+        args, state = _adapter_tensors(step_dir, meta)
+        save_peft(meta, args, state, dst)
+        return target
     if source == "torch":
         model = _load_torch_file(src)
         meta = _meta_of(model)
@@ -524,6 +630,7 @@ def convert(src: Union[str, Path], dst: Union[str, Path], to: Optional[str] = No
         if step_dir is not None:  # keep the checkpoint's own family (llama3.1, not the class's) and flavor labels
             family, flavor, _ = read_model_json(step_dir / MODEL_JSON)
             meta.update(family=family, flavor=flavor)
+        merge_lora(model)  # a LoRA run as a whole model: W + alpha/r B A
     if target == "hf":
         save_hf(model, model.args, dst)
     elif target == "torch":

@@ -9,6 +9,7 @@ ember/nn/moe.py.
 from __future__ import annotations
 
 import collections
+import functools
 import math
 import os
 import time
@@ -26,6 +27,7 @@ from ember.config import ConfigError, JobConfig
 from ember.errors import DataError
 from ember.eval.distributed import EvalRanks
 from ember.eval.tasks import run_tasks
+from ember.finetune import lora as lora_lib
 from ember.data.loader import build_loader
 from ember.data.tokenizer import build_tokenizer
 from ember.hardware import peak_flops, pick_compute_dtype, pick_device, raise_measured_peak
@@ -129,9 +131,11 @@ class Trainer:
         self.health = HealthGuard(cfg.max_skipped_steps, cfg.loss_spike_factor, self._say)
         if starts_over(cfg.resume, self.output_dir):
             archive_previous_run(self.output_dir, self._say)
-        self.checkpointer = CheckpointManager(
-            cfg.checkpoint, self.output_dir, self.model_parts, self.model, self.optimizer,
-            meta_for(cfg.model.family, self.model_choice.flavor, self.model_args), say=self._say)
+        meta = meta_for(cfg.model.family, self.model_choice.flavor, self.model_args)
+        if cfg.lora.rank:  # a LoRA checkpoint holds the adapters and their optimizer state, and names its base
+            meta.update(lora_lib.lora_meta(cfg.lora, cfg.model.init_from))
+        self.checkpointer = CheckpointManager(cfg.checkpoint, self.output_dir, self.model_parts, self.model,
+                                              self.optimizer, meta, say=self._say, adapters_only=bool(cfg.lora.rank))
         try:
             state = self.checkpointer.resume(cfg.resume)
         except CheckpointError as err:
@@ -154,6 +158,13 @@ class Trainer:
         """This rank's (stage id, module) parts, the number of pipeline stages, and the whole model on meta."""
         cfg, par = self.cfg, self.cfg.parallel
         build = lambda: self.spec.model_cls(self.model_args)  # noqa: E731
+        lora = None
+        if cfg.lora.rank:  # adapters on a frozen base, its matrices in bf16 when the compute is
+            lo = cfg.lora
+            lora = functools.partial(lora_lib.apply_lora, rank=lo.rank, alpha=lo.alpha, dropout=lo.dropout,
+                                     targets=lo.targets, train_embeddings=lo.train_embeddings,
+                                     train_norms=lo.train_norms, family=cfg.model.family,
+                                     base_dtype=torch.bfloat16 if self.compute_dtype == torch.bfloat16 else None)
         with torch.device("meta"):
             whole = build()
         if self.pp > 1:
@@ -169,7 +180,7 @@ class Trainer:
                 reduce_dtype=torch.float32 if self.fsdp_mixed else None,
                 reshard_after_forward=par.reshard_after_forward, cpu_offload=par.cpu_offload,
                 loss_parallel=loss_parallel, cp_impl=cp_impl,
-                flex_attention=cfg.data.document_mask and self.device.type == "cuda",
+                flex_attention=cfg.data.document_mask and self.device.type == "cuda", lora=lora,
             )
             # With CPU offload FSDP keeps the sharded parameters in host memory and moves them itself.
             part.to_empty(device="cpu" if par.cpu_offload else self.device)
@@ -185,6 +196,8 @@ class Trainer:
         init_weights([part for _, part in stages], build_on_meta, cfg.seed, self.device, self.mesh is not None)
         if cfg.model.init_from:
             load_weights([part for _, part in stages], cfg.model.init_from)
+        if lora is not None:
+            lora_lib.init_lora([part for _, part in stages], cfg.seed)
         return stages, num_stages, whole
 
     def _say(self, message: str) -> None:
@@ -375,6 +388,10 @@ class Trainer:
             source = self.model_choice.source
             self.console.print(f"model: initialised from {cfg.model.init_from} (architecture from {source})",
                                markup=False, highlight=False)
+        if cfg.lora.rank:
+            trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)  # this rank's shards
+            self.console.print(f"lora: rank {cfg.lora.rank}, alpha {cfg.lora.alpha:g}, targets {cfg.lora.targets}; "
+                               f"{trainable:,} trainable parameters on this rank, the base frozen", markup=False, highlight=False)
         self.console.print(f"data: {self.train_loader.describe()}", markup=False, highlight=False)
         if self.val_note:
             self.console.print(self.val_note, markup=False, highlight=False)

@@ -83,9 +83,11 @@ def parallelize(
     loss_parallel: bool = True,
     cp_impl: str = "allgather",
     flex_attention: bool = False,
+    lora: Optional[Callable[[nn.Module], Any]] = None,
 ) -> nn.Module:
     """Apply every parallelism to `model` (a Decoder or pipeline stage built on meta), in place. `mesh` is an
-    ember.parallel.mesh.ParallelMesh, or None for a single device; an axis of degree 1 is skipped."""
+    ember.parallel.mesh.ParallelMesh, or None for a single device; an axis of degree 1 is skipped.
+    `lora`: ember.finetune.lora.apply_lora with its settings bound, run right after TP (its docstring says why)."""
     sub = mesh.submesh if mesh is not None else (lambda *axes: None)
     tp_mesh, cp_mesh, ep_mesh = sub("tensor"), sub("context"), sub("expert")
     moe_layers = model.moe_layers()
@@ -98,6 +100,8 @@ def parallelize(
         # TP replaced the embedding and output weights by DTensors one by one; a tied pair becomes one
         # again (both are sharded over the vocabulary, Shard(0), so the layouts agree).
         model.tie_weights()
+    if lora is not None:
+        lora(model)
     if cp_mesh is not None:
         apply_cp(model, cp_mesh, cp_impl)
     if flex_attention:  # document masking on CUDA: one shared kernel, so layers reuse one BlockMask per batch
@@ -147,7 +151,9 @@ def init_weights(model_parts: list[nn.Module], build_full_model: Callable[[], nn
     for part in model_parts:
         part.init_rope(device)
         for name, tensor in part.state_dict().items():
-            source = full_state[name]
+            source = full_state.get(name)
+            if source is None:  # a LoRA adapter: ember.finetune.lora.init_lora fills it
+                continue
             if isinstance(tensor, DTensor):
                 shard = distribute_tensor(source, tensor.device_mesh, tensor.placements, src_data_rank=None)
                 tensor.to_local().copy_(shard.to_local())

@@ -1,0 +1,305 @@
+"""LoRA (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models"), applied from outside the model.
+
+`apply_lora` turns each target nn.Linear W (out, in) into y = W x + alpha/r * B (A dropout(x)) with
+A (r, in) and B (out, r), and freezes every other parameter. The Linear keeps its place and its parameter
+names (`layers.0.attention.wq.weight`), so base checkpoints load unchanged; the adapters are its children
+(`layers.0.attention.wq.lora_A.weight`, `...lora_B.weight`). Init as peft's: A Kaiming-uniform (a = sqrt 5,
+nn.Linear's default), B zero, so an adapted model starts with exactly the base's logits.
+
+Where it runs: in parallelize(), after tensor parallelism and before CP, activation checkpointing, compile
+and FSDP. After TP, because torch's ColwiseParallel/RowwiseParallel shard every parameter of the module they
+are given (the adapters would be split as if they were W); so here each adapter gets the layout that keeps
+B A consistent with the base's split (Megatron-LM's LoRA, NeMo): a column-parallel W (Shard(0) over out)
+gets B column-parallel (Shard(0)) and A replicated, so B A x is that rank's slice of the output like W x; a
+row-parallel W (Shard(1) over in) gets A row-parallel (Shard(1)) and B replicated, so A x is a partial sum
+that B keeps partial, and the module's output reduction (all-reduce or reduce-scatter) sums it with W x.
+Before FSDP, because fully_shard must see the adapters to manage them: frozen and trainable parameters then
+share one unit per block (FSDP2 allows it; only trainable ones get gradient reduce-scatters).
+
+The base stays frozen: requires_grad False, so no gradient and no optimizer state. With bf16 compute its
+matrices are stored in bf16 (`base_dtype`); embeddings and norms stay fp32 so that the residual stream
+keeps the precision it has in full training.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import zlib
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ember.errors import ConfigError
+
+GROUPS = {"attn": ("attention",), "mlp": ("feed_forward", "moe")}  # block children each group covers
+# Hugging Face module names users know from peft's target_modules -> ember's names inside a block.
+HF_ALIASES = {
+    "q_proj": ("attention.wq",), "k_proj": ("attention.wk",), "v_proj": ("attention.wv",), "o_proj": ("attention.wo",),
+    "gate_proj": ("feed_forward.w1",), "up_proj": ("feed_forward.w3",), "down_proj": ("feed_forward.w2",),
+    "c_attn": ("attention.wq", "attention.wk", "attention.wv"), "c_fc": ("feed_forward.w1",),
+    "c_proj": ("attention.wo", "feed_forward.w2"),
+}
+ADAPTER_MARKERS = (".lora_A.", ".lora_B.")
+
+
+class LoraLinear(nn.Linear):
+    """An nn.Linear with a low-rank update; made from an existing Linear by `apply_lora` (its class is
+    swapped in place, so the instance keeps its parameters, its name and the hooks TP put on it)."""
+
+    lora_A: nn.Linear  # (in -> r): weight (r, in)
+    lora_B: nn.Linear  # (r -> out): weight (out, r)
+    lora_dropout: nn.Module
+    scaling: float  # alpha / r
+    lora_enabled: bool
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight, self.bias)  # (..., out)
+        if not self.lora_enabled:
+            return out
+        return out + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling  # (..., in) -> (..., r) -> (..., out)
+
+
+def is_adapter_key(key: str) -> bool:
+    return any(marker in key for marker in ADAPTER_MARKERS)
+
+
+def _blocks(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    layers = getattr(model, "layers", None)
+    for index, block in (layers.items() if layers is not None else []):
+        yield f"layers.{index}", block
+
+
+def _wanted(targets: Any) -> list[str]:
+    """lora.targets as a list of entries: a group name or a module name."""
+    if isinstance(targets, str):
+        return ["attn", "mlp"] if targets == "all" else [targets]
+    if isinstance(targets, (list, tuple)) and targets and all(isinstance(t, str) for t in targets):
+        return [t for entry in targets for t in (["attn", "mlp"] if entry == "all" else [entry])]
+    raise ConfigError(f"lora.targets={targets!r}: give all, attn, mlp, a module name (wq, feed_forward.w2, "
+                      "q_proj) or a list of them")
+
+
+def _matches(entry: str, name: str) -> bool:
+    """Whether the module at `name` (inside a block, e.g. attention.wq) is what `entry` names."""
+    if entry in GROUPS:
+        return name.split(".", 1)[0] in GROUPS[entry]
+    names = HF_ALIASES.get(entry, (entry,))
+    return any(name == n or name.endswith("." + n) or name.startswith(n + ".") for n in names)
+
+
+def resolve_targets(model: nn.Module, targets: Any, rank: int, family: str = "this model") -> list[str]:
+    """The qualified names of the nn.Linear modules `targets` selects in `model`'s blocks, checked: every
+    entry matches something, no entry reaches MoE experts, and `rank` fits every selected layer. Each
+    mistake is a one-line ConfigError naming lora.targets or lora.rank."""
+    entries = _wanted(targets)
+    found: list[str] = []
+    used = {entry: False for entry in entries}
+    for prefix, block in _blocks(model):
+        for name, module in block.named_modules():
+            hits = [entry for entry in entries if name and _matches(entry, name)]
+            if hits and isinstance(module, nn.Linear):
+                found.append(f"{prefix}.{name}")
+                used.update({entry: True for entry in hits})
+        has_experts = any(name.endswith("experts") for name, _ in block.named_modules())
+        expert_hits = [e for e in entries if e in ("mlp", "w1", "w2", "w3", "feed_forward.w1", "feed_forward.w2",
+                                                   "feed_forward.w3", "gate_proj", "up_proj", "down_proj", "c_fc")]
+        if has_experts and expert_hits:
+            shown = "all" if targets == "all" else expert_hits[0]
+            raise ConfigError(f"lora.targets={shown} reaches {family}'s MoE experts, which LoRA does not adapt "
+                              "(their weights are stacked per expert, not nn.Linear); use lora.targets=attn")
+    unused = [entry for entry, hit in used.items() if not hit]
+    if unused or not found:
+        what = unused[0] if unused else targets
+        raise ConfigError(f"lora.targets entry '{what}' matches no linear layer of {family}'s blocks; choose all, "
+                          "attn, mlp or module names such as wq, wk, wv, wo, w1, w2, w3 (or q_proj, ... as in HF)")
+    for name in found:
+        out_features, in_features = _linear(model, name).weight.shape
+        if rank > min(in_features, out_features):
+            raise ConfigError(f"lora.rank={rank} exceeds {name} ({out_features} x {in_features}): a rank above "
+                              f"min(in, out) = {min(in_features, out_features)} adds nothing; lower lora.rank")
+    return found
+
+
+def _linear(model: nn.Module, name: str) -> nn.Linear:
+    return model.get_submodule(name)  # type: ignore[return-value]
+
+
+def _adapter_layouts(weight: torch.Tensor) -> Optional[tuple[list[Any], list[Any]]]:
+    """(A's placements, B's) for a tensor-parallel base weight (see the module docstring), None if plain."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if not isinstance(weight, DTensor):
+        return None
+    a_layout, b_layout = [], []
+    for placement in weight.placements:
+        if isinstance(placement, Shard) and placement.dim == 0:  # column-parallel W: split over out
+            a_layout.append(Replicate()), b_layout.append(Shard(0))
+        elif isinstance(placement, Shard) and placement.dim == 1:  # row-parallel W: split over in
+            a_layout.append(Shard(1)), b_layout.append(Replicate())
+        else:
+            a_layout.append(Replicate()), b_layout.append(Replicate())
+    return a_layout, b_layout
+
+
+def _make_adapter(in_features: int, out_features: int, like: torch.Tensor, layout: Optional[list[Any]]) -> nn.Linear:
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    device = like.to_local().device if isinstance(like, DTensor) else like.device
+    layer = nn.Linear(in_features, out_features, bias=False, device=device)
+    if layout is not None:  # values do not matter yet: init_lora fills them after to_empty
+        layer.weight = nn.Parameter(distribute_tensor(layer.weight.detach(), like.device_mesh, layout,
+                                                      src_data_rank=None))
+    return layer
+
+
+def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float = 0.0, targets: Any = "all", *,
+               train_embeddings: bool = False, train_norms: bool = False, base_dtype: Optional[torch.dtype] = None,
+               family: str = "this model") -> list[str]:
+    """Freeze `model` (a Decoder or a pipeline stage, plain or tensor-parallel, usually on meta) and add LoRA
+    adapters of rank `rank` to the Linear layers `targets` selects (resolve_targets). Returns their names.
+    train_embeddings / train_norms leave those trainable; base_dtype casts the frozen matrices (not the
+    embedding tables, whose lookups feed the residual stream)."""
+    names = resolve_targets(model, targets, rank, family)
+    for param in model.parameters():
+        param.requires_grad_(False)
+    for name in names:
+        module = _linear(model, name)
+        out_features, in_features = module.weight.shape  # global shapes, also for DTensors
+        layouts = _adapter_layouts(module.weight)
+        module.lora_A = _make_adapter(in_features, rank, module.weight, layouts and layouts[0])
+        module.lora_B = _make_adapter(rank, out_features, module.weight, layouts and layouts[1])
+        module.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        module.scaling = alpha / rank
+        module.lora_enabled = True
+        module.__class__ = LoraLinear  # in place: parameter names and TP's hooks stay (see LoraLinear)
+    embeddings = [m for m in (getattr(model, "tok_embeddings", None), getattr(model, "pos_embeddings", None)) if m is not None]
+    trainable: list[nn.Module] = [m for m in model.modules() if isinstance(m, LoraLinear)]
+    trainable = [adapter for m in trainable for adapter in (m.lora_A, m.lora_B)]
+    if train_embeddings:
+        trainable += embeddings + [m for m in (getattr(model, "output", None),) if m is not None]
+    if train_norms:
+        trainable += [m for m in model.modules() if _is_norm(m)]
+    for module in trainable:
+        for param in module.parameters(recurse=False):
+            param.requires_grad_(True)
+    if base_dtype is not None:
+        tables = {id(p) for m in embeddings for p in m.parameters()}
+        for module in model.modules():
+            for pname, param in list(module.named_parameters(recurse=False)):
+                if not param.requires_grad and param.ndim >= 2 and id(param) not in tables and param.dtype != base_dtype:
+                    setattr(module, pname, nn.Parameter(param.detach().to(base_dtype), requires_grad=False))
+    return names
+
+
+def _is_norm(module: nn.Module) -> bool:
+    from ember.nn.decoder import RMSNorm
+
+    return isinstance(module, (RMSNorm, nn.LayerNorm))
+
+
+def _seed_for(seed: int, name: str) -> int:
+    # One generator per adapter, seeded by the run's seed and the module's name: the same values whatever
+    # the layout (a pipeline stage or tensor rank initialises only its own adapters, in any order).
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+
+
+@torch.no_grad()
+def init_lora(model_parts: Sequence[nn.Module], seed: int) -> None:
+    """A Kaiming-uniform (a = sqrt 5, as peft), B zero, into this rank's shards (plain tensors or DTensors)."""
+    for part in model_parts:
+        for name, module in part.named_modules():
+            if isinstance(module, LoraLinear):
+                a = torch.empty(module.lora_A.weight.shape)
+                nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=torch.Generator().manual_seed(_seed_for(seed, name)))
+                _fill(module.lora_A.weight, a)
+                _fill(module.lora_B.weight, torch.zeros(module.lora_B.weight.shape))
+
+
+def _fill(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy a full tensor into a parameter, keeping only this rank's shard of a DTensor."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(param, DTensor):
+        local = param.to_local()
+        shard = distribute_tensor(full.to(local.device, local.dtype), param.device_mesh, param.placements,
+                                  src_data_rank=None)
+        local.copy_(shard.to_local())
+    else:
+        param.copy_(full)
+
+
+@contextlib.contextmanager
+def lora_disabled(model: Union[nn.Module, Sequence[nn.Module]]) -> Iterator[None]:
+    """Run `model` as its base: every adapter is skipped inside the block (DPO's reference model is the base
+    with adapters off, so no second copy of the model is needed)."""
+    parts = model if isinstance(model, (list, tuple)) else [model]
+    modules = [m for part in parts for m in part.modules() if isinstance(m, LoraLinear)]
+    previous = [m.lora_enabled for m in modules]
+    for m in modules:
+        m.lora_enabled = False
+    try:
+        yield
+    finally:
+        for m, enabled in zip(modules, previous):
+            m.lora_enabled = enabled
+
+
+@torch.no_grad()
+def merge_lora(model: nn.Module) -> int:
+    """Fold every adapter into its base weight (W + alpha/r B A, computed in fp32) and turn the module back
+    into a plain nn.Linear. Plain (unsharded) tensors only. Returns the number of layers merged."""
+    merged = 0
+    for module in list(model.modules()):
+        if isinstance(module, LoraLinear):
+            delta = module.lora_B.weight.float() @ module.lora_A.weight.float() * module.scaling  # (out, in)
+            module.weight.copy_((module.weight.float() + delta).to(module.weight.dtype))
+            for child in ("lora_A", "lora_B", "lora_dropout"):
+                delattr(module, child)
+            module.__class__ = nn.Linear
+            merged += 1
+    return merged
+
+
+def trainable_names(model_parts: Sequence[nn.Module]) -> set[str]:
+    """State-dict names of the trainable parameters (a tied matrix under both of its names)."""
+    return {name for part in model_parts for name, p in part.named_parameters(remove_duplicate=False) if p.requires_grad}
+
+
+def trainable_state_dict(model_parts: Sequence[nn.Module]) -> dict[str, Any]:
+    """What a LoRA checkpoint holds of the model: the adapters (and embeddings / norms if trained)."""
+    names = trainable_names(model_parts)
+    state: dict[str, Any] = {}
+    for part in model_parts:
+        state.update({k: v for k, v in part.state_dict().items() if k in names})
+    return state
+
+
+# ---- config and checkpoint metadata -------------------------------------------------------------------
+
+
+def check_lora(cfg: Any, family: str, args: Any, init_from: Optional[str]) -> None:
+    """Config-time checks of a LoraConfig section with rank > 0 (targets are resolved on a meta model)."""
+    from ember.models import MODELS
+
+    if not (cfg.alpha > 0 and math.isfinite(cfg.alpha)):
+        raise ConfigError(f"lora.alpha must be a positive number, got {cfg.alpha}")
+    if not 0 <= cfg.dropout < 1:
+        raise ConfigError(f"lora.dropout must be in [0, 1), got {cfg.dropout}")
+    if not init_from:
+        raise ConfigError("lora.rank > 0 adapts a trained base: set model.init_from to it (an HF directory, an "
+                          "ember checkpoint or run, or a peft adapter directory)")
+    with torch.device("meta"):
+        model = MODELS[family].model_cls(args)
+    resolve_targets(model, cfg.targets, cfg.rank, family)
+
+
+def lora_meta(cfg: Any, init_from: str) -> dict[str, Any]:
+    """What a LoRA checkpoint's model.json adds: the adapter settings and the base they sit on."""
+    settings = {"rank": cfg.rank, "alpha": float(cfg.alpha), "dropout": float(cfg.dropout),
+                "targets": list(cfg.targets) if isinstance(cfg.targets, (list, tuple)) else cfg.targets,
+                "train_embeddings": bool(cfg.train_embeddings), "train_norms": bool(cfg.train_norms)}
+    return {"lora": settings, "base": str(Path(init_from).expanduser().resolve())}
