@@ -67,7 +67,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     or (B, T, D // 2) when every sequence has its own positions. Rotated in fp32, like Meta's reference."""
     if cos.dim() == 2:
         cos, sin = cos[None], sin[None]  # (1, T, D/2): the same positions for every sequence
-    cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # (1 or B, T, 1, D/2)
+    # fp32 tables even where FSDP's mixed precision cast them with the block's inputs to bf16 (CPU has no
+    # bf16 complex kernels, and the rotation is meant to run in fp32).
+    cos, sin = cos.float()[:, :, None, :], sin.float()[:, :, None, :]  # (1 or B, T, 1, D/2)
     if torch.compiler.is_compiling():
         # Compiled: the pairwise form, which inductor fuses into the neighbouring element-wise ops
         # (complex tensors it leaves to eager kernels, breaking that fusion).

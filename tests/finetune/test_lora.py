@@ -177,6 +177,8 @@ def test_fsdp_and_tensor_parallel_lora_losses_equal_one_process(base, tmp_path):
         "tensor=2": ["micro_batch_size=4", "ici_mesh.tensor=2"],
         "tensor=2 compiled": ["micro_batch_size=4", "ici_mesh.tensor=2", "compile=true"],
         "pipeline=2": ["micro_batch_size=4", "ici_mesh.pipeline=2", "parallel.pp_schedule=gpipe"],
+        # bf16: the frozen matrices stored in bf16 beside fp32 adapters in one FSDP unit, bf16 all-gathers
+        "fsdp=2 bf16": ["micro_batch_size=4", "precision=bf16"],
     }
     results = _run_layouts(tmp_path, 2, cases, common)
     assert set(results) == set(cases)
@@ -184,8 +186,9 @@ def test_fsdp_and_tensor_parallel_lora_losses_equal_one_process(base, tmp_path):
     ref_norm = [reference[s][1] for s in sorted(reference)]
     assert abs(ref_loss[0] - ref_loss[-1]) > 1e-3  # the adapters move, so agreement is not trivial
     for name, got in results.items():
-        assert got["loss"] == pytest.approx(ref_loss, rel=1e-5), name
-        assert got["grad_norm"] == pytest.approx(ref_norm, rel=1e-4), name
+        rel = 2e-2 if "bf16" in name else 1e-5  # bf16: 8 bits of mantissa in the base and the matmuls
+        assert got["loss"] == pytest.approx(ref_loss, rel=rel), name
+        assert got["grad_norm"] == pytest.approx(ref_norm, rel=rel * 10), name
     # The adapters saved from shards load on one process as the single run's.
     tokens = _tokens()
     with torch.no_grad():
