@@ -200,8 +200,21 @@ class LoraConfig:
 
 
 @dataclass
+class DPOConfig:
+    """Preference pairs for task=dpo (ember/finetune/dpo.py): rows {prompt, chosen, rejected} in data.dataset."""
+
+    beta: float = 0.1  # the strength of the pull toward the reference (DPO's beta)
+    prompt_field: str = "prompt"  # text, or a list of messages rendered with data.chat_template
+    chosen_field: str = "chosen"  # the preferred response: text (or messages ending with the assistant's)
+    rejected_field: str = "rejected"
+
+
+@dataclass
 class JobConfig:
     seed: int = 0
+    # lm: next-token loss (pretraining, SFT); dpo: preference pairs (dpo.* keys), the reference being the starting
+    # model (with LoRA: the base with adapters off)
+    task: str = "lm"
     max_steps: int = 200
     logging_steps: int = 10
     global_batch_size: int = 16
@@ -227,6 +240,7 @@ class JobConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
 
 
 PRECISIONS = ("auto", "fp32", "bf16")
@@ -431,6 +445,28 @@ def _check_output_dir(output_dir: str) -> None:
         raise ConfigError(f"output_dir={output_dir}: {existing} is not writable; choose another output_dir")
 
 
+TASKS = ("lm", "dpo")
+
+
+def _check_dpo(cfg: JobConfig) -> None:
+    if cfg.task not in TASKS:
+        raise ConfigError(f"task '{cfg.task}' is not one of {', '.join(TASKS)}")
+    if cfg.task != "dpo":
+        return
+    if not (cfg.dpo.beta > 0 and math.isfinite(cfg.dpo.beta)):
+        raise ConfigError(f"dpo.beta must be a positive number, got {cfg.dpo.beta}")
+    if cfg.data.dataset in ("embedded", "synthetic") or cfg.data.mixture or cfg.data.streaming:
+        raise ConfigError("task=dpo reads preference pairs from data.dataset (a jsonl of {prompt, chosen, rejected} "
+                          "rows or a hub dataset), not the embedded corpus, synthetic data, a mixture or a stream")
+    if cfg.data.prompt_field or getattr(cfg.data, "messages_field", None):
+        raise ConfigError("task=dpo names its fields with dpo.prompt_field / dpo.chosen_field / dpo.rejected_field; "
+                          "drop data.prompt_field and data.messages_field")
+    for axis in ("pipeline", "context"):
+        if getattr(cfg.ici_mesh, axis) * getattr(cfg.dcn_mesh, axis) != 1:
+            raise ConfigError(f"task=dpo scores whole sequences per rank; {axis} parallelism splits them: set "
+                              f"ici_mesh.{axis}=1 and dcn_mesh.{axis}=1 (data, fsdp, tensor and expert work)")
+
+
 def validate(cfg: JobConfig, world_size: int = 1) -> None:
     """Cross-field checks that no type system catches; each names the keys to change."""
     # local imports: config must stay importable on its own (and fast, without torch)
@@ -483,6 +519,7 @@ def validate(cfg: JobConfig, world_size: int = 1) -> None:
     if cfg.data.prompt_field and cfg.data.streaming:
         raise ConfigError("data.prompt_field (SFT) reads whole files; set data.streaming=false")
     _check_chat_data(cfg)
+    _check_dpo(cfg)
     if cfg.data.mixture and cfg.data.dataset == "synthetic":
         raise ConfigError("data.mixture and data.dataset=synthetic exclude each other; drop one of them")
     shape = mesh_shape(cfg, world_size)

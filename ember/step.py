@@ -46,10 +46,12 @@ class ForwardBackward:
 
     def __init__(self, model: nn.Module, mesh: Optional[ParallelMesh], device: torch.device, *,
                  autocast_dtype: Optional[torch.dtype], loss_parallel: bool, cp_impl: str,
-                 eos_id: Optional[int] = None):
+                 eos_id: Optional[int] = None, dpo: Any = None):
         """autocast_dtype: None for no autocast (fp32, or FSDP's mixed precision casting instead);
-        eos_id: set for document masking (attention within packed documents, positions restart)."""
-        self.model, self.mesh, self.device = model, mesh, device
+        eos_id: set for document masking (attention within packed documents, positions restart);
+        dpo: an ember.finetune.dpo.DPOObjective for task=dpo: micro-batches are preference pairs and the loss is
+        the mean DPO loss over the global batch's pairs instead of the mean token loss."""
+        self.model, self.mesh, self.device, self.dpo = model, mesh, device, dpo
         self.autocast_dtype, self.loss_parallel, self.cp_impl, self.eos_id = autocast_dtype, loss_parallel, cp_impl, eos_id
         degree = (lambda axis: mesh.shape.degree(axis)) if mesh is not None else (lambda axis: 1)
         self.tp, self.pp, self.cp = degree("tensor"), degree("pipeline"), degree("context")
@@ -74,7 +76,10 @@ class ForwardBackward:
     def global_token_count(self, micro_batches: list[Batch]) -> int:
         """Target tokens in the global batch: each replica's count, summed over the data-parallel ranks
         (the tensor, pipeline and context ranks of a replica hold the same labels, so they divide out)."""
-        local = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in micro_batches)
+        if self.dpo is not None:  # preference pairs: a micro-batch of B pairs is 2B rows
+            local = sum(inputs.shape[0] // 2 for inputs, _ in micro_batches)
+        else:
+            local = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in micro_batches)
         total = self.all_sum(torch.tensor(float(local), device=self.device))
         return round(float(total) / (self.tp * self.pp * self.cp))
 
@@ -83,11 +88,14 @@ class ForwardBackward:
         gradients accumulate in the parameters. Every rank gets the same number."""
         scale = 1.0 / max(self.global_token_count(micro_batches), 1)
         loss_total = torch.zeros((), device=self.device)
+        self._dpo_stats = torch.zeros(5, device=self.device)
         for inputs, labels in micro_batches:
             if self.schedule is not None:
                 loss_total += self._pipeline_loss_sum(inputs, labels, scale, backward)
             else:
                 loss_total += self._loss_sum(inputs, labels, scale, backward)
+        if self.dpo is not None and backward:  # the training steps' pair statistics, for the metrics line
+            self.dpo.record(self.all_sum(self._dpo_stats) / self.tp)
         # Every rank's share summed; tensor-parallel ranks each hold the whole replica's loss.
         return float(self.all_sum(loss_total) / self.tp)
 
@@ -126,7 +134,12 @@ class ForwardBackward:
         with ring, self._loss_context():
             with self._autocast():
                 logits = self.model(inputs, positions, document_ids)  # (B, T, V)
-            loss = token_loss_sum(logits, labels) * scale
+            if self.dpo is not None:
+                loss, stats = self.dpo.loss_sum(logits, inputs, labels, positions, document_ids, self._autocast)
+                loss = loss * scale
+                self._dpo_stats += stats
+            else:
+                loss = token_loss_sum(logits, labels) * scale
             if backward:
                 loss.backward()  # MoE router losses join in their layers (ember.nn.moe.attach_router_loss)
         return loss.full_tensor().detach() if _is_dtensor(loss) else loss.detach()

@@ -27,6 +27,7 @@ from ember.config import ConfigError, JobConfig
 from ember.errors import DataError
 from ember.eval.distributed import EvalRanks
 from ember.eval.tasks import run_tasks
+from ember.finetune import dpo as dpo_lib
 from ember.finetune import lora as lora_lib
 from ember.data.loader import build_loader
 from ember.data.tokenizer import build_tokenizer
@@ -89,7 +90,8 @@ class Trainer:
         # FSDP's mixed precision (bf16 compute, fp32 gradient reduction) replaces autocast where FSDP runs.
         self.fsdp_mixed = (self.mesh is not None and self.shape.grad_sync > 1 and cfg.parallel.mixed_precision
                            and self.compute_dtype != torch.float32)
-        loss_parallel = self.tp > 1 and cfg.parallel.loss_parallel and self.pp == 1
+        # DPO sums each row's log-probabilities, from whole logits.
+        loss_parallel = self.tp > 1 and cfg.parallel.loss_parallel and self.pp == 1 and cfg.task != "dpo"
         stages, num_stages, whole = self._build_model(cp_impl, loss_parallel)
         self.model_parts: list[nn.Module] = [part for _, part in stages]
         # One module for the optimizer, clipping and `model.train()`: the model, or this rank's stages.
@@ -106,7 +108,8 @@ class Trainer:
         eos_id = self.tokenizer.eos_id if cfg.data.document_mask else None
         autocast = None if self.compute_dtype == torch.float32 or self.fsdp_mixed else self.compute_dtype
         self.forward_backward = ForwardBackward(self.model, self.mesh, self.device, autocast_dtype=autocast,
-                                                loss_parallel=loss_parallel, cp_impl=cp_impl, eos_id=eos_id)
+                                                loss_parallel=loss_parallel, cp_impl=cp_impl, eos_id=eos_id,
+                                                dpo=self._dpo_objective(cp_impl, loss_parallel))
         self.pp_microbatches = 1  # forwards of each layer per micro-batch
         if self.pp > 1:
             pp_mb = cfg.parallel.pp_microbatches
@@ -118,10 +121,11 @@ class Trainer:
         # 5. Data, read by this rank's data-parallel coordinate.
         loader_kwargs = dict(seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size, dp_rank=self.dp_rank,
                              dp_world=self.dp_world, seed=cfg.seed, vocab_size=self.model_args.vocab_size)
-        self.train_loader = build_loader(cfg.data, self.tokenizer, split="train", **loader_kwargs)
+        make_loader = build_loader if cfg.task == "lm" else functools.partial(dpo_lib.build_pair_loader, dpo_cfg=cfg.dpo)
+        self.train_loader = make_loader(cfg.data, self.tokenizer, split="train", **loader_kwargs)
         self.val_loader, self.val_note = None, None
         try:
-            self.val_loader = build_loader(cfg.data, self.tokenizer, split="val", **loader_kwargs)
+            self.val_loader = make_loader(cfg.data, self.tokenizer, split="val", **loader_kwargs)
         except DataError as err:  # a held-out split too small for one batch: train without validation
             self.val_note = f"no validation: {err}"
 
@@ -200,6 +204,23 @@ class Trainer:
             lora_lib.init_lora([part for _, part in stages], cfg.seed)
         return stages, num_stages, whole
 
+    def _dpo_objective(self, cp_impl: str, loss_parallel: bool) -> Optional[dpo_lib.DPOObjective]:
+        """task=dpo's loss, with the frozen starting model as its reference: under LoRA the policy with its adapters
+        off (no second model in memory); otherwise a second copy of the starting weights, built and sharded as
+        the policy is (its init and model.init_from, never the resumed checkpoint)."""
+        if self.cfg.task != "dpo":
+            return None
+        if self.cfg.lora.rank:
+            model = self.model
+
+            def reference(*inputs: Any) -> Any:
+                with lora_lib.lora_disabled(model):
+                    return model(*inputs)
+        else:
+            stages, _, _ = self._build_model(cp_impl, loss_parallel)
+            reference = stages[0][1].requires_grad_(False).eval()
+        return dpo_lib.DPOObjective(self.cfg.dpo.beta, reference)
+
     def _say(self, message: str) -> None:
         if self.is_main:
             self.console.print(message, markup=False, highlight=False)
@@ -263,7 +284,7 @@ class Trainer:
         logger = MetricsLogger(self.output_dir, cfg.metrics, enabled=self.is_main, console=self.console,
                                start_step=self.step)
         self._print_header()
-        tokens_per_step = cfg.global_batch_size * cfg.seq_len
+        tokens_per_step = cfg.global_batch_size * cfg.seq_len * (2 if cfg.task == "dpo" else 1)  # DPO: pairs of rows
         recent: collections.deque = collections.deque(maxlen=cfg.logging_steps)  # (step, loss) of the last good steps
         window = {"time": 0.0, "steps": 0, "loss": 0.0, "data": 0.0}
         first: Optional[tuple[int, float]] = None  # (step, loss) of this run's first good step
@@ -366,6 +387,8 @@ class Trainer:
         if self.n_experts:  # MoE: router losses, and the load of every expert of every layer over the window
             record.update(moe_lib.collect_moe_metrics(self.model_parts, self.model_args.n_layers, self.n_experts,
                                                       self.forward_backward.all_sum, self.device))
+        if self.forward_backward.dpo is not None:  # reward margin, accuracy, rewards over the window's pairs
+            record.update(self.forward_backward.dpo.pop_metrics())
         for source, count in (self.train_loader.mixture_counts() or {}).items():
             record[f"mix/{source}"] = count  # samples drawn from each mixture source so far
         return record

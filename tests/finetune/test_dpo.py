@@ -1,0 +1,159 @@
+"""DPO (task=dpo): the loss equals the paper's formula computed here by hand, pair rows mask exactly the prompt and
+the padding, a run starts at log 2 (policy = reference) and learns to prefer the chosen responses, alone, on LoRA
+(reference = adapters off), on two FSDP ranks (equal losses) and across a resume (bit-exact)."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ember.constants import IGNORE_INDEX
+from ember.finetune.dpo import dpo_loss, encode_pairs, sequence_logprobs
+
+WORDS = "import os sys def main self return None if x for in range print class".split()
+
+
+class WordTokenizer:
+    """A fixed id per word of a small vocabulary (EOS is 1)."""
+    eos_id = 1
+    ids = {word: 2 + i for i, word in enumerate("a b c d e f p q r s t".split())}
+
+    def encode(self, text: str) -> list[int]:
+        return [self.ids[word] for word in text.split()]
+
+
+def test_dpo_loss_equals_the_formula():
+    beta = 0.5
+    pc, pr, rc, rr = torch.tensor([-3.0, -1.0]), torch.tensor([-4.0, -0.5]), torch.tensor([-3.5, -1.0]), torch.tensor([-3.0, -1.5])
+    loss, chosen, rejected = dpo_loss(pc, pr, rc, rr, beta)
+    for i in range(2):
+        z = beta * ((float(pc[i]) - float(rc[i])) - (float(pr[i]) - float(rr[i])))
+        assert float(loss[i]) == pytest.approx(math.log(1 + math.exp(-z)), rel=1e-6)  # -log sigmoid(z)
+        assert float(chosen[i]) == pytest.approx(beta * (float(pc[i]) - float(rc[i])))
+        assert float(rejected[i]) == pytest.approx(beta * (float(pr[i]) - float(rr[i])))
+    same = dpo_loss(pc, pr, pc, pr, beta)[0]  # policy = reference: log 2 whatever the log-probs
+    assert torch.allclose(same, torch.full((2,), math.log(2)))
+
+
+def test_sequence_logprobs_sum_the_targets_only_whole_or_chunked():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 7)
+    labels = torch.tensor([[3, IGNORE_INDEX, 1, 6, IGNORE_INDEX], [IGNORE_INDEX, IGNORE_INDEX, 0, 0, 2]])
+    expected = torch.zeros(2)
+    for b in range(2):
+        for t in range(5):
+            if labels[b, t] != IGNORE_INDEX:
+                expected[b] += torch.log_softmax(logits[b, t], -1)[labels[b, t]]
+    assert torch.allclose(sequence_logprobs(logits, labels), expected, atol=1e-6)
+    assert torch.allclose(sequence_logprobs(list(logits.tensor_split(2, dim=1)), labels), expected, atol=1e-6)
+
+
+def test_pair_rows_train_the_response_and_its_eos_only():
+    tok = WordTokenizer()
+    rows = [{"prompt": "a b c", "chosen": " d e", "rejected": " f"},
+            {"prompt": "p " * 10, "chosen": " q r s", "rejected": " t"}]  # the second prompt is cut from the left
+    samples = encode_pairs(rows, tok, seq_len=7, prompt_field="prompt", chosen_field="chosen", rejected_field="rejected")
+    a, b, c, d, e, f = (tok.ids[w] for w in "abcdef")
+    assert samples.chosen[0].tolist() == [a, b, c, d, e, 1, 1, 1]  # + EOS, then EOS padding
+    assert samples.chosen_mask[0].tolist() == [0, 0, 0, 1, 1, 1, 0, 0]
+    assert samples.rejected[0].tolist() == [a, b, c, f, 1, 1, 1, 1]
+    assert samples.rejected_mask[0].tolist() == [0, 0, 0, 1, 1, 0, 0, 0]
+    p, q, r, s = (tok.ids[w] for w in "pqrs")
+    assert samples.chosen[1].tolist() == [p, p, p, p, q, r, s, 1] and samples.chosen_mask[1].sum() == 4
+    rows_, mask = samples.get(torch.tensor([1, 0]).numpy())  # chosen rows of the asked pairs, then their rejected
+    assert rows_.shape == (4, 8) and rows_[0].tolist() == samples.chosen[1].tolist()
+    assert rows_[3].tolist() == samples.rejected[0].tolist() and mask[3].tolist() == [0, 0, 0, 1, 1, 0, 0, 0]
+
+
+def _ember(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ember", *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Prompts of random code words; the chosen answer is always ' return None', the rejected two random words."""
+    path = tmp_path_factory.mktemp("dpo") / "pairs.jsonl"
+    rng = random.Random(0)
+    with path.open("w") as f:
+        for _ in range(80):
+            prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12)))
+            f.write(json.dumps({"prompt": prompt, "chosen": " return None",
+                                "rejected": " " + " ".join(rng.choice(WORDS) for _ in range(2))}) + "\n")
+    return path
+
+
+TINY = ["model.n_layers=1", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "seq_len=32",
+        "global_batch_size=8", "micro_batch_size=4", "logging_steps=1", "metrics.console=false", "data.val_fraction=0.1",
+        "eval_batches=1"]
+
+
+def _records(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_dpo_run_starts_at_log2_and_learns_the_preference(pairs: Path, tmp_path: Path):
+    run = tmp_path / "run"
+    proc = _ember("train", "debug", "task=dpo", f"data.dataset={pairs}", *TINY, "max_steps=20", "optim.lr=2e-3",
+                  f"output_dir={run}")
+    assert proc.returncode == 0, proc.stderr
+    steps = [r for r in _records(run) if "loss" in r and "dpo/accuracy" in r]
+    assert steps[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)  # the policy is the reference at step 1
+    assert steps[0]["dpo/reward_margin"] == pytest.approx(0, abs=1e-6)
+    assert steps[-1]["dpo/accuracy"] == 1.0 and steps[-1]["dpo/reward_margin"] > 1.0
+    assert steps[-1]["loss"] < 0.3 and steps[-1]["dpo/chosen_reward"] > steps[-1]["dpo/rejected_reward"]
+
+
+def test_dpo_on_lora_uses_the_base_as_its_reference(pairs: Path, tmp_path: Path):
+    base = tmp_path / "base"
+    proc = _ember("train", "debug", *TINY, "max_steps=2", f"output_dir={base}")
+    assert proc.returncode == 0, proc.stderr
+    run = tmp_path / "lora"
+    proc = _ember("train", "debug", "task=dpo", f"data.dataset={pairs}", *TINY, "max_steps=20", "optim.lr=1e-2",
+                  "lora.rank=4", f"model.init_from={base}", f"output_dir={run}")
+    assert proc.returncode == 0, proc.stderr
+    steps = [r for r in _records(run) if "dpo/accuracy" in r]
+    assert steps[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)  # B = 0: adapters on equals adapters off
+    assert steps[-1]["loss"] < steps[0]["loss"] - 0.2 and steps[-1]["dpo/reward_margin"] > 0
+
+
+def test_dpo_on_fsdp_and_tensor_ranks_equals_one_process_and_resumes_exactly(pairs: Path, tmp_path: Path):
+    common = ["task=dpo", f"data.dataset={pairs}", *TINY, "optim.lr=2e-3", "checkpoint.interval=4"]
+    one, two, resumed = tmp_path / "one", tmp_path / "two", tmp_path / "resumed"
+    assert _ember("train", "debug", *common, "max_steps=8", f"output_dir={one}").returncode == 0
+    proc = _ember("train", "--nproc-per-node", "2", "debug", *common, "max_steps=8", "micro_batch_size=2",
+                  "ici_mesh.fsdp=2", f"output_dir={two}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    losses = lambda run: [r["loss"] for r in _records(run) if "dpo/accuracy" in r]  # noqa: E731
+    assert losses(two) == pytest.approx(losses(one), abs=1e-5)
+    tensor = tmp_path / "tensor"
+    proc = _ember("train", "--nproc-per-node", "2", "debug", *common, "max_steps=8", "ici_mesh.tensor=2",
+                  f"output_dir={tensor}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert losses(tensor) == pytest.approx(losses(one), abs=1e-5)
+    assert _ember("train", "debug", *common, "max_steps=4", f"output_dir={resumed}").returncode == 0
+    assert _ember("train", "debug", *common, "max_steps=8", f"output_dir={resumed}").returncode == 0
+    assert losses(resumed) == losses(one)  # bit for bit: the data position, and the reference rebuilt from the start
+
+
+def test_dpo_mistakes_are_one_line(pairs: Path, tmp_path: Path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "a", "chosen": " b"}) + "\n")
+    for args, message in [([f"data.dataset={bad}"], "has no 'rejected' field (DPO rows need prompt, chosen, rejected)"),
+                          ([], "task=dpo reads preference pairs from data.dataset"),
+                          ([f"data.dataset={pairs}", "dpo.beta=0"], "dpo.beta must be a positive number"),
+                          ([f"data.dataset={pairs}", "task=ppo"], "task 'ppo' is not one of lm, dpo")]:
+        proc = _ember("train", "debug", "task=dpo", *args, *TINY, "max_steps=1", f"output_dir={tmp_path / 'x'}")
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr, (args, proc.stderr)
+    from ember import config as config_lib
+    from ember.config import ConfigError
+
+    with pytest.raises(ConfigError, match="task=dpo scores whole sequences per rank; pipeline parallelism"):
+        config_lib.load("debug", ["task=dpo", f"data.dataset={pairs}", "ici_mesh.pipeline=2", "micro_batch_size=8"],
+                        world_size=2)
