@@ -157,3 +157,38 @@ def test_dpo_mistakes_are_one_line(pairs: Path, tmp_path: Path):
     with pytest.raises(ConfigError, match="task=dpo scores whole sequences per rank; pipeline parallelism"):
         config_lib.load("debug", ["task=dpo", f"data.dataset={pairs}", "ici_mesh.pipeline=2", "micro_batch_size=8"],
                         world_size=2)
+
+
+def test_chat_prompts_render_with_the_template_and_train_the_reply_through_its_end_of_turn(tmp_path: Path):
+    """A messages prompt: the chosen row's ids equal transformers' apply_chat_template of the conversation with
+    the reply, and the mask covers exactly the reply's tokens after the generation prompt (through <|eot_id|>)."""
+    import tokenizers
+    from tokenizers import models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from ember.data import chat
+    from ember.data.tokenizer import load_tokenizer
+
+    specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+    words = "system user assistant you add numbers what is 2 plus 3 ? 5 . 6 four".split()
+    tok = tokenizers.Tokenizer(models.WordLevel({w: i for i, w in enumerate(specials + words + ["[UNK]"])},
+                                                unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(specials)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>", "chat_template": chat.BUILTIN_TEMPLATES["llama3"]}))
+    prompt = [{"role": "system", "content": "you add numbers"}, {"role": "user", "content": "what is 2 plus 3 ?"}]
+    rows = [{"prompt": prompt, "chosen": "5 .", "rejected": "6 ."}]
+    ember_tok = load_tokenizer(str(tmp_path))
+    samples = encode_pairs(rows, ember_tok, 48, "prompt", "chosen", "rejected", chat.load_template(None, ember_tok))
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"), bos_token="<|begin_of_text|>",
+                                 eos_token="<|end_of_text|>")
+    hf.chat_template = chat.BUILTIN_TEMPLATES["llama3"]
+    for key, reply in (("chosen", "5 ."), ("rejected", "6 .")):
+        whole = list(hf.apply_chat_template(prompt + [{"role": "assistant", "content": reply}], tokenize=True,
+                                            return_dict=False))
+        head = list(hf.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True, return_dict=False))
+        ids, mask = getattr(samples, key)[0], getattr(samples, f"{key}_mask")[0]
+        assert ids[:len(whole)].tolist() == whole and whole[-1] == hf.convert_tokens_to_ids("<|eot_id|>")
+        assert mask.tolist() == [0] * len(head) + [1] * (len(whole) - len(head)) + [0] * (49 - len(whole))
