@@ -401,3 +401,21 @@ def test_chat_sft_run_lowers_assistant_loss(tmp_path: Path):
     # The loss is over assistant tokens only; it starts near uniform over the model's vocabulary.
     assert summary["first_loss"] == pytest.approx(math.log(512), abs=1.0)
     assert summary["final_loss_avg"] < 2.0  # from ~6.2 nats
+
+
+def test_lora_chat_sft_lowers_assistant_loss_with_the_base_frozen(tmp_path: Path):
+    """Issue 15's LoRA SFT: adapters on a frozen base (a 2-step run of the same shape), trained on conversations."""
+    from ember.train import Trainer
+
+    folder = _write_tokenizer(tmp_path / "tok", LLAMA3)
+    common = ["metrics.console=false", "model.n_layers=2", "model.vocab_size=512", "seq_len=64", "global_batch_size=8",
+              "micro_batch_size=8", "logging_steps=5", f"data.dataset={_chat_file(tmp_path, 200)}",
+              "data.messages_field=messages", f"data.tokenizer={folder}", "data.document_mask=true", "eval_batches=1"]
+    Trainer(config_lib.load("debug", common + [f"output_dir={tmp_path / 'base'}", "max_steps=2"])).train()
+    trainer = Trainer(config_lib.load("debug", common + [
+        f"output_dir={tmp_path / 'lora'}", "max_steps=30", "optim.lr=1e-2", "schedule.warmup_steps=3",
+        f"model.init_from={tmp_path / 'base'}", "lora.rank=8", "lora.alpha=16"]))
+    frozen = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if not p.requires_grad}
+    summary = trainer.train()
+    assert summary["final_loss_avg"] < summary["first_loss"] - 1.0
+    assert frozen and all(torch.equal(p, frozen[n]) for n, p in trainer.model.named_parameters() if n in frozen)
