@@ -210,6 +210,15 @@ class DPOConfig:
 
 
 @dataclass
+class ProfileConfig:
+    """torch.profiler traces of chosen steps (ember/profiling.py) into OUTPUT_DIR/profile/."""
+
+    enabled: bool = False
+    step: int = 3  # the first traced step (1-based, as logged); the first steps compile and warm up
+    steps: int = 2  # how many steps are traced
+
+
+@dataclass
 class JobConfig:
     seed: int = 0
     # lm: next-token loss (pretraining, SFT); dpo: preference pairs (dpo.* keys), the reference being the starting
@@ -241,6 +250,7 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
 
 PRECISIONS = ("auto", "fp32", "bf16")
@@ -348,22 +358,34 @@ def _reject_env_interpolation(node: Any, origin: str) -> None:
 
 
 # Keys users may write that are Python keywords, so the dataclass field has another name.
-ALIASES = {"checkpoint.async": "checkpoint.async_save"}
+# Other names users bring: `async` is a Python keyword; profile_step / profile_duration are torchprime's
+# (profile_duration counts steps here). Giving profile_step turns profiling on, as it does there.
+ALIASES = {"checkpoint.async": "checkpoint.async_save", "profile_step": "profile.step",
+           "profile_duration": "profile.steps"}
+IMPLIED = {"profile_step": ("profile.enabled", "true")}
 
 
 def _alias_overrides(overrides: list[str]) -> list[str]:
     out = []
     for item in overrides:
         key, sep, value = item.partition("=")
+        if key in IMPLIED:
+            out.append("=".join(IMPLIED[key]))
         out.append(f"{ALIASES.get(key, key)}{sep}{value}")
     return out
 
 
 def _alias_recipe(data: dict) -> dict:
-    for dotted, target in ALIASES.items():
-        section, key = dotted.split(".")
-        if isinstance(data.get(section), dict) and key in data[section]:
-            data[section][target.split(".")[1]] = data[section].pop(key)
+    for alias, target in ALIASES.items():
+        *section, key = alias.split(".")
+        holder = data.get(section[0]) if section else data
+        if isinstance(holder, dict) and key in holder:
+            value = holder.pop(key)
+            *target_section, target_key = target.split(".")
+            data.setdefault(target_section[0], {})[target_key] = value
+            if alias in IMPLIED:
+                implied_section, implied_key = IMPLIED[alias][0].split(".")
+                data.setdefault(implied_section, {})[implied_key] = True
     return data
 
 
@@ -520,6 +542,9 @@ def validate(cfg: JobConfig, world_size: int = 1) -> None:
         raise ConfigError("data.prompt_field (SFT) reads whole files; set data.streaming=false")
     _check_chat_data(cfg)
     _check_dpo(cfg)
+    if cfg.profile.step < 1 or cfg.profile.steps < 1:
+        raise ConfigError(f"profile.step={cfg.profile.step} and profile.steps={cfg.profile.steps} must be >= 1 (the "
+                          "first traced step, as logged, and how many)")
     if cfg.data.mixture and cfg.data.dataset == "synthetic":
         raise ConfigError("data.mixture and data.dataset=synthetic exclude each other; drop one of them")
     shape = mesh_shape(cfg, world_size)

@@ -23,6 +23,7 @@ from ember.nn.loss import cross_entropy_sum
 from ember.parallel import cp as cp_lib
 from ember.parallel import pp as pp_lib
 from ember.parallel.mesh import ParallelMesh
+from ember.profiling import phase
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, labels), each (B, T)
 
@@ -132,7 +133,7 @@ class ForwardBackward:
                 ring = cp_lib.ring_context(self.mesh.submesh("context"), [inputs, labels, positions], [1, 1, 0],
                                            {inputs, labels})
         with ring, self._loss_context():
-            with self._autocast():
+            with self._autocast(), phase("forward"):
                 logits = self.model(inputs, positions, document_ids)  # (B, T, V)
             if self.dpo is not None:
                 loss, stats = self.dpo.loss_sum(logits, inputs, labels, positions, document_ids, self._autocast)
@@ -141,7 +142,8 @@ class ForwardBackward:
             else:
                 loss = token_loss_sum(logits, labels) * scale
             if backward:
-                loss.backward()  # MoE router losses join in their layers (ember.nn.moe.attach_router_loss)
+                with phase("backward"):
+                    loss.backward()  # MoE router losses join in their layers (ember.nn.moe.attach_router_loss)
         return loss.full_tensor().detach() if _is_dtensor(loss) else loss.detach()
 
     def _pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -155,7 +157,8 @@ class ForwardBackward:
         args = (inputs.to(self.device),) if self.has_first_stage else ()
         losses: list[torch.Tensor] = []
         step = self.schedule.step if backward else self.schedule.eval
-        step(*args, target=labels.to(self.device), losses=losses)
+        with phase("pipeline_step"):  # forward and backward interleaved by the schedule
+            step(*args, target=labels.to(self.device), losses=losses)
         if self.has_last_stage and losses:
             return torch.stack([loss.detach() for loss in losses]).sum()
         return torch.zeros((), device=self.device)

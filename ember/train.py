@@ -28,6 +28,7 @@ from ember.errors import DataError
 from ember.eval.distributed import EvalRanks
 from ember.eval.tasks import run_tasks
 from ember.finetune import dpo as dpo_lib
+from ember.profiling import StepProfiler, phase
 from ember.finetune import lora as lora_lib
 from ember.data.loader import build_loader
 from ember.data.tokenizer import build_tokenizer
@@ -243,13 +244,14 @@ class Trainer:
         loss = self.forward_backward.run(micro_batches, backward=True)
         for part in self.model_parts:
             moe_lib.end_moe_step(part, len(micro_batches) * self.pp_microbatches)
-        grad_norm = float(clip_grad_norm_(self.model.parameters(), self.cfg.optim.max_grad_norm,
-                                          pp_mesh=self.mesh.submesh("pipeline") if self.mesh else None))
-        # Both are global, so every rank takes the same decision: a non-finite step changes no weight.
-        self.last_step_skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
-        if not self.last_step_skipped:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        with phase("optimizer"):
+            grad_norm = float(clip_grad_norm_(self.model.parameters(), self.cfg.optim.max_grad_norm,
+                                              pp_mesh=self.mesh.submesh("pipeline") if self.mesh else None))
+            # Both are global, so every rank takes the same decision: a non-finite step changes no weight.
+            self.last_step_skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
+            if not self.last_step_skipped:
+                self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
         return loss, grad_norm
 
@@ -294,17 +296,23 @@ class Trainer:
             self._say(f"already at step {self.step} of max_steps={cfg.max_steps}: nothing to train "
                       "(raise max_steps to continue, or resume=none to start over)")
         stopped = False
+        # The main rank prints the summary; every rank writes its trace.
+        profiler = StepProfiler(cfg.profile.enabled, cfg.profile.step, cfg.profile.steps, self.output_dir, self.rank,
+                                self.device, self._say)
         with progress, StopSignals(self.device, self.mesh is not None, self._say) as signals:
             task = progress.add_task("train", total=cfg.max_steps, loss="-", completed=self.step)
             while self.step < cfg.max_steps:
-                t0 = time.perf_counter()
-                micro_batches = next(batches)
-                data_wait = time.perf_counter() - t0  # time the step waited for the loader
-                lr = self.optimizer.param_groups[0]["lr"]
-                loss, grad_norm = self.train_step(micro_batches)
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize()
-                step_time = time.perf_counter() - t0
+                profiler.start_step(self.step + 1)
+                with profiler.step_range(self.step + 1):
+                    t0 = time.perf_counter()
+                    with phase("data_wait"):
+                        micro_batches = next(batches)
+                    data_wait = time.perf_counter() - t0  # time the step waited for the loader
+                    lr = self.optimizer.param_groups[0]["lr"]
+                    loss, grad_norm = self.train_step(micro_batches)
+                    if self.device.type == "cuda":
+                        torch.cuda.synchronize()
+                    step_time = time.perf_counter() - t0
                 self.step += 1
                 progress.update(task, advance=1, **({} if self.last_step_skipped else {"loss": f"{loss:.3f}"}))
                 if self.last_step_skipped:
@@ -333,7 +341,9 @@ class Trainer:
                     stopped = True
                     break
                 if self.checkpointer.due(self.step) and self.step < cfg.max_steps:
-                    self.checkpointer.save(self.step, self.train_state())
+                    with phase("checkpoint"):
+                        self.checkpointer.save(self.step, self.train_state())
+        profiler.finish(self.step)
 
         val_loss = None if stopped else self.evaluate()
         tasks = {} if stopped else self.eval_tasks()

@@ -1,0 +1,83 @@
+"""Profiling: the traces of the asked steps exist on every rank, parse, hold ember's phase ranges, and do not
+change the run's numbers; the summary's shares and exposed communication are computed from the trace."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ember.profiling import category, exposed_time
+
+TINY = ["model.n_layers=1", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "seq_len=32",
+        "global_batch_size=4", "max_steps=6", "logging_steps=1", "eval_batches=1", "checkpoint.interval=4"]
+
+
+def _ember(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ember", "train", "debug", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def _losses(run: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()
+            if "loss" in json.loads(line)]
+
+
+def _range_names(trace: Path) -> set[str]:
+    events = json.loads(trace.read_text())["traceEvents"]
+    return {e["name"] for e in events if e.get("name", "").startswith("ember/")}
+
+
+def test_exposed_time_and_categories():
+    # communication [0, 10) and [20, 30); computation [5, 12) and [18, 22): exposed [0, 5) and [22, 30)
+    assert exposed_time([(0, 10), (20, 30)], [(5, 12), (18, 22)]) == pytest.approx(13)
+    assert exposed_time([(0, 10)], [(0, 4), (2, 6)]) == pytest.approx(4)  # overlapping computation counted once
+    assert exposed_time([(0, 10)], []) == 10 and exposed_time([], [(0, 1)]) == 0
+    assert [category(n) for n in ("aten::mm", "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
+                                  "c10d::allreduce_", "ncclDevKernel_AllGather_RING_LL", "aten::mul_")] == \
+        ["matmul", "attention", "communication", "communication", "other"]
+
+
+def test_traced_steps_hold_the_phases_and_leave_the_numbers_alone(tmp_path: Path):
+    plain, traced = tmp_path / "plain", tmp_path / "traced"
+    assert _ember(*TINY, "micro_batch_size=4", "metrics.console=false", f"output_dir={plain}").returncode == 0
+    proc = _ember(*TINY, "micro_batch_size=2", "profile_step=3", "profile_duration=2", f"output_dir={traced}")
+    assert proc.returncode == 0, proc.stderr
+    trace = traced / "profile" / "rank0.step3-4.pt.trace.json"
+    assert sorted(p.name for p in (traced / "profile").iterdir()) == [trace.name]
+    names = _range_names(trace)
+    assert {"ember/step 3", "ember/step 4"} <= names and "ember/step 5" not in names and "ember/step 2" not in names
+    assert {"ember/data_wait", "ember/forward", "ember/backward", "ember/optimizer", "ember/checkpoint"} <= names
+    assert "profile of steps 3-4: matmul" in proc.stdout and "aten::mm" in proc.stdout
+    # micro-batches of 2 (accumulated twice) against 4: the loss of a global batch is the same to rounding
+    assert _losses(traced) == pytest.approx(_losses(plain), rel=1e-5)
+    again = tmp_path / "again"
+    assert _ember(*TINY, "micro_batch_size=2", "metrics.console=false", f"output_dir={again}").returncode == 0
+    assert _losses(again) == _losses(traced)  # bit for bit: profiling changes nothing
+
+
+def test_every_rank_writes_its_trace_and_communication_is_counted(tmp_path: Path):
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "ember", "train", "--nproc-per-node", "2", "debug", *TINY,
+                           "micro_batch_size=2", "ici_mesh.fsdp=2", "profile.enabled=true", "profile.step=2",
+                           "profile.steps=1", f"output_dir={run}"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for rank in (0, 1):
+        assert "ember/step 2" in _range_names(run / "profile" / f"rank{rank}.step2-2.pt.trace.json")
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("profile of steps 2-2"))
+    communication_ms = float(line.split("; communication ")[1].split(" ms")[0])
+    exposed_ms = float(line.split("exposed ")[1].split(" ms")[0])
+    assert communication_ms > 0 and 0 < exposed_ms <= communication_ms + 1e-6
+
+
+def test_profile_keys_are_checked():
+    from ember import config as config_lib
+    from ember.config import ConfigError
+
+    with pytest.raises(ConfigError, match="profile.step=0 and profile.steps=2 must be >= 1"):
+        config_lib.load("debug", ["profile.step=0"])
+    assert config_lib.load("debug", ["profile_step=7", "profile_duration=3"]).profile.__dict__ == \
+        {"enabled": True, "step": 7, "steps": 3}
