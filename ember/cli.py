@@ -12,6 +12,8 @@
     ember eval PATH TASK[=DATA] ... [key=value ...]   ppl, lambada, boolq, choice (see `ember eval --help`)
     ember generate PATH --prompt TEXT [--max-new-tokens N --temperature T --top-k K --top-p P --stop S --json]
                                              continue prompts with a trained model (KV-cache decoding)
+    ember report RUN [RUN ...] [--output FILE.html] [--png DIR]
+                                             an HTML page and PNGs of a run's curves, or of runs compared
 
 User errors (a bad key, value, path or combination) print one line on stderr and exit with 2.
 """
@@ -465,8 +467,34 @@ def cmd_eval(argv: list[str]) -> int:
     return _as_rank(lambda: run_eval(argv), int(os.environ.get("WORLD_SIZE", 1)))
 
 
+def cmd_report(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="ember report", description="An HTML page (self-contained: open it anywhere) and PNGs of a run's curves "
+        "and summary; of several runs, the curves overlaid and the config keys that differ. A run still training, "
+        "or killed and resumed, is read as it is (the last record of each step).")
+    parser.add_argument("runs", nargs="+", metavar="RUN", help="an `ember train` output_dir")
+    parser.add_argument("--output", metavar="FILE.html", default=None,
+                        help="the page (default: RUN/report.html for one run, ./report.html for several)")
+    parser.add_argument("--png", metavar="DIR", default=None,
+                        help="where the figures go as PNGs (default: the page's path without .html, e.g. RUN/report/)")
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:
+        return 0 if exit_.code == 0 else EXIT_USAGE
+    from ember.report import build_report
+
+    try:
+        report = build_report(args.runs, args.output, args.png)
+    except EmberError as err:
+        return _fail(_one_line(err))
+    for note in report.missing + [f"{run.name}: {note}" for run in report.runs for note in run.notes]:
+        print(f"note: {note}")
+    print(f"wrote {report.html} and {len(report.plots)} figures in {report.png_dir}/")
+    return 0
+
+
 COMMANDS = {"train": cmd_train, "recipes": cmd_recipes, "data": cmd_data, "convert": cmd_convert,
-            "generate": cmd_generate, "eval": cmd_eval}
+            "generate": cmd_generate, "eval": cmd_eval, "report": cmd_report}
 
 
 def main(argv: Optional[list[str]] = None) -> int:

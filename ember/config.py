@@ -175,6 +175,16 @@ class MetricsConfig:
     jsonl: bool = True
     tensorboard: bool = True
     peak_tflops: Optional[float] = None  # per-device peak, for devices missing from ember.hardware
+    # Experiment trackers (ember/trackers.py; rank 0 only). Unset keys fall back to wandb's/MLflow's own
+    # environment variables (WANDB_PROJECT, WANDB_ENTITY, ..., MLFLOW_TRACKING_URI); API keys only ever there.
+    wandb: bool = False  # log every metrics.jsonl record and the resolved config to Weights & Biases
+    wandb_project: Optional[str] = None  # default: $WANDB_PROJECT, else "ember"
+    wandb_entity: Optional[str] = None
+    wandb_name: Optional[str] = None  # default: $WANDB_NAME, else the output_dir's name
+    wandb_tags: list[str] = field(default_factory=list)
+    wandb_group: Optional[str] = None
+    mlflow: bool = False  # log params (the config), metrics and config.yaml to MLflow
+    mlflow_experiment: Optional[str] = None  # default: $MLFLOW_EXPERIMENT_NAME, else "ember"
 
 
 @dataclass
@@ -452,6 +462,16 @@ def _check_chat_data(cfg: JobConfig) -> None:
                           "have none: set data.packing=true")
 
 
+def _check_trackers(metrics: MetricsConfig) -> None:
+    """metrics.wandb / metrics.mlflow need their package: said now, not after the model is built."""
+    import importlib.util
+
+    for key, package in (("wandb", "wandb"), ("mlflow", "mlflow")):
+        if getattr(metrics, key) and importlib.util.find_spec(package) is None:
+            raise ConfigError(f"metrics.{key}=true needs the {package} package: pip install '.[{key}]' (or "
+                              f"pip install {package}), or set metrics.{key}=false")
+
+
 def _check_output_dir(output_dir: str) -> None:
     """output_dir must be a directory ember can create and write in: found now, not after the model is built."""
     path = Path(output_dir).expanduser()
@@ -542,6 +562,7 @@ def validate(cfg: JobConfig, world_size: int = 1) -> None:
         raise ConfigError("data.prompt_field (SFT) reads whole files; set data.streaming=false")
     _check_chat_data(cfg)
     _check_dpo(cfg)
+    _check_trackers(cfg.metrics)
     if cfg.profile.step < 1 or cfg.profile.steps < 1:
         raise ConfigError(f"profile.step={cfg.profile.step} and profile.steps={cfg.profile.steps} must be >= 1 (the "
                           "first traced step, as logged, and how many)")
@@ -675,6 +696,17 @@ def grad_accum_steps(cfg: JobConfig, dp_world: int) -> int:
 
 def to_yaml(cfg: JobConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def dotted_keys(node: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A config as read from config.yaml -> {"optim.lr": 0.002, ...}: the names overrides use."""
+    flat: dict[str, Any] = {}
+    for key, value in node.items():
+        if isinstance(value, dict) and value:
+            flat.update(dotted_keys(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 def save(cfg: JobConfig, path: Path) -> None:

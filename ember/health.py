@@ -33,9 +33,9 @@ class HealthGuard:
         self.skipped_in_a_row, self.skipped_total = state["skipped_in_a_row"], state["skipped_total"]
         self.loss_mean = state["loss_mean"]
 
-    def skipped(self, step: int, loss: float, grad_norm: float, save: Callable[[], None]) -> None:
+    def skipped(self, step: int, loss: float, grad_norm: float, save: Callable[[], None]) -> dict[str, Any]:
         """A step whose loss or grad norm was not finite changed no weight; too many in a row save the last
-        good weights (`save`) and stop the run."""
+        good weights (`save`) and stop the run. Returns the step's metrics record (`ember report` marks it)."""
         self.skipped_in_a_row += 1
         self.skipped_total += 1
         self.say(f"warning: step {step} skipped: loss {loss}, grad norm {grad_norm} "
@@ -47,6 +47,7 @@ class HealthGuard:
                 f"{self.max_skipped_steps}); the last good weights are in checkpoints/step-{step}. "
                 "Lower optim.lr, raise schedule.warmup_steps or check the data, then resume"
             )
+        return {"step": step, "skipped_step": 1, "skipped_loss": loss, "skipped_grad_norm": grad_norm}
 
     def good_step(self, step: int, loss: float, data_position: dict[str, Any]) -> Optional[dict[str, Any]]:
         """A good step: update the running mean; a loss over loss_spike_factor x the mean is reported and

@@ -130,19 +130,29 @@ class MetricsLogger:
     """
 
     def __init__(self, output_dir: Path, cfg: Any, enabled: bool = True, console: Optional[Console] = None,
-                 start_step: int = 0):
+                 start_step: int = 0, run_info: Optional[dict[str, Any]] = None):
         """start_step: the step the run starts after (a resumed run's checkpoint step). Records of later steps,
         logged by a run that crashed after its last checkpoint, are dropped: those steps are trained again,
-        so the file stays one series of one run."""
+        so the file stays one series of one run.
+        run_info: facts of the run that no record holds (device, mesh, world_size, params), for OUTPUT_DIR/run.json
+        (`ember report` reads it) and the trackers, which start here (ember.trackers: metrics.wandb, metrics.mlflow)."""
         self.enabled = enabled
         self.print_to_console = enabled and cfg.console
         self.console = console if console is not None else Console()
         self._jsonl = None
         self._tb = None
+        self._trackers = None
         if not enabled:
             return
         output_dir = Path(output_dir)
         output_dir.mkdir(parents=True, exist_ok=True)
+        if run_info is not None:
+            run_info = _run_info(run_info)
+            (output_dir / "run.json").write_text(json.dumps(run_info, indent=2) + "\n", encoding="utf-8")
+        if getattr(cfg, "wandb", False) or getattr(cfg, "mlflow", False):
+            from ember.trackers import Trackers  # wandb and mlflow take seconds to import: only when asked for
+
+            self._trackers = Trackers(cfg, output_dir, run_info)
         if cfg.jsonl:
             path = output_dir / "metrics.jsonl"
             _drop_records_after(path, start_step)
@@ -163,6 +173,8 @@ class MetricsLogger:
                 value = _json_value(value)
                 if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):  # None skipped
                     self._tb.add_scalar(key, value, step)
+        if self._trackers is not None:
+            self._trackers.log(step, values)
         if self.print_to_console:
             # soft_wrap: one line even when it is wider than the console (a pipe counts as 80 columns).
             self.console.print(format_line(step, values), markup=False, highlight=False, soft_wrap=True)
@@ -174,12 +186,28 @@ class MetricsLogger:
         if self._tb is not None:
             self._tb.close()  # flushes the events written since the last periodic flush
             self._tb = None
+        if self._trackers is not None:
+            self._trackers.close()
+            self._trackers = None
 
     def __enter__(self) -> "MetricsLogger":
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _run_info(info: dict[str, Any]) -> dict[str, Any]:
+    """run.json's content: a torch.device becomes its type and the hardware's name (GPU model, CPU model)."""
+    info = dict(info)
+    device = info.get("device")
+    if isinstance(device, torch.device):
+        from ember.hardware import cpu_model
+
+        info["device"] = device.type
+        info["device_name"] = torch.cuda.get_device_name(device) if device.type == "cuda" else (
+            cpu_model() if device.type == "cpu" else device.type)
+    return info
 
 
 def _drop_records_after(path: Path, step: int) -> None:

@@ -284,7 +284,8 @@ class Trainer:
         if self.is_main:
             config_lib.save(cfg, self.output_dir / "config.yaml")
         logger = MetricsLogger(self.output_dir, cfg.metrics, enabled=self.is_main, console=self.console,
-                               start_step=self.step)
+                               start_step=self.step, run_info={"device": self.device, "mesh": self.shape.describe(),
+                                                               "world_size": self.world_size, "params": self.num_params})
         self._print_header()
         tokens_per_step = cfg.global_batch_size * cfg.seq_len * (2 if cfg.task == "dpo" else 1)  # DPO: pairs of rows
         recent: collections.deque = collections.deque(maxlen=cfg.logging_steps)  # (step, loss) of the last good steps
@@ -316,7 +317,7 @@ class Trainer:
                 self.step += 1
                 progress.update(task, advance=1, **({} if self.last_step_skipped else {"loss": f"{loss:.3f}"}))
                 if self.last_step_skipped:
-                    self.health.skipped(self.step, loss, grad_norm, self._save_now)
+                    logger.log(self.step, self.health.skipped(self.step, loss, grad_norm, self._save_now))
                     continue
                 spike = self.health.good_step(self.step, loss, self.train_loader.state_dict())
                 if spike is not None:
@@ -376,6 +377,7 @@ class Trainer:
             last = f"step {hi}" if lo == hi else f"mean of steps {lo}-{hi}"
             self.console.print(f"done: {self.step} steps, loss {first[1]:.3f} (step {first[0]}) -> "
                                f"{summary['final_loss_avg']:.3f} ({last}){val}; model saved to {step_dir}")
+            self.console.print(f"see the run: ember report {self.output_dir}", markup=False, highlight=False)
         return summary
 
     def _save_now(self) -> None:

@@ -1,0 +1,169 @@
+"""`ember report` on real runs: every figure is there, the plotted series are metrics.jsonl's values, runs
+compare by their differing config keys, a resumed run shows each step once, bad input is said in one line."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import statistics
+from pathlib import Path
+
+import pytest
+from matplotlib.image import imread
+
+from ember.cli import main
+from ember.report import build_report
+
+FIGURES = {"loss_steps", "loss_tokens", "lr", "grad_norm", "throughput", "memory", "data_wait"}
+
+
+def _embedded(html: str) -> dict:
+    match = re.search(r'<script type="application/json" id="ember-report-data">(.*?)</script>', html, re.S)
+    return json.loads(match.group(1).replace("<\\/", "</"))
+
+
+def _column(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+    rows = [r for r in rows if r.get(key) is not None]
+    return [r["step"] for r in rows], [r[key] for r in rows]
+
+
+def test_report_of_a_real_run(tiny_run: tuple[Path, str], tmp_path: Path, records):
+    run, printed = tiny_run
+    assert f"see the run: ember report {run}" in printed  # `ember train` ends with the command
+    report = build_report([run], tmp_path / "r.html", tmp_path / "png")
+    plots = {plot.name: plot for plot in report.plots}
+    assert set(plots) == FIGURES and report.missing == [] and report.runs[0].notes == []
+    for name in FIGURES:  # the PNGs decode, 800 x 450 each
+        assert imread(tmp_path / "png" / f"{name}.png").shape[:2] == (450, 800)
+    rows = records(run)
+    train_rows = [r for r in rows if "loss" in r]
+    series = {name: plot.series["tiny"] for name, plot in plots.items()}
+    steps, loss = _column(rows, "loss")
+    assert steps == list(range(2, 21, 2))
+    assert series["loss_steps"]["train loss"] == {"x": steps, "y": loss}
+    assert series["loss_tokens"]["train loss"] == {"x": [r["tokens_seen"] for r in train_rows], "y": loss}
+    assert series["loss_steps"]["val loss"] == dict(zip(("x", "y"), _column(rows, "val_loss")))
+    assert series["loss_steps"]["val loss"]["x"] == [10, 20]
+    assert series["loss_tokens"]["val loss"]["x"] == [640, 1280]  # 2 x 32 tokens per step
+    for name, keys in {"lr": ["lr"], "grad_norm": ["grad_norm"], "throughput": ["tokens_per_s", "mfu"],
+                       "memory": ["memory_gb"], "data_wait": ["data_wait_frac"]}.items():
+        for key in keys:
+            assert series[name][key] == dict(zip(("x", "y"), _column(rows, key))), key
+    smoothed = series["loss_steps"]["train loss (smoothed)"]["y"]
+    assert smoothed[0] == pytest.approx(loss[0]) and smoothed[1] == pytest.approx((0.8 * 0.2 * loss[0] + 0.2 * loss[1]) / 0.36)
+
+    summary = report.runs[0].summary()
+    assert summary["steps"] == 20 and summary["tokens"] == 1280 and summary["checkpoints"] == [10, 20]
+    assert summary["final_loss"] == train_rows[-1]["loss_avg"]
+    assert summary["best_val_loss"] == min(series["loss_steps"]["val loss"]["y"])
+    assert summary["median_tokens_per_s"] == statistics.median(r["tokens_per_s"] for r in train_rows)
+    assert summary["median_mfu"] == statistics.median(r["mfu"] for r in train_rows)
+    assert summary["train_time_s"] == pytest.approx(sum(2 * r["step_time_s"] for r in train_rows))
+    assert summary["mesh"] == "single device" and summary["device"]  # run.json: the CPU's model name
+
+    html = (tmp_path / "r.html").read_text()
+    assert all(f'id="fig-{name}"' in html for name in FIGURES)
+    assert html.count('src="data:image/png;base64,') == len(FIGURES)
+    assert not re.search(r'(src|href)="(https?:)?//', html)  # nothing fetched from a network
+    data = _embedded(html)
+    assert data["figures"] == {name: plot.series for name, plot in plots.items()}
+    assert data["summary"]["tiny"]["steps"] == 20
+
+
+def test_cli_defaults_and_help(tiny_run: tuple[Path, str], tmp_path: Path, capsys: pytest.CaptureFixture):
+    run = tmp_path / "copy"
+    shutil.copytree(tiny_run[0], run)
+    assert main(["report", str(run)]) == 0
+    assert (run / "report.html").is_file() and {p.stem for p in (run / "report").glob("*.png")} == FIGURES
+    assert f"wrote {run / 'report.html'}" in capsys.readouterr().out
+    assert main(["report", "--help"]) == 0 and "--png DIR" in capsys.readouterr().out
+
+
+def test_two_runs_overlaid_with_exactly_the_differing_keys(tiny_run: tuple[Path, str], tmp_path: Path, train, records):
+    other = tmp_path / "other"
+    train(other, "max_steps=6", "optim.lr=0.001", "seed=3")
+    report = build_report([tiny_run[0], other], tmp_path / "cmp.html")
+    assert report.png_dir == tmp_path / "cmp"
+    data = _embedded((tmp_path / "cmp.html").read_text())
+    assert data["config_differences"] == {  # output_dir aside, which every run has its own
+        "max_steps": [20, 6], "optim.lr": [0.002, 0.001], "seed": [0, 3], "eval_interval": [10, 0],
+        "checkpoint.interval": [10, 50], "checkpoint.keep": [0, 3]}
+    html = (tmp_path / "cmp.html").read_text()
+    assert "<h2>Config differences</h2>" in html and "<td>optim.lr</td><td>0.002</td><td>0.001</td>" in html
+    loss = {p.name: p for p in report.plots}["loss_steps"].series
+    assert set(loss) == {"tiny", "other"}
+    assert loss["other"]["train loss"] == dict(zip(("x", "y"), _column(records(other), "loss")))
+
+
+def test_moe_run_has_the_expert_load_heat_map(tmp_path: Path, train, records):
+    run = tmp_path / "moe"
+    train(run, "model.family=mixtral", "model.n_layers=2", "max_steps=4")
+    report = build_report([run])
+    plots = {plot.name: plot for plot in report.plots}
+    assert imread(run / "report" / "moe_load.png").shape[:2] == (450, 800)
+    rows = [r for r in records(run) if "loss" in r]
+    for layer in (0, 1):
+        summed = [sum(r[f"moe/layer{layer}/tokens_per_expert"][e] for r in rows) for e in range(8)]
+        assert plots["moe_load"].series["moe"][f"layer{layer}"] == {"x": list(range(8)), "y": summed}
+        # each step routes every token of the batch to top_k=2 experts: 2 x 64 x 2 steps per window
+        assert sum(summed) == 2 * 64 * 4
+
+
+def test_killed_and_resumed_run_shows_each_step_once(tiny_run: tuple[Path, str], tmp_path: Path, train):
+    run = tmp_path / "resumed"
+    shutil.copytree(tiny_run[0], run)
+    shutil.rmtree(run / "checkpoints" / "step-20")  # killed after step 20's record, before its checkpoint
+    train(run, "max_steps=20", "eval_interval=10", "checkpoint.interval=10", "checkpoint.keep=0")  # 11..20 again
+    report = build_report([run])
+    loss = {p.name: p for p in report.plots}["loss_steps"].series["resumed"]["train loss"]
+    assert loss["x"] == list(range(2, 21, 2))
+    # A file that logged the replayed steps again (the last record of a step wins, wherever it is)
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 4, "loss": 1.5, "loss_avg": 1.5, "tokens_seen": 256}) + "\n")
+    report = build_report([run])
+    loss = {p.name: p for p in report.plots}["loss_steps"].series["resumed"]["train loss"]
+    assert loss["x"] == list(range(2, 21, 2)) and loss["y"][1] == 1.5
+
+
+def test_spikes_and_skipped_steps_are_marked(tmp_path: Path):
+    run = tmp_path / "marks"
+    run.mkdir()
+    rows = [{"step": s, "loss": 5.0, "loss_avg": 5.0, "tokens_seen": 10 * s} for s in range(1, 11)]
+    rows += [{"step": 6, "loss_spike": 30.0, "loss_mean": 5.0, "data_position": {"epoch": 0, "cursor": 12}},
+             {"step": 8, "skipped_step": 1, "skipped_loss": None, "skipped_grad_norm": None}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    report = build_report([run])
+    series = {p.name: p for p in report.plots}["loss_tokens"].series["marks"]
+    assert series["loss spike"] == {"x": [60.0], "y": [30.0]} and series["skipped step"]["x"] == [80.0]
+    assert report.runs[0].summary()["skipped_steps"] == 1 and report.runs[0].summary()["loss_spikes"] == 1
+    assert any("no config.yaml" in note for note in report.runs[0].notes)
+
+
+def test_bad_input_is_one_line_or_said_in_the_report(tiny_run: tuple[Path, str], tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "notes.txt").write_text("not a run")
+    for path, message in ((empty, "is not an ember run: it has neither metrics.jsonl nor config.yaml"),
+                          (tmp_path / "missing", "no run directory at")):
+        assert main(["report", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+    # A run that has not logged yet: a page that says so
+    starting = tmp_path / "starting"
+    starting.mkdir()
+    shutil.copy(tiny_run[0] / "config.yaml", starting / "config.yaml")
+    assert main(["report", str(starting)]) == 0
+    assert "no metrics.jsonl yet" in (starting / "report.html").read_text()
+    # A run killed mid-write: the cut last line is skipped and named
+    cut = tmp_path / "cut"
+    shutil.copytree(tiny_run[0], cut)
+    text = (cut / "metrics.jsonl").read_text()
+    (cut / "metrics.jsonl").write_text(text + '{"step": 22, "loss": 9.1, "lr')
+    assert main(["report", str(cut)]) == 0
+    assert "its last line is not a whole record" in capsys.readouterr().out
+    report = build_report([cut])
+    assert report.runs[0].summary()["steps"] == 20
+    assert "its last line is not a whole record" in (cut / "report.html").read_text()
+    assert main(["report", str(cut), "--output", str(tmp_path / "page.txt")]) == 2
