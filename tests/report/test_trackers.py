@@ -14,7 +14,9 @@ import yaml
 
 from ember import config as config_lib
 from ember.cli import main
+from ember.config import MetricsConfig
 from ember.errors import ConfigError
+from ember.metrics import MetricsLogger
 from ember.trackers import scalars
 
 SECRETS = {"WANDB_API_KEY": "fake-wandb-key-0123456789abcdef0123456789abcdef", "HF_TOKEN": "hf_fakeTokenThatMustNotLeak42"}
@@ -54,6 +56,8 @@ def test_wandb_offline_and_mlflow_sqlite_round_trips(tmp_path: Path, monkeypatch
     for name, value in SECRETS.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_PROJECT", "from-env")  # no metrics.wandb_project: wandb's own variable counts
+    monkeypatch.delenv("WANDB_NAME", raising=False)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     run = tmp_path / "tracked"
     train(run, "max_steps=6", "eval_interval=4", "metrics.wandb=true", "metrics.mlflow=true",
@@ -73,7 +77,7 @@ def test_wandb_offline_and_mlflow_sqlite_round_trips(tmp_path: Path, monkeypatch
         elif kind == "run":
             run_record = record.run
     assert logged == expected and sorted(logged) == [2, 4, 6]
-    assert run_record.project == "ember" and run_record.display_name == "tracked"
+    assert run_record.project == "from-env" and run_record.display_name == "tracked"  # the output_dir's name
     assert list(run_record.tags) == ["tiny", "test"] and run_record.run_group == "report-tests"
     wandb_config = {item.key: json.loads(item.value_json) for item in run_record.config.update}
     assert {k: wandb_config[k] for k in config} == config
@@ -100,6 +104,14 @@ def test_wandb_offline_and_mlflow_sqlite_round_trips(tmp_path: Path, monkeypatch
             data = path.read_bytes()
             for name, value in SECRETS.items():
                 assert value.encode() not in data, f"{name} found in {path}"
+
+
+def test_only_rank_0_starts_trackers(tmp_path: Path):
+    logger = MetricsLogger(tmp_path / "rank1", MetricsConfig(wandb=True, mlflow=True), enabled=False,
+                           run_info={"device": "cpu"})
+    logger.log(1, {"loss": 1.0})
+    logger.close()
+    assert logger._trackers is None and not (tmp_path / "rank1").exists()
 
 
 def test_scalars_expand_lists_and_drop_the_rest():
