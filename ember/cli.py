@@ -12,6 +12,9 @@
     ember eval PATH TASK[=DATA] ... [key=value ...]   ppl, lambada, boolq, choice (see `ember eval --help`)
     ember generate PATH --prompt TEXT [--max-new-tokens N --temperature T --top-k K --top-p P --stop S --json]
                                              continue prompts with a trained model (KV-cache decoding)
+    ember launch local|slurm|k8s RECIPE [key=value ...] --nodes N --nproc-per-node G ...
+                                             the same job on this machine, a SLURM cluster (sbatch script, requeue
+                                             on preemption) or Kubernetes (a PyTorchJob manifest); see --help
     ember report RUN [RUN ...] [--output FILE.html] [--png DIR]
                                              an HTML page and PNGs of a run's curves, or of runs compared
 
@@ -493,7 +496,21 @@ def cmd_report(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "recipes": cmd_recipes, "data": cmd_data, "convert": cmd_convert,
+def cmd_launch(argv: list[str]) -> int:
+    if argv and argv[0] == "local":  # the built-in launcher above, listed with the others so that all look alike
+        rest = argv[1:]
+        if _wants_help(rest):
+            print(TRAIN_USAGE.replace("ember train", "ember launch local"))
+            return 0
+        if not any(arg.split("=")[0] in LAUNCH_FLAGS for arg in rest):
+            rest = ["--nproc-per-node", "1", *rest]
+        return cmd_train(rest)
+    from ember.launch.cli import main as launch_main
+
+    return launch_main(argv)
+
+
+COMMANDS = {"launch": cmd_launch, "train": cmd_train, "recipes": cmd_recipes, "data": cmd_data, "convert": cmd_convert,
             "generate": cmd_generate, "eval": cmd_eval, "report": cmd_report}
 
 

@@ -1,0 +1,192 @@
+"""`ember launch local|slurm|k8s|status|cancel|logs`: one job description, three places to run it."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+from ember.errors import EmberError
+
+EXIT_USAGE = 2
+DESCRIPTION = """Run a training job on this machine, a SLURM cluster or Kubernetes. Every launcher starts the same
+`torchrun --nnodes N --nproc-per-node G --rdzv-backend c10d ... -m ember train RECIPE key=value ...` on each node,
+with dcn_mesh.fsdp=N inferred from --nodes unless a dcn_mesh axis is given, and checks the config for N x G
+processes before anything is submitted.
+
+  ember launch local --nproc-per-node G [--nnodes M --node-rank R --rdzv-endpoint HOST:PORT] RECIPE [key=value ...]
+  ember launch slurm RECIPE [key=value ...] --nodes N --nproc-per-node G [--partition P --time T ...] [--wait | --dry-run]
+  ember launch k8s RECIPE [key=value ...] --nodes N --nproc-per-node G --image IMAGE [--namespace NS --pvc CLAIM]
+  ember launch status|cancel|logs JOB          a SLURM job: its state, scancel, its log (and its first failing rank)
+"""
+
+
+def _job_args(parser: argparse.ArgumentParser, nodes_flag: str = "--nodes") -> None:
+    parser.add_argument("recipe", help="a built-in recipe or a YAML path")
+    parser.add_argument("overrides", nargs="*", metavar="key=value")
+    parser.add_argument(nodes_flag, dest="nodes", type=int, default=1, help="machines (default 1)")
+    parser.add_argument("--nproc-per-node", "--gpus-per-node", dest="nproc_per_node", type=int, default=1,
+                        help="processes (one per GPU) per machine (default 1)")
+
+
+def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    parser = argparse.ArgumentParser(prog="ember launch", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="where", required=True)
+    sub.add_parser("local", add_help=False, help="this machine: the built-in launcher of `ember train "
+                   "--nproc-per-node` (see `ember launch local --help`)")
+    slurm = sub.add_parser("slurm", help="write an sbatch script into OUTPUT_DIR/launch/ and submit it",
+                           description="Write OUTPUT_DIR/launch/JOB_NAME.sbatch (readable; `sbatch` it again to "
+                           "resubmit) and submit it. Logs: OUTPUT_DIR/logs/JOB_NAME-JOBID.out. The job saves and "
+                           "requeues itself on SLURM's USR1 warning and resumes with resume=auto.")
+    _job_args(slurm)
+    slurm.add_argument("--partition")
+    slurm.add_argument("--time", help="time limit, e.g. 24:00:00 (the job saves and requeues 120 s before it)")
+    slurm.add_argument("--account")
+    slurm.add_argument("--qos")
+    slurm.add_argument("--job-name", help="default: ember-RECIPE")
+    slurm.add_argument("--container", help="a pyxis/enroot image (srun --container-image) with ember installed")
+    slurm.add_argument("--mounts", action="append", default=[], metavar="SRC:DST",
+                       help="container mounts (repeatable; the working directory is always mounted)")
+    slurm.add_argument("--env", action="append", default=[], metavar="NAME[=VALUE]",
+                       help="NAME: must be set in this shell, forwarded by name (never written); NAME=VALUE: "
+                       "written into the script (secrets refused). Repeatable")
+    slurm.add_argument("--signal-seconds", type=int, default=120,
+                       help="the USR1 warning before the time limit: time to save (default 120)")
+    slurm.add_argument("--sbatch", action="append", default=[], metavar="OPTION",
+                       help="another #SBATCH option, verbatim (repeatable), e.g. --sbatch=--mem=0")
+    slurm.add_argument("--wait", action="store_true", help="follow the log until the job ends (through requeues) "
+                       "and exit with its status")
+    slurm.add_argument("--dry-run", action="store_true", help="write and print the script, submit nothing")
+    k8s = sub.add_parser("k8s", help="write a Kubeflow PyTorchJob manifest (kubectl apply -f is yours)",
+                         description="Write OUTPUT_DIR/launch/JOB_NAME.yaml: a Kubeflow PyTorchJob running the "
+                         "same torchrun command on every pod, with the outputs on a shared volume claim.")
+    _job_args(k8s)
+    k8s.add_argument("--image", required=True, help="a container image with ember installed")
+    k8s.add_argument("--namespace", default="default")
+    k8s.add_argument("--job-name", help="default: ember-RECIPE (a DNS label)")
+    k8s.add_argument("--pvc", help="an existing ReadWriteMany claim for outputs and checkpoints (default: the "
+                     "manifest creates JOB_NAME-outputs)")
+    k8s.add_argument("--storage", default="100Gi", help="size of the claim the manifest creates (default 100Gi)")
+    k8s.add_argument("--storage-class", help="storage class of the claim the manifest creates")
+    k8s.add_argument("--mount-path", default="/outputs", help="where the claim is mounted (default /outputs)")
+    k8s.add_argument("--env", action="append", default=[], metavar="NAME[=VALUE]",
+                     help="NAME=VALUE: set in the pods; NAME: from the Secret named by --secret (key NAME)")
+    k8s.add_argument("--secret", help="a Secret holding the --env NAME values (e.g. HF_TOKEN)")
+    k8s.add_argument("--backoff-limit", type=int, default=10, help="pod restarts before the job fails (default 10)")
+    k8s.add_argument("--print", dest="print_manifest", action="store_true", help="also print the manifest")
+    for name, help_ in (("status", "a SLURM job's state"), ("cancel", "scancel a SLURM job"),
+                        ("logs", "a SLURM job's log and, if it failed, its first failing rank")):
+        cmd = sub.add_parser(name, help=help_)
+        cmd.add_argument("job_id")
+        if name == "logs":
+            cmd.add_argument("--follow", "-f", action="store_true", help="until the job ends")
+    return parser, sub.choices
+
+
+def main(argv: list[str]) -> int:
+    if argv and argv[0] == "local":  # ember.cli runs it: `ember train --nproc-per-node ...`
+        raise SystemExit("ember launch local is `ember train --nproc-per-node`; run it through the ember command")
+    parser, commands = _parser()
+    try:
+        if not argv:
+            parser.print_help()
+            return EXIT_USAGE
+        if argv[0] not in commands:  # --help, or argparse's one-line usage error
+            parser.parse_args(argv)
+        # key=value overrides may come before or after the options, as with `ember train`
+        args = commands[argv[0]].parse_intermixed_args(argv[1:])
+    except SystemExit as exit_:
+        return 0 if exit_.code == 0 else EXIT_USAGE
+    args.where = argv[0]
+    try:
+        if args.where == "slurm":
+            return _slurm(args, argv)
+        if args.where == "k8s":
+            return _k8s(args)
+        return _job_command(args)
+    except EmberError as err:
+        print(f"error: {str(err).splitlines()[0]}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def _prepare(args: argparse.Namespace) -> tuple[object, object, Path]:
+    from ember.launch.command import TrainJob, check_job
+
+    job, cfg = check_job(TrainJob(args.recipe, list(args.overrides), args.nodes, args.nproc_per_node))
+    return job, cfg, Path(cfg.output_dir).expanduser().resolve()
+
+
+def _default_name(recipe: str) -> str:
+    import re
+
+    stem = Path(recipe).stem if recipe.endswith((".yaml", ".yml")) else recipe
+    return "ember-" + (re.sub(r"[^a-z0-9-]+", "-", stem.lower()).strip("-") or "job")
+
+
+def _slurm(args: argparse.Namespace, argv: list[str]) -> int:
+    from ember.launch import slurm
+
+    job, cfg, output_dir = _prepare(args)
+    if args.signal_seconds < 1:
+        raise EmberError(f"--signal-seconds must be >= 1, got {args.signal_seconds}")
+    opts = slurm.SlurmOptions(job_name=args.job_name or _default_name(args.recipe), partition=args.partition,
+                              time=args.time, account=args.account, qos=args.qos,
+                              gpus_per_node=0 if cfg.device == "cpu" else job.nproc_per_node,
+                              container=args.container, mounts=args.mounts, env=args.env,
+                              signal_seconds=args.signal_seconds, extra_sbatch=args.sbatch)
+    script = slurm.render_script(job, opts, output_dir, Path.cwd(),
+                                 command_line=shlex.join(["ember", "launch", *argv]))
+    path = slurm.write_script(script, output_dir, opts.job_name)
+    if args.dry_run:
+        print(script)
+        print(f"wrote {path} (not submitted: --dry-run)", file=sys.stderr)
+        return 0
+    job_id = slurm.submit(path)
+    print(f"submitted job {job_id}: {path}\nlog: {output_dir}/logs/{opts.job_name}-{job_id}.out", flush=True)
+    return slurm.wait(job_id) if args.wait else 0
+
+
+def _k8s(args: argparse.Namespace) -> int:
+    from ember.launch import k8s
+
+    job, cfg, output_dir = _prepare(args)
+    opts = k8s.K8sOptions(name=args.job_name or _default_name(args.recipe), image=args.image,
+                          namespace=args.namespace, pvc=args.pvc, storage=args.storage,
+                          storage_class=args.storage_class, mount_path=args.mount_path, env=args.env,
+                          secret=args.secret, backoff_limit=args.backoff_limit,
+                          gpus_per_node=0 if cfg.device == "cpu" else job.nproc_per_node)
+    manifest = k8s.render_manifest(job, opts)
+    path = output_dir / "launch" / f"{opts.name}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(manifest)
+    if args.print_manifest:
+        print(manifest)
+    print(f"wrote {path}; start it with: kubectl apply -f {path}")
+    return 0
+
+
+def _job_command(args: argparse.Namespace) -> int:
+    from ember.launch import slurm
+
+    if args.where == "status":
+        print(slurm.status(args.job_id))
+        return 0
+    if args.where == "cancel":
+        slurm.cancel(args.job_id)
+        print(f"cancelled job {args.job_id}")
+        return 0
+    if args.follow:
+        return slurm.wait(args.job_id)
+    log = slurm.log_path(args.job_id)
+    text = log.read_text(errors="replace") if log.is_file() else ""
+    print(text, end="")
+    info = slurm.job_info(args.job_id)
+    if info.get("JobState") in slurm.FINAL_STATES and slurm.exit_status(info):
+        from ember.launch.failures import first_failure
+
+        culprit = first_failure(text)
+        print(f"error: job {args.job_id} {info['JobState']}" + (f"; {culprit}" if culprit else ""), file=sys.stderr)
+    return 0
+

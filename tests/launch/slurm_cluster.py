@@ -1,0 +1,170 @@
+"""A real two-node SLURM cluster on this machine, for the launch tests: munged, slurmctld and one slurmd per
+node, started in a temporary directory and stopped by pid. Debian's slurm-wlm and munge (22.05) need no
+systemd; the facts below were measured:
+- munged refuses a socket directory that is not world-executable unless given -f;
+- client commands find the cluster through SLURM_CONF;
+- the machine's hostname is not the node name, so each slurmd starts with -N NODE; two nodes share
+  127.0.0.1 on their own ports, and their names do not resolve (jobs take addresses from scontrol).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "squeue", "scancel")
+NODES = ("node1", "node2")
+CPUS_PER_NODE = 2
+
+
+class SlurmUnavailable(RuntimeError):
+    """slurm or munge is not installed or would not start: the SLURM tests fail with this, never skip."""
+
+
+def _free_port_pair() -> int:
+    """A port p with p and p + 1 both free (the two slurmds' Port=[p-(p+1)] range)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    raise SlurmUnavailable("no free pair of ports for the slurmds")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+SLURM_CONF = """\
+ClusterName=ember-test
+SlurmctldHost={host}(127.0.0.1)
+SlurmctldPort={ctld_port}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+AuthInfo=socket={dir}/munge.socket
+CredType=cred/munge
+StateSaveLocation={dir}/state
+SlurmdSpoolDir={dir}/spool-%n
+SlurmctldPidFile={dir}/slurmctld.pid
+SlurmdPidFile={dir}/slurmd-%n.pid
+SlurmctldLogFile={dir}/slurmctld.log
+SlurmdLogFile={dir}/slurmd-%n.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+SchedulerType=sched/backfill
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+JobAcctGatherType=jobacct_gather/none
+MpiDefault=none
+ReturnToService=2
+MailProg=/bin/true
+PlugStackConfig={dir}/plugstack.conf
+KillWait=30
+InactiveLimit=0
+MinJobAge=300
+NodeName=node[1-2] NodeHostname=localhost NodeAddr=127.0.0.1 Port=[{node_port}-{node_port_end}] CPUs={cpus} State=UNKNOWN
+PartitionName=debug Nodes=node[1-2] Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
+"""
+
+
+class SlurmCluster:
+    """start() writes the config and starts the daemons; stop() ends them by pid. `env` is what a client
+    command (sbatch, ember launch slurm) needs to reach this cluster."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.conf = self.root / "slurm.conf"
+        self.procs: list[subprocess.Popen] = []
+        self.pids: list[int] = []
+        self.env = dict(os.environ, SLURM_CONF=str(self.conf))
+
+    def start(self) -> "SlurmCluster":
+        missing = [name for name in DAEMONS if shutil.which(name) is None and not Path("/usr/sbin", name).exists()]
+        if missing:
+            raise SlurmUnavailable(f"not installed: {', '.join(missing)} (apt-get install -y slurm-wlm munge)")
+        self.root.mkdir(parents=True, exist_ok=True)
+        for sub in ("state", *(f"spool-{node}" for node in NODES)):
+            (self.root / sub).mkdir(exist_ok=True)
+        (self.root / "plugstack.conf").write_text("")
+        key = self.root / "munge.key"
+        key.write_bytes(os.urandom(1024))
+        key.chmod(0o400)
+        node_port = _free_port_pair()
+        self.conf.write_text(SLURM_CONF.format(host=socket.gethostname(), ctld_port=_free_port(), dir=self.root,
+                                               node_port=node_port, node_port_end=node_port + 1,
+                                               cpus=CPUS_PER_NODE))
+        sbin = lambda name: shutil.which(name) or f"/usr/sbin/{name}"  # noqa: E731
+        # -F: in the foreground, so the pid is ours to stop; -f: the temporary directory's permissions are ours
+        self._spawn([sbin("munged"), "-F", "-f", f"--socket={self.root}/munge.socket", f"--key-file={key}",
+                     f"--pid-file={self.root}/munged.pid", f"--log-file={self.root}/munged.log",
+                     f"--seed-file={self.root}/munged.seed"], "munged")
+        self._wait_for(lambda: (self.root / "munge.socket").exists(), "munged")
+        self._spawn([sbin("slurmctld"), "-D", "-f", str(self.conf)], "slurmctld")
+        for node in NODES:
+            self._spawn([sbin("slurmd"), "-D", "-N", node, "-f", str(self.conf)], f"slurmd-{node}")
+        self._wait_for(self._nodes_idle, "the two slurmd nodes to be idle", timeout=30)
+        return self
+
+    def _spawn(self, argv: list[str], name: str) -> None:
+        log = open(self.root / f"{name}.stdout", "wb")
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+        log.close()
+        self.procs.append(proc)
+
+    def _wait_for(self, ready, what: str, timeout: float = 15.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for proc in self.procs:
+                if proc.poll() is not None:
+                    raise SlurmUnavailable(f"{proc.args[0]} exited ({proc.returncode}) while waiting for {what}: "
+                                           + self.logs())
+            if ready():
+                return
+            time.sleep(0.1)
+        raise SlurmUnavailable(f"timed out waiting for {what}: " + self.logs())
+
+    def _nodes_idle(self) -> bool:
+        out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], env=self.env, capture_output=True, text=True)
+        states = dict(line.split() for line in out.stdout.splitlines() if line.strip())
+        return out.returncode == 0 and all(states.get(node) == "idle" for node in NODES)
+
+    def logs(self) -> str:
+        parts = []
+        for path in sorted(self.root.glob("*.log")) + sorted(self.root.glob("*.stdout")):
+            text = path.read_text(errors="replace")[-2000:]
+            if text.strip():
+                parts.append(f"--- {path.name}\n{text}")
+        return "\n".join(parts)
+
+    def run(self, *argv: str, check: bool = True) -> subprocess.CompletedProcess:
+        return subprocess.run(list(argv), env=self.env, capture_output=True, text=True, check=check)
+
+    def stop(self) -> None:
+        # Jobs first (their steps are the slurmds' children), then the daemons, newest first, by pid.
+        if any(proc.poll() is None for proc in self.procs):
+            subprocess.run(["scancel", "--user=root"], env=self.env, capture_output=True)
+        for proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in reversed(self.procs):
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.procs = []
