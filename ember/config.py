@@ -210,13 +210,12 @@ class LoraConfig:
 
 
 @dataclass
-class DPOConfig:
-    """Preference pairs for task=dpo (ember/finetune/dpo.py): rows {prompt, chosen, rejected} in data.dataset."""
+class Fp8Config:
+    """Float8 training of the blocks' linears with torchao (ember/parallel/fp8.py); precision=fp8 turns it on."""
 
-    beta: float = 0.1  # the strength of the pull toward the reference (DPO's beta)
-    prompt_field: str = "prompt"  # text, or a list of messages rendered with data.chat_template
-    chosen_field: str = "chosen"  # the preferred response: text (or messages ending with the assistant's)
-    rejected_field: str = "rejected"
+    enabled: bool = False
+    recipe: str = "tensorwise"  # tensorwise (one scale per tensor; float8 FSDP all-gather) | rowwise (per row)
+    emulate: bool = False  # float8 arithmetic emulated in higher precision: the code path on devices without FP8
 
 
 @dataclass
@@ -226,6 +225,16 @@ class ProfileConfig:
     enabled: bool = False
     step: int = 3  # the first traced step (1-based, as logged); the first steps compile and warm up
     steps: int = 2  # how many steps are traced
+
+
+@dataclass
+class DPOConfig:
+    """Preference pairs for task=dpo (ember/finetune/dpo.py): rows {prompt, chosen, rejected} in data.dataset."""
+
+    beta: float = 0.1  # the strength of the pull toward the reference (DPO's beta)
+    prompt_field: str = "prompt"  # text, or a list of messages rendered with data.chat_template
+    chosen_field: str = "chosen"  # the preferred response: text (or messages ending with the assistant's)
+    rejected_field: str = "rejected"
 
 
 @dataclass
@@ -241,7 +250,7 @@ class JobConfig:
     seq_len: int = 256
     output_dir: str = "outputs/debug"
     compile: bool = False
-    precision: str = "auto"  # auto (bf16 where supported, fp32 on CPU) | fp32 | bf16
+    precision: str = "auto"  # auto (bf16 where supported, fp32 on CPU) | fp32 | bf16 | fp8 (bf16 + fp8.enabled)
     device: str = "auto"  # auto | cpu | cuda
     resume: str = "auto"  # auto (the newest complete checkpoint in output_dir, if any) | none | a checkpoint path
     max_skipped_steps: int = 5  # non-finite loss or grad norm: skip the step; stop after this many in a row
@@ -261,9 +270,11 @@ class JobConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    fp8: Fp8Config = field(default_factory=Fp8Config)
 
 
-PRECISIONS = ("auto", "fp32", "bf16")
+PRECISIONS = ("auto", "fp32", "bf16", "fp8")
+FP8_RECIPES = ("tensorwise", "rowwise")  # ember.parallel.fp8.RECIPES (config stays importable without torch)
 NOT_HYPERPARAMETERS = ("family", "flavor", "remat", "remat_every", "init_from", "aux_loss_coef", "z_loss_coef")  # model.* keys that are not model args
 CP_IMPLS = ("auto", "allgather", "ring")
 DEVICES = ("auto", "cpu", "cuda")
@@ -490,6 +501,24 @@ def _check_output_dir(output_dir: str) -> None:
 TASKS = ("lm", "dpo")
 
 
+def fp8_enabled(cfg: JobConfig) -> bool:
+    return cfg.fp8.enabled or cfg.precision == "fp8"
+
+
+def _check_fp8(cfg: JobConfig) -> None:
+    if not fp8_enabled(cfg):
+        return
+    if cfg.fp8.recipe not in FP8_RECIPES:
+        raise ConfigError(f"fp8.recipe '{cfg.fp8.recipe}' is not one of {', '.join(FP8_RECIPES)}")
+    if cfg.lora.rank:
+        raise ConfigError("fp8 training converts the linears LoRA adapts; use precision=bf16 with lora.rank")
+    import importlib.util
+
+    if importlib.util.find_spec("torchao") is None:
+        raise ConfigError("fp8 training needs torchao: pip install -e '.[fp8]' (with your torch on the same pip "
+                          "line), or drop precision=fp8 / fp8.enabled")
+
+
 def _check_dpo(cfg: JobConfig) -> None:
     if cfg.task not in TASKS:
         raise ConfigError(f"task '{cfg.task}' is not one of {', '.join(TASKS)}")
@@ -519,6 +548,7 @@ def validate(cfg: JobConfig, world_size: int = 1) -> None:
             raise ConfigError(f"{key} must be positive, got {getattr(cfg, key)}")
     if cfg.precision not in PRECISIONS:
         raise ConfigError(f"precision '{cfg.precision}' is not one of {', '.join(PRECISIONS)}")
+    _check_fp8(cfg)
     if cfg.device not in DEVICES:
         raise ConfigError(f"device '{cfg.device}' is not one of {', '.join(DEVICES)}")
     if cfg.optim.lr <= 0 or not math.isfinite(cfg.optim.lr):

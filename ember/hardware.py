@@ -130,7 +130,9 @@ def pick_device(name: str) -> torch.device:
 
 
 def pick_compute_dtype(precision: str, device: torch.device) -> torch.dtype:
-    """bf16 autocast where the device runs it fast (CUDA with bf16 support), fp32 on CPU by default."""
+    """bf16 autocast where the device runs it fast (CUDA with bf16 support), fp32 on CPU by default. fp8 computes
+    in bf16 outside the float8 matmuls of its linears (ember/parallel/fp8.py)."""
+    precision = "bf16" if precision == "fp8" else precision
     if precision == "fp32":
         return torch.float32
     if precision == "bf16":

@@ -28,6 +28,7 @@ from ember.errors import DataError
 from ember.eval.distributed import EvalRanks
 from ember.eval.tasks import run_tasks
 from ember.finetune import dpo as dpo_lib
+from ember.parallel import fp8 as fp8_lib
 from ember.profiling import StepProfiler, phase
 from ember.finetune import lora as lora_lib
 from ember.data.loader import build_loader
@@ -59,6 +60,9 @@ class Trainer:
         self.is_main = self.rank == 0
         self.device = pick_device(cfg.device)
         self.compute_dtype = pick_compute_dtype(cfg.precision, self.device)
+        self.fp8_recipe = cfg.fp8.recipe if config_lib.fp8_enabled(cfg) else None
+        if self.fp8_recipe:
+            fp8_lib.check_fp8_device(self.device, cfg.fp8.emulate)
         self.output_dir = Path(cfg.output_dir)
 
         # 1. The mesh: ici x dcn degrees checked against the world, then one DeviceMesh for the job.
@@ -75,7 +79,9 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         # The peak for MFU now, while the ranks are in step (just past the job's start) and nothing else runs:
         # on CPU it is measured once per machine, and a measurement among busy ranks would read low.
-        self.peak = peak_flops(self.device, self.compute_dtype, cfg.metrics.peak_tflops)
+        # FP8 runs are measured against the device's fp8 peak (the header says which).
+        self.peak = peak_flops(self.device, torch.float8_e4m3fn if self.fp8_recipe else self.compute_dtype,
+                               cfg.metrics.peak_tflops)
 
         # 2. Tokenizer first: the model's vocabulary must cover it, and that is a config error, not a crash.
         self.spec = MODELS[cfg.model.family]
@@ -117,6 +123,8 @@ class Trainer:
             self.pp_microbatches = cfg.micro_batch_size if pp_mb == -1 else pp_mb
             self.forward_backward.build_pipeline(stages, num_stages, cfg.parallel.pp_schedule, self.pp_microbatches)
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device.type)
+        self.fp8_after_step = (fp8_lib.fp8_after_optimizer_step(self.model_parts, self.mesh, self.fp8_recipe)
+                               if self.fp8_recipe else None)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.schedule, cfg.max_steps)
 
         # 5. Data, read by this rank's data-parallel coordinate.
@@ -186,6 +194,7 @@ class Trainer:
                 reshard_after_forward=par.reshard_after_forward, cpu_offload=par.cpu_offload,
                 loss_parallel=loss_parallel, cp_impl=cp_impl,
                 flex_attention=cfg.data.document_mask and self.device.type == "cuda", lora=lora,
+                fp8_recipe=self.fp8_recipe, fp8_emulate=cfg.fp8.emulate,
             )
             # With CPU offload FSDP keeps the sharded parameters in host memory and moves them itself.
             part.to_empty(device="cpu" if par.cpu_offload else self.device)
@@ -251,6 +260,8 @@ class Trainer:
             self.last_step_skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
             if not self.last_step_skipped:
                 self.optimizer.step()
+                if self.fp8_after_step is not None:
+                    self.fp8_after_step()
             self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
         return loss, grad_norm

@@ -30,6 +30,7 @@ from ember.nn.moe import MoE
 from ember.parallel.ac import apply_ac
 from ember.parallel.cp import apply_cp
 from ember.parallel.ep import apply_ep
+from ember.parallel.fp8 import apply_fp8, fp8_all_gather, fp8_tp_plan
 from ember.parallel.fsdp import apply_fsdp
 from ember.parallel.tp import apply_tp
 
@@ -84,18 +85,25 @@ def parallelize(
     cp_impl: str = "allgather",
     flex_attention: bool = False,
     lora: Optional[Callable[[nn.Module], Any]] = None,
+    fp8_recipe: Optional[str] = None,
+    fp8_emulate: bool = False,
 ) -> nn.Module:
     """Apply every parallelism to `model` (a Decoder or pipeline stage built on meta), in place. `mesh` is an
     ember.parallel.mesh.ParallelMesh, or None for a single device; an axis of degree 1 is skipped.
-    `lora`: ember.finetune.lora.apply_lora with its settings bound, run right after TP (its docstring says why)."""
+    `lora`: ember.finetune.lora.apply_lora with its settings bound, run right after TP (its docstring says why).
+    `fp8_recipe`: tensorwise | rowwise converts the linears to float8 training first (ember/parallel/fp8.py)."""
     sub = mesh.submesh if mesh is not None else (lambda *axes: None)
     tp_mesh, cp_mesh, ep_mesh = sub("tensor"), sub("context"), sub("expert")
     moe_layers = model.moe_layers()
     embeddings = [m for m in (model.tok_embeddings, getattr(model, "pos_embeddings", None)) if m is not None]
+    if fp8_recipe is not None:  # before TP: torchao's float8 parallel styles expect Float8Linear modules
+        apply_fp8(model, fp8_recipe, fp8_emulate, fsdp_float8_all_gather=fp8_all_gather(mesh, fp8_recipe))
     if tp_mesh is not None:
         top, block = tp_plan(loss_parallel)
         if moe_layers:
             block = {**block, "moe": moe_tp_style()}
+        if fp8_recipe == "tensorwise" and tp_mesh.device_type == "cuda":  # gloo cannot move float8 tensors
+            block = fp8_tp_plan(block)
         apply_tp(model, tp_mesh, top, block)
         # TP replaced the embedding and output weights by DTensors one by one; a tied pair becomes one
         # again (both are sharded over the vocabulary, Shard(0), so the layouts agree).
