@@ -208,8 +208,16 @@ def wait(job_id: str, out: Callable[[str], None] = lambda s: print(s, end="", fl
             if chunk:
                 out(chunk.decode(errors="replace"))
         state = info.get("JobState", "")
-        if not info or state in FINAL_STATES:
+        if not info:
             break
+        if state in FINAL_STATES:
+            # A job that requeues itself passes through a final-looking state (FAILED while its batch shell is
+            # ended) on its way back to PENDING: final only if it still is a moment later.
+            time.sleep(max(poll_s, 3.0))
+            again = job_info(job_id)
+            if not again or again.get("JobState") == state:
+                break
+            continue
         time.sleep(poll_s)
     status = exit_status(info) if info else 1
     if status:
