@@ -17,6 +17,9 @@
                                              on preemption) or Kubernetes (a PyTorchJob manifest); see --help
     ember report RUN [RUN ...] [--output FILE.html] [--png DIR]
                                              an HTML page and PNGs of a run's curves, or of runs compared
+    ember plan RECIPE [key=value ...] --world N [--nodes M] [--device h100|h200|b200|mi300x|tpu-v5p|...] [--search] [--json]
+                                             per-rank memory, step time, MFU and a fits/does-not-fit verdict of a
+                                             job, computed on this CPU before booking the cluster
 
 User errors (a bad key, value, path or combination) print one line on stderr and exit with 2.
 """
@@ -496,6 +499,20 @@ def cmd_report(argv: list[str]) -> int:
     return 0
 
 
+def cmd_plan(argv: list[str]) -> int:
+    from ember.plan.command import parser, run_plan
+
+    if not argv:
+        parser().print_usage()
+        return EXIT_USAGE
+    try:
+        return run_plan(argv)
+    except SystemExit as exit_:  # argparse: --help (0) or a usage error (2, its message already printed)
+        return 0 if exit_.code == 0 else EXIT_USAGE
+    except EmberError as err:
+        return _fail(_one_line(err))
+
+
 def cmd_launch(argv: list[str]) -> int:
     if argv and argv[0] == "local":  # the built-in launcher above, listed with the others so that all look alike
         rest = argv[1:]
@@ -511,7 +528,7 @@ def cmd_launch(argv: list[str]) -> int:
 
 
 COMMANDS = {"launch": cmd_launch, "train": cmd_train, "recipes": cmd_recipes, "data": cmd_data, "convert": cmd_convert,
-            "generate": cmd_generate, "eval": cmd_eval, "report": cmd_report}
+            "generate": cmd_generate, "eval": cmd_eval, "report": cmd_report, "plan": cmd_plan}
 
 
 def main(argv: Optional[list[str]] = None) -> int:

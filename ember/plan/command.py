@@ -1,0 +1,130 @@
+"""`ember plan`: its arguments, the table, plan.json."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Optional
+
+from rich.console import Console
+from rich.table import Table
+
+from ember.errors import ConfigError
+from ember.plan.cost import FABRICS
+from ember.plan.planner import Plan, Role, make_plan
+
+DESCRIPTION = """Plan a training job before booking the cluster: on this CPU, in one process, build each rank's
+share of the model with ember's own parallelize pipeline over a fake process group (every rank of any
+world size), track one training step's memory under fake tensors, and estimate the step time.
+Prints per rank: parameter, gradient and optimizer bytes (the real shards), activations and the peak;
+the step time, MFU and collective volumes per mesh axis; whether it fits, the largest micro-batch that does,
+and layout warnings. Writes plan.json (the recipe's output_dir, or --output); --json prints it instead."""
+
+EXAMPLES = """examples:
+  ember plan llama3.1-405b --world 1024 ici_mesh.tensor=8 ici_mesh.fsdp=1 dcn_mesh.fsdp=16 dcn_mesh.data=8 model.remat=full
+  ember plan mixtral-8x7b --world 64 --device h200 ici_mesh.expert=8 ici_mesh.fsdp=1 dcn_mesh.fsdp=8 --search
+  ember plan debug --world 2 --device cpu ici_mesh.fsdp=2 --json"""
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ember plan", description=DESCRIPTION, epilog=EXAMPLES,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("recipe", metavar="RECIPE", help="a built-in recipe (see `ember recipes`) or a YAML path")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, as for `ember train`")
+    p.add_argument("--world", type=int, required=True, metavar="N", help="the number of devices (ranks)")
+    p.add_argument("--nodes", type=int, default=None, metavar="M",
+                   help="nodes the ranks are spread over (default: the device's per-node count, 8 GPUs)")
+    p.add_argument("--device", default="h100", choices=[*FABRICS, "cpu"],
+                   help="the device type: compute and memory from ember/hardware.py, links from ember/plan/cost.py")
+    p.add_argument("--search", action="store_true",
+                   help="try the remat policies and micro-batch sizes; list the feasible ones by predicted tokens/s")
+    p.add_argument("--json", action="store_true", help="print plan.json to stdout instead of the table")
+    p.add_argument("--output", metavar="FILE", default=None, help="where plan.json goes (default: OUTPUT_DIR/plan.json)")
+    return p
+
+
+def run_plan(argv: list[str]) -> int:
+    """The command: parse, plan, print, write. User errors raise EmberError (the CLI prints one line)."""
+    from ember import config as config_lib
+
+    args = parser().parse_intermixed_args(argv)  # flags anywhere among the key=value overrides
+    overrides = [o for o in args.overrides if "=" in o]
+    if len(overrides) != len(args.overrides):
+        bad = next(o for o in args.overrides if "=" not in o)
+        raise ConfigError(f"'{bad}' is not a key=value override (flags go before or after them: --world N ...)")
+    if args.world < 1:
+        raise ConfigError(f"--world must be a positive number of devices, got {args.world}")
+    cfg = config_lib.load(args.recipe, overrides, world_size=args.world)
+    plan = make_plan(cfg, args.world, args.nodes, args.device, args.search)
+    document = plan.to_json()
+    if args.json:
+        print(json.dumps(document, indent=1))
+        return 0
+    path = Path(args.output) if args.output else Path(cfg.output_dir) / "plan.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(document, indent=1) + "\n")
+    render(plan, Console(soft_wrap=True), path)
+    return 0
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:,.2f}"
+
+
+def _ranks(role: Role) -> str:
+    r = role.ranks
+    if len(r) == 1:
+        return str(r[0])
+    contiguous = r == list(range(r[0], r[-1] + 1))
+    return f"{r[0]}-{r[-1]}" if contiguous else f"{r[0]}, {r[1]}, ... ({len(r)} ranks)"
+
+
+def render(plan: Plan, console: Console, path: Optional[Path]) -> None:
+    """The per-role memory table, the step, the traffic, the verdict and the warnings."""
+    title = (f"ember plan: {plan.mesh} on {plan.world_size} x {plan.device} ({plan.nodes} nodes), "
+             f"micro-batch {plan.micro_batch_size}, remat={plan.remat}")
+    table = Table(title=title, title_justify="left", min_width=100)
+    for column in ("ranks", "stage", "params GiB", "grads GiB", "optim GiB", "activations GiB", "peak GiB"):
+        table.add_column(column, justify="left" if column in ("ranks", "stage") else "right")
+    by_rank = {r.rank: r for r in plan.ranks}
+    for role in plan.roles:
+        shown = [role.ranks[0]] + ([role.ranks[-1]] if by_rank[role.ranks[-1]].param_bytes != by_rank[role.ranks[0]].param_bytes else [])
+        for rank in shown:
+            r = by_rank[rank]
+            stage = role.kind if len(plan.roles) == 1 else f"{role.kind}, pp {role.pp_rank}, {role.n_layers} layers"
+            table.add_row(_ranks(role) if rank == role.ranks[0] else str(rank), stage, _gib(r.param_bytes),
+                          _gib(r.grad_bytes), _gib(r.optim_bytes), _gib(r.activation_bytes), _gib(r.peak_bytes))
+    console.print(table)
+    if any("expert" in r.coordinate for r in plan.ranks):
+        console.print("expert ranks hold the same bytes, each its own n_experts / expert experts")
+    s = plan.step
+    console.print(f"step: {s.flops:.3e} model FLOPs, compute {s.compute_s:.2f} s, overlapped communication "
+                  f"{s.overlapped_s:.2f} s, exposed {s.exposed_s:.2f} s, bubble {s.bubble:.0%} -> "
+                  f"[bold]{s.step_s:.2f} s/step, {s.tokens_per_s:,.0f} tokens/s, MFU {s.mfu:.1%}[/bold]")
+    traffic = Table(title="collectives per step, per rank", title_justify="left")
+    for column in ("group", "ranks", "GB sent", "link", "seconds", "overlapped"):
+        traffic.add_column(column, justify="left" if column in ("group", "link") else "right")
+    for t in plan.traffic:
+        traffic.add_row(" x ".join(t.axes), str(t.size), f"{t.bytes / 1e9:,.1f}",
+                        "inter-node" if t.crosses_nodes else "intra-node", f"{t.seconds:.2f}", "yes" if t.overlapped else "no")
+    if plan.traffic:
+        console.print(traffic)
+    peak = max(r.peak_bytes for r in plan.ranks)
+    verdict = "[green]fits[/green]" if plan.fits else "[red]does not fit[/red]"
+    best = f"; the largest micro-batch that fits: {plan.max_micro_batch}" if plan.max_micro_batch else "; no micro-batch fits"
+    console.print(f"verdict: {verdict}: peak {_gib(peak)} GiB of {_gib(plan.usable_bytes)} GiB usable{best}")
+    for note in plan.warnings:
+        console.print(f"[yellow]warning:[/yellow] {note}")
+    if plan.options:
+        options = Table(title="feasible (remat, micro-batch) by predicted tokens/s", title_justify="left")
+        for column in ("remat", "micro-batch", "peak GiB", "s/step", "tokens/s", "MFU"):
+            options.add_column(column, justify="left" if column == "remat" else "right")
+        for o in plan.options:
+            options.add_row(o["remat"], str(o["micro_batch_size"]), _gib(o["peak_bytes"]), f"{o['step_time_s']:.2f}",
+                            f"{o['tokens_per_s']:,.0f}", f"{o['mfu']:.1%}")
+        console.print(options)
+    elif plan.searched:
+        console.print("--search: no (remat, micro-batch) fits")
+    if path is not None:
+        console.print(f"planned in {plan.seconds:.1f} s; wrote {path}")

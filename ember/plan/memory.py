@@ -1,0 +1,407 @@
+"""Per-rank memory of a job, on one CPU: the real sharding, and the real step under fake tensors.
+
+Parameters, gradients and optimizer state come from the job's own build (model on meta -> pipeline split ->
+`parallelize`) on a DeviceMesh over torch's fake process group (`init_process_group("fake")`: every
+collective returns at once, so any rank of any world size can be built alone): the bytes are those of the
+DTensor shards this rank holds, exactly.
+
+Activations and the peak come from torch's memory trackers (`FSDPMemTracker`, `MemTracker`: every tensor
+storage alive at every op, by category) over one training step of fake tensors (`FakeTensorMode`: shapes
+and dtypes, no data, no FLOPs). Parallelizing inside fake mode fails (torch 2.13), so the model is
+parallelized on meta first and `to_empty` runs inside fake mode. The tracked model is the rank's stage cut
+to k and 2k layers: blocks are alike, so the peak is affine in the layer count and the two runs give it at
+the stage's real count (k a multiple of remat_every and moe_every, so both runs see whole periods).
+Under fake tensors the MoE router's per-expert counts are data-dependent (`bincount` has no fake kernel
+with an unknown output size), so the plan routes every expert the same share of tokens (balanced).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ember import config as config_lib
+from ember.models import MODELS
+from ember.nn.loss import output_chunks
+from ember.optim import build_optimizer
+from ember.parallel import pp as pp_lib
+from ember.parallel.mesh import ParallelMesh
+from ember.parallel.parallelize import parallelize
+from ember.step import ForwardBackward, token_loss_sum
+
+ADAM_MOMENTS = 2  # AdamW's exp_avg and exp_avg_sq, each like its parameter
+STEP_BYTES = 4  # AdamW's per-parameter `step`: a float32 scalar tensor with the fused kernel (ember's default)
+
+
+@dataclass(frozen=True)
+class Job:
+    """What the plan needs of a config, resolved once: the model, the mesh degrees and the step's shape."""
+
+    cfg: Any  # ember.config.JobConfig
+    args: Any  # the model's hyper-parameters
+    shape: Any  # ember.parallel.mesh.MeshShape
+    compute_dtype: torch.dtype
+    device_type: str  # "cuda" for accelerators (their kernels' choices), "cpu"
+
+    @property
+    def spec(self) -> Any:
+        return MODELS[self.cfg.model.family]
+
+    def degree(self, axis: str) -> int:
+        return self.shape.degree(axis)
+
+    @property
+    def fsdp_mixed(self) -> bool:  # as ember.train.Trainer decides it
+        return (self.shape.grad_sync > 1 and self.cfg.parallel.mixed_precision
+                and self.compute_dtype != torch.float32)
+
+    @property
+    def loss_parallel(self) -> bool:
+        return self.degree("tensor") > 1 and self.cfg.parallel.loss_parallel and self.degree("pipeline") == 1
+
+    @property
+    def num_stages(self) -> int:
+        return self.degree("pipeline") * self.cfg.parallel.pp_stages_per_rank if self.degree("pipeline") > 1 else 1
+
+    @property
+    def pp_microbatches(self) -> int:
+        """Pipeline micro-batches per micro-batch (1 without a pipeline)."""
+        if self.degree("pipeline") == 1:
+            return 1
+        n = self.cfg.parallel.pp_microbatches
+        return self.cfg.micro_batch_size if n == -1 else n
+
+    @property
+    def grad_accum(self) -> int:
+        return config_lib.grad_accum_steps(self.cfg, self.shape.dp)
+
+    def with_micro_batch(self, micro_batch_size: int, remat: Optional[str] = None) -> "Job":
+        model = dataclasses.replace(self.cfg.model, remat=remat or self.cfg.model.remat)
+        return dataclasses.replace(self, cfg=dataclasses.replace(self.cfg, micro_batch_size=micro_batch_size,
+                                                                 model=model))
+
+
+@contextlib.contextmanager
+def fake_world(rank: int, world_size: int) -> Iterator[None]:
+    """This process as rank `rank` of `world_size` over torch's fake process group, for the duration."""
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("ember plan builds ranks over a fake process group; run it outside a distributed job")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        _clear_dtensor_caches()
+
+
+def _clear_dtensor_caches() -> None:
+    """DTensor caches sharding decisions by mesh, and a DeviceMesh of the next fake world compares equal to
+    this one's (same ranks, same names): its cached results would name this world's process groups, gone
+    once it is destroyed ("Could not resolve the process group"). torch has no public way to clear them."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    for clear in (getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None),
+                  getattr(DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding, "cache_clear", None),
+                  getattr(ShardingPropagator._propagate_tensor_meta_cached, "cache_clear", None),
+                  getattr(_redistribute, "clear_redistribute_planner_cache", None),
+                  getattr(_redistribute._gen_transform_infos, "cache_clear", None)):
+        if clear is not None:
+            clear()
+
+
+def build_parts(job: Job, mesh: Optional[ParallelMesh], stage_ids: list[int], args: Any = None,
+                num_stages: Optional[int] = None) -> list[nn.Module]:
+    """This rank's model parts on meta, split and parallelized as ember.train.Trainer._build_model does
+    (no compile, no LoRA: they change no parameter or activation the plan counts)."""
+    cfg, args = job.cfg, args or job.args
+    num_stages = num_stages or job.num_stages
+    with torch.device("meta"):
+        whole = job.spec.model_cls(args)
+    parts = [pp_lib.split_model(whole, sid, num_stages) for sid in stage_ids] if num_stages > 1 else [whole]
+    for part in parts:
+        parallelize(part, mesh, job.spec.tp_plan, remat=cfg.model.remat, remat_every=cfg.model.remat_every,
+                    param_dtype=job.compute_dtype if job.fsdp_mixed else None,
+                    reduce_dtype=torch.float32 if job.fsdp_mixed else None,
+                    reshard_after_forward=cfg.parallel.reshard_after_forward, loss_parallel=job.loss_parallel,
+                    cp_impl="allgather")
+    if job.degree("tensor") == 1 and num_stages == 1:
+        whole.output_chunks = output_chunks(cfg.micro_batch_size, cfg.seq_len // job.degree("context"),
+                                            args.vocab_size, job.device_type)
+    return parts
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
+def sharded_dims(p: torch.Tensor) -> list[tuple[str, int, int]]:
+    """(mesh dimension name, its size, the tensor dimension) for each mesh dimension `p` is sharded over;
+    FSDP over TP's Shard(0) shows as a _StridedShard, which is no Shard subclass and says is_shard() False."""
+    if not hasattr(p, "placements"):
+        return []
+    mesh = p.device_mesh
+    return [(mesh.mesh_dim_names[i], mesh.size(i), pl.dim) for i, pl in enumerate(p.placements)
+            if pl.is_shard() or type(pl).__name__ == "_StridedShard"]
+
+
+def named_params(parts: list[nn.Module]) -> list[tuple[str, nn.Parameter]]:
+    """(name, parameter) of this rank's parts, each shared parameter once."""
+    seen: dict[int, tuple[str, nn.Parameter]] = {}
+    for part in parts:
+        for name, p in part.named_parameters():
+            seen.setdefault(id(p), (name, p))
+    return list(seen.values())
+
+
+def param_key(name: str, period: int) -> str:
+    """A parameter's name with its layer index taken modulo the layer period: a cut stage's layer holds the
+    same parameters as every layer of the whole stage at the same place in the period."""
+    return re.sub(r"^layers\.(\d+)\.", lambda m: f"layers.{int(m[1]) % period}.", name)
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """This rank's bytes of parameters, gradients and AdamW state (the shards it holds)."""
+
+    param: int
+    grad: int
+    optim: int
+    even: bool  # every sharded dimension divides evenly: every rank of the stage holds the same bytes
+
+
+def state_bytes(params: list[tuple[str, nn.Parameter]], grad_ratio: Optional[dict[str, float]] = None,
+                period: int = 1) -> StateBytes:
+    """AdamW keeps two moments like each trainable parameter and a float32 step. A gradient is as large as
+    its parameter's shard (FSDP reduces into the sharded parameter's dtype) unless the tracked step saw
+    otherwise: `grad_ratio`, gradient over parameter bytes by param_key (under tensor parallelism without
+    FSDP the embedding's gradient comes back replicated: the whole table on every tensor rank)."""
+    param = grad = optim = 0
+    even = True
+    for name, p in params:
+        local = _local(p)
+        nbytes = local.numel() * local.element_size()
+        param += nbytes
+        if p.requires_grad:
+            grad += round(nbytes * (grad_ratio or {}).get(param_key(name, period), 1.0))
+            optim += ADAM_MOMENTS * nbytes + STEP_BYTES
+        even &= local.numel() * math.prod(size for _, size, _ in sharded_dims(p)) == p.numel()
+    return StateBytes(param, grad, optim, even)
+
+
+# ---------------------------------------------------------------- the tracked step
+
+@dataclass(frozen=True)
+class Tracked:
+    """One tracked step of a (cut) stage: bytes at the peak, held before the forward (parameters, optimizer
+    state), and held for backward by one micro-batch's forward (activations)."""
+
+    peak: int
+    static: int
+    activations: int
+
+
+@contextlib.contextmanager
+def balanced_routing(parts: list[nn.Module], ep: int, dtype: torch.dtype) -> Iterator[None]:
+    """Fake tensors have no values to route by: each expert gets the same share of tokens (see the module
+    docstring), as real (not fake) counts, so the experts can split by them on the host. Under expert
+    parallelism the all-to-all is stood in for by copies of the same size. Experts run grouped in bf16 as on
+    GPUs; in fp32 looped, since grouped_mm's meta function (what fake tensors and torch's dispatch-mode
+    trackers run) takes bf16 only (torch 2.13)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    real_bincount = torch.bincount
+
+    def balanced(n_tokens: int, n_experts: int) -> torch.Tensor:
+        with unset_fake_temporarily():
+            counts = torch.full((n_experts,), n_tokens // n_experts, dtype=torch.long)
+            counts[: n_tokens % n_experts] += 1
+        return counts
+
+    def bincount(x: torch.Tensor, weights: Any = None, minlength: int = 0) -> torch.Tensor:
+        return balanced(x.numel(), minlength)
+
+    def dispatch(run: Callable, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        received = x_sorted.clone()  # the all-to-all's receive buffer (as many tokens arrive as leave)
+        return run(received, balanced(x_sorted.shape[0], counts.numel() // ep)).clone()  # and the way back
+
+    moes = [moe for part in parts for moe in part.moe_layers()]
+    saved = [(moe, moe.dispatch, moe.experts.impl) for moe in moes]
+    torch.bincount = bincount
+    for moe in moes:
+        moe.experts.impl = "grouped" if dtype == torch.bfloat16 else "looped"
+        if moe.dispatch is not None:
+            moe.dispatch = dispatch
+    try:
+        yield
+    finally:
+        torch.bincount = real_bincount
+        for moe, dispatch_fn, impl in saved:
+            moe.dispatch, moe.experts.impl = dispatch_fn, impl
+
+
+def step_memory_tracker() -> Any:
+    """torch's MemTracker for a whole training step. It raises when the root module runs a second forward
+    (meant to catch a second iteration), which gradient accumulation and pipeline micro-batches do within
+    one step: a root module's stats start over at each of its forwards. The totals (what the plan uses) are
+    kept per storage and are not touched."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class StepMemTracker(MemTracker):
+        def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
+            name = self._mod_tracker.get_known_fqn(module)
+            if (module in self.memory_tracking and not self._mod_tracker.is_bw
+                    and set(self._mod_tracker.parents) - {name} == {"Global"}):
+                del self.memory_tracking[module]
+            super()._pre_fw_hook(module, inputs)
+
+    return StepMemTracker()
+
+
+def total_bytes(snapshot: dict) -> int:
+    """A MemTracker snapshot's bytes over every device."""
+    return sum(dev.get("Total", 0) for dev in snapshot.values())
+
+
+def track_step(job: Job, mesh: Optional[ParallelMesh], part: nn.Module, kind: str, batch: int,
+               grad_ratio: Optional[dict[str, float]] = None) -> Tracked:
+    """Peak memory of one training step of `part` (a whole model, or a pipeline stage of `kind` first |
+    middle | last) on `batch` sequences per forward: min(2, forwards per step) forward/backward passes (the
+    second sees the first's gradients, as accumulation does), then the optimizer step. The optimizer state
+    exists before it, as after the first step of a run. `grad_ratio` (given): filled as state_bytes takes it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor, Shard
+
+    cfg, args = job.cfg, job.args
+    T = cfg.seq_len
+    forwards = min(2, job.grad_accum * job.pp_microbatches)
+    tp_mesh = mesh.submesh("tensor") if mesh is not None else None
+    autocast = None if job.compute_dtype == torch.float32 or job.fsdp_mixed else job.compute_dtype
+    with FakeTensorMode(allow_non_fake_inputs=True), balanced_routing([part], job.degree("expert"), job.compute_dtype):
+        part.to_empty(device="cpu")
+        part.tie_weights()
+        optimizer = build_optimizer(part, cfg.optim, job.device_type)
+        fb = ForwardBackward(part, mesh, torch.device("cpu"), autocast_dtype=autocast,
+                             loss_parallel=job.loss_parallel, cp_impl="allgather")
+        tokens = torch.zeros(batch, T, dtype=torch.long)
+
+        def hidden() -> torch.Tensor:  # a stage's input from the previous one (requires grad, like a received one)
+            dtype = job.compute_dtype
+            if tp_mesh is None:
+                return torch.zeros(batch, T, args.dim, dtype=dtype, requires_grad=True)
+            local = torch.zeros(batch, T // job.degree("tensor"), args.dim, dtype=dtype, requires_grad=True)
+            return DTensor.from_local(local, tp_mesh, [Shard(1)], run_check=False)
+
+        def forward_backward() -> None:
+            if kind == "whole":
+                fb._loss_sum(tokens, tokens, 1.0, backward=True)  # the trainer's own micro-batch step
+                return
+            with fb._autocast():
+                out = part(tokens if kind == "first" else hidden())
+            if kind == "last":
+                with fb._loss_context():
+                    token_loss_sum(out, tokens).backward()
+            else:  # the gradient the next stage sends back
+                out.backward(torch.ones_like(out))
+
+        def step() -> None:
+            for _ in range(forwards):
+                forward_backward()
+            if grad_ratio is not None:  # what each gradient holds, against its parameter's shard
+                for name, p in named_params([part]):
+                    if p.grad is not None:
+                        grad_ratio[param_key(name, layer_period(job))] = _local(p.grad).numel() / max(_local(p).numel(), 1)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        # As after a first step: FSDP initialised (its lazy init at the first forward/backward moves the
+        # shards into new storage; FSDPMemTracker must start after it), and the optimizer state (AdamW's
+        # update, on zero gradients where no backward ran).
+        if isinstance(part, FSDPModule):
+            forward_backward()
+        for p in part.parameters():
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if isinstance(part, FSDPModule):
+            tracker: Any = FSDPMemTracker(part, optimizer)
+        else:
+            tracker = step_memory_tracker()
+            tracker.track_external(part, optimizer)
+        marks: dict[str, int] = {}
+
+        def mark(name: str) -> Callable[..., None]:
+            def hook(*_: Any) -> None:  # the first forward's (hooks must return None: they could replace args)
+                marks.setdefault(name, total_bytes(tracker.get_tracker_snapshot()))
+            return hook
+        hooks = [part.register_forward_pre_hook(mark("before")), part.register_forward_hook(mark("after"))]
+        with tracker:
+            step()
+        for hook in hooks:
+            hook.remove()
+    peak = total_bytes(tracker.get_tracker_snapshot("peak"))
+    return Tracked(peak, marks["before"], marks["after"] - marks["before"])
+
+
+def layer_period(job: Job) -> int:
+    """Layers after which the stack repeats: whole remat_every periods (selective) and MoE periods (GLaM)."""
+    period = job.cfg.model.remat_every if job.cfg.model.remat == "selective" else 1
+    return math.lcm(period, getattr(job.args, "moe_every", 1) or 1)
+
+
+def cut_stage(job: Job, mesh: Optional[ParallelMesh], kind: str, n_layers: int) -> nn.Module:
+    """A stage of `kind` with `n_layers` layers: a model of 1, 2 or 3 such runs of layers, split as the
+    pipeline splits (so the first keeps the embedding, the last the norm and output)."""
+    runs, stage_id = {"whole": (1, 0), "first": (2, 0), "middle": (3, 1), "last": (2, 1)}[kind]
+    args = dataclasses.replace(job.args, n_layers=n_layers * runs)
+    return build_parts(job, mesh, [stage_id], args=args, num_stages=runs)[0]
+
+
+@dataclass(frozen=True)
+class StageModel:
+    """Tracked peak, static and activation bytes of a stage kind, affine in layers and micro-batch rows:
+    value(L, B) = a + b L + (c + d L)(B - B0) / B0, from runs at (k, B0), (2k, B0), (k, 2B0), (2k, 2B0)."""
+
+    runs: dict[tuple[int, int], Tracked]
+    grad_ratio: dict[str, float]  # see state_bytes
+
+    def at(self, n_layers: float, batch: float) -> Tracked:
+        k1, k2 = min(k for k, _ in self.runs), max(k for k, _ in self.runs)
+        b_lo, b_hi = min(b for _, b in self.runs), max(b for _, b in self.runs)
+
+        def affine(field: str) -> float:
+            def in_layers(b: int) -> float:
+                lo, hi = getattr(self.runs[(k1, b)], field), getattr(self.runs[(k2, b)], field)
+                return lo + (n_layers - k1) * (hi - lo) / (k2 - k1)
+            if b_hi == b_lo:
+                return in_layers(b_lo)
+            lo, hi = in_layers(b_lo), in_layers(b_hi)
+            return lo + (batch - b_lo) * (hi - lo) / (b_hi - b_lo)
+        return Tracked(*(round(affine(f)) for f in ("peak", "static", "activations")))
+
+
+def model_stage(job: Job, mesh: Optional[ParallelMesh], kind: str, batch: int, both_batches: bool) -> StageModel:
+    """The tracked runs of a stage kind: at k and 2k layers, and with `both_batches` at `batch` and 2 x `batch`
+    rows per forward (for other micro-batch sizes)."""
+    k = layer_period(job)
+    runs, grad_ratio = {}, {}
+    for rows in ((batch, 2 * batch) if both_batches else (batch,)):
+        for layers in (k, 2 * k):
+            part = cut_stage(job, mesh, kind, layers)
+            runs[(layers, rows)] = track_step(job, mesh, part, kind, rows, grad_ratio if not runs else None)
+    return StageModel(runs, grad_ratio)

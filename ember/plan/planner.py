@@ -1,0 +1,282 @@
+"""make_plan: one job's per-rank memory, step time and verdict, computed on one CPU in one process.
+
+Ranks are planned by role: the ranks of one pipeline coordinate hold the same layers, and when every
+sharded dimension divides evenly (state_bytes(...).even) the same bytes, so one build per pipeline
+coordinate covers the world. Where shards are uneven, every rank is built in worlds up to EXACT_WORLD; above
+that the role's first rank (the largest shards: FSDP cuts dim 0 as torch.chunk does) stands for all.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from ember import config as config_lib
+from ember.errors import ConfigError
+from ember.parallel import pp as pp_lib
+from ember.parallel.mesh import AXES, ParallelMesh, rank_grid
+from ember.plan import cost
+from ember.plan.memory import (Job, StageModel, StateBytes, build_parts, fake_world, layer_period, model_stage,
+                               named_params, state_bytes)
+
+EXACT_WORLD = 64  # uneven shards: every rank built up to this world size
+SEARCH_POLICIES = ("none", "op", "selective", "full")  # offload keeps activations on the host: not a device-memory plan
+
+
+@dataclass
+class RankPlan:
+    rank: int
+    coordinate: dict[str, int]
+    param_bytes: int
+    grad_bytes: int
+    optim_bytes: int
+    activation_bytes: int
+    peak_bytes: int
+
+
+@dataclass
+class Role:
+    """The ranks of one pipeline coordinate."""
+
+    pp_rank: int
+    stage_ids: list[int]
+    kind: str  # whole | first | middle | last: which pieces (embedding, output) its stages hold
+    n_layers: int
+    ranks: list[int]
+    state: Optional[StateBytes] = None
+    params: list[Any] = field(default_factory=list)
+    n_moe_layers: int = 0
+
+
+@dataclass
+class Plan:
+    world_size: int
+    device: str
+    nodes: int
+    mesh: str
+    fits: bool
+    usable_bytes: float
+    step: cost.StepTime
+    ranks: list[RankPlan]
+    roles: list[Role]
+    traffic: list[cost.Traffic]
+    warnings: list[str]
+    micro_batch_size: int
+    remat: str
+    max_micro_batch: Optional[int]
+    options: list[dict[str, Any]]  # --search: feasible (remat, micro-batch) by predicted tokens/s
+    searched: bool = False
+    seconds: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        """The plan.json contract scripts read."""
+        return {"world_size": self.world_size, "device": self.device, "fits": self.fits,
+                "step_time_s": self.step.step_s, "mfu": self.step.mfu,
+                "ranks": [vars(r).copy() for r in self.ranks]}
+
+
+def compute_dtype(precision: str, device: str) -> torch.dtype:
+    if precision == "fp32" or (precision == "auto" and device == "cpu"):
+        return torch.float32
+    return torch.bfloat16
+
+
+def _coordinates(shape: Any) -> list[dict[str, int]]:
+    grid = rank_grid(shape, AXES)
+    coords: list[dict[str, int]] = [{} for _ in range(shape.world_size)]
+    for index in torch.cartesian_prod(*[torch.arange(n) for n in grid.shape]).reshape(-1, len(AXES)).tolist():
+        coords[int(grid[tuple(index)])] = {a: c for a, c, n in zip(AXES, index, grid.shape) if n > 1}
+    return coords
+
+
+def _roles(job: Job, shape: Any) -> list[Role]:
+    grid = rank_grid(shape, AXES)  # (pipeline, data, fsdp, context, expert, tensor)
+    pp, v = job.degree("pipeline"), job.cfg.parallel.pp_stages_per_rank if job.degree("pipeline") > 1 else 1
+    ranges = pp_lib.stage_layer_ranges(job.args.n_layers, job.num_stages)
+    roles = []
+    for p in range(pp):
+        ids = pp_lib.stage_ids(p, pp, v) if pp > 1 else [0]
+        kind = "whole" if pp == 1 else "first" if 0 in ids else "last" if job.num_stages - 1 in ids else "middle"
+        roles.append(Role(p, ids, kind, sum(len(ranges[i]) for i in ids), sorted(grid[p].flatten().tolist())))
+    return roles
+
+
+def _micro_batch_choices(job: Job) -> list[int]:
+    """Micro-batch sizes the config accepts: divisors of global_batch / dp that the pipeline can split."""
+    per_replica = job.cfg.global_batch_size // job.shape.dp
+    choices = []
+    for m in range(1, per_replica + 1):
+        if per_replica % m:
+            continue
+        if job.degree("pipeline") > 1:
+            n = job.cfg.parallel.pp_microbatches
+            M = m if n == -1 else n
+            if m % M or (job.cfg.parallel.pp_schedule == "1f1b" and M < job.degree("pipeline")):
+                continue
+            if job.cfg.parallel.pp_schedule == "interleaved_1f1b" and M % job.degree("pipeline"):
+                continue
+        choices.append(m)
+    return choices
+
+
+def _rank_memory(job: Job, role: Role, model: StageModel) -> tuple[int, int]:
+    """(activation bytes, peak bytes) of a rank of `role`: the tracked step at the stage's layers and rows,
+    with the pipeline's other in-flight micro-batches' activations on top."""
+    par, pp = job.cfg.parallel, job.degree("pipeline")
+    v = len(role.stage_ids)
+    rows = job.cfg.micro_batch_size // job.pp_microbatches
+    whole = model.at(role.n_layers, rows)
+    unit = model.at(role.n_layers / v, rows).activations  # one local stage's activations for one micro-batch
+    n = cost.in_flight(par.pp_schedule, pp, role.pp_rank, job.pp_microbatches, v)
+    peak = whole.peak + (n - 1) * unit
+    if pp > 1 and job.num_stages - 1 in role.stage_ids:
+        # torch.distributed.pipelining's last stage keeps every micro-batch's output (the logits) and at the
+        # end of the schedule's step concatenates them into the merged output it returns (ember's step.py
+        # does not pass return_outputs=False): M outputs held through the loop, 2 M at its end, with every
+        # gradient there by then.
+        M = job.pp_microbatches
+        logits = rows * (job.cfg.seq_len // job.degree("context")) * job.args.vocab_size * job.compute_dtype.itemsize
+        peak = max(peak + (M - 1) * logits, whole.static + role.state.grad + 2 * M * logits)
+    return n * unit, peak
+
+
+def _step(job: Job, fab: cost.Fabric, roles: list[Role], grid: torch.Tensor, ranks_per_node: int,
+          world: int) -> tuple[cost.StepTime, list[cost.Traffic]]:
+    """The slowest role's step time, and its traffic."""
+    cfg = job.cfg
+    forwards = job.grad_accum * job.pp_microbatches
+    rows = cfg.micro_batch_size // job.pp_microbatches
+    gather = job.compute_dtype.itemsize if job.fsdp_mixed else 4
+    reduce = 4
+    tokens = cfg.global_batch_size * cfg.seq_len
+    flops = job.spec.flops_per_token(job.args, cfg.seq_len) * tokens
+    bubble = cost.bubble(cfg.parallel.pp_schedule, job.degree("pipeline"), job.pp_microbatches,
+                         cfg.parallel.pp_stages_per_rank)
+    peak = cost.peak_flops(fab, job.compute_dtype, fp8=cfg.precision == "fp8")
+    best: Optional[tuple[cost.StepTime, list[cost.Traffic]]] = None
+    for role in roles:
+        traffic = cost.fsdp_traffic(role.params, gather, reduce, forwards, cfg.parallel.reshard_after_forward)
+        traffic += cost.layer_traffic(job, role.n_layers, role.n_moe_layers, rows, forwards)
+        cost.time_traffic(traffic, grid, AXES, ranks_per_node, fab)
+        step = cost.step_time(flops, tokens, world, peak, cfg.model.remat, cfg.model.remat_every, traffic, bubble)
+        if best is None or step.step_s > best[0].step_s:
+            best = (step, traffic)
+    return best
+
+
+def make_plan(cfg: Any, world: int, nodes: Optional[int] = None, device: str = "h100",
+              search: bool = False) -> Plan:
+    """Plan `cfg` (a loaded JobConfig) on `world` devices of type `device` over `nodes` nodes."""
+    start = time.perf_counter()
+    fab = cost.cpu_fabric(world) if device == "cpu" else cost.fabric(device)
+    per_node = fab.per_node or world
+    nodes = nodes or max(1, math.ceil(world / per_node))
+    if nodes < 1 or world % nodes:
+        raise ConfigError(f"--nodes {nodes} does not divide --world {world}: every node runs the same number of ranks")
+    ranks_per_node = world // nodes
+    shape = config_lib.mesh_shape(cfg, world)
+    job = Job(cfg, config_lib.model_choice(cfg).args, shape, compute_dtype(cfg.precision, device),
+              "cpu" if device == "cpu" else "cuda")
+    roles = _roles(job, shape)
+    remats = SEARCH_POLICIES if search else (cfg.model.remat,)
+    base_rows = cfg.micro_batch_size // job.pp_microbatches
+    models: dict[tuple[str, str], StageModel] = {}
+    exact: dict[int, StateBytes] = {}
+    period = layer_period(job)
+    warnings: list[str] = []
+    # With pp_microbatches=-1 a pipeline micro-batch is one sequence whatever micro_batch_size is.
+    rows_vary = job.degree("pipeline") == 1 or cfg.parallel.pp_microbatches != -1
+    ranges = pp_lib.stage_layer_ranges(job.args.n_layers, job.num_stages)
+    built: dict[tuple, Role] = {}  # roles alike (same pieces, same layer counts) hold the same shards
+    for role in roles:
+        signature = (role.kind, tuple(len(ranges[i]) for i in role.stage_ids))
+        if signature in built:
+            twin = built[signature]
+            role.state, role.params, role.n_moe_layers = twin.state, twin.params, twin.n_moe_layers
+        else:
+            built[signature] = role
+            with fake_world(role.ranks[0], world):
+                mesh = ParallelMesh(shape, "cpu") if world > 1 else None
+                parts = build_parts(job, mesh, role.stage_ids)
+                named = named_params(parts)
+                role.params = [p for _, p in named]
+                role.n_moe_layers = sum(len(part.moe_layers()) for part in parts)
+                note = cost.granularity_warning(role.params)
+                if note and note not in warnings:
+                    warnings.append(note)
+                for remat in remats:
+                    if (remat, role.kind) not in models:
+                        models[(remat, role.kind)] = model_stage(job.with_micro_batch(cfg.micro_batch_size, remat),
+                                                                 mesh, role.kind, base_rows, both_batches=rows_vary)
+                grads = models[(cfg.model.remat, role.kind)].grad_ratio
+                role.state = state_bytes(named, grads, period)
+        if not role.state.even and world <= EXACT_WORLD:
+            grads = models[(cfg.model.remat, role.kind)].grad_ratio
+            for rank in role.ranks[1:]:
+                with fake_world(rank, world):
+                    parts = build_parts(job, ParallelMesh(shape, "cpu"), role.stage_ids)
+                    exact[rank] = state_bytes(named_params(parts), grads, period)
+        elif not role.state.even:
+            where = f" on pipeline rank {role.pp_rank}" if len(roles) > 1 else ""
+            warnings.append(f"uneven shards{where}: ranks hold slightly different bytes; the figures are the first "
+                            f"rank's, the largest")
+
+    coords = _coordinates(shape)
+    usable = cost.usable_bytes(fab)
+
+    def memory(job_: Job, remat: str) -> dict[int, tuple[int, int]]:
+        return {role.pp_rank: _rank_memory(job_, role, models[(remat, role.kind)]) for role in roles}
+
+    mem = memory(job, cfg.model.remat)
+    ranks = []
+    for role in roles:
+        act, peak = mem[role.pp_rank]
+        for rank in role.ranks:
+            sb = exact.get(rank, role.state)
+            ranks.append(RankPlan(rank, coords[rank], sb.param, sb.grad, sb.optim, act, peak))
+    ranks.sort(key=lambda r: r.rank)
+    fits = max(r.peak_bytes for r in ranks) <= usable
+
+    grid = rank_grid(shape, AXES)
+    step, traffic = _step(job, fab, roles, grid, ranks_per_node, world)
+
+    # The largest micro-batch that fits, and with --search every feasible (remat, micro-batch) by tokens/s.
+    max_mb, options = None, []
+    for remat in remats:
+        for m in _micro_batch_choices(job):
+            trial = job.with_micro_batch(m, remat)
+            peak = max(p for _, p in memory(trial, remat).values())
+            if peak > usable:
+                continue
+            if remat == cfg.model.remat:
+                max_mb = max(max_mb or 0, m)
+            if search:
+                t, _ = _step(trial, fab, roles, grid, ranks_per_node, world)
+                options.append({"remat": remat, "micro_batch_size": m, "peak_bytes": peak,
+                                "step_time_s": t.step_s, "tokens_per_s": t.tokens_per_s, "mfu": t.mfu})
+    options.sort(key=lambda o: -o["tokens_per_s"])
+
+    warnings += _layout_warnings(job, traffic, step, fab, fits, max(r.peak_bytes for r in ranks), usable, device)
+    return Plan(world, device, nodes, shape.describe(), fits, usable, step, ranks, roles, traffic, warnings,
+                cfg.micro_batch_size, cfg.model.remat, max_mb, options, search, time.perf_counter() - start)
+
+
+def _layout_warnings(job: Job, traffic: list[cost.Traffic], step: cost.StepTime, fab: cost.Fabric, fits: bool,
+                     peak: int, usable: float, device: str) -> list[str]:
+    notes = []
+    if not fits:
+        notes.append(f"does not fit: the peak of {peak / 2**30:.1f} GiB exceeds the {usable / 2**30:.1f} GiB usable on "
+                     f"a {device} ({fab.spec.memory_gb:g} GiB less {cost.MEMORY_RESERVE:.0%} reserve); shard more "
+                     f"(fsdp, tensor, pipeline), lower micro_batch_size or set model.remat")
+    for t in traffic:
+        if t.crosses_nodes and t.axes[0] in ("tensor", "context"):
+            notes.append(f"the {t.axes[0]} axis ({t.size} ranks) crosses nodes: its per-layer collectives run at "
+                         f"{fab.inter_gbs:g} instead of {fab.intra_gbs:g} GB/s; keep it in ici_mesh within a node")
+    if step.bubble > 0.1:
+        notes.append(f"pipeline bubble {step.bubble:.0%} ({job.degree('pipeline')} stages, {job.pp_microbatches} "
+                     f"micro-batches per flush): raise micro_batch_size or parallel.pp_microbatches")
+    return notes

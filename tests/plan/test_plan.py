@@ -1,0 +1,140 @@
+"""`ember plan`: shard sizes pinned against hand computations at full scale, the plan.json contract, the
+command line. The planned bytes against real CPU runs are in test_plan_accuracy.py."""
+
+import json
+import time
+
+import pytest
+import torch
+
+from ember import config as config_lib
+from ember.cli import main
+from ember.parallel.mesh import ParallelMesh
+from ember.plan import cost
+from ember.plan.memory import Job, build_parts, fake_world, named_params, state_bytes
+from ember.plan.planner import make_plan
+
+LLAMA_405B_1024 = ["ici_mesh.tensor=8", "ici_mesh.fsdp=1", "dcn_mesh.fsdp=16", "dcn_mesh.data=8", "model.remat=full"]
+
+
+def _state(recipe: str, overrides: list[str], world: int, rank: int = 0):
+    cfg = config_lib.load(recipe, overrides, world_size=world)
+    shape = config_lib.mesh_shape(cfg, world)
+    job = Job(cfg, config_lib.model_choice(cfg).args, shape, torch.bfloat16, "cuda")
+    with fake_world(rank, world):
+        parts = build_parts(job, ParallelMesh(shape, "cpu"), [0])
+        return state_bytes(named_params(parts))
+
+
+def test_llama_405b_on_1024_ranks_matches_the_hand_computed_shards():
+    """tensor=8 within a node, fsdp=16 x data=8 (HSDP) across nodes. Per layer, each rank holds: wq and wo
+    16384 x 16384 / (8 x 16), wk and wv 1024 x 16384 / (8 x 16), w1, w2, w3 53248 x 16384 / (8 x 16), two norms
+    16384 / 16 (replicated over tensor); embedding and output 128256 x 16384 / (8 x 16) (vocabulary-sharded,
+    then FSDP's dim 0), the final norm 16384 / 16."""
+    layer = 2 * 16384 * 16384 // 128 + 2 * 1024 * 16384 // 128 + 3 * 53248 * 16384 // 128 + 2 * 16384 // 16
+    elements = 126 * layer + 2 * 128256 * 16384 // 128 + 16384 // 16
+    tensors = 126 * 9 + 3
+    for rank in (0, 1023):  # the first and the last rank: every dimension divides evenly
+        state = _state("llama3.1-405b", LLAMA_405B_1024, 1024, rank)
+        assert state.param == elements * 4 == 12_683_825_152  # 12,096.2 MiB of fp32 master weights
+        assert state.grad == elements * 4
+        assert state.optim == 2 * elements * 4 + 4 * tensors  # exp_avg, exp_avg_sq, and a float32 step each
+        assert state.even
+
+
+def test_mixtral_8x22b_with_expert_parallelism_matches_the_hand_computed_shards():
+    """expert=8 within a node (one expert per rank), data=8 across nodes. The dense parameters are sharded
+    over the expert axis (FSDP's group is fsdp x context x expert), replicated over data (HSDP); each rank's
+    expert is whole (nothing else shards it: expert_fsdp_mesh is data only)."""
+    dim, hidden, vocab = 6144, 16384, 32768
+    dense = 2 * dim * dim // 8 + 2 * 1024 * dim // 8 + 2 * dim // 8 + 8 * dim // 8  # attention, norms, router
+    experts = 3 * hidden * dim  # w1, w2, w3 of one expert
+    elements = 56 * (dense + experts) + 2 * vocab * dim // 8 + dim // 8
+    state = _state("mixtral-8x7b", ["model.flavor=8x22B", "ici_mesh.expert=8", "ici_mesh.fsdp=1", "dcn_mesh.data=8",
+                                    "global_batch_size=64", "micro_batch_size=1"], 64)
+    assert state.param == elements * 4 == 70_315_035_648
+    assert state.optim == 2 * elements * 4 + 4 * (56 * 10 + 3)
+
+
+def test_plan_405b_at_1024_ranks_in_well_under_a_minute(tmp_path):
+    cfg = config_lib.load("llama3.1-405b", LLAMA_405B_1024, world_size=1024)
+    start = time.perf_counter()
+    plan = make_plan(cfg, 1024, device="h100")
+    assert time.perf_counter() - start < 45
+    doc = plan.to_json()
+    assert list(doc) == ["world_size", "device", "fits", "step_time_s", "mfu", "ranks"]
+    assert doc["world_size"] == 1024 and doc["device"] == "h100" and len(doc["ranks"]) == 1024
+    assert list(doc["ranks"][5]) == ["rank", "coordinate", "param_bytes", "grad_bytes", "optim_bytes",
+                                     "activation_bytes", "peak_bytes"]
+    assert doc["ranks"][5]["coordinate"] == {"data": 0, "fsdp": 0, "tensor": 5}
+    assert doc["ranks"][1023]["coordinate"] == {"data": 7, "fsdp": 15, "tensor": 7}
+    assert all(r["param_bytes"] == 12_683_825_152 for r in doc["ranks"])
+    assert all(r["peak_bytes"] > r["param_bytes"] + r["optim_bytes"] + r["activation_bytes"] for r in doc["ranks"])
+    assert 0 < doc["mfu"] < cost.COMPUTE_EFFICIENCY and doc["step_time_s"] > 0
+    # the FLOPs are ember's own formula over the global batch
+    assert plan.step.flops == pytest.approx(plan_flops(cfg))
+    assert doc["fits"] and plan.max_micro_batch == 1  # 2 sequences of 8192 per rank would not fit in 80 GB
+    axes = {t.axes[0]: t for t in plan.traffic}
+    assert not axes["tensor"].crosses_nodes and axes["fsdp"].crosses_nodes and axes["data"].crosses_nodes
+
+
+def plan_flops(cfg) -> float:
+    from ember.models import MODELS
+
+    args = config_lib.model_choice(cfg).args
+    return MODELS[cfg.model.family].flops_per_token(args, cfg.seq_len) * cfg.global_batch_size * cfg.seq_len
+
+
+def test_layout_warnings_and_search():
+    # tensor=2 on nodes of one device spans two; a 4-stage pipeline fed one micro-batch of 4 sequences idles 43%.
+    cfg = config_lib.load("debug", ["ici_mesh.tensor=2", "ici_mesh.fsdp=1", "ici_mesh.pipeline=4",
+                                    "micro_batch_size=4", "global_batch_size=8"], world_size=8)
+    plan = make_plan(cfg, 8, nodes=8, device="h100", search=True)
+    text = " ".join(plan.warnings)
+    assert "tensor axis (2 ranks) crosses nodes" in text
+    assert "pipeline bubble 43%" in text
+    assert plan.options and all(o["peak_bytes"] <= plan.usable_bytes for o in plan.options)
+    speeds = [o["tokens_per_s"] for o in plan.options]
+    assert speeds == sorted(speeds, reverse=True)
+    # stages differ: the first holds the embedding, the last the output; each keeps its own in-flight count
+    first, last = plan.ranks[0], plan.ranks[-1]
+    assert first.coordinate["pipeline"] == 0 and last.coordinate["pipeline"] == 3
+    assert first.activation_bytes > last.activation_bytes  # 1F1B: 4 micro-batches in flight vs 1
+
+
+def test_fsdp_beyond_the_shard_granularity_is_warned():
+    cfg = config_lib.load("debug", ["ici_mesh.fsdp=512", "global_batch_size=512", "micro_batch_size=1"], world_size=512)
+    plan = make_plan(cfg, 512, device="h100")
+    assert any("larger than the 128 rows" in w for w in plan.warnings)  # wk, wv: 4 K/V heads of 32
+    assert any("uneven shards" in w for w in plan.warnings)
+
+
+def test_cli_json_and_plan_json(tmp_path, capsys):
+    assert main(["plan", "debug", "--world", "2", "ici_mesh.fsdp=2", "micro_batch_size=4", "--device", "cpu", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["world_size"] == 2 and doc["device"] == "cpu" and doc["fits"] is True
+    assert [r["coordinate"] for r in doc["ranks"]] == [{"fsdp": 0}, {"fsdp": 1}]
+    out = tmp_path / "plan.json"
+    assert main(["plan", "debug", f"output_dir={tmp_path}", "--world", "2", "ici_mesh.fsdp=2", "micro_batch_size=4"]) == 0
+    printed = capsys.readouterr().out
+    assert "verdict: fits" in printed and "plan.json" in printed
+    assert json.loads(out.read_text())["device"] == "h100"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["plan", "debug", "--world", "3", "ici_mesh.fsdp=2"], "error: ici_mesh x dcn_mesh"),
+    (["plan", "debug", "--world", "2", "ici_mesh.fsdp=2", "model.nope=1"], "error: "),
+    (["plan", "debug", "--world", "16", "--nodes", "3", "global_batch_size=128"], "error: --nodes 3 does not divide --world 16"),
+    (["plan", "debug", "--world", "2", "--device", "tpu-v9"], "invalid choice"),
+])
+def test_cli_user_errors_are_one_line(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err
+    if message.startswith("error:"):
+        assert len(err.splitlines()) == 1
+
+
+def test_cli_help(capsys):
+    assert main(["plan", "--help"]) == 0
+    assert "--search" in capsys.readouterr().out
