@@ -14,6 +14,7 @@ from matplotlib.image import imread
 
 from ember.cli import main
 from ember.report import build_report
+from ember.report.figures import smooth, smoothing_weight
 
 FIGURES = {"loss_steps", "loss_tokens", "lr", "grad_norm", "throughput", "memory", "data_wait"}
 
@@ -51,7 +52,9 @@ def test_report_of_a_real_run(tiny_run: tuple[Path, str], tmp_path: Path, record
         for key in keys:
             assert series[name][key] == dict(zip(("x", "y"), _column(rows, key))), key
     smoothed = series["loss_steps"]["train loss (smoothed)"]["y"]
-    assert smoothed[0] == pytest.approx(loss[0]) and smoothed[1] == pytest.approx((0.8 * 0.2 * loss[0] + 0.2 * loss[1]) / 0.36)
+    assert smoothing_weight(10) == 0 and smoothed == pytest.approx(loss)  # 10 points: nothing to average over
+    w = smoothing_weight(20)
+    assert w == 0.5 and smooth([4.0, 2.0], w) == pytest.approx([4.0, (w * (1 - w) * 4 + (1 - w) * 2) / (1 - w**2)])
 
     summary = report.runs[0].summary()
     assert summary["steps"] == 20 and summary["tokens"] == 1280 and summary["checkpoints"] == [10, 20]
