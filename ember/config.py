@@ -529,9 +529,7 @@ def _check_dpo(cfg: JobConfig) -> None:
     if cfg.data.dataset in ("embedded", "synthetic") or cfg.data.mixture or cfg.data.streaming:
         raise ConfigError("task=dpo reads preference pairs from data.dataset (a jsonl of {prompt, chosen, rejected} "
                           "rows or a hub dataset), not the embedded corpus, synthetic data, a mixture or a stream")
-    if cfg.data.prompt_field or getattr(cfg.data, "messages_field", None):
-        raise ConfigError("task=dpo names its fields with dpo.prompt_field / dpo.chosen_field / dpo.rejected_field; "
-                          "drop data.prompt_field and data.messages_field")
+    # data.messages_field / prompt_field (an SFT recipe's) are not read: pairs name theirs in dpo.*_field.
     for axis in ("pipeline", "context"):
         if getattr(cfg.ici_mesh, axis) * getattr(cfg.dcn_mesh, axis) != 1:
             raise ConfigError(f"task=dpo scores whole sequences per rank; {axis} parallelism splits them: set "

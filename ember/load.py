@@ -597,6 +597,40 @@ def _load_torch_file(path: Path) -> nn.Module:
     return model
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "tokenizer.model")
+
+
+def export_tokenizer(src: Path, dst: Path, vocab_size: int) -> bool:
+    """Put the model's tokenizer beside its HF export, so `AutoTokenizer.from_pretrained(dst)` and `model.init_from=
+    dst` find it: the files of the folder it came from (an HF directory's own, or the run's data.tokenizer), or
+    ember's embedded BPE (a run without data.tokenizer) saved as tokenizer.json with its EOS named. False when
+    no tokenizer is known (a torch file without its run)."""
+    import yaml
+
+    from ember.data.tokenizer import embedded_tokenizer
+
+    if (src / "tokenizer.json").is_file() or (src / "tokenizer.model").is_file():
+        folder: Optional[Path] = src
+    else:
+        run = src if (src / "config.yaml").is_file() else src.parent.parent  # a run, or its checkpoints/step-N
+        if not (run / "config.yaml").is_file():
+            return False
+        data = (yaml.safe_load((run / "config.yaml").read_text()) or {}).get("data") or {}
+        spec = Path(data["tokenizer"]).expanduser() if data.get("tokenizer") else None
+        folder = None if spec is None else spec if spec.is_dir() else spec.parent
+        if folder is None:
+            tokenizer = embedded_tokenizer(vocab_size, data.get("val_fraction", 0.02))
+            tokenizer.tok.save(str(dst / "tokenizer.json"))
+            config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tokenizer.tok.id_to_token(tokenizer.eos_id)}
+            (dst / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+            return True
+    copied = [name for name in TOKENIZER_FILES if (folder / name).is_file()]
+    for name in copied:
+        shutil.copyfile(folder / name, dst / name)
+    return bool(copied)
+
+
 def convert(src: Union[str, Path], dst: Union[str, Path], to: Optional[str] = None, merge: bool = False) -> str:
     """Convert a model between a Hugging Face directory, an ember checkpoint and a torch.save file; a LoRA
     run's adapters to a peft directory (`to="peft"`), or folded into its base (`merge`, and always for the
@@ -633,6 +667,8 @@ def convert(src: Union[str, Path], dst: Union[str, Path], to: Optional[str] = No
         merge_lora(model)  # a LoRA run as a whole model: W + alpha/r B A
     if target == "hf":
         save_hf(model, model.args, dst)
+        if source != "torch":
+            export_tokenizer(src, dst, model.args.vocab_size)
     elif target == "torch":
         dst.parent.mkdir(parents=True, exist_ok=True)
         tmp = dst.with_name(dst.name + ".tmp")
