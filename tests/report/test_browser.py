@@ -6,7 +6,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import pytest
 from matplotlib.image import imread
 
 from ember.report import build_report
