@@ -12,7 +12,7 @@ from rich.table import Table
 
 from ember.errors import ConfigError
 from ember.plan.cost import FABRICS
-from ember.plan.planner import Plan, Role, make_plan
+from ember.plan.planner import Plan, make_plan
 
 DESCRIPTION = """Plan a training job before booking the cluster: on this CPU, in one process, build each rank's
 share of the model with ember's own parallelize pipeline over a fake process group (every rank of any
@@ -72,12 +72,12 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:,.2f}"
 
 
-def _ranks(role: Role) -> str:
-    r = role.ranks
-    if len(r) == 1:
-        return str(r[0])
-    contiguous = r == list(range(r[0], r[-1] + 1))
-    return f"{r[0]}-{r[-1]}" if contiguous else f"{r[0]}, {r[1]}, ... ({len(r)} ranks)"
+def _ranks(ranks: list[int]) -> str:
+    if len(ranks) == 1:
+        return str(ranks[0])
+    if ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ", ".join(map(str, ranks)) if len(ranks) <= 4 else f"{ranks[0]}, {ranks[1]}, ... ({len(ranks)} ranks)"
 
 
 def render(plan: Plan, console: Console, path: Optional[Path]) -> None:
@@ -89,15 +89,17 @@ def render(plan: Plan, console: Console, path: Optional[Path]) -> None:
         table.add_column(column, justify="left" if column in ("ranks", "stage") else "right")
     by_rank = {r.rank: r for r in plan.ranks}
     for role in plan.roles:
-        shown = [role.ranks[0]] + ([role.ranks[-1]] if by_rank[role.ranks[-1]].param_bytes != by_rank[role.ranks[0]].param_bytes else [])
-        for rank in shown:
+        groups: dict[tuple, list[int]] = {}  # ranks of the role that hold the same bytes (uneven shards differ)
+        for rank in role.ranks:
             r = by_rank[rank]
-            stage = role.kind if len(plan.roles) == 1 else f"{role.kind}, pp {role.pp_rank}, {role.n_layers} layers"
-            table.add_row(_ranks(role) if rank == role.ranks[0] else str(rank), stage, _gib(r.param_bytes),
-                          _gib(r.grad_bytes), _gib(r.optim_bytes), _gib(r.activation_bytes), _gib(r.peak_bytes))
+            groups.setdefault((r.param_bytes, r.grad_bytes, r.optim_bytes, r.activation_bytes, r.peak_bytes), []).append(rank)
+        stage = role.kind if len(plan.roles) == 1 else f"{role.kind}, pp {role.pp_rank}, {role.n_layers} layers"
+        for numbers, ranks in groups.items():
+            table.add_row(_ranks(ranks), stage, *(_gib(n) for n in numbers))
     console.print(table)
     if any("expert" in r.coordinate for r in plan.ranks):
-        console.print("expert ranks hold the same bytes, each its own n_experts / expert experts")
+        console.print("expert ranks: each holds n_experts / expert of the experts (the same bytes where the rows "
+                      "above do not differ)")
     s = plan.step
     console.print(f"step: {s.flops:.3e} model FLOPs, compute {s.compute_s:.2f} s, overlapped communication "
                   f"{s.overlapped_s:.2f} s, exposed {s.exposed_s:.2f} s, bubble {s.bubble:.0%} -> "

@@ -235,9 +235,12 @@ def make_plan(cfg: Any, world: int, nodes: Optional[int] = None, device: str = "
     ranks = []
     for role in roles:
         act, peak = mem[role.pp_rank]
+        held = role.state.param + role.state.grad + role.state.optim
         for rank in role.ranks:
             sb = exact.get(rank, role.state)
-            ranks.append(RankPlan(rank, coords[rank], sb.param, sb.grad, sb.optim, act, peak))
+            # uneven shards: the tracked peak is the role's first rank's; others hold more or less state
+            delta = sb.param + sb.grad + sb.optim - held
+            ranks.append(RankPlan(rank, coords[rank], sb.param, sb.grad, sb.optim, act, peak + delta))
     ranks.sort(key=lambda r: r.rank)
     fits = max(r.peak_bytes for r in ranks) <= usable
 
