@@ -34,11 +34,11 @@ def main() -> int:
             for name, overrides in LAYOUTS[world].items():
                 rows += [{"world": world, **row} for row in compare(world, name, overrides, measured[name])]
     mib = 2**20
-    print(f"{'layout':<22}{'rank':>5}{'params+optim MiB':>18}{'grads MiB':>11}{'peak plan MiB':>15}"
+    print(f"{'layout':<26}{'rank':>5}{'params+optim MiB':>18}{'grads MiB':>11}{'peak plan MiB':>15}"
           f"{'peak real MiB':>15}{'error':>8}  exact")
     for r in rows:
         exact = all(r[f"planned_{k}"] == r[f"measured_{k}"] for k in ("param_bytes", "grad_bytes", "optim_bytes"))
-        print(f"{r['layout']:<22}{r['rank']:>5}{(r['planned_param_bytes'] + r['planned_optim_bytes']) / mib:>18.2f}"
+        print(f"{r['layout']:<26}{r['rank']:>5}{(r['planned_param_bytes'] + r['planned_optim_bytes']) / mib:>18.2f}"
               f"{r['planned_grad_bytes'] / mib:>11.2f}{r['planned_peak_bytes'] / mib:>15.1f}"
               f"{r['measured_peak_bytes'] / mib:>15.1f}{r['peak_error']:>+8.1%}  {'yes' if exact else 'NO'}")
     write_results("plan_accuracy", rows, args)

@@ -67,11 +67,18 @@ LAYOUTS: dict[int, dict[str, list[str]]] = {
         "fsdp=2": ["ici_mesh.fsdp=2"],
         "tensor=2": ["ici_mesh.tensor=2", "ici_mesh.fsdp=1"],
         "pipeline=2 (1f1b)": ["ici_mesh.pipeline=2", "ici_mesh.fsdp=1"],
+        "pipeline=2 (gpipe)": ["ici_mesh.pipeline=2", "ici_mesh.fsdp=1", "parallel.pp_schedule=gpipe"],
+        "pipeline=2 (interleaved)": ["ici_mesh.pipeline=2", "ici_mesh.fsdp=1", "parallel.pp_schedule=interleaved_1f1b",
+                                     "parallel.pp_stages_per_rank=2"],
+        "context=2": ["ici_mesh.context=2", "ici_mesh.fsdp=1"],
+        "fsdp=2 remat=full": ["ici_mesh.fsdp=2", "model.remat=full"],
         "mixtral expert=2": ["model.family=mixtral", "model.flavor=debug", "ici_mesh.expert=2", "ici_mesh.fsdp=1"],
         "gpt-126m fsdp=2": ["model.family=gpt", "model.flavor=126M", "ici_mesh.fsdp=2", "seq_len=128",
                             "micro_batch_size=2", "global_batch_size=4"],
     },
-    4: {"fsdp=4": ["ici_mesh.fsdp=4", "micro_batch_size=2"]},
+    4: {"fsdp=4": ["ici_mesh.fsdp=4", "micro_batch_size=2"],
+        "data=2 x fsdp=2": ["ici_mesh.data=2", "ici_mesh.fsdp=2", "micro_batch_size=2"],
+        "pipeline=2 x fsdp=2": ["ici_mesh.pipeline=2", "ici_mesh.fsdp=2", "micro_batch_size=2"]},
 }
 
 

@@ -11,7 +11,8 @@ and dtypes, no data, no FLOPs). Parallelizing inside fake mode fails (torch 2.13
 parallelized on meta first and `to_empty` runs inside fake mode. The tracked model is the rank's stage cut
 to k and 2k layers: blocks are alike, so the peak is affine in the layer count and the two runs give it at
 the stage's real count (k a multiple of remat_every and moe_every, so both runs see whole periods).
-Under fake tensors the MoE router's per-expert counts are data-dependent (`bincount` has no fake kernel
+Pipeline stages are tracked as torch's schedules run them: FSDP without gradient sync or resharding until
+the last backward (see track_step). Under fake tensors the MoE router's per-expert counts are data-dependent (`bincount` has no fake kernel
 with an unknown output size), so the plan routes every expert the same share of tokens (balanced).
 """
 
@@ -319,7 +320,15 @@ def track_step(job: Job, mesh: Optional[ParallelMesh], part: nn.Module, kind: st
                 out.backward(torch.ones_like(out))
 
         def step() -> None:
-            for _ in range(forwards):
+            for i in range(forwards):
+                if pipelined_fsdp:
+                    # torch.distributed.pipelining runs every backward but the schedule's last without gradient
+                    # reduction or resharding (PipelineStage.backward_maybe_with_nosync): whole gradients and
+                    # gathered parameters stay until the step's end
+                    last = i == forwards - 1
+                    part.set_is_last_backward(last)
+                    part.set_reshard_after_backward(last)
+                    part.set_requires_gradient_sync(last)
                 forward_backward()
             if grad_ratio is not None:  # what each gradient holds, against its parameter's shard
                 for name, p in named_params([part]):
@@ -328,6 +337,7 @@ def track_step(job: Job, mesh: Optional[ParallelMesh], part: nn.Module, kind: st
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
+        pipelined_fsdp = kind != "whole" and isinstance(part, FSDPModule)
         # As after a first step: FSDP initialised (its lazy init at the first forward/backward moves the
         # shards into new storage; FSDPMemTracker must start after it), and the optimizer state (AdamW's
         # update, on zero gradients where no backward ran).

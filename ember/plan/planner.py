@@ -140,7 +140,8 @@ def _rank_memory(job: Job, role: Role, model: StageModel) -> tuple[int, int]:
         # gradient there by then.
         M = job.pp_microbatches
         logits = rows * (job.cfg.seq_len // job.degree("context")) * job.args.vocab_size * job.compute_dtype.itemsize
-        peak = max(peak + (M - 1) * logits, whole.static + role.state.grad + 2 * M * logits)
+        # (the in-flight micro-batches' activations above already hold their outputs)
+        peak = max(peak + max(M - n, 0) * logits, whole.static + role.state.grad + 2 * M * logits)
     return n * unit, peak
 
 

@@ -1,5 +1,6 @@
-"""The plan against real runs on this CPU: for each small layout (ember.plan.measure.LAYOUTS: fsdp=2,
-tensor=2, pipeline=2, a Mixtral expert=2, GPT 126M fsdp=2 on 2 ranks; fsdp=4 on 4), every rank's planned
+"""The plan against real runs on this CPU: for each small layout (ember.plan.measure.LAYOUTS: fsdp, HSDP,
+tensor, context, remat=full, pipeline with each schedule and with FSDP, Mixtral expert=2, GPT 126M fsdp=2, on 2
+and 4 ranks), every rank's planned
 parameter, gradient and optimizer bytes equal the measured ones exactly and its planned peak is within 10%
 of the peak measured by torch's MemTracker in the real training step (ember/plan/measure.py says how).
 One torchrun job per world size (gloo, OMP_NUM_THREADS=1)."""
