@@ -92,7 +92,8 @@ def render(plan: Plan, console: Console, path: Optional[Path]) -> None:
         groups: dict[tuple, list[int]] = {}  # ranks of the role that hold the same bytes (uneven shards differ)
         for rank in role.ranks:
             r = by_rank[rank]
-            groups.setdefault((r.param_bytes, r.grad_bytes, r.optim_bytes, r.activation_bytes, r.peak_bytes), []).append(rank)
+            numbers = (r.param_bytes, r.grad_bytes, r.optim_bytes, r.activation_bytes, r.peak_bytes)
+            groups.setdefault(numbers, []).append(rank)
         stage = role.kind if len(plan.roles) == 1 else f"{role.kind}, pp {role.pp_rank}, {role.n_layers} layers"
         for numbers, ranks in groups.items():
             table.add_row(_ranks(ranks), stage, *(_gib(n) for n in numbers))
@@ -109,12 +110,14 @@ def render(plan: Plan, console: Console, path: Optional[Path]) -> None:
         traffic.add_column(column, justify="left" if column in ("group", "link") else "right")
     for t in plan.traffic:
         traffic.add_row(" x ".join(t.axes), str(t.size), f"{t.bytes / 1e9:,.1f}",
-                        "inter-node" if t.crosses_nodes else "intra-node", f"{t.seconds:.2f}", "yes" if t.overlapped else "no")
+                        "inter-node" if t.crosses_nodes else "intra-node", f"{t.seconds:.2f}",
+                        "yes" if t.overlapped else "no")
     if plan.traffic:
         console.print(traffic)
     peak = max(r.peak_bytes for r in plan.ranks)
     verdict = "[green]fits[/green]" if plan.fits else "[red]does not fit[/red]"
-    best = f"; the largest micro-batch that fits: {plan.max_micro_batch}" if plan.max_micro_batch else "; no micro-batch fits"
+    best = (f"; the largest micro-batch that fits: {plan.max_micro_batch}" if plan.max_micro_batch
+            else "; no micro-batch fits")
     console.print(f"verdict: {verdict}: peak {_gib(peak)} GiB of {_gib(plan.usable_bytes)} GiB usable{best}")
     for note in plan.warnings:
         console.print(f"[yellow]warning:[/yellow] {note}")

@@ -11,9 +11,10 @@ and dtypes, no data, no FLOPs). Parallelizing inside fake mode fails (torch 2.13
 parallelized on meta first and `to_empty` runs inside fake mode. The tracked model is the rank's stage cut
 to k and 2k layers: blocks are alike, so the peak is affine in the layer count and the two runs give it at
 the stage's real count (k a multiple of remat_every and moe_every, so both runs see whole periods).
-Pipeline stages are tracked as torch's schedules run them: FSDP without gradient sync or resharding until
-the last backward (see track_step). Under fake tensors the MoE router's per-expert counts are data-dependent (`bincount` has no fake kernel
-with an unknown output size), so the plan routes every expert the same share of tokens (balanced).
+Pipeline stages are tracked as torch's schedules run them: FSDP without gradient sync or resharding until the
+last backward (see track_step). Under fake tensors the MoE router's per-expert counts are data-dependent
+(`bincount` has no fake kernel with an unknown output size), so the plan routes every expert the same share of
+tokens (balanced).
 """
 
 from __future__ import annotations
@@ -333,7 +334,8 @@ def track_step(job: Job, mesh: Optional[ParallelMesh], part: nn.Module, kind: st
             if grad_ratio is not None:  # what each gradient holds, against its parameter's shard
                 for name, p in named_params([part]):
                     if p.grad is not None:
-                        grad_ratio[param_key(name, layer_period(job))] = _local(p.grad).numel() / max(_local(p).numel(), 1)
+                        key = param_key(name, layer_period(job))
+                        grad_ratio[key] = _local(p.grad).numel() / max(_local(p).numel(), 1)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
