@@ -1,0 +1,190 @@
+"""Fine-tuning memory and speed: full fine-tuning vs LoRA in ember, and ember's LoRA vs transformers + peft.
+
+For the debug Llama (7M) and a ~110M Llama, from the same base weights (an HF directory both sides load), on
+the same random batch and optimizer (ember's AdamW settings), each contestant runs in a fresh process:
+- ember full fine-tuning (`model.init_from=BASE`), ember LoRA at rank 8 and 32 on every linear of attention
+  and MLP (`lora.rank=R lora.targets=all`), and transformers' LlamaForCausalLM + peft LoRA at rank 8 and 32 on
+  the same modules (q k v o gate up down);
+- measured: seconds per training step (forward, loss, backward, clip, AdamW; median over the steps after
+  warm-up), tokens/s, the process's peak resident memory (ru_maxrss), and the bytes of the training state
+  by tensor: gradients (summed over the parameters holding one after backward) and optimizer state
+  (every tensor in the optimizer's state), beside the formula for LoRA: gradients 4 bytes and AdamW's two
+  moments 8 bytes per adapter parameter (fp32).
+
+Rounds alternate over the contestants (each in its own process); a figure is the median over rounds.
+
+    python benchmarks/finetune_memory.py                  # debug and 110M, 2 rounds
+    python benchmarks/finetune_memory.py --models debug --rounds 1 --steps 3
+
+Writes benchmarks/results/finetune_memory-<device>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+MODELS = {
+    "debug": {},  # the debug recipe's Llama 3: dim 256, 4 layers, vocab 8192
+    "110M": {"dim": 768, "n_layers": 12, "n_heads": 12, "n_kv_heads": 4, "vocab_size": 32000},
+}
+CONTESTANTS = ["ember full", "ember lora r8", "ember lora r32", "peft lora r8", "peft lora r32"]
+HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
+    return _tensor_bytes(v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v))
+
+
+def worker(spec: dict) -> dict:
+    """One contestant in this process: build, warm up, time `steps` steps, measure the state."""
+    torch.manual_seed(0)
+    batch, seq, base = spec["batch"], spec["seq"], spec["base"]
+    name = spec["contestant"]
+    rank = int(name.split("r")[-1]) if "lora" in name else 0
+    if name.startswith("ember"):
+        from ember import config as config_lib
+        from ember.train import Trainer
+
+        overrides = [f"model.init_from={base}", "data.dataset=synthetic", "metrics.console=false",
+                     f"output_dir={spec['out']}", f"seq_len={seq}", f"global_batch_size={batch}",
+                     f"micro_batch_size={batch}", "resume=none"]
+        if rank:
+            overrides += [f"lora.rank={rank}", "lora.alpha=16", "lora.targets=all"]
+        trainer = Trainer(config_lib.load("debug", overrides))
+        vocab = trainer.model_args.vocab_size
+        model, optimizer = trainer.model, trainer.optimizer
+
+        def step(inputs: torch.Tensor, labels: torch.Tensor) -> None:
+            trainer.train_step([(inputs, labels)])
+
+        def backward_only(inputs: torch.Tensor, labels: torch.Tensor) -> None:
+            trainer.forward_backward.run([(inputs, labels)], backward=True)
+    else:
+        from peft import LoraConfig, get_peft_model
+        from transformers import LlamaForCausalLM
+
+        from ember.config import OptimConfig
+        from ember.optim import build_optimizer
+
+        hf = LlamaForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation="sdpa")
+        model = get_peft_model(hf, LoraConfig(r=rank, lora_alpha=16, target_modules=HF_TARGETS, lora_dropout=0.0,
+                                              bias="none", task_type="CAUSAL_LM")).train()
+        vocab = hf.config.vocab_size
+        optimizer = build_optimizer(model, OptimConfig(), "cpu")  # ember's AdamW settings, trainable parameters
+
+        def backward_only(inputs: torch.Tensor, labels: torch.Tensor) -> None:
+            model(input_ids=inputs, labels=labels, shift_labels=labels).loss.backward()
+
+        def step(inputs: torch.Tensor, labels: torch.Tensor) -> None:
+            backward_only(inputs, labels)
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    generator = torch.Generator().manual_seed(1)
+    inputs = torch.randint(0, vocab, (batch, seq), generator=generator)
+    labels = torch.randint(0, vocab, (batch, seq), generator=generator)
+    for _ in range(spec["warmup"]):
+        step(inputs, labels)
+    times = []
+    for _ in range(spec["steps"]):
+        start = time.perf_counter()
+        step(inputs, labels)
+        times.append(time.perf_counter() - start)
+    backward_only(inputs, labels)  # the gradients one backward leaves, measured before any step frees them
+    grad_bytes = _tensor_bytes(p.grad for p in model.parameters() if p.grad is not None)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return {"seconds_per_step": statistics.median(times), "tokens_per_s": batch * seq / statistics.median(times),
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "trainable_params": trainable, "grad_bytes": grad_bytes, "optimizer_bytes": _optimizer_bytes(optimizer),
+            "formula_bytes": 12 * trainable if rank else None}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args()
+    if args.worker:
+        print("RESULT " + json.dumps(worker(json.loads(args.worker))))
+        return 0
+    import peft
+    import transformers
+    from results_file import write_results
+
+    from ember.load import save_hf
+    from ember.models import MODELS as FAMILIES, build_model_args
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for model_name in args.models:
+            margs = build_model_args("llama3", "debug", MODELS[model_name])
+            torch.manual_seed(0)
+            with torch.device("meta"):
+                model = FAMILIES["llama3"].model_cls(margs)
+            model.to_empty(device="cpu")
+            model.init_weights()
+            base = Path(tmp) / f"base-{model_name}"
+            save_hf(model, margs, base)
+            del model
+            runs: dict[str, list[dict]] = {c: [] for c in CONTESTANTS}
+            for _ in range(args.rounds):
+                for contestant in CONTESTANTS:
+                    spec = {"contestant": contestant, "base": str(base), "batch": args.batch, "seq": args.seq,
+                            "steps": args.steps, "warmup": args.warmup, "out": str(Path(tmp) / "run")}
+                    proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)],
+                                          capture_output=True, text=True)
+                    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+                    if proc.returncode or not line:
+                        print(proc.stderr[-3000:], file=sys.stderr)
+                        raise SystemExit(f"{contestant} on {model_name} failed")
+                    runs[contestant].append(json.loads(line[0][len("RESULT "):]))
+            full_tps = statistics.median(r["tokens_per_s"] for r in runs["ember full"])
+            for contestant, results in runs.items():
+                row = {"model": model_name, "contestant": contestant, **results[-1],
+                       "seconds_per_step": statistics.median(r["seconds_per_step"] for r in results),
+                       "tokens_per_s": statistics.median(r["tokens_per_s"] for r in results),
+                       "peak_rss_bytes": max(r["peak_rss_bytes"] for r in results)}
+                row["vs_full"] = row["tokens_per_s"] / full_tps
+                rows.append(row)
+            for rank in (8, 32):
+                ember_row = next(r for r in rows if r["model"] == model_name and r["contestant"] == f"ember lora r{rank}")
+                peft_row = next(r for r in rows if r["model"] == model_name and r["contestant"] == f"peft lora r{rank}")
+                ember_row["vs_peft"] = ember_row["tokens_per_s"] / peft_row["tokens_per_s"]
+    print(f"\nfine-tuning, {platform.machine()} CPU, torch {torch.__version__}, {torch.get_num_threads()} threads; "
+          f"batch {args.batch} x seq {args.seq}, median of {args.rounds} rounds")
+    print(f"{'model':<7}{'contestant':<16}{'tok/s':>9}{'vs full':>9}{'vs peft':>9}{'peak RSS':>11}"
+          f"{'trainable':>12}{'grad+optim bytes':>18}{'LoRA formula':>14}")
+    for r in rows:
+        state = r["grad_bytes"] + r["optimizer_bytes"]
+        formula = f"{r['formula_bytes']:,}" if r["formula_bytes"] else "-"
+        vs_peft = f"{r['vs_peft']:.2f}x" if "vs_peft" in r else "-"
+        print(f"{r['model']:<7}{r['contestant']:<16}{r['tokens_per_s']:>9,.0f}{r['vs_full']:>8.2f}x{vs_peft:>9}"
+              f"{r['peak_rss_bytes'] / 2**20:>9,.0f}MB{r['trainable_params']:>12,}{state:>18,}{formula:>14}")
+    write_results("finetune_memory", rows, args, transformers=transformers.__version__, peft=peft.__version__)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
