@@ -38,7 +38,7 @@ def apply_fsdp(
     for module, unit_mesh in own_units:
         if unit_mesh is not None:
             fully_shard(module, mesh=unit_mesh, mp_policy=mp, offload_policy=offload,
-                        reshard_after_forward=reshard_after_forward)
+                        reshard_after_forward=reshard_after_forward, shard_placement_fn=_stacked_placement(unit_mesh))
         else:
             ignored.update(module.parameters())
     if mesh is not None:
@@ -61,3 +61,21 @@ def apply_fsdp(
             module.set_gradient_divide_factor(1.0)
             if hasattr(module, "set_force_sum_reduction_for_comms"):  # torch >= 2.9
                 module.set_force_sum_reduction_for_comms(True)
+
+
+def _stacked_placement(mesh: Any) -> Any:
+    """Where FSDP splits a stacked (experts, rows, cols) parameter: its default, dim 0, only when this rank's
+    experts divide evenly over the mesh. With few experts per expert-parallel rank (Mixtral's 8 at expert=8:
+    one each) dim 0 cannot be split, and FSDP would leave it whole on some ranks and empty on the others; the
+    rows are split instead (torchtitan does the same)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    size = mesh.size()
+
+    def placement(param: nn.Parameter) -> Optional[Shard]:
+        local = param.to_local() if isinstance(param, DTensor) else param
+        if local.dim() == 3 and local.shape[0] % size:
+            return Shard(1)
+        return None  # FSDP's default, Shard(0)
+
+    return placement

@@ -240,13 +240,15 @@ def usable_bytes(fab: Fabric) -> float:
 
 
 def granularity_warning(params: list[Any]) -> Optional[str]:
-    """An FSDP group larger than a sharded parameter's rows: some ranks hold none of it (FSDP shards dim 0)."""
+    """An FSDP group larger than a sharded parameter's rows: some ranks hold none of it (FSDP shards dim 0, or dim
+    1 of stacked experts that dim 0 cannot split: ember.parallel.fsdp)."""
     worst = None
     for p in params:
         if not hasattr(p, "placements"):
             continue
         dims = sharded_dims(p)
-        size = math.prod(s for n, s, _ in dims if n not in ("tensor", "expert"))
+        # FSDP's dims that split rows (dim 0): stacked experts it splits on dim 1 when rows are too few
+        size = math.prod(s for n, s, d in dims if n not in ("tensor", "expert") and d == 0)
         other = math.prod(s for n, s, d in dims if n in ("tensor", "expert") and d == 0)
         rows = p.shape[0] // max(other, 1)
         if size > rows and (worst is None or rows < worst[1]):
