@@ -190,12 +190,17 @@ def exit_status(info: dict[str, str]) -> int:
     return int(code) or 1
 
 
+REQUEUE_GRACE_S = 300.0  # how long a job that requeued itself may look ended before `wait` believes it
+
+
 def wait(job_id: str, out: Callable[[str], None] = lambda s: print(s, end="", flush=True),
          poll_s: float = 2.0) -> int:
     """Follow the job's log until it ends, through requeues; its exit status. The rank that failed first is
     named on failure."""
     offset, state, info = 0, "", {}
     log: Optional[Path] = None
+    last_note = ""  # the latest `ember: ...` line of the script in the log
+    final_since: Optional[float] = None
     while True:
         info = job_info(job_id) or info
         if info.get("StdOut"):
@@ -206,18 +211,28 @@ def wait(job_id: str, out: Callable[[str], None] = lambda s: print(s, end="", fl
                 chunk = f.read()
             offset += len(chunk)
             if chunk:
-                out(chunk.decode(errors="replace"))
+                text = chunk.decode(errors="replace")
+                out(text)
+                notes = [line for line in text.splitlines() if line.startswith("ember: ")]
+                last_note = notes[-1] if notes else last_note
         state = info.get("JobState", "")
         if not info:
             break
         if state in FINAL_STATES:
             # A job that requeues itself passes through a final-looking state (FAILED while its batch shell is
-            # ended) on its way back to PENDING: final only if it still is a moment later.
+            # ended) on its way back to PENDING, for as long as SLURM takes to requeue it. Its script said so
+            # last ("ember: requeueing ..."): keep following, up to REQUEUE_GRACE_S in that state. Otherwise
+            # final only if it still is a moment later.
+            final_since = final_since or time.monotonic()
+            if last_note.startswith("ember: requeueing") and time.monotonic() - final_since < REQUEUE_GRACE_S:
+                time.sleep(poll_s)
+                continue
             time.sleep(max(poll_s, 3.0))
             again = job_info(job_id)
             if not again or again.get("JobState") == state:
                 break
             continue
+        final_since = None
         time.sleep(poll_s)
     status = exit_status(info) if info else 1
     if status:

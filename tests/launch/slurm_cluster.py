@@ -54,7 +54,7 @@ SlurmctldPort={ctld_port}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=socket={dir}/munge.socket
+AuthInfo=socket={dir}/munge.socket,cred_expire=10
 CredType=cred/munge
 StateSaveLocation={dir}/state
 SlurmdSpoolDir={dir}/spool-%n
