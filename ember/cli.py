@@ -41,6 +41,7 @@ def _one_line(err: BaseException) -> str:
     return str(err).splitlines()[0] if str(err) else type(err).__name__
 
 
+STOP_EXIT_ENV = "EMBER_EXIT_CODE_ON_STOP"  # the exit code of a run stopped (and saved) by SIGTERM/SIGUSR1
 ERROR_DIR_ENV = "EMBER_ERROR_DIR"  # set by `ember train --nproc-per-node`: where ranks leave their user errors
 
 
@@ -200,7 +201,13 @@ def cmd_train(argv: list[str]) -> int:
             print(f"error: {err}", file=sys.stderr)
             return 1
         # 130: the shell's "interrupted" (128 + SIGINT): saved, but not finished
-        return 130 if summary["stopped_by_signal"] == "SIGINT" else 0
+        if summary["stopped_by_signal"] == "SIGINT":
+            return 130
+        # Stopped by SIGTERM/SIGUSR1 (preemption): saved, exit 0, unless the scheduler needs a failure to restart
+        # the job: `ember launch k8s` sets EMBER_EXIT_CODE_ON_STOP=75 so that every pod of a job one of whose
+        # pods was evicted fails, OnFailure restarts them all, and resume=auto continues from the checkpoint.
+        stop_code = os.environ.get(STOP_EXIT_ENV, "")
+        return int(stop_code) if summary["stopped_by_signal"] and stop_code.isdigit() else 0
 
     return _as_rank(train, world_size)
 

@@ -45,6 +45,10 @@ def _env(opts: K8sOptions) -> list[dict[str, Any]]:
         # rendezvous id, the same after a pod restart.
         {"name": RDZV_ENDPOINT_ENV, "value": f"{opts.name}-master-0:{RDZV_PORT}"},
         {"name": RUN_ID_ENV, "value": opts.name},
+        # A pod stopped by SIGTERM (evicted, preempted) makes every rank save and stop; exiting 75 (EX_TEMPFAIL)
+        # instead of 0 makes every pod fail, so OnFailure restarts them all and resume=auto goes on from there
+        # (with 0, the others would finish as Succeeded and the restarted pod would wait for them forever).
+        {"name": "EMBER_EXIT_CODE_ON_STOP", "value": "75"},
     ]
     names, values = split_env(opts.env, "put it in a Secret and give --env {name} --secret SECRET_NAME")
     env += [{"name": name, "value": value} for name, value in values.items()]

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -149,14 +150,18 @@ def test_corrupt_checkpoints(uninterrupted: Path, tmp_path: Path):
     assert proc.stderr.count("\n") == 1
 
 
-@pytest.mark.parametrize("sig, exit_code", [(signal.SIGTERM, 0), (signal.SIGINT, 130)])
-def test_stop_signal_saves_at_the_next_step_and_exits(tmp_path: Path, sig: signal.Signals, exit_code: int):
-    # SIGTERM: preemption, the run is saved and may be resumed (exit 0). SIGINT: Ctrl-C, saved the same
-    # way, with the shell's "interrupted" exit status so that `ember train && next` does not go on.
+@pytest.mark.parametrize("sig, exit_code, stop_env", [(signal.SIGTERM, 0, None), (signal.SIGINT, 130, None),
+                                                      (signal.SIGTERM, 75, "75")])
+def test_stop_signal_saves_at_the_next_step_and_exits(tmp_path: Path, sig: signal.Signals, exit_code: int,
+                                                      stop_env: Optional[str]):
+    # SIGTERM: preemption, the run is saved and may be resumed (exit 0; EMBER_EXIT_CODE_ON_STOP, which `ember
+    # launch k8s` sets, for a scheduler that restarts failed pods). SIGINT: Ctrl-C, saved the same way, with the
+    # shell's "interrupted" exit status so that `ember train && next` does not go on.
     out = tmp_path / "term"
+    env = _env(tmp_path, **({"EMBER_EXIT_CODE_ON_STOP": stop_env} if stop_env else {}))
     proc = subprocess.Popen([sys.executable, "-m", "ember", "train", *TINY, f"output_dir={out}", "max_steps=100000",
                              "checkpoint.interval=0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=_env(tmp_path))
+                            env=env)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not (out / "metrics.jsonl").is_file():
         time.sleep(0.2)

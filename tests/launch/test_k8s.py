@@ -44,6 +44,8 @@ def test_the_manifest_passes_the_published_schemas():
     (container,) = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
     assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "HF_TOKEN"}}} in container["env"]
+    # an evicted pod's SIGTERM stops (and saves) every rank; all must fail for OnFailure to restart them all
+    assert {"name": "EMBER_EXIT_CODE_ON_STOP", "value": "75"} in container["env"]
     # The shipped schema's field names are the SDK's (kubeflow-training's generated models).
     from kubeflow.training import models
 
