@@ -133,7 +133,7 @@ def main() -> int:
     import transformers
     from results_file import write_results
 
-    from ember.load import save_hf
+    from ember.convert import save_hf
     from ember.models import MODELS as FAMILIES, build_model_args
 
     rows = []

@@ -27,7 +27,7 @@ import torch
 from results_file import write_results
 
 from ember.generate import generate
-from ember.load import save_hf
+from ember.convert import save_hf
 from ember.models import MODELS, build_model_args
 
 MODELS_TO_RUN = {

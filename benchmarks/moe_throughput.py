@@ -38,7 +38,7 @@ from typing import Callable
 import torch
 
 from ember import config as config_lib
-from ember.load import save_hf
+from ember.convert import save_hf
 from ember.optim import build_optimizer
 from ember.train import Trainer
 

@@ -384,7 +384,7 @@ def cmd_convert(argv: list[str]) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exit_:
         return 0 if exit_.code == 0 else EXIT_USAGE
-    from ember.load import convert
+    from ember.convert import convert
 
     try:
         target = convert(args.src, args.dst, args.to, merge=args.merge)

@@ -13,9 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import re
-import shutil
 import types
 import typing
 import warnings
@@ -30,7 +28,7 @@ from torch import nn
 
 from ember.errors import CheckpointError, ConfigError, UserFileNotFound
 from ember.finetune.lora import LoraLinear, apply_lora, is_adapter_key, merge_lora, trainable_names
-from ember.finetune.peft_format import check_adapter_config, is_peft_dir, merge_peft_adapter, peft_base, save_peft
+from ember.finetune.peft_format import check_adapter_config, is_peft_dir, merge_peft_adapter, peft_base
 from ember.models import MODELS
 
 MODEL_JSON = "model.json"
@@ -318,64 +316,6 @@ def _copy_whole(model: Union[nn.Module, list[nn.Module]], source: nn.Module, whe
             target.copy_(full)
 
 
-def save_hf(model: nn.Module, args: Any, out_dir: Union[str, Path], max_shard_bytes: int = 5 * 2**30) -> None:
-    """Write `model` as a Hugging Face LlamaForCausalLM directory: config.json and safetensors shards
-    (with an index when there is more than one), converting tensor by tensor."""
-    from safetensors.torch import save_file
-
-    family = next(name for name, spec in MODELS.items() if isinstance(model, spec.model_cls))
-    hf = MODELS[family].hf
-    out_dir = Path(out_dir)
-    try:
-        config = hf.hf_config_from_args(args)
-    except ValueError as err:  # a family (GLaM) or an option the HF format cannot express
-        raise CheckpointError(f"cannot write a Hugging Face directory: {first_error_line(err)}") from None
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    # to_hf_state_dict renames and permutes; the permuted q/k rows are the only copies made.
-    for hf_key, hf_tensor in hf.to_hf_state_dict({k: t.detach() for k, t in model.state_dict().items()}, args).items():
-        hf_tensor = hf_tensor.contiguous()
-        nbytes = hf_tensor.numel() * hf_tensor.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][hf_key] = hf_tensor
-        size += nbytes
-    if len(shards) == 1:
-        save_file(shards[0], str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-        return
-    weight_map = {}
-    for i, shard in enumerate(shards, 1):
-        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(out_dir / name), metadata={"format": "pt"})
-        weight_map.update({k: name for k in shard})
-    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for s in shards for t in s.values())},
-             "weight_map": weight_map}
-    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-
-
-def save_ember_checkpoint(model: Union[nn.Module, list[nn.Module]], family: str, flavor: str, args: Any,
-                          step_dir: Union[str, Path]) -> None:
-    """Write model weights (DCP) and model.json to step_dir, via `step_dir.tmp` and a rename, so a
-    directory named step-N is always complete. Collective when torch.distributed is initialised;
-    `model` may be a list of pipeline stages."""
-    step_dir = Path(step_dir)
-    tmp = step_dir.with_name(step_dir.name + ".tmp")
-    if _is_rank0():
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier save
-    _barrier()
-    _quiet_dcp(dcp.save, {"model": model_state_dict(model)}, checkpoint_id=str(tmp))
-    if _is_rank0():  # DCP returns once every rank's shards and the metadata are written
-        meta = {"family": family, "flavor": flavor, "args": dataclasses.asdict(args)}
-        (tmp / MODEL_JSON).write_text(json.dumps(meta, indent=2) + "\n")
-        if step_dir.exists():
-            shutil.rmtree(step_dir)
-        os.replace(tmp, step_dir)
-    _barrier()
-
-
 def _newest_step_dir(run_dir: Path) -> Path:
     steps = [(int(m.group(1)), p) for p in (run_dir / "checkpoints").iterdir()
              if (m := re.fullmatch(r"step-(\d+)", p.name)) and (p / MODEL_JSON).is_file()]
@@ -556,28 +496,6 @@ def load_model(path: Union[str, Path], device: Device = "cpu", dtype: torch.dtyp
     return model.eval()
 
 
-# ---- conversion between formats (`ember convert`) ----------------------------------------------------
-
-
-def detect_format(path: Path) -> str:
-    """'hf' (config.json + safetensors), 'ember' (a DCP checkpoint or run directory) or 'torch' (a file)."""
-    if path.is_file():
-        return "torch"
-    if (path / MODEL_JSON).is_file() or (path / "checkpoints").is_dir():
-        return "ember"
-    if is_peft_dir(path):
-        return "peft"
-    if (path / "config.json").is_file():
-        return "hf"
-    raise UserFileNotFound(f"'{path}' is not a Hugging Face directory, an ember checkpoint or a torch.save file")
-
-
-def _meta_of(model: nn.Module, flavor: str = "custom") -> dict[str, Any]:
-    family = HF_FAMILY if isinstance(model, MODELS[HF_FAMILY].model_cls) else \
-        next(name for name, spec in MODELS.items() if isinstance(model, spec.model_cls))
-    return {"family": family, "flavor": flavor, "args": dataclasses.asdict(model.args)}
-
-
 def _load_torch_file(path: Path) -> nn.Module:
     try:  # weights_only: a checkpoint file is data; mmap: the tensors stay on disk until copied
         payload = torch.load(path, weights_only=True, mmap=True, map_location="cpu")
@@ -595,85 +513,3 @@ def _load_torch_file(path: Path) -> nn.Module:
     model.tie_weights()
     model.init_rope(torch.device("cpu"))
     return model
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "tokenizer.model")
-
-
-def export_tokenizer(src: Path, dst: Path, vocab_size: int) -> bool:
-    """Put the model's tokenizer beside its HF export, so `AutoTokenizer.from_pretrained(dst)` and `model.init_from=
-    dst` find it: the files of the folder it came from (an HF directory's own, or the run's data.tokenizer), or
-    ember's embedded BPE (a run without data.tokenizer) saved as tokenizer.json with its EOS named. False when
-    no tokenizer is known (a torch file without its run)."""
-    import yaml
-
-    from ember.data.tokenizer import embedded_tokenizer
-
-    if (src / "tokenizer.json").is_file() or (src / "tokenizer.model").is_file():
-        folder: Optional[Path] = src
-    else:
-        run = src if (src / "config.yaml").is_file() else src.parent.parent  # a run, or its checkpoints/step-N
-        if not (run / "config.yaml").is_file():
-            return False
-        data = (yaml.safe_load((run / "config.yaml").read_text()) or {}).get("data") or {}
-        spec = Path(data["tokenizer"]).expanduser() if data.get("tokenizer") else None
-        folder = None if spec is None else spec if spec.is_dir() else spec.parent
-        if folder is None:
-            tokenizer = embedded_tokenizer(vocab_size, data.get("val_fraction", 0.02))
-            tokenizer.tok.save(str(dst / "tokenizer.json"))
-            config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tokenizer.tok.id_to_token(tokenizer.eos_id)}
-            (dst / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-            return True
-    copied = [name for name in TOKENIZER_FILES if (folder / name).is_file()]
-    for name in copied:
-        shutil.copyfile(folder / name, dst / name)
-    return bool(copied)
-
-
-def convert(src: Union[str, Path], dst: Union[str, Path], to: Optional[str] = None, merge: bool = False) -> str:
-    """Convert a model between a Hugging Face directory, an ember checkpoint and a torch.save file; a LoRA
-    run's adapters to a peft directory (`to="peft"`), or folded into its base (`merge`, and always for the
-    whole-model formats). A peft directory reads as its base with the adapter folded in.
-    Returns the target format. The model is held in memory once; formats convert tensor by tensor."""
-    src, dst = Path(src), Path(dst)
-    source = detect_format(src) if src.exists() else None
-    if source is None:
-        raise UserFileNotFound(f"'{src}' does not exist")
-    target = to or ("hf" if merge else {"hf": "ember", "ember": "hf", "torch": "ember", "peft": "hf"}[source])
-    if target not in ("hf", "ember", "torch", "peft"):
-        raise CheckpointError(f"--to {target}: choose hf, ember, torch or peft")
-    if source == target:
-        raise CheckpointError(f"'{src}' is already in {target} format")
-    if target == "peft":
-        step_dir = src if (src / MODEL_JSON).is_file() else _newest_step_dir(src) if source == "ember" else None
-        meta = _read_json(step_dir / MODEL_JSON) if step_dir is not None else {}
-        if merge or "lora" not in meta:
-            raise CheckpointError(f"--to peft writes a LoRA run's adapters; '{src}' is not one (trained without "
-                                  "lora.rank)" if not merge else "--merge folds the adapters into the base: use --to hf")
-        args, state = _adapter_tensors(step_dir, meta)
-        save_peft(meta, args, state, dst)
-        return target
-    if source == "torch":
-        model = _load_torch_file(src)
-        meta = _meta_of(model)
-    else:
-        model = load_model(src)
-        step_dir = src if (src / MODEL_JSON).is_file() else _newest_step_dir(src) if source == "ember" else None
-        meta = _meta_of(model)
-        if step_dir is not None:  # keep the checkpoint's own family (llama3.1, not the class's) and flavor labels
-            family, flavor, _ = read_model_json(step_dir / MODEL_JSON)
-            meta.update(family=family, flavor=flavor)
-        merge_lora(model)  # a LoRA run as a whole model: W + alpha/r B A
-    if target == "hf":
-        save_hf(model, model.args, dst)
-        if source != "torch":
-            export_tokenizer(src, dst, model.args.vocab_size)
-    elif target == "torch":
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dst.with_name(dst.name + ".tmp")
-        torch.save({"model": model.state_dict(), "ember": meta}, tmp)
-        os.replace(tmp, dst)
-    else:
-        save_ember_checkpoint(model, meta["family"], meta["flavor"], model.args, dst)
-    return target

@@ -14,7 +14,8 @@ from ember import cli
 from ember import config as config_lib
 from ember.checkpoint import check_architecture
 from ember.errors import CheckpointError
-from ember.load import load_model, save_ember_checkpoint
+from ember.convert import save_ember_checkpoint
+from ember.load import load_model
 from ember.models import MODELS, build_model_args
 from ember.models.llama import Transformer
 from ember.train import Trainer

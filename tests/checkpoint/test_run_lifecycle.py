@@ -14,7 +14,7 @@ import transformers
 
 from ember import config as config_lib
 from ember.config import ConfigError
-from ember.load import save_ember_checkpoint
+from ember.convert import save_ember_checkpoint
 from ember.models import build_model_args
 from ember.models.llama import Transformer
 from ember.train import Trainer

@@ -18,7 +18,7 @@ from lm_eval.models.huggingface import HFLM  # noqa: E402
 
 from ember.data.tokenizer import embedded_tokenizer  # noqa: E402
 from ember.eval.harness import EmberLM  # noqa: E402
-from ember.load import save_hf  # noqa: E402
+from ember.convert import save_hf  # noqa: E402
 from ember.models import MODELS, build_model_args  # noqa: E402
 
 

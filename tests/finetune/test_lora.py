@@ -18,7 +18,8 @@ import torch
 from ember import config as config_lib
 from ember.errors import CheckpointError, ConfigError
 from ember.finetune.lora import LoraLinear, apply_lora, init_lora, lora_disabled, merge_lora
-from ember.load import convert, load_model
+from ember.convert import convert
+from ember.load import load_model
 from ember.train import Trainer
 
 HERE = Path(__file__).parent

@@ -11,7 +11,7 @@ import transformers
 
 from ember.errors import ConfigError
 from ember.generate import attach_kv_caches, detach_kv_caches, generate
-from ember.load import save_hf
+from ember.convert import save_hf
 from ember.models import MODELS, build_model_args
 
 SMALL = {"n_layers": 2, "dim": 64, "n_heads": 4, "vocab_size": 256, "max_seq_len": 64}

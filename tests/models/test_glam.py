@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from ember import config as config_lib
 from ember import load_model
-from ember.load import convert
+from ember.convert import convert
 from ember.models import MODELS, build_model_args
 from ember.models.glam import FLAVORS, GlamArgs, Transformer, flops_per_token, num_params
 from ember.models.glam.model import GatedFeedForward

@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 from ember import config as config_lib
 from ember import load_model
-from ember.load import convert, save_hf
+from ember.convert import convert, save_hf
 from ember.models import MODELS, build_model_args
 from ember.parallel.parallelize import parallelize
 from ember.models.gpt import FLAVORS, GPTArgs, Transformer, flops_per_token, hf, num_params, tp_plan

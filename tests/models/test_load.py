@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ember.load import load_model, save_ember_checkpoint
+from ember.convert import save_ember_checkpoint
+from ember.load import load_model
 from ember.models import build_model_args
 from ember.models.llama import Transformer, hf
 
@@ -109,7 +110,7 @@ def test_hf_weights_that_do_not_fit_the_config(tmp_path: Path):
 
 def test_the_file_of_convert_to_torch_loads(tmp_path: Path):
     # `ember convert --to torch` writes one file; load_model used to refuse it as "a file".
-    from ember.load import convert, save_ember_checkpoint
+    from ember.convert import convert, save_ember_checkpoint
 
     args = build_model_args("llama3", "debug", {"n_layers": 1, "vocab_size": 256, "max_seq_len": 32})
     torch.manual_seed(0)

@@ -10,7 +10,7 @@ import transformers
 
 from ember import config as config_lib
 from ember import load_model
-from ember.load import convert, save_hf
+from ember.convert import convert, save_hf
 from ember.models import MODELS, build_model_args
 from ember.models.mixtral import FLAVORS, Transformer, flops_per_token, num_params
 from ember.nn.moe import MoE
