@@ -48,7 +48,8 @@ class EvalRanks:
             return mine
         import torch.distributed as dist
 
-        count = torch.tensor([len(mine)])
+        # NCCL reduces device tensors only; gloo, host ones.
+        count = torch.tensor([len(mine)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
         return mine + [None] * (int(count) - len(mine))
 
