@@ -129,9 +129,14 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def pick_compute_dtype(precision: str, device: torch.device) -> torch.dtype:
-    """bf16 autocast where the device runs it fast (CUDA with bf16 support), fp32 on CPU by default. fp8 computes
-    in bf16 outside the float8 matmuls of its linears (ember/parallel/fp8.py)."""
+def pick_compute_dtype(precision: str, device: torch.device, frozen_base: bool = False) -> torch.dtype:
+    """The compute dtype `precision` means on `device`. auto: bf16 autocast where the device runs it fast (CUDA
+    with bf16 support); on CPU fp32, except for a frozen base (LoRA) on a CPU with native bf16 matmuls (see
+    `cpu_runs_bf16_natively`). Full training on CPU keeps fp32 by default: CPU runs are the debugging and
+    reference runs, whose losses the multi-process layouts must match exactly; a frozen base takes no updates,
+    so storing and multiplying it in bf16 costs no precision that training keeps (the adapters, their
+    gradients and AdamW's state stay fp32). fp8 computes in bf16 outside the float8 matmuls of its linears
+    (ember/parallel/fp8.py)."""
     precision = "bf16" if precision == "fp8" else precision
     if precision == "fp32":
         return torch.float32
@@ -139,8 +144,23 @@ def pick_compute_dtype(precision: str, device: torch.device) -> torch.dtype:
         if device.type == "cuda" and not torch.cuda.is_bf16_supported():
             raise ConfigError("precision=bf16 but this GPU has no bf16 support; use precision=fp32")
         return torch.bfloat16
-    bf16_ok = device.type == "cuda" and torch.cuda.is_bf16_supported()
-    return torch.bfloat16 if bf16_ok else torch.float32
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    return torch.bfloat16 if frozen_base and device.type == "cpu" and cpu_runs_bf16_natively() else torch.float32
+
+
+def cpu_runs_bf16_natively() -> bool:
+    """Whether this CPU has bf16 matmul instructions (x86 AVX512-BF16 or AMX-BF16; ARM's BF16 extension),
+    which oneDNN uses for bf16 matmuls several times faster than fp32 (4.6x measured on a 2-core AMD EPYC
+    with AVX512-BF16). Without them torch emulates bf16, slower than fp32."""
+    capabilities = getattr(torch.cpu, "get_capabilities", None)  # torch >= 2.7
+    if capabilities is None:
+        return False
+    try:
+        found = capabilities()
+    except (RuntimeError, OSError):
+        return False
+    return any(bool(found.get(flag)) for flag in ("avx512_bf16", "amx_bf16", "bf16"))
 
 
 def match_device(name: str) -> Optional[DeviceSpec]:
@@ -157,6 +177,7 @@ class PeakFlops:
     value_flops: Optional[float]  # None: unknown, MFU is not reported
     source: str  # where the number comes from, or why there is none
     measured: bool = False  # a CPU measurement: raised if a run ever goes faster (see raise_measured_peak)
+    cpu_dtype: torch.dtype = torch.float32  # a CPU measurement: the dtype its matmuls ran in (its cache entry)
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype, user_peak_tflops: Optional[float] = None) -> PeakFlops:
@@ -164,10 +185,13 @@ def peak_flops(device: torch.device, dtype: torch.dtype, user_peak_tflops: Optio
     if user_peak_tflops is not None:
         return PeakFlops(user_peak_tflops * 1e12, "metrics.peak_tflops")
     if device.type == "cpu":
-        # Measured in fp32 whatever the dtype: a bf16 matmul on a CPU without AMX/AVX512-BF16 runs at
-        # ~1 GFLOP/s and would not fit the time budget; the label says which rate MFU is against.
-        value, where = cpu_peak_flops()
-        return PeakFlops(value, f"measured CPU fp32 matmul, {torch.get_num_threads()} threads, {where}", measured=True)
+        # bf16 is measured only where the CPU has bf16 instructions: elsewhere a bf16 matmul runs at ~1 GFLOP/s
+        # (emulated) and would not fit the time budget, so MFU is against fp32; the label says which rate.
+        cpu_dtype = torch.bfloat16 if dtype == torch.bfloat16 and cpu_runs_bf16_natively() else torch.float32
+        value, where = cpu_peak_flops(cpu_dtype)
+        name = "bf16" if cpu_dtype == torch.bfloat16 else "fp32"
+        return PeakFlops(value, f"measured CPU {name} matmul, {torch.get_num_threads()} threads, {where}",
+                         measured=True, cpu_dtype=cpu_dtype)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     spec = match_device(name)
     if spec is None:
@@ -206,8 +230,9 @@ def _tf32_allowed() -> bool:
 MATMUL_SIZES = (512, 1024, 2048)  # beyond the cache-resident sizes that measure higher than any layer gets
 
 
-def measure_cpu_matmul_flops(seconds: float = 0.6, sizes: tuple[int, ...] = MATMUL_SIZES) -> float:
-    """The best fp32 FLOP/s of n x n matmuls on all of torch's CPU threads, over `sizes`, ~`seconds` each.
+def measure_cpu_matmul_flops(seconds: float = 0.6, sizes: tuple[int, ...] = MATMUL_SIZES,
+                             dtype: torch.dtype = torch.float32) -> float:
+    """The best FLOP/s (fp32 unless `dtype` says otherwise) of n x n matmuls on all of torch's CPU threads, over `sizes`, ~`seconds` each.
 
     The best run, not the mean: the peak is what the machine can do, and other processes on a shared host
     only ever make a run slower. Several sizes because BLAS kernels peak at different shapes on different
@@ -215,7 +240,7 @@ def measure_cpu_matmul_flops(seconds: float = 0.6, sizes: tuple[int, ...] = MATM
     """
     best = 0.0
     for n in sizes:
-        a, b, out = torch.randn(n, n), torch.randn(n, n), torch.empty(n, n)
+        a, b, out = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype), torch.empty(n, n, dtype=dtype)
         torch.mm(a, b, out=out)
         deadline = time.perf_counter() + seconds
         while True:
@@ -243,8 +268,9 @@ def cpu_model() -> str:
     return f"{name} ({', '.join(ids)})" if ids else name
 
 
-def _cpu_peak_key() -> str:
-    return f"{cpu_model()} | {torch.get_num_threads()} threads | torch {torch.__version__}"
+def _cpu_peak_key(dtype: torch.dtype = torch.float32) -> str:
+    key = f"{cpu_model()} | {torch.get_num_threads()} threads | torch {torch.__version__}"
+    return key if dtype == torch.float32 else f"{key} | {str(dtype).removeprefix('torch.')}"
 
 
 def _cpu_peak_path() -> Path:
@@ -338,8 +364,9 @@ QUIET_CORES = 0.5
 _PEAK_IN_PROCESS: dict[str, CpuPeak] = {}
 
 
-def cpu_peak_flops() -> tuple[float, str]:
-    """This machine's CPU matmul peak for this process's thread count, and where it is kept (for the label).
+def cpu_peak_flops(dtype: torch.dtype = torch.float32) -> tuple[float, str]:
+    """This machine's CPU matmul peak in `dtype` for this process's thread count, and where it is kept (for
+    the label).
 
     Measured once per (CPU model, threads, torch version) and kept in the ember cache, so every run and
     every rank of a node divides by the same number: a peak measured at each start, while other threads
@@ -347,7 +374,7 @@ def cpu_peak_flops() -> tuple[float, str]:
     processes kept cores busy is kept as provisional: the ranks of the job that made it use it (one figure
     per job), the next job measures again and keeps the higher figure, until a quiet measurement settles it.
     Where the cache cannot be written, the process measures for itself."""
-    path, key = _cpu_peak_path(), _cpu_peak_key()
+    path, key = _cpu_peak_path(), _cpu_peak_key(dtype)
     where = f"cached in {path}"
     entry = _PEAK_IN_PROCESS.get(key)
     if entry is None:
@@ -356,10 +383,10 @@ def cpu_peak_flops() -> tuple[float, str]:
                 peaks = _read_peaks(path)
                 entry = peaks.get(key)
                 if entry is None or not (entry.quiet or entry.job == _job_id()):
-                    peaks[key] = entry = _measure(entry)
+                    peaks[key] = entry = _measure(entry, dtype)
                     _write_peaks(path, peaks)
         except OSError as err:  # an unwritable cache (read-only home, full disk): this process's figure only
-            entry = entry or _measure(None)
+            entry = entry or _measure(None, dtype)
             where = f"not cached ({err.strerror or err}: {path})"
         _PEAK_IN_PROCESS[key] = entry
     if not entry.quiet:
@@ -367,10 +394,10 @@ def cpu_peak_flops() -> tuple[float, str]:
     return entry.flops, where
 
 
-def _measure(previous: Optional[CpuPeak]) -> CpuPeak:
+def _measure(previous: Optional[CpuPeak], dtype: torch.dtype = torch.float32) -> CpuPeak:
     """A new measurement, kept with the previous figure if that was higher (contention only lowers a rate)."""
     before, start = _cpu_seconds(), time.perf_counter()
-    flops = measure_cpu_matmul_flops()
+    flops = measure_cpu_matmul_flops() if dtype == torch.float32 else measure_cpu_matmul_flops(dtype=dtype)
     elsewhere = _busy_elsewhere(before, time.perf_counter() - start)
     quiet = elsewhere is None or elsewhere <= QUIET_CORES
     return CpuPeak(max(flops, previous.flops if previous else 0.0), quiet, _job_id())
@@ -383,7 +410,7 @@ def raise_measured_peak(peak: PeakFlops, achieved_flops: float) -> PeakFlops:
     returned as they are."""
     if not peak.measured or peak.value_flops is None or achieved_flops <= peak.value_flops:
         return peak
-    path, key = _cpu_peak_path(), _cpu_peak_key()
+    path, key = _cpu_peak_path(), _cpu_peak_key(peak.cpu_dtype)
     entry = _PEAK_IN_PROCESS.get(key, CpuPeak(peak.value_flops))
     entry = replace(entry, flops=max(entry.flops, achieved_flops))
     try:
@@ -396,4 +423,5 @@ def raise_measured_peak(peak: PeakFlops, achieved_flops: float) -> PeakFlops:
     except OSError:
         pass  # an unwritable cache: this run still divides by the raised figure
     _PEAK_IN_PROCESS[key] = entry
-    return PeakFlops(entry.flops, peak.source.replace("matmul", "matmul, raised to a training run's rate", 1), True)
+    return PeakFlops(entry.flops, peak.source.replace("matmul", "matmul, raised to a training run's rate", 1), True,
+                     peak.cpu_dtype)

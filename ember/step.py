@@ -157,7 +157,8 @@ class ForwardBackward:
         args = (inputs.to(self.device),) if self.has_first_stage else ()
         losses: list[torch.Tensor] = []
         step = self.schedule.step if backward else self.schedule.eval
-        with phase("pipeline_step"):  # forward and backward interleaved by the schedule
+        # forward and backward interleaved by the schedule, in this thread: autocast covers the stages' forwards
+        with self._autocast(), phase("pipeline_step"):
             step(*args, target=labels.to(self.device), losses=losses)
         if self.has_last_stage and losses:
             return torch.stack([loss.detach() for loss in losses]).sum()

@@ -57,10 +57,19 @@ class LoraLinear(nn.Linear):
     lora_enabled: bool
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_autocast_enabled(x.device.type):
+            # One cast of the input for the base's matmul and the adapter's, where autocast casts per matmul.
+            x = x.to(torch.get_autocast_dtype(x.device.type))
         out = F.linear(x, self.weight, self.bias)  # (..., out)
         if not self.lora_enabled:
             return out
-        return out + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling  # (..., in) -> (..., r) -> (..., out)
+        down = self.lora_A(self.lora_dropout(x))  # (..., in) -> (..., r)
+        if out.dim() < 2 or not isinstance(out, torch.Tensor) or type(out) is not torch.Tensor:
+            return out + self.lora_B(down) * self.scaling  # DTensors (tensor parallel): their own ops
+        # B's product, the scaling and the sum in one addmm: no (..., out)-sized multiply and add of their own,
+        # forward or backward (the scaling lands on the rank-r side).
+        summed = torch.addmm(out.flatten(0, -2), down.flatten(0, -2), self.lora_B.weight.t(), alpha=self.scaling)
+        return summed.view(out.shape)
 
 
 def is_adapter_key(key: str) -> bool:
@@ -262,6 +271,21 @@ def merge_lora(model: nn.Module) -> int:
             module.__class__ = nn.Linear
             merged += 1
     return merged
+
+
+def training_flops_per_token(model_flops: float, model: nn.Module) -> float:
+    """Training FLOPs per token of `model` with adapters applied (on meta is enough), from full training's
+    `model_flops` (6 N + attention; N without the input embedding lookups): each frozen parameter of N
+    skips its weight gradient (2 of its 6 FLOPs), each adapter parameter adds 6. Counting 6 N for a LoRA
+    run would report MFU 1.5x too high."""
+    output = getattr(model, "output", None)
+    lookups = {id(p) for name in ("tok_embeddings", "pos_embeddings") if getattr(model, name, None) is not None
+               for p in getattr(model, name).parameters()}
+    if output is not None:
+        lookups.discard(id(output.weight))  # a tied table is in N, as the output projection
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad and id(p) not in lookups)
+    adapters = sum(p.numel() for name, p in model.named_parameters() if is_adapter_key(name))
+    return model_flops - 2 * frozen + 6 * adapters
 
 
 def trainable_names(model_parts: Sequence[nn.Module]) -> set[str]:

@@ -37,7 +37,12 @@ class _CrossEntropySum(torch.autograd.Function):
         target = labels.clamp_min(0).unsqueeze(1)  # (N, 1); ignored rows read index 0, then are masked
         # autograd allows a dirty input only if it is not a view (tensor-parallel logits gathered over
         # the vocabulary are one); those get a buffer of their own
-        in_place = ctx.needs_input_grad[0] and logits.dtype == torch.float32 and not logits._is_view()
+        in_place = ctx.needs_input_grad[0] and not logits._is_view()
+        if in_place and logits.dtype != torch.float32:  # bf16 logits: fp32 arithmetic a block of rows at a time
+            loss = _blockwise_in_place(x, valid, target)
+            ctx.mark_dirty(logits)
+            ctx.save_for_backward(logits)
+            return loss, logits
         # fp32 softmax (bf16 log-sum-exp loses the small probabilities)
         x = x if in_place else x.float()
         target_logit = x.gather(1, target).squeeze(1)  # (N,), read before x is overwritten
@@ -63,7 +68,35 @@ class _CrossEntropySum(torch.autograd.Function):
     def backward(ctx, grad_loss: torch.Tensor, _: None) -> tuple[torch.Tensor, None]:  # type: ignore[override]
         (grad,) = ctx.saved_tensors
         # In place: no fresh (N, V) buffer. The graph is backpropagated once per step (no retain_graph).
-        return grad.mul_(grad_loss.to(grad.dtype)), None
+        return grad.mul_(grad_loss), None  # a bf16 gradient scaled in fp32 (a 0-dim fp32 factor), then rounded once
+
+
+# fp32 scratch per block of rows for low-precision logits: small enough to stay near the cache on a CPU (and
+# be reused rather than page-faulted), large enough that a GPU runs few, large kernels.
+BLOCK_BYTES = {"cpu": 8 << 20, "cuda": 512 << 20}
+
+
+def _blockwise_in_place(x: torch.Tensor, valid: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The summed loss of low-precision logits x (N, V), whose rows are overwritten with their gradient.
+
+    Each block of rows is copied into one reused fp32 scratch, turned into softmax - onehot there (the same
+    fp32 arithmetic as the whole-tensor path) and written back in x's dtype: no (N, V) fp32 tensor (4 bytes
+    per logit, 4 GiB for 8K tokens of a 128K vocabulary) and no fresh buffer of that size per step."""
+    n_rows, vocab = x.shape
+    rows = max(1, min(n_rows, BLOCK_BYTES.get(x.device.type, 512 << 20) // (4 * vocab)))
+    scratch = torch.empty((rows, vocab), dtype=torch.float32, device=x.device)
+    loss = torch.zeros((), dtype=torch.float32, device=x.device)
+    for start in range(0, n_rows, rows):
+        end = min(n_rows, start + rows)
+        block, ok, tgt = scratch[: end - start], valid[start:end], target[start:end]
+        block.copy_(x[start:end])
+        target_logit = block.gather(1, tgt).squeeze(1)
+        row_max = block.amax(dim=-1, keepdim=True)
+        row_sum = block.sub_(row_max).exp_().sum(dim=-1, keepdim=True)
+        loss += ((row_max + row_sum.log()).squeeze(1) - target_logit).mul(ok).sum()
+        block.mul_(ok.unsqueeze(1) / row_sum).scatter_add_(1, tgt, -ok.unsqueeze(1).to(block.dtype))
+        x[start:end].copy_(block)
+    return loss
 
 
 def cross_entropy_sum(logits: Union[torch.Tensor, list[torch.Tensor]], labels: torch.Tensor) -> torch.Tensor:

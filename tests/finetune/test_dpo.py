@@ -108,6 +108,13 @@ def test_a_dpo_run_starts_at_log2_and_learns_the_preference(pairs: Path, tmp_pat
     assert steps[0]["dpo/reward_margin"] == pytest.approx(0, abs=1e-6)
     assert steps[-1]["dpo/accuracy"] == 1.0 and steps[-1]["dpo/reward_margin"] > 1.0
     assert steps[-1]["loss"] < 0.3 and steps[-1]["dpo/chosen_reward"] > steps[-1]["dpo/rejected_reward"]
+    # TFLOP/s and MFU count the frozen reference's forward over every row beside the policy's training step
+    from ember.models.llama import LlamaArgs, flops_per_token
+
+    saved = json.loads(next((run / "checkpoints").glob("step-*/model.json")).read_text())
+    full = flops_per_token(LlamaArgs(**saved["args"]), 32)
+    record = steps[-1]
+    assert record["tflops_per_device"] * 1e12 / record["tokens_per_s_per_device"] == pytest.approx(full * 4 / 3, rel=1e-9)
 
 
 def test_dpo_on_lora_uses_the_base_as_its_reference(pairs: Path, tmp_path: Path):

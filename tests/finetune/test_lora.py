@@ -17,6 +17,7 @@ import torch
 
 from ember import config as config_lib
 from ember.errors import CheckpointError, ConfigError
+from ember.hardware import cpu_runs_bf16_natively
 from ember.finetune.lora import LoraLinear, apply_lora, init_lora, lora_disabled, merge_lora
 from ember.convert import convert
 from ember.load import load_model
@@ -66,6 +67,11 @@ def lora_run(base, tmp_path_factory) -> tuple[Path, Trainer, dict]:
     return out, trainer, summary
 
 
+def _compute(trainer: Trainer):
+    """The autocast a trainer's model runs under (its frozen matrices may be bf16 beside fp32 activations)."""
+    return torch.autocast("cpu", dtype=trainer.compute_dtype, enabled=trainer.compute_dtype != torch.float32)
+
+
 def _tokens(n: int = 2, t: int = 16, vocab: int = 512) -> torch.Tensor:
     return torch.randint(0, vocab, (n, t), generator=torch.Generator().manual_seed(0))
 
@@ -99,8 +105,14 @@ def test_gradients_reach_only_the_adapters_and_the_base_is_unchanged(base, lora_
     out, trainer, summary = lora_run
     before = load_model(base).state_dict()
     after = trainer.model.state_dict()
-    for key, tensor in before.items():  # every base weight, bit for bit, after 8 optimizer steps
-        assert torch.equal(after[key], tensor), key
+    # Where the CPU has bf16 matmuls, precision=auto stores the frozen matrices in bf16 (embeddings and norms
+    # stay fp32); every base weight is then the base's, cast once, bit for bit after 8 optimizer steps.
+    stored = torch.bfloat16 if cpu_runs_bf16_natively() else torch.float32
+    assert trainer.compute_dtype == stored
+    assert after["layers.0.attention.wq.weight"].dtype == after["output.weight"].dtype == stored
+    assert after["tok_embeddings.weight"].dtype == after["norm.weight"].dtype == torch.float32
+    for key, tensor in before.items():
+        assert torch.equal(after[key], tensor.to(after[key].dtype)), key
     adapters_b = [m.lora_B.weight for m in trainer.model.modules() if isinstance(m, LoraLinear)]
     assert all(b.abs().sum() > 0 for b in adapters_b)  # B moved off zero: the adapters trained
     frozen = [p for p in trainer.model.parameters() if not p.requires_grad]
@@ -108,6 +120,22 @@ def test_gradients_reach_only_the_adapters_and_the_base_is_unchanged(base, lora_
     state_params = {id(p) for p in trainer.optimizer.state}
     assert all(id(p) not in state_params for p in frozen)  # no optimizer state for the base
     assert len(trainer.optimizer.state) == 2 * 4 * 7
+
+
+def test_mfu_counts_the_weight_gradients_a_lora_run_computes(lora_run):
+    """6 N counts a weight gradient for every parameter; a LoRA step skips the frozen ones' (2 FLOPs each) and
+    adds the adapters' forward and backward (6 each), so MFU is not overstated 1.5x."""
+    from ember.models.llama import LlamaArgs, flops_per_token
+
+    _, trainer, _ = lora_run
+    args: LlamaArgs = trainer.model_args
+    d, kv, hidden = args.dim, args.kv_heads * args.head_dim, args.ffn_hidden_dim
+    shapes = [(d, d), (d, kv), (d, kv), (d, d), (d, hidden), (hidden, d), (d, hidden)]  # wq wk wv wo w1 w2 w3
+    adapters = args.n_layers * sum(4 * (fan_in + fan_out) for fan_in, fan_out in shapes)  # rank 4: A and B
+    n = args.n_layers * (sum(i * o for i, o in shapes) + 2 * d) + d + args.vocab_size * d  # 6 N's N, all frozen
+    full = flops_per_token(args, 32)
+    assert trainer.flops_per_token == full - 2 * n + 6 * adapters
+    assert 2 / 3 < trainer.flops_per_token / full < 0.8  # 4 N + adapters + attention of 6 N + attention
 
 
 def test_a_short_lora_run_lowers_the_loss(tmp_path):
@@ -142,7 +170,7 @@ def test_the_checkpoint_holds_only_adapters_and_names_its_base(base, lora_run):
     # and load_model puts the adapters back on the base: the model the run ended with
     tokens = _tokens()
     trainer.model.eval()
-    with torch.no_grad():
+    with torch.no_grad(), _compute(trainer):  # the same bf16 casts of the same fp32 values: bit for bit
         torch.testing.assert_close(load_model(out)(tokens), trainer.model(tokens), rtol=0, atol=0)
 
 
@@ -168,7 +196,8 @@ def _run_layouts(tmp_path: Path, nproc: int, cases: dict, base_overrides: list[s
 
 def test_fsdp_and_tensor_parallel_lora_losses_equal_one_process(base, tmp_path):
     steps = 3
-    common = SHAPE + LORA + [f"max_steps={steps}", f"model.init_from={base}"]
+    # fp32, where every layout must give the single process's losses to rounding; bf16 cases beside it
+    common = SHAPE + LORA + [f"max_steps={steps}", f"model.init_from={base}", "precision=fp32"]
     ref_out = tmp_path / "single"
     cfg = config_lib.load("debug", common + ["micro_batch_size=8", f"output_dir={ref_out}"])
     Trainer(cfg).train()
@@ -180,6 +209,8 @@ def test_fsdp_and_tensor_parallel_lora_losses_equal_one_process(base, tmp_path):
         "pipeline=2": ["micro_batch_size=4", "ici_mesh.pipeline=2", "parallel.pp_schedule=gpipe"],
         # bf16: the frozen matrices stored in bf16 beside fp32 adapters in one FSDP unit, bf16 all-gathers
         "fsdp=2 bf16": ["micro_batch_size=4", "precision=bf16"],
+        # bf16 autocast around the pipeline schedule: its stages' bf16 matrices meet fp32 activations
+        "pipeline=2 bf16": ["micro_batch_size=4", "ici_mesh.pipeline=2", "parallel.pp_schedule=gpipe", "precision=bf16"],
     }
     results = _run_layouts(tmp_path, 2, cases, common)
     assert set(results) == set(cases)
@@ -361,7 +392,7 @@ def test_trained_norms_and_embeddings_are_saved_and_restored(base, tmp_path):
     assert not torch.equal(trainer.model.state_dict()["norm.weight"], before["norm.weight"])
     tokens = _tokens()
     trainer.model.eval()
-    with torch.no_grad():
+    with torch.no_grad(), _compute(trainer):
         assert torch.equal(load_model(tmp_path / "run")(tokens), trainer.model(tokens))
     with pytest.raises(CheckpointError, match=r"also trained embeddings or norms"):
         convert(tmp_path / "run", tmp_path / "adapter", "peft")

@@ -71,7 +71,7 @@ def test_hf_folder_to_sft_lora_to_hf_to_dpo_lora_to_peft(tmp_path: Path):
             a, b = rng.randrange(10), rng.randrange(10)
             question = [{"role": "system", "content": "good"}, {"role": "user", "content": f"what is {a} plus {b} ?"}]
             f.write(json.dumps({"messages": question + [{"role": "assistant", "content": f"{a + b} ."}]}) + "\n")
-            g.write(json.dumps({"prompt": question, "chosen": f"{a + b} .", "rejected": f"{(a + b + 1) % 20} ."}) + "\n")
+            g.write(json.dumps({"prompt": question, "chosen": f"{a + b} .", "rejected": "bad ."}) + "\n")
 
     # 1. Chat SFT with LoRA, one command from the HF folder (the recipe reads its weights and tokenizer)
     sft = tmp_path / "sft"
@@ -97,7 +97,9 @@ def test_hf_folder_to_sft_lora_to_hf_to_dpo_lora_to_peft(tmp_path: Path):
     _ember("train", "llama3.2-1b-sft", "task=dpo", f"model.init_from={merged}", f"data.dataset={prefs}",
            "optim.lr=5e-3", "data.val_fraction=0.1", f"output_dir={dpo}", *SMALL)
     steps = [r for r in _records(dpo) if "dpo/accuracy" in r]
-    assert abs(steps[0]["loss"] - 0.693147) < 1e-5 and steps[-1]["dpo/reward_margin"] > steps[0]["dpo/reward_margin"]
+    assert abs(steps[0]["loss"] - 0.693147) < 1e-5 and steps[0]["dpo/reward_margin"] == 0
+    # the policy learns to prefer the answer over "bad" (margin 0.23 in fp32, 0.21 with the base in bf16)
+    assert steps[-1]["dpo/accuracy"] == 1.0 and steps[-1]["dpo/reward_margin"] > 0.1
 
     # 4. The DPO adapters as peft's, on the merged SFT folder
     adapter = tmp_path / "dpo-adapter"

@@ -264,3 +264,39 @@ def test_real_cpu_measurement_is_plausible():
 def test_device_spec_is_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         hardware.H100_SXM.bf16 = 1.0
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_precision_on_cpu_is_bf16_only_for_a_frozen_base_on_a_bf16_cpu(native: bool, monkeypatch):
+    monkeypatch.setattr(hardware, "cpu_runs_bf16_natively", lambda: native)
+    cpu = torch.device("cpu")
+    assert hardware.pick_compute_dtype("auto", cpu) == torch.float32  # full training: fp32 on any CPU
+    assert hardware.pick_compute_dtype("auto", cpu, frozen_base=True) == (torch.bfloat16 if native else torch.float32)
+    assert hardware.pick_compute_dtype("fp32", cpu, frozen_base=True) == torch.float32  # asked for: kept
+    assert hardware.pick_compute_dtype("bf16", cpu) == torch.bfloat16
+
+
+def test_cpu_bf16_detection_reads_torchs_capabilities(monkeypatch):
+    for flags, expected in (({"avx512_bf16": True}, True), ({"amx_bf16": True, "avx512_bf16": False}, True),
+                            ({"avx512_bf16": False, "avx2": True}, False), ({}, False)):
+        monkeypatch.setattr(torch.cpu, "get_capabilities", lambda flags=flags: flags, raising=False)
+        assert hardware.cpu_runs_bf16_natively() is expected, flags
+
+
+def test_a_bf16_cpu_peak_is_its_own_entry_and_raising_it_leaves_fp32_alone(fresh_cache: Path, monkeypatch):
+    """A bf16 run (LoRA's frozen base) beating the fp32 peak must not raise the fp32 figure that full
+    training's MFU divides by: each dtype is measured, cached and raised under its own key."""
+    monkeypatch.setattr(hardware, "cpu_runs_bf16_natively", lambda: True)
+    monkeypatch.setattr(hardware, "measure_cpu_matmul_flops",
+                        lambda dtype=torch.float32: 4e11 if dtype == torch.bfloat16 else 1e11)
+    fp32 = peak_flops(torch.device("cpu"), torch.float32, None)
+    bf16 = peak_flops(torch.device("cpu"), torch.bfloat16, None)
+    assert (fp32.value_flops, bf16.value_flops) == (1e11, 4e11)
+    assert "bf16 matmul" in bf16.source and "fp32 matmul" in fp32.source
+    hardware.raise_measured_peak(bf16, 5e11)
+    flops = {key.rsplit("| ", 1)[-1]: entry["flops"] for key, entry in _cached(fresh_cache).items()}
+    assert sorted(flops.values()) == [1e11, 5e11] and flops["bfloat16"] == 5e11
+    # Without bf16 instructions a bf16 run's MFU is against the fp32 peak (an emulated bf16 rate means nothing).
+    monkeypatch.setattr(hardware, "cpu_runs_bf16_natively", lambda: False)
+    monkeypatch.setattr(hardware, "_PEAK_IN_PROCESS", {})
+    assert peak_flops(torch.device("cpu"), torch.bfloat16, None).value_flops == 1e11

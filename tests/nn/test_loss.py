@@ -91,3 +91,31 @@ def test_a_view_of_logits_is_not_modified_in_place():
     expected = base.detach().clone().requires_grad_()
     F.cross_entropy(expected[..., :11].flatten(0, 1), labels.flatten(), reduction="sum").backward()
     torch.testing.assert_close(base.grad, expected.grad)
+
+
+@pytest.mark.parametrize("block_rows", [1, 4, 7, 64])
+def test_bf16_logits_take_their_gradient_in_place_a_block_of_rows_at_a_time(block_rows, monkeypatch):
+    """bf16 logits: each block of rows goes through one fp32 scratch and comes back as its gradient, so no
+    (N, V) fp32 tensor exists; the loss and gradient are those of the whole-tensor fp32 computation, whatever
+    the block size (whole blocks, a partial last block, one row at a time)."""
+    import ember.nn.loss as loss_lib
+
+    vocab = 37
+    monkeypatch.setitem(loss_lib.BLOCK_BYTES, "cpu", block_rows * 4 * vocab)
+    g = torch.Generator().manual_seed(0)
+    leaf = (torch.randn(3, 6, vocab, generator=g) * 4).bfloat16().requires_grad_()
+    labels = torch.randint(0, vocab, (3, 6), generator=g)
+    labels[1, :3] = IGNORE_INDEX
+    logits = leaf * 1  # a non-leaf, not a view: the gradient may take its storage
+    ours = cross_entropy_sum(logits, labels)
+    (ours / 5).backward()
+    assert torch.equal(logits, leaf.grad)  # the logits' own storage now holds the gradient
+    reference_leaf = leaf.detach().float().requires_grad_()
+    expected = F.cross_entropy(reference_leaf.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
+                               reduction="sum")
+    (expected / 5).backward()
+    torch.testing.assert_close(ours, expected, rtol=1e-6, atol=1e-5)  # fp32 arithmetic, only the sums' order differs
+    # the gradient is kept in bf16 between forward and backward, then scaled (by 1/5, in fp32) and rounded again:
+    # within bf16's rounding of the exact gradient
+    torch.testing.assert_close(leaf.grad.float(), reference_leaf.grad, rtol=2**-7, atol=1e-6)
+    assert leaf.grad[1, :3].abs().sum() == 0
