@@ -2,9 +2,17 @@
 
 For the debug Llama (7M) and a ~110M Llama, from the same base weights (an HF directory both sides load), on
 the same random batch and optimizer (ember's AdamW settings), each contestant runs in a fresh process:
-- ember full fine-tuning (`model.init_from=BASE`), ember LoRA at rank 8 and 32 on every linear of attention
-  and MLP (`lora.rank=R lora.targets=all`), and transformers' LlamaForCausalLM + peft LoRA at rank 8 and 32 on
-  the same modules (q k v o gate up down);
+- ember full fine-tuning (`model.init_from=BASE`) at precision=auto (fp32 on a CPU) and precision=bf16, and
+  ember LoRA at rank 8 and 32 on every linear of attention and MLP (`lora.rank=R lora.targets=all`) at
+  precision=auto: bf16 compute with the frozen base stored in bf16 on a CPU with bf16 matmuls
+  (AVX512-BF16/AMX), else fp32;
+- transformers' LlamaForCausalLM + peft LoRA at rank 8 and 32 on the same modules (q k v o gate up down), in
+  the three ways users run it: fp32 (from_pretrained's default here), fp32 weights under bf16 autocast (what
+  transformers' Trainer does with bf16=True), and bf16 weights (dtype=torch.bfloat16; peft keeps the
+  adapters in fp32). "vs peft" divides by the fastest of the three at the same rank;
+- one more peft contestant (r32, autocast) with glibc's malloc told to keep freed memory for reuse
+  (mallopt M_MMAP_THRESHOLD / M_TRIM_THRESHOLD, as a tuned allocator would): it shows how much of ember's
+  lead is transformers' fresh (N, V) buffers being page-faulted in every step;
 - measured: seconds per training step (forward, loss, backward, clip, AdamW; median over the steps after
   warm-up), tokens/s, the process's peak resident memory (ru_maxrss), and the bytes of the training state
   by tensor: gradients (summed over the parameters holding one after backward) and optimizer state
@@ -22,6 +30,7 @@ Writes benchmarks/results/finetune_memory-<device>.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import resource
@@ -38,7 +47,15 @@ MODELS = {
     "debug": {},  # the debug recipe's Llama 3: dim 256, 4 layers, vocab 8192
     "110M": {"dim": 768, "n_layers": 12, "n_heads": 12, "n_kv_heads": 4, "vocab_size": 32000},
 }
-CONTESTANTS = ["ember full", "ember lora r8", "ember lora r32", "peft lora r8", "peft lora r32"]
+# name -> (framework, LoRA rank (0: full), precision, tuned malloc)
+CONTESTANTS = {
+    "ember full": ("ember", 0, "auto", False), "ember full bf16": ("ember", 0, "bf16", False),
+    "ember lora r8": ("ember", 8, "auto", False), "ember lora r32": ("ember", 32, "auto", False),
+    "peft lora r8 fp32": ("peft", 8, "fp32", False), "peft lora r8 autocast": ("peft", 8, "autocast", False),
+    "peft lora r8 bf16": ("peft", 8, "bf16", False), "peft lora r32 fp32": ("peft", 32, "fp32", False),
+    "peft lora r32 autocast": ("peft", 32, "autocast", False), "peft lora r32 bf16": ("peft", 32, "bf16", False),
+    "peft lora r32 autocast malloc": ("peft", 32, "autocast", True),
+}
 HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -52,22 +69,28 @@ def _optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 def worker(spec: dict) -> dict:
     """One contestant in this process: build, warm up, time `steps` steps, measure the state."""
+    framework, rank, precision, tuned_malloc = CONTESTANTS[spec["contestant"]]
+    if tuned_malloc:  # keep freed blocks for reuse instead of returning them to the OS (glibc)
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 1 << 30), libc.mallopt(-1, 1 << 30)  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
     torch.manual_seed(0)
     batch, seq, base = spec["batch"], spec["seq"], spec["base"]
-    name = spec["contestant"]
-    rank = int(name.split("r")[-1]) if "lora" in name else 0
-    if name.startswith("ember"):
+    autocast = contextlib.nullcontext()
+    if framework == "ember":
         from ember import config as config_lib
         from ember.train import Trainer
 
         overrides = [f"model.init_from={base}", "data.dataset=synthetic", "metrics.console=false",
                      f"output_dir={spec['out']}", f"seq_len={seq}", f"global_batch_size={batch}",
-                     f"micro_batch_size={batch}", "resume=none"]
+                     f"micro_batch_size={batch}", "resume=none", f"precision={precision}"]
         if rank:
             overrides += [f"lora.rank={rank}", "lora.alpha=16", "lora.targets=all"]
         trainer = Trainer(config_lib.load("debug", overrides))
         vocab = trainer.model_args.vocab_size
         model, optimizer = trainer.model, trainer.optimizer
+        compute = str(trainer.compute_dtype).removeprefix("torch.")
 
         def step(inputs: torch.Tensor, labels: torch.Tensor) -> None:
             trainer.train_step([(inputs, labels)])
@@ -81,14 +104,20 @@ def worker(spec: dict) -> dict:
         from ember.config import OptimConfig
         from ember.optim import build_optimizer
 
-        hf = LlamaForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation="sdpa")
+        weights = torch.bfloat16 if precision == "bf16" else torch.float32
+        hf = LlamaForCausalLM.from_pretrained(base, dtype=weights, attn_implementation="sdpa")
+        if precision == "autocast":
+            autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+        compute = "float32" if precision == "fp32" else "bfloat16"
         model = get_peft_model(hf, LoraConfig(r=rank, lora_alpha=16, target_modules=HF_TARGETS, lora_dropout=0.0,
                                               bias="none", task_type="CAUSAL_LM")).train()
         vocab = hf.config.vocab_size
         optimizer = build_optimizer(model, OptimConfig(), "cpu")  # ember's AdamW settings, trainable parameters
 
         def backward_only(inputs: torch.Tensor, labels: torch.Tensor) -> None:
-            model(input_ids=inputs, labels=labels, shift_labels=labels).loss.backward()
+            with autocast:
+                loss = model(input_ids=inputs, labels=labels, shift_labels=labels).loss
+            loss.backward()
 
         def step(inputs: torch.Tensor, labels: torch.Tensor) -> None:
             backward_only(inputs, labels)
@@ -112,7 +141,7 @@ def worker(spec: dict) -> dict:
     return {"seconds_per_step": statistics.median(times), "tokens_per_s": batch * seq / statistics.median(times),
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "trainable_params": trainable, "grad_bytes": grad_bytes, "optimizer_bytes": _optimizer_bytes(optimizer),
-            "formula_bytes": 12 * trainable if rank else None}
+            "formula_bytes": 12 * trainable if rank else None, "compute_dtype": compute}
 
 
 def main() -> int:
@@ -160,28 +189,39 @@ def main() -> int:
                         print(proc.stderr[-3000:], file=sys.stderr)
                         raise SystemExit(f"{contestant} on {model_name} failed")
                     runs[contestant].append(json.loads(line[0][len("RESULT "):]))
-            full_tps = statistics.median(r["tokens_per_s"] for r in runs["ember full"])
+            # "vs full": against ember's full fine-tuning in the same compute dtype
+            full_tps = {results[-1]["compute_dtype"]: statistics.median(r["tokens_per_s"] for r in results)
+                        for name, results in runs.items() if name in ("ember full", "ember full bf16")}
             for contestant, results in runs.items():
                 row = {"model": model_name, "contestant": contestant, **results[-1],
                        "seconds_per_step": statistics.median(r["seconds_per_step"] for r in results),
                        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in results),
                        "peak_rss_bytes": max(r["peak_rss_bytes"] for r in results)}
-                row["vs_full"] = row["tokens_per_s"] / full_tps
+                row["vs_full"] = row["tokens_per_s"] / full_tps[row["compute_dtype"]]
                 rows.append(row)
+            mine = {r["contestant"]: r for r in rows if r["model"] == model_name}
             for rank in (8, 32):
-                ember_row = next(r for r in rows if r["model"] == model_name and r["contestant"] == f"ember lora r{rank}")
-                peft_row = next(r for r in rows if r["model"] == model_name and r["contestant"] == f"peft lora r{rank}")
-                ember_row["vs_peft"] = ember_row["tokens_per_s"] / peft_row["tokens_per_s"]
+                ember_row = mine[f"ember lora r{rank}"]
+                best = max((r for name, r in mine.items() if name.startswith(f"peft lora r{rank} ")
+                            and not CONTESTANTS[name][3]), key=lambda r: r["tokens_per_s"])
+                ember_row["vs_peft"] = ember_row["tokens_per_s"] / best["tokens_per_s"]
+                ember_row["fastest_peft"] = best["contestant"]
+            tuned = mine["peft lora r32 autocast malloc"]
+            mine["ember lora r32"]["vs_peft_tuned_malloc"] = mine["ember lora r32"]["tokens_per_s"] / tuned["tokens_per_s"]
     print(f"\nfine-tuning, {platform.machine()} CPU, torch {torch.__version__}, {torch.get_num_threads()} threads; "
           f"batch {args.batch} x seq {args.seq}, median of {args.rounds} rounds")
-    print(f"{'model':<7}{'contestant':<16}{'tok/s':>9}{'vs full':>9}{'vs peft':>9}{'peak RSS':>11}"
+    print(f"{'model':<7}{'contestant':<31}{'compute':>9}{'tok/s':>9}{'vs full':>9}{'vs peft':>9}{'peak RSS':>11}"
           f"{'trainable':>12}{'grad+optim bytes':>18}{'LoRA formula':>14}")
     for r in rows:
         state = r["grad_bytes"] + r["optimizer_bytes"]
         formula = f"{r['formula_bytes']:,}" if r["formula_bytes"] else "-"
         vs_peft = f"{r['vs_peft']:.2f}x" if "vs_peft" in r else "-"
-        print(f"{r['model']:<7}{r['contestant']:<16}{r['tokens_per_s']:>9,.0f}{r['vs_full']:>8.2f}x{vs_peft:>9}"
+        print(f"{r['model']:<7}{r['contestant']:<31}{r['compute_dtype'].replace('bfloat', 'bf').replace('float', 'fp'):>9}"
+              f"{r['tokens_per_s']:>9,.0f}{r['vs_full']:>8.2f}x{vs_peft:>9}"
               f"{r['peak_rss_bytes'] / 2**20:>9,.0f}MB{r['trainable_params']:>12,}{state:>18,}{formula:>14}")
+    for r in rows:
+        if "vs_peft_tuned_malloc" in r:
+            print(f"{r['model']}: ember lora r32 vs peft r32 autocast with a tuned malloc: {r['vs_peft_tuned_malloc']:.2f}x")
     write_results("finetune_memory", rows, args, transformers=transformers.__version__, peft=peft.__version__)
     return 0
 

@@ -64,8 +64,8 @@ class LoraLinear(nn.Linear):
         if not self.lora_enabled:
             return out
         down = self.lora_A(self.lora_dropout(x))  # (..., in) -> (..., r)
-        if out.dim() < 2 or not isinstance(out, torch.Tensor) or type(out) is not torch.Tensor:
-            return out + self.lora_B(down) * self.scaling  # DTensors (tensor parallel): their own ops
+        if type(out) is not torch.Tensor or out.dim() < 2:  # DTensors (tensor parallel), unbatched input
+            return out + self.lora_B(down) * self.scaling
         # B's product, the scaling and the sum in one addmm: no (..., out)-sized multiply and add of their own,
         # forward or backward (the scaling lands on the rank-r side).
         summed = torch.addmm(out.flatten(0, -2), down.flatten(0, -2), self.lora_B.weight.t(), alpha=self.scaling)
