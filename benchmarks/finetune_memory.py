@@ -10,6 +10,8 @@ the same random batch and optimizer (ember's AdamW settings), each contestant ru
   the three ways users run it: fp32 (from_pretrained's default here), fp32 weights under bf16 autocast (what
   transformers' Trainer does with bf16=True), and bf16 weights (dtype=torch.bfloat16; peft keeps the
   adapters in fp32). "vs peft" divides by the fastest of the three at the same rank;
+- both compiled at r32: ember's compile=true against torch.compile of the peft model under autocast ("vs
+  peft" of the compiled ember row is against the compiled peft row);
 - one more peft contestant (r32, autocast) with glibc's malloc told to keep freed memory for reuse
   (mallopt M_MMAP_THRESHOLD / M_TRIM_THRESHOLD, as a tuned allocator would): it shows how much of ember's
   lead is transformers' fresh (N, V) buffers being page-faulted in every step;
@@ -47,14 +49,17 @@ MODELS = {
     "debug": {},  # the debug recipe's Llama 3: dim 256, 4 layers, vocab 8192
     "110M": {"dim": 768, "n_layers": 12, "n_heads": 12, "n_kv_heads": 4, "vocab_size": 32000},
 }
-# name -> (framework, LoRA rank (0: full), precision, tuned malloc)
+# name -> (framework, LoRA rank (0: full), precision, tuned malloc, torch.compile)
 CONTESTANTS = {
-    "ember full": ("ember", 0, "auto", False), "ember full bf16": ("ember", 0, "bf16", False),
-    "ember lora r8": ("ember", 8, "auto", False), "ember lora r32": ("ember", 32, "auto", False),
-    "peft lora r8 fp32": ("peft", 8, "fp32", False), "peft lora r8 autocast": ("peft", 8, "autocast", False),
-    "peft lora r8 bf16": ("peft", 8, "bf16", False), "peft lora r32 fp32": ("peft", 32, "fp32", False),
-    "peft lora r32 autocast": ("peft", 32, "autocast", False), "peft lora r32 bf16": ("peft", 32, "bf16", False),
-    "peft lora r32 autocast malloc": ("peft", 32, "autocast", True),
+    "ember full": ("ember", 0, "auto", False, False), "ember full bf16": ("ember", 0, "bf16", False, False),
+    "ember lora r8": ("ember", 8, "auto", False, False), "ember lora r32": ("ember", 32, "auto", False, False),
+    "peft lora r8 fp32": ("peft", 8, "fp32", False, False), "peft lora r8 autocast": ("peft", 8, "autocast", False, False),
+    "peft lora r8 bf16": ("peft", 8, "bf16", False, False), "peft lora r32 fp32": ("peft", 32, "fp32", False, False),
+    "peft lora r32 autocast": ("peft", 32, "autocast", False, False), "peft lora r32 bf16": ("peft", 32, "bf16", False, False),
+    "peft lora r32 autocast malloc": ("peft", 32, "autocast", True, False),
+    # both sides compiled: ember's compile=true (per block) and torch.compile of the peft model
+    "ember lora r32 compiled": ("ember", 32, "auto", False, True),
+    "peft lora r32 autocast compiled": ("peft", 32, "autocast", False, True),
 }
 HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -69,7 +74,7 @@ def _optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 def worker(spec: dict) -> dict:
     """One contestant in this process: build, warm up, time `steps` steps, measure the state."""
-    framework, rank, precision, tuned_malloc = CONTESTANTS[spec["contestant"]]
+    framework, rank, precision, tuned_malloc, compiled = CONTESTANTS[spec["contestant"]]
     if tuned_malloc:  # keep freed blocks for reuse instead of returning them to the OS (glibc)
         import ctypes
 
@@ -84,7 +89,7 @@ def worker(spec: dict) -> dict:
 
         overrides = [f"model.init_from={base}", "data.dataset=synthetic", "metrics.console=false",
                      f"output_dir={spec['out']}", f"seq_len={seq}", f"global_batch_size={batch}",
-                     f"micro_batch_size={batch}", "resume=none", f"precision={precision}"]
+                     f"micro_batch_size={batch}", "resume=none", f"precision={precision}", f"compile={compiled}".lower()]
         if rank:
             overrides += [f"lora.rank={rank}", "lora.alpha=16", "lora.targets=all"]
         trainer = Trainer(config_lib.load("debug", overrides))
@@ -114,9 +119,11 @@ def worker(spec: dict) -> dict:
         vocab = hf.config.vocab_size
         optimizer = build_optimizer(model, OptimConfig(), "cpu")  # ember's AdamW settings, trainable parameters
 
+        forward = torch.compile(model) if compiled else model
+
         def backward_only(inputs: torch.Tensor, labels: torch.Tensor) -> None:
             with autocast:
-                loss = model(input_ids=inputs, labels=labels, shift_labels=labels).loss
+                loss = forward(input_ids=inputs, labels=labels, shift_labels=labels).loss
             loss.backward()
 
         def step(inputs: torch.Tensor, labels: torch.Tensor) -> None:
@@ -203,11 +210,14 @@ def main() -> int:
             for rank in (8, 32):
                 ember_row = mine[f"ember lora r{rank}"]
                 best = max((r for name, r in mine.items() if name.startswith(f"peft lora r{rank} ")
-                            and not CONTESTANTS[name][3]), key=lambda r: r["tokens_per_s"])
+                            and not any(CONTESTANTS[name][3:])), key=lambda r: r["tokens_per_s"])
                 ember_row["vs_peft"] = ember_row["tokens_per_s"] / best["tokens_per_s"]
                 ember_row["fastest_peft"] = best["contestant"]
             tuned = mine["peft lora r32 autocast malloc"]
             mine["ember lora r32"]["vs_peft_tuned_malloc"] = mine["ember lora r32"]["tokens_per_s"] / tuned["tokens_per_s"]
+            mine["ember lora r32 compiled"]["vs_peft"] = (mine["ember lora r32 compiled"]["tokens_per_s"]
+                                                         / mine["peft lora r32 autocast compiled"]["tokens_per_s"])
+            mine["ember lora r32 compiled"]["fastest_peft"] = "peft lora r32 autocast compiled"
     print(f"\nfine-tuning, {platform.machine()} CPU, torch {torch.__version__}, {torch.get_num_threads()} threads; "
           f"batch {args.batch} x seq {args.seq}, median of {args.rounds} rounds")
     print(f"{'model':<7}{'contestant':<31}{'compute':>9}{'tok/s':>9}{'vs full':>9}{'vs peft':>9}{'peak RSS':>11}"
