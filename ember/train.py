@@ -14,7 +14,7 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
@@ -104,15 +104,8 @@ class Trainer:
         # One module for the optimizer, clipping and `model.train()`: the model, or this rank's stages.
         self.model = self.model_parts[0] if len(self.model_parts) == 1 else nn.ModuleList(self.model_parts)
         self.num_params = sum(p.numel() for p in whole.parameters())
-        model_flops = self.spec.flops_per_token(self.model_args, cfg.seq_len)
-        self.flops_per_token = model_flops
-        if cfg.lora.rank:  # frozen weights skip their weight gradients; the adapters add theirs
-            with torch.device("meta"):
-                probe = self.spec.model_cls(self.model_args)
-            self._lora_transform()(probe)
-            self.flops_per_token = lora_lib.training_flops_per_token(model_flops, probe)
-        if cfg.task == "dpo":  # the frozen reference's forward over every row: a third of full training's count
-            self.flops_per_token += model_flops / 3
+        # LoRA: the frozen weights skip their weight gradients; DPO: the reference's forward over every row
+        self.flops_per_token = lora_lib.run_flops_per_token(cfg, self.spec, self.model_args, self.compute_dtype)
         n_moe_layers = len(whole.moe_layers())  # the whole model's, not a stage's
         self.n_experts = getattr(self.model_args, "n_experts", 0) if n_moe_layers else 0
         for part in self.model_parts:
@@ -175,22 +168,11 @@ class Trainer:
             raise ConfigError("parallel.cpu_offload moves FSDP-sharded parameters and optimizer state from the GPU "
                               "to host memory; it needs device=cuda and a data/fsdp axis > 1 (on CPU they are already there)")
 
-    def _lora_transform(self) -> Optional[Callable[[nn.Module], Any]]:
-        """apply_lora with the run's settings (adapters on a frozen base, its matrices in bf16 when the compute
-        is), or None without LoRA."""
-        lo = self.cfg.lora
-        if not lo.rank:
-            return None
-        return functools.partial(lora_lib.apply_lora, rank=lo.rank, alpha=lo.alpha, dropout=lo.dropout,
-                                 targets=lo.targets, train_embeddings=lo.train_embeddings, train_norms=lo.train_norms,
-                                 family=self.cfg.model.family,
-                                 base_dtype=torch.bfloat16 if self.compute_dtype == torch.bfloat16 else None)
-
     def _build_model(self, cp_impl: str, loss_parallel: bool) -> tuple[list[tuple[int, nn.Module]], int, nn.Module]:
         """This rank's (stage id, module) parts, the number of pipeline stages, and the whole model on meta."""
         cfg, par = self.cfg, self.cfg.parallel
         build = lambda: self.spec.model_cls(self.model_args)  # noqa: E731
-        lora = self._lora_transform()
+        lora = lora_lib.lora_transform(cfg, self.compute_dtype)
         with torch.device("meta"):
             whole = build()
         if self.pp > 1:

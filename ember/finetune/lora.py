@@ -24,10 +24,11 @@ keeps the precision it has in full training.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import zlib
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -271,6 +272,35 @@ def merge_lora(model: nn.Module) -> int:
             module.__class__ = nn.Linear
             merged += 1
     return merged
+
+
+def lora_transform(cfg: Any, compute_dtype: torch.dtype) -> Optional[Callable[[nn.Module], Any]]:
+    """apply_lora with a JobConfig's settings bound (the frozen matrices in bf16 when the compute is), for
+    parallelize(lora=...): what the trainer and the planner build alike. None without LoRA."""
+    lo = cfg.lora
+    if not lo.rank:
+        return None
+    return functools.partial(apply_lora, rank=lo.rank, alpha=lo.alpha, dropout=lo.dropout, targets=lo.targets,
+                             train_embeddings=lo.train_embeddings, train_norms=lo.train_norms,
+                             family=cfg.model.family,
+                             base_dtype=torch.bfloat16 if compute_dtype == torch.bfloat16 else None)
+
+
+def run_flops_per_token(cfg: Any, spec: Any, args: Any, compute_dtype: torch.dtype) -> float:
+    """Training FLOPs per token of the run `cfg` describes: the family's 6 N + attention count, for LoRA
+    less the frozen weights' gradients plus the adapters' (training_flops_per_token), for DPO plus the frozen
+    reference's forward over every row (a third of full training's count)."""
+    model_flops = spec.flops_per_token(args, cfg.seq_len)
+    flops = model_flops
+    transform = lora_transform(cfg, compute_dtype)
+    if transform is not None:
+        with torch.device("meta"):
+            probe = spec.model_cls(args)
+        transform(probe)
+        flops = training_flops_per_token(model_flops, probe)
+    if cfg.task == "dpo":
+        flops += model_flops / 3
+    return flops
 
 
 def training_flops_per_token(model_flops: float, model: nn.Module) -> float:

@@ -160,8 +160,9 @@ class Traffic:
 def fsdp_traffic(params: list[Any], gather_bytes: int, reduce_bytes: int, forwards: int,
                  reshard_after_forward: bool) -> list[Traffic]:
     """FSDP's all-gathers (forward, and backward again when parameters were resharded after forward),
-    gradient reduce-scatters and, for HSDP, the all-reduce across replicas, per forward of the step, from
-    each parameter's own mesh (expert and MoE units shard over other groups than the rest)."""
+    gradient reduce-scatters and, for HSDP, the all-reduce across replicas (of trainable parameters only),
+    per forward of the step, from each parameter's own mesh (expert and MoE units shard over other groups
+    than the rest)."""
     groups: dict[tuple, Traffic] = {}
     for p in params:
         if not hasattr(p, "placements"):
@@ -170,12 +171,14 @@ def fsdp_traffic(params: list[Any], gather_bytes: int, reduce_bytes: int, forwar
         shard = [(n, size) for n, size, _ in sharded_dims(p) if n not in ("tensor", "expert")]
         replicate = [p.device_mesh.size(i) for i, n in enumerate(names) if n == "data"]
         local = p.to_local().numel()
+        # a frozen parameter (LoRA's base) is gathered, in its own dtype if narrower, and has no gradient to reduce
+        gathered, reduced = min(gather_bytes, p.element_size()), reduce_bytes if p.requires_grad else 0
         if shard:  # FSDP shards over one (flattened) mesh dimension
             name, size = shard[0]
             gathers = 2 if reshard_after_forward else 1
             t = groups.setdefault(("fsdp", name), Traffic(tuple(name.split("_")), size, 0.0, True))
-            t.bytes += forwards * local * (size - 1) * (gathers * gather_bytes + reduce_bytes)
-        if replicate and replicate[0] > 1:
+            t.bytes += forwards * local * (size - 1) * (gathers * gathered + reduced)
+        if replicate and replicate[0] > 1 and p.requires_grad:
             r = replicate[0]
             t = groups.setdefault(("data",), Traffic(("data",), r, 0.0, True))
             t.bytes += forwards * 2 * local * reduce_bytes * (r - 1) / r

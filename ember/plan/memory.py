@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ember import config as config_lib
+from ember.finetune.lora import lora_transform
 from ember.models import MODELS
 from ember.nn.loss import output_chunks
 from ember.optim import build_optimizer
@@ -126,8 +127,9 @@ def _clear_dtensor_caches() -> None:
 
 def build_parts(job: Job, mesh: Optional[ParallelMesh], stage_ids: list[int], args: Any = None,
                 num_stages: Optional[int] = None) -> list[nn.Module]:
-    """This rank's model parts on meta, split and parallelized as ember.train.Trainer._build_model does
-    (no compile, no LoRA: they change no parameter or activation the plan counts)."""
+    """This rank's model parts on meta, split and parallelized as ember.train.Trainer._build_model does, LoRA
+    included (frozen matrices, in bf16 under bf16 compute, and the adapters); no compile, which changes no
+    parameter the plan counts."""
     cfg, args = job.cfg, args or job.args
     num_stages = num_stages or job.num_stages
     with torch.device("meta"):
@@ -138,7 +140,7 @@ def build_parts(job: Job, mesh: Optional[ParallelMesh], stage_ids: list[int], ar
                     param_dtype=job.compute_dtype if job.fsdp_mixed else None,
                     reduce_dtype=torch.float32 if job.fsdp_mixed else None,
                     reshard_after_forward=cfg.parallel.reshard_after_forward, loss_parallel=job.loss_parallel,
-                    cp_impl="allgather")
+                    cp_impl="allgather", lora=lora_transform(cfg, job.compute_dtype))
     if job.degree("tensor") == 1 and num_stages == 1:
         whole.output_chunks = output_chunks(cfg.micro_batch_size, cfg.seq_len // job.degree("context"),
                                             args.vocab_size, job.device_type)
@@ -268,6 +270,12 @@ def step_memory_tracker() -> Any:
                     and set(self._mod_tracker.parents) - {name} == {"Global"}):
                 del self.memory_tracking[module]
             super()._pre_fw_hook(module, inputs)
+
+        def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True) -> Any:
+            # torch's tracker hooks every parameter's gradient, which raises on a frozen one (LoRA's base); the
+            # hooks only label gradient bytes as such, the totals are counted per storage either way
+            frozen = any(not p.requires_grad for p in module.parameters())
+            return super()._track_module_params_and_buffers(module, install_grad_hooks and not frozen)
 
     return StepMemTracker()
 

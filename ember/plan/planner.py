@@ -16,7 +16,9 @@ from typing import Any, Optional
 import torch
 
 from ember import config as config_lib
+from ember import hardware
 from ember.errors import ConfigError
+from ember.finetune.lora import run_flops_per_token
 from ember.parallel import pp as pp_lib
 from ember.parallel.mesh import AXES, ParallelMesh, rank_grid
 from ember.plan import cost
@@ -79,10 +81,12 @@ class Plan:
                 "ranks": [vars(r).copy() for r in self.ranks]}
 
 
-def compute_dtype(precision: str, device: str) -> torch.dtype:
-    if precision == "fp32" or (precision == "auto" and device == "cpu"):
-        return torch.float32
-    return torch.bfloat16
+def compute_dtype(precision: str, device: str, frozen_base: bool = False) -> torch.dtype:
+    """The trainer's choice (ember.hardware.pick_compute_dtype): on `--device cpu` this machine's CPU decides
+    (a LoRA base runs bf16 where it has bf16 matmuls); accelerators in the table all run bf16."""
+    if device == "cpu":
+        return hardware.pick_compute_dtype(precision, torch.device("cpu"), frozen_base=frozen_base)
+    return torch.float32 if precision == "fp32" else torch.bfloat16
 
 
 def _coordinates(shape: Any) -> list[dict[str, int]]:
@@ -154,7 +158,8 @@ def _step(job: Job, fab: cost.Fabric, roles: list[Role], grid: torch.Tensor, ran
     gather = job.compute_dtype.itemsize if job.fsdp_mixed else 4
     reduce = 4
     tokens = cfg.global_batch_size * cfg.seq_len
-    flops = job.spec.flops_per_token(job.args, cfg.seq_len) * tokens
+    tokens *= 2 if cfg.task == "dpo" else 1  # DPO's rows come in pairs (chosen, rejected), as the trainer counts
+    flops = run_flops_per_token(cfg, job.spec, job.args, job.compute_dtype) * tokens
     bubble = cost.bubble(cfg.parallel.pp_schedule, job.degree("pipeline"), job.pp_microbatches,
                          cfg.parallel.pp_stages_per_rank)
     peak = cost.peak_flops(fab, job.compute_dtype, fp8=cfg.precision == "fp8")
@@ -180,7 +185,7 @@ def make_plan(cfg: Any, world: int, nodes: Optional[int] = None, device: str = "
         raise ConfigError(f"--nodes {nodes} does not divide --world {world}: every node runs the same number of ranks")
     ranks_per_node = world // nodes
     shape = config_lib.mesh_shape(cfg, world)
-    job = Job(cfg, config_lib.model_choice(cfg).args, shape, compute_dtype(cfg.precision, device),
+    job = Job(cfg, config_lib.model_choice(cfg).args, shape, compute_dtype(cfg.precision, device, cfg.lora.rank > 0),
               "cpu" if device == "cpu" else "cuda")
     roles = _roles(job, shape)
     remats = SEARCH_POLICIES if search else (cfg.model.remat,)
