@@ -42,8 +42,9 @@ def test_planned_lora_memory_equals_measured(tmp_path):
         for row in rows:
             for key in ("param_bytes", "grad_bytes", "optim_bytes"):
                 assert row[f"planned_{key}"] == row[f"measured_{key}"], (name, row["rank"], key)
-            # tensor=2 without FSDP: the plan's peak is 14% above the measured one (on the safe side; not yet
-            # explained), beyond the 10% the other layouts keep
+            # tensor=2 without FSDP: the plan's peak is 14% above the measured one, the same 16.7 MB (one
+            # vocabulary-sharded fp32 logits temporary) as full training's tensor=2 (+8.6%), a larger share of
+            # LoRA's smaller total
             tolerance = PEAK_TOLERANCE if "fsdp" in name else 0.15
             assert abs(row["peak_error"]) <= tolerance, (name, row)
         # the adapters' state only: 12 bytes per adapter parameter (fp32 gradient, two AdamW moments) + steps
