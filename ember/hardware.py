@@ -232,7 +232,7 @@ MATMUL_SIZES = (512, 1024, 2048)  # beyond the cache-resident sizes that measure
 
 def measure_cpu_matmul_flops(seconds: float = 0.6, sizes: tuple[int, ...] = MATMUL_SIZES,
                              dtype: torch.dtype = torch.float32) -> float:
-    """The best FLOP/s (fp32 unless `dtype` says otherwise) of n x n matmuls on all of torch's CPU threads, over `sizes`, ~`seconds` each.
+    """The best FLOP/s of n x n `dtype` matmuls on all of torch's CPU threads, over `sizes`, ~`seconds` each.
 
     The best run, not the mean: the peak is what the machine can do, and other processes on a shared host
     only ever make a run slower. Several sizes because BLAS kernels peak at different shapes on different
@@ -397,7 +397,7 @@ def cpu_peak_flops(dtype: torch.dtype = torch.float32) -> tuple[float, str]:
 def _measure(previous: Optional[CpuPeak], dtype: torch.dtype = torch.float32) -> CpuPeak:
     """A new measurement, kept with the previous figure if that was higher (contention only lowers a rate)."""
     before, start = _cpu_seconds(), time.perf_counter()
-    flops = measure_cpu_matmul_flops() if dtype == torch.float32 else measure_cpu_matmul_flops(dtype=dtype)
+    flops = measure_cpu_matmul_flops(dtype=dtype)
     elsewhere = _busy_elsewhere(before, time.perf_counter() - start)
     quiet = elsewhere is None or elsewhere <= QUIET_CORES
     return CpuPeak(max(flops, previous.flops if previous else 0.0), quiet, _job_id())

@@ -80,12 +80,15 @@ def fabric(name: str) -> Fabric:
     return FABRICS[name]
 
 
-def cpu_fabric(world_size: int) -> Fabric:
-    """This machine's CPU (the plan checked against real CPU runs): the measured matmul peak, host memory,
-    every rank on one node (gloo over loopback; the bandwidth is a placeholder)."""
+def cpu_fabric(world_size: int, dtype: torch.dtype = torch.float32) -> Fabric:
+    """This machine's CPU (the plan checked against real CPU runs): the measured matmul peak (bf16's too for a
+    bf16 plan, as ember.hardware.peak_flops measures it for a run), host memory, every rank on one node (gloo
+    over loopback; the bandwidth is a placeholder)."""
     flops, _ = hardware.cpu_peak_flops()
+    bf16 = hardware.peak_flops(torch.device("cpu"), dtype)
+    bf16_flops = bf16.value_flops if bf16.cpu_dtype == torch.bfloat16 else None
     memory_gb = hardware_memory_gb()
-    spec = hardware.DeviceSpec("CPU", None, None, flops, None, memory_gb, "measured matmul rate, host memory")
+    spec = hardware.DeviceSpec("CPU", bf16_flops, None, flops, None, memory_gb, "measured matmul rate, host memory")
     return Fabric(spec, max(world_size, 1), 5, 5, "gloo over loopback (placeholder bandwidth)")
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import re
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ember import config as config_lib
-from ember.finetune.lora import lora_transform
+from ember.finetune.lora import lora_transform, run_flops_per_token
 from ember.models import MODELS
 from ember.nn.loss import output_chunks
 from ember.optim import build_optimizer
@@ -61,6 +62,10 @@ class Job:
     def degree(self, axis: str) -> int:
         return self.shape.degree(axis)
 
+    @functools.cached_property
+    def flops_per_token(self) -> float:  # as the trainer counts them (LoRA, DPO); built once per plan
+        return run_flops_per_token(self.cfg, self.spec, self.args, self.compute_dtype)
+
     @property
     def fsdp_mixed(self) -> bool:  # as ember.train.Trainer decides it
         return (self.shape.grad_sync > 1 and self.cfg.parallel.mixed_precision
@@ -88,8 +93,10 @@ class Job:
 
     def with_micro_batch(self, micro_batch_size: int, remat: Optional[str] = None) -> "Job":
         model = dataclasses.replace(self.cfg.model, remat=remat or self.cfg.model.remat)
-        return dataclasses.replace(self, cfg=dataclasses.replace(self.cfg, micro_batch_size=micro_batch_size,
-                                                                 model=model))
+        trial = dataclasses.replace(self, cfg=dataclasses.replace(self.cfg, micro_batch_size=micro_batch_size,
+                                                                  model=model))
+        trial.__dict__["flops_per_token"] = self.flops_per_token  # per token: neither changes it
+        return trial
 
 
 @contextlib.contextmanager

@@ -18,7 +18,6 @@ import torch
 from ember import config as config_lib
 from ember import hardware
 from ember.errors import ConfigError
-from ember.finetune.lora import run_flops_per_token
 from ember.parallel import pp as pp_lib
 from ember.parallel.mesh import AXES, ParallelMesh, rank_grid
 from ember.plan import cost
@@ -159,7 +158,7 @@ def _step(job: Job, fab: cost.Fabric, roles: list[Role], grid: torch.Tensor, ran
     reduce = 4
     tokens = cfg.global_batch_size * cfg.seq_len
     tokens *= 2 if cfg.task == "dpo" else 1  # DPO's rows come in pairs (chosen, rejected), as the trainer counts
-    flops = run_flops_per_token(cfg, job.spec, job.args, job.compute_dtype) * tokens
+    flops = job.flops_per_token * tokens
     bubble = cost.bubble(cfg.parallel.pp_schedule, job.degree("pipeline"), job.pp_microbatches,
                          cfg.parallel.pp_stages_per_rank)
     peak = cost.peak_flops(fab, job.compute_dtype, fp8=cfg.precision == "fp8")
@@ -178,14 +177,15 @@ def make_plan(cfg: Any, world: int, nodes: Optional[int] = None, device: str = "
               search: bool = False) -> Plan:
     """Plan `cfg` (a loaded JobConfig) on `world` devices of type `device` over `nodes` nodes."""
     start = time.perf_counter()
-    fab = cost.cpu_fabric(world) if device == "cpu" else cost.fabric(device)
+    dtype = compute_dtype(cfg.precision, device, cfg.lora.rank > 0)
+    fab = cost.cpu_fabric(world, dtype) if device == "cpu" else cost.fabric(device)
     per_node = fab.per_node or world
     nodes = nodes or max(1, math.ceil(world / per_node))
     if nodes < 1 or world % nodes:
         raise ConfigError(f"--nodes {nodes} does not divide --world {world}: every node runs the same number of ranks")
     ranks_per_node = world // nodes
     shape = config_lib.mesh_shape(cfg, world)
-    job = Job(cfg, config_lib.model_choice(cfg).args, shape, compute_dtype(cfg.precision, device, cfg.lora.rank > 0),
+    job = Job(cfg, config_lib.model_choice(cfg).args, shape, dtype,
               "cpu" if device == "cpu" else "cuda")
     roles = _roles(job, shape)
     remats = SEARCH_POLICIES if search else (cfg.model.remat,)

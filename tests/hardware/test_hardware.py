@@ -135,7 +135,7 @@ def _cached(path: Path) -> dict:
 
 def test_cpu_peak_is_measured_once_per_machine_and_cached(fresh_cache: Path, monkeypatch: pytest.MonkeyPatch):
     calls = []
-    monkeypatch.setattr(hardware, "measure_cpu_matmul_flops", lambda: calls.append(1) or 1.5e11)
+    monkeypatch.setattr(hardware, "measure_cpu_matmul_flops", lambda dtype=None: calls.append(1) or 1.5e11)
     peak = peak_flops(torch.device("cpu"), torch.float32, None)
     assert peak.value_flops == 1.5e11 and peak.measured and calls == [1]
     assert peak.source.startswith("measured CPU fp32 matmul") and f"cached in {fresh_cache}" in peak.source
@@ -149,12 +149,12 @@ def test_cpu_peak_is_measured_once_per_machine_and_cached(fresh_cache: Path, mon
 
 def test_the_key_names_the_cpu_model(fresh_cache: Path, monkeypatch: pytest.MonkeyPatch):
     # Two machines sharing one home directory (an NFS cache) keep one figure each.
-    monkeypatch.setattr(hardware, "measure_cpu_matmul_flops", lambda: 1e11)
+    monkeypatch.setattr(hardware, "measure_cpu_matmul_flops", lambda dtype=None: 1e11)
     monkeypatch.setattr(hardware, "cpu_model", lambda: "CPU A")
     hardware.cpu_peak_flops()
     monkeypatch.setattr(hardware, "_PEAK_IN_PROCESS", {})
     monkeypatch.setattr(hardware, "cpu_model", lambda: "CPU B")
-    monkeypatch.setattr(hardware, "measure_cpu_matmul_flops", lambda: 3e11)
+    monkeypatch.setattr(hardware, "measure_cpu_matmul_flops", lambda dtype=None: 3e11)
     assert hardware.cpu_peak_flops()[0] == 3e11
     assert sorted(k.split(" | ")[0] for k in _cached(fresh_cache)) == ["CPU A", "CPU B"]
 
@@ -169,7 +169,7 @@ def test_cpu_model_carries_the_family_numbers():
 
 
 def test_a_damaged_cache_is_measured_again(fresh_cache: Path, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(hardware, "measure_cpu_matmul_flops", lambda: 2e11)
+    monkeypatch.setattr(hardware, "measure_cpu_matmul_flops", lambda dtype=None: 2e11)
     fresh_cache.parent.mkdir(parents=True)
     for damaged in ("{not json", "[1, 2]", '{"k": {"no flops": 1}}', '{"k": "fast"}'):
         fresh_cache.write_text(damaged)
@@ -182,7 +182,7 @@ def test_a_measurement_under_load_is_provisional(fresh_cache: Path, monkeypatch:
     # Other processes kept cores busy while it measured: this job uses the figure; the next job measures again
     # and keeps the higher one; a quiet measurement settles it and nothing measures after that.
     rates, busy, job = iter([1e11, 2.5e11, 2e11]), iter([1.5, 0.0]), ["job-1"]
-    monkeypatch.setattr(hardware, "measure_cpu_matmul_flops", lambda: next(rates))
+    monkeypatch.setattr(hardware, "measure_cpu_matmul_flops", lambda dtype=None: next(rates))
     monkeypatch.setattr(hardware, "_busy_elsewhere", lambda before, wall_s: next(busy))
     monkeypatch.setattr(hardware, "_job_id", lambda: job[0])
     peak = peak_flops(torch.device("cpu"), torch.float32, None)
@@ -205,7 +205,7 @@ def test_an_unwritable_cache_measures_without_failing(tmp_path: Path, monkeypatc
     monkeypatch.setenv("EMBER_CACHE", str(tmp_path / "file"))  # a file where the directory should be
     monkeypatch.setattr(hardware, "_PEAK_IN_PROCESS", {})
     monkeypatch.setattr(hardware, "_busy_elsewhere", lambda before, wall_s: 0.0)
-    monkeypatch.setattr(hardware, "measure_cpu_matmul_flops", lambda: 1e11)
+    monkeypatch.setattr(hardware, "measure_cpu_matmul_flops", lambda dtype=None: 1e11)
     peak = peak_flops(torch.device("cpu"), torch.float32, None)
     assert peak.value_flops == 1e11 and "not cached" in peak.source
 
@@ -216,7 +216,7 @@ def test_ranks_starting_together_measure_once(tmp_path: Path):
     # start-up kept the cores busy while it measured (a provisional figure is still the job's one figure).
     counter = tmp_path / "measured"
     code = ("import time, ember.hardware as h\n"
-            "def slow():\n"
+            "def slow(dtype=None):\n"
             f"    open({str(counter)!r}, 'a').write('x')\n"
             "    time.sleep(1.0)\n"
             "    return 3e11\n"
@@ -231,7 +231,7 @@ def test_ranks_starting_together_measure_once(tmp_path: Path):
 
 
 def test_a_measured_peak_that_a_run_beats_is_raised(fresh_cache: Path, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(hardware, "measure_cpu_matmul_flops", lambda: 1e11)
+    monkeypatch.setattr(hardware, "measure_cpu_matmul_flops", lambda dtype=None: 1e11)
     peak = peak_flops(torch.device("cpu"), torch.float32, None)
     assert hardware.raise_measured_peak(peak, 0.9e11) is peak  # slower than the peak: unchanged
     raised = hardware.raise_measured_peak(peak, 1.2e11)
