@@ -12,9 +12,11 @@ the same random batch and optimizer (ember's AdamW settings), each contestant ru
   adapters in fp32). "vs peft" divides by the fastest of the three at the same rank;
 - both compiled at r32: ember's compile=true against torch.compile of the peft model under autocast ("vs
   peft" of the compiled ember row is against the compiled peft row);
-- one more peft contestant (r32, autocast) with glibc's malloc told to keep freed memory for reuse
-  (mallopt M_MMAP_THRESHOLD / M_TRIM_THRESHOLD, as a tuned allocator would): it shows how much of ember's
-  lead is transformers' fresh (N, V) buffers being page-faulted in every step;
+- the allocator: on CPU ember's Trainer tells glibc's malloc to keep freed memory for reuse
+  (`ember.hardware.keep_freed_cpu_memory`), so every ember row runs that way, as a user's run does, and
+  every peft row with glibc's defaults, as a user's script does. Two more r32 contestants compare like
+  for like: ember with glibc's defaults (EMBER_CPU_MALLOC=default) against peft autocast, and peft
+  autocast with freed memory kept against ember;
 - measured: seconds per training step (forward, loss, backward, clip, AdamW; median over the steps after
   warm-up), tokens/s, the process's peak resident memory (ru_maxrss), and the bytes of the training state
   by tensor: gradients (summed over the parameters holding one after backward) and optimizer state
@@ -34,6 +36,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import platform
 import resource
 import statistics
@@ -49,17 +52,21 @@ MODELS = {
     "debug": {},  # the debug recipe's Llama 3: dim 256, 4 layers, vocab 8192
     "110M": {"dim": 768, "n_layers": 12, "n_heads": 12, "n_kv_heads": 4, "vocab_size": 32000},
 }
-# name -> (framework, LoRA rank (0: full), precision, tuned malloc, torch.compile)
+# name -> (framework, LoRA rank (0: full), precision, malloc, torch.compile). malloc "kept": glibc keeps freed
+# memory for reuse, as ember sets it on CPU (hardware.keep_freed_cpu_memory); "default": glibc's defaults.
+EMBER, PEFT = "kept", "default"  # each as a user gets it
 CONTESTANTS = {
-    "ember full": ("ember", 0, "auto", False, False), "ember full bf16": ("ember", 0, "bf16", False, False),
-    "ember lora r8": ("ember", 8, "auto", False, False), "ember lora r32": ("ember", 32, "auto", False, False),
-    "peft lora r8 fp32": ("peft", 8, "fp32", False, False), "peft lora r8 autocast": ("peft", 8, "autocast", False, False),
-    "peft lora r8 bf16": ("peft", 8, "bf16", False, False), "peft lora r32 fp32": ("peft", 32, "fp32", False, False),
-    "peft lora r32 autocast": ("peft", 32, "autocast", False, False), "peft lora r32 bf16": ("peft", 32, "bf16", False, False),
-    "peft lora r32 autocast malloc": ("peft", 32, "autocast", True, False),
+    "ember full": ("ember", 0, "auto", EMBER, False), "ember full bf16": ("ember", 0, "bf16", EMBER, False),
+    "ember lora r8": ("ember", 8, "auto", EMBER, False), "ember lora r32": ("ember", 32, "auto", EMBER, False),
+    "peft lora r8 fp32": ("peft", 8, "fp32", PEFT, False), "peft lora r8 autocast": ("peft", 8, "autocast", PEFT, False),
+    "peft lora r8 bf16": ("peft", 8, "bf16", PEFT, False), "peft lora r32 fp32": ("peft", 32, "fp32", PEFT, False),
+    "peft lora r32 autocast": ("peft", 32, "autocast", PEFT, False), "peft lora r32 bf16": ("peft", 32, "bf16", PEFT, False),
+    # like for like on the allocator: ember with glibc's defaults, peft with freed memory kept
+    "ember lora r32 glibc default": ("ember", 32, "auto", "default", False),
+    "peft lora r32 autocast malloc kept": ("peft", 32, "autocast", "kept", False),
     # both sides compiled: ember's compile=true (per block) and torch.compile of the peft model
-    "ember lora r32 compiled": ("ember", 32, "auto", False, True),
-    "peft lora r32 autocast compiled": ("peft", 32, "autocast", False, True),
+    "ember lora r32 compiled": ("ember", 32, "auto", EMBER, True),
+    "peft lora r32 autocast compiled": ("peft", 32, "autocast", PEFT, True),
 }
 HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -74,12 +81,13 @@ def _optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 def worker(spec: dict) -> dict:
     """One contestant in this process: build, warm up, time `steps` steps, measure the state."""
-    framework, rank, precision, tuned_malloc, compiled = CONTESTANTS[spec["contestant"]]
-    if tuned_malloc:  # keep freed blocks for reuse instead of returning them to the OS (glibc)
-        import ctypes
+    framework, rank, precision, malloc, compiled = CONTESTANTS[spec["contestant"]]
+    if framework == "ember" and malloc == "default":
+        os.environ["EMBER_CPU_MALLOC"] = "default"  # the Trainer leaves glibc's defaults alone
+    elif framework == "peft" and malloc == "kept":
+        from ember.hardware import keep_freed_cpu_memory
 
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 1 << 30), libc.mallopt(-1, 1 << 30)  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
+        keep_freed_cpu_memory()  # what the Trainer does on CPU
     torch.manual_seed(0)
     batch, seq, base = spec["batch"], spec["seq"], spec["base"]
     autocast = contextlib.nullcontext()
@@ -155,7 +163,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=256)
@@ -210,28 +218,33 @@ def main() -> int:
             for rank in (8, 32):
                 ember_row = mine[f"ember lora r{rank}"]
                 best = max((r for name, r in mine.items() if name.startswith(f"peft lora r{rank} ")
-                            and not any(CONTESTANTS[name][3:])), key=lambda r: r["tokens_per_s"])
+                            and CONTESTANTS[name][3:] == (PEFT, False)), key=lambda r: r["tokens_per_s"])
                 ember_row["vs_peft"] = ember_row["tokens_per_s"] / best["tokens_per_s"]
                 ember_row["fastest_peft"] = best["contestant"]
-            tuned = mine["peft lora r32 autocast malloc"]
-            mine["ember lora r32"]["vs_peft_tuned_malloc"] = mine["ember lora r32"]["tokens_per_s"] / tuned["tokens_per_s"]
+            # like for like on the allocator, both ways
+            kept, default = mine["peft lora r32 autocast malloc kept"], mine["peft lora r32 autocast"]
+            mine["ember lora r32"]["vs_peft_malloc_kept"] = mine["ember lora r32"]["tokens_per_s"] / kept["tokens_per_s"]
+            mine["ember lora r32 glibc default"]["vs_peft"] = (mine["ember lora r32 glibc default"]["tokens_per_s"]
+                                                              / default["tokens_per_s"])
+            mine["ember lora r32 glibc default"]["fastest_peft"] = "peft lora r32 autocast"
             mine["ember lora r32 compiled"]["vs_peft"] = (mine["ember lora r32 compiled"]["tokens_per_s"]
                                                          / mine["peft lora r32 autocast compiled"]["tokens_per_s"])
             mine["ember lora r32 compiled"]["fastest_peft"] = "peft lora r32 autocast compiled"
     print(f"\nfine-tuning, {platform.machine()} CPU, torch {torch.__version__}, {torch.get_num_threads()} threads; "
           f"batch {args.batch} x seq {args.seq}, median of {args.rounds} rounds")
-    print(f"{'model':<7}{'contestant':<31}{'compute':>9}{'tok/s':>9}{'vs full':>9}{'vs peft':>9}{'peak RSS':>11}"
+    print(f"{'model':<7}{'contestant':<35}{'compute':>9}{'tok/s':>9}{'vs full':>9}{'vs peft':>9}{'peak RSS':>11}"
           f"{'trainable':>12}{'grad+optim bytes':>18}{'LoRA formula':>14}")
     for r in rows:
         state = r["grad_bytes"] + r["optimizer_bytes"]
         formula = f"{r['formula_bytes']:,}" if r["formula_bytes"] else "-"
         vs_peft = f"{r['vs_peft']:.2f}x" if "vs_peft" in r else "-"
-        print(f"{r['model']:<7}{r['contestant']:<31}{r['compute_dtype'].replace('bfloat', 'bf').replace('float', 'fp'):>9}"
+        print(f"{r['model']:<7}{r['contestant']:<35}{r['compute_dtype'].replace('bfloat', 'bf').replace('float', 'fp'):>9}"
               f"{r['tokens_per_s']:>9,.0f}{r['vs_full']:>8.2f}x{vs_peft:>9}"
               f"{r['peak_rss_bytes'] / 2**20:>9,.0f}MB{r['trainable_params']:>12,}{state:>18,}{formula:>14}")
     for r in rows:
-        if "vs_peft_tuned_malloc" in r:
-            print(f"{r['model']}: ember lora r32 vs peft r32 autocast with a tuned malloc: {r['vs_peft_tuned_malloc']:.2f}x")
+        if "vs_peft_malloc_kept" in r:
+            print(f"{r['model']}: ember lora r32 vs peft r32 autocast, both with freed memory kept: "
+                  f"{r['vs_peft_malloc_kept']:.2f}x")
     write_results("finetune_memory", rows, args, transformers=transformers.__version__, peft=peft.__version__)
     return 0
 

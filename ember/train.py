@@ -33,7 +33,7 @@ from ember.profiling import StepProfiler, phase
 from ember.finetune import lora as lora_lib
 from ember.data.loader import build_loader
 from ember.data.tokenizer import build_tokenizer
-from ember.hardware import peak_flops, pick_compute_dtype, pick_device, raise_measured_peak
+from ember.hardware import keep_freed_cpu_memory, peak_flops, pick_compute_dtype, pick_device, raise_measured_peak
 from ember.health import HealthGuard, StopSignals, TrainingStopped
 from ember.load import load_weights
 from ember.metrics import MetricsLogger, progress_bar, throughput_record
@@ -59,6 +59,8 @@ class Trainer:
         self.rank, self.world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
         self.is_main = self.rank == 0
         self.device = pick_device(cfg.device)
+        # A CPU step's buffers are reused instead of page-faulted in afresh each step (see the function).
+        self.allocator_note = keep_freed_cpu_memory() if self.device.type == "cpu" else None
         self.compute_dtype = pick_compute_dtype(cfg.precision, self.device, frozen_base=cfg.lora.rank > 0)
         self.fp8_recipe = cfg.fp8.recipe if config_lib.fp8_enabled(cfg) else None
         if self.fp8_recipe:
@@ -425,6 +427,8 @@ class Trainer:
             f"(micro {cfg.micro_batch_size} x accum {self.grad_accum}) | mesh {self.shape.describe()} | "
             f"peak {peak} | output {self.output_dir}"
         )
+        if self.allocator_note:
+            self.console.print(f"cpu: {self.allocator_note}", markup=False, highlight=False)
         if cfg.model.init_from:
             source = self.model_choice.source
             self.console.print(f"model: initialised from {cfg.model.init_from} (architecture from {source})",

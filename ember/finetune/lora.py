@@ -47,6 +47,37 @@ HF_ALIASES = {
 ADAPTER_MARKERS = (".lora_A.", ".lora_B.")
 
 
+class _FrozenLinearWithAdapter(torch.autograd.Function):
+    """out = x W^T (+ bias) + s (x A^T) B^T for a frozen W (and bias), as two GEMMs that write in place.
+
+    By hand because autograd's graph of the same ops makes two passes over activation-sized tensors per
+    adapted layer that the math does not need: in forward, B's product is added into a copy of W x (addmm
+    is out-of-place); in backward, x's two gradient contributions (through W and through A) are computed
+    apart and summed. Here B's product accumulates into W x, and A's contribution into g W, inside the GEMM
+    (addmm_). Inputs arrive in the compute dtype (the caller casts; autograd casts the gradients back)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], lora_a: torch.Tensor,
+                lora_b: torch.Tensor, scaling: float) -> torch.Tensor:
+        down = torch.mm(x, lora_a.t())  # (M, r)
+        out = torch.mm(x, weight.t()) if bias is None else torch.addmm(bias, x, weight.t())
+        out.addmm_(down, lora_b.t(), alpha=scaling)
+        ctx.save_for_backward(x, weight, lora_a, lora_b, down)
+        ctx.scaling = scaling
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        x, weight, lora_a, lora_b, down = ctx.saved_tensors
+        grad_down = torch.mm(grad, lora_b).mul_(ctx.scaling)  # (M, r)
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.mm(grad, weight).addmm_(grad_down, lora_a)
+        grad_a = torch.mm(grad_down.t(), x) if ctx.needs_input_grad[3] else None
+        grad_b = torch.mm(grad.t(), down).mul_(ctx.scaling) if ctx.needs_input_grad[4] else None
+        return grad_x, None, None, grad_a, grad_b, None
+
+
 class LoraLinear(nn.Linear):
     """An nn.Linear with a low-rank update; made from an existing Linear by `apply_lora` (its class is
     swapped in place, so the instance keeps its parameters, its name and the hooks TP put on it)."""
@@ -58,19 +89,24 @@ class LoraLinear(nn.Linear):
     lora_enabled: bool
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_autocast_enabled(x.device.type):
+        autocast = torch.is_autocast_enabled(x.device.type)
+        if autocast:
             # One cast of the input for the base's matmul and the adapter's, where autocast casts per matmul.
             x = x.to(torch.get_autocast_dtype(x.device.type))
-        out = F.linear(x, self.weight, self.bias)  # (..., out)
         if not self.lora_enabled:
-            return out
-        down = self.lora_A(self.lora_dropout(x))  # (..., in) -> (..., r)
-        if type(out) is not torch.Tensor or out.dim() < 2:  # DTensors (tensor parallel), unbatched input
-            return out + self.lora_B(down) * self.scaling
-        # B's product, the scaling and the sum in one addmm: no (..., out)-sized multiply and add of their own,
-        # forward or backward (the scaling lands on the rank-r side).
-        summed = torch.addmm(out.flatten(0, -2), down.flatten(0, -2), self.lora_B.weight.t(), alpha=self.scaling)
-        return summed.view(out.shape)
+            return F.linear(x, self.weight, self.bias)
+        dense = type(x) is torch.Tensor and type(self.weight) in (torch.Tensor, nn.Parameter) and x.dim() >= 2
+        dropout = isinstance(self.lora_dropout, nn.Dropout) and self.training and self.lora_dropout.p > 0
+        frozen = not self.weight.requires_grad and (self.bias is None or not self.bias.requires_grad)
+        if dense and frozen and not dropout:
+            dtype = x.dtype  # the compute dtype: a bf16 base and fp32 adapters meet in it (no-op casts otherwise)
+            out = _FrozenLinearWithAdapter.apply(
+                x.reshape(-1, x.shape[-1]), self.weight.to(dtype), None if self.bias is None else self.bias.to(dtype),
+                self.lora_A.weight.to(dtype), self.lora_B.weight.to(dtype), self.scaling)
+            return out.view(*x.shape[:-1], out.shape[-1])
+        # DTensors (tensor parallel), dropout on the adapter's input, a trainable base, unbatched input: plain ops
+        out = F.linear(x, self.weight, self.bias)
+        return out + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
 
 
 def is_adapter_key(key: str) -> bool:
