@@ -33,9 +33,10 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-from ember.errors import CheckpointError
+from ember.errors import CheckpointError, first_error_line
 from ember.finetune.lora import trainable_state_dict
-from ember.load import MODEL_JSON, first_error_line, model_state_dict, read_model_json
+from ember.load import model_state_dict
+from ember.model_meta import MODEL_JSON, read_model_json
 
 STEP_DIR = re.compile(r"step-(\d+)")
 

@@ -16,12 +16,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from ember.errors import CheckpointError, UserFileNotFound
+from ember.errors import CheckpointError, UserFileNotFound, first_error_line
 from ember.finetune.lora import merge_lora
 from ember.finetune.peft_format import is_peft_dir, save_peft
-from ember.load import (HF_FAMILY, MODEL_JSON, _adapter_tensors, _barrier, _is_rank0, _load_torch_file,
-                        _newest_step_dir, _quiet_dcp, _read_json, first_error_line, load_model, model_state_dict,
-                        read_model_json)
+from ember.load import (HF_FAMILY, _adapter_tensors, _barrier, _is_rank0, _load_torch_file, _newest_step_dir,
+                        _quiet_dcp, load_model, model_state_dict)
+from ember.model_meta import MODEL_JSON, read_json, read_model_json
 from ember.models import MODELS
 
 
@@ -152,7 +152,7 @@ def convert(src: Union[str, Path], dst: Union[str, Path], to: Optional[str] = No
         raise CheckpointError(f"'{src}' is already in {target} format")
     if target == "peft":
         step_dir = src if (src / MODEL_JSON).is_file() else _newest_step_dir(src) if source == "ember" else None
-        meta = _read_json(step_dir / MODEL_JSON) if step_dir is not None else {}
+        meta = read_json(step_dir / MODEL_JSON) if step_dir is not None else {}
         if merge or "lora" not in meta:
             raise CheckpointError(f"--to peft writes a LoRA run's adapters; '{src}' is not one (trained without "
                                   "lora.rank)" if not merge else "--merge folds the adapters into the base: use --to hf")

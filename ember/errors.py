@@ -26,3 +26,13 @@ class CheckpointError(EmberError, ValueError):
 
 class UserFileNotFound(EmberError, FileNotFoundError):
     """A path the user gave does not exist or holds nothing ember can read."""
+
+
+def first_error_line(err: BaseException) -> str:
+    """The gist of an exception for a one-line error: its first two lines; for DCP's CheckpointException
+    (a traceback per rank in its text), those of the first rank's own exception."""
+    failures = getattr(err, "failures", None)  # DCP's CheckpointException: {rank: (exception, traceback)}
+    if isinstance(failures, dict) and failures:
+        err = next(iter(failures.values()))[0]
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return " ".join(lines[:2]) if lines else type(err).__name__

@@ -34,7 +34,7 @@ def tokenizer_for(path: Union[str, Path], spec: Optional[str] = None) -> Any:
     import yaml
 
     from ember.data.tokenizer import embedded_tokenizer, load_tokenizer
-    from ember.load import MODEL_JSON, read_model_json
+    from ember.model_meta import MODEL_JSON, read_model_json
 
     if spec:
         return load_tokenizer(spec)

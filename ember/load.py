@@ -11,11 +11,7 @@ model.json = {"family", "flavor", "args"}, enough to rebuild the model without t
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 import re
-import types
-import typing
 import warnings
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -26,115 +22,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
 
-from ember.errors import CheckpointError, ConfigError, UserFileNotFound
+from ember.errors import CheckpointError, ConfigError, UserFileNotFound, first_error_line
 from ember.finetune.lora import LoraLinear, apply_lora, is_adapter_key, merge_lora, trainable_names
 from ember.finetune.peft_format import check_adapter_config, is_peft_dir, merge_peft_adapter, peft_base
+from ember.model_meta import MODEL_JSON, build_on_meta, parse_model_meta, read_json, read_model_json
 from ember.models import MODELS
 
-MODEL_JSON = "model.json"
 HF_FAMILY = "llama3"  # Llama 2 and 3.x share one architecture; config.json carries the differences
 Device = Union[str, torch.device]
-
-
-def first_error_line(err: BaseException) -> str:
-    """The gist of an exception for a one-line error: its first two lines; for DCP's CheckpointException
-    (a traceback per rank in its text), those of the first rank's own exception."""
-    if isinstance(err, CheckpointException) and err.failures:
-        err = next(iter(err.failures.values()))[0]
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    return " ".join(lines[:2]) if lines else type(err).__name__
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"'{path}' is not readable JSON ({err})") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"'{path}' does not hold a JSON object")
-    return data
-
-
-def parse_model_meta(meta: Any, where: Union[str, Path]) -> tuple[str, str, Any]:
-    """(family, flavor, args dataclass) of a model description read from disk ({"family", "flavor", "args"},
-    as `checkpoint.meta_for` writes it into model.json and `ember convert --to torch` into a torch file).
-
-    Every key is checked against the family's args dataclass: an unknown family, an unknown, missing or
-    mistyped hyper-parameter, a size below 1, or sizes that do not fit together is one CheckpointError naming
-    the file and the key (it used to surface as a KeyError/TypeError traceback from deep inside a model)."""
-    if not isinstance(meta, dict) or not isinstance(meta.get("args"), dict):
-        raise CheckpointError(f"'{where}' has no model description {{family, flavor, args}}; "
-                              "write it with ember train or ember convert")
-    family, flavor = meta.get("family"), meta.get("flavor", "custom")
-    if not isinstance(family, str) or family not in MODELS:
-        raise CheckpointError(f"'{where}' names model family {family!r}, which ember does not know "
-                              f"(known: {', '.join(MODELS)})")
-    if not isinstance(flavor, str):
-        raise CheckpointError(f"'{where}': flavor {flavor!r} is not a name (a string)")
-    args_cls = MODELS[family].args_cls
-    fields = {f.name: f for f in dataclasses.fields(args_cls)}
-    hints = typing.get_type_hints(args_cls)
-    given = meta["args"]
-    unknown = sorted(set(given) - set(fields))
-    if unknown:
-        raise CheckpointError(f"'{where}': '{unknown[0]}' is not a hyper-parameter of {family} "
-                              f"(a file from another ember version or family?)")
-    for name, value in given.items():
-        if not _fits(value, hints[name]):
-            raise CheckpointError(f"'{where}': {family} hyper-parameter '{name}' = {value!r} is not "
-                                  f"{_type_name(hints[name])}")
-        if isinstance(value, int) and not isinstance(value, bool) and _is_int(hints[name]) and value < 1:
-            raise CheckpointError(f"'{where}': {family} hyper-parameter '{name}' = {value} must be >= 1")
-    required = [name for name, f in fields.items()
-                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
-    missing = [name for name in required if name not in given]
-    if missing:
-        raise CheckpointError(f"'{where}': the {family} hyper-parameter '{missing[0]}' is missing")
-    try:
-        args = args_cls(**given)
-        _on_meta(family, args, torch.float32)  # shapes only, no storage: sizes that cannot build a model
-    except (TypeError, ValueError, RuntimeError, AssertionError, ZeroDivisionError) as err:
-        raise CheckpointError(f"'{where}': the {family} hyper-parameters do not fit together "
-                              f"({first_error_line(err)})") from None
-    return family, flavor, args
-
-
-def read_model_json(path: Path) -> tuple[str, str, Any]:
-    """(family, flavor, args) of a checkpoint's model.json: the one way ember reads it (parse_model_meta)."""
-    return parse_model_meta(_read_json(path), path)
-
-
-def _fits(value: Any, hint: Any) -> bool:
-    """Whether a JSON value has a hyper-parameter's annotated type: int, float (an int is fine), bool, str or
-    an Optional/union of them. bool is not an int here (JSON true for a size is a mistake)."""
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        return any(_fits(value, option) for option in typing.get_args(hint))
-    if hint is type(None):
-        return value is None
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if hint in (bool, str):
-        return isinstance(value, hint)
-    return value is None or isinstance(value, (bool, int, float, str))  # another annotation: any JSON scalar
-
-
-def _is_int(hint: Any) -> bool:
-    """An int (or Optional[int]) hyper-parameter: every one is a size or a count (dims, heads, layers, experts)."""
-    return hint is int or int in typing.get_args(hint)
-
-
-def _type_name(hint: Any) -> str:
-    options = [h for h in typing.get_args(hint) if h is not type(None)] or [hint]
-    names = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
-    text = " or ".join(names.get(h, getattr(h, "__name__", str(h))) for h in options)
-    return text + (" or null" if type(None) in typing.get_args(hint) else "")
-
-
-def _on_meta(family: str, args: Any, dtype: torch.dtype) -> nn.Module:
-    with torch.device("meta"):
-        return MODELS[family].model_cls(args).to(dtype)  # costs nothing: no storage on meta
 
 
 # ---- ember checkpoints (DCP) ------------------------------------------------------------------------
@@ -289,7 +184,7 @@ def load_weights(model: Union[nn.Module, list[nn.Module]], path: Union[str, Path
     step_dir = path if (path / MODEL_JSON).is_file() else _newest_step_dir(path) if (path / "checkpoints").is_dir() else None
     if step_dir is None:
         raise UserFileNotFound(f"'{path}' is neither an ember checkpoint (no {MODEL_JSON}) nor a run directory")
-    if "lora" in _read_json(step_dir / MODEL_JSON):  # a LoRA run: its base with the adapters folded in
+    if "lora" in read_json(step_dir / MODEL_JSON):  # a LoRA run: its base with the adapters folded in
         source = load_model(step_dir)
         merge_lora(source)
         _copy_whole(model, source, step_dir)
@@ -326,10 +221,10 @@ def _newest_step_dir(run_dir: Path) -> Path:
 
 def _load_ember(step_dir: Path, device: Device, dtype: torch.dtype) -> nn.Module:
     family, _, args = read_model_json(step_dir / MODEL_JSON)
-    raw = _read_json(step_dir / MODEL_JSON)
+    raw = read_json(step_dir / MODEL_JSON)
     if "lora" in raw:  # adapters only: the base they name, with them applied
         return _load_lora_checkpoint(step_dir, raw, device, dtype)
-    model = _on_meta(family, args, dtype)
+    model = build_on_meta(family, args, dtype)
     model.to_empty(device=device)
     model.tie_weights()
     model.init_rope()
@@ -370,7 +265,7 @@ def _load_lora_checkpoint(step_dir: Path, meta: dict[str, Any], device: Device, 
 def _adapter_tensors(step_dir: Path, meta: dict[str, Any]) -> tuple[Any, dict[str, torch.Tensor]]:
     """(args, {name: tensor}) of a LoRA checkpoint's trainable tensors, read without loading the base."""
     family, _, args = read_model_json(step_dir / MODEL_JSON)
-    model = _on_meta(family, args, torch.float32)
+    model = build_on_meta(family, args, torch.float32)
     apply_lora(model, family=family, **meta["lora"])
     shapes = dict(model.named_parameters(remove_duplicate=False))
     state = {name: torch.empty(shapes[name].shape) for name in sorted(trainable_names([model]))}
@@ -382,12 +277,12 @@ def _adapter_tensors(step_dir: Path, meta: dict[str, Any]) -> tuple[Any, dict[st
 
 
 def _peft_base(adapter_dir: Path) -> Path:
-    return peft_base(check_adapter_config(_read_json(adapter_dir / "adapter_config.json"), adapter_dir), adapter_dir)
+    return peft_base(check_adapter_config(read_json(adapter_dir / "adapter_config.json"), adapter_dir), adapter_dir)
 
 
 def _load_peft(adapter_dir: Path, device: Device, dtype: torch.dtype) -> nn.Module:
     """A peft adapter directory: its base (base_model_name_or_path, local) with the adapter folded in."""
-    config = _read_json(adapter_dir / "adapter_config.json")
+    config = read_json(adapter_dir / "adapter_config.json")
     model = load_model(_peft_base(adapter_dir), device, torch.float32)
     merge_lora(model)  # a base that is itself a LoRA run
     family = next(name for name, spec in MODELS.items() if isinstance(model, spec.model_cls))
@@ -403,7 +298,7 @@ def _load_peft(adapter_dir: Path, device: Device, dtype: torch.dtype) -> nn.Modu
 def _hf_weight_files(directory: Path) -> list[Path]:
     index = directory / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = _read_json(index).get("weight_map")
+        weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"'{index}' has no 'weight_map'")
         files = [directory / name for name in sorted(set(weight_map.values()))]
@@ -423,7 +318,7 @@ HF_FAMILIES = {"llama": HF_FAMILY, "mixtral": "mixtral", "gpt2": "gpt"}  # confi
 
 def _hf_family(directory: Path) -> tuple[str, dict[str, Any]]:
     config_path = directory / "config.json"
-    config = _read_json(config_path)
+    config = read_json(config_path)
     model_type = config.get("model_type")
     if model_type not in HF_FAMILIES:
         raise CheckpointError(f"'{config_path}' describes model_type '{model_type}'; ember loads "
@@ -455,7 +350,7 @@ def _load_hf(directory: Path, device: Device, dtype: torch.dtype) -> nn.Module:
     except KeyError as err:
         raise CheckpointError(f"'{directory}': {err.args[0]}") from None
     del hf_state
-    model = _on_meta(family, args, dtype)
+    model = build_on_meta(family, args, dtype)
     try:  # assign: the loaded tensors become the parameters, so the meta model needs no to_empty
         model.load_state_dict(state, strict=True, assign=True)
     except RuntimeError as err:
@@ -504,7 +399,7 @@ def _load_torch_file(path: Path) -> nn.Module:
     if not isinstance(payload, dict) or "model" not in payload or "ember" not in payload:
         raise CheckpointError(f"'{path}' holds no {{'model': state_dict, 'ember': model.json}}; write it with ember convert")
     family, _, args = parse_model_meta(payload["ember"], path)
-    model = _on_meta(family, args, torch.float32)
+    model = build_on_meta(family, args, torch.float32)
     try:
         model.load_state_dict(payload["model"], strict=True, assign=True)
     except RuntimeError as err:  # missing, unexpected or mis-shaped tensors: the message's first line says which

@@ -208,7 +208,7 @@ def _trained_seq_len(path: Path) -> Optional[int]:
 
 
 def _step_of(path: Path) -> Optional[int]:
-    from ember.load import MODEL_JSON
+    from ember.model_meta import MODEL_JSON
 
     if path.is_dir() and (path / "checkpoints").is_dir():
         steps = sorted(int(p.parent.name[5:]) for p in path.glob(f"checkpoints/step-*/{MODEL_JSON}"))

@@ -1,0 +1,116 @@
+"""model.json: the model description {"family", "flavor", "args"} every ember checkpoint carries (and `ember
+convert --to torch` files embed), enough to rebuild the model without its recipe; reading it checks every key
+against the family's hyper-parameter dataclass, so a bad file is one CheckpointError naming the key."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import types
+import typing
+from pathlib import Path
+from typing import Any, Union
+
+import torch
+from torch import nn
+
+from ember.errors import CheckpointError, first_error_line
+from ember.models import MODELS
+
+MODEL_JSON = "model.json"
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from a file ember reads (model.json, config.json, adapter_config.json); anything else is
+    one CheckpointError naming the file."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"'{path}' is not readable JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"'{path}' does not hold a JSON object")
+    return data
+
+
+def parse_model_meta(meta: Any, where: Union[str, Path]) -> tuple[str, str, Any]:
+    """(family, flavor, args dataclass) of a model description read from disk ({"family", "flavor", "args"},
+    as `checkpoint.meta_for` writes it into model.json and `ember convert --to torch` into a torch file).
+
+    Every key is checked against the family's args dataclass: an unknown family, an unknown, missing or
+    mistyped hyper-parameter, a size below 1, or sizes that do not fit together is one CheckpointError naming
+    the file and the key (it used to surface as a KeyError/TypeError traceback from deep inside a model)."""
+    if not isinstance(meta, dict) or not isinstance(meta.get("args"), dict):
+        raise CheckpointError(f"'{where}' has no model description {{family, flavor, args}}; "
+                              "write it with ember train or ember convert")
+    family, flavor = meta.get("family"), meta.get("flavor", "custom")
+    if not isinstance(family, str) or family not in MODELS:
+        raise CheckpointError(f"'{where}' names model family {family!r}, which ember does not know "
+                              f"(known: {', '.join(MODELS)})")
+    if not isinstance(flavor, str):
+        raise CheckpointError(f"'{where}': flavor {flavor!r} is not a name (a string)")
+    args_cls = MODELS[family].args_cls
+    fields = {f.name: f for f in dataclasses.fields(args_cls)}
+    hints = typing.get_type_hints(args_cls)
+    given = meta["args"]
+    unknown = sorted(set(given) - set(fields))
+    if unknown:
+        raise CheckpointError(f"'{where}': '{unknown[0]}' is not a hyper-parameter of {family} "
+                              f"(a file from another ember version or family?)")
+    for name, value in given.items():
+        if not _fits(value, hints[name]):
+            raise CheckpointError(f"'{where}': {family} hyper-parameter '{name}' = {value!r} is not "
+                                  f"{_type_name(hints[name])}")
+        if isinstance(value, int) and not isinstance(value, bool) and _is_int(hints[name]) and value < 1:
+            raise CheckpointError(f"'{where}': {family} hyper-parameter '{name}' = {value} must be >= 1")
+    required = [name for name, f in fields.items()
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    missing = [name for name in required if name not in given]
+    if missing:
+        raise CheckpointError(f"'{where}': the {family} hyper-parameter '{missing[0]}' is missing")
+    try:
+        args = args_cls(**given)
+        build_on_meta(family, args, torch.float32)  # shapes only, no storage: sizes that cannot build a model
+    except (TypeError, ValueError, RuntimeError, AssertionError, ZeroDivisionError) as err:
+        raise CheckpointError(f"'{where}': the {family} hyper-parameters do not fit together "
+                              f"({first_error_line(err)})") from None
+    return family, flavor, args
+
+
+def read_model_json(path: Path) -> tuple[str, str, Any]:
+    """(family, flavor, args) of a checkpoint's model.json: the one way ember reads it (parse_model_meta)."""
+    return parse_model_meta(read_json(path), path)
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    """Whether a JSON value has a hyper-parameter's annotated type: int, float (an int is fine), bool, str or
+    an Optional/union of them. bool is not an int here (JSON true for a size is a mistake)."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return any(_fits(value, option) for option in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if hint in (bool, str):
+        return isinstance(value, hint)
+    return value is None or isinstance(value, (bool, int, float, str))  # another annotation: any JSON scalar
+
+
+def _is_int(hint: Any) -> bool:
+    """An int (or Optional[int]) hyper-parameter: every one is a size or a count (dims, heads, layers, experts)."""
+    return hint is int or int in typing.get_args(hint)
+
+
+def _type_name(hint: Any) -> str:
+    options = [h for h in typing.get_args(hint) if h is not type(None)] or [hint]
+    names = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+    text = " or ".join(names.get(h, getattr(h, "__name__", str(h))) for h in options)
+    return text + (" or null" if type(None) in typing.get_args(hint) else "")
+
+
+def build_on_meta(family: str, args: Any, dtype: torch.dtype) -> nn.Module:
+    """The family's model for `args` on the meta device: its shapes, no storage."""
+    with torch.device("meta"):
+        return MODELS[family].model_cls(args).to(dtype)  # costs nothing: no storage on meta
