@@ -211,6 +211,7 @@ def main() -> int:
                 row = {"model": model_name, "contestant": contestant, **results[-1],
                        "seconds_per_step": statistics.median(r["seconds_per_step"] for r in results),
                        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in results),
+                       "tokens_per_s_rounds": [round(r["tokens_per_s"], 1) for r in results],  # the spread
                        "peak_rss_bytes": max(r["peak_rss_bytes"] for r in results)}
                 row["vs_full"] = row["tokens_per_s"] / full_tps[row["compute_dtype"]]
                 rows.append(row)

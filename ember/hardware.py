@@ -177,8 +177,8 @@ def keep_freed_cpu_memory() -> Optional[str]:
     glibc serves blocks above its mmap threshold (128 KiB, adapting up to 32 MiB) with fresh mmaps and hands
     heap tops above its trim threshold back to the OS, so each step page-faults those buffers in again; with
     both thresholds at 1 GiB they are reused. PyTorch's CPU performance guide recommends jemalloc or tcmalloc
-    for the same reason; this gets the reuse with nothing to install. Measured on a 2-core EPYC (LoRA r32,
-    110M, bf16): +5-10% tokens/s; transformers + peft on the same batch: +20-35% (benchmarks/finetune_memory.py).
+    for the same reason; this gets the reuse with nothing to install. Measured on a 2-core EPYC (LoRA r32, bf16,
+    debug and 110M): +3-13% tokens/s; transformers + peft on the same batch: +20-36% (benchmarks/finetune_memory.py).
     Left alone where the user chose: EMBER_CPU_MALLOC=default, another allocator preloaded (LD_PRELOAD), or
     glibc's own settings in the environment (MALLOC_TRIM_THRESHOLD_, MALLOC_MMAP_THRESHOLD_, GLIBC_TUNABLES).
     Once per process."""
