@@ -72,8 +72,9 @@ class Job:
                 and self.compute_dtype != torch.float32)
 
     @property
-    def loss_parallel(self) -> bool:
-        return self.degree("tensor") > 1 and self.cfg.parallel.loss_parallel and self.degree("pipeline") == 1
+    def loss_parallel(self) -> bool:  # as ember.train.Trainer decides it (DPO sums each row's log-probs from whole logits)
+        return (self.degree("tensor") > 1 and self.cfg.parallel.loss_parallel and self.degree("pipeline") == 1
+                and self.cfg.task != "dpo")
 
     @property
     def num_stages(self) -> int:
