@@ -220,8 +220,8 @@ def _newest_step_dir(run_dir: Path) -> Path:
 
 
 def _load_ember(step_dir: Path, device: Device, dtype: torch.dtype) -> nn.Module:
-    family, _, args = read_model_json(step_dir / MODEL_JSON)
     raw = read_json(step_dir / MODEL_JSON)
+    family, _, args = parse_model_meta(raw, step_dir / MODEL_JSON)
     if "lora" in raw:  # adapters only: the base they name, with them applied
         return _load_lora_checkpoint(step_dir, raw, device, dtype)
     model = build_on_meta(family, args, dtype)

@@ -96,7 +96,7 @@ class LoraLinear(nn.Linear):
         if not self.lora_enabled:
             return F.linear(x, self.weight, self.bias)
         dense = type(x) is torch.Tensor and type(self.weight) in (torch.Tensor, nn.Parameter) and x.dim() >= 2
-        dropout = isinstance(self.lora_dropout, nn.Dropout) and self.training and self.lora_dropout.p > 0
+        dropout = self.training and isinstance(self.lora_dropout, nn.Dropout)  # apply_lora adds one only for p > 0
         frozen = not self.weight.requires_grad and (self.bias is None or not self.bias.requires_grad)
         if dense and frozen and not dropout:
             dtype = x.dtype  # the compute dtype: a bf16 base and fp32 adapters meet in it (no-op casts otherwise)
