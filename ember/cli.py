@@ -317,11 +317,14 @@ def cmd_generate(argv: list[str]) -> int:
     parser.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for a batch)")
     parser.add_argument("--prompt-file", help="a jsonl of {\"prompt\": ...} rows, decoded as one batch")
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--top-p", type=float, default=None)
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--stop", action="append", default=[], help="stop at this string (repeatable)")
+    parser.add_argument("--temperature", type=float, default=None,
+                        help=">= 0; 0: greedy. Default: greedy, or 1.0 when --top-k, --top-p or --seed is given "
+                        "(these sample; with --temperature 0 they are an error)")
+    parser.add_argument("--top-k", type=int, default=None, help=">= 1: sample from the K most likely tokens")
+    parser.add_argument("--top-p", type=float, default=None, help="in (0, 1]: sample from the smallest set of tokens "
+                        "holding this probability mass")
+    parser.add_argument("--seed", type=int, default=None, help="seed the sampling (same seed, same output)")
+    parser.add_argument("--stop", action="append", default=[], help="stop at this string, not empty (repeatable)")
     parser.add_argument("--tokenizer", default=None, help="tokenizer file (default: the run's own)")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--json", action="store_true", help="one JSON object per prompt: prompt, completion, token_ids")
@@ -334,11 +337,15 @@ def cmd_generate(argv: list[str]) -> int:
 
     import torch
 
-    from ember.generate import generate, tokenizer_for
+    from ember.generate import generate, sampling_temperature, tokenizer_for
     from ember.hardware import pick_device
     from ember.load import load_model
 
     try:
+        temperature = sampling_temperature(args.temperature, args.top_k, args.top_p, args.seed, args.stop)
+        if args.temperature is None and temperature > 0:
+            print(f"note: sampling at temperature {temperature} (--top-k/--top-p/--seed sample; --temperature sets it)",
+                  file=sys.stderr)
         prompts = list(args.prompt)
         if args.prompt_file:
             prompts += _read_prompts(Path(args.prompt_file))
@@ -352,7 +359,7 @@ def cmd_generate(argv: list[str]) -> int:
         if stream:
             print(prompts[0], end="", flush=True)
         results = generate(model, tokenizer, prompts, max_new_tokens=args.max_new_tokens,
-                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                           temperature=temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                            stop=args.stop, compile=args.compile,
                            on_text=(lambda row, piece: print(piece, end="", flush=True)) if stream else None)
     except EmberError as err:

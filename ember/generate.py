@@ -82,17 +82,41 @@ def detach_kv_caches(model: nn.Module) -> None:
         attention.kv_cache = None
 
 
+def sampling_temperature(temperature: Optional[float], top_k: Optional[int], top_p: Optional[float],
+                         seed: Optional[int], stop: Sequence[str] = ()) -> float:
+    """The temperature a generation runs at, its options checked: unset, 1.0 when top_k, top_p or seed ask for
+    sampling, else 0 (greedy). Out-of-range values, and sampling options beside an explicit temperature 0
+    (greedy would ignore them), are one-line errors: each would otherwise change the output without a word."""
+    sampling = [name for name, value in (("top_k", top_k), ("top_p", top_p), ("seed", seed)) if value is not None]
+    if temperature is None:
+        temperature = 1.0 if sampling else 0.0
+    if temperature < 0:
+        raise ConfigError(f"temperature={temperature} must be >= 0 (0: greedy, 1: the model's own distribution)")
+    if temperature == 0 and sampling:
+        raise ConfigError(f"{', '.join(sampling)} sample, but temperature=0 decodes greedily and would ignore them; "
+                          "drop the temperature (sampling then runs at 1.0) or set it above 0")
+    if top_k is not None and top_k < 1:
+        raise ConfigError(f"top_k={top_k} must be >= 1 (the number of most likely tokens sampled from); "
+                          "leave it out to sample from every token")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ConfigError(f"top_p={top_p} must be in (0, 1] (the probability mass sampled from; 1 keeps every token)")
+    if any(s == "" for s in stop):
+        raise ConfigError("a stop string is empty: it would end every completion before its first token; "
+                          "give the text to stop at")
+    return float(temperature)
+
+
 def _sample(logits: torch.Tensor, temperature: float, top_k: Optional[int], top_p: Optional[float],
             generator: Optional[torch.Generator]) -> torch.Tensor:
     """Next tokens (B,) from the last position's logits (B, V): greedy at temperature 0, else sampled from
     the softmax of logits / temperature restricted to the top_k tokens and to the top_p probability mass."""
-    if temperature <= 0:
+    if temperature == 0:
         return logits.argmax(dim=-1)
     logits = logits.float() / temperature
-    if top_k is not None and top_k > 0:
+    if top_k is not None:
         kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # (B, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and 0 < top_p < 1:
+    if top_p is not None and top_p < 1:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
         drop = cumulative - torch.softmax(sorted_logits, dim=-1) > top_p  # keep the smallest set reaching top_p
@@ -103,17 +127,19 @@ def _sample(logits: torch.Tensor, temperature: float, top_k: Optional[int], top_
 
 @torch.no_grad()
 def generate(model: nn.Module, tokenizer: Any, prompts: Sequence[Union[str, Sequence[int]]], *,
-             max_new_tokens: int = 64, temperature: float = 0.0, top_k: Optional[int] = None,
+             max_new_tokens: int = 64, temperature: Optional[float] = None, top_k: Optional[int] = None,
              top_p: Optional[float] = None, seed: Optional[int] = None, stop: Sequence[str] = (),
              stop_at_eos: bool = True, on_text: Optional[Callable[[int, str], None]] = None,
              compile: bool = False) -> list[Generation]:
-    """Continue each prompt (text, or token ids) by up to `max_new_tokens` tokens. Greedy at temperature 0.
+    """Continue each prompt (text, or token ids) by up to `max_new_tokens` tokens. Greedy at temperature 0, the
+    default unless top_k, top_p or seed is given (then temperature 1.0; see sampling_temperature).
     Stops a row at EOS or at any `stop` string (cut from the completion). `on_text(row, piece)` receives the
     new text of a row as it is decoded (for streaming). compile=True runs the decode step through
     torch.compile with static shapes (the cache attended whole, under a mask): one compilation, then no
     Python between the kernels of a step; worth it for long generations."""
     if max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    temperature = sampling_temperature(temperature, top_k, top_p, seed, stop)
     ids = [list(p) if not isinstance(p, str) else tokenizer.encode(p) for p in prompts]
     if not ids or any(len(row) == 0 for row in ids):
         raise ConfigError("every prompt needs at least one token")

@@ -124,6 +124,35 @@ def test_sampling_is_seeded_and_stops():
     assert cut.completion == "".join(f" {t}" for t in cut.token_ids)
 
 
+def test_sampling_options_without_a_temperature_sample_at_1():
+    # top_k/top_p/seed ask for sampling: without a temperature they run at 1.0, not greedily (which ignored them).
+    model = _model("gpt")
+    kwargs = dict(max_new_tokens=12, top_k=20, top_p=0.9, stop_at_eos=False)
+    implied = [generate(model, IdTokenizer(), ["5 9"], seed=seed, **kwargs)[0].token_ids for seed in (7, 8)]
+    at_one = [generate(model, IdTokenizer(), ["5 9"], seed=seed, temperature=1.0, **kwargs)[0].token_ids
+              for seed in (7, 8)]
+    (greedy,) = generate(model, IdTokenizer(), ["5 9"], max_new_tokens=12, stop_at_eos=False)
+    assert implied == at_one and implied[0] != implied[1] and greedy.token_ids not in implied
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"top_p": 0.0}, "top_p=0.0 must be in (0, 1] (the probability mass sampled from; 1 keeps every token)"),
+    ({"top_p": 1.5}, "top_p=1.5 must be in (0, 1] (the probability mass sampled from; 1 keeps every token)"),
+    ({"top_k": -1}, "top_k=-1 must be >= 1 (the number of most likely tokens sampled from); leave it out to sample "
+                    "from every token"),
+    ({"top_k": 0}, "top_k=0 must be >= 1"),
+    ({"temperature": -1.0}, "temperature=-1.0 must be >= 0 (0: greedy, 1: the model's own distribution)"),
+    ({"temperature": 0.0, "top_k": 5, "seed": 1}, "top_k, seed sample, but temperature=0 decodes greedily and would "
+                                                  "ignore them; drop the temperature (sampling then runs at 1.0) or set "
+                                                  "it above 0"),
+    ({"stop": [""]}, "a stop string is empty: it would end every completion before its first token"),
+])
+def test_out_of_range_sampling_options_are_one_line(options: dict, message: str):
+    with pytest.raises(ConfigError) as err:
+        generate(_model("gpt"), IdTokenizer(), ["5 9"], max_new_tokens=4, **options)
+    assert str(err.value).startswith(message)
+
+
 def test_a_prompt_beyond_the_context_is_one_line():
     model = _model("gpt")  # learned positions: the table has max_seq_len rows
     with pytest.raises(ConfigError, match=r"a prompt of 60 tokens plus max_new_tokens=10 exceeds the model's "
@@ -169,7 +198,26 @@ def test_cli_json_output_and_errors(trained_run: Path, tmp_path: Path):
     bad.write_text('{"text": "no prompt"}\n')
     proc = _ember("generate", str(trained_run), "--prompt-file", str(bad))
     assert proc.returncode == 2 and f"{bad} line 1 has no 'prompt' field" in proc.stderr
+    # Sampling options without --temperature sample at 1.0, and say so; the Python API gives the same tokens.
+    proc = _ember("generate", str(trained_run), "--prompt", "def f(", "--max-new-tokens", "5", "--top-k", "50",
+                  "--seed", "3", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == "note: sampling at temperature 1.0 (--top-k/--top-p/--seed sample; --temperature sets it)\n"
+    (sampled,) = generate(load_model(trained_run), tokenizer_for(trained_run), ["def f("], max_new_tokens=5,
+                          temperature=1.0, top_k=50, seed=3)
+    assert json.loads(proc.stdout)["token_ids"] == sampled.token_ids
     not_a_model = tmp_path / "empty"
     not_a_model.mkdir()
     proc = _ember("generate", str(not_a_model), "--prompt", "x")
     assert proc.returncode == 2 and "holds no model" in proc.stderr
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--top-p", "1.5"], "error: top_p=1.5 must be in (0, 1]"),
+    (["--top-k", "-1"], "error: top_k=-1 must be >= 1"),
+    (["--temperature", "-1"], "error: temperature=-1.0 must be >= 0"),
+    (["--stop", ""], "error: a stop string is empty"),
+])
+def test_cli_refuses_out_of_range_sampling_options_before_loading(tmp_path: Path, flags: list, message: str):
+    proc = _ember("generate", str(tmp_path / "no-model-needed"), "--prompt", "x", *flags)
+    assert proc.returncode == 2 and proc.stderr.startswith(message) and proc.stderr.count("\n") == 1, proc.stderr
