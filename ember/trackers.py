@@ -95,6 +95,7 @@ class MlflowTracker:
         logging.getLogger("mlflow").setLevel(logging.WARNING)  # not "Creating initial MLflow database tables..."
         logging.getLogger("alembic").setLevel(logging.WARNING)
         id_file = output_dir / "mlflow-run-id"
+        check_reachable(uri)
         try:
             self.client = MlflowClient(tracking_uri=uri)
             experiment = self.client.get_experiment_by_name(name)
@@ -139,6 +140,38 @@ class MlflowTracker:
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)
+
+
+REACH_TIMEOUT_S = 5.0  # the bounded check before MLflow's client, which retries a dead server for minutes
+_RETRIED_STATUS = (408, 429, 500, 502, 503, 504)  # the answers MLflow's client retries for minutes too
+
+
+def check_reachable(uri: str, timeout_s: float = REACH_TIMEOUT_S) -> None:
+    """An http(s) tracking URI must answer within `timeout_s`: MLflow's client retries a refused or silent
+    server 7 times with exponential backoff (about 4 minutes) before it says anything. Any HTTP answer, even
+    an error status, means the server is there; only no answer at all is refused. Other schemes (sqlite,
+    file, databricks) are MLflow's to check."""
+    parts = urlsplit(uri)
+    if parts.scheme not in ("http", "https"):
+        return
+    import urllib.error
+    import urllib.request
+
+    # user:password@ in the URI is MLflow's to send; urllib would take it for part of the host name
+    health = urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2], path=parts.path.rstrip("/") + "/health"))
+    try:
+        with urllib.request.urlopen(health, timeout=timeout_s):
+            return
+    except urllib.error.HTTPError as err:
+        if err.code not in _RETRIED_STATUS:  # an answer (a 404 without /health, a 401 without credentials)
+            return
+        reason: object = f"HTTP {err.code}"
+    except (OSError, ValueError) as err:  # refused, unknown host, timed out, a malformed URI
+        reason = getattr(err, "reason", err)
+    shown = _first_line(reason) if isinstance(reason, BaseException) else reason
+    raise ConfigError(f"metrics.mlflow: the MLflow tracking server at {_shown_uri(uri)} does not answer ({shown}; "
+                      f"waited up to {timeout_s:g} s): start it, fix MLFLOW_TRACKING_URI, or unset it to track in "
+                      "OUTPUT_DIR/mlflow.db")
 
 
 def _metric_key(key: str) -> str:

@@ -21,6 +21,7 @@ from torch import nn
 from rich.console import Console
 
 from ember import config as config_lib
+from ember import run as run_lib
 from ember.checkpoint import (CheckpointError, CheckpointManager, archive_previous_run, meta_for, rng_state,
                               set_rng_state, starts_over)
 from ember.config import ConfigError, JobConfig
@@ -97,10 +98,9 @@ class Trainer:
         cp_impl = cfg.parallel.cp_impl if cfg.parallel.cp_impl != "auto" else ("ring" if self.device.type == "cuda" else "allgather")
         self._check_device_options(cp_impl)
         # FSDP's mixed precision (bf16 compute, fp32 gradient reduction) replaces autocast where FSDP runs.
-        self.fsdp_mixed = (self.mesh is not None and self.shape.grad_sync > 1 and cfg.parallel.mixed_precision
-                           and self.compute_dtype != torch.float32)
-        # DPO sums each row's log-probabilities, from whole logits.
-        loss_parallel = self.tp > 1 and cfg.parallel.loss_parallel and self.pp == 1 and cfg.task != "dpo"
+        # Both decisions are ember/run.py's, which `ember plan` calls too.
+        self.fsdp_mixed = run_lib.uses_fsdp_mixed_precision(cfg, self.shape, self.compute_dtype)
+        loss_parallel = run_lib.uses_loss_parallel(cfg, self.shape)
         stages, num_stages, whole = self._build_model(cp_impl, loss_parallel)
         self.model_parts: list[nn.Module] = [part for _, part in stages]
         # One module for the optimizer, clipping and `model.train()`: the model, or this rank's stages.
@@ -291,10 +291,10 @@ class Trainer:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         if self.is_main:
             config_lib.save(cfg, self.output_dir / "config.yaml")
+        self._print_header()  # before the trackers start: a tracker that cannot start fails after it, in one line
         logger = MetricsLogger(self.output_dir, cfg.metrics, enabled=self.is_main, console=self.console,
                                start_step=self.step, run_info={"device": self.device, "mesh": self.shape.describe(),
                                                                "world_size": self.world_size, "params": self.num_params})
-        self._print_header()
         tokens_per_step = cfg.global_batch_size * cfg.seq_len * (2 if cfg.task == "dpo" else 1)  # DPO: pairs of rows
         recent: collections.deque = collections.deque(maxlen=cfg.logging_steps)  # (step, loss) of the last good steps
         window = {"time": 0.0, "steps": 0, "loss": 0.0, "data": 0.0}

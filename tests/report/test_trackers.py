@@ -3,9 +3,12 @@ readers, equals metrics.jsonl; no secret from the environment lands in any file;
 
 from __future__ import annotations
 
+import contextlib
 import glob
+import io
 import json
 import math
+import socket
 import struct
 from pathlib import Path
 
@@ -17,7 +20,7 @@ from ember.cli import main
 from ember.config import MetricsConfig
 from ember.errors import ConfigError
 from ember.metrics import MetricsLogger
-from ember.trackers import scalars
+from ember.trackers import check_reachable, scalars
 
 SECRETS = {"WANDB_API_KEY": "fake-wandb-key-0123456789abcdef0123456789abcdef", "HF_TOKEN": "hf_fakeTokenThatMustNotLeak42"}
 
@@ -135,3 +138,36 @@ def test_a_tracker_that_cannot_start_is_one_line_before_training(tmp_path: Path,
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
     with pytest.raises(ConfigError, match=r"metrics.wandb=true needs the wandb package: pip install '.\[wandb\]'"):
         config_lib.load("debug", ["metrics.wandb=true"])
+
+
+def test_an_unreachable_mlflow_server_is_one_line_after_the_header(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    with socket.socket() as sock:  # a port that was free a moment ago: nothing listens there
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{port}")
+    # MLflow's own client would retry for about 4 minutes; with no retries a path that skips ember's check
+    # fails fast too, with MLflow's message instead of the one asserted here.
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    printed = io.StringIO()  # stdout and stderr in one stream, in the order they were written
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+        code = main(["train", "debug", "model.n_layers=1", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2",
+                     "max_steps=2", "metrics.mlflow=true", f"output_dir={tmp_path / 'run'}"])
+    lines = printed.getvalue().splitlines()
+    assert code == 2 and lines[0].startswith("ember train llama3 debug: ")
+    errors = [line for line in lines if line.startswith("error:")]
+    assert errors == [f"error: metrics.mlflow: the MLflow tracking server at http://127.0.0.1:{port} does not answer "
+                      "([Errno 111] Connection refused; waited up to 5 s): start it, fix MLFLOW_TRACKING_URI, or "
+                      "unset it to track in OUTPUT_DIR/mlflow.db"]
+    assert lines[-1] == errors[0] and not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_server_that_accepts_and_never_answers_is_refused_after_the_timeout():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(1)  # the kernel accepts the connection; nothing ever reads or answers it
+        uri = f"http://user:secret@127.0.0.1:{sock.getsockname()[1]}"
+        with pytest.raises(ConfigError) as info:
+            check_reachable(uri, timeout_s=0.5)
+    assert str(info.value) == (f"metrics.mlflow: the MLflow tracking server at http://user:***@{uri.split('@')[1]} does "
+                               "not answer (timed out; waited up to 0.5 s): start it, fix MLFLOW_TRACKING_URI, or unset "
+                               "it to track in OUTPUT_DIR/mlflow.db")
