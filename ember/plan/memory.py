@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ember import config as config_lib
+from ember import run as run_lib
 from ember.finetune.lora import lora_transform, run_flops_per_token
 from ember.models import MODELS
 from ember.nn.loss import output_chunks
@@ -67,14 +68,12 @@ class Job:
         return run_flops_per_token(self.cfg, self.spec, self.args, self.compute_dtype)
 
     @property
-    def fsdp_mixed(self) -> bool:  # as ember.train.Trainer decides it
-        return (self.shape.grad_sync > 1 and self.cfg.parallel.mixed_precision
-                and self.compute_dtype != torch.float32)
+    def fsdp_mixed(self) -> bool:  # the trainer's decision, by the same function
+        return run_lib.uses_fsdp_mixed_precision(self.cfg, self.shape, self.compute_dtype)
 
     @property
-    def loss_parallel(self) -> bool:  # as ember.train.Trainer decides it (DPO sums each row's log-probs from whole logits)
-        return (self.degree("tensor") > 1 and self.cfg.parallel.loss_parallel and self.degree("pipeline") == 1
-                and self.cfg.task != "dpo")
+    def loss_parallel(self) -> bool:  # the trainer's decision, by the same function
+        return run_lib.uses_loss_parallel(self.cfg, self.shape)
 
     @property
     def num_stages(self) -> int:

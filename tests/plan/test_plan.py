@@ -26,16 +26,6 @@ def _state(recipe: str, overrides: list[str], world: int, rank: int = 0):
         return state_bytes(named_params(parts))
 
 
-@pytest.mark.parametrize("task, expected", [("lm", True), ("dpo", False)])
-def test_the_plan_decides_loss_parallel_as_the_trainer_does(task, expected, tmp_path):
-    pairs = tmp_path / "pairs.jsonl"
-    pairs.write_text(json.dumps({"prompt": "a", "chosen": "b", "rejected": "c"}) + "\n")
-    data = [f"data.dataset={pairs}"] if task == "dpo" else []
-    cfg = config_lib.load("debug", ["ici_mesh.tensor=2", "ici_mesh.fsdp=1", f"task={task}", *data], world_size=2)
-    job = Job(cfg, config_lib.model_choice(cfg).args, config_lib.mesh_shape(cfg, 2), torch.float32, "cpu")
-    assert job.loss_parallel is expected  # train.py: tensor > 1, parallel.loss_parallel, no pipeline, not DPO
-
-
 def test_llama_405b_on_1024_ranks_matches_the_hand_computed_shards():
     """tensor=8 within a node, fsdp=16 x data=8 (HSDP) across nodes. Per layer, each rank holds: wq and wo
     16384 x 16384 / (8 x 16), wk and wv 1024 x 16384 / (8 x 16), w1, w2, w3 53248 x 16384 / (8 x 16), two norms
