@@ -265,6 +265,9 @@ def _check_fp8(cfg: JobConfig) -> None:
     if cfg.fp8.recipe not in FP8_RECIPES:
         raise ConfigError(f"fp8.recipe '{cfg.fp8.recipe}' is not one of {', '.join(FP8_RECIPES)}")
     if cfg.lora.rank:
+        if cfg.fp8.emulate:  # alone it would change nothing, and the run would look like an FP8 test
+            raise ConfigError("fp8.emulate=true emulates FP8 training, which this run does not turn on: add "
+                              "precision=fp8 (or fp8.enabled=true), or drop fp8.emulate")
         raise ConfigError("fp8 training converts the linears LoRA adapts; use precision=bf16 with lora.rank")
     import importlib.util
 

@@ -294,7 +294,9 @@ class Trainer:
         self._print_header()  # before the trackers start: a tracker that cannot start fails after it, in one line
         logger = MetricsLogger(self.output_dir, cfg.metrics, enabled=self.is_main, console=self.console,
                                start_step=self.step, run_info={"device": self.device, "mesh": self.shape.describe(),
-                                                               "world_size": self.world_size, "params": self.num_params})
+                                                               "world_size": self.world_size, "params": self.num_params,
+                                                               "compute": self._compute_description(),
+                                                               "model": self._built_model()})
         tokens_per_step = cfg.global_batch_size * cfg.seq_len * (2 if cfg.task == "dpo" else 1)  # DPO: pairs of rows
         recent: collections.deque = collections.deque(maxlen=cfg.logging_steps)  # (step, loss) of the last good steps
         window = {"time": 0.0, "steps": 0, "loss": 0.0, "data": 0.0}
@@ -417,12 +419,27 @@ class Trainer:
         if not (self.is_main and self.cfg.metrics.console):
             return
         cfg, args = self.cfg, self.model_args
-        dtype = str(self.compute_dtype).replace("torch.", "")
+    def _model_label(self) -> str:
+        """The model that was built: with model.init_from the source's architecture, whatever flavor the recipe names."""
+        model = self.cfg.model
+        return f"{model.family} (from {model.init_from})" if model.init_from else f"{model.family} {model.flavor}"
+
+    def _built_model(self) -> dict[str, Any]:
+        """run.json's record of the model that was built (model.json's fields), and where its architecture came from."""
+        return {**meta_for(self.cfg.model.family, self.model_choice.flavor, self.model_args),
+                "init_from": self.cfg.model.init_from, "architecture_from": self.model_choice.source}
+
+    def _compute_description(self) -> str:
+        """What the steps compute in: the dtype, or FP8's recipe, emulation and converted linears."""
+        if self.fp8_recipe:
+            return fp8_lib.describe_fp8(self.model_parts, self.fp8_recipe, self.cfg.fp8.emulate, self.compute_dtype)
+        return str(self.compute_dtype).replace("torch.", "")
+
         tok = f"tokenizer vocab {self.tokenizer.vocab_size}" if self.tokenizer else "synthetic tokens"
         peak = f"{self.peak.value_flops / 1e12:.3f} TFLOP/s ({self.peak.source})" if self.peak.value_flops else "unknown"
         self.console.print(
-            f"[bold]ember train[/bold] {cfg.model.family} {cfg.model.flavor}: {self.num_params:,} params, "
-            f"{args.n_layers} layers, dim {args.dim}, {tok} | {self.device.type} {dtype} | "
+            f"[bold]ember train[/bold] {self._model_label()}: {self.num_params:,} params, "
+            f"{args.n_layers} layers, dim {args.dim}, {tok} | {self.device.type} {self._compute_description()} | "
             f"global batch {cfg.global_batch_size} x seq {cfg.seq_len} "
             f"(micro {cfg.micro_batch_size} x accum {self.grad_accum}) | mesh {self.shape.describe()} | "
             f"peak {peak} | output {self.output_dir}"

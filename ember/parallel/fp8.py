@@ -80,6 +80,20 @@ def apply_fp8(model: nn.Module, recipe: str, emulate: bool, fsdp_float8_all_gath
     return [name for name, module in model.named_modules() if isinstance(module, Float8Linear)]
 
 
+def describe_fp8(model_parts: list[nn.Module], recipe: str, emulate: bool, compute_dtype: torch.dtype) -> str:
+    """What an FP8 run computes in, for the run header and run.json: e.g. `fp8 tensorwise (emulated in bfloat16)
+    in 14 of 15 linears, bfloat16 elsewhere`. Emulated float8 rounds as float8 does but multiplies in
+    `compute_dtype`: the numbers of FP8, not its speed."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    modules = [m for part in model_parts for m in part.modules()]
+    converted = sum(isinstance(m, Float8Linear) for m in modules)
+    linears = sum(isinstance(m, nn.Linear) for m in modules)  # Float8Linear is an nn.Linear
+    dtype = str(compute_dtype).replace("torch.", "")
+    emulated = f" (emulated in {dtype})" if emulate else ""
+    return f"fp8 {recipe}{emulated} in {converted} of {linears} linears, {dtype} elsewhere"
+
+
 def fp8_tp_plan(plan: dict[str, Any]) -> dict[str, Any]:
     """The tensorwise recipe's TP plan: torchao's float8 styles in place of the colwise/rowwise ones and of
     the block inputs' layout change, so the all-gathered activations travel in float8 (torchtitan's plan)."""

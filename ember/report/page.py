@@ -61,6 +61,7 @@ SUMMARY_ROWS: list[tuple[str, Any]] = [
     ("best validation loss", lambda s: _at(s["best_val_loss"], s["best_val_step"])),
     ("median tokens/s", lambda s: _number(s["median_tokens_per_s"], ",.0f")),
     ("median MFU", lambda s: "–" if s["median_mfu"] is None else f"{s['median_mfu']:.1%}"),
+    ("model", lambda s: s["model"] or "–"),
     ("mesh", lambda s: s["mesh"] or "–"),
     ("device", lambda s: s["device"] or "–"),
     ("checkpoints", lambda s: ", ".join(f"step-{n}" for n in s["checkpoints"]) or "none"),

@@ -74,12 +74,34 @@ class Run:
             "best_val_step": best_val[1] if best_val else None,
             "median_tokens_per_s": statistics.median(tps) if tps else None,
             "median_mfu": statistics.median(mfu) if mfu else None,
+            "model": self.model_label(),
             "mesh": self.info.get("mesh") or _mesh_from_config(self.config, self.world_size()),
             "device": self.info.get("device_name") or self.info.get("device") or self.config.get("device"),
             "checkpoints": list(self.checkpoints),
             "skipped_steps": len(self.values.get("skipped_step", {})),
             "loss_spikes": len(self.values.get("loss_spike", {})),
         }
+
+    def model_label(self) -> Optional[str]:
+        """The model that was built, from run.json (a fine-tune's architecture is model.init_from's, whatever
+        model.flavor its recipe names); None for a run without that record."""
+        built = self.info.get("model")
+        if not isinstance(built, dict):
+            return None
+        family = built.get("family")
+        label = f"{family} (from {built['init_from']})" if built.get("init_from") else f"{family} {built.get('flavor')}"
+        params = self.info.get("params")
+        return label + (f": {params:,} params" if isinstance(params, int) else "")
+
+    def compared_config(self) -> dict[str, Any]:
+        """The dotted config keys the runs are compared by. Where run.json records the built model, its flavor
+        and hyper-parameters stand for model.*: a fine-tune's config names its recipe's flavor, not what it trained."""
+        flat = dotted_keys(self.config)
+        built = self.info.get("model")
+        if isinstance(built, dict):
+            flat["model.flavor"] = built.get("flavor")
+            flat.update({f"model.{key}": value for key, value in (built.get("args") or {}).items()})
+        return flat
 
     def world_size(self) -> Optional[int]:
         """run.json's, or tokens/s over tokens/s per device (older runs without run.json)."""
@@ -199,7 +221,7 @@ def unique_names(paths: list[Path]) -> list[str]:
 def config_differences(runs: list[Run]) -> dict[str, list[Any]]:
     """Dotted config keys whose values differ between the runs -> each run's value (None: the key is absent).
     output_dir is left out: every run has its own, and the table already names the runs."""
-    flats = [dotted_keys(run.config) for run in runs]
+    flats = [run.compared_config() for run in runs]
     keys = sorted(set().union(*flats) - {"output_dir"})
     missing = object()
     out = {}

@@ -1,0 +1,67 @@
+"""The run header and run.json say what runs: the model that was built (a fine-tune's comes from model.init_from,
+whatever flavor its recipe names) and what the steps compute in (FP8's recipe and emulation included)."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from ember import config as config_lib
+from ember.config import ConfigError
+from ember.report import build_report
+from ember.train import Trainer
+
+TINY = ["model.n_layers=1", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "seq_len=32",
+        "global_batch_size=2", "micro_batch_size=2", "data.dataset=synthetic", "eval_batches=1", "max_steps=1",
+        "metrics.tensorboard=false"]
+
+
+def _run(output_dir: Path, *overrides: str) -> str:
+    """A one-step run in this process; returns what it printed."""
+    out = io.StringIO()
+    cfg = config_lib.load("debug", TINY + [f"output_dir={output_dir}", *overrides])
+    Trainer(cfg, console=Console(file=out, width=400, soft_wrap=True)).train()
+    return out.getvalue()
+
+
+def test_a_fine_tune_names_the_model_it_built(tmp_path: Path):
+    source, tuned = tmp_path / "source", tmp_path / "tuned"
+    _run(source)
+    # The recipe names 8B; the architecture (and the weights) are the source's 1-layer model.
+    printed = _run(tuned, "model.flavor=8B", f"model.init_from={source}")
+    params = json.loads((source / "run.json").read_text())["params"]
+    assert printed.splitlines()[0].startswith(f"ember train llama3 (from {source}): {params:,} params, 1 layers, dim 64, ")
+
+    info = json.loads((tuned / "run.json").read_text())
+    source_meta = json.loads((source / "checkpoints" / "step-1" / "model.json").read_text())
+    assert info["params"] == params
+    assert info["model"] == {**source_meta, "init_from": str(source),
+                             "architecture_from": str(source / "checkpoints" / "step-1" / "model.json")}
+
+    # config.yaml keeps what the user gave (model.flavor: 8B); the report compares the models that were built.
+    assert (tuned / "config.yaml").read_text().count("flavor: 8B") == 1
+    report = build_report([source, tuned], output=tmp_path / "report.html")
+    differences = json.loads(report.html.read_text().split('id="ember-report-data">')[1].split("</script>")[0])[
+        "config_differences"]
+    assert {k: v for k, v in differences.items() if k.startswith("model.")} == {"model.init_from": [None, str(source)]}
+    assert [run.summary()["model"] for run in report.runs] == [f"llama3 debug: {params:,} params",
+                                                               f"llama3 (from {source}): {params:,} params"]
+
+
+def test_the_header_says_fp8_and_its_emulation(tmp_path: Path):
+    printed = _run(tmp_path, "precision=fp8", "fp8.emulate=true")
+    compute = "fp8 tensorwise (emulated in bfloat16) in 7 of 8 linears, bfloat16 elsewhere"  # the output head kept
+    assert f" | cpu {compute} | " in printed.splitlines()[0]
+    assert json.loads((tmp_path / "run.json").read_text())["compute"] == compute
+
+
+def test_fp8_emulate_without_fp8_is_refused():
+    with pytest.raises(ConfigError) as info:
+        config_lib.load("debug", ["fp8.emulate=true"])
+    assert str(info.value) == ("fp8.emulate=true emulates FP8 training, which this run does not turn on: add "
+                               "precision=fp8 (or fp8.enabled=true), or drop fp8.emulate")
+    assert config_lib.fp8_enabled(config_lib.load("debug", ["fp8.enabled=true", "fp8.emulate=true"]))
