@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Any, Optional
 
@@ -16,12 +17,15 @@ from ember.errors import ConfigError
 
 EVAL_USAGE = """usage: ember eval PATH TASK[=DATA] ... [key=value ...] [--output FILE] [--tokenizer FILE]
   PATH: an ember run or checkpoint, an HF directory or an `ember convert --to torch` file
-  tasks: ppl (an ember data source: data.dataset=..., data.* keys; the validation split by default),
-         lambada=FILE.jsonl ({"text"}), boolq=FILE.jsonl ({"passage", "question", "answer"}),
-         choice=FILE.jsonl ({"context", "choices", "label"}); `lambada` / `boolq` alone: the hub dataset
-  keys: eval.limit=N (rows per task), eval.batch_size=N, eval.seq_len=N and eval.stride=N (ppl window),
-        eval.max_tokens=N (ppl), eval.split=val|train (ppl)
-  writes eval.json next to the checkpoint: {"model", "step", "results": {task: {metric: value}}}
+  tasks: ppl (the run's data source, its validation split), ppl=DATA (all of DATA: a file, folder, glob or
+         any data.dataset value), lambada=FILE.jsonl ({"text"}), boolq=FILE.jsonl ({"passage", "question",
+         "answer": true/false}), choice=FILE.jsonl ({"context", "choices", "label"}); `lambada` / `boolq`
+         alone: the hub dataset. Each task once per command.
+  keys: eval.limit=N (the first N rows of each task, N >= 1; unset: all), eval.batch_size=N, eval.seq_len=N and
+        eval.stride=N (ppl's window), eval.max_tokens=N (ppl), eval.split=val|train|all (ppl; default: val
+        for the run's data, all for ppl=DATA), data.* (ppl's data source)
+  writes eval.json next to the checkpoint (--output FILE elsewhere): {"model", "step", "results": {task:
+  {metric: value, "data": what was scored}}}; a task run again replaces its own entry, the others stay
        ember eval PATH --harness TASK[,TASK] [--include-path DIR] [--limit N]
   lm-evaluation-harness tasks (pip install -e '.[eval]'); offline: local task YAMLs with dataset_path: json and
   absolute data_files, and HF_DATASETS_OFFLINE=1
@@ -29,8 +33,9 @@ EVAL_USAGE = """usage: ember eval PATH TASK[=DATA] ... [key=value ...] [--output
   a model sharded as in training (axes data, fsdp, tensor; default fsdp over every process); requests are
   shared out over the data ranks; the same results as one process. Plain `torchrun ... -m ember eval` works too."""
 
-EVAL_KEYS = {"eval.limit": int, "eval.batch_size": int, "eval.seq_len": int, "eval.stride": int,
-             "eval.max_tokens": int, "eval.split": str}
+# ppl's keys, and the key that counts rows of the other tasks: each must apply to a task of the command
+PPL_KEYS = ("eval.seq_len", "eval.stride", "eval.max_tokens", "eval.split")
+EVAL_KEYS = ("eval.limit", "eval.batch_size", *PPL_KEYS)
 
 
 def run_eval(argv: list[str]) -> int:
@@ -41,24 +46,44 @@ def run_eval(argv: list[str]) -> int:
         return _eval_harness(argv, meshes)
     path, tasks, options, data_overrides, output, tokenizer_spec = _parse_eval_args(argv)
     from ember.eval import TASKS, ppl
-    from ember.generate import tokenizer_for
+    from ember.eval.tasks import HUB, TASK_ROWS
 
+    data_cfg = _eval_data_config(path, tasks.get("ppl"), data_overrides) if "ppl" in tasks else None
+    for task, data in tasks.items():  # every local row checked before the model loads
+        if task != "ppl" and data not in (None, task, HUB.get(task, ("",))[0]):
+            TASK_ROWS[task](data)
+    target = _target(Path(path), output)
+    _read_previous(target, Path(path))  # a file we may not add to stops us before any work
     model, ranks = _load(path, meshes)
-    tokenizer = tokenizer_for(path, tokenizer_spec)
+    tokenizer = _tokenizer(path, tokenizer_spec, model.args.vocab_size)
     # ppl's default window: the sequence length the run trained at (its config.yaml), else the model's
     options.setdefault("eval.seq_len", _trained_seq_len(Path(path)))
     results: dict[str, dict] = {}
     limit, batch = options.get("eval.limit"), options.get("eval.batch_size", 16)
-    for task, data in tasks:
+    for task, data in tasks.items():
         if task == "ppl":
-            results["ppl"] = ppl(model, tokenizer, _eval_data_config(path, data_overrides),
-                                 options.get("eval.split", "val"), options.get("eval.seq_len"),
-                                 options.get("eval.stride"), options.get("eval.max_tokens"), batch, ranks)
+            split = options.get("eval.split", "all" if data else "val")
+            metrics = ppl(model, tokenizer, data_cfg, split, options.get("eval.seq_len"), options.get("eval.stride"),
+                          options.get("eval.max_tokens"), batch, ranks)
+            results["ppl"] = {**metrics, "data": _data_label(data_cfg.dataset), "split": split}
         else:
-            results[task] = TASKS[task](model, tokenizer, data or task, limit, batch, ranks)
+            metrics = TASKS[task](model, tokenizer, data or task, limit, batch, ranks)
+            results[task] = {**metrics, "data": _data_label(data or task, task)}
     if _is_main():
-        _report(Path(path), results, output)
+        _report(Path(path), results, target)
     return 0
+
+
+def _data_label(spec: str, task: Optional[str] = None) -> str:
+    """What eval.json records as a task's data: a local path made absolute, else the hub name."""
+    from ember.eval.tasks import HUB
+
+    local = Path(spec).expanduser()
+    if local.exists():
+        return str(local.resolve())
+    if task in HUB and spec in (task, HUB[task][0]):
+        return f"{HUB[task][0]} ({HUB[task][2]})"
+    return spec
 
 
 def _split_mesh_keys(argv: list[str]) -> tuple[list[str], dict[str, dict[str, int]]]:
@@ -98,15 +123,65 @@ def _is_main() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def _report(path: Path, results: dict[str, dict], output: Optional[str]) -> None:
-    """Write eval.json ({model, step, results}) beside the model or at `output`, and print the table."""
-    target = Path(output) if output else _eval_json_path(path)
+def _target(path: Path, output: Optional[str]) -> Path:
+    return Path(output) if output else _eval_json_path(path)
+
+
+def _read_previous(target: Path, path: Path) -> dict[str, dict]:
+    """The results already in `target` (this model's eval.json), to merge with this run's; a file that is not
+    an eval.json of this model and step is refused rather than overwritten."""
+    if not target.exists():
+        return {}
+    try:
+        previous = json.loads(target.read_text())
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"{target} exists and is not an eval.json ember can add to ({str(err).splitlines()[0]}); "
+                          "move it aside or pass another --output") from None
+    if not isinstance(previous, dict) or not isinstance(previous.get("results"), dict):
+        raise ConfigError(f"{target} exists and is not an eval.json ({{model, step, results}}); move it aside or "
+                          "pass another --output")
+    theirs = Path(str(previous.get("model", "")))
+    same = previous.get("step") == _step_of(path) and (
+        theirs.exists() and _eval_json_path(theirs.resolve()).resolve() == _eval_json_path(path.resolve()).resolve())
+    if not same:
+        raise ConfigError(f"{target} holds results of another model ({previous.get('model')}, step "
+                          f"{previous.get('step')}); pass another --output or move it aside")
+    return previous["results"]
+
+
+def _report(path: Path, results: dict[str, dict], target: Path) -> None:
+    """Merge `results` into eval.json ({model, step, results}) at `target`: each task's entry replaces that
+    task's earlier one, the other tasks' stay. Then print this run's table."""
+    previous = _read_previous(target, path)
+    merged = {**previous, **results}
     target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(json.dumps({"model": str(path), "step": _step_of(path), "results": results}, indent=2) + "\n")
+    tmp = target.with_name(target.name + ".tmp")  # replaced whole: a crash mid-write keeps the earlier file
+    tmp.write_text(json.dumps({"model": str(path), "step": _step_of(path), "results": merged}, indent=2) + "\n")
+    os.replace(tmp, target)
     for task, metrics in results.items():
         print(f"{task:<16}" + "  ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
                                       for k, v in metrics.items()))
-    print(f"wrote {target}")
+    kept = [task for task in previous if task not in results]
+    print(f"wrote {target}" + (f" (kept the earlier {', '.join(kept)})" if kept else ""))
+
+
+def _tokenizer(path: str, spec: Optional[str], vocab_size: int) -> Any:
+    """The model's tokenizer (ember.generate.tokenizer_for); for a torch file, which holds none, the error says
+    where the run's is."""
+    from ember.constants import default_cache_dir
+    from ember.generate import tokenizer_for
+
+    try:
+        return tokenizer_for(path, spec)
+    except ConfigError:
+        if spec or not Path(path).is_file():
+            raise
+    cached = sorted((default_cache_dir() / "tokenizers").glob(f"embedded-bpe-{vocab_size}-*.json"))
+    embedded = (f"the embedded BPE cached at {cached[0]}" if len(cached) == 1 else
+                f"the embedded BPE, cached as {default_cache_dir() / 'tokenizers'}/embedded-bpe-{vocab_size}-*.json")
+    raise ConfigError(f"'{path}' is a torch file, which holds no tokenizer; pass --tokenizer FILE: the run's "
+                      f"data.tokenizer (in its config.yaml), or for a run without one {embedded} "
+                      "(`ember convert RUN --to hf` also writes it as tokenizer.json)")
 
 
 def _eval_harness(argv: list[str], meshes: dict[str, dict[str, int]]) -> int:
@@ -125,30 +200,38 @@ def _eval_harness(argv: list[str], meshes: dict[str, dict[str, int]]) -> int:
     except SystemExit as exit_:
         return 0 if exit_.code == 0 else 2
     from ember.eval.harness import EmberLM, simple_evaluate
-    from ember.generate import tokenizer_for
+    from ember.eval.scoring import check_batch_size
+    from ember.eval.tasks import check_limit
 
+    check_limit(args.limit)
+    check_batch_size(args.batch_size)
+    target = _target(Path(args.path), args.output)
+    _read_previous(target, Path(args.path))
     model, ranks = _load(args.path, meshes)
-    tokenizer = tokenizer_for(args.path, args.tokenizer)
+    tokenizer = _tokenizer(args.path, args.tokenizer, model.args.vocab_size)
     lm = EmberLM(model, tokenizer, batch_size=args.batch_size, ranks=ranks)
     out = simple_evaluate(lm, args.harness.split(","), include_path=args.include_path, limit=args.limit)
     if not _is_main():  # lm-eval returns the results on the first process only (its convention under torchrun)
         return 0
     if out is None or not out.get("results"):
         raise ConfigError(f"lm-eval ran no task of '{args.harness}' (check the names and --include-path)")
-    results = {task: {key.split(",")[0]: value for key, value in metrics.items()
-                      if isinstance(value, (int, float)) and not isinstance(value, bool)}
+    data = "lm-eval" + (f" --include-path {Path(args.include_path).resolve()}" if args.include_path else "")
+    results = {task: {**{key.split(",")[0]: value for key, value in metrics.items()
+                         if isinstance(value, (int, float)) and not isinstance(value, bool)}, "data": data}
                for task, metrics in out["results"].items()}
-    if _is_main():
-        _report(Path(args.path), results, args.output)
+    _report(Path(args.path), results, target)
     return 0
 
 
-def _parse_eval_args(argv: list[str]) -> tuple[str, list[tuple[str, Optional[str]]], dict, list[str], Optional[str],
+def _parse_eval_args(argv: list[str]) -> tuple[str, dict[str, Optional[str]], dict, list[str], Optional[str],
                                                 Optional[str]]:
+    """(path, {task: data or None}, {eval key: value}, data.* overrides, --output, --tokenizer), every value
+    checked: each task once, each key applying to a task of the command, numbers >= 1."""
     from ember.eval import TASKS
+    from ember.eval.tasks import PPL_SPLITS
 
     path, rest = argv[0], argv[1:]
-    tasks: list[tuple[str, Optional[str]]] = []
+    tasks: dict[str, Optional[str]] = {}
     options: dict = {}
     data_overrides: list[str] = []
     output = tokenizer = None
@@ -161,24 +244,51 @@ def _parse_eval_args(argv: list[str]) -> tuple[str, list[tuple[str, Optional[str
             continue
         name, eq, value = item.partition("=")
         if name in ("ppl", *TASKS):
-            tasks.append((name, value or None))
+            if eq and not value:
+                raise ConfigError(f"'{item}' names no data; give {name}=FILE" + ("" if name == "choice" else
+                                                                                   f" or {name} alone"))
+            if name in tasks:  # eval.json keeps one entry per task
+                raise ConfigError(f"{name} is given twice ({tasks[name] or name}, {value or name}); eval.json holds "
+                                  f"one {name} entry: run one `ember eval` per data, each with its own --output FILE")
+            tasks[name] = value or None
         elif name in EVAL_KEYS:
-            try:
-                options[name] = EVAL_KEYS[name](value)
-            except ValueError:
-                raise ConfigError(f"{name} must be {EVAL_KEYS[name].__name__}, got '{value}'") from None
+            options[name] = _eval_key(name, value, PPL_SPLITS)
         elif name.startswith("data.") and eq:
             data_overrides.append(item)
         else:
             raise ConfigError(f"unknown eval task or key '{item}' (tasks: ppl, {', '.join(TASKS)}; keys: "
                               f"{', '.join(EVAL_KEYS)}, data.*)")
     if not tasks:
-        raise ConfigError("name at least one task: ppl, lambada=FILE, boolq=FILE or choice=FILE")
+        raise ConfigError("name at least one task: ppl, ppl=DATA, lambada=FILE, boolq=FILE or choice=FILE")
+    if "ppl" not in tasks:
+        unused = [k for k in options if k in PPL_KEYS] + [o.partition("=")[0] for o in data_overrides]
+        if unused:
+            raise ConfigError(f"{unused[0]} is a key of ppl, and no ppl task is given")
+    if set(tasks) == {"ppl"} and "eval.limit" in options:
+        raise ConfigError("eval.limit counts rows of lambada, boolq and choice; ppl is bounded by eval.max_tokens")
+    if tasks.get("ppl") and any(o.startswith("data.dataset=") for o in data_overrides):
+        raise ConfigError("ppl=DATA and data.dataset both name ppl's data; give one")
     return path, tasks, options, data_overrides, output, tokenizer
 
 
-def _eval_data_config(path: str, overrides: list[str]) -> Any:
-    """The data section ppl reads: the run's own (its config.yaml), with data.* overrides."""
+def _eval_key(name: str, value: str, splits: tuple[str, ...]) -> Any:
+    """An eval.* value, checked: eval.split one of `splits`, the others integers >= 1."""
+    if name == "eval.split":
+        if value not in splits:
+            raise ConfigError(f"eval.split must be one of {', '.join(splits)}, got '{value}'")
+        return value
+    try:
+        number = int(value)
+    except ValueError:
+        raise ConfigError(f"{name} must be an integer >= 1, got '{value}'") from None
+    if number < 1:
+        hint = " (leave it unset to score every row)" if name == "eval.limit" else ""
+        raise ConfigError(f"{name} must be an integer >= 1{hint}, got {number}")
+    return number
+
+
+def _eval_data_config(path: str, dataset: Optional[str], overrides: list[str]) -> Any:
+    """The data section ppl reads: the run's own (its config.yaml), with data.* overrides and `dataset` (ppl=DATA)."""
     import yaml
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
@@ -188,10 +298,11 @@ def _eval_data_config(path: str, overrides: list[str]) -> Any:
     base = OmegaConf.structured(DataConfig)
     run = Path(path)
     run = run if (run / "config.yaml").is_file() else run.parent.parent
+    dotlist = [o[len("data."):] for o in overrides] + ([f"dataset={dataset}"] if dataset else [])
     try:
         if (run / "config.yaml").is_file():
             base = OmegaConf.merge(base, (yaml.safe_load((run / "config.yaml").read_text()) or {}).get("data", {}))
-        base = OmegaConf.merge(base, OmegaConf.from_dotlist([o[len("data."):] for o in overrides]))
+        base = OmegaConf.merge(base, OmegaConf.from_dotlist(dotlist))
         return OmegaConf.to_object(base)
     except OmegaConfBaseException as err:
         raise ConfigError(f"bad data key for ppl: {str(err).splitlines()[0]}") from None

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ember.errors import DataError
+from ember.errors import ConfigError, DataError
 from ember.eval.distributed import EvalRanks
 
 
@@ -75,6 +75,11 @@ def _scored_logprobs(model: nn.Module, tokens: torch.Tensor, ends: list[int], co
     return (picked * valid).sum(1).tolist(), hit.all(1).tolist()
 
 
+def check_batch_size(batch_size: int) -> None:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ConfigError(f"eval.batch_size must be an integer >= 1, got {batch_size!r}")
+
+
 def _idle_forward(model: nn.Module, device: torch.device, ranks: EvalRanks) -> None:
     """A forward that scores nothing: a rank whose share of batches ran out keeps FSDP/TP collectives in step."""
     model(torch.zeros(1, ranks.width(1), dtype=torch.long, device=device))
@@ -86,6 +91,7 @@ def score_tokens(model: nn.Module, pairs: Sequence[tuple[list[int], list[int]]],
     """Score each (context ids, continuation ids): longest first in batches (right padding cannot change a
     causal model's earlier positions), the input cut to max_seq_len tokens from the left. On a mesh the
     batches are shared out over the data-parallel ranks and every rank returns every score."""
+    check_batch_size(batch_size)
     device = next(model.parameters()).device
     limit = model.args.max_seq_len
     inputs = []
@@ -127,6 +133,7 @@ def rolling_logprob(model: nn.Module, ids: list[int], window: int, stride: int, 
     with up to `window` tokens of context: windows start every `stride` tokens and each scores only the tokens
     the previous one did not (the sliding-window perplexity of lm-eval's loglikelihood_rolling and of HF's
     perplexity guide). On a mesh the windows are shared out over the data-parallel ranks."""
+    check_batch_size(batch_size)
     device = next(model.parameters()).device
     # A window is the input ids[start:last] predicting ids[start + 1 .. last]; it scores the targets after the
     # previous window's (stride <= window, so every target keeps at least window - stride tokens of context).

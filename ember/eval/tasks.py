@@ -1,16 +1,19 @@
 """The eval tasks of `ember eval`, each a function (model, tokenizer, data, options) -> metrics dict.
 
-- ppl: token loss, perplexity and bits per byte of an ember data source (validation split by default),
-  over a sliding window (`eval.seq_len`, `eval.stride`).
+- ppl: token loss, perplexity and bits per byte of an ember data source (its validation or training split, or
+  all of it), over a sliding window (`eval.seq_len`, `eval.stride`).
 - lambada: last-word prediction (lambada_openai's jsonl of {"text"}): acc = greedy continuation equals the
   whole target word, perplexity = exp(-mean log-likelihood of the target) (lm-eval's definitions).
 - boolq: {"passage", "question", "answer"}: " yes" vs " no" after lm-eval's prompt; acc.
 - choice: {"context", "choices", "label"}: acc and acc_norm (log-likelihood per character of the choice).
 Local jsonl files always; a hub name (lambada_openai, boolq) through `datasets` where the network allows.
+Every row is checked when it is read (types, boolq's answer, choice's label): a bad one is a DataError naming
+its file and line, before any forward.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -23,18 +26,71 @@ from ember.eval.distributed import EvalRanks
 from ember.eval.scoring import loglikelihood, rolling_logprob
 
 HUB = {"lambada": ("EleutherAI/lambada_openai", "default", "test"), "boolq": ("super_glue", "boolq", "validation")}
+PPL_SPLITS = ("val", "train", "all")  # eval.split: ember's held-out share, the rest, or every document
+
+# A field's parser: the value as read from JSON -> the value the task uses; ValueError("must be ...") otherwise.
+Parse = Callable[[Any], Any]
+BOOLQ_ANSWERS = {"true": True, "yes": True, "false": False, "no": False}
 
 
-def read_rows(spec: str, task: str, fields: tuple[str, ...], limit: Optional[int] = None) -> list[dict]:
+def _string(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError("must be a string")
+    return value
+
+
+def _lambada_text(value: Any) -> str:
+    if not isinstance(value, str) or " " not in value.strip():
+        raise ValueError("must be a string of a context and a last word (the target)")
+    return value
+
+
+def boolq_answer(value: Any) -> bool:
+    """A JSON boolean (the dataset's own files), or the strings true/false/yes/no in any case."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in BOOLQ_ANSWERS:
+        return BOOLQ_ANSWERS[value.lower()]
+    raise ValueError('must be true or false (a JSON boolean, or "true", "false", "yes", "no")')
+
+
+def _choices(value: Any) -> list[str]:
+    if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
+        raise ValueError("must be a non-empty list of strings")
+    return value
+
+
+def _label(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError("must be an integer index into choices")
+    return value
+
+
+def _label_in_range(row: dict) -> Optional[str]:
+    if not 0 <= row["label"] < len(row["choices"]):
+        return f"'label' {row['label']} is not an index into its {len(row['choices'])} choices"
+    return None
+
+
+def check_limit(limit: Optional[int]) -> None:
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise ConfigError(f"eval.limit must be an integer >= 1 (leave it unset to score every row), got {limit!r}")
+
+
+def read_rows(spec: str, task: str, fields: tuple[str, ...], limit: Optional[int] = None,
+              parse: Optional[dict[str, Parse]] = None, check: Optional[Callable[[dict], Optional[str]]] = None
+              ) -> list[dict]:
     """The rows of a local jsonl file (or of the task's hub dataset when `spec` is not a path), each checked
-    for `fields`; errors name the file, line and field."""
+    for `fields`, each field in `parse` replaced by its parsed value and each row passed to `check` (a problem
+    or None); errors name the file and line. The first `limit` rows (>= 1; None: all) are returned."""
+    check_limit(limit)
     path = Path(spec).expanduser()
     if path.is_file():
         try:
             lines = path.read_text(encoding="utf-8").splitlines()
         except UnicodeDecodeError:
             raise DataError(f"{task} data '{path}' is not UTF-8 text") from None
-        rows = []
+        located = []
         for lineno, line in enumerate(lines, 1):
             if not line.strip():
                 continue
@@ -46,7 +102,7 @@ def read_rows(spec: str, task: str, fields: tuple[str, ...], limit: Optional[int
             if missing:
                 raise DataError(f"{path} line {lineno} has no '{missing[0]}' field ({task} rows need "
                                 f"{', '.join(fields)})")
-            rows.append(row)
+            located.append((f"{path} line {lineno}", row))
     elif spec in (task, HUB.get(task, ("",))[0]) and task in HUB:
         from ember.data.sources import _import_datasets
 
@@ -54,18 +110,44 @@ def read_rows(spec: str, task: str, fields: tuple[str, ...], limit: Optional[int
         datasets = _import_datasets(f"{task} from the hub ({name})")
         rows = [dict(r) for r in datasets.load_dataset(name, config, split=split)]
         if task == "boolq":  # super_glue's fields: passage, question, label (0 = False)
-            rows = [{"passage": r["passage"], "question": r["question"], "answer": bool(r["label"])} for r in rows]
+            rows = [{"passage": r["passage"], "question": r["question"], "answer": {0: False, 1: True}.get(r["label"], r["label"])} for r in rows]
+        located = [(f"{name} ({split}) row {i}", row) for i, row in enumerate(rows, 1)]
     else:
         raise UserFileNotFound(f"{task} data '{spec}' does not exist; give a local jsonl file"
                                + (f" or '{task}' for the hub" if task in HUB else ""))
-    if not rows:
+    if not located:
         raise DataError(f"{task} data '{spec}' is empty")
-    return rows[:limit] if limit else rows
+    rows = []
+    for where, row in located:
+        for field, parser in (parse or {}).items():
+            try:
+                row[field] = parser(row[field])
+            except ValueError as err:
+                raise DataError(f"{where}: '{field}' {err}, got {json.dumps(row[field])}") from None
+        problem = check(row) if check else None
+        if problem:
+            raise DataError(f"{where}: {problem}")
+        rows.append(row)
+    return rows if limit is None else rows[:limit]
+
+
+def lambada_rows(spec: str, limit: Optional[int] = None) -> list[dict]:
+    return read_rows(spec, "lambada", ("text",), limit, {"text": _lambada_text})
+
+
+def boolq_rows(spec: str, limit: Optional[int] = None) -> list[dict]:
+    return read_rows(spec, "boolq", ("passage", "question", "answer"), limit,
+                     {"passage": _string, "question": _string, "answer": boolq_answer})
+
+
+def choice_rows(spec: str, limit: Optional[int] = None) -> list[dict]:
+    return read_rows(spec, "choice", ("context", "choices", "label"), limit,
+                     {"context": _string, "choices": _choices, "label": _label}, _label_in_range)
 
 
 def lambada(model: nn.Module, tokenizer: Any, spec: str, limit: Optional[int] = None, batch_size: int = 16,
             ranks: EvalRanks = EvalRanks()) -> dict:
-    rows = read_rows(spec, "lambada", ("text",), limit)
+    rows = lambada_rows(spec, limit)
     requests = []
     for row in rows:
         context, _, word = row["text"].strip().rpartition(" ")  # lm-eval: the target is " " + the last word
@@ -77,37 +159,29 @@ def lambada(model: nn.Module, tokenizer: Any, spec: str, limit: Optional[int] = 
 
 def boolq(model: nn.Module, tokenizer: Any, spec: str, limit: Optional[int] = None, batch_size: int = 16,
           ranks: EvalRanks = EvalRanks()) -> dict:
-    rows = read_rows(spec, "boolq", ("passage", "question", "answer"), limit)
+    rows = boolq_rows(spec, limit)
     requests = []
     for row in rows:
         prompt = f"{row['passage']}\nQuestion: {row['question']}?\nAnswer:"
         requests += [(prompt, " no"), (prompt, " yes")]
     scores = loglikelihood(model, tokenizer, requests, batch_size, ranks)
-    correct = sum((scores[2 * i + 1].logprob > scores[2 * i].logprob) == bool(row["answer"])
-                  for i, row in enumerate(rows))
+    correct = sum((scores[2 * i + 1].logprob > scores[2 * i].logprob) == row["answer"] for i, row in enumerate(rows))
     return {"acc": correct / len(rows), "n": len(rows)}
 
 
 def choice(model: nn.Module, tokenizer: Any, spec: str, limit: Optional[int] = None, batch_size: int = 16,
            ranks: EvalRanks = EvalRanks()) -> dict:
-    rows = read_rows(spec, "choice", ("context", "choices", "label"), limit)
-    requests, owners = [], []
-    for i, row in enumerate(rows):
-        if not isinstance(row["choices"], list) or not row["choices"] or not 0 <= int(row["label"]) < len(row["choices"]):
-            raise DataError(f"choice data '{spec}' row {i + 1}: choices must be a non-empty list and label an index "
-                            "into it")
-        for text in row["choices"]:
-            requests.append((row["context"], " " + str(text)))
-            owners.append(i)
+    rows = choice_rows(spec, limit)
+    requests = [(row["context"], " " + text) for row in rows for text in row["choices"]]
     scores = loglikelihood(model, tokenizer, requests, batch_size, ranks)
     acc = acc_norm = 0
     offset = 0
     for row in rows:
         n = len(row["choices"])
         mine = scores[offset:offset + n]
-        lengths = [len(" " + str(t)) for t in row["choices"]]  # lm-eval's acc_norm: per character
-        acc += max(range(n), key=lambda j: mine[j].logprob) == int(row["label"])
-        acc_norm += max(range(n), key=lambda j: mine[j].logprob / lengths[j]) == int(row["label"])
+        lengths = [len(" " + t) for t in row["choices"]]  # lm-eval's acc_norm: per character
+        acc += max(range(n), key=lambda j: mine[j].logprob) == row["label"]
+        acc_norm += max(range(n), key=lambda j: mine[j].logprob / lengths[j]) == row["label"]
         offset += n
     return {"acc": acc / len(rows), "acc_norm": acc_norm / len(rows), "n": len(rows)}
 
@@ -115,19 +189,29 @@ def choice(model: nn.Module, tokenizer: Any, spec: str, limit: Optional[int] = N
 def ppl(model: nn.Module, tokenizer: Any, data_cfg: Any, split: str = "val", seq_len: Optional[int] = None,
         stride: Optional[int] = None, max_tokens: Optional[int] = None, batch_size: int = 8,
         ranks: EvalRanks = EvalRanks()) -> dict:
-    """Loss per token, perplexity and bits per byte of `split` of an ember data source: documents joined with
-    EOS as in training, scored by a sliding window. Bits per byte divide the total negative log-likelihood (in
-    bits) by the UTF-8 bytes of the text scored, so models with different tokenizers compare."""
+    """Loss per token, perplexity and bits per byte of `split` of an ember data source ("val": the share
+    data.val_fraction holds out, "train": the rest, "all": every document): documents joined with EOS as in
+    training, scored by a sliding window. Bits per byte divide the total negative log-likelihood (in bits) by
+    the UTF-8 bytes of the text scored, so models with different tokenizers compare."""
     from ember.data.sources import load_documents
 
-    docs = load_documents(data_cfg, split)
+    if split not in PPL_SPLITS:
+        raise ConfigError(f"eval.split must be one of {', '.join(PPL_SPLITS)}, got '{split}'")
+    if split == "val" and data_cfg.val_fraction == 0:
+        raise ConfigError(f"data.val_fraction=0 holds out no validation split of '{data_cfg.dataset}'; "
+                          "score all of it with eval.split=all")
+    # "all": no document held out, so ember's train split is every document, in the source's order
+    docs = (load_documents(dataclasses.replace(data_cfg, val_fraction=0.0), "train") if split == "all"
+            else load_documents(data_cfg, split))
     window = seq_len or model.args.max_seq_len
     stride = stride or window // 2
     if window > model.args.max_seq_len:
         raise ConfigError(f"eval.seq_len={window} exceeds the model's max_seq_len={model.args.max_seq_len}; "
                           f"set eval.seq_len={model.args.max_seq_len} or less")
     if not 0 < stride <= window:
-        raise DataError(f"eval stride={stride} must be in (0, seq_len={window}]")
+        raise ConfigError(f"eval.stride={stride} must be in [1, eval.seq_len={window}]")
+    if max_tokens is not None and max_tokens < 1:
+        raise ConfigError(f"eval.max_tokens must be >= 1 (leave it unset to score every token), got {max_tokens}")
     ids: list[int] = []
     for text in docs.texts:
         ids += tokenizer.encode(text[1] if isinstance(text, tuple) else text) + [tokenizer.eos_id]  # SFT: response
@@ -144,6 +228,8 @@ def ppl(model: nn.Module, tokenizer: Any, data_cfg: Any, split: str = "val", seq
 
 
 TASKS: dict[str, Callable[..., dict]] = {"lambada": lambada, "boolq": boolq, "choice": choice}
+TASK_ROWS: dict[str, Callable[..., list[dict]]] = {"lambada": lambada_rows, "boolq": boolq_rows,
+                                                    "choice": choice_rows}
 
 
 def run_tasks(model: nn.Module, tokenizer: Any, tasks: list[Any], limit: Optional[int] = None,

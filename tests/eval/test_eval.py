@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ember.eval import boolq, choice, lambada, loglikelihood, rolling_logprob
+from ember.config import DataConfig
+from ember.errors import ConfigError, DataError
+from ember.eval import boolq, choice, lambada, loglikelihood, ppl, rolling_logprob
 from ember.eval.scoring import encode_pair
 from ember.models import MODELS, build_model_args
 
@@ -123,6 +126,78 @@ def test_loglikelihood_cuts_long_inputs_from_the_left(model):
     assert score.logprob == pytest.approx(float(_logprobs(model, ids)[-1]), rel=1e-5) and score.n_tokens == 1
 
 
+def test_ppl_split_all_scores_every_token_of_the_file(model, tmp_path: Path):
+    tok = WordTokenizer()
+    docs = ["a b c d e", "f g a b", "h i j k l m n"]
+    data = DataConfig(dataset=_write(tmp_path / "d.jsonl", [{"text": d} for d in docs]))
+    ids = [i for d in docs for i in tok.encode(d) + [tok.eos_id]]  # documents joined with EOS, as in training
+    result = ppl(model, tok, data, split="all", seq_len=64)
+    assert result["tokens"] == len(ids) - 1 == 18
+    assert result["loss"] == pytest.approx(-float(_logprobs(model, ids).sum()) / 18, rel=1e-5)
+    held_out = ppl(model, tok, data, split="val", seq_len=64)["tokens"]  # ember's validation share: one document
+    assert held_out in (len(tok.encode(d)) for d in docs)
+    with pytest.raises(ConfigError, match="data.val_fraction=0 holds out no validation split of '.*d.jsonl'; score "
+                                          "all of it with eval.split=all"):
+        ppl(model, tok, DataConfig(dataset=data.dataset, val_fraction=0.0), split="val")
+    with pytest.raises(ConfigError, match="eval.split must be one of val, train, all, got 'test'"):
+        ppl(model, tok, data, split="test")
+
+
+def test_boolq_reads_answers_as_written(model, tmp_path: Path):
+    """JSON booleans, and the strings true/false/yes/no in any case: read with bool(), every string would count
+    as true (this seeded model says yes to all eight, so that reading would score 7/8)."""
+    tok = WordTokenizer()
+    answers = [True, False, "false", "No", "yes", "TRUE", "no", "FALSE"]
+    truth = [True, False, False, False, True, True, False, False]
+    rows = [{"passage": f"p{i} q{i % 3}", "question": f"is q{i}", "answer": a} for i, a in enumerate(answers)]
+    correct = 0
+    for row, expected in zip(rows, truth):
+        prompt = tok.encode(f"{row['passage']}\nQuestion: {row['question']}?\nAnswer:")
+        no, yes = (float(_logprobs(model, prompt + tok.encode(w))[-1]) for w in ("no", "yes"))
+        correct += (yes > no) == expected
+    assert boolq(model, tok, _write(tmp_path / "b.jsonl", rows)) == {"acc": correct / 8, "n": 8}
+    for answer in ["maybe", None, 1, ""]:
+        bad = _write(tmp_path / "bad.jsonl", [rows[0], {**rows[1], "answer": answer}])
+        with pytest.raises(DataError) as err:
+            boolq(model, tok, bad)
+        assert str(err.value) == (f"{bad} line 2: 'answer' must be true or false (a JSON boolean, or \"true\", "
+                                  f"\"false\", \"yes\", \"no\"), got {json.dumps(answer)}")
+
+
+def test_rows_of_the_wrong_type_name_their_line(model, tmp_path: Path):
+    tok = WordTokenizer()
+    for task, row, message in [
+            (lambada, {"text": 5}, "'text' must be a string of a context and a last word (the target), got 5"),
+            (lambada, {"text": "alone"}, "'text' must be a string of a context and a last word (the target)"),
+            (boolq, {"passage": ["x"], "question": "q", "answer": True}, "'passage' must be a string, got [\"x\"]"),
+            (choice, {"context": "c", "choices": ["a", 2], "label": 0}, "'choices' must be a non-empty list of strings"),
+            (choice, {"context": "c", "choices": ["a", "b"], "label": "1"}, "'label' must be an integer index into "
+                                                                               "choices, got \"1\""),
+            (choice, {"context": "c", "choices": ["a", "b"], "label": 1.5}, "'label' must be an integer index"),
+            (choice, {"context": "c", "choices": ["a", "b"], "label": True}, "'label' must be an integer index"),
+            (choice, {"context": "c", "choices": ["a", "b"], "label": 2}, "'label' 2 is not an index into its 2 "
+                                                                             "choices")]:
+        path = _write(tmp_path / "rows.jsonl", [row])
+        with pytest.raises(DataError, match=f"^{re.escape(path)} line 1: {re.escape(message)}"):
+            task(model, tok, path)
+
+
+def test_limit_takes_the_first_rows_and_refuses_less_than_one(model, tmp_path: Path):
+    tok = WordTokenizer()
+    path = _write(tmp_path / "l.jsonl", [{"text": f"a{i} b{i} c{i}"} for i in range(3)])
+    assert lambada(model, tok, path, limit=2)["n"] == 2 and lambada(model, tok, path)["n"] == 3
+    assert lambada(model, tok, path, limit=5)["n"] == 3
+    for limit in (0, -1):
+        with pytest.raises(ConfigError, match=f"eval.limit must be an integer >= 1 \\(leave it unset to score every "
+                                              f"row\\), got {limit}"):
+            lambada(model, tok, path, limit=limit)
+    for batch_size in (0, -2):
+        with pytest.raises(ConfigError, match=f"eval.batch_size must be an integer >= 1, got {batch_size}"):
+            lambada(model, tok, path, batch_size=batch_size)
+        with pytest.raises(ConfigError, match=f"eval.batch_size must be an integer >= 1, got {batch_size}"):
+            rolling_logprob(model, list(range(2, 20)), 8, 4, batch_size)
+
+
 def _ember(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "ember", *args], capture_output=True, text=True, timeout=300)
 
@@ -138,9 +213,11 @@ def test_cli_writes_eval_json_and_refuses_bad_input(tmp_path: Path):
     assert proc.returncode == 0, proc.stderr
     report = json.loads((run / "checkpoints" / "step-2" / "eval.json").read_text())
     assert report["model"] == str(run) and report["step"] == 2
-    assert set(report["results"]["ppl"]) == {"loss", "perplexity", "bits_per_byte", "tokens"}
+    assert set(report["results"]["ppl"]) == {"loss", "perplexity", "bits_per_byte", "tokens", "data", "split"}
+    assert (report["results"]["ppl"]["data"], report["results"]["ppl"]["split"]) == ("embedded", "val")
     assert report["results"]["ppl"]["perplexity"] == pytest.approx(math.exp(report["results"]["ppl"]["loss"]))
-    assert set(report["results"]["lambada"]) == {"acc", "perplexity", "n"} and report["results"]["lambada"]["n"] == 2
+    assert report["results"]["lambada"]["data"] == str(Path(data).resolve())
+    assert set(report["results"]["lambada"]) == {"acc", "perplexity", "n", "data"} and report["results"]["lambada"]["n"] == 2
     empty, latin = tmp_path / "empty.jsonl", tmp_path / "latin.jsonl"
     empty.write_text("")
     latin.write_bytes('{"text": "caf\xe9"}\n'.encode("latin-1"))
@@ -185,6 +262,14 @@ def test_in_loop_eval_config_errors(tmp_path: Path):
         config_lib.load("debug", ["eval.tasks=[{name: mmlu, data: x.jsonl}]"])
     with pytest.raises(ConfigError, match=r"eval.tasks\[0\].data '.*nope.jsonl' is not a file"):
         config_lib.load("debug", [f"eval.tasks=[{{name: boolq, data: {tmp_path / 'nope.jsonl'}}}]"])
+    bad = _write(tmp_path / "b.jsonl", [{"passage": "p", "question": "q", "answer": "maybe"}])
+    with pytest.raises(DataError, match=r"b.jsonl line 1: 'answer' must be true or false"):  # rows read at config time
+        config_lib.load("debug", [f"eval.tasks=[{{name: boolq, data: {bad}}}]"])
+    for key, value, message in [("limit", -1, r"eval.limit must be >= 1 \(null: every row\), got -1"),
+                                ("limit", 0, r"eval.limit must be >= 1 \(null: every row\), got 0"),
+                                ("batch_size", 0, "eval.batch_size must be >= 1, got 0")]:
+        with pytest.raises(ConfigError, match=message):
+            config_lib.load("debug", [f"eval.{key}={value}"])
     data = _write(tmp_path / "l.jsonl", [{"text": "a b"}])
     with pytest.raises(ConfigError, match="use `ember eval` on the checkpoint for tensor"):
         config_lib.load("debug", [f"eval.tasks=[{{name: lambada, data: {data}}}]", "ici_mesh.tensor=2",
