@@ -189,18 +189,22 @@ def load(recipe: str = "debug", overrides: Optional[list[str]] = None, world_siz
 def _check_eval_tasks(cfg: JobConfig) -> None:
     """In-loop eval tasks: known names, data that exists, and a layout where every rank can run the whole
     model forward on the same requests (data, fsdp, expert axes)."""
-    from ember.eval.tasks import HUB, TASKS  # local: config stays importable on its own
+    from ember.eval.tasks import HUB, TASK_ROWS, TASKS  # local: config stays importable on its own
 
+    if cfg.eval.batch_size < 1:
+        raise ConfigError(f"eval.batch_size must be >= 1, got {cfg.eval.batch_size}")
+    if cfg.eval.limit is not None and cfg.eval.limit < 1:
+        raise ConfigError(f"eval.limit must be >= 1 (null: every row), got {cfg.eval.limit}")
     for i, task in enumerate(cfg.eval.tasks):
         if task.name not in TASKS:
             raise ConfigError(f"eval.tasks[{i}].name '{task.name}' is not one of {', '.join(TASKS)}")
-        if not Path(task.data).expanduser().is_file() and not (task.name in HUB and task.data in (task.name, HUB[task.name][0])):
+        if Path(task.data).expanduser().is_file():
+            TASK_ROWS[task.name](task.data)  # every row's fields and types, before training starts
+        elif not (task.name in HUB and task.data in (task.name, HUB[task.name][0])):
             raise ConfigError(f"eval.tasks[{i}].data '{task.data}' is not a file; give a local jsonl"
                               + (f" or '{task.name}' for the hub" if task.name in HUB else ""))
     if cfg.eval.tasks and cfg.data.dataset == "synthetic" and cfg.data.tokenizer is None:
         raise ConfigError("eval.tasks need a tokenizer, and data.dataset=synthetic has none; set data.tokenizer")
-    if cfg.eval.batch_size < 1 or (cfg.eval.limit is not None and cfg.eval.limit < 1):
-        raise ConfigError("eval.batch_size and eval.limit must be >= 1")
 
 
 def _check_chat_data(cfg: JobConfig) -> None:
