@@ -5,31 +5,31 @@ Reading is ember/load.py's; this module depends on it, never the reverse.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Iterator, Optional, Union
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from ember.errors import CheckpointError, UserFileNotFound, first_error_line
+from ember.finetune.base_fingerprint import check_lora_base, model_files
 from ember.finetune.lora import merge_lora
-from ember.finetune.peft_format import is_peft_dir, save_peft
-from ember.load import (HF_FAMILY, _adapter_tensors, _barrier, _is_rank0, _load_torch_file, _newest_step_dir,
-                        _quiet_dcp, load_model, model_state_dict)
-from ember.model_meta import MODEL_JSON, read_json, read_model_json
+from ember.finetune.peft_format import is_peft_dir, save_peft, save_safetensors
+from ember.load import (HF_FAMILY, _adapter_tensors, _barrier, _is_rank0, _load_torch_file, _quiet_dcp, load_model,
+                        model_state_dict)
+from ember.model_meta import MODEL_JSON, ember_step_dir, read_json, read_model_json
 from ember.models import MODELS
 
 
 def save_hf(model: nn.Module, args: Any, out_dir: Union[str, Path], max_shard_bytes: int = 5 * 2**30) -> None:
     """Write `model` as a Hugging Face LlamaForCausalLM directory: config.json and safetensors shards
     (with an index when there is more than one), converting tensor by tensor."""
-    from safetensors.torch import save_file
-
     family = next(name for name, spec in MODELS.items() if isinstance(model, spec.model_cls))
     hf = MODELS[family].hf
     out_dir = Path(out_dir)
@@ -51,12 +51,12 @@ def save_hf(model: nn.Module, args: Any, out_dir: Union[str, Path], max_shard_by
         shards[-1][hf_key] = hf_tensor
         size += nbytes
     if len(shards) == 1:
-        save_file(shards[0], str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+        save_safetensors(shards[0], out_dir / "model.safetensors")
         return
     weight_map = {}
     for i, shard in enumerate(shards, 1):
         name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(out_dir / name), metadata={"format": "pt"})
+        save_safetensors(shard, out_dir / name)
         weight_map.update({k: name for k in shard})
     index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for s in shards for t in s.values())},
              "weight_map": weight_map}
@@ -136,11 +136,14 @@ def export_tokenizer(src: Path, dst: Path, vocab_size: int) -> bool:
     return bool(copied)
 
 
-def convert(src: Union[str, Path], dst: Union[str, Path], to: Optional[str] = None, merge: bool = False) -> str:
+def convert(src: Union[str, Path], dst: Union[str, Path], to: Optional[str] = None, merge: bool = False,
+            overwrite: bool = False) -> str:
     """Convert a model between a Hugging Face directory, an ember checkpoint and a torch.save file; a LoRA
     run's adapters to a peft directory (`to="peft"`), or folded into its base (`merge`, and always for the
     whole-model formats). A peft directory reads as its base with the adapter folded in.
-    Returns the target format. The model is held in memory once; formats convert tensor by tensor."""
+    `dst` must be new or empty unless `overwrite`; it is written beside it and swapped in whole, so a failed
+    conversion leaves it as it was. Returns the target format. The model is held in memory once; formats
+    convert tensor by tensor."""
     src, dst = Path(src), Path(dst)
     source = detect_format(src) if src.exists() else None
     if source is None:
@@ -150,35 +153,89 @@ def convert(src: Union[str, Path], dst: Union[str, Path], to: Optional[str] = No
         raise CheckpointError(f"--to {target}: choose hf, ember, torch or peft")
     if source == target:
         raise CheckpointError(f"'{src}' is already in {target} format")
+    check_destination(src, dst, overwrite)
     if target == "peft":
-        step_dir = src if (src / MODEL_JSON).is_file() else _newest_step_dir(src) if source == "ember" else None
+        step_dir = ember_step_dir(src) if source == "ember" else None
         meta = read_json(step_dir / MODEL_JSON) if step_dir is not None else {}
         if merge or "lora" not in meta:
             raise CheckpointError(f"--to peft writes a LoRA run's adapters; '{src}' is not one (trained without "
                                   "lora.rank)" if not merge else "--merge folds the adapters into the base: use --to hf")
+        check_lora_base(step_dir, meta)  # the adapter names that base: on other weights it would mean another model
         args, state = _adapter_tensors(step_dir, meta)
-        save_peft(meta, args, state, dst)
+        with _staged(dst) as stage:
+            save_peft(meta, args, state, stage)
         return target
     if source == "torch":
         model = _load_torch_file(src)
         meta = _meta_of(model)
     else:
         model = load_model(src)
-        step_dir = src if (src / MODEL_JSON).is_file() else _newest_step_dir(src) if source == "ember" else None
+        step_dir = ember_step_dir(src) if source == "ember" else None
         meta = _meta_of(model)
         if step_dir is not None:  # keep the checkpoint's own family (llama3.1, not the class's) and flavor labels
             family, flavor, _ = read_model_json(step_dir / MODEL_JSON)
             meta.update(family=family, flavor=flavor)
         merge_lora(model)  # a LoRA run as a whole model: W + alpha/r B A
-    if target == "hf":
-        save_hf(model, model.args, dst)
-        if source != "torch":
-            export_tokenizer(src, dst, model.args.vocab_size)
-    elif target == "torch":
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dst.with_name(dst.name + ".tmp")
-        torch.save({"model": model.state_dict(), "ember": meta}, tmp)
-        os.replace(tmp, dst)
-    else:
-        save_ember_checkpoint(model, meta["family"], meta["flavor"], model.args, dst)
+    with _staged(dst) as stage:
+        if target == "hf":
+            save_hf(model, model.args, stage)
+            if source != "torch":
+                export_tokenizer(src, stage, model.args.vocab_size)
+        elif target == "torch":
+            torch.save({"model": model.state_dict(), "ember": meta}, stage)
+        else:
+            save_ember_checkpoint(model, meta["family"], meta["flavor"], model.args, stage)
     return target
+
+
+def check_destination(src: Path, dst: Path, overwrite: bool) -> None:
+    """`ember convert` writes into a new or empty `dst`; over anything else only with --overwrite, and never over
+    what the conversion reads (the source, or a LoRA run's or peft adapter's base): that would destroy the
+    model being converted, or leave the run it came from on other weights."""
+    if not dst.exists() or (dst.is_dir() and not any(dst.iterdir())):
+        return
+    if not overwrite:
+        raise CheckpointError(f"'{dst}' is not empty; give --overwrite to replace what it holds, or write to a new "
+                              "directory")
+    target = dst.resolve()
+    for read in _files_read(src):
+        if read == target or target in read.parents:
+            model = read if read == target else read.parent  # a torch file, or the directory of a model's files
+            raise CheckpointError(f"'{dst}' holds {model}, which converting '{src}' reads; --overwrite would destroy "
+                                  "it: write to another directory")
+
+
+def _files_read(path: Path) -> list[Path]:
+    """Every file loading `path` reads: its own (model_files) and, for a LoRA checkpoint, its base's."""
+    files = model_files(path)
+    for file in list(files):
+        base = read_json(file).get("base") if file.name == MODEL_JSON else None
+        if isinstance(base, str) and Path(base).exists():
+            files += _files_read(Path(base))
+    return files
+
+
+@contextlib.contextmanager
+def _staged(dst: Path) -> Iterator[Path]:
+    """A path beside `dst` to write into; on success it replaces `dst` (whatever was there is removed only
+    then), on failure it is removed and `dst` is left as it was."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    stage, old = (dst.with_name(f".{dst.name}.convert-{kind}") for kind in ("new", "old"))
+    for leftover in (stage, old):  # an interrupted conversion's
+        _remove(leftover)
+    try:
+        yield stage
+    except BaseException:
+        _remove(stage)
+        raise
+    if dst.exists():
+        os.replace(dst, old)
+    os.replace(stage, dst)
+    _remove(old)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()

@@ -11,8 +11,8 @@ model.json = {"family", "flavor", "args"}, enough to rebuild the model without t
 from __future__ import annotations
 
 import dataclasses
-import re
 import warnings
+import zipfile
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -23,11 +23,15 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
 
 from ember.errors import CheckpointError, ConfigError, UserFileNotFound, first_error_line
+from ember.finetune.base_fingerprint import check_lora_base
 from ember.finetune.lora import LoraLinear, apply_lora, is_adapter_key, merge_lora, trainable_names
 from ember.finetune.peft_format import check_adapter_config, is_peft_dir, merge_peft_adapter, peft_base
-from ember.model_meta import MODEL_JSON, build_on_meta, parse_model_meta, read_json, read_model_json
+from ember.model_meta import (MODEL_JSON, build_on_meta, ember_step_dir, newest_step_dir, parse_model_meta, read_json,
+                              read_model_json)
 from ember.models import MODELS
 
+MODEL_PATHS = (f"an ember run or checkpoint directory ({MODEL_JSON}, checkpoints/step-N), a HF model directory "
+               "(config.json) or an `ember convert --to torch` file")
 HF_FAMILY = "llama3"  # Llama 2 and 3.x share one architecture; config.json carries the differences
 Device = Union[str, torch.device]
 
@@ -131,7 +135,7 @@ def source_architecture(path: Union[str, Path]) -> tuple[str, str, Any, Path]:
         except (KeyError, ValueError) as err:
             raise CheckpointError(f"'{path / 'config.json'}': {err}") from None
         return family, "custom", args, path / "config.json"
-    step_dir = path if (path / MODEL_JSON).is_file() else _newest_step_dir(path) if (path / "checkpoints").is_dir() else None
+    step_dir = ember_step_dir(path)
     if step_dir is None:
         raise UserFileNotFound(f"'{path}' is neither an ember checkpoint (no {MODEL_JSON}) nor a run directory")
     family, flavor, args = read_model_json(step_dir / MODEL_JSON)
@@ -181,7 +185,7 @@ def load_weights(model: Union[nn.Module, list[nn.Module]], path: Union[str, Path
     if (path / "config.json").is_file() and not (path / MODEL_JSON).is_file():
         load_hf_weights(model, path)
         return path
-    step_dir = path if (path / MODEL_JSON).is_file() else _newest_step_dir(path) if (path / "checkpoints").is_dir() else None
+    step_dir = ember_step_dir(path)
     if step_dir is None:
         raise UserFileNotFound(f"'{path}' is neither an ember checkpoint (no {MODEL_JSON}) nor a run directory")
     if "lora" in read_json(step_dir / MODEL_JSON):  # a LoRA run: its base with the adapters folded in
@@ -209,14 +213,6 @@ def _copy_whole(model: Union[nn.Module, list[nn.Module]], source: nn.Module, whe
             target.to_local().copy_(shard.to_local())
         else:
             target.copy_(full)
-
-
-def _newest_step_dir(run_dir: Path) -> Path:
-    steps = [(int(m.group(1)), p) for p in (run_dir / "checkpoints").iterdir()
-             if (m := re.fullmatch(r"step-(\d+)", p.name)) and (p / MODEL_JSON).is_file()]
-    if not steps:
-        raise UserFileNotFound(f"'{run_dir / 'checkpoints'}' holds no complete checkpoint (expected step-N/{MODEL_JSON})")
-    return max(steps)[1]
 
 
 def _load_ember(step_dir: Path, device: Device, dtype: torch.dtype) -> nn.Module:
@@ -247,6 +243,7 @@ def _load_lora_checkpoint(step_dir: Path, meta: dict[str, Any], device: Device, 
     if not isinstance(base, str) or not Path(base).exists():
         raise UserFileNotFound(f"'{step_dir}' holds LoRA adapters for the base '{base}', which is gone; put the base "
                                f"back there (or point \"base\" in its {MODEL_JSON} at it)")
+    check_lora_base(step_dir, meta)  # adapters on a base overwritten since would give other logits, silently
     model = load_model(base, device, dtype)
     merge_lora(model)  # a base that is itself a LoRA run; another architecture fails the load below, naming the tensor
     apply_lora(model, family=meta["family"], **meta["lora"])
@@ -370,8 +367,7 @@ def load_model(path: Union[str, Path], device: Device = "cpu", dtype: torch.dtyp
     `ember convert --to torch` writes. Parameters come in `dtype`; the RoPE tables stay fp32.
     """
     path = Path(path)
-    expected = (f"an ember run or checkpoint directory ({MODEL_JSON}, checkpoints/step-N), a HF model directory "
-                "(config.json) or an `ember convert --to torch` file")
+    expected = MODEL_PATHS
     if not path.exists():
         raise UserFileNotFound(f"'{path}' does not exist (expected {expected})")
     if path.is_file():
@@ -381,7 +377,7 @@ def load_model(path: Union[str, Path], device: Device = "cpu", dtype: torch.dtyp
     if (path / MODEL_JSON).is_file():
         model = _load_ember(path, device, dtype)
     elif (path / "checkpoints").is_dir():
-        model = _load_ember(_newest_step_dir(path), device, dtype)
+        model = _load_ember(newest_step_dir(path), device, dtype)
     elif is_peft_dir(path):
         model = _load_peft(path, device, dtype)
     elif (path / "config.json").is_file():
@@ -392,6 +388,8 @@ def load_model(path: Union[str, Path], device: Device = "cpu", dtype: torch.dtyp
 
 
 def _load_torch_file(path: Path) -> nn.Module:
+    if not zipfile.is_zipfile(path):  # torch.save's format; else torch's own message is about mmap
+        raise CheckpointError(f"'{path}' is not a model: a model path is {MODEL_PATHS}")
     try:  # weights_only: a checkpoint file is data; mmap: the tensors stay on disk until copied
         payload = torch.load(path, weights_only=True, mmap=True, map_location="cpu")
     except Exception as err:

@@ -7,15 +7,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import types
 import typing
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import torch
 from torch import nn
 
-from ember.errors import CheckpointError, first_error_line
+from ember.errors import CheckpointError, UserFileNotFound, first_error_line
 from ember.models import MODELS
 
 MODEL_JSON = "model.json"
@@ -75,6 +76,23 @@ def parse_model_meta(meta: Any, where: Union[str, Path]) -> tuple[str, str, Any]
         raise CheckpointError(f"'{where}': the {family} hyper-parameters do not fit together "
                               f"({first_error_line(err)})") from None
     return family, flavor, args
+
+
+def newest_step_dir(run_dir: Path) -> Path:
+    """A run directory's newest complete checkpoint (checkpoints/step-N holding model.json), as load_model reads it."""
+    steps = [(int(m.group(1)), p) for p in (run_dir / "checkpoints").iterdir()
+             if (m := re.fullmatch(r"step-(\d+)", p.name)) and (p / MODEL_JSON).is_file()]
+    if not steps:
+        raise UserFileNotFound(f"'{run_dir / 'checkpoints'}' holds no complete checkpoint (expected step-N/{MODEL_JSON})")
+    return max(steps)[1]
+
+
+def ember_step_dir(path: Path) -> Optional[Path]:
+    """The checkpoint an ember path names: itself (it holds model.json), a run directory's newest complete
+    step, or None (not an ember checkpoint)."""
+    if (path / MODEL_JSON).is_file():
+        return path
+    return newest_step_dir(path) if (path / "checkpoints").is_dir() else None
 
 
 def read_model_json(path: Path) -> tuple[str, str, Any]:

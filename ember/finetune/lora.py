@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.errors import ConfigError
+from ember.finetune.base_fingerprint import FINGERPRINT_KEY, run_fingerprint
 
 GROUPS = {"attn": ("attention",), "mlp": ("feed_forward", "moe")}  # block children each group covers
 # Hugging Face module names users know from peft's target_modules -> ember's names inside a block.
@@ -388,8 +389,10 @@ def check_lora(cfg: Any, family: str, args: Any, init_from: Optional[str]) -> No
 
 
 def lora_meta(cfg: Any, init_from: str) -> dict[str, Any]:
-    """What a LoRA checkpoint's model.json adds: the adapter settings and the base they sit on."""
+    """What a LoRA checkpoint's model.json adds: the adapter settings, the base they sit on and the base's
+    fingerprint (its files' sizes and digests), by which loading or resuming the run refuses a changed base."""
     settings = {"rank": cfg.rank, "alpha": float(cfg.alpha), "dropout": float(cfg.dropout),
                 "targets": list(cfg.targets) if isinstance(cfg.targets, (list, tuple)) else cfg.targets,
                 "train_embeddings": bool(cfg.train_embeddings), "train_norms": bool(cfg.train_norms)}
-    return {"lora": settings, "base": str(Path(init_from).expanduser().resolve())}
+    base = str(Path(init_from).expanduser().resolve())
+    return {"lora": settings, "base": base, FINGERPRINT_KEY: run_fingerprint(base)}

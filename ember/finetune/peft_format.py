@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any, Union
 
@@ -55,11 +56,20 @@ def _hf_style(family: str) -> str:
 # ---- export ---------------------------------------------------------------------------------------------
 
 
+def save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """safetensors' save_file, with the file readable as the directory's other files are (0644 under the usual
+    umask): safetensors creates it 0600, so a shared model directory had unreadable weights beside its config."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    umask = os.umask(0)  # the only way to read it; set straight back
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 def save_peft(meta: dict[str, Any], args: Any, state: dict[str, torch.Tensor], out_dir: Union[str, Path]) -> None:
     """Write a LoRA checkpoint's adapters (`state`: ember name -> tensor; `meta`: its model.json) as a peft
     adapter directory."""
-    from safetensors.torch import save_file
-
     from ember.models import MODELS
 
     settings = meta["lora"]
@@ -86,7 +96,7 @@ def save_peft(meta: dict[str, Any], args: Any, state: dict[str, torch.Tensor], o
               "base_model_name_or_path": base, "inference_mode": True, **config}
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    save_safetensors({k: v.contiguous() for k, v in tensors.items()}, out_dir / ADAPTER_WEIGHTS)
     (out_dir / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
 
 

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ from ember import cli
 from ember import config as config_lib
 from ember.checkpoint import check_architecture
 from ember.errors import CheckpointError
-from ember.convert import save_ember_checkpoint
+from ember.convert import convert, save_ember_checkpoint
 from ember.load import load_model
 from ember.models import MODELS, build_model_args
 from ember.models.llama import Transformer
@@ -63,7 +64,9 @@ def test_round_trip_through_every_format(tmp_path: Path):
     assert proc.returncode == 2 and proc.stderr == f"error: '{tmp_path / 'missing'}' does not exist\n"
     (tmp_path / "evil.pt").write_bytes(b"not a pickle")
     proc = _convert(str(tmp_path / "evil.pt"), str(tmp_path / "y"))
-    assert proc.returncode == 2 and "is not a torch.save file ember can read safely" in proc.stderr
+    assert proc.returncode == 2 and proc.stderr == (
+        f"error: '{tmp_path / 'evil.pt'}' is not a model: a model path is an ember run or checkpoint directory "
+        "(model.json, checkpoints/step-N), a HF model directory (config.json) or an `ember convert --to torch` file\n")
 
 
 def test_training_starts_from_an_hf_directory(tmp_path: Path):
@@ -158,3 +161,52 @@ def test_a_family_without_an_hf_format_is_one_line(tmp_path: Path, capsys):
     code, err = _convert_in_process(capsys, str(tmp_path / "ck"), str(tmp_path / "hf"))  # ember -> hf by default
     assert code == 2 and err.count("\n") == 1 and "GLaM family has no Hugging Face format" in err, err
     assert not (tmp_path / "hf").exists()  # nothing half-written
+
+
+def test_convert_writes_over_a_non_empty_destination_only_with_overwrite(tmp_path: Path, capsys):
+    first, second = _model("llama3"), _model("llama3")
+    with torch.no_grad():
+        second.output.weight.mul_(2)
+    save_ember_checkpoint(first, "llama3", "debug", first.args, tmp_path / "run" / "checkpoints" / "step-1")
+    save_ember_checkpoint(second, "llama3", "debug", second.args, tmp_path / "second")
+    hf_dir = tmp_path / "hf"
+    assert _convert_in_process(capsys, str(tmp_path / "run"), str(hf_dir)) == (0, "")
+    (hf_dir / "model.safetensors.index.json").write_text("{}")  # as left by an earlier sharded export
+    before = {p.name: p.read_bytes() for p in hf_dir.iterdir()}
+    code, err = _convert_in_process(capsys, str(tmp_path / "second"), str(hf_dir))
+    assert (code, err) == (2, f"error: '{hf_dir}' is not empty; give --overwrite to replace what it holds, or write "
+                              "to a new directory\n")
+    assert {p.name: p.read_bytes() for p in hf_dir.iterdir()} == before  # untouched
+    assert _convert_in_process(capsys, str(tmp_path / "second"), str(hf_dir), "--overwrite") == (0, "")
+    assert sorted(p.name for p in hf_dir.iterdir()) == ["config.json", "model.safetensors"]  # nothing stale left
+    tokens = torch.randint(0, 512, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(load_model(hf_dir)(tokens), second(tokens))
+    # --overwrite never destroys what the conversion reads: the source itself, or a directory holding it
+    step = tmp_path / "run" / "checkpoints" / "step-1"
+    for dst in (step, tmp_path / "run"):
+        code, err = _convert_in_process(capsys, str(step), str(dst), "--overwrite")
+        assert (code, err) == (2, f"error: '{dst}' holds {step}, which converting '{step}' reads; --overwrite would "
+                                  "destroy it: write to another directory\n")
+    assert load_model(step) is not None and (tmp_path / "run" / "checkpoints").is_dir()
+    # A file destination too
+    (tmp_path / "model.pt").write_bytes(b"keep me")
+    code, err = _convert_in_process(capsys, str(step), str(tmp_path / "model.pt"), "--to", "torch")
+    assert code == 2 and "model.pt' is not empty; give --overwrite" in err and (tmp_path / "model.pt").read_bytes() == b"keep me"
+    assert _convert_in_process(capsys, str(step), str(tmp_path / "model.pt"), "--to", "torch", "--overwrite") == (0, "")
+    assert not list(tmp_path.glob(".*convert-*"))  # no staging left behind
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o027, 0o640)])
+def test_exported_weights_are_readable_like_the_other_files(tmp_path: Path, umask: int, mode: int):
+    # safetensors creates its file 0600, so the weights of a shared model directory were unreadable beside
+    # its 0644 config.json
+    model = _model("llama3")
+    save_ember_checkpoint(model, "llama3", "debug", model.args, tmp_path / "ck")
+    old = os.umask(umask)
+    try:
+        convert(tmp_path / "ck", tmp_path / "hf", "hf")
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "hf").iterdir()}
+    assert modes == {"config.json": mode, "model.safetensors": mode}

@@ -1,12 +1,14 @@
 """load_model on ember checkpoints, and its one-line errors for paths that hold no model."""
 
 import json
+import zipfile
 from pathlib import Path
 
 import pytest
 import torch
 
 from ember.convert import save_ember_checkpoint
+from ember.errors import CheckpointError
 from ember.load import load_model
 from ember.models import build_model_args
 from ember.models.llama import Transformer, hf
@@ -66,9 +68,18 @@ def test_ember_checkpoint_loads_in_bf16(tmp_path: Path):
 def test_missing_and_garbage_paths(tmp_path: Path):
     with pytest.raises(FileNotFoundError, match=r"^'.*nope' does not exist \(expected an ember run"):
         load_model(tmp_path / "nope")
-    (tmp_path / "weights.bin").write_bytes(b"\x80")
-    with pytest.raises(ValueError, match="weights.bin' is not a torch.save file ember can read safely"):
-        load_model(tmp_path / "weights.bin")
+    # A file that is no torch.save archive (data given where the model goes): what a model path is, not torch's
+    # message about mmap and _use_new_zipfile_serialization
+    (tmp_path / "data.jsonl").write_text('{"text": "hello"}\n')
+    with pytest.raises(CheckpointError) as err:
+        load_model(tmp_path / "data.jsonl")
+    assert str(err.value) == (f"'{tmp_path / 'data.jsonl'}' is not a model: a model path is an ember run or checkpoint "
+                              "directory (model.json, checkpoints/step-N), a HF model directory (config.json) or an "
+                              "`ember convert --to torch` file")
+    with zipfile.ZipFile(tmp_path / "weights.pt", "w") as archive:  # an archive, but not torch.save's
+        archive.writestr("x", "y")
+    with pytest.raises(CheckpointError, match="weights.pt' is not a torch.save file ember can read safely"):
+        load_model(tmp_path / "weights.pt")
     with pytest.raises(FileNotFoundError, match="holds no model"):
         load_model(tmp_path)
     (tmp_path / "checkpoints").mkdir()

@@ -1,0 +1,169 @@
+"""The fingerprint of a LoRA run's base, recorded in its model.json beside the base's path ("base_fingerprint"),
+so that a base overwritten since (re-exported onto, trained further, another model copied there) is refused
+when the run is loaded or resumed, instead of the adapters silently running on other weights.
+
+A fingerprint maps each file the base's load reads (weights and their descriptions: safetensors, DCP shards,
+config.json / model.json; a peft adapter's base too, since it is folded in) to its size and the sha256 of its
+whole content. Whole content, not sampled chunks: a base re-exported after a small change (one tensor, one
+layer) differs in bytes a sample would likely miss, and the point is to be sure. Hashing runs at disk speed
+(~10 s for 16 GB), so digests are cached per machine keyed by (device, inode, size, mtime, ctime): any write
+to a file, or another file moved or copied into its place, gives it a new ctime (set by the kernel; tools that
+copy timestamps set mtime only), so a cached digest is reused only for the same, unchanged file. A file whose
+timestamps are too recent to tell a later same-tick write apart is hashed again next time, not cached (git's
+"racily clean" rule).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch.distributed as dist
+
+from ember.constants import default_cache_dir
+from ember.errors import CheckpointError, ConfigError, EmberError
+from ember.finetune.peft_format import ADAPTER_CONFIG, check_adapter_config, peft_base
+from ember.model_meta import MODEL_JSON, ember_step_dir, read_json
+
+FINGERPRINT_KEY = "base_fingerprint"
+# What load_model reads from a directory: HF (config.json, index, safetensors), ember (model.json, DCP's
+# .metadata and shards), peft (adapter_config.json, adapter_model.safetensors). Not tokenizers, READMEs or a
+# checkpoint's train-rank*.pt (training state), whose change leaves the weights as they were.
+_WEIGHT_NAMES = ("config.json", MODEL_JSON, ".metadata", ADAPTER_CONFIG, "model.safetensors.index.json")
+_WEIGHT_SUFFIXES = (".safetensors", ".distcp")
+_RACY_NS = 2_000_000_000  # timestamps closer than this to the hashing may not yet show a write (FAT, NFS: 1-2 s)
+_CACHE_NAME = "file_digests.json"
+
+
+def model_files(path: Union[str, Path]) -> list[Path]:
+    """The files load_model reads for `path` (a run directory: its newest complete step; a peft adapter: its
+    base's files too), resolved, in a stable order."""
+    path = Path(path).expanduser().resolve()
+    if path.is_file():
+        return [path]
+    step_dir = ember_step_dir(path) or path
+    files = sorted(p for p in step_dir.iterdir()
+                   if p.is_file() and (p.name in _WEIGHT_NAMES or p.suffix in _WEIGHT_SUFFIXES))
+    if (step_dir / ADAPTER_CONFIG).is_file() and not (step_dir / MODEL_JSON).is_file():
+        config = check_adapter_config(read_json(step_dir / ADAPTER_CONFIG), step_dir)
+        files += model_files(peft_base(config, step_dir))
+    return files
+
+
+def fingerprint(path: Union[str, Path]) -> dict[str, dict[str, Any]]:
+    """{file name (relative to `path` where it lies under it): {"bytes", "sha256"}} of what loading `path` reads."""
+    root = Path(path).expanduser().resolve()
+    cache = _DigestCache()
+    prints = {}
+    for file in model_files(root):
+        name = str(file.relative_to(root)) if root in file.parents else str(file)
+        prints[name] = {"bytes": file.stat().st_size, "sha256": cache.digest(file)}
+    cache.save()
+    return prints
+
+
+def run_fingerprint(path: Union[str, Path]) -> dict[str, dict[str, Any]]:
+    """fingerprint(path) computed once per job (rank 0) and shared, so N ranks do not all read a large base."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return fingerprint(path)
+    result: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            result = [fingerprint(path)]
+        except (OSError, EmberError) as err:  # every rank raises it, none waits for rank 0
+            result = [f"the base model.init_from={path} cannot be fingerprinted: {err}"]
+    dist.broadcast_object_list(result, src=0)
+    if isinstance(result[0], str):
+        raise CheckpointError(result[0])
+    return result[0]
+
+
+def differences(recorded: dict[str, Any], now: dict[str, Any]) -> str:
+    """What changed between two fingerprints, for a one-line message ('' when they are equal)."""
+    changed = sorted(k for k in set(recorded) & set(now) if recorded[k] != now[k])
+    gone, new = sorted(set(recorded) - set(now)), sorted(set(now) - set(recorded))
+    parts = []
+    for words, names in (("changed", changed), ("is gone", gone), ("is new", new)):
+        if names:
+            more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+            parts.append(f"{names[0]} {words}{more}")
+    return ", ".join(parts)
+
+
+def check_lora_base(step_dir: Path, meta: dict[str, Any]) -> None:
+    """Refuse to load a LoRA checkpoint whose base's files are no longer those it was trained on. A
+    checkpoint without a fingerprint (written before ember recorded one) is read as it is."""
+    recorded = meta.get(FINGERPRINT_KEY)
+    if not isinstance(recorded, dict):
+        return
+    changes = differences(recorded, fingerprint(meta["base"]))
+    if changes:
+        raise CheckpointError(f"'{step_dir}' holds LoRA adapters trained on the base '{meta['base']}', which has "
+                              f"changed since ({changes}); put that base back there, or point \"base\" in its "
+                              f"{MODEL_JSON} at a copy of it: adapters fit only the weights they were trained on")
+
+
+def check_resume_base(step_dir: Path, run_meta: dict[str, Any]) -> None:
+    """Refuse to resume a LoRA checkpoint on another base than it was trained on (model.init_from overwritten,
+    or pointing elsewhere): training would go on over other weights without a word."""
+    recorded = read_json(step_dir / MODEL_JSON).get(FINGERPRINT_KEY)
+    now = run_meta.get(FINGERPRINT_KEY)
+    if not isinstance(recorded, dict) or now is None:
+        return
+    changes = differences(recorded, now)
+    if changes:
+        raise ConfigError(f"resume: checkpoint {step_dir} was trained on another base than model.init_from="
+                          f"{run_meta['base']} holds now ({changes}); resume on the base it was trained on, or "
+                          "start over on this one with resume=none (the old run is moved aside)")
+
+
+class _DigestCache:
+    """sha256 of files, cached in the ember cache directory by (device, inode, size, mtime, ctime); losing
+    the cache, or a write lost to another process writing it at once, only costs a re-hash."""
+
+    def __init__(self) -> None:
+        self.path = default_cache_dir() / _CACHE_NAME
+        try:
+            self.entries = json.loads(self.path.read_text()).get("files", {})
+        except (OSError, ValueError, AttributeError):
+            self.entries = {}
+        self.dirty = False
+
+    def digest(self, file: Path) -> str:
+        before = _stamp(file)
+        hit = self.entries.get(str(file))
+        if isinstance(hit, list) and len(hit) == 2 and hit[0] == before:
+            return hit[1]
+        with file.open("rb") as f:
+            digest = hashlib.file_digest(f, "sha256").hexdigest()
+        settled = time.time_ns() - max(before[3], before[4]) > _RACY_NS
+        if settled and _stamp(file) == before:  # unchanged while read, and too old to change unseen
+            self.entries[str(file)] = [before, digest]
+            self.dirty = True
+        return digest
+
+    def save(self) -> None:
+        if not self.dirty:
+            return
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps({"files": self.entries}))
+            os.replace(tmp, self.path)
+        except OSError:  # a read-only or full cache directory: the digests are only recomputed next time
+            tmp.unlink(missing_ok=True)
+
+
+def _stamp(file: Path) -> list[int]:
+    st = file.stat()
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def recorded_base(meta: dict[str, Any]) -> Optional[str]:
+    """The base path a LoRA checkpoint's model.json names, or None for a whole-model checkpoint."""
+    base = meta.get("base")
+    return base if isinstance(base, str) else None
