@@ -367,6 +367,9 @@ def validate(cfg: JobConfig, world_size: int = 1) -> None:
     try:
         args = model_choice(cfg).args  # with model.init_from: the source's architecture (read, not loaded)
     except EmberError as err:
+    if cfg.profile.enabled and cfg.profile.step > cfg.max_steps:
+        raise ConfigError(f"profile.step={cfg.profile.step} is past max_steps={cfg.max_steps}: no step would be traced; "
+                          f"choose profile.step in 1-{cfg.max_steps}")
         raise ConfigError(str(err)) from None
     if cfg.seq_len > args.max_seq_len:
         raise ConfigError(

@@ -16,9 +16,12 @@ CPU, over the ops of the host threads). The profiler only observes: the run's nu
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -118,6 +121,31 @@ def _inside_communication(event: Any) -> bool:
     return False
 
 
+KINETO_NOTICES = ("USDT:", "STAGE:")  # kineto's own start/stop markers, written at any KINETO_LOG_LEVEL
+
+
+@contextlib.contextmanager
+def without_kineto_notices() -> Iterator[None]:
+    """Hold what C code writes to fd 2 while the profiler starts or stops, and pass it on without kineto's
+    `USDT: ... profiler_start` notices: they go straight to the file descriptor, past Python's sys.stderr,
+    and no setting turns them off. Anything else written meanwhile (a real warning) still reaches stderr."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            kept = [line for line in held.read().decode("utf-8", "replace").splitlines(keepends=True)
+                    if not line.startswith(KINETO_NOTICES)]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
+
+
 class StepProfiler:
     """Starts torch.profiler as step `first` begins and stops it as step `first + steps` begins (1-based, the
     step numbers the run logs), so a traced step includes its data wait, logging, evaluation and checkpoint;
@@ -129,6 +157,25 @@ class StepProfiler:
         self.folder, self.rank, self.device, self.say = Path(output_dir) / "profile", rank, device, say
         self._prof: Optional[Any] = None
 
+    def plan(self, start_step: int, max_steps: int) -> None:
+        """Say before the first step what will not be traced as asked: steps that a resumed run ran before, or
+        that max_steps cuts off (config refuses a first step past max_steps; a resume can still cut the window)."""
+        if not self.enabled or start_step >= max_steps:
+            return
+        first, last = max(self.first, start_step + 1), min(self.last, max_steps)
+        cuts = [f"this run resumes after step {start_step}"] if first != self.first else []
+        cuts += [f"max_steps={max_steps} ends the run"] if last != self.last else []
+        if not cuts:
+            return
+        asked = f"steps {self.first}-{self.last} (profile.step={self.first}, profile.steps={self.last - self.first + 1})"
+        if first > last:
+            self.say(f"profile: nothing is traced: {asked} asked, but {' and '.join(cuts)}; choose profile.step in "
+                     f"{start_step + 1}-{max_steps}")
+            self.enabled = False
+        else:
+            self.say(f"profile: tracing steps {first}-{last} only: {asked} asked, but {' and '.join(cuts)}")
+            self.first, self.last = first, last
+
     def start_step(self, step: int) -> None:
         """Step `step` is about to begin (before its data wait)."""
         if self._prof is not None and step > self.last:
@@ -138,7 +185,8 @@ class StepProfiler:
             if self.device.type == "cuda":
                 torch.cuda.memory._record_memory_history(max_entries=100_000)
             self._prof = profile(activities=activities, record_shapes=False, with_stack=False)
-            self._prof.__enter__()
+            with without_kineto_notices():
+                self._prof.__enter__()
 
     def step_range(self, step: int) -> contextlib.AbstractContextManager:
         """`ember/step N` in the trace around the step's data wait and training step, while tracing."""
@@ -151,7 +199,8 @@ class StepProfiler:
         prof, self._prof = self._prof, None
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        prof.__exit__(None, None, None)
+        with without_kineto_notices():
+            prof.__exit__(None, None, None)
         self.folder.mkdir(parents=True, exist_ok=True)
         trace = self.folder / f"rank{self.rank}.step{self.first}-{last_step}.pt.trace.json"
         prof.export_chrome_trace(str(trace))

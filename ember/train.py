@@ -315,6 +315,7 @@ class Trainer:
             while self.step < cfg.max_steps:
                 profiler.start_step(self.step + 1)
                 with profiler.step_range(self.step + 1):
+        profiler.plan(self.step, cfg.max_steps)  # says what max_steps or a resume cuts from the traced steps
                     t0 = time.perf_counter()
                     with phase("data_wait"):
                         micro_batches = next(batches)

@@ -4,13 +4,15 @@ change the run's numbers; the summary's shares and exposed communication are com
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from ember.profiling import category, exposed_time
+from ember.profiling import StepProfiler, category, exposed_time, without_kineto_notices
 
 TINY = ["model.n_layers=1", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "seq_len=32",
         "global_batch_size=4", "max_steps=6", "logging_steps=1", "eval_batches=1", "checkpoint.interval=4"]
@@ -46,6 +48,7 @@ def test_traced_steps_hold_the_phases_and_leave_the_numbers_alone(tmp_path: Path
     assert _ember(*TINY, "micro_batch_size=4", "metrics.console=false", f"output_dir={plain}").returncode == 0
     proc = _ember(*TINY, "micro_batch_size=2", "profile_step=3", "profile_duration=2", f"output_dir={traced}")
     assert proc.returncode == 0, proc.stderr
+    assert "USDT:" not in proc.stderr and "profiler_start" not in proc.stderr  # kineto's notices held back
     trace = traced / "profile" / "rank0.step3-4.pt.trace.json"
     assert sorted(p.name for p in (traced / "profile").iterdir()) == [trace.name]
     names = _range_names(trace)
@@ -81,3 +84,37 @@ def test_profile_keys_are_checked():
         config_lib.load("debug", ["profile.step=0"])
     assert config_lib.load("debug", ["profile_step=7", "profile_duration=3"]).profile.__dict__ == \
         {"enabled": True, "step": 7, "steps": 3}
+    with pytest.raises(ConfigError) as info:
+        config_lib.load("debug", ["max_steps=20", "profile_step=21"])
+    assert str(info.value) == "profile.step=21 is past max_steps=20: no step would be traced; choose profile.step in 1-20"
+    assert config_lib.load("debug", ["max_steps=20", "profile.step=21"]).profile.step == 21  # profiling off: unused
+
+
+def _planned(start_step: int, max_steps: int, first: int = 3, steps: int = 3) -> tuple[list[str], StepProfiler]:
+    said: list[str] = []
+    profiler = StepProfiler(True, first, steps, Path("unused"), 0, torch.device("cpu"), said.append)
+    profiler.plan(start_step, max_steps)
+    return said, profiler
+
+
+def test_a_window_cut_by_max_steps_or_a_resume_is_said_before_the_first_step():
+    said, profiler = _planned(0, 4)
+    assert said == ["profile: tracing steps 3-4 only: steps 3-5 (profile.step=3, profile.steps=3) asked, but "
+                    "max_steps=4 ends the run"]
+    assert (profiler.enabled, profiler.first, profiler.last) == (True, 3, 4)
+    said, profiler = _planned(3, 10)
+    assert said == ["profile: tracing steps 4-5 only: steps 3-5 (profile.step=3, profile.steps=3) asked, but this "
+                    "run resumes after step 3"] and (profiler.first, profiler.last) == (4, 5)
+    said, profiler = _planned(8, 10)
+    assert said == ["profile: nothing is traced: steps 3-5 (profile.step=3, profile.steps=3) asked, but this run "
+                    "resumes after step 8; choose profile.step in 9-10"] and not profiler.enabled
+    assert _planned(0, 5)[0] == [] and _planned(0, 10)[1].last == 5  # the whole window fits: nothing to say
+
+
+def test_kinetos_notices_are_held_back_and_other_stderr_output_is_not(capfd: pytest.CaptureFixture):
+    with without_kineto_notices():
+        os.write(2, b"USDT:2026-11-25 13:10:02 7856:7856 SyncActivityProfilerHandler.cpp:52] profiler_start\n")
+        os.write(2, b"STAGE:2026-11-25 13:10:09 8043:8043 SyncActivityProfilerHandler.cpp:51] Completed Stage: Warm Up\n")
+        os.write(2, b"a real warning\n")
+    os.write(2, b"after\n")
+    assert capfd.readouterr().err == "a real warning\nafter\n"
