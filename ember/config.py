@@ -265,13 +265,13 @@ def fp8_enabled(cfg: JobConfig) -> bool:
 
 def _check_fp8(cfg: JobConfig) -> None:
     if not fp8_enabled(cfg):
+        if cfg.fp8.emulate:  # alone it would change nothing, and the run would look like an FP8 test
+            raise ConfigError("fp8.emulate=true emulates FP8 training, which this run does not turn on: add "
+                              "precision=fp8 (or fp8.enabled=true), or drop fp8.emulate")
         return
     if cfg.fp8.recipe not in FP8_RECIPES:
         raise ConfigError(f"fp8.recipe '{cfg.fp8.recipe}' is not one of {', '.join(FP8_RECIPES)}")
     if cfg.lora.rank:
-        if cfg.fp8.emulate:  # alone it would change nothing, and the run would look like an FP8 test
-            raise ConfigError("fp8.emulate=true emulates FP8 training, which this run does not turn on: add "
-                              "precision=fp8 (or fp8.enabled=true), or drop fp8.emulate")
         raise ConfigError("fp8 training converts the linears LoRA adapts; use precision=bf16 with lora.rank")
     import importlib.util
 
@@ -355,6 +355,9 @@ def validate(cfg: JobConfig, world_size: int = 1) -> None:
     if cfg.profile.step < 1 or cfg.profile.steps < 1:
         raise ConfigError(f"profile.step={cfg.profile.step} and profile.steps={cfg.profile.steps} must be >= 1 (the "
                           "first traced step, as logged, and how many)")
+    if cfg.profile.enabled and cfg.profile.step > cfg.max_steps:
+        raise ConfigError(f"profile.step={cfg.profile.step} is past max_steps={cfg.max_steps}: no step would be traced; "
+                          f"choose profile.step in 1-{cfg.max_steps}")
     if cfg.data.mixture and cfg.data.dataset == "synthetic":
         raise ConfigError("data.mixture and data.dataset=synthetic exclude each other; drop one of them")
     shape = mesh_shape(cfg, world_size)
@@ -367,9 +370,6 @@ def validate(cfg: JobConfig, world_size: int = 1) -> None:
     try:
         args = model_choice(cfg).args  # with model.init_from: the source's architecture (read, not loaded)
     except EmberError as err:
-    if cfg.profile.enabled and cfg.profile.step > cfg.max_steps:
-        raise ConfigError(f"profile.step={cfg.profile.step} is past max_steps={cfg.max_steps}: no step would be traced; "
-                          f"choose profile.step in 1-{cfg.max_steps}")
         raise ConfigError(str(err)) from None
     if cfg.seq_len > args.max_seq_len:
         raise ConfigError(

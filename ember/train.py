@@ -310,12 +310,12 @@ class Trainer:
         # The main rank prints the summary; every rank writes its trace.
         profiler = StepProfiler(cfg.profile.enabled, cfg.profile.step, cfg.profile.steps, self.output_dir, self.rank,
                                 self.device, self._say)
+        profiler.plan(self.step, cfg.max_steps)  # says what max_steps or a resume cuts from the traced steps
         with progress, StopSignals(self.device, self.mesh is not None, self._say) as signals:
             task = progress.add_task("train", total=cfg.max_steps, loss="-", completed=self.step)
             while self.step < cfg.max_steps:
                 profiler.start_step(self.step + 1)
                 with profiler.step_range(self.step + 1):
-        profiler.plan(self.step, cfg.max_steps)  # says what max_steps or a resume cuts from the traced steps
                     t0 = time.perf_counter()
                     with phase("data_wait"):
                         micro_batches = next(batches)
@@ -416,10 +416,6 @@ class Trainer:
             record[f"mix/{source}"] = count  # samples drawn from each mixture source so far
         return record
 
-    def _print_header(self) -> None:
-        if not (self.is_main and self.cfg.metrics.console):
-            return
-        cfg, args = self.cfg, self.model_args
     def _model_label(self) -> str:
         """The model that was built: with model.init_from the source's architecture, whatever flavor the recipe names."""
         model = self.cfg.model
@@ -436,6 +432,10 @@ class Trainer:
             return fp8_lib.describe_fp8(self.model_parts, self.fp8_recipe, self.cfg.fp8.emulate, self.compute_dtype)
         return str(self.compute_dtype).replace("torch.", "")
 
+    def _print_header(self) -> None:
+        if not (self.is_main and self.cfg.metrics.console):
+            return
+        cfg, args = self.cfg, self.model_args
         tok = f"tokenizer vocab {self.tokenizer.vocab_size}" if self.tokenizer else "synthetic tokens"
         peak = f"{self.peak.value_flops / 1e12:.3f} TFLOP/s ({self.peak.source})" if self.peak.value_flops else "unknown"
         self.console.print(
