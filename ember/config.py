@@ -297,6 +297,17 @@ def _check_dpo(cfg: JobConfig) -> None:
                               f"ici_mesh.{axis}=1 and dcn_mesh.{axis}=1 (data, fsdp, tensor and expert work)")
 
 
+def _check_resume_allow_changes(names: list[str]) -> None:
+    """Each entry a config key or section: a misspelt one would allow nothing, and the resume be refused anyway."""
+    known = _all_keys(OmegaConf.structured(JobConfig))
+    for name in names:
+        if name not in known:
+            hint = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+            suffix = f" (did you mean '{hint[0]}'?)" if hint else ""
+            raise ConfigError(f"resume_allow_changes: '{name}' is not a config key or section{suffix}; "
+                              "name keys as overrides do, e.g. [data.dataset,seed]")
+
+
 def validate(cfg: JobConfig, world_size: int = 1) -> None:
     """Cross-field checks that no type system catches; each names the keys to change."""
     # local imports: config must stay importable on its own (and fast, without torch)
@@ -335,6 +346,7 @@ def validate(cfg: JobConfig, world_size: int = 1) -> None:
     _check_eval_tasks(cfg)
     if cfg.resume not in ("auto", "none") and not Path(cfg.resume).expanduser().exists():
         raise ConfigError(f"resume={cfg.resume}: no such checkpoint; give a checkpoints/step-N path, auto or none")
+    _check_resume_allow_changes(cfg.resume_allow_changes)
     if cfg.model.remat not in REMAT_POLICIES:
         raise ConfigError(f"model.remat '{cfg.model.remat}' is not one of {', '.join(REMAT_POLICIES)}")
     if cfg.model.remat_every < 1:

@@ -235,6 +235,10 @@ class JobConfig:
     precision: str = "auto"  # auto (bf16 where supported, fp32 on CPU) | fp32 | bf16 | fp8 (bf16 + fp8.enabled)
     device: str = "auto"  # auto | cpu | cuda
     resume: str = "auto"  # auto (the newest complete checkpoint in output_dir, if any) | none | a checkpoint path
+    # Keys of what the run is (model.*, data.*, seed, task, seq_len, global_batch_size, lora.*, dpo.*, optim.name;
+    # ember/run_history.py) that this resume may change, e.g. [data.dataset]; a section name covers its keys.
+    # Unlisted, such a change is refused on resume.
+    resume_allow_changes: list[str] = field(default_factory=list)
     max_skipped_steps: int = 5  # non-finite loss or grad norm: skip the step; stop after this many in a row
     loss_spike_factor: float = 3.0  # warn when a step's loss exceeds this times the running mean (0: off)
     eval_interval: int = 0  # validation loss every N steps (0: only at the end)

@@ -22,6 +22,7 @@ from rich.console import Console
 
 from ember import config as config_lib
 from ember import run as run_lib
+from ember import run_history
 from ember.checkpoint import (CheckpointError, CheckpointManager, archive_previous_run, meta_for, rng_state,
                               set_rng_state, starts_over)
 from ember.config import ConfigError, JobConfig
@@ -151,7 +152,9 @@ class Trainer:
         if cfg.lora.rank:  # a LoRA checkpoint holds the adapters and their optimizer state, and names its base
             meta.update(lora_lib.lora_meta(cfg.lora, cfg.model.init_from))
         self.checkpointer = CheckpointManager(cfg.checkpoint, self.output_dir, self.model_parts, self.model,
-                                              self.optimizer, meta, say=self._say, adapters_only=bool(cfg.lora.rank))
+                                              self.optimizer, meta, say=self._say, adapters_only=bool(cfg.lora.rank),
+                                              run_config=run_history.config_dict(cfg),
+                                              allow_changes=cfg.resume_allow_changes)
         try:
             state = self.checkpointer.resume(cfg.resume)
         except CheckpointError as err:
@@ -290,7 +293,9 @@ class Trainer:
         cfg = self.cfg
         self.output_dir.mkdir(parents=True, exist_ok=True)
         if self.is_main:
-            config_lib.save(cfg, self.output_dir / "config.yaml")
+            # config.yaml is this segment's; config_history/ keeps every segment's (ember/run_history.py).
+            run_history.record_segment(self.output_dir, cfg, self.step, self.checkpointer.resumed_from,
+                                       self.checkpointer.changes)
         self._print_header()  # before the trackers start: a tracker that cannot start fails after it, in one line
         logger = MetricsLogger(self.output_dir, cfg.metrics, enabled=self.is_main, console=self.console,
                                start_step=self.step, run_info={"device": self.device, "mesh": self.shape.describe(),
