@@ -5,6 +5,8 @@ A checkpoint is `OUTPUT_DIR/checkpoints/step-N/`:
   load (a checkpoint of fsdp=2 loads on one process or with tensor=2);
 - `train-rank{R}.pt`: that rank's small training state (step, LR schedule, data-loader position, RNG
   states), written with torch.save and read back with weights_only=True;
+- `run_config.yaml`: the config of the run that saved it, which a resume compares with its own
+  (ember/run_history.py: what may change on resume and what may not);
 - `model.json`, written last: the marker of a complete checkpoint (and what `load_model` reads).
 
 Atomic: everything is written under `step-N.tmp` and renamed to `step-N` by rank 0 once every rank is
@@ -24,11 +26,12 @@ import shutil
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import yaml
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
@@ -38,6 +41,7 @@ from ember.finetune.base_fingerprint import check_resume_base
 from ember.finetune.lora import trainable_state_dict
 from ember.load import model_state_dict
 from ember.model_meta import MODEL_JSON, read_model_json
+from ember.run_history import CHECKPOINT_CONFIG, HISTORY_DIR, Change, RunChanged, describe_changes, resume_changes
 
 STEP_DIR = re.compile(r"step-(\d+)")
 
@@ -122,8 +126,14 @@ class CheckpointManager:
 
     def __init__(self, cfg: Any, output_dir: Path, model_parts: list[nn.Module], optim_model: nn.Module,
                  optimizer: torch.optim.Optimizer, meta: dict[str, Any], say: Callable[[str], None] = print,
-                 adapters_only: bool = False):
+                 adapters_only: bool = False, run_config: Optional[dict[str, Any]] = None,
+                 allow_changes: Sequence[str] = ()):
         self.cfg, self.dir = cfg, Path(output_dir) / "checkpoints"
+        # The whole job config (as config.yaml holds it), saved beside the weights and compared on resume; the
+        # keys of what the run is that this resume may change (resume_allow_changes).
+        self.run_config, self.allow_changes = run_config, tuple(allow_changes)
+        self.resumed_from: Optional[Path] = None  # the checkpoint resume() loaded
+        self.changes: list[Change] = []  # what this run changed against it
         # LoRA: the frozen base is model.init_from's (meta["base"]), so only the trainable tensors are saved.
         self.adapters_only = adapters_only
         self.model_parts, self.optim_model, self.optimizer = model_parts, optim_model, optimizer
@@ -173,6 +183,8 @@ class CheckpointManager:
         """Rank 0, once every rank's shards and the metadata are written: marker, rename, prune."""
         if _rank() != 0:
             return
+        if self.run_config is not None:
+            (tmp / CHECKPOINT_CONFIG).write_text(yaml.safe_dump(self.run_config, sort_keys=False), encoding="utf-8")
         (tmp / MODEL_JSON).write_text(json.dumps(self.meta, indent=2) + "\n")
         if final.exists():
             shutil.rmtree(final)
@@ -215,8 +227,8 @@ class CheckpointManager:
             for i, path in enumerate(candidates):
                 try:
                     return self.load(path)
-                except ArchitectureMismatch:
-                    raise  # every checkpoint of the run has that architecture: no older one fits better
+                except (ArchitectureMismatch, RunChanged):
+                    raise  # every checkpoint of the run has that architecture and config: no older one fits better
                 except CheckpointError as err:
                     if i + 1 == len(candidates):  # never train from scratch over checkpoints left unused
                         raise CheckpointError(f"{err}; no checkpoint in {self.dir} can be resumed: fix or remove "
@@ -238,7 +250,8 @@ class CheckpointManager:
         return self.load(path)
 
     def load(self, step_dir: Path) -> dict[str, Any]:
-        check_architecture(step_dir, self.meta)
+        check_architecture(step_dir, self.meta)  # first: it names the resolved hyper-parameters that differ
+        found = resume_changes(step_dir, self.run_config, self.allow_changes, self.say) if self.run_config else []
         check_resume_base(step_dir, self.meta)  # a LoRA run's base overwritten since: a ConfigError, no fallback
         state = self._state()
         verify(step_dir, state)
@@ -257,6 +270,9 @@ class CheckpointManager:
         except Exception as err:
             raise CheckpointError(f"checkpoint {step_dir}: {rank_file.name} is unreadable ({first_error_line(err)})") from None
         self.say(f"resumed from {step_dir} (step {train_state['step']})")
+        if found:
+            self.say(describe_changes(found))
+        self.resumed_from, self.changes = step_dir, found
         return train_state
 
 
@@ -303,7 +319,7 @@ def archive_previous_run(output_dir: Path, say: Callable[[str], None]) -> Option
     """Move another run's checkpoints, metrics and TensorBoard events out of `output_dir` into
     `output_dir/previous-<time>/`, so a run started over never mixes with it (and nothing is deleted).
     Rank 0 moves; every rank waits for it. Returns the folder, or None if there was nothing to move."""
-    names = ("checkpoints", "metrics.jsonl", "tb", "config.yaml")
+    names = ("checkpoints", "metrics.jsonl", "tb", "config.yaml", HISTORY_DIR)
     present = [output_dir / n for n in names if (output_dir / n).exists()]
     target: Optional[Path] = None
     if present and any(p.name != "config.yaml" for p in present):

@@ -390,8 +390,8 @@ def _read_prompts(path: Path) -> list[str]:
 def cmd_eval(argv: list[str]) -> int:
     from ember.eval.command import EVAL_USAGE, run_eval
 
-    if not argv or _wants_help(argv):
-        print(EVAL_USAGE)
+    if not argv or _wants_help(argv):  # help on stdout; without arguments, a usage error on stderr
+        print(EVAL_USAGE, file=sys.stdout if argv else sys.stderr)
         return 0 if argv else EXIT_USAGE
     from ember.eval.command import check_eval_launch
 
@@ -426,16 +426,14 @@ def cmd_report(argv: list[str]) -> int:
         return _fail(_one_line(err))
     for note in report.missing + [f"{run.name}: {note}" for run in report.runs for note in run.notes]:
         print(f"note: {note}")
-    print(f"wrote {report.html} and {len(report.plots)} figures in {report.png_dir}/")
+    count = len(report.plots)
+    print(f"wrote {report.html} and {count} figure{'' if count == 1 else 's'} in {report.png_dir}/")
     return 0
 
 
 def cmd_plan(argv: list[str]) -> int:
-    from ember.plan.command import parser, run_plan
+    from ember.plan.command import run_plan
 
-    if not argv:
-        parser().print_usage()
-        return EXIT_USAGE
     try:
         return run_plan(argv)
     except SystemExit as exit_:  # argparse: --help (0) or a usage error (2, its message already printed)
@@ -462,13 +460,27 @@ COMMANDS = {"launch": cmd_launch, "train": cmd_train, "recipes": cmd_recipes, "d
             "generate": cmd_generate, "eval": cmd_eval, "report": cmd_report, "plan": cmd_plan}
 
 
+def _version() -> str:
+    """The installed package's version (pyproject.toml's, through the package metadata)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ember")
+    except PackageNotFoundError:
+        return "(not installed as a package: pip install -e .)"
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="ember", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("command", choices=sorted(COMMANDS), help="what to do")
-    if not argv or argv[0] in ("-h", "--help"):
-        parser.print_help()
+    parser.add_argument("--version", action="store_true", help="print `ember VERSION` and exit")
+    if not argv or argv[0] in ("-h", "--help"):  # help on stdout; without arguments, a usage error on stderr
+        parser.print_help(sys.stdout if argv else sys.stderr)
         return 0 if argv else EXIT_USAGE
+    if argv[0] in ("--version", "-V"):
+        print(f"ember {_version()}")
+        return 0
     if argv[0] not in COMMANDS:
         return _fail(f"unknown command '{argv[0]}' (choose from {', '.join(sorted(COMMANDS))})")
     try:
