@@ -16,9 +16,12 @@ with dcn_mesh.fsdp=N inferred from --nodes unless a dcn_mesh axis is given, and 
 processes before anything is submitted.
 
   ember launch local --nproc-per-node G [--nnodes M --node-rank R --rdzv-endpoint HOST:PORT] RECIPE [key=value ...]
-  ember launch slurm RECIPE [key=value ...] --nodes N --nproc-per-node G [--partition P --time T ...] [--wait | --dry-run]
-  ember launch k8s RECIPE [key=value ...] --nodes N --nproc-per-node G --image IMAGE [--namespace NS --pvc CLAIM]
+  ember launch slurm RECIPE [key=value ...] --nodes N --gpus-per-node G [--partition P --time T ...] [--wait | --dry-run]
+  ember launch k8s RECIPE [key=value ...] --nodes N --gpus-per-node G --image IMAGE [--namespace NS --pvc CLAIM] [--dry-run]
   ember launch status|cancel|logs JOB          a SLURM job: its state, scancel, its log (and its first failing rank)
+
+--gpus-per-node G starts G processes per node and requests G GPUs per node; --nproc-per-node G starts G
+processes and requests no GPU unless the config says device=cuda. What is requested is printed.
 """
 
 
@@ -26,8 +29,10 @@ def _job_args(parser: argparse.ArgumentParser, nodes_flag: str = "--nodes") -> N
     parser.add_argument("recipe", help="a built-in recipe or a YAML path")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     parser.add_argument(nodes_flag, dest="nodes", type=int, default=1, help="machines (default 1)")
-    parser.add_argument("--nproc-per-node", "--gpus-per-node", dest="nproc_per_node", type=int, default=1,
-                        help="processes (one per GPU) per machine (default 1)")
+    parser.add_argument("--gpus-per-node", type=int, default=None, metavar="G",
+                        help="G processes per machine, one per GPU, and a request for G GPUs per machine")
+    parser.add_argument("--nproc-per-node", type=int, default=None, metavar="G",
+                        help="G processes per machine (default 1); GPUs are requested only with device=cuda")
 
 
 def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
@@ -58,7 +63,8 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
                        help="another #SBATCH option, verbatim (repeatable), e.g. --sbatch=--mem=0")
     slurm.add_argument("--wait", action="store_true", help="follow the log until the job ends (through requeues) "
                        "and exit with its status")
-    slurm.add_argument("--dry-run", action="store_true", help="write and print the script, submit nothing")
+    slurm.add_argument("--dry-run", "--print", dest="dry_run", action="store_true",
+                       help="write and print the script, submit nothing")
     k8s = sub.add_parser("k8s", help="write a Kubeflow PyTorchJob manifest (kubectl apply -f is yours)",
                          description="Write OUTPUT_DIR/launch/JOB_NAME.yaml: a Kubeflow PyTorchJob running the "
                          "same torchrun command on every pod, with the outputs on a shared volume claim.")
@@ -75,7 +81,8 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
                      help="NAME=VALUE: set in the pods; NAME: from the Secret named by --secret (key NAME)")
     k8s.add_argument("--secret", help="a Secret holding the --env NAME values (e.g. HF_TOKEN)")
     k8s.add_argument("--backoff-limit", type=int, default=10, help="pod restarts before the job fails (default 10)")
-    k8s.add_argument("--print", dest="print_manifest", action="store_true", help="also print the manifest")
+    k8s.add_argument("--print", "--dry-run", dest="print_manifest", action="store_true",
+                     help="also print the manifest (nothing is ever applied: `kubectl apply -f` is yours)")
     for name, help_ in (("status", "a SLURM job's state"), ("cancel", "scancel a SLURM job"),
                         ("logs", "a SLURM job's log and, if it failed, its first failing rank")):
         cmd = sub.add_parser(name, help=help_)
@@ -90,8 +97,8 @@ def main(argv: list[str]) -> int:
         raise SystemExit("ember launch local is `ember train --nproc-per-node`; run it through the ember command")
     parser, commands = _parser()
     try:
-        if not argv:
-            parser.print_help()
+        if not argv:  # a usage error: on stderr, as argparse's own
+            parser.print_help(sys.stderr)
             return EXIT_USAGE
         if argv[0] not in commands:  # --help, or argparse's one-line usage error
             parser.parse_args(argv)
@@ -111,11 +118,18 @@ def main(argv: list[str]) -> int:
         return EXIT_USAGE
 
 
-def _prepare(args: argparse.Namespace) -> tuple[object, object, Path]:
-    from ember.launch.command import TrainJob, check_job
+def _prepare(args: argparse.Namespace) -> tuple[object, object, Path, int, str]:
+    """The checked job, its config, its output directory, the GPUs to request per node and a line saying what
+    is requested (printed once the script or manifest is written)."""
+    from ember.launch.command import TrainJob, check_job, gpu_request
 
-    job, cfg = check_job(TrainJob(args.recipe, list(args.overrides), args.nodes, args.nproc_per_node))
-    return job, cfg, Path(cfg.output_dir).expanduser().resolve()
+    if args.gpus_per_node is not None and args.nproc_per_node is not None:
+        raise EmberError("give --gpus-per-node G (G processes and G GPUs per node) or --nproc-per-node G "
+                         "(G processes), not both")
+    nproc = args.gpus_per_node if args.gpus_per_node is not None else args.nproc_per_node or 1
+    job, cfg = check_job(TrainJob(args.recipe, list(args.overrides), args.nodes, nproc))
+    gpus, request = gpu_request(job, cfg.device, args.gpus_per_node is not None)
+    return job, cfg, Path(cfg.output_dir).expanduser().resolve(), gpus, request
 
 
 def _default_name(recipe: str) -> str:
@@ -128,17 +142,17 @@ def _default_name(recipe: str) -> str:
 def _slurm(args: argparse.Namespace, argv: list[str]) -> int:
     from ember.launch import slurm
 
-    job, cfg, output_dir = _prepare(args)
+    job, cfg, output_dir, gpus, request = _prepare(args)
     if args.signal_seconds < 1:
         raise EmberError(f"--signal-seconds must be >= 1, got {args.signal_seconds}")
     opts = slurm.SlurmOptions(job_name=args.job_name or _default_name(args.recipe), partition=args.partition,
                               time=args.time, account=args.account, qos=args.qos,
-                              gpus_per_node=0 if cfg.device == "cpu" else job.nproc_per_node,
-                              container=args.container, mounts=args.mounts, env=args.env,
+                              gpus_per_node=gpus, container=args.container, mounts=args.mounts, env=args.env,
                               signal_seconds=args.signal_seconds, extra_sbatch=args.sbatch)
     script = slurm.render_script(job, opts, output_dir, Path.cwd(),
                                  command_line=shlex.join(["ember", "launch", *argv]))
     path = slurm.write_script(script, output_dir, opts.job_name)
+    print(request, file=sys.stderr)
     if args.dry_run:
         print(script)
         print(f"wrote {path} (not submitted: --dry-run)", file=sys.stderr)
@@ -151,16 +165,17 @@ def _slurm(args: argparse.Namespace, argv: list[str]) -> int:
 def _k8s(args: argparse.Namespace) -> int:
     from ember.launch import k8s
 
-    job, cfg, output_dir = _prepare(args)
+    job, cfg, output_dir, gpus, request = _prepare(args)
     opts = k8s.K8sOptions(name=args.job_name or _default_name(args.recipe), image=args.image,
                           namespace=args.namespace, pvc=args.pvc, storage=args.storage,
                           storage_class=args.storage_class, mount_path=args.mount_path, env=args.env,
                           secret=args.secret, backoff_limit=args.backoff_limit,
-                          gpus_per_node=0 if cfg.device == "cpu" else job.nproc_per_node)
+                          gpus_per_node=gpus)
     manifest = k8s.render_manifest(job, opts)
     path = output_dir / "launch" / f"{opts.name}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(manifest)
+    print(request, file=sys.stderr)
     if args.print_manifest:
         print(manifest)
     print(f"wrote {path}; start it with: kubectl apply -f {path}")
@@ -178,6 +193,8 @@ def _job_command(args: argparse.Namespace) -> int:
         print(f"cancelled job {args.job_id}")
         return 0
     if args.follow:
+        if not slurm.job_info(args.job_id, strict=True):
+            raise slurm.unknown_job(args.job_id)
         return slurm.wait(args.job_id)
     log = slurm.log_path(args.job_id)
     text = log.read_text(errors="replace") if log.is_file() else ""

@@ -51,6 +51,22 @@ def check_job(job: TrainJob) -> tuple[TrainJob, Any]:
     return job, config_lib.load(job.recipe, job.overrides, world_size=job.world_size)
 
 
+def gpu_request(job: TrainJob, device: str, gpus_flag: bool) -> tuple[int, str]:
+    """The GPUs to request per node, and a line saying what the job asks the scheduler for. --gpus-per-node
+    (`gpus_flag`) requests one GPU per process; --nproc-per-node only with device=cuda, so that a CPU job (the
+    config's default device=auto included) never asks a CPU cluster for GPUs it does not have."""
+    if gpus_flag and device == "cpu":
+        raise ConfigError(f"--gpus-per-node {job.nproc_per_node} requests GPUs for a device=cpu job; give "
+                          f"--nproc-per-node {job.nproc_per_node} for CPU processes, or drop device=cpu")
+    gpus = job.nproc_per_node if gpus_flag or device == "cuda" else 0
+    nodes = f"{job.nodes} node{'s' if job.nodes > 1 else ''}"
+    procs = f"{job.nproc_per_node} process{'es' if job.nproc_per_node > 1 else ''} each"
+    if gpus:
+        return gpus, f"requesting {nodes} x {procs}, {gpus} GPU{'s' if gpus > 1 else ''} per node"
+    return 0, (f"requesting {nodes} x {procs}, no GPU (device={device}; --gpus-per-node G requests G GPUs "
+               "per node)")
+
+
 def infer_dcn_mesh(job: TrainJob) -> TrainJob:
     """Across nodes, shard with FSDP (`dcn_mesh.fsdp=NODES`) unless the recipe or the overrides name a dcn_mesh
     axis: the mesh is then node-major, so the ici_mesh axes (tensor, fsdp=-1, ...) stay inside a node and only

@@ -161,18 +161,48 @@ def _slurm(*argv: str) -> subprocess.CompletedProcess:
         raise EmberError(f"`{argv[0]}` not found: run this on a SLURM login node (or use --dry-run)") from None
 
 
+# sbatch's refusals (words of its message, lowercase) -> the likely fix, said after its own message.
+SBATCH_FIXES = (
+    ("generic resource", "this partition has no GPUs to give (gres): start processes without a GPU request "
+     "(--nproc-per-node instead of --gpus-per-node, or device=cpu) or choose a GPU --partition"),
+    ("invalid partition", "--partition names no partition of this cluster (`sinfo -s` lists them)"),
+    ("time limit", "--time exceeds the partition's limit (`sinfo -o '%P %l'` shows it)"),
+    ("account", "--account (or --qos) is not one this user may submit to (`sacctmgr show assoc user=$USER`)"),
+    ("qos", "--qos is not one this user may submit to (`sacctmgr show assoc user=$USER`)"),
+    ("node configuration is not available", "no node offers what the script asks for (--nodes, --gpus-per-node, "
+     "--sbatch options; `sinfo -N -l` lists the nodes)"),
+    ("node count", "--nodes asks for more nodes than the partition has (`sinfo -s`)"),
+)
+
+
+def sbatch_error(script: Path, output: str) -> str:
+    """sbatch's refusal as one line: its own last message, and the likely fix."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    message = lines[-1] if lines else "no message"
+    for prefix in ("sbatch: error: ", "Batch job submission failed: "):
+        message = message[len(prefix):] if message.startswith(prefix) else message
+    fix = next((fix for words, fix in SBATCH_FIXES if words in message.lower()),
+               "fix the #SBATCH options it names (ember launch slurm's flags, or --sbatch)")
+    return f"sbatch refused {script}: {message.rstrip('.')}; {fix}"
+
+
 def submit(script: Path) -> str:
     """sbatch the script; the job id."""
     proc = _slurm("sbatch", "--parsable", str(script))
     if proc.returncode != 0:
-        raise EmberError(f"sbatch failed: {(proc.stderr or proc.stdout).strip().splitlines()[-1:]}")
+        raise EmberError(sbatch_error(script, proc.stderr or proc.stdout))
     return proc.stdout.strip().split(";")[0]
 
 
-def job_info(job_id: str) -> dict[str, str]:
-    """`scontrol show job -o` as a dict ({} once SLURM has forgotten the job)."""
+def job_info(job_id: str, strict: bool = False) -> dict[str, str]:
+    """`scontrol show job -o` as a dict ({} once SLURM has forgotten the job). strict: scontrol failing for
+    another reason (no controller reachable) is a one-line error instead of {}."""
     proc = _slurm("scontrol", "show", "job", "-o", job_id)
     if proc.returncode != 0:
+        lines = [line.strip() for line in proc.stderr.splitlines() if line.strip()]
+        if strict and not any("invalid job id" in line.lower() for line in lines):
+            raise EmberError(f"scontrol cannot tell about job {job_id}: {lines[-1] if lines else 'no message'} "
+                             "(run this where SLURM's commands reach the cluster: a login node, SLURM_CONF)")
         return {}
     # Values hold no spaces except Command/WorkDir/StdOut paths with spaces, which this tolerates poorly;
     # the keys used here (JobState, ExitCode, StdOut, Restarts, NodeList) are plain.
@@ -246,22 +276,30 @@ def wait(job_id: str, out: Callable[[str], None] = lambda s: print(s, end="", fl
     return status
 
 
+def unknown_job(job_id: str) -> EmberError:
+    return EmberError(f"job {job_id} is not known to SLURM (finished more than MinJobAge ago, or on another "
+                      f"cluster): `sacct -j {job_id}` has its record; its log is OUTPUT_DIR/logs/<job name>-{job_id}.out")
+
+
 def status(job_id: str) -> str:
-    info = job_info(job_id)
+    info = job_info(job_id, strict=True)
     if not info:
-        return f"job {job_id}: not known to SLURM (finished long ago, or another cluster); try sacct -j {job_id}"
+        raise unknown_job(job_id)
     return (f"job {job_id} {info.get('JobName', '')}: {info.get('JobState')} on {info.get('NodeList') or '-'}, "
             f"restarts {info.get('Restarts', '0')}, exit code {info.get('ExitCode')}, log {info.get('StdOut')}")
 
 
 def cancel(job_id: str) -> None:
+    if not job_info(job_id, strict=True):
+        raise unknown_job(job_id)
     proc = _slurm("scancel", job_id)
     if proc.returncode != 0:
-        raise EmberError(f"scancel {job_id} failed: {proc.stderr.strip()}")
+        lines = [line.strip() for line in proc.stderr.splitlines() if line.strip()]
+        raise EmberError(f"scancel {job_id} failed: {lines[-1] if lines else f'exit code {proc.returncode}'}")
 
 
 def log_path(job_id: str) -> Path:
-    info = job_info(job_id)
+    info = job_info(job_id, strict=True)
     if not info.get("StdOut"):
-        raise EmberError(f"job {job_id} is not known to SLURM; its log is OUTPUT_DIR/logs/<job name>-{job_id}.out")
+        raise unknown_job(job_id)
     return Path(info["StdOut"])

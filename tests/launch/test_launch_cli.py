@@ -24,3 +24,40 @@ def test_help_and_one_line_errors(tmp_path):
     assert not (tmp_path / "launch").exists()  # nothing written
     proc = _ember("launch", "slurm", "debug", "--nodes", "0")
     assert proc.returncode == 2 and "--nodes must be >= 1" in proc.stderr
+
+
+def test_what_is_requested_is_what_the_flags_say_and_is_printed(tmp_path):
+    # --nproc-per-node: processes only (device=auto asks a CPU cluster for no GPU); --gpus-per-node: one GPU each.
+    script = tmp_path / "launch" / "ember-debug.sbatch"
+    cases = [(["--nodes", "2", "--nproc-per-node", "1"], None,
+              "requesting 2 nodes x 1 process each, no GPU (device=auto; --gpus-per-node G requests G GPUs per node)"),
+             (["--gpus-per-node", "2"], "#SBATCH --gpus-per-node=2", "requesting 1 node x 2 processes each, 2 GPUs per node"),
+             (["--nproc-per-node", "2", "device=cuda"], "#SBATCH --gpus-per-node=2",
+              "requesting 1 node x 2 processes each, 2 GPUs per node")]
+    for flags, gpu_line, request in cases:
+        proc = _ember("launch", "slurm", "debug", "micro_batch_size=4", f"output_dir={tmp_path}", *flags, "--dry-run")
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stderr.splitlines()[0] == request, (flags, proc.stderr)
+        lines = script.read_text().splitlines()
+        assert [line for line in lines if line.startswith("#SBATCH --gpus")] == ([gpu_line] if gpu_line else []), flags
+    for flags, message in ((["--gpus-per-node", "1", "device=cpu"], "error: --gpus-per-node 1 requests GPUs for a "
+                            "device=cpu job; give --nproc-per-node 1 for CPU processes, or drop device=cpu"),
+                           (["--gpus-per-node", "2", "--nproc-per-node", "2"], "error: give --gpus-per-node G (G "
+                            "processes and G GPUs per node) or --nproc-per-node G (G processes), not both")):
+        proc = _ember("launch", "slurm", "debug", "micro_batch_size=4", f"output_dir={tmp_path / 'no'}", *flags)
+        assert proc.returncode == 2 and proc.stderr == message + "\n", proc.stderr
+        assert not (tmp_path / "no").exists()
+
+
+def test_print_and_dry_run_mean_the_same_for_slurm_and_k8s(tmp_path):
+    for where, extra, written in (("slurm", [], "ember-debug.sbatch"), ("k8s", ["--image", "img:1"], "ember-debug.yaml")):
+        outputs = {}
+        for flag in ("--print", "--dry-run"):
+            out = tmp_path / where / flag.strip("-")
+            proc = _ember("launch", where, "debug", "device=cpu", f"output_dir={out}", *extra, flag)
+            assert proc.returncode == 0, (where, flag, proc.stderr)
+            text = (out / "launch" / written).read_text()
+            assert text.strip() in proc.stdout  # printed; a slurm --print submits nothing (no sbatch here either)
+            header = ("# Written", "#   ember launch")  # the date and the command line differ
+            outputs[flag] = [line for line in text.replace(str(out), "OUT").splitlines() if not line.startswith(header)]
+        assert outputs["--print"] == outputs["--dry-run"], where

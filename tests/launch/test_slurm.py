@@ -147,7 +147,7 @@ def test_the_script_is_valid_bash_and_names_no_secret(cluster: SlurmCluster, tmp
     env = dict(_env(cluster), HF_TOKEN=secret)
     out = tmp_path / "dry"
     argv = [sys.executable, "-m", "ember", "launch", "slurm", "debug", *TINY, "micro_batch_size=2", f"output_dir={out}",
-            "--nodes", "2", "--gpus-per-node", "1", "--env", "HF_TOKEN", "--env", "NCCL_DEBUG=INFO", "--partition",
+            "--nodes", "2", "--nproc-per-node", "1", "--env", "HF_TOKEN", "--env", "NCCL_DEBUG=INFO", "--partition",
             "debug", "--time", "01:00:00", "--container", "nvcr.io/example/ember:1", "--mounts", "/data:/data",
             "--dry-run"]
     proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120)
@@ -164,6 +164,29 @@ def test_the_script_is_valid_bash_and_names_no_secret(cluster: SlurmCluster, tmp
         proc = subprocess.run(argv + bad, capture_output=True, text=True, env=env, timeout=120)
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and words in proc.stderr, proc.stderr
         assert secret not in proc.stderr
+
+
+def test_sbatch_refusals_are_one_line_with_the_likely_fix(cluster: SlurmCluster, tmp_path: Path):
+    # This cluster has CPUs only: a GPU request, or a partition it does not have, is refused by sbatch itself.
+    script = tmp_path / "run" / "launch" / "ember-debug.sbatch"
+    for flags, expected in (
+            (["--gpus-per-node", "1"], f"error: sbatch refused {script}: Invalid generic resource (gres) specification; "
+             "this partition has no GPUs to give (gres): start processes without a GPU request (--nproc-per-node "
+             "instead of --gpus-per-node, or device=cpu) or choose a GPU --partition"),
+            (["--nproc-per-node", "1", "--partition", "gpu"], f"error: sbatch refused {script}: Invalid partition "
+             "name specified; --partition names no partition of this cluster (`sinfo -s` lists them)")):
+        proc = _ember(cluster, "launch", "slurm", "debug", *[o for o in TINY if o != "device=cpu"], "micro_batch_size=4",
+                      f"output_dir={tmp_path / 'run'}", *flags)
+        assert proc.returncode == 2 and proc.stderr.splitlines()[-1] == expected, proc.stderr
+        assert [line for line in proc.stderr.splitlines() if line.startswith("error:")] == [expected]
+
+
+def test_an_unknown_job_is_one_line_and_exit_2_for_every_job_command(cluster: SlurmCluster):
+    expected = ("error: job 999999 is not known to SLURM (finished more than MinJobAge ago, or on another cluster): "
+                "`sacct -j 999999` has its record; its log is OUTPUT_DIR/logs/<job name>-999999.out\n")
+    for command in (["status"], ["logs"], ["logs", "--follow"], ["cancel"]):
+        proc = _ember(cluster, "launch", *command, "999999")
+        assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", expected), command
 
 
 def test_first_failure_prefers_the_cause_over_its_consequences():
