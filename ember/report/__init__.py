@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from ember.errors import ConfigError
+from ember.errors import ConfigError, DataError
 from ember.report.figures import FIGURES, OPTIONAL, Plot, all_plots
 from ember.report.runs import Run, config_differences, read_run, unique_names
 
@@ -46,6 +46,10 @@ def build_report(paths: Sequence[str | Path], output: Optional[str | Path] = Non
             missing.append(f"no {name} figure: no run has {needs} in metrics.jsonl")
         elif plot is not None:
             plots.append(plot)
+    if not plots:  # a page of empty axes would look like a report; nothing is written instead
+        names = ", ".join(f"'{run.path}'" for run in runs)
+        raise DataError(f"nothing to report yet: {names} logged no metrics (no record in metrics.jsonl); run "
+                        "ember report again once training has logged a step (every logging_steps)")
     html_path.parent.mkdir(parents=True, exist_ok=True)
     png_path.mkdir(parents=True, exist_ok=True)
     for plot in plots:

@@ -83,11 +83,11 @@ def loss_plot(runs: list[Run], by_tokens: bool) -> Optional[Plot]:
     for index, run in enumerate(runs):
         color = COLORS[index % len(COLORS)]
         x_of: Callable[[list[int]], Optional[list[float]]] = run.steps_to_tokens if by_tokens else (lambda s: s)
-        curves = series.setdefault(run.name, {})
         steps, loss = run.series("loss")
         x = x_of(steps)
         if x is None:
-            continue  # no tokens_seen logged yet
+            continue  # no tokens_seen logged yet: nothing of this run on a tokens axis
+        curves = series.setdefault(run.name, {})
         if steps:
             curves["train loss"] = {"x": x, "y": loss}
             weight = smoothing_weight(len(loss))

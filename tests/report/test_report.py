@@ -163,12 +163,19 @@ def test_bad_input_is_one_line_or_said_in_the_report(tiny_run: tuple[Path, str],
         assert main(["report", str(path)]) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1, err
-    # A run that has not logged yet: a page that says so
+    # A run that has not logged yet: one line saying so, and nothing written (no page of empty axes)
     starting = tmp_path / "starting"
     starting.mkdir()
     shutil.copy(tiny_run[0] / "config.yaml", starting / "config.yaml")
-    assert main(["report", str(starting)]) == 0
-    assert "no metrics.jsonl yet" in (starting / "report.html").read_text()
+    assert main(["report", str(starting)]) == 2
+    assert capsys.readouterr().err == (f"error: nothing to report yet: '{starting}' logged no metrics (no record in "
+                                       "metrics.jsonl); run ember report again once training has logged a step "
+                                       "(every logging_steps)\n")
+    assert sorted(p.name for p in starting.iterdir()) == ["config.yaml"]
+    # Beside a run that has logged, it is a note on the page of the other
+    assert main(["report", str(tiny_run[0]), str(starting), "--output", str(tmp_path / "both.html")]) == 0
+    printed = capsys.readouterr().out
+    assert "note: starting: no metrics.jsonl yet" in printed and f"and {len(FIGURES)} figures in" in printed
     # A run killed mid-write: the cut last line is skipped and named
     cut = tmp_path / "cut"
     shutil.copytree(tiny_run[0], cut)
@@ -180,3 +187,12 @@ def test_bad_input_is_one_line_or_said_in_the_report(tiny_run: tuple[Path, str],
     assert report.runs[0].summary()["steps"] == 20
     assert "its last line is not a whole record" in (cut / "report.html").read_text()
     assert main(["report", str(cut), "--output", str(tmp_path / "page.txt")]) == 2
+
+
+def test_one_figure_is_counted_as_one(tmp_path: Path, capsys: pytest.CaptureFixture):
+    run = tmp_path / "lr-only"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "lr": 0.001}) + "\n")
+    assert main(["report", str(run)]) == 0
+    assert capsys.readouterr().out.endswith(f"wrote {run / 'report.html'} and 1 figure in {run / 'report'}/\n")
+    assert [p.name for p in (run / "report").iterdir()] == ["lr.png"]
