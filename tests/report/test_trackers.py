@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import http.server
 import io
 import json
 import math
 import socket
 import struct
+import threading
 from pathlib import Path
 
 import pytest
@@ -171,3 +173,26 @@ def test_a_server_that_accepts_and_never_answers_is_refused_after_the_timeout():
     assert str(info.value) == (f"metrics.mlflow: the MLflow tracking server at http://user:***@{uri.split('@')[1]} does "
                                "not answer (timed out; waited up to 0.5 s): start it, fix MLFLOW_TRACKING_URI, or unset "
                                "it to track in OUTPUT_DIR/mlflow.db")
+
+
+@pytest.mark.parametrize("status, reachable", [(200, True), (404, True), (401, True), (503, False)])
+def test_any_http_answer_but_a_retried_status_counts_as_reachable(status: int, reachable: bool):
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            self.send_response(status)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:  # no request lines on stderr
+            pass
+
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        uri = f"http://127.0.0.1:{server.server_address[1]}/"
+        try:
+            if reachable:
+                check_reachable(uri)
+            else:
+                with pytest.raises(ConfigError, match=rf"at {uri} does not answer \(HTTP 503; waited up to 5 s\)"):
+                    check_reachable(uri)
+        finally:
+            server.shutdown()
