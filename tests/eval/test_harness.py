@@ -9,17 +9,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import lm_eval
 import pytest
 import torch
+from lm_eval.api.instance import Instance
+from lm_eval.models.huggingface import HFLM
+from lm_eval.tasks import TaskManager
 
-pytest.importorskip("lm_eval", reason="lm-eval is the [eval] extra; the test extra installs it")
-from lm_eval.api.instance import Instance  # noqa: E402
-from lm_eval.models.huggingface import HFLM  # noqa: E402
-
-from ember.data.tokenizer import embedded_tokenizer  # noqa: E402
-from ember.eval.harness import EmberLM  # noqa: E402
-from ember.convert import save_hf  # noqa: E402
-from ember.models import MODELS, build_model_args  # noqa: E402
+from ember.convert import convert, save_hf
+from ember.data.tokenizer import embedded_tokenizer
+from ember.eval.harness import EmberLM
+from ember.models import MODELS, build_model_args
 
 
 @pytest.fixture(scope="module")
@@ -79,4 +79,11 @@ def test_a_local_task_runs_offline_through_the_cli(tmp_path: Path):
                           capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((tmp_path / "e.json").read_text())["results"]["ember_tiny"]
-    assert results["perplexity"] > 1 and 0 <= results["acc"] <= 1
+    # lm-eval's own `hf` model on the HF export of the same run (its weights and tokenizer), the same task
+    convert(run, tmp_path / "hf", to="hf")
+    theirs = lm_eval.simple_evaluate(model=HFLM(pretrained=str(tmp_path / "hf"), batch_size=4, device="cpu"), tasks=["ember_tiny"],
+                                     task_manager=TaskManager(include_path=str(tasks), include_defaults=False))
+    theirs = theirs["results"]["ember_tiny"]
+    assert results["perplexity"] == pytest.approx(theirs["perplexity,none"], rel=1e-4)
+    assert results["acc"] == theirs["acc,none"]
+    assert results["data"] == f"lm-eval --include-path {tasks}"

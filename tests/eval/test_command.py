@@ -1,0 +1,139 @@
+"""`ember eval`'s command line: what each TASK=DATA scores, eval.json merged per task, and one-line errors for bad
+values, all through the CLI on one tiny trained run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TEXTS = ["import os and sys are modules", "def main ( self ) : return None", "for i in range ( 10 ) : print ( i )"]
+
+
+def _ember(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ember", *args], capture_output=True, text=True, timeout=300)
+
+
+def _write(path: Path, rows: list) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("eval-command")
+    proc = _ember("train", "debug", "model.n_layers=1", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2",
+                  "seq_len=32", "global_batch_size=2", "micro_batch_size=2", "max_steps=2", "metrics.console=false",
+                  "eval_batches=1", f"output_dir={root / 'run'}")
+    assert proc.returncode == 0, proc.stderr
+    _write(root / "texts.jsonl", [{"text": t} for t in TEXTS])
+    return root / "run"
+
+
+def _results(path: Path) -> dict:
+    return json.loads(path.read_text())["results"]
+
+
+def test_ppl_equals_data_scores_all_of_the_data(run: Path, tmp_path: Path):
+    from ember.generate import tokenizer_for
+
+    texts = run.parent / "texts.jsonl"
+    tokenizer = tokenizer_for(str(run))
+    every_token = sum(len(tokenizer.encode(t)) + 1 for t in TEXTS) - 1  # joined with EOS; the first is context only
+    proc = _ember("eval", str(run), f"ppl={texts}", "--output", str(tmp_path / "a.json"))
+    assert proc.returncode == 0, proc.stderr
+    whole = _results(tmp_path / "a.json")["ppl"]
+    assert (whole["tokens"], whole["split"], whole["data"]) == (every_token, "all", str(texts))
+    # the same as naming the source with data.dataset and the split explicitly
+    proc = _ember("eval", str(run), "ppl", f"data.dataset={texts}", "eval.split=all", "--output", str(tmp_path / "b.json"))
+    assert proc.returncode == 0, proc.stderr
+    assert _results(tmp_path / "b.json")["ppl"] == whole
+    # plain ppl: the run's own source, its validation split
+    proc = _ember("eval", str(run), "ppl", "eval.max_tokens=50", "--output", str(tmp_path / "c.json"))
+    assert proc.returncode == 0, proc.stderr
+    val = _results(tmp_path / "c.json")["ppl"]
+    assert (val["tokens"], val["split"], val["data"]) == (50, "val", "embedded")
+
+
+def test_eval_json_merges_per_task_and_records_the_data(run: Path, tmp_path: Path):
+    lam = _write(tmp_path / "l.jsonl", [{"text": t} for t in TEXTS])
+    lam2 = _write(tmp_path / "l2.jsonl", [{"text": t} for t in TEXTS[:2]])
+    bq = _write(tmp_path / "b.jsonl", [{"passage": "import os", "question": "is it python", "answer": True}])
+    eval_json = run / "checkpoints" / "step-2" / "eval.json"
+    eval_json.unlink(missing_ok=True)
+    for tasks in ([f"lambada={lam}"], [f"boolq={bq}"]):
+        proc = _ember("eval", str(run), *tasks)
+        assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == f"wrote {eval_json} (kept the earlier lambada)"
+    results = _results(eval_json)
+    assert list(results) == ["lambada", "boolq"]
+    assert (results["lambada"]["n"], results["lambada"]["data"]) == (3, lam)
+    assert (results["boolq"]["n"], results["boolq"]["data"]) == (1, bq)
+    # a re-run task replaces its own entry, with the data it used; the checkpoint directory names the same model
+    proc = _ember("eval", str(eval_json.parent), f"lambada={lam2}")
+    assert proc.returncode == 0, proc.stderr
+    merged = _results(eval_json)
+    assert (merged["lambada"]["n"], merged["lambada"]["data"]) == (2, lam2) and merged["boolq"] == results["boolq"]
+
+
+def test_bad_values_are_one_line_and_lose_nothing(run: Path, tmp_path: Path):
+    texts = run.parent / "texts.jsonl"
+    lam = _write(tmp_path / "l.jsonl", [{"text": t} for t in TEXTS])
+    five = _write(tmp_path / "five.jsonl", [{"text": "a b c"}, {"text": 5}])
+    maybe = _write(tmp_path / "maybe.jsonl", [{"passage": "p", "question": "q", "answer": "maybe"}])
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"model": "/elsewhere/run", "step": 7, "results": {"boolq": {"acc": 0.5}}}) + "\n")
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    cases = [
+        (["ppl", "eval.batch_size=0"], "eval.batch_size must be an integer >= 1, got 0"),
+        (["ppl", "eval.batch_size=-2"], "eval.batch_size must be an integer >= 1, got -2"),
+        ([f"lambada={lam}", "eval.batch_size=x"], "eval.batch_size must be an integer >= 1, got 'x'"),
+        ([f"lambada={lam}", "eval.limit=-1"], "eval.limit must be an integer >= 1 (leave it unset to score every row), "
+                                              "got -1"),
+        ([f"lambada={lam}", "eval.limit=0"], "eval.limit must be an integer >= 1"),
+        (["ppl", "eval.limit=5"], "eval.limit counts rows of lambada, boolq and choice; ppl is bounded by "
+                                  "eval.max_tokens"),
+        ([f"lambada={five}"], f"{five} line 2: 'text' must be a string of a context and a last word (the target), "
+                              "got 5"),
+        ([f"boolq={maybe}"], f"{maybe} line 1: 'answer' must be true or false"),
+        ([f"lambada={lam}", f"lambada={five}"], "lambada is given twice"),
+        (["ppl", f"ppl={texts}"], "ppl is given twice"),
+        ([f"ppl={texts}", f"data.dataset={texts}"], "ppl=DATA and data.dataset both name ppl's data; give one"),
+        (["ppl", f"data.dataset={texts}", "data.val_fraction=0"], "data.val_fraction=0 holds out no validation split"
+                                                                  f" of '{texts}'; score all of it with eval.split=all"),
+        (["ppl", "eval.split=test"], "eval.split must be one of val, train, all, got 'test'"),
+        ([f"lambada={lam}", "eval.split=all"], "eval.split is a key of ppl, and no ppl task is given"),
+        ([f"lambada={lam}", "--output", str(other)], f"{other} holds results of another model (/elsewhere/run, step 7)"),
+        ([f"lambada={lam}", "--output", str(broken)], f"{broken} exists and is not an eval.json ember can add to"),
+    ]
+    for args, message in cases:
+        proc = _ember("eval", str(run), *args)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr, (args, proc.stderr)
+    assert _results(other) == {"boolq": {"acc": 0.5}} and broken.read_text() == "{not json"
+
+
+def test_a_torch_file_without_tokenizer_says_where_the_runs_is(run: Path, tmp_path: Path):
+    from ember.constants import default_cache_dir
+
+    model = tmp_path / "m.pt"
+    proc = _ember("convert", str(run), str(model), "--to", "torch")
+    assert proc.returncode == 0, proc.stderr
+    proc = _ember("eval", str(model), "ppl", "eval.max_tokens=40")
+    cached = sorted((default_cache_dir() / "tokenizers").glob("embedded-bpe-8192-*.json"))  # debug's vocabulary
+    where = f"cached at {cached[0]}" if len(cached) == 1 else "embedded-bpe-8192-*.json"
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert f"'{model}' is a torch file, which holds no tokenizer; pass --tokenizer FILE: the run's data.tokenizer" \
+           in proc.stderr and where in proc.stderr
+    if len(cached) == 1:  # the file named is the run's: the same numbers as the run itself
+        # (the same window too: a torch file has no config.yaml to give the run's seq_len)
+        proc = _ember("eval", str(model), "ppl", "eval.max_tokens=40", "eval.seq_len=32", "--tokenizer", str(cached[0]))
+        assert proc.returncode == 0, proc.stderr
+        proc = _ember("eval", str(run), "ppl", "eval.max_tokens=40", "eval.seq_len=32", "--output",
+                      str(tmp_path / "run.json"))
+        assert proc.returncode == 0, proc.stderr
+        assert _results(model.with_name("m.pt.eval.json"))["ppl"]["loss"] == pytest.approx(
+            _results(tmp_path / "run.json")["ppl"]["loss"], rel=1e-6)
