@@ -24,7 +24,7 @@ and layout warnings. Writes plan.json (the recipe's output_dir, or --output); --
 EXAMPLES = """examples:
   ember plan llama3.1-405b --world 1024 ici_mesh.tensor=8 ici_mesh.fsdp=1 dcn_mesh.fsdp=16 dcn_mesh.data=8 model.remat=full
   ember plan mixtral-8x7b --world 64 --device h200 ici_mesh.expert=8 ici_mesh.fsdp=1 dcn_mesh.fsdp=8 --search
-  ember plan debug --world 2 --device cpu ici_mesh.fsdp=2 --json"""
+  ember plan debug --world 2 --device cpu ici_mesh.fsdp=2 micro_batch_size=4 --json"""
 
 
 def parser() -> argparse.ArgumentParser:

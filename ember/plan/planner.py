@@ -74,10 +74,14 @@ class Plan:
     seconds: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
-        """The plan.json contract scripts read."""
-        return {"world_size": self.world_size, "device": self.device, "fits": self.fits,
-                "step_time_s": self.step.step_s, "mfu": self.step.mfu,
-                "ranks": [vars(r).copy() for r in self.ranks]}
+        """The plan.json contract scripts read: the layout as given, and with --search the feasible candidates
+        the table lists, best (most tokens/s) first."""
+        document = {"world_size": self.world_size, "device": self.device, "fits": self.fits,
+                    "step_time_s": self.step.step_s, "mfu": self.step.mfu,
+                    "ranks": [vars(r).copy() for r in self.ranks]}
+        if self.searched:
+            document["candidates"] = [dict(o) for o in self.options]
+        return document
 
 
 def compute_dtype(precision: str, device: str, frozen_base: bool = False) -> torch.dtype:

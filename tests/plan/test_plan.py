@@ -121,6 +121,37 @@ def test_cli_json_and_plan_json(tmp_path, capsys):
     assert json.loads(out.read_text())["device"] == "h100"
 
 
+def test_search_json_holds_the_candidates_the_table_lists(capsys):
+    import io
+
+    from rich.console import Console
+
+    from ember.plan.command import render
+
+    cfg = config_lib.load("debug", ["ici_mesh.fsdp=2", "micro_batch_size=4"], world_size=2)
+    plan = make_plan(cfg, 2, device="h100", search=True)
+    doc = plan.to_json()
+    candidates = doc["candidates"]
+    assert {(c["remat"], c["micro_batch_size"]) for c in candidates} == {
+        (remat, m) for remat in ("none", "op", "selective", "full") for m in (1, 2, 4)}  # all fit in 72 GiB
+    assert all(list(c) == ["remat", "micro_batch_size", "peak_bytes", "step_time_s", "tokens_per_s", "mfu"]
+               for c in candidates)
+    speeds = [c["tokens_per_s"] for c in candidates]
+    assert speeds == sorted(speeds, reverse=True)  # best first
+    console = Console(record=True, width=200, file=io.StringIO())
+    render(plan, console, None)
+    table = console.export_text().split("feasible (remat, micro-batch) by predicted tokens/s")[1]
+    rows = [[cell.strip() for cell in line.split("│")[1:-1]] for line in table.splitlines() if line.startswith("│")]
+    assert rows == [[c["remat"], str(c["micro_batch_size"]), f"{c['peak_bytes'] / 2**30:,.2f}",
+                     f"{c['step_time_s']:.2f}", f"{c['tokens_per_s']:,.0f}", f"{c['mfu']:.1%}"] for c in candidates]
+    # The command's --json is that document; without --search there is no candidates key.
+    argv = ["plan", "debug", "--world", "2", "ici_mesh.fsdp=2", "micro_batch_size=4", "--json"]
+    assert main(argv + ["--search"]) == 0
+    assert json.loads(capsys.readouterr().out)["candidates"] == candidates
+    assert main(argv) == 0
+    assert "candidates" not in json.loads(capsys.readouterr().out)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["plan", "debug", "--world", "3", "ici_mesh.fsdp=2"], "error: ici_mesh x dcn_mesh"),
     (["plan", "debug", "--world", "2", "ici_mesh.fsdp=2", "model.nope=1"], "error: "),
