@@ -119,3 +119,17 @@ def test_resume_allow_changes_names_known_keys():
                                           r"\(did you mean 'data.dataset'\?\)"):
         config_lib.load("debug", ["resume_allow_changes=[data.datset]"])
     assert config_lib.load("debug", ["resume_allow_changes=[data,seed]"]).resume_allow_changes == ["data", "seed"]
+
+
+def test_a_checkpoint_without_its_config_is_compared_with_the_runs(tmp_path: Path):
+    """Checkpoints saved before they carried run_config.yaml: the run's config.yaml, else a note (never silence)."""
+    step_dir = tmp_path / "run" / "checkpoints" / "step-2"
+    step_dir.mkdir(parents=True)
+    said: list[str] = []
+    now = run_history.config_dict(config_lib.JobConfig(seed=1))
+    assert run_history.resume_changes(step_dir, now, [], said.append) == []
+    assert said == [f"note: {step_dir} records no config, so what this run changes against it cannot be checked"]
+    config_lib.save(config_lib.JobConfig(), tmp_path / "run" / "config.yaml")
+    with pytest.raises(run_history.RunChanged, match=r"would change what the run is: seed: checkpoint 0, this run 1\. "):
+        run_history.resume_changes(step_dir, now, [], said.append)
+    assert [c.describe() for c in run_history.resume_changes(step_dir, now, ["seed"], said.append)] == ["seed: 0 -> 1"]
