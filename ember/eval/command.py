@@ -203,8 +203,8 @@ def _eval_harness(argv: list[str], meshes: dict[str, dict[str, int]]) -> int:
     from ember.eval.scoring import check_batch_size
     from ember.eval.tasks import check_limit
 
-    check_limit(args.limit)
-    check_batch_size(args.batch_size)
+    check_limit(args.limit, "--limit")
+    check_batch_size(args.batch_size, "--batch-size")
     target = _target(Path(args.path), args.output)
     _read_previous(target, Path(args.path))
     model, ranks = _load(args.path, meshes)

@@ -75,9 +75,9 @@ def _scored_logprobs(model: nn.Module, tokens: torch.Tensor, ends: list[int], co
     return (picked * valid).sum(1).tolist(), hit.all(1).tolist()
 
 
-def check_batch_size(batch_size: int) -> None:
+def check_batch_size(batch_size: int, name: str = "eval.batch_size") -> None:
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ConfigError(f"eval.batch_size must be an integer >= 1, got {batch_size!r}")
+        raise ConfigError(f"{name} must be an integer >= 1, got {batch_size!r}")
 
 
 def _idle_forward(model: nn.Module, device: torch.device, ranks: EvalRanks) -> None:

@@ -72,9 +72,9 @@ def _label_in_range(row: dict) -> Optional[str]:
     return None
 
 
-def check_limit(limit: Optional[int]) -> None:
+def check_limit(limit: Optional[int], name: str = "eval.limit") -> None:
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-        raise ConfigError(f"eval.limit must be an integer >= 1 (leave it unset to score every row), got {limit!r}")
+        raise ConfigError(f"{name} must be an integer >= 1 (leave it unset to score every row), got {limit!r}")
 
 
 def read_rows(spec: str, task: str, fields: tuple[str, ...], limit: Optional[int] = None,

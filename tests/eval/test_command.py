@@ -109,6 +109,9 @@ def test_bad_values_are_one_line_and_lose_nothing(run: Path, tmp_path: Path):
         ([f"lambada={lam}", "eval.split=all"], "eval.split is a key of ppl, and no ppl task is given"),
         ([f"lambada={lam}", "--output", str(other)], f"{other} holds results of another model (/elsewhere/run, step 7)"),
         ([f"lambada={lam}", "--output", str(broken)], f"{broken} exists and is not an eval.json ember can add to"),
+        (["--harness", "lambada_openai", "--limit", "-1"], "--limit must be an integer >= 1 (leave it unset to score "
+                                                            "every row), got -1"),
+        (["--harness", "lambada_openai", "--batch-size", "0"], "--batch-size must be an integer >= 1, got 0"),
     ]
     for args, message in cases:
         proc = _ember("eval", str(run), *args)
