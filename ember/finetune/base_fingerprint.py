@@ -87,11 +87,11 @@ def differences(recorded: dict[str, Any], now: dict[str, Any]) -> str:
     changed = sorted(k for k in set(recorded) & set(now) if recorded[k] != now[k])
     gone, new = sorted(set(recorded) - set(now)), sorted(set(now) - set(recorded))
     parts = []
-    for words, names in (("changed", changed), ("is gone", gone), ("is new", new)):
+    for word, names in (("changed", changed), ("gone", gone), ("added", new)):
         if names:
-            more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
-            parts.append(f"{names[0]} {words}{more}")
-    return ", ".join(parts)
+            more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+            parts.append(f"{', '.join(names[:3])}{more} {word}")
+    return "; ".join(parts)
 
 
 def check_lora_base(step_dir: Path, meta: dict[str, Any]) -> None:

@@ -14,7 +14,7 @@ from ember import config as config_lib
 from ember.convert import convert, save_hf
 from ember.errors import CheckpointError, ConfigError
 from ember.finetune import base_fingerprint
-from ember.finetune.base_fingerprint import fingerprint
+from ember.finetune.base_fingerprint import differences, fingerprint
 from ember.load import load_model, load_weights
 from ember.train import Trainer
 
@@ -61,8 +61,14 @@ def test_the_run_records_each_base_file_with_its_size_and_sha256(base_ckpt: Path
                 for name in ("config.json", "model.safetensors")}  # not the tokenizer: it holds no weight
     assert meta["base_fingerprint"] == expected
     # A run directory as the base: its newest complete step's files, named from the run directory
-    names = sorted(fingerprint(base_ckpt.parent.parent))
-    assert names == ["checkpoints/step-2/.metadata", "checkpoints/step-2/__0_0.distcp", "checkpoints/step-2/model.json"]
+    run_base = fingerprint(base_ckpt.parent.parent)
+    assert sorted(run_base) == ["checkpoints/step-2/.metadata", "checkpoints/step-2/__0_0.distcp",
+                                "checkpoints/step-2/model.json"]
+    # ... so a base run trained further since is told apart, by name
+    moved = {name.replace("step-2", "step-4"): value for name, value in run_base.items()}
+    assert differences(run_base, moved) == ("checkpoints/step-2/.metadata, checkpoints/step-2/__0_0.distcp, "
+                                            "checkpoints/step-2/model.json gone; checkpoints/step-4/.metadata, "
+                                            "checkpoints/step-4/__0_0.distcp, checkpoints/step-4/model.json added")
 
 
 def test_a_changed_base_is_refused_by_every_load_and_by_resume(base_ckpt: Path, tmp_path: Path):

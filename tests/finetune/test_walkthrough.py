@@ -107,4 +107,25 @@ def test_hf_folder_to_sft_lora_to_hf_to_dpo_lora_to_peft(tmp_path: Path):
     peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(merged), dtype=torch.float32),
                                            str(adapter)).eval()
     with torch.no_grad():
-        assert torch.allclose(peft_model(ids).logits, load_model(dpo)(ids), atol=1e-4)
+        dpo_logits = load_model(dpo)(ids)
+        assert torch.allclose(peft_model(ids).logits, dpo_logits, atol=1e-4)
+
+    # 5. sft-hf/ is the DPO run's base. Merging into it again is refused (not empty); with --overwrite the same
+    #    merge writes the same bytes, and the DPO run loads as before (its base's fingerprint is its content)
+    proc = subprocess.run([sys.executable, "-m", "ember", "convert", str(sft), str(merged), "--merge"],
+                          capture_output=True, text=True, timeout=600)
+    assert (proc.returncode, proc.stderr) == (2, f"error: '{merged}' is not empty; give --overwrite to replace what "
+                                                 "it holds, or write to a new directory\n")
+    _ember("convert", str(sft), str(merged), "--merge", "--overwrite")
+    with torch.no_grad():
+        assert torch.equal(load_model(dpo)(ids), dpo_logits)
+    # ... but other weights there (another tool's re-export) and the DPO run refuses to load, naming its base
+    hf.model.norm.weight.data.mul_(1.01)
+    hf.save_pretrained(str(merged))
+    proc = subprocess.run([sys.executable, "-m", "ember", "generate", str(dpo), "--prompt", "what"],
+                          capture_output=True, text=True, timeout=600)
+    step = dpo / "checkpoints" / "step-25"
+    assert (proc.returncode, proc.stderr) == (2, (
+        f"error: '{step}' holds LoRA adapters trained on the base '{merged}', which has changed since "
+        "(config.json, model.safetensors changed); put that base back there, or point \"base\" in its model.json at a copy of "
+        "it: adapters fit only the weights they were trained on\n"))
