@@ -1,12 +1,11 @@
 """The loader: shapes, determinism, rank sharding, epochs, exact resume, rank-count changes, synthetic data."""
 
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from data_testing import DataCfg
+from data_testing import DataCfg, wait_until
 
 from ember.data.loader import PackedSamples, TokenLoader, build_loader
 from ember.data.tokenizer import Tokenizer
@@ -84,7 +83,8 @@ def test_resume_gives_the_uninterrupted_batches():
         full = take(index_loader(workers=1), k + 6)
         first = index_loader(workers=1)
         take(first, k)
-        time.sleep(0.01)  # let the thread run ahead: the state must still say "k consumed"
+        # The thread runs ahead until its queue is full: the state must still say "k consumed".
+        wait_until(lambda: first._prefetcher is None or first._prefetcher._queue.full(), "the loader's read-ahead")
         state = first.state_dict()
         resumed = index_loader(workers=1)
         resumed.load_state_dict(state)

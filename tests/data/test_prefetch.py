@@ -5,11 +5,11 @@ from __future__ import annotations
 import gc
 import itertools
 import threading
-import time
 from typing import Callable
 
 import numpy as np
 import pytest
+from data_testing import wait_until
 
 from ember.data import prefetch
 from ember.data.loader import PackedSamples, TokenLoader
@@ -39,9 +39,13 @@ def test_read_ahead_is_bounded_and_close_stops_the_thread():
     made, produce = counter()
     fetcher = Prefetcher(produce, depth=2, name="test-bounded")
     assert fetcher.get() == 0
-    time.sleep(0.3)  # ample time to run ahead as far as the queue lets it
-    # one item consumed, `depth` queued, at most one more made and waiting for room
-    assert 1 + 2 <= len(made) <= 1 + 2 + 1
+    # It runs ahead as far as the queue lets it: one item consumed, `depth` queued, one more made and held
+    # until there is room. Then it stops making items: with the queue full, nothing can change `made`.
+    wait_until(lambda: len(made) >= 1 + 2 + 1, "the thread filling the queue")
+    assert len(made) == 1 + 2 + 1 and fetcher._queue.full()
+    assert [fetcher.get(), fetcher.get()] == [1, 2]
+    wait_until(lambda: len(made) >= 3 + 2 + 1, "the thread refilling the queue")
+    assert len(made) == 3 + 2 + 1 and fetcher._queue.full()
     thread = fetcher._thread
     fetcher.close()
     assert not thread.is_alive() and thread not in prefetch._RUNNING

@@ -212,20 +212,26 @@ def test_an_unwritable_cache_measures_without_failing(tmp_path: Path, monkeypatc
 
 def test_ranks_starting_together_measure_once(tmp_path: Path):
     # Three processes at once, as torchrun starts a node's ranks (LOCAL_RANK set, one parent): the file lock
-    # lets one measure (slowly here) while the others wait, then read its number, even though the others'
-    # start-up kept the cores busy while it measured (a provisional figure is still the job's one figure).
+    # lets one measure while the others wait, then read its number, even though the others' start-up kept the
+    # cores busy while it measured (a provisional figure is still the job's one figure). The measuring process
+    # holds the lock until every rank has said it is about to ask for the peak (a marker file each), so the
+    # others meet the lock however slowly this machine starts them; the ceiling only bounds a hang.
     counter = tmp_path / "measured"
-    code = ("import time, ember.hardware as h\n"
+    code = ("import os, pathlib, time, ember.hardware as h\n"
+            f"here = pathlib.Path({str(tmp_path)!r})\n"
             "def slow(dtype=None):\n"
-            f"    open({str(counter)!r}, 'a').write('x')\n"
-            "    time.sleep(1.0)\n"
+            "    (here / 'measured').open('a').write('x')\n"
+            "    deadline = time.monotonic() + 300\n"
+            "    while len(list(here.glob('ready-*'))) < 3 and time.monotonic() < deadline:\n"
+            "        time.sleep(0.01)\n"
             "    return 3e11\n"
             "h.measure_cpu_matmul_flops = slow\n"
+            "(here / f\"ready-{os.environ['LOCAL_RANK']}\").touch()\n"
             "print(h.cpu_peak_flops()[0])\n")
     procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
                               env={**os.environ, "EMBER_CACHE": str(tmp_path), "LOCAL_RANK": str(rank)})
              for rank in range(3)]
-    outputs = [p.communicate(timeout=120)[0].strip() for p in procs]
+    outputs = [p.communicate(timeout=600)[0].strip() for p in procs]
     assert [p.returncode for p in procs] == [0, 0, 0]
     assert outputs == ["300000000000.0"] * 3 and counter.read_text() == "x"
 
@@ -241,16 +247,31 @@ def test_a_measured_peak_that_a_run_beats_is_raised(fresh_cache: Path, monkeypat
     assert hardware.raise_measured_peak(given, 5e11) is given  # the user's number is the user's
 
 
+def _cpu_seconds_of(pid: int) -> float:
+    """A process's user + system CPU-seconds, from /proc/<pid>/stat (fields 14 and 15, in clock ticks)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 @pytest.mark.skipif(not Path("/proc/stat").is_file(), reason="no /proc/stat: the contention check is Linux-only")
 def test_a_busy_competitor_is_seen(monkeypatch: pytest.MonkeyPatch):
-    # One process spinning on a core for the whole second, with torch's threads on every usable core.
+    # One process spinning on this process's cores, with torch's threads on every usable core (none spare):
+    # every CPU-second it spends inside the window is counted as busy elsewhere, however loaded the machine is.
     monkeypatch.setattr(torch, "get_num_threads", lambda: len(hardware._usable_cpus()))
-    spin = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 3\nwhile time.time() < end: pass"])
+    spin = subprocess.Popen([sys.executable, "-c", "print('spinning', flush=True)\nwhile True: pass"],
+                            stdout=subprocess.PIPE, text=True)
     try:
-        time.sleep(0.5)
-        before, start = hardware._cpu_seconds(), time.perf_counter()
-        time.sleep(1.0)
-        assert hardware._busy_elsewhere(before, time.perf_counter() - start) > 0.7
+        assert spin.stdout.readline() == "spinning\n"
+        before, start, spun_before = hardware._cpu_seconds(), time.perf_counter(), _cpu_seconds_of(spin.pid)
+        deadline = time.monotonic() + 300  # bounds a hang only: the window ends when it has spun half a second
+        while _cpu_seconds_of(spin.pid) - spun_before < 0.5:
+            assert time.monotonic() < deadline, "the competitor never ran"
+            time.sleep(0.01)
+        wall_s = time.perf_counter() - start
+        spun = _cpu_seconds_of(spin.pid) - spun_before
+        # cores x seconds seen busy elsewhere cover the competitor's CPU-seconds, less the kernel's tick sampling
+        # (/proc/stat counts ticks, /proc/<pid>/stat the exact run time): a check that missed it would see ~0
+        assert hardware._busy_elsewhere(before, wall_s) * wall_s >= 0.8 * spun, (wall_s, spun)
     finally:
         spin.kill()
         spin.wait()
