@@ -52,3 +52,100 @@ def test_help_after_other_arguments(capsys):
     for argv in (["train", "debug", "--help"], ["eval", "run/", "-h"], ["recipes", "--help"]):
         assert cli.main(argv) == 0, argv
         assert "usage" in capsys.readouterr().out.lower(), argv
+
+
+def test_version_is_the_package_version():
+    from importlib.metadata import version
+
+    proc = _ember("--version")
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, f"ember {version('ember')}\n", "")
+
+
+def _subcommands() -> list[list[str]]:
+    """Every command and subcommand of `ember`, from the parsers themselves."""
+    from ember import cli
+    from ember.data.command import parser as data_parser
+    from ember.launch.cli import _parser as launch_parser
+
+    commands = [[name] for name in sorted(cli.COMMANDS)]
+    commands += [["launch", name] for name in launch_parser()[1]]
+    data = data_parser()._subparsers._group_actions[0].choices
+    commands += [["data", name] for name in data]
+    commands += [["data", name, sub] for name, p in data.items() if p._subparsers
+                 for sub in p._subparsers._group_actions[0].choices]
+    return commands
+
+
+def test_every_subcommand_helps_on_stdout_and_refuses_usage_on_stderr(capsys):
+    from ember import cli
+
+    commands = _subcommands()
+    assert ["launch", "status"] in commands and ["data", "tokenizer", "train"] in commands and len(commands) == 18
+    for command in commands:
+        assert cli.main([*command, "--help"]) == 0, command
+        out, err = capsys.readouterr()
+        assert "usage" in out.lower() and err == "", (command, err)
+        assert cli.main([*command, "--no-such-option"]) == 2, command
+        out, err = capsys.readouterr()
+        assert out == "" and "error" in err, (command, out, err)
+    # Without the arguments they need, the commands that need some say how to call them, on stderr
+    for command in ([], ["eval"], ["plan"], ["launch"], ["generate"], ["convert"], ["report"], ["data"],
+                    ["launch", "slurm"], ["launch", "k8s"], ["launch", "status"], ["data", "prepare"]):
+        assert cli.main(command) == 2, command
+        out, err = capsys.readouterr()
+        assert out == "" and "usage" in err.lower(), (command, out, err)
+
+
+def _readme_commands(*commands: str) -> list[list[str]]:
+    """The README's `ember COMMAND ...` lines in its bash blocks, as argv (continuations joined, comments cut)."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    lines = []
+    for block in re.findall(r"```bash\n(.*?)```", readme, re.S):
+        lines += block.replace("\\\n", " ").splitlines()
+    words = [shlex.split(line, comments=True) for line in lines]
+    return [w[1:] for w in words if len(w) > 1 and w[0] == "ember" and w[1] in commands]
+
+
+def test_the_readme_plan_and_launch_examples_run_as_written(tmp_path, monkeypatch, capsys):
+    """Each example as the README writes it; those that would submit or train stop at that point: slurm submission
+    with --dry-run added, `launch local` at the torchrun call, `launch logs` on a job scontrol describes."""
+    import json
+    from pathlib import Path
+
+    import torch.distributed.run
+
+    from ember import cli
+    from ember.launch import slurm
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_TOKEN", "hf_example_value_for_the_readme_test")  # `--env HF_TOKEN` wants it set
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    started = []
+    monkeypatch.setattr(torch.distributed.run, "main", started.append)
+    log = tmp_path / "job.out"
+    log.write_text("ember: job 1234 started\n")
+    monkeypatch.setattr(slurm, "job_info", lambda job_id, strict=False: {
+        "JobId": job_id, "JobState": "COMPLETED", "ExitCode": "0:0", "StdOut": str(log)})
+    examples = _readme_commands("plan", "launch")
+    kinds = {e[0] if e[0] == "plan" else " ".join(e[:2]) for e in examples}
+    assert kinds == {"plan", "launch local", "launch slurm", "launch k8s", "launch logs"}, examples
+    for argv in examples:
+        if argv[:2] == ["launch", "slurm"] and "--dry-run" not in argv:
+            argv = [*argv, "--dry-run"]
+        assert cli.main(argv) == 0, (argv, capsys.readouterr().err)
+        out, err = capsys.readouterr()
+        if argv[0] == "plan" and "--json" in argv:
+            assert json.loads(out)["world_size"] == int(argv[argv.index("--world") + 1])
+        elif argv[0] == "plan":
+            assert "verdict: fits" in out, argv
+        elif argv[:2] == ["launch", "local"]:
+            assert started[-1][:4] == ["--nproc-per-node", "2", "--nnodes", "1"]
+        elif argv[:2] == ["launch", "logs"]:
+            assert out == "ember: job 1234 started\n"
+        else:
+            assert err.startswith("requesting "), (argv, err)
+    assert Path("outputs/llama3.1-8b/launch/ember-llama3-1-8b.yaml").is_file()
