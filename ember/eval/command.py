@@ -156,7 +156,9 @@ def _report(path: Path, results: dict[str, dict], target: Path) -> None:
     merged = {**previous, **results}
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(target.name + ".tmp")  # replaced whole: a crash mid-write keeps the earlier file
-    tmp.write_text(json.dumps({"model": str(path), "step": _step_of(path), "results": merged}, indent=2) + "\n")
+    # the model's absolute path: a later eval from another directory still recognises it
+    report = {"model": os.path.abspath(path), "step": _step_of(path), "results": merged}
+    tmp.write_text(json.dumps(report, indent=2) + "\n")
     os.replace(tmp, target)
     for task, metrics in results.items():
         print(f"{task:<16}" + "  ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"

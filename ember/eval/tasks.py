@@ -109,8 +109,9 @@ def read_rows(spec: str, task: str, fields: tuple[str, ...], limit: Optional[int
         name, config, split = HUB[task]
         datasets = _import_datasets(f"{task} from the hub ({name})")
         rows = [dict(r) for r in datasets.load_dataset(name, config, split=split)]
-        if task == "boolq":  # super_glue's fields: passage, question, label (0 = False)
-            rows = [{"passage": r["passage"], "question": r["question"], "answer": {0: False, 1: True}.get(r["label"], r["label"])} for r in rows]
+        if task == "boolq":  # super_glue's fields: passage, question, label (0 = False, 1 = True; others refused)
+            rows = [{"passage": r["passage"], "question": r["question"],
+                     "answer": {0: False, 1: True}.get(r["label"], r["label"])} for r in rows]
         located = [(f"{name} ({split}) row {i}", row) for i, row in enumerate(rows, 1)]
     else:
         raise UserFileNotFound(f"{task} data '{spec}' does not exist; give a local jsonl file"

@@ -48,7 +48,8 @@ def test_ppl_equals_data_scores_all_of_the_data(run: Path, tmp_path: Path):
     whole = _results(tmp_path / "a.json")["ppl"]
     assert (whole["tokens"], whole["split"], whole["data"]) == (every_token, "all", str(texts))
     # the same as naming the source with data.dataset and the split explicitly
-    proc = _ember("eval", str(run), "ppl", f"data.dataset={texts}", "eval.split=all", "--output", str(tmp_path / "b.json"))
+    proc = _ember("eval", str(run), "ppl", f"data.dataset={texts}", "eval.split=all", "--output",
+                  str(tmp_path / "b.json"))
     assert proc.returncode == 0, proc.stderr
     assert _results(tmp_path / "b.json")["ppl"] == whole
     # plain ppl: the run's own source, its validation split
@@ -77,6 +78,7 @@ def test_eval_json_merges_per_task_and_records_the_data(run: Path, tmp_path: Pat
     assert proc.returncode == 0, proc.stderr
     merged = _results(eval_json)
     assert (merged["lambada"]["n"], merged["lambada"]["data"]) == (2, lam2) and merged["boolq"] == results["boolq"]
+    assert json.loads(eval_json.read_text())["model"] == str(eval_json.parent)
 
 
 def test_bad_values_are_one_line_and_lose_nothing(run: Path, tmp_path: Path):
@@ -103,11 +105,12 @@ def test_bad_values_are_one_line_and_lose_nothing(run: Path, tmp_path: Path):
         ([f"lambada={lam}", f"lambada={five}"], "lambada is given twice"),
         (["ppl", f"ppl={texts}"], "ppl is given twice"),
         ([f"ppl={texts}", f"data.dataset={texts}"], "ppl=DATA and data.dataset both name ppl's data; give one"),
-        (["ppl", f"data.dataset={texts}", "data.val_fraction=0"], "data.val_fraction=0 holds out no validation split"
-                                                                  f" of '{texts}'; score all of it with eval.split=all"),
+        (["ppl", f"data.dataset={texts}", "data.val_fraction=0"],
+         f"data.val_fraction=0 holds out no validation split of '{texts}'; score all of it with eval.split=all"),
         (["ppl", "eval.split=test"], "eval.split must be one of val, train, all, got 'test'"),
         ([f"lambada={lam}", "eval.split=all"], "eval.split is a key of ppl, and no ppl task is given"),
-        ([f"lambada={lam}", "--output", str(other)], f"{other} holds results of another model (/elsewhere/run, step 7)"),
+        ([f"lambada={lam}", "--output", str(other)],
+         f"{other} holds results of another model (/elsewhere/run, step 7)"),
         ([f"lambada={lam}", "--output", str(broken)], f"{broken} exists and is not an eval.json ember can add to"),
         (["--harness", "lambada_openai", "--limit", "-1"], "--limit must be an integer >= 1 (leave it unset to score "
                                                             "every row), got -1"),

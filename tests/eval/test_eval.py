@@ -170,7 +170,8 @@ def test_rows_of_the_wrong_type_name_their_line(model, tmp_path: Path):
             (lambada, {"text": 5}, "'text' must be a string of a context and a last word (the target), got 5"),
             (lambada, {"text": "alone"}, "'text' must be a string of a context and a last word (the target)"),
             (boolq, {"passage": ["x"], "question": "q", "answer": True}, "'passage' must be a string, got [\"x\"]"),
-            (choice, {"context": "c", "choices": ["a", 2], "label": 0}, "'choices' must be a non-empty list of strings"),
+            (choice, {"context": "c", "choices": ["a", 2], "label": 0},
+             "'choices' must be a non-empty list of strings"),
             (choice, {"context": "c", "choices": ["a", "b"], "label": "1"}, "'label' must be an integer index into "
                                                                                "choices, got \"1\""),
             (choice, {"context": "c", "choices": ["a", "b"], "label": 1.5}, "'label' must be an integer index"),
@@ -217,7 +218,8 @@ def test_cli_writes_eval_json_and_refuses_bad_input(tmp_path: Path):
     assert (report["results"]["ppl"]["data"], report["results"]["ppl"]["split"]) == ("embedded", "val")
     assert report["results"]["ppl"]["perplexity"] == pytest.approx(math.exp(report["results"]["ppl"]["loss"]))
     assert report["results"]["lambada"]["data"] == str(Path(data).resolve())
-    assert set(report["results"]["lambada"]) == {"acc", "perplexity", "n", "data"} and report["results"]["lambada"]["n"] == 2
+    assert set(report["results"]["lambada"]) == {"acc", "perplexity", "n", "data"}
+    assert report["results"]["lambada"]["n"] == 2
     empty, latin = tmp_path / "empty.jsonl", tmp_path / "latin.jsonl"
     empty.write_text("")
     latin.write_bytes('{"text": "caf\xe9"}\n'.encode("latin-1"))

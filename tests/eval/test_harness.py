@@ -81,7 +81,8 @@ def test_a_local_task_runs_offline_through_the_cli(tmp_path: Path):
     results = json.loads((tmp_path / "e.json").read_text())["results"]["ember_tiny"]
     # lm-eval's own `hf` model on the HF export of the same run (its weights and tokenizer), the same task
     convert(run, tmp_path / "hf", to="hf")
-    theirs = lm_eval.simple_evaluate(model=HFLM(pretrained=str(tmp_path / "hf"), batch_size=4, device="cpu"), tasks=["ember_tiny"],
+    hflm = HFLM(pretrained=str(tmp_path / "hf"), batch_size=4, device="cpu")
+    theirs = lm_eval.simple_evaluate(model=hflm, tasks=["ember_tiny"],
                                      task_manager=TaskManager(include_path=str(tasks), include_defaults=False))
     theirs = theirs["results"]["ember_tiny"]
     assert results["perplexity"] == pytest.approx(theirs["perplexity,none"], rel=1e-4)
