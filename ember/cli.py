@@ -21,7 +21,8 @@
                                              per-rank memory, step time, MFU and a fits/does-not-fit verdict of a
                                              job, computed on this CPU before booking the cluster
 
-User errors (a bad key, value, path or combination) print one line on stderr and exit with 2.
+User errors (a bad key, value, path or combination) print one line on stderr and exit with 2; usage on stderr
+with 2 as well, --help on stdout with 0 (every command and subcommand). `ember --version`: `ember VERSION`.
 """
 
 from __future__ import annotations
