@@ -39,7 +39,8 @@ def _env(cluster: SlurmCluster) -> dict[str, str]:
     return dict(cluster.env, OMP_NUM_THREADS="1")
 
 
-def _ember(cluster: SlurmCluster, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def _ember(cluster: SlurmCluster, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    # The timeout only bounds a hang: two slurmds and their jobs share this machine's cores with everything else.
     return subprocess.run([sys.executable, "-m", "ember", *args], capture_output=True, text=True, timeout=timeout,
                           env=_env(cluster))
 
@@ -53,7 +54,8 @@ def _job_id(proc: subprocess.CompletedProcess) -> str:
     return proc.stdout.split("submitted job ")[1].split(":")[0]
 
 
-def _wait_for_step(out: Path, step: int, timeout: float = 60) -> None:
+def _wait_for_step(out: Path, step: int, timeout: float = 600) -> None:
+    """Poll the job's metrics until `step`; the ceiling only bounds a hang (a loaded machine is slow, not wrong)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if (out / "metrics.jsonl").is_file() and max(_records(out), default=0) >= step:
@@ -92,7 +94,7 @@ def test_preempted_job_saves_requeues_and_resumes_bit_for_bit(cluster: SlurmClus
     # SLURM holds a requeued job back for AuthInfo's cred_expire (120 s by default, 10 s in this cluster's
     # slurm.conf: releasing it earlier by hand races the node's cleanup, "Job credential revoked"); the
     # requeued job then starts by itself, as on a real cluster.
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 600  # bounds a hang only: the requeue normally takes cred_expire, ~10 s
     while "Restarts=1" not in (info := cluster.run("scontrol", "show", "job", "-o", job).stdout):
         assert time.monotonic() < deadline and "JobState=COMPLETED" not in info, info
         time.sleep(0.2)
@@ -129,15 +131,15 @@ def _rank_pid(job: str, rank: int) -> int:
 def test_a_failing_rank_ends_the_job_and_is_named(cluster: SlurmCluster, tmp_path: Path):
     out = tmp_path / "crash"
     proc = _ember(cluster, "launch", "slurm", "debug", *TINY, "max_steps=100000", "micro_batch_size=2",
-                  f"output_dir={out}", "--nodes", "2", "--nproc-per-node", "1")
+                  "parallel.timeout_s=3600", f"output_dir={out}", "--nodes", "2", "--nproc-per-node", "1")
     assert proc.returncode == 0, proc.stderr
     job = _job_id(proc)
     _wait_for_step(out, 3)
-    start = time.monotonic()
     os.kill(_rank_pid(job, 1), signal.SIGKILL)  # rank 1 dies as the OOM killer would end it
-    follow = _ember(cluster, "launch", "logs", job, "--follow", timeout=90)
-    elapsed = time.monotonic() - start
-    assert follow.returncode != 0 and elapsed < 60, (elapsed, follow.stderr[-2000:])
+    # The job ends because a rank died, not at the collectives' timeout (an hour here): following it returns
+    # well inside the ceiling, which only bounds a hang.
+    follow = _ember(cluster, "launch", "logs", job, "--follow", timeout=600)
+    assert follow.returncode != 0, follow.stderr[-2000:]
     assert "first failing rank: 1 (killed by signal 9, SIGKILL)" in follow.stderr, follow.stderr[-3000:]
     assert "first failing rank: 1" in follow.stdout  # the script printed it into the job's log too
 

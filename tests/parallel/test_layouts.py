@@ -11,7 +11,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -184,16 +183,16 @@ def test_a_failing_rank_ends_the_job_and_names_itself(tmp_path):
     )
     env = _env()
     env["PYTHONPATH"] = os.pathsep.join([str(inject), env.get("PYTHONPATH", "")])
-    start = time.monotonic()
+    # No hang: the job ends because rank 1 failed, not at the collectives' timeout (an hour here), well inside
+    # the subprocess ceiling, which only bounds a hang on a loaded machine.
     proc = subprocess.run(
         [sys.executable, "-m", "ember", "train", "--nproc-per-node", "2", "debug", *BASE, "micro_batch_size=4",
-         "max_steps=20", f"output_dir={tmp_path / 'run'}", "metrics.console=false"],
-        capture_output=True, text=True, env=env, timeout=300,
+         "max_steps=20", "parallel.timeout_s=3600", f"output_dir={tmp_path / 'run'}", "metrics.console=false"],
+        capture_output=True, text=True, env=env, timeout=600,
     )
     assert proc.returncode != 0
     assert "error: [rank 1] RuntimeError: injected failure" in proc.stderr
     assert "the job failed on rank 1" in proc.stderr
-    assert time.monotonic() - start < 120
 
 
 def test_launch_flags_are_checked_before_any_process_starts(tmp_path):
