@@ -6,13 +6,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers  # the test extra installs it: parity is never skipped
+from safetensors.torch import load_file
 
 from ember.load import load_model
 from ember.models import build_model_args
 from ember.models.llama import FLAVORS, LlamaArgs, hf
-
-transformers = pytest.importorskip("transformers")
-from safetensors.torch import load_file  # noqa: E402  (after the skip: a transformers dependency)
 
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
