@@ -42,28 +42,29 @@ _CACHE_NAME = "file_digests.json"
 def model_files(path: Union[str, Path]) -> list[Path]:
     """The files load_model reads for `path` (a run directory: its newest complete step; a peft adapter: its
     base's files too), resolved, in a stable order."""
-    path = Path(path).expanduser().resolve()
-    if path.is_file():
-        return [path]
-    step_dir = ember_step_dir(path) or path
-    files = sorted(p for p in step_dir.iterdir()
-                   if p.is_file() and (p.name in _WEIGHT_NAMES or p.suffix in _WEIGHT_SUFFIXES))
-    if (step_dir / ADAPTER_CONFIG).is_file() and not (step_dir / MODEL_JSON).is_file():
-        config = check_adapter_config(read_json(step_dir / ADAPTER_CONFIG), step_dir)
-        files += model_files(peft_base(config, step_dir))
-    return files
+    return [file for _, file in _named_files(Path(path).expanduser().resolve())]
 
 
 def fingerprint(path: Union[str, Path]) -> dict[str, dict[str, Any]]:
-    """{file name (relative to `path` where it lies under it): {"bytes", "sha256"}} of what loading `path` reads."""
-    root = Path(path).expanduser().resolve()
+    """{file name: {"bytes", "sha256"}} of what loading `path` reads. Names are relative to `path` (a peft
+    adapter's base's under "base/"), so a copy of the base elsewhere has the same fingerprint."""
     cache = _DigestCache()
-    prints = {}
-    for file in model_files(root):
-        name = str(file.relative_to(root)) if root in file.parents else str(file)
-        prints[name] = {"bytes": file.stat().st_size, "sha256": cache.digest(file)}
+    prints = {name: {"bytes": file.stat().st_size, "sha256": cache.digest(file)}
+              for name, file in _named_files(Path(path).expanduser().resolve())}
     cache.save()
     return prints
+
+
+def _named_files(root: Path, prefix: str = "") -> list[tuple[str, Path]]:
+    if root.is_file():
+        return [(prefix + root.name, root)]
+    step_dir = ember_step_dir(root) or root
+    files = [(prefix + str(p.relative_to(root)), p) for p in sorted(step_dir.iterdir())
+             if p.is_file() and (p.name in _WEIGHT_NAMES or p.suffix in _WEIGHT_SUFFIXES)]
+    if (step_dir / ADAPTER_CONFIG).is_file() and not (step_dir / MODEL_JSON).is_file():
+        config = check_adapter_config(read_json(step_dir / ADAPTER_CONFIG), step_dir)
+        files += _named_files(peft_base(config, step_dir).resolve(), prefix + "base/")
+    return files
 
 
 def run_fingerprint(path: Union[str, Path]) -> dict[str, dict[str, Any]]:
@@ -161,9 +162,3 @@ class _DigestCache:
 def _stamp(file: Path) -> list[int]:
     st = file.stat()
     return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
-
-
-def recorded_base(meta: dict[str, Any]) -> Optional[str]:
-    """The base path a LoRA checkpoint's model.json names, or None for a whole-model checkpoint."""
-    base = meta.get("base")
-    return base if isinstance(base, str) else None

@@ -64,7 +64,17 @@ def test_the_run_records_each_base_file_with_its_size_and_sha256(base_ckpt: Path
     run_base = fingerprint(base_ckpt.parent.parent)
     assert sorted(run_base) == ["checkpoints/step-2/.metadata", "checkpoints/step-2/__0_0.distcp",
                                 "checkpoints/step-2/model.json"]
-    # ... so a base run trained further since is told apart, by name
+    # A peft adapter as the base: its files and its own base's (folded in on load); a torch file: by its name, so
+    # a copy elsewhere fingerprints the same
+    convert(tmp_path / "lora", tmp_path / "adapter", "peft")
+    assert sorted(fingerprint(tmp_path / "adapter")) == ["adapter_config.json", "adapter_model.safetensors",
+                                                         "base/config.json", "base/model.safetensors"]
+    convert(base_ckpt, tmp_path / "model.pt", "torch")
+    (tmp_path / "copy").mkdir()
+    (tmp_path / "copy" / "model.pt").write_bytes((tmp_path / "model.pt").read_bytes())
+    assert fingerprint(tmp_path / "copy" / "model.pt") == fingerprint(tmp_path / "model.pt")
+    assert list(fingerprint(tmp_path / "model.pt")) == ["model.pt"]
+    # ... and a base run trained further since is told apart, by name
     moved = {name.replace("step-2", "step-4"): value for name, value in run_base.items()}
     assert differences(run_base, moved) == ("checkpoints/step-2/.metadata, checkpoints/step-2/__0_0.distcp, "
                                             "checkpoints/step-2/model.json gone; checkpoints/step-4/.metadata, "
