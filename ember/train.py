@@ -29,6 +29,7 @@ from ember.config import ConfigError, JobConfig
 from ember.errors import DataError
 from ember.eval.distributed import EvalRanks
 from ember.eval.tasks import run_tasks
+from ember.finetune import base_fingerprint
 from ember.finetune import dpo as dpo_lib
 from ember.parallel import fp8 as fp8_lib
 from ember.profiling import StepProfiler, phase
@@ -151,6 +152,8 @@ class Trainer:
         meta = meta_for(cfg.model.family, self.model_choice.flavor, self.model_args)
         if cfg.lora.rank:  # a LoRA checkpoint holds the adapters and their optimizer state, and names its base
             meta.update(lora_lib.lora_meta(cfg.lora, cfg.model.init_from))
+        elif cfg.task == "dpo" and cfg.model.init_from:  # the reference is rebuilt from model.init_from on resume
+            meta.update(base_fingerprint.reference_meta(cfg.model.init_from))
         self.checkpointer = CheckpointManager(cfg.checkpoint, self.output_dir, self.model_parts, self.model,
                                               self.optimizer, meta, say=self._say, adapters_only=bool(cfg.lora.rank),
                                               run_config=run_history.config_dict(cfg),

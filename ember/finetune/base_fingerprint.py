@@ -30,6 +30,7 @@ from ember.finetune.peft_format import ADAPTER_CONFIG, check_adapter_config, pef
 from ember.model_meta import MODEL_JSON, ember_step_dir, read_json
 
 FINGERPRINT_KEY = "base_fingerprint"
+REFERENCE_FINGERPRINT_KEY = "reference_fingerprint"  # task=dpo without LoRA: model.init_from, the reference
 # What load_model reads from a directory: HF (config.json, index, safetensors), ember (model.json, DCP's
 # .metadata and shards), peft (adapter_config.json, adapter_model.safetensors). Not tokenizers, READMEs or a
 # checkpoint's train-rank*.pt (training state), whose change leaves the weights as they were.
@@ -108,18 +109,29 @@ def check_lora_base(step_dir: Path, meta: dict[str, Any]) -> None:
                               f"{MODEL_JSON} at a copy of it: adapters fit only the weights they were trained on")
 
 
+def reference_meta(init_from: str) -> dict[str, Any]:
+    """What a full (non-LoRA) DPO checkpoint's model.json adds: the path and fingerprint of model.init_from, from
+    which a resumed run rebuilds its frozen reference (the checkpoint holds only the policy)."""
+    reference = str(Path(init_from).expanduser().resolve())
+    return {"reference": reference, REFERENCE_FINGERPRINT_KEY: run_fingerprint(reference)}
+
+
 def check_resume_base(step_dir: Path, run_meta: dict[str, Any]) -> None:
-    """Refuse to resume a LoRA checkpoint on another base than it was trained on (model.init_from overwritten,
-    or pointing elsewhere): training would go on over other weights without a word."""
-    recorded = read_json(step_dir / MODEL_JSON).get(FINGERPRINT_KEY)
-    now = run_meta.get(FINGERPRINT_KEY)
-    if not isinstance(recorded, dict) or now is None:
-        return
-    changes = differences(recorded, now)
-    if changes:
-        raise ConfigError(f"resume: checkpoint {step_dir} was trained on another base than model.init_from="
-                          f"{run_meta['base']} holds now ({changes}); resume on the base it was trained on, or "
-                          "start over on this one with resume=none (the old run is moved aside)")
+    """Refuse to resume a checkpoint on another base than it was trained on (model.init_from overwritten, or
+    pointing elsewhere): a LoRA run's frozen base, or a full DPO run's reference, rebuilt from it on resume,
+    would otherwise be other weights without a word."""
+    saved = read_json(step_dir / MODEL_JSON)
+    for key, path_key, what in ((FINGERPRINT_KEY, "base", "base"),
+                                (REFERENCE_FINGERPRINT_KEY, "reference", "DPO reference")):
+        recorded, now = saved.get(key), run_meta.get(key)
+        if not isinstance(recorded, dict) or now is None:
+            continue
+        changes = differences(recorded, now)
+        if changes:
+            raise ConfigError(f"resume: checkpoint {step_dir} was trained with another {what} than "
+                              f"model.init_from={run_meta[path_key]} holds now ({changes}); resume on the "
+                              "weights it was trained with, or start over on these with resume=none (the old "
+                              "run is moved aside)")
 
 
 class _DigestCache:

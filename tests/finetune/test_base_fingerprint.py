@@ -148,3 +148,26 @@ def test_a_peft_export_is_readable_like_the_runs_other_files(base_ckpt: Path, tm
     finally:
         os.umask(umask)
     assert (tmp_path / "adapter" / "adapter_model.safetensors").stat().st_mode & 0o777 == 0o644
+
+
+def test_a_full_dpo_run_refuses_to_resume_on_a_changed_reference(base_ckpt: Path, tmp_path: Path):
+    """task=dpo without LoRA rebuilds its frozen reference from model.init_from on resume (the checkpoint holds
+    only the policy): the reference's weights are recorded and checked like a LoRA base's."""
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": f"q{i}", "chosen": " yes", "rejected": " no"}) + "\n"
+                             for i in range(32)))
+    base, run = tmp_path / "base-hf", tmp_path / "dpo"
+    convert(base_ckpt, base, "hf")
+    dpo = lambda steps: Trainer(config_lib.load(  # noqa: E731
+        "debug", SHAPE + ["task=dpo", f"data.dataset={pairs}", "checkpoint.interval=2", f"max_steps={steps}",
+                          f"model.init_from={base}", f"output_dir={run}"]))
+    dpo(2).train()
+    meta = json.loads((run / "checkpoints" / "step-2" / "model.json").read_text())
+    assert meta["reference"] == str(base.resolve()) and meta["reference_fingerprint"] == fingerprint(base)
+    _overwrite_one_weight(base_ckpt, base)
+    with pytest.raises(ConfigError) as err:
+        dpo(4)
+    assert str(err.value) == (
+        f"resume: checkpoint {run / 'checkpoints' / 'step-2'} was trained with another DPO reference than "
+        f"model.init_from={base.resolve()} holds now (model.safetensors changed); resume on the weights it was "
+        "trained with, or start over on these with resume=none (the old run is moved aside)")
