@@ -117,7 +117,7 @@ class SlurmCluster:
         self._spawn([sbin("slurmctld"), "-D", "-f", str(self.conf)], "slurmctld")
         for node in NODES:
             self._spawn([sbin("slurmd"), "-D", "-N", node, "-f", str(self.conf)], f"slurmd-{node}")
-        self._wait_for(self._nodes_idle, "the two slurmd nodes to be idle", timeout=30)
+        self._wait_for(self._nodes_idle, "the two slurmd nodes to be idle", timeout=300)
         return self
 
     def _spawn(self, argv: list[str], name: str) -> None:
@@ -126,7 +126,8 @@ class SlurmCluster:
         log.close()
         self.procs.append(proc)
 
-    def _wait_for(self, ready, what: str, timeout: float = 15.0) -> None:
+    def _wait_for(self, ready, what: str, timeout: float = 120.0) -> None:
+        # The timeout only bounds a hang (a daemon that exits is reported at once): on a loaded machine they are slow.
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for proc in self.procs:
