@@ -109,8 +109,8 @@ def test_a_changed_base_is_refused_by_every_load_and_by_resume(base_ckpt: Path, 
     with pytest.raises(ConfigError) as err:  # resume=auto of the run, on the base overwritten
         _lora(run, base, 6)
     assert str(err.value) == (
-        f"resume: checkpoint {step} was trained on another base than model.init_from={base.resolve()} holds now "
-        "(model.safetensors changed); resume on the base it was trained on, or start over on this one with "
+        f"resume: checkpoint {step} was trained with another base than model.init_from={base.resolve()} holds now "
+        "(model.safetensors changed); resume on the weights it was trained with, or start over on these with "
         "resume=none (the old run is moved aside)")
     # The fix the message names: the original base, elsewhere, with "base" pointed at it
     original = tmp_path / "original-hf"
