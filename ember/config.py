@@ -164,12 +164,22 @@ def _alias_recipe(data: dict) -> dict:
     return data
 
 
+def _list_of_keys(item: str) -> str:
+    """`resume_allow_changes=seed` means [seed] (one key needs no brackets); other overrides unchanged."""
+    key, sep, value = item.partition("=")
+    if key != "resume_allow_changes" or value.strip().startswith("["):
+        return item
+    return f"{key}{sep}[{value}]"
+
+
 def load(recipe: str = "debug", overrides: Optional[list[str]] = None, world_size: int = 1) -> JobConfig:
     """Recipe (built-in name or YAML path) + `key=value` overrides -> a validated JobConfig."""
-    overrides = _alias_overrides(list(overrides or []))
+    overrides = [_list_of_keys(item) for item in _alias_overrides(list(overrides or []))]
     path = resolve_recipe(recipe)
     schema = OmegaConf.structured(JobConfig)
     recipe_data = _alias_recipe(_load_yaml(path))
+    if isinstance(recipe_data.get("resume_allow_changes"), str):  # one key, as the override above
+        recipe_data["resume_allow_changes"] = [recipe_data["resume_allow_changes"]]
     _reject_env_interpolation(recipe_data, str(path))
     try:
         merged = OmegaConf.merge(schema, OmegaConf.create(recipe_data))

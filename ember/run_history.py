@@ -64,9 +64,8 @@ def is_identity(key: str) -> bool:
 
 
 def _show(value: Any) -> str:
-    if value is None:
-        return "null"
-    return json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+    """A value as config.yaml spells it: true/false and null, not Python's True/False and None."""
+    return json.dumps(value) if value is None or isinstance(value, (bool, list, dict)) else str(value)
 
 
 def config_dict(cfg: config_lib.JobConfig) -> dict[str, Any]:

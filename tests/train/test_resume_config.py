@@ -111,14 +111,33 @@ def test_a_key_an_older_config_lacks_counts_as_its_default():
     del older["data"]["packing"], older["resume_allow_changes"]
     assert run_history.changes(older, now) == []
     now["data"]["packing"] = False
-    assert [c.describe() for c in run_history.changes(older, now)] == ["data.packing: True -> False"]
+    assert [c.describe() for c in run_history.changes(older, now)] == ["data.packing: true -> false"]
 
 
-def test_resume_allow_changes_names_known_keys():
+def test_values_are_shown_as_config_yaml_spells_them(tmp_path: Path):
+    step_dir = tmp_path / "run" / "checkpoints" / "step-2"
+    step_dir.mkdir(parents=True)
+    config_lib.save(config_lib.JobConfig(), step_dir / run_history.CHECKPOINT_CONFIG)
+    now = run_history.config_dict(config_lib.JobConfig())
+    now["data"]["packing"], now["model"]["n_layers"] = False, 3
+    with pytest.raises(run_history.RunChanged, match=r"data\.packing: checkpoint true, this run false; "
+                                                     r"model\.n_layers: checkpoint null, this run 3"):
+        run_history.resume_changes(step_dir, now, [], print)
+
+
+def test_resume_allow_changes_names_known_keys(tmp_path: Path):
     with pytest.raises(ConfigError, match=r"^resume_allow_changes: 'data.datset' is not a config key or section "
                                           r"\(did you mean 'data.dataset'\?\)"):
         config_lib.load("debug", ["resume_allow_changes=[data.datset]"])
     assert config_lib.load("debug", ["resume_allow_changes=[data,seed]"]).resume_allow_changes == ["data", "seed"]
+    # One key needs no brackets, on the command line or in a recipe.
+    assert config_lib.load("debug", ["resume_allow_changes=seed"]).resume_allow_changes == ["seed"]
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("resume_allow_changes: data.dataset\n")
+    assert config_lib.load(str(recipe)).resume_allow_changes == ["data.dataset"]
+    with pytest.raises(ConfigError, match=r"^resume_allow_changes: 'sed' is not a config key or section \(did you mean "
+                                          r"'seed'\?\)"):
+        config_lib.load("debug", ["resume_allow_changes=sed"])
 
 
 def test_a_checkpoint_without_its_config_is_compared_with_the_runs(tmp_path: Path):
