@@ -54,9 +54,24 @@ def boolq_answer(value: Any) -> bool:
     raise ValueError('must be true or false (a JSON boolean, or "true", "false", "yes", "no")')
 
 
+# choice scores context + " " + choice: lm-eval's target_delimiter, which its multiple-choice tasks put between the
+# two. Whitespace the data adds beside it would be scored as a second space, so it is refused, not guessed at.
+DELIMITER_NOTE = "one space is put between context and choice, as lm-eval's target_delimiter does"
+
+
+def _choice_context(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError("must be a string")
+    if value.endswith((" ", "\t")):
+        raise ValueError(f"must not end with a space or tab ({DELIMITER_NOTE})")
+    return value
+
+
 def _choices(value: Any) -> list[str]:
     if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
         raise ValueError("must be a non-empty list of strings")
+    if any(c[:1].isspace() for c in value):
+        raise ValueError(f"must be written without leading whitespace ({DELIMITER_NOTE})")
     return value
 
 
@@ -143,7 +158,7 @@ def boolq_rows(spec: str, limit: Optional[int] = None) -> list[dict]:
 
 def choice_rows(spec: str, limit: Optional[int] = None) -> list[dict]:
     return read_rows(spec, "choice", ("context", "choices", "label"), limit,
-                     {"context": _string, "choices": _choices, "label": _label}, _label_in_range)
+                     {"context": _choice_context, "choices": _choices, "label": _label}, _label_in_range)
 
 
 def lambada(model: nn.Module, tokenizer: Any, spec: str, limit: Optional[int] = None, batch_size: int = 16,

@@ -177,7 +177,16 @@ def test_rows_of_the_wrong_type_name_their_line(model, tmp_path: Path):
             (choice, {"context": "c", "choices": ["a", "b"], "label": 1.5}, "'label' must be an integer index"),
             (choice, {"context": "c", "choices": ["a", "b"], "label": True}, "'label' must be an integer index"),
             (choice, {"context": "c", "choices": ["a", "b"], "label": 2}, "'label' 2 is not an index into its 2 "
-                                                                             "choices")]:
+                                                                             "choices"),
+            # choice scores context + " " + choice: a space the data adds beside it would be scored as a second one
+            (choice, {"context": "c", "choices": ["a", " b"], "label": 0},
+             "'choices' must be written without leading whitespace (one space is put between context and choice, "
+             "as lm-eval's target_delimiter does), got [\"a\", \" b\"]"),
+            (choice, {"context": "c", "choices": ["a", "\nb"], "label": 0}, "'choices' must be written without "
+                                                                            "leading whitespace"),
+            (choice, {"context": "c ", "choices": ["a", "b"], "label": 0},
+             "'context' must not end with a space or tab (one space is put between context and choice, as lm-eval's "
+             "target_delimiter does), got \"c \"")]:
         path = _write(tmp_path / "rows.jsonl", [row])
         with pytest.raises(DataError, match=f"^{re.escape(path)} line 1: {re.escape(message)}"):
             task(model, tok, path)
