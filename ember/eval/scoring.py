@@ -41,7 +41,13 @@ def _scoring(model: nn.Module) -> Iterator[None]:
 
 
 def encode_pair(tokenizer: Any, context: str, continuation: str) -> tuple[list[int], list[int]]:
-    """(context ids, continuation ids) as lm-eval's HFLM splits them."""
+    """(context ids, continuation ids) as lm-eval's HFLM splits them. An empty context is the tokenizer's BOS
+    (its EOS where it has none), as lm-eval's loglikelihood does: the first continuation token needs a position
+    to be predicted from."""
+    if context == "":
+        ids = tokenizer.encode(continuation)
+        prefix = tokenizer.bos_id if getattr(tokenizer, "bos_id", None) is not None else tokenizer.eos_id
+        return ([prefix], ids) if not ids or ids[0] != prefix else (ids[:1], ids[1:])
     spaces = len(context) - len(context.rstrip())
     if spaces:
         context, continuation = context[:-spaces], context[-spaces:] + continuation

@@ -99,6 +99,24 @@ def test_boolq_and_choice_equal_a_hand_computation(model, tmp_path: Path):
     assert (result["acc"], result["acc_norm"], result["n"]) == (acc / 10, acc_norm / 10, 10)
 
 
+def test_an_empty_context_is_scored_after_bos_or_eos(model, tmp_path: Path):
+    """lm-eval's loglikelihood with an empty context: the continuation after the BOS token, or EOS where the
+    tokenizer has no BOS."""
+    tok = WordTokenizer()  # no BOS: EOS (1) is the context
+    (score,) = loglikelihood(model, tok, [("", " x y")])
+    assert score.n_tokens == 2
+    assert score.logprob == pytest.approx(float(_logprobs(model, [1, *tok.encode("x y")]).sum()), rel=1e-5)
+    with_bos = WordTokenizer()
+    with_bos.bos_id = 0
+    assert encode_pair(with_bos, "", " x y") == ([0], with_bos.encode("x y"))
+    rows = [{"context": "", "choices": ["x", "longer y"], "label": 1}, {"context": "c d", "choices": ["x"], "label": 0}]
+    lls = [float(_logprobs(model, [1, *tok.encode(c)])[-len(tok.encode(c)):].sum()) for c in rows[0]["choices"]]
+    picked = max(range(2), key=lambda j: lls[j])
+    picked_norm = max(range(2), key=lambda j: lls[j] / len(" " + rows[0]["choices"][j]))
+    assert choice(model, tok, _write(tmp_path / "c.jsonl", rows)) == {
+        "acc": ((picked == 1) + 1) / 2, "acc_norm": ((picked_norm == 1) + 1) / 2, "n": 2}
+
+
 def test_rolling_windows_score_each_token_once(model):
     ids = torch.randint(2, 128, (50,), generator=torch.Generator().manual_seed(2)).tolist()
     full = _logprobs(model, ids)
