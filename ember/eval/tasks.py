@@ -207,7 +207,8 @@ def ppl(model: nn.Module, tokenizer: Any, data_cfg: Any, split: str = "val", seq
         ranks: EvalRanks = EvalRanks()) -> dict:
     """Loss per token, perplexity and bits per byte of `split` of an ember data source ("val": the share
     data.val_fraction holds out, "train": the rest, "all": every document): documents joined with EOS as in
-    training, scored by a sliding window. Bits per byte divide the total negative log-likelihood (in bits) by
+    training, scored by a sliding window of `seq_len` tokens (default: the model's max_seq_len) every `stride`
+    (default: half a window), both returned with the numbers. Bits per byte divide the total negative log-likelihood (in bits) by
     the UTF-8 bytes of the text scored, so models with different tokenizers compare."""
     from ember.data.sources import load_documents
 
@@ -239,8 +240,9 @@ def ppl(model: nn.Module, tokenizer: Any, data_cfg: Any, split: str = "val", seq
     logprob, count = rolling_logprob(model, ids, window, stride, batch_size, ranks)
     loss = -logprob / count
     n_bytes = len(tokenizer.decode(ids[1:], skip_special_tokens=True).encode("utf-8"))  # the text scored
+    # the window and stride go with the numbers: the same weights score differently under another window
     return {"loss": loss, "perplexity": math.exp(loss), "bits_per_byte": -logprob / math.log(2) / max(n_bytes, 1),
-            "tokens": count}
+            "tokens": count, "seq_len": window, "stride": stride}
 
 
 TASKS: dict[str, Callable[..., dict]] = {"lambada": lambada, "boolq": boolq, "choice": choice}

@@ -47,6 +47,8 @@ def test_ppl_equals_data_scores_all_of_the_data(run: Path, tmp_path: Path):
     assert proc.returncode == 0, proc.stderr
     whole = _results(tmp_path / "a.json")["ppl"]
     assert (whole["tokens"], whole["split"], whole["data"]) == (every_token, "all", str(texts))
+    # the window says how the numbers were made: the run's training seq_len, half of it as the stride
+    assert (whole["seq_len"], whole["stride"]) == (32, 16) and "seq_len 32  stride 16" in proc.stdout
     # the same as naming the source with data.dataset and the split explicitly
     proc = _ember("eval", str(run), "ppl", f"data.dataset={texts}", "eval.split=all", "--output",
                   str(tmp_path / "b.json"))

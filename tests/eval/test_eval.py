@@ -150,7 +150,9 @@ def test_ppl_split_all_scores_every_token_of_the_file(model, tmp_path: Path):
     data = DataConfig(dataset=_write(tmp_path / "d.jsonl", [{"text": d} for d in docs]))
     ids = [i for d in docs for i in tok.encode(d) + [tok.eos_id]]  # documents joined with EOS, as in training
     result = ppl(model, tok, data, split="all", seq_len=64)
-    assert result["tokens"] == len(ids) - 1 == 18
+    assert result["tokens"] == len(ids) - 1 == 18 and (result["seq_len"], result["stride"]) == (64, 32)
+    assert (ppl(model, tok, data, split="all")["seq_len"], ppl(model, tok, data, split="all", stride=5)["stride"]) \
+        == (64, 5)  # unset: the model's max_seq_len
     assert result["loss"] == pytest.approx(-float(_logprobs(model, ids).sum()) / 18, rel=1e-5)
     held_out = ppl(model, tok, data, split="val", seq_len=64)["tokens"]  # ember's validation share: one document
     assert held_out in (len(tok.encode(d)) for d in docs)
