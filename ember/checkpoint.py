@@ -41,6 +41,7 @@ from ember.finetune.base_fingerprint import check_resume_base
 from ember.finetune.lora import trainable_state_dict
 from ember.load import model_state_dict
 from ember.model_meta import MODEL_JSON, read_model_json
+from ember.optim import apply_group_settings, group_settings
 from ember.run_history import CHECKPOINT_CONFIG, HISTORY_DIR, Change, RunChanged, describe_changes, resume_changes
 
 STEP_DIR = re.compile(r"step-(\d+)")
@@ -254,6 +255,7 @@ class CheckpointManager:
         found = resume_changes(step_dir, self.run_config, self.allow_changes, self.say) if self.run_config else []
         check_resume_base(step_dir, self.meta)  # a LoRA run's base overwritten since: a ConfigError, no fallback
         state = self._state()
+        settings = group_settings(self.optimizer)  # this run's optim.* (the checkpoint's replace them in `state`)
         verify(step_dir, state)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
@@ -261,6 +263,7 @@ class CheckpointManager:
                 dcp.load(state, checkpoint_id=str(step_dir))
             except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
                 raise CheckpointError(f"checkpoint {step_dir} cannot be loaded: {first_error_line(err)}") from None
+        apply_group_settings(state["optim"]["param_groups"], settings)  # before loading: fused/foreach place state
         set_optimizer_state_dict(self.optim_model, self.optimizer, state["optim"])
         rank_file = step_dir / f"train-rank{_rank()}.pt"
         if not rank_file.is_file():  # another world size: the global data position is the same on every rank

@@ -113,6 +113,36 @@ def build_lr_scheduler(
     return torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(lr_multiplier, cfg=cfg, max_steps=max_steps))
 
 
+def group_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each param group's settings as this run's config made them (build_optimizer, and the LR schedule's
+    initial_lr): all but its parameters and its current lr. A resume applies them over the checkpoint's groups,
+    so changed optim.* keys take effect; per-group values (no decay on norms and embeddings) stay per group."""
+    return [{k: v for k, v in group.items() if k not in ("params", "param_names", "lr")}
+            for group in optimizer.param_groups]
+
+
+def apply_group_settings(saved_groups: list[dict[str, Any]], settings: list[dict[str, Any]]) -> None:
+    """Overwrite a loaded optimizer state's param groups (in place, before it is set on the optimizer) with
+    `settings` (group_settings of this run's optimizer, whose groups are built in the same order)."""
+    if len(saved_groups) != len(settings):
+        raise ConfigError(f"the checkpoint's optimizer has {len(saved_groups)} parameter groups, this run's "
+                          f"{len(settings)}; resume with the checkpoint's model and lora settings, or resume=none")
+    for saved, now in zip(saved_groups, settings):
+        saved.update(now)
+
+
+def restart_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR) -> None:
+    """After a checkpoint's scheduler state is loaded: the base lrs are this run's (each group's initial_lr,
+    optim.lr) and each group's lr is this run's schedule at the resumed step, as LambdaLR computes it; with
+    nothing changed, exactly the lr the checkpoint held."""
+    groups = scheduler.optimizer.param_groups
+    scheduler.base_lrs = [group["initial_lr"] for group in groups]
+    lrs = [base * fn(scheduler.last_epoch) for fn, base in zip(scheduler.lr_lambdas, scheduler.base_lrs, strict=True)]
+    for group, lr in zip(groups, lrs):
+        group["lr"] = lr
+    scheduler._last_lr = list(lrs)  # what get_last_lr() reports
+
+
 def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, pp_mesh: Any = None) -> torch.Tensor:
     """The total L2 norm of the gradients (a 0-d tensor), after clipping them to max_norm when > 0.
 

@@ -43,7 +43,7 @@ from ember.metrics import MetricsLogger, progress_bar, throughput_record
 from ember.models import MODELS
 from ember.nn import moe as moe_lib
 from ember.nn.loss import output_chunks
-from ember.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
+from ember.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, restart_schedule
 from ember.parallel import pp as pp_lib
 from ember.parallel.mesh import ParallelMesh, init_distributed
 from ember.parallel.parallelize import init_weights, parallelize
@@ -165,6 +165,7 @@ class Trainer:
         if state is not None:
             self.step = int(state["step"])
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+            restart_schedule(self.lr_scheduler)  # this run's optim.lr and schedule, from the resumed step on
             self.train_loader.load_state_dict(state["data"])
             set_rng_state(state["rng"])
             self.health.load_state_dict(state)

@@ -5,17 +5,21 @@ printed and recorded; config.yaml is the latest segment's and config_history/ ke
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from ember import config as config_lib
 from ember import run_history
 from ember.config import ConfigError
+from ember.optim import lr_multiplier
 from ember.report.runs import read_run
+from ember.train import Trainer
 
 TINY = ["debug", "model.n_layers=2", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2",
         "seq_len=32", "global_batch_size=4", "micro_batch_size=2", "logging_steps=1", "checkpoint.interval=2",
@@ -152,3 +156,73 @@ def test_a_checkpoint_without_its_config_is_compared_with_the_runs(tmp_path: Pat
     with pytest.raises(run_history.RunChanged, match=r"would change what the run is: seed: checkpoint 0, this run 1\. "):
         run_history.resume_changes(step_dir, now, [], said.append)
     assert [c.describe() for c in run_history.resume_changes(step_dir, now, ["seed"], said.append)] == ["seed: 0 -> 1"]
+
+
+# In-process runs on synthetic data: the optimizer and schedule a resume hands to the next step.
+SYNTHETIC = TINY[1:] + ["data.dataset=synthetic", "metrics.console=false", "schedule.warmup_steps=1"]
+
+
+def _train(out: Path, *overrides: str) -> Trainer:
+    trainer = Trainer(config_lib.load("debug", [*SYNTHETIC, *overrides, f"output_dir={out}"]))
+    trainer.train()
+    return trainer
+
+
+def _logged_lr(out: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["lr"] for r in records if "lr" in r}
+
+
+def test_changed_optim_keys_take_effect_on_resume(tmp_path: Path):
+    out = tmp_path / "run"
+    _train(out, "max_steps=4")
+    cfg = config_lib.load("debug", [*SYNTHETIC, "max_steps=6", "optim.lr=1e-3", "optim.weight_decay=0.5",
+                                    "optim.betas=[0.8,0.9]", "optim.eps=1e-6", f"output_dir={out}"])
+    trainer = Trainer(cfg)
+    # The decay group takes the new weight decay, the no-decay group (norms, embeddings) keeps none.
+    assert [(g["weight_decay"], g["betas"], g["eps"], g["initial_lr"]) for g in trainer.optimizer.param_groups] == [
+        (0.5, (0.8, 0.9), 1e-6, 1e-3), (0.0, (0.8, 0.9), 1e-6, 1e-3)]
+    assert trainer.lr_scheduler.base_lrs == [1e-3, 1e-3]
+    trainer.train()
+    lr = _logged_lr(out)
+    assert [lr[s] for s in (5, 6)] == [1e-3 * lr_multiplier(s - 1, cfg.schedule, 6) for s in (5, 6)]
+    assert lr[6] == pytest.approx(1e-4, rel=1e-12)  # the last step runs at min_lr_ratio x the new optim.lr
+
+
+def test_a_changed_schedule_applies_from_the_first_resumed_step(tmp_path: Path):
+    out = tmp_path / "run"
+    _train(out, "max_steps=4", "schedule.name=constant")
+    assert _logged_lr(out) == {1: 1e-3, 2: 2e-3, 3: 2e-3, 4: 2e-3}  # warmup 1: lr/2, then lr
+    _train(out, "max_steps=8", "schedule.name=linear")
+    # linear from the end of warmup (n=1) to step 8 at 0.1 x lr: step s runs at 1 - 0.9 * (s - 1) / 7
+    expected = {s: 0.002 * (1 - 0.9 * (s - 1) / 7) for s in range(5, 9)}
+    lr = _logged_lr(out)
+    assert {s: lr[s] for s in range(5, 9)} == pytest.approx(expected, rel=1e-12)
+    assert lr[5] == pytest.approx(9.714285714285714e-4, rel=1e-12)
+
+
+def test_a_longer_cosine_applies_from_the_first_resumed_step(tmp_path: Path):
+    out = tmp_path / "run"
+    _train(out, "max_steps=4")
+    _train(out, "max_steps=8")
+    # cosine from n=1 over 7 steps: 0.1 + 0.45 * (1 + cos(pi * (s - 1) / 7)); step 5: 0.1 + 0.45 * (1 + cos(4pi/7))
+    assert _logged_lr(out)[5] == pytest.approx(0.002 * (0.1 + 0.45 * (1 + math.cos(4 * math.pi / 7))), rel=1e-12)
+    assert _logged_lr(out)[5] == pytest.approx(8.99731e-4, rel=1e-5)
+
+
+def test_an_unchanged_resume_continues_bit_for_bit(tmp_path: Path):
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    uninterrupted = _train(whole, "max_steps=4")
+    _train(parts, "max_steps=4", "checkpoint.interval=2")
+    resumed = Trainer(config_lib.load("debug", [*SYNTHETIC, "max_steps=4", f"output_dir={parts}",
+                                                f"resume={parts / 'checkpoints' / 'step-2'}"]))
+    saved = torch.load(parts / "checkpoints" / "step-2" / "train-rank0.pt", weights_only=True)["lr_scheduler"]
+    assert [g["lr"] for g in resumed.optimizer.param_groups] == saved["_last_lr"]
+    assert resumed.lr_scheduler.base_lrs == saved["base_lrs"]
+    resumed.train()
+    whole_records = [json.loads(line) for line in (whole / "metrics.jsonl").read_text().splitlines()]
+    part_records = [json.loads(line) for line in (parts / "metrics.jsonl").read_text().splitlines()]
+    pick = lambda records: [(r["step"], r["loss"], r["lr"], r["grad_norm"]) for r in records if "loss" in r]  # noqa: E731
+    assert pick(part_records) == pick(whole_records)
+    assert [{k: v for k, v in g.items() if k != "params"} for g in resumed.optimizer.param_groups] == [
+        {k: v for k, v in g.items() if k != "params"} for g in uninterrupted.optimizer.param_groups]
