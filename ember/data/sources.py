@@ -357,17 +357,22 @@ def _import_datasets(purpose: str) -> Any:
     return datasets
 
 
+def load_hub_table(name: str, config: Optional[str], hf_split: str, what: str = "data.dataset", fix: str = "") -> Any:
+    """A hub dataset's `hf_split` as a `datasets` table; `what` names who asked (a key, an eval task) in the
+    one-line error, followed by `fix`."""
+    datasets = _import_datasets(f"{what} '{name}' is not a local file, folder or glob; loading it from the Hugging "
+                                "Face hub")
+    try:
+        return datasets.load_dataset(name, config, split=hf_split)
+    except Exception as err:  # network, auth, unknown name or config: all user-fixable, all one line
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise DataError(f"cannot load {what} '{name}' from the Hugging Face hub: {first}{fix}") from None
+
+
 def load_hub(name: str, config: Optional[str], hf_split: str, fields: Fields, split: str, val_fraction: float) -> Documents:
     """A hub dataset's `hf_split` (data.split), divided into ember's train/val by the same key hash."""
     _check_split(split)
-    datasets = _import_datasets(
-        f"data.dataset '{name}' is not a local file, folder or glob; loading it from the Hugging Face hub"
-    )
-    try:
-        table = datasets.load_dataset(name, config, split=hf_split)
-    except Exception as err:  # network, auth, unknown name or config: all user-fixable, all one line
-        first = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise DataError(f"cannot load data.dataset '{name}' from the Hugging Face hub: {first}") from None
+    table = load_hub_table(name, config, hf_split)
     for column, key in fields.columns:
         if column not in table.column_names:
             raise DataError(

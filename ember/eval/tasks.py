@@ -119,11 +119,11 @@ def read_rows(spec: str, task: str, fields: tuple[str, ...], limit: Optional[int
                                 f"{', '.join(fields)})")
             located.append((f"{path} line {lineno}", row))
     elif spec in (task, HUB.get(task, ("",))[0]) and task in HUB:
-        from ember.data.sources import _import_datasets
+        from ember.data.sources import load_hub_table
 
         name, config, split = HUB[task]
-        datasets = _import_datasets(f"{task} from the hub ({name})")
-        rows = [dict(r) for r in datasets.load_dataset(name, config, split=split)]
+        rows = [dict(r) for r in load_hub_table(name, config, split, f"{task} data",
+                                                f"; give a local jsonl file ({task}=FILE.jsonl)")]
         if task == "boolq":  # super_glue's fields: passage, question, label (0 = False, 1 = True; others refused)
             rows = [{"passage": r["passage"], "question": r["question"],
                      "answer": {0: False, 1: True}.get(r["label"], r["label"])} for r in rows]

@@ -4,17 +4,20 @@ values, all through the CLI on one tiny trained run."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
 TEXTS = ["import os and sys are modules", "def main ( self ) : return None", "for i in range ( 10 ) : print ( i )"]
 
 
-def _ember(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ember", *args], capture_output=True, text=True, timeout=300)
+def _ember(*args: str, env: Optional[dict] = None, cwd: Optional[Path] = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ember", *args], capture_output=True, text=True, timeout=300,
+                          env=env, cwd=cwd)
 
 
 def _write(path: Path, rows: list) -> str:
@@ -145,3 +148,14 @@ def test_a_torch_file_without_tokenizer_says_where_the_runs_is(run: Path, tmp_pa
         assert proc.returncode == 0, proc.stderr
         assert _results(model.with_name("m.pt.eval.json"))["ppl"]["loss"] == pytest.approx(
             _results(tmp_path / "run.json")["ppl"]["loss"], rel=1e-6)
+
+
+def test_hub_tasks_that_cannot_load_are_one_line(run: Path, tmp_path: Path):
+    """`lambada` / `boolq` alone load the hub dataset; offline (and with an empty cache) that is one line naming
+    the dataset and the local alternative, as data.dataset's hub sources are."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    for task, name in (("boolq", "super_glue"), ("lambada", "EleutherAI/lambada_openai")):
+        proc = _ember("eval", str(run), task, env=env)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert proc.stderr.startswith(f"error: cannot load {task} data '{name}' from the Hugging Face hub: "), proc.stderr
+        assert proc.stderr.endswith(f"; give a local jsonl file ({task}=FILE.jsonl)\n"), proc.stderr
