@@ -321,8 +321,8 @@ def cmd_generate(argv: list[str]) -> int:
     parser.add_argument("--prompt-file", help="a jsonl of {\"prompt\": ...} rows, decoded as one batch")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=None,
-                        help=">= 0; 0: greedy. Default: greedy, or 1.0 when --top-k, --top-p or --seed is given "
-                        "(these sample; with --temperature 0 they are an error)")
+                        help="finite, >= 0; 0: greedy. Default: greedy, or 1.0 when --top-k, --top-p or --seed is "
+                        "given (these sample; with --temperature 0 they are an error)")
     parser.add_argument("--top-k", type=int, default=None, help=">= 1: sample from the K most likely tokens")
     parser.add_argument("--top-p", type=float, default=None, help="in (0, 1]: sample from the smallest set of tokens "
                         "holding this probability mass")
@@ -334,30 +334,34 @@ def cmd_generate(argv: list[str]) -> int:
     parser.add_argument("--compile", action="store_true", help="torch.compile the decode step (for long outputs)")
     try:
         args = parser.parse_args(argv)
+        if not args.prompt and not args.prompt_file:  # a usage error: the usage, then the line, on stderr
+            parser.error("give --prompt TEXT or --prompt-file FILE.jsonl")
     except SystemExit as exit_:
         return 0 if exit_.code == 0 else EXIT_USAGE
     import json
 
     import torch
 
-    from ember.generate import generate, sampling_temperature, tokenizer_for
+    from ember.generate import check_max_new_tokens, generate, prompt_ids, sampling_temperature, tokenizer_for
     from ember.hardware import pick_device
     from ember.load import load_model
 
+    # Every argument is checked before anything is printed: a streamed prompt followed by an error would run
+    # the two together on one line.
     try:
         temperature = sampling_temperature(args.temperature, args.top_k, args.top_p, args.seed, args.stop)
-        if args.temperature is None and temperature > 0:
-            print(f"note: sampling at temperature {temperature} (--top-k/--top-p/--seed sample; --temperature sets it)",
-                  file=sys.stderr)
+        check_max_new_tokens(args.max_new_tokens)
         prompts = list(args.prompt)
         if args.prompt_file:
             prompts += _read_prompts(Path(args.prompt_file))
-        if not prompts:
-            return _fail("give --prompt TEXT or --prompt-file FILE.jsonl")
         device = pick_device(args.device)
         dtype = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
         model = load_model(args.path, device=device, dtype=dtype)
         tokenizer = tokenizer_for(args.path, args.tokenizer)
+        prompt_ids(model, tokenizer, prompts, args.max_new_tokens)  # each prompt fits max_seq_len with the new tokens
+        if args.temperature is None and temperature > 0:
+            print(f"note: sampling at temperature {temperature} (--top-k/--top-p/--seed sample; --temperature sets it)",
+                  file=sys.stderr)
         stream = not args.json and len(prompts) == 1
         if stream:
             print(prompts[0], end="", flush=True)

@@ -9,6 +9,7 @@ left padding is masked out of attention and its positions start at 0 on its firs
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -90,6 +91,9 @@ def sampling_temperature(temperature: Optional[float], top_k: Optional[int], top
     sampling = [name for name, value in (("top_k", top_k), ("top_p", top_p), ("seed", seed)) if value is not None]
     if temperature is None:
         temperature = 1.0 if sampling else 0.0
+    if not math.isfinite(temperature):  # nan fails every comparison below; inf would sample uniformly
+        raise ConfigError(f"temperature={temperature} must be a finite number >= 0 (0: greedy, 1: the model's own "
+                          "distribution)")
     if temperature < 0:
         raise ConfigError(f"temperature={temperature} must be >= 0 (0: greedy, 1: the model's own distribution)")
     if temperature == 0 and sampling:
@@ -98,12 +102,33 @@ def sampling_temperature(temperature: Optional[float], top_k: Optional[int], top
     if top_k is not None and top_k < 1:
         raise ConfigError(f"top_k={top_k} must be >= 1 (the number of most likely tokens sampled from); "
                           "leave it out to sample from every token")
-    if top_p is not None and not 0 < top_p <= 1:
+    if top_p is not None and not 0 < top_p <= 1:  # nan too: it fails both comparisons
         raise ConfigError(f"top_p={top_p} must be in (0, 1] (the probability mass sampled from; 1 keeps every token)")
     if any(s == "" for s in stop):
         raise ConfigError("a stop string is empty: it would end every completion before its first token; "
                           "give the text to stop at")
     return float(temperature)
+
+
+def check_max_new_tokens(max_new_tokens: int) -> None:
+    if max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens={max_new_tokens} must be >= 1")
+
+
+def prompt_ids(model: nn.Module, tokenizer: Any, prompts: Sequence[Union[str, Sequence[int]]],
+               max_new_tokens: int) -> list[list[int]]:
+    """The token ids of each prompt, checked to fit the model with `max_new_tokens` more: what generate() checks
+    before any work, callable on its own so that `ember generate` refuses before it prints anything."""
+    check_max_new_tokens(max_new_tokens)
+    ids = [list(p) if not isinstance(p, str) else tokenizer.encode(p) for p in prompts]
+    if not ids or any(len(row) == 0 for row in ids):
+        raise ConfigError("every prompt needs at least one token")
+    limit = model.args.max_seq_len
+    longest = max(len(row) for row in ids)
+    if longest + max_new_tokens > limit:
+        raise ConfigError(f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} exceeds the model's "
+                          f"max_seq_len={limit}; shorten the prompt or lower max_new_tokens")
+    return ids
 
 
 def _sample(logits: torch.Tensor, temperature: float, top_k: Optional[int], top_p: Optional[float],
@@ -137,17 +162,9 @@ def generate(model: nn.Module, tokenizer: Any, prompts: Sequence[Union[str, Sequ
     new text of a row as it is decoded (for streaming). compile=True runs the decode step through
     torch.compile with static shapes (the cache attended whole, under a mask): one compilation, then no
     Python between the kernels of a step; worth it for long generations."""
-    if max_new_tokens < 1:
-        raise ConfigError(f"max_new_tokens={max_new_tokens} must be >= 1")
     temperature = sampling_temperature(temperature, top_k, top_p, seed, stop)
-    ids = [list(p) if not isinstance(p, str) else tokenizer.encode(p) for p in prompts]
-    if not ids or any(len(row) == 0 for row in ids):
-        raise ConfigError("every prompt needs at least one token")
-    limit = model.args.max_seq_len
+    ids = prompt_ids(model, tokenizer, prompts, max_new_tokens)
     longest = max(len(row) for row in ids)
-    if longest + max_new_tokens > limit:
-        raise ConfigError(f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} exceeds the model's "
-                          f"max_seq_len={limit}; shorten the prompt or lower max_new_tokens")
     device = next(model.parameters()).device
     batch, total = len(ids), longest + max_new_tokens
     pad = torch.tensor([longest - len(row) for row in ids], device=device)  # (B,) right-aligned prompts

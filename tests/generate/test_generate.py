@@ -142,6 +142,11 @@ def test_sampling_options_without_a_temperature_sample_at_1():
                     "from every token"),
     ({"top_k": 0}, "top_k=0 must be >= 1"),
     ({"temperature": -1.0}, "temperature=-1.0 must be >= 0 (0: greedy, 1: the model's own distribution)"),
+    ({"temperature": float("nan")}, "temperature=nan must be a finite number >= 0 (0: greedy, 1: the model's own "
+                                    "distribution)"),
+    ({"temperature": float("inf")}, "temperature=inf must be a finite number >= 0"),
+    ({"top_p": float("nan")}, "top_p=nan must be in (0, 1]"),
+    ({"top_p": float("inf")}, "top_p=inf must be in (0, 1]"),
     ({"temperature": 0.0, "top_k": 5, "seed": 1}, "top_k, seed sample, but temperature=0 decodes greedily and would "
                                                   "ignore them; drop the temperature (sampling then runs at 1.0) or set "
                                                   "it above 0"),
@@ -216,8 +221,28 @@ def test_cli_json_output_and_errors(trained_run: Path, tmp_path: Path):
     (["--top-p", "1.5"], "error: top_p=1.5 must be in (0, 1]"),
     (["--top-k", "-1"], "error: top_k=-1 must be >= 1"),
     (["--temperature", "-1"], "error: temperature=-1.0 must be >= 0"),
+    (["--temperature", "nan"], "error: temperature=nan must be a finite number >= 0"),
+    (["--temperature", "inf"], "error: temperature=inf must be a finite number >= 0"),
+    (["--top-p", "nan"], "error: top_p=nan must be in (0, 1]"),
+    (["--max-new-tokens", "0"], "error: max_new_tokens=0 must be >= 1"),
     (["--stop", ""], "error: a stop string is empty"),
 ])
 def test_cli_refuses_out_of_range_sampling_options_before_loading(tmp_path: Path, flags: list, message: str):
     proc = _ember("generate", str(tmp_path / "no-model-needed"), "--prompt", "x", *flags)
     assert proc.returncode == 2 and proc.stderr.startswith(message) and proc.stderr.count("\n") == 1, proc.stderr
+
+
+def test_cli_checks_every_argument_before_printing(trained_run: Path):
+    # A streamed prompt is printed before its completion: an argument refused after it ran into the error line.
+    for flags, message in ((["--max-new-tokens", "0"], "error: max_new_tokens=0 must be >= 1\n"),
+                           (["--max-new-tokens", "100000"], "error: a prompt of 3 tokens plus max_new_tokens=100000 "
+                            "exceeds the model's max_seq_len=2048; shorten the prompt or lower max_new_tokens\n")):
+        proc = _ember("generate", str(trained_run), "--prompt", "the cat", *flags)
+        assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", message)
+
+
+def test_cli_without_a_prompt_prints_its_usage(tmp_path: Path):
+    proc = _ember("generate", str(tmp_path))
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith("usage: ember generate [-h] [--prompt PROMPT]")
+    assert proc.stderr.endswith("\nember generate: error: give --prompt TEXT or --prompt-file FILE.jsonl\n")
