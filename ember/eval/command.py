@@ -127,9 +127,11 @@ def _target(path: Path, output: Optional[str]) -> Path:
     return Path(output) if output else _eval_json_path(path)
 
 
-def _read_previous(target: Path, path: Path) -> dict[str, dict]:
-    """The results already in `target` (this model's eval.json), to merge with this run's; a file that is not
-    an eval.json of this model and step is refused rather than overwritten."""
+def _read_previous(target: Path, path: Path) -> dict[str, Any]:
+    """What `target` already holds ({model, step, results}; {} when absent), to merge this run's results into.
+    eval.json in the model's own place (the checkpoint, the HF directory, FILE.eval.json) is the model's by
+    construction, wherever the model was when it was written (a run moved or copied since); any other file must
+    be an eval.json of this model and step, else it is refused rather than overwritten."""
     if not target.exists():
         return {}
     try:
@@ -140,24 +142,30 @@ def _read_previous(target: Path, path: Path) -> dict[str, dict]:
     if not isinstance(previous, dict) or not isinstance(previous.get("results"), dict):
         raise ConfigError(f"{target} exists and is not an eval.json ({{model, step, results}}); move it aside or "
                           "pass another --output")
+    own = _eval_json_path(path.resolve()).resolve()
+    if target.resolve() == own:
+        return previous
     theirs = Path(str(previous.get("model", "")))
     same = previous.get("step") == _step_of(path) and (
-        theirs.exists() and _eval_json_path(theirs.resolve()).resolve() == _eval_json_path(path.resolve()).resolve())
+        theirs.exists() and _eval_json_path(theirs.resolve()).resolve() == own)
     if not same:
         raise ConfigError(f"{target} holds results of another model ({previous.get('model')}, step "
                           f"{previous.get('step')}); pass another --output or move it aside")
-    return previous["results"]
+    return previous
 
 
 def _report(path: Path, results: dict[str, dict], target: Path) -> None:
     """Merge `results` into eval.json ({model, step, results}) at `target`: each task's entry replaces that
     task's earlier one, the other tasks' stay. Then print this run's table."""
-    previous = _read_previous(target, path)
+    before = _read_previous(target, path)
+    previous = before.get("results", {})
     merged = {**previous, **results}
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(target.name + ".tmp")  # replaced whole: a crash mid-write keeps the earlier file
     # the model's absolute path: a later eval from another directory still recognises it
     report = {"model": os.path.abspath(path), "step": _step_of(path), "results": merged}
+    if previous and before.get("model") != report["model"]:
+        print(f"{target} was written for the model at {before.get('model')}; it is now at {report['model']}")
     tmp.write_text(json.dumps(report, indent=2) + "\n")
     os.replace(tmp, target)
     for task, metrics in results.items():

@@ -159,3 +159,28 @@ def test_hub_tasks_that_cannot_load_are_one_line(run: Path, tmp_path: Path):
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
         assert proc.stderr.startswith(f"error: cannot load {task} data '{name}' from the Hugging Face hub: "), proc.stderr
         assert proc.stderr.endswith(f"; give a local jsonl file ({task}=FILE.jsonl)\n"), proc.stderr
+
+
+def test_a_moved_run_keeps_its_eval_json(run: Path, tmp_path: Path):
+    """eval.json in the run's own checkpoint is that run's wherever the run now lies: a moved run merges into it
+    and records its new path; the same file given as --output for another model is still refused."""
+    import shutil
+
+    lam = _write(tmp_path / "l.jsonl", [{"text": t} for t in TEXTS])
+    bq = _write(tmp_path / "b.jsonl", [{"passage": "import os", "question": "is it python", "answer": True}])
+    first, moved = tmp_path / "base2", tmp_path / "base2moved"
+    shutil.copytree(run, first)
+    (first / "checkpoints" / "step-2" / "eval.json").unlink(missing_ok=True)
+    proc = _ember("eval", str(first), f"lambada={lam}")
+    assert proc.returncode == 0, proc.stderr
+    first.rename(moved)
+    eval_json = moved / "checkpoints" / "step-2" / "eval.json"
+    proc = _ember("eval", str(moved), f"boolq={bq}")
+    assert proc.returncode == 0, proc.stderr
+    assert f"{eval_json} was written for the model at {first}; it is now at {moved}" in proc.stdout
+    report = json.loads(eval_json.read_text())
+    assert (report["model"], report["step"], list(report["results"])) == (str(moved), 2, ["lambada", "boolq"])
+    proc = _ember("eval", str(run), f"boolq={bq}", "--output", str(eval_json))
+    assert proc.returncode == 2 and proc.stderr == (f"error: {eval_json} holds results of another model ({moved}, "
+                                                    "step 2); pass another --output or move it aside\n"), proc.stderr
+    assert list(_results(eval_json)) == ["lambada", "boolq"]
