@@ -318,11 +318,19 @@ def starts_over(resume: str, output_dir: Path) -> bool:
     return own not in given.parents and given != own.parent
 
 
+# What one run writes into its output_dir: checkpoints; metrics and run facts (metrics.py); its config and history
+# (run_history.py); the W&B and MLflow run ids a resume logs into (trackers.py); `ember report`'s page and figures;
+# profiling traces; `ember eval RUN`'s results.
+RUN_FILES = ("checkpoints", "metrics.jsonl", "tb", "run.json", "config.yaml", HISTORY_DIR, "wandb-run-id",
+             "mlflow-run-id", "report.html", "report", "profile", "eval.json")
+
+
 def archive_previous_run(output_dir: Path, say: Callable[[str], None]) -> Optional[Path]:
-    """Move another run's checkpoints, metrics and TensorBoard events out of `output_dir` into
-    `output_dir/previous-<time>/`, so a run started over never mixes with it (and nothing is deleted).
+    """Move another run's files out of `output_dir` into `output_dir/previous-<time>/`, so a run started over
+    never mixes with it (and nothing is deleted): RUN_FILES. The trackers' stores (mlflow.db, mlartifacts/,
+    wandb/) stay: they hold runs by id, and the old run's tracker ids go with it, so this run gets new ones.
     Rank 0 moves; every rank waits for it. Returns the folder, or None if there was nothing to move."""
-    names = ("checkpoints", "metrics.jsonl", "tb", "config.yaml", HISTORY_DIR)
+    names = RUN_FILES
     present = [output_dir / n for n in names if (output_dir / n).exists()]
     target: Optional[Path] = None
     if present and any(p.name != "config.yaml" for p in present):

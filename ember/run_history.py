@@ -7,8 +7,8 @@ unless `resume_allow_changes` names them. Every other key (how long, how it lear
 and saves, the layout) may change; each change is printed and recorded.
 
 What is written:
-- `OUTPUT_DIR/config.yaml`: the config of the run's latest segment (`ember train OUTPUT_DIR/config.yaml`
-  continues the run as it is now, `... resume=none` repeats it from scratch);
+- `OUTPUT_DIR/config.yaml`: the config of the run's latest segment, with resume=auto and resume_allow_changes=[]
+  (`ember train OUTPUT_DIR/config.yaml` continues the run as it is now, `... resume=none` repeats it from scratch);
 - `OUTPUT_DIR/config_history/segment-N-step-S.yaml`: segment N's whole config, started at step S, a header
   comment naming its time, the checkpoint it resumed and what it changed; each is a recipe too;
 - `checkpoints/step-N/run_config.yaml`: the config of the segment that saved that checkpoint, which a resume
@@ -17,6 +17,7 @@ What is written:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -124,7 +125,10 @@ def describe_changes(found: list[Change]) -> str:
 
 def record_segment(output_dir: Path, cfg: config_lib.JobConfig, start_step: int, resumed_from: Optional[Path],
                    found: list[Change]) -> Path:
-    """Write config.yaml (this segment's config) and add it to config_history/; returns the history file."""
+    """Write config.yaml (this segment's config) and add it to config_history/; returns the history file.
+    Both say resume=auto and resume_allow_changes=[]: run again, each continues the run, and a permission given
+    to this resume does not carry over to the next (the header says how this segment started)."""
+    cfg = dataclasses.replace(cfg, resume="auto", resume_allow_changes=[])
     history = output_dir / HISTORY_DIR
     history.mkdir(parents=True, exist_ok=True)
     numbers = [int(p.name.split("-")[1]) for p in history.glob("segment-*-step-*.yaml") if p.name.split("-")[1].isdigit()]

@@ -13,6 +13,7 @@ import torch
 import transformers
 
 from ember import config as config_lib
+from ember.checkpoint import archive_previous_run
 from ember.config import ConfigError
 from ember.convert import save_ember_checkpoint
 from ember.models import build_model_args
@@ -170,3 +171,22 @@ def test_no_training_from_scratch_over_checkpoints_that_cannot_be_resumed(tmp_pa
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert "is missing" in proc.stderr and "no checkpoint in" in proc.stderr and "resume=none" in proc.stderr
     assert (step_dir / "model.json").is_file() and not (out / "checkpoints" / "step-4").exists()
+
+
+def test_starting_over_moves_every_file_of_the_old_run(tmp_path: Path):
+    """resume=none: the old run's tracker ids go too (the new run must not log into its W&B/MLflow run), and
+    its run.json and report (ember report previous-*/ names its model); the trackers' stores stay."""
+    out = tmp_path / "r"
+    files = ["metrics.jsonl", "run.json", "config.yaml", "wandb-run-id", "mlflow-run-id", "report.html", "eval.json",
+             "checkpoints/step-2/model.json", "tb/events", "config_history/segment-1-step-0.yaml",
+             "report/loss.png", "profile/rank0.step3-4.pt.trace.json"]
+    stores = ["mlflow.db", "mlartifacts/1/a", "wandb/offline-run-x/run.wandb", "logs/job-1.out"]
+    for name in files + stores:
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text(name)
+    said: list[str] = []
+    previous = archive_previous_run(out, said.append)
+    assert previous is not None and previous.parent == out
+    assert [name for name in files if (previous / name).read_text() != name] == []
+    assert [name for name in files if (out / name).exists()] == []
+    assert [name for name in stores if (out / name).read_text() != name] == []

@@ -226,3 +226,24 @@ def test_an_unchanged_resume_continues_bit_for_bit(tmp_path: Path):
     assert pick(part_records) == pick(whole_records)
     assert [{k: v for k, v in g.items() if k != "params"} for g in resumed.optimizer.param_groups] == [
         {k: v for k, v in g.items() if k != "params"} for g in uninterrupted.optimizer.param_groups]
+
+
+def test_config_yaml_continues_the_run_whatever_started_it(tmp_path: Path):
+    out = tmp_path / "run"
+    _train(out, "max_steps=2")
+    _train(out, "max_steps=2", "resume=none", "resume_allow_changes=[data]")  # the first run moved aside
+    for path in (out / "config.yaml", out / "config_history" / "segment-1-step-0.yaml"):
+        saved = yaml.safe_load(path.read_text())
+        assert (saved["resume"], saved["resume_allow_changes"]) == ("auto", []), path
+    # `ember train OUT/config.yaml` continues this run: it neither moves it aside nor starts from 0.
+    trainer = Trainer(config_lib.load(str(out / "config.yaml"), ["max_steps=4"]))
+    assert trainer.checkpointer.resumed_from == out / "checkpoints" / "step-2"
+    trainer.train()
+    assert len(list(out.glob("previous-*"))) == 1 and _segments(out) == ["segment-1-step-0.yaml", "segment-2-step-2.yaml"]
+    # A run started from another run's checkpoint continues from its own after that.
+    other = tmp_path / "other"
+    _train(other, "max_steps=6", f"resume={out / 'checkpoints' / 'step-4'}")
+    assert yaml.safe_load((other / "config.yaml").read_text())["resume"] == "auto"
+    trainer = Trainer(config_lib.load(str(other / "config.yaml"), ["max_steps=8"]))
+    assert trainer.checkpointer.resumed_from == other / "checkpoints" / "step-6"
+    trainer.train_loader.close()
