@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-from ember.errors import ConfigError
+from ember.errors import ConfigError, UserFileNotFound
 
 EVAL_USAGE = """usage: ember eval PATH TASK[=DATA] ... [key=value ...] [--output FILE] [--tokenizer FILE]
   PATH: an ember run or checkpoint, an HF directory or an `ember convert --to torch` file
@@ -313,9 +313,29 @@ def _eval_data_config(path: str, dataset: Optional[str], overrides: list[str]) -
         if (run / "config.yaml").is_file():
             base = OmegaConf.merge(base, (yaml.safe_load((run / "config.yaml").read_text()) or {}).get("data", {}))
         base = OmegaConf.merge(base, OmegaConf.from_dotlist(dotlist))
-        return OmegaConf.to_object(base)
+        data_cfg = OmegaConf.to_object(base)
     except OmegaConfBaseException as err:
         raise ConfigError(f"bad data key for ppl: {str(err).splitlines()[0]}") from None
+    if not dataset and not any(o.startswith("data.dataset=") for o in overrides) and (run / "config.yaml").is_file():
+        _check_run_dataset(data_cfg.dataset, run / "config.yaml")
+    return data_cfg
+
+
+def _check_run_dataset(spec: str, config_yaml: Path) -> None:
+    """The run's data.dataset as training wrote it (as given), so a relative path is read relative to the current
+    directory: where it is not there, say where it came from and how to point at it."""
+    import glob
+
+    from ember.data.sources import EMBEDDED, SYNTHETIC, _looks_like_path
+
+    local = Path(spec).expanduser()
+    if spec in (EMBEDDED, SYNTHETIC) or local.is_absolute():
+        return
+    missing = not glob.glob(spec) if glob.has_magic(spec) else not local.exists() and _looks_like_path(spec)
+    if missing:
+        raise UserFileNotFound(f"data.dataset '{spec}' comes from {config_yaml} and is read relative to the current "
+                               f"directory ({Path.cwd()}), where it is not; run from the directory the run was started "
+                               "in, or pass data.dataset=ABSOLUTE_PATH")
 
 
 def _trained_seq_len(path: Path) -> Optional[int]:

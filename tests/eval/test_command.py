@@ -184,3 +184,34 @@ def test_a_moved_run_keeps_its_eval_json(run: Path, tmp_path: Path):
     assert proc.returncode == 2 and proc.stderr == (f"error: {eval_json} holds results of another model ({moved}, "
                                                     "step 2); pass another --output or move it aside\n"), proc.stderr
     assert list(_results(eval_json)) == ["lambada", "boolq"]
+
+
+def test_a_relative_dataset_in_the_runs_config_says_where_it_is_read(run: Path, tmp_path: Path):
+    """Training writes data.dataset as given: `corpus.jsonl` is read relative to the current directory. From
+    elsewhere that is one line naming the run's config.yaml and the fix; from the run's starting directory, or
+    with an absolute data.dataset, ppl scores it. (The copy's config.yaml is edited to a relative dataset.)"""
+    import shutil
+
+    import yaml
+
+    started, elsewhere = tmp_path / "started", tmp_path / "elsewhere"
+    started.mkdir()
+    elsewhere.mkdir()
+    _write(started / "corpus.jsonl", [{"text": t} for t in TEXTS * 20])
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    config = yaml.safe_load((copy / "config.yaml").read_text())
+    config["data"]["dataset"] = "corpus.jsonl"
+    (copy / "config.yaml").write_text(yaml.safe_dump(config))
+    proc = _ember("eval", str(copy), "ppl", cwd=elsewhere)
+    assert proc.returncode == 2 and proc.stderr == (
+        f"error: data.dataset 'corpus.jsonl' comes from {copy / 'config.yaml'} and is read relative to the current "
+        f"directory ({elsewhere}), where it is not; run from the directory the run was started in, or pass "
+        "data.dataset=ABSOLUTE_PATH\n"), proc.stderr
+    proc = _ember("eval", str(copy), "ppl", "--output", str(tmp_path / "a.json"), cwd=started)
+    assert proc.returncode == 0, proc.stderr
+    proc = _ember("eval", str(copy), "ppl", f"data.dataset={started / 'corpus.jsonl'}", "--output",
+                  str(tmp_path / "b.json"), cwd=elsewhere)
+    assert proc.returncode == 0, proc.stderr
+    here, absolute = _results(tmp_path / "a.json")["ppl"], _results(tmp_path / "b.json")["ppl"]
+    assert here == absolute and (here["data"], here["split"]) == (str(started / "corpus.jsonl"), "val")
