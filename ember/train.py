@@ -212,8 +212,9 @@ class Trainer:
                 return build()
 
         init_weights([part for _, part in stages], build_on_meta, cfg.seed, self.device, self.mesh is not None)
-        if cfg.model.init_from:
-            load_weights([part for _, part in stages], cfg.model.init_from)
+        if cfg.model.init_from:  # on resume, the base of a LoRA or DPO checkpoint: a failure says so
+            with base_fingerprint.resumed_base(cfg.resume, self.output_dir, cfg.model.init_from):
+                load_weights([part for _, part in stages], cfg.model.init_from)
         if lora is not None:
             lora_lib.init_lora([part for _, part in stages], cfg.seed)
         return stages, num_stages, whole

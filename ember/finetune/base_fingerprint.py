@@ -15,12 +15,13 @@ timestamps are too recent to tell a later same-tick write apart is hashed again 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Iterator, Optional, Union
 
 import torch.distributed as dist
 
@@ -132,6 +133,41 @@ def check_resume_base(step_dir: Path, run_meta: dict[str, Any]) -> None:
                               f"model.init_from={run_meta[path_key]} holds now ({changes}); resume on the "
                               "weights it was trained with, or start over on these with resume=none (the old "
                               "run is moved aside)")
+
+
+@contextlib.contextmanager
+def resumed_base(resume: str, output_dir: Union[str, Path], init_from: str) -> Iterator[None]:
+    """Loading model.init_from at the start of a run; when it fails and the checkpoint the run would resume was
+    trained on it (a LoRA run's base, a full DPO run's reference: both rebuilt from model.init_from on resume),
+    the error says so, what changed and what to do, instead of only that a directory lacks a file."""
+    try:
+        yield
+    except EmberError as err:
+        step_dir = _checkpoint_to_resume(resume, Path(output_dir))
+        saved = read_json(step_dir / MODEL_JSON) if step_dir is not None else {}
+        base = str(Path(init_from).expanduser().resolve())
+        for key, path_key, what in ((FINGERPRINT_KEY, "base", "base"),
+                                    (REFERENCE_FINGERPRINT_KEY, "reference", "DPO reference")):
+            if saved.get(path_key) == base and isinstance(saved.get(key), dict):
+                try:
+                    found = differences(saved[key], fingerprint(base)) or str(err)
+                except (OSError, EmberError):
+                    found = str(err)
+                raise ConfigError(f"resume: checkpoint {step_dir} was trained on the {what} model.init_from={base}, "
+                                  f"which cannot be loaded now ({found}); put the {what} it was trained on back "
+                                  "there, or start over on other weights with resume=none (the old run is moved "
+                                  "aside)") from None
+        raise
+
+
+def _checkpoint_to_resume(resume: str, output_dir: Path) -> Optional[Path]:
+    """The checkpoint `resume` names (auto: the run's newest complete one), or None."""
+    if resume == "none":
+        return None
+    try:
+        return ember_step_dir(output_dir if resume == "auto" else Path(resume).expanduser())
+    except EmberError:  # no complete checkpoint there: nothing to resume
+        return None
 
 
 class _DigestCache:

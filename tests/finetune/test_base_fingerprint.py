@@ -12,7 +12,7 @@ import torch
 
 from ember import config as config_lib
 from ember.convert import convert, save_hf
-from ember.errors import CheckpointError, ConfigError
+from ember.errors import CheckpointError, ConfigError, EmberError
 from ember.finetune import base_fingerprint
 from ember.finetune.base_fingerprint import differences, fingerprint
 from ember.load import load_model, load_weights
@@ -171,3 +171,20 @@ def test_a_full_dpo_run_refuses_to_resume_on_a_changed_reference(base_ckpt: Path
         f"resume: checkpoint {run / 'checkpoints' / 'step-2'} was trained with another DPO reference than "
         f"model.init_from={base.resolve()} holds now (model.safetensors changed); resume on the weights it was "
         "trained with, or start over on these with resume=none (the old run is moved aside)")
+
+
+def test_resuming_on_a_base_that_lost_its_weights_names_it_as_the_runs_base(base_ckpt: Path, tmp_path: Path):
+    base, run = tmp_path / "base-hf", tmp_path / "lora"
+    convert(base_ckpt, base, "hf")
+    _lora(run, base, 2).train()
+    (base / "model.safetensors").unlink()
+    with pytest.raises(ConfigError) as err:  # resume=auto: the checkpoint's base is model.init_from
+        _lora(run, base, 4)
+    assert str(err.value) == (
+        f"resume: checkpoint {run / 'checkpoints' / 'step-2'} was trained on the base model.init_from="
+        f"{base.resolve()}, which cannot be loaded now (model.safetensors gone); put the base it was trained on "
+        "back there, or start over on other weights with resume=none (the old run is moved aside)")
+    with pytest.raises(EmberError) as err:  # starting over: no checkpoint to name, the loader's own line
+        Trainer(config_lib.load("debug", SHAPE + LORA + ["max_steps=2", f"model.init_from={base}", "resume=none",
+                                                         f"output_dir={tmp_path / 'other'}"]))
+    assert str(err.value) == f"'{base}' has no model.safetensors or model.safetensors.index.json"
