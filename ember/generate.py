@@ -34,12 +34,14 @@ def tokenizer_for(path: Union[str, Path], spec: Optional[str] = None) -> Any:
     the model's vocabulary), or an HF directory's tokenizer.json."""
     import yaml
 
-    from ember.data.tokenizer import embedded_tokenizer, load_tokenizer
+    from ember.data.tokenizer import embedded_tokenizer, load_tokenizer, torch_file_without_tokenizer
     from ember.model_meta import MODEL_JSON, read_model_json
 
     if spec:
         return load_tokenizer(spec)
     path = Path(path).expanduser()
+    if path.is_file():  # a torch file: it names no tokenizer
+        raise torch_file_without_tokenizer(path)
     if path.is_dir() and (path / "tokenizer.json").is_file():
         return load_tokenizer(str(path / "tokenizer.json"))
     run = path if (path / "config.yaml").is_file() else path.parent.parent  # a run, or its checkpoints/step-N

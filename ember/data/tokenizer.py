@@ -24,7 +24,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from ember.constants import default_cache_dir
 from ember.data import sources
-from ember.errors import DataError, UserFileNotFound
+from ember.errors import ConfigError, DataError, UserFileNotFound
 
 BOS, EOS, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"
 # Special tokens of common tokenizer.json files, most specific first (Llama 3, Llama 2/Mistral, GPT-2/NeoX).
@@ -118,6 +118,17 @@ def embedded_tokenizer(vocab_size: int, val_fraction: float, cache_dir: Optional
     tok = train_bpe(docs.texts, vocab_size)
     sources.atomic_write(path, lambda f: f.write(tok.to_str().encode()))
     return Tokenizer(tok, name)
+
+
+def torch_file_without_tokenizer(path: Path) -> ConfigError:
+    """The error for a model given as a torch file (`ember convert --to torch`) with no --tokenizer. It names no
+    cached file: the file keeps the model's vocab size only, and the embedded BPE's cache is keyed by corpus,
+    vocab size, val_fraction and recipe version, so several cached BPEs of that size may fit and only the run's
+    config (or its HF export) says which one it trained with; a guess would give a wrong number."""
+    return ConfigError(f"'{path}' is a torch file: it holds no tokenizer and does not say which one its run used; "
+                       "give the run directory instead (its tokenizer is known), or --tokenizer FILE with the run's "
+                       "data.tokenizer (in its config.yaml), or export the run with `ember convert RUN --to hf`, "
+                       "which writes its tokenizer (the embedded BPE too) beside the weights")
 
 
 class TokenizerLike(Protocol):

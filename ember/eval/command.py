@@ -47,6 +47,7 @@ def run_eval(argv: list[str]) -> int:
     path, tasks, options, data_overrides, output, tokenizer_spec = _parse_eval_args(argv)
     from ember.eval import TASKS, ppl
     from ember.eval.tasks import HUB, TASK_ROWS
+    from ember.generate import tokenizer_for
 
     data_cfg = _eval_data_config(path, tasks.get("ppl"), data_overrides) if "ppl" in tasks else None
     for task, data in tasks.items():  # every local row checked before the model loads
@@ -55,7 +56,7 @@ def run_eval(argv: list[str]) -> int:
     target = _target(Path(path), output)
     _read_previous(target, Path(path))  # a file we may not add to stops us before any work
     model, ranks = _load(path, meshes)
-    tokenizer = _tokenizer(path, tokenizer_spec, model.args.vocab_size)
+    tokenizer = tokenizer_for(path, tokenizer_spec)  # a torch file's error says how to get the run's
     # ppl's default window: the sequence length the run trained at (its config.yaml), else the model's
     options.setdefault("eval.seq_len", _trained_seq_len(Path(path)))
     results: dict[str, dict] = {}
@@ -175,25 +176,6 @@ def _report(path: Path, results: dict[str, dict], target: Path) -> None:
     print(f"wrote {target}" + (f" (kept the earlier {', '.join(kept)})" if kept else ""))
 
 
-def _tokenizer(path: str, spec: Optional[str], vocab_size: int) -> Any:
-    """The model's tokenizer (ember.generate.tokenizer_for); for a torch file, which holds none, the error says
-    where the run's is."""
-    from ember.constants import default_cache_dir
-    from ember.generate import tokenizer_for
-
-    try:
-        return tokenizer_for(path, spec)
-    except ConfigError:
-        if spec or not Path(path).is_file():
-            raise
-    cached = sorted((default_cache_dir() / "tokenizers").glob(f"embedded-bpe-{vocab_size}-*.json"))
-    embedded = (f"the embedded BPE cached at {cached[0]}" if len(cached) == 1 else
-                f"the embedded BPE, cached as {default_cache_dir() / 'tokenizers'}/embedded-bpe-{vocab_size}-*.json")
-    raise ConfigError(f"'{path}' is a torch file, which holds no tokenizer; pass --tokenizer FILE: the run's "
-                      f"data.tokenizer (in its config.yaml), or for a run without one {embedded} "
-                      "(`ember convert RUN --to hf` also writes it as tokenizer.json)")
-
-
 def _eval_harness(argv: list[str], meshes: dict[str, dict[str, int]]) -> int:
     """`ember eval PATH --harness TASK[,TASK] [--include-path DIR] [--limit N] [--output FILE] [--tokenizer F]`:
     lm-evaluation-harness tasks through ember.eval.harness.EmberLM."""
@@ -212,13 +194,14 @@ def _eval_harness(argv: list[str], meshes: dict[str, dict[str, int]]) -> int:
     from ember.eval.harness import EmberLM, simple_evaluate
     from ember.eval.scoring import check_batch_size
     from ember.eval.tasks import check_limit
+    from ember.generate import tokenizer_for
 
     check_limit(args.limit, "--limit")
     check_batch_size(args.batch_size, "--batch-size")
     target = _target(Path(args.path), args.output)
     _read_previous(target, Path(args.path))
     model, ranks = _load(args.path, meshes)
-    tokenizer = _tokenizer(args.path, args.tokenizer, model.args.vocab_size)
+    tokenizer = tokenizer_for(args.path, args.tokenizer)
     lm = EmberLM(model, tokenizer, batch_size=args.batch_size, ranks=ranks)
     out = simple_evaluate(lm, args.harness.split(","), include_path=args.include_path, limit=args.limit)
     if not _is_main():  # lm-eval returns the results on the first process only (its convention under torchrun)

@@ -127,27 +127,32 @@ def test_bad_values_are_one_line_and_lose_nothing(run: Path, tmp_path: Path):
     assert _results(other) == {"boolq": {"acc": 0.5}} and broken.read_text() == "{not json"
 
 
-def test_a_torch_file_without_tokenizer_says_where_the_runs_is(run: Path, tmp_path: Path):
-    from ember.constants import default_cache_dir
-
+def test_a_torch_file_without_tokenizer_names_no_guess(run: Path, tmp_path: Path):
+    """A torch file keeps no tokenizer and no trace of which one its run used (cached embedded BPEs of the same
+    vocab size differ by val_fraction and corpus), so the error names no cached file, only ways that are certain:
+    the run, its data.tokenizer, or an HF export (which carries the tokenizer). eval and generate say the same."""
     model = tmp_path / "m.pt"
     proc = _ember("convert", str(run), str(model), "--to", "torch")
     assert proc.returncode == 0, proc.stderr
+    message = (f"error: '{model}' is a torch file: it holds no tokenizer and does not say which one its run used; "
+               "give the run directory instead (its tokenizer is known), or --tokenizer FILE with the run's "
+               "data.tokenizer (in its config.yaml), or export the run with `ember convert RUN --to hf`, which "
+               "writes its tokenizer (the embedded BPE too) beside the weights\n")
     proc = _ember("eval", str(model), "ppl", "eval.max_tokens=40")
-    cached = sorted((default_cache_dir() / "tokenizers").glob("embedded-bpe-8192-*.json"))  # debug's vocabulary
-    where = f"cached at {cached[0]}" if len(cached) == 1 else "embedded-bpe-8192-*.json"
-    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
-    assert f"'{model}' is a torch file, which holds no tokenizer; pass --tokenizer FILE: the run's data.tokenizer" \
-           in proc.stderr and where in proc.stderr
-    if len(cached) == 1:  # the file named is the run's: the same numbers as the run itself
-        # (the same window too: a torch file has no config.yaml to give the run's seq_len)
-        proc = _ember("eval", str(model), "ppl", "eval.max_tokens=40", "eval.seq_len=32", "--tokenizer", str(cached[0]))
+    assert (proc.returncode, proc.stderr) == (2, message)
+    proc = _ember("generate", str(model), "--prompt", "def", "--max-new-tokens", "2")
+    assert (proc.returncode, proc.stderr) == (2, message)
+    # the HF export the error points to carries the run's tokenizer: the same numbers as the run (same window)
+    proc = _ember("convert", str(run), str(tmp_path / "hf"), "--to", "hf")
+    assert proc.returncode == 0, proc.stderr
+    losses = []
+    exported = str(tmp_path / "hf" / "tokenizer.json")
+    for path, extra in ((run, []), (tmp_path / "hf", []), (model, ["--tokenizer", exported])):
+        out = tmp_path / f"{len(losses)}.json"
+        proc = _ember("eval", str(path), "ppl", "eval.max_tokens=40", "eval.seq_len=32", *extra, "--output", str(out))
         assert proc.returncode == 0, proc.stderr
-        proc = _ember("eval", str(run), "ppl", "eval.max_tokens=40", "eval.seq_len=32", "--output",
-                      str(tmp_path / "run.json"))
-        assert proc.returncode == 0, proc.stderr
-        assert _results(model.with_name("m.pt.eval.json"))["ppl"]["loss"] == pytest.approx(
-            _results(tmp_path / "run.json")["ppl"]["loss"], rel=1e-6)
+        losses.append(_results(out)["ppl"]["loss"])
+    assert losses[1] == pytest.approx(losses[0], rel=1e-6) and losses[2] == pytest.approx(losses[0], rel=1e-6)
 
 
 def test_hub_tasks_that_cannot_load_are_one_line(run: Path, tmp_path: Path):
@@ -157,7 +162,8 @@ def test_hub_tasks_that_cannot_load_are_one_line(run: Path, tmp_path: Path):
     for task, name in (("boolq", "super_glue"), ("lambada", "EleutherAI/lambada_openai")):
         proc = _ember("eval", str(run), task, env=env)
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
-        assert proc.stderr.startswith(f"error: cannot load {task} data '{name}' from the Hugging Face hub: "), proc.stderr
+        assert proc.stderr.startswith(f"error: cannot load {task} data '{name}' from the Hugging Face hub: "), \
+            proc.stderr
         assert proc.stderr.endswith(f"; give a local jsonl file ({task}=FILE.jsonl)\n"), proc.stderr
 
 
