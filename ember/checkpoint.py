@@ -36,6 +36,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
+from ember.config_schema import ModelConfig
 from ember.errors import CheckpointError, first_error_line
 from ember.finetune.base_fingerprint import check_resume_base
 from ember.finetune.lora import trainable_state_dict
@@ -256,13 +257,22 @@ class CheckpointManager:
         check_resume_base(step_dir, self.meta)  # a LoRA run's base overwritten since: a ConfigError, no fallback
         state = self._state()
         settings = group_settings(self.optimizer)  # this run's optim.* (the checkpoint's replace them in `state`)
-        verify(step_dir, state)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            try:
-                dcp.load(state, checkpoint_id=str(step_dir))
-            except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
-                raise CheckpointError(f"checkpoint {step_dir} cannot be loaded: {first_error_line(err)}") from None
+        try:
+            verify(step_dir, state)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                try:
+                    dcp.load(state, checkpoint_id=str(step_dir))
+                except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
+                    raise CheckpointError(f"checkpoint {step_dir} cannot be loaded: {first_error_line(err)}") from None
+        except CheckpointError as err:
+            allowed = [c.key for c in found if c.identity]
+            if allowed:  # the change may be what fails: an older checkpoint of the run would fail the same way
+                raise RunChanged(f"{err}; with resume_allow_changes changing {', '.join(allowed)}, no older "
+                                 "checkpoint is tried: resume with the checkpoint's values (then a damaged checkpoint "
+                                 "falls back to the one before), or start over with resume=none (the old run is moved "
+                                 "aside) or a new output_dir") from None
+            raise
         apply_group_settings(state["optim"]["param_groups"], settings)  # before loading: fused/foreach place state
         set_optimizer_state_dict(self.optim_model, self.optimizer, state["optim"])
         rank_file = step_dir / f"train-rank{_rank()}.pt"
@@ -283,15 +293,22 @@ class ArchitectureMismatch(CheckpointError):
     """A checkpoint of another model than the run's (layers, sizes, RoPE, family...)."""
 
 
+def _config_key(arg: str) -> str:
+    """The config key that sets a model hyper-parameter: model.<arg>, else the flavor it comes from."""
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    arg = arg.removesuffix("_override")  # ffn_hidden_dim's field in the args
+    return f"model.{arg}" if arg in fields else f"model.flavor ({arg})"
+
+
 def architecture_differences(saved: dict[str, Any], run: dict[str, Any]) -> list[str]:
-    """'key: checkpoint X, this run Y' for each hyper-parameter (and the family) that differs."""
+    """'key: checkpoint X, this run Y' for each hyper-parameter (and the family) that differs, named by config key."""
     diffs = []
     if saved.get("family") != run.get("family"):
         diffs.append(f"model.family: checkpoint {saved.get('family')}, this run {run.get('family')}")
     saved_args, run_args = saved.get("args") or {}, run.get("args") or {}
     for key in sorted(set(saved_args) | set(run_args)):
         if saved_args.get(key) != run_args.get(key):
-            diffs.append(f"{key}: checkpoint {saved_args.get(key)}, this run {run_args.get(key)}")
+            diffs.append(f"{_config_key(key)}: checkpoint {saved_args.get(key)}, this run {run_args.get(key)}")
     return diffs
 
 
@@ -303,8 +320,9 @@ def check_architecture(step_dir: Path, meta: dict[str, Any]) -> None:
     if diffs:
         more = f" (and {len(diffs) - 3} more)" if len(diffs) > 3 else ""
         raise ArchitectureMismatch(
-            f"checkpoint {step_dir} is of another model: {'; '.join(diffs[:3])}{more}. Resume with the same "
-            "model config, or start over with resume=none (the old run is moved aside) or a new output_dir")
+            f"checkpoint {step_dir} is of another model: {'; '.join(diffs[:3])}{more}. The model's architecture "
+            "cannot change on resume, not even with resume_allow_changes: resume with the checkpoint's model config, "
+            "or start over with resume=none (the old run is moved aside) or a new output_dir")
 
 
 def starts_over(resume: str, output_dir: Path) -> bool:

@@ -36,6 +36,9 @@ CHECKPOINT_CONFIG = "run_config.yaml"
 IDENTITY = ("seed", "task", "seq_len", "global_batch_size", "model", "data", "lora", "dpo", "optim.name")
 # Keys inside those sections that change how the run computes, not what: memory, the loader's thread.
 NOT_IDENTITY = ("model.remat", "model.remat_every", "data.num_workers", "data.prefetch")
+# Keys of what the run is that no resume can change, allowed or not: the checkpoint holds other tensors (the
+# adapters' shapes and where they sit). The model's architecture is checked before these (checkpoint.py).
+FIXED = ("lora.rank", "lora.targets")
 # How this segment was started, not what it runs.
 NOT_COMPARED = ("resume", "resume_allow_changes")
 
@@ -103,15 +106,19 @@ def resume_changes(step_dir: Path, run_config: dict[str, Any], allowed: Sequence
         raise CheckpointError(f"{saved_file} does not parse ({str(err).splitlines()[0]}); restore it, or start "
                               "over with resume=none") from None
     found = changes(saved, run_config)
-    refused = [c for c in found if c.identity and not any(_covers(name, c.key) for name in allowed)]
-    if refused:
-        keys = ",".join(c.key for c in refused)
-        raise RunChanged(
-            f"resume from {step_dir} would change what the run is: "
-            + "; ".join(f"{c.key}: checkpoint {_show(c.before)}, this run {_show(c.after)}" for c in refused)
-            + ". Resume with the checkpoint's values, start over with resume=none (the old run is moved aside) or a "
-            f"new output_dir, or make the change on purpose with resume_allow_changes=[{keys}]")
-    return found
+    fixed = [c for c in found if any(_covers(name, c.key) for name in FIXED)]
+    refused = [c for c in found if c.identity and c not in fixed and not any(_covers(name, c.key) for name in allowed)]
+    if not (fixed or refused):
+        return found
+    listed = "; ".join(f"{c.key}: checkpoint {_show(c.before)}, this run {_show(c.after)}" for c in fixed + refused)
+    start_over = "start over with resume=none (the old run is moved aside) or a new output_dir"
+    if fixed:  # suggesting resume_allow_changes would only lead to a checkpoint that cannot be loaded
+        raise RunChanged(f"resume from {step_dir} would change what the run is: {listed}. "
+                         f"{', '.join(c.key for c in fixed)} cannot change on resume, not even with "
+                         f"resume_allow_changes: resume with the checkpoint's values, or {start_over}")
+    raise RunChanged(f"resume from {step_dir} would change what the run is: {listed}. Resume with the checkpoint's "
+                     f"values, {start_over}, or make the change on purpose with "
+                     f"resume_allow_changes=[{','.join(c.key for c in refused)}]")
 
 
 def describe_changes(found: list[Change]) -> str:

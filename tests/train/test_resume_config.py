@@ -247,3 +247,49 @@ def test_config_yaml_continues_the_run_whatever_started_it(tmp_path: Path):
     trainer = Trainer(config_lib.load(str(other / "config.yaml"), ["max_steps=8"]))
     assert trainer.checkpointer.resumed_from == other / "checkpoints" / "step-6"
     trainer.train_loader.close()
+
+
+def test_keys_no_resume_can_change_are_never_suggested(tmp_path: Path):
+    step_dir = tmp_path / "run" / "checkpoints" / "step-2"
+    step_dir.mkdir(parents=True)
+    config_lib.save(config_lib.JobConfig(), step_dir / run_history.CHECKPOINT_CONFIG)
+    now = run_history.config_dict(config_lib.JobConfig(seed=3))
+    now["lora"]["rank"] = 8
+    for allowed, listed in (([], "lora.rank: checkpoint 0, this run 8; seed: checkpoint 0, this run 3"),
+                            (["lora.rank", "seed"], "lora.rank: checkpoint 0, this run 8"),
+                            (["lora", "seed"], "lora.rank: checkpoint 0, this run 8")):
+        with pytest.raises(run_history.RunChanged) as err:
+            run_history.resume_changes(step_dir, now, allowed, print)
+        assert str(err.value) == (
+            f"resume from {step_dir} would change what the run is: {listed}. lora.rank cannot change on resume, not "
+            "even with resume_allow_changes: resume with the checkpoint's values, or start over with resume=none (the "
+            "old run is moved aside) or a new output_dir")
+
+
+def test_an_architecture_change_is_refused_by_config_key(tmp_path: Path):
+    out = tmp_path / "run"
+    _train(out, "max_steps=2")
+    with pytest.raises(ConfigError) as err:
+        Trainer(config_lib.load("debug", [*SYNTHETIC, "max_steps=4", "model.n_layers=3", f"output_dir={out}",
+                                          "resume_allow_changes=[model]"]))
+    assert str(err.value) == (
+        f"checkpoint {out / 'checkpoints' / 'step-2'} is of another model: model.n_layers: checkpoint 2, this run 3. "
+        "The model's architecture cannot change on resume, not even with resume_allow_changes: resume with the "
+        "checkpoint's model config, or start over with resume=none (the old run is moved aside) or a new output_dir")
+
+
+def test_an_allowed_change_never_falls_back_to_older_checkpoints(tmp_path: Path, capsys: pytest.CaptureFixture):
+    out = tmp_path / "run"
+    _train(out, "max_steps=4", "checkpoint.interval=2")
+    step_dir = out / "checkpoints" / "step-4"
+    shard = sorted(step_dir.glob("*.distcp"))[0]
+    shard.unlink()
+    capsys.readouterr()
+    with pytest.raises(ConfigError) as err:
+        Trainer(config_lib.load("debug", [*SYNTHETIC, "max_steps=6", "seed=1", "resume_allow_changes=seed",
+                                          f"output_dir={out}"]))
+    assert str(err.value) == (
+        f"checkpoint {step_dir}: shard file {shard.name} is missing; with resume_allow_changes changing seed, no older "
+        "checkpoint is tried: resume with the checkpoint's values (then a damaged checkpoint falls back to the one "
+        "before), or start over with resume=none (the old run is moved aside) or a new output_dir")
+    assert "falling back" not in capsys.readouterr().out
