@@ -243,7 +243,8 @@ def test_cli_writes_eval_json_and_refuses_bad_input(tmp_path: Path):
     assert proc.returncode == 0, proc.stderr
     report = json.loads((run / "checkpoints" / "step-2" / "eval.json").read_text())
     assert report["model"] == str(run) and report["step"] == 2
-    assert set(report["results"]["ppl"]) == {"loss", "perplexity", "bits_per_byte", "tokens", "data", "split"}
+    assert set(report["results"]["ppl"]) == {"loss", "perplexity", "bits_per_byte", "tokens", "seq_len", "stride",
+                                             "data", "split"}
     assert (report["results"]["ppl"]["data"], report["results"]["ppl"]["split"]) == ("embedded", "val")
     assert report["results"]["ppl"]["perplexity"] == pytest.approx(math.exp(report["results"]["ppl"]["loss"]))
     assert report["results"]["lambada"]["data"] == str(Path(data).resolve())
