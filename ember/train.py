@@ -296,6 +296,13 @@ class Trainer:
     # ---------------------------------------------------------------- the loop
     def train(self) -> dict:
         cfg = self.cfg
+        if self.step >= cfg.max_steps:  # a finished run asked again: no segment, record, evaluation or checkpoint
+            self._say(f"already at step {self.step} of max_steps={cfg.max_steps}: nothing to train, nothing written "
+                      "(raise max_steps to continue, or resume=none to start over)")
+            self._close_loaders()
+            return {"first_loss": None, "final_loss": None, "final_loss_avg": None, "final_loss_steps": None,
+                    "val_loss": None, "steps": self.step, "checkpoint": str(self.checkpointer.resumed_from),
+                    "stopped_by_signal": None, "skipped_steps": self.health.skipped_total, "eval": {}}
         self.output_dir.mkdir(parents=True, exist_ok=True)
         if self.is_main:
             # config.yaml is this segment's; config_history/ keeps every segment's (ember/run_history.py).
@@ -313,9 +320,6 @@ class Trainer:
         first: Optional[tuple[int, float]] = None  # (step, loss) of this run's first good step
         batches = self.global_batches()
         progress = progress_bar(self.console, enabled=self.is_main and cfg.metrics.console)
-        if self.step >= cfg.max_steps and self.step > 0:
-            self._say(f"already at step {self.step} of max_steps={cfg.max_steps}: nothing to train "
-                      "(raise max_steps to continue, or resume=none to start over)")
         stopped = False
         # The main rank prints the summary; every rank writes its trace.
         profiler = StepProfiler(cfg.profile.enabled, cfg.profile.step, cfg.profile.steps, self.output_dir, self.rank,
@@ -369,9 +373,7 @@ class Trainer:
 
         val_loss = None if stopped else self.evaluate()
         tasks = {} if stopped else self.eval_tasks()
-        for loader in (self.train_loader, self.val_loader):
-            if loader is not None:
-                loader.close()  # stop the prefetch threads before the process moves on
+        self._close_loaders()
         step_dir = self.output_dir / "checkpoints" / f"step-{self.step}"
         if not stopped and not (step_dir / "model.json").is_file():
             self._save_now()
@@ -400,6 +402,11 @@ class Trainer:
                                f"{summary['final_loss_avg']:.3f} ({last}){val}; model saved to {step_dir}")
             self.console.print(f"see the run: ember report {self.output_dir}", markup=False, highlight=False)
         return summary
+
+    def _close_loaders(self) -> None:
+        for loader in (self.train_loader, self.val_loader):
+            if loader is not None:
+                loader.close()  # stop the prefetch threads before the process moves on
 
     def _save_now(self) -> None:
         self.checkpointer.save(self.step, self.train_state(), blocking=True)

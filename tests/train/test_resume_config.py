@@ -293,3 +293,16 @@ def test_an_allowed_change_never_falls_back_to_older_checkpoints(tmp_path: Path,
         "checkpoint is tried: resume with the checkpoint's values (then a damaged checkpoint falls back to the one "
         "before), or start over with resume=none (the old run is moved aside) or a new output_dir")
     assert "falling back" not in capsys.readouterr().out
+
+
+def test_a_finished_run_asked_again_writes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture):
+    out = tmp_path / "run"
+    _train(out, "max_steps=2")
+    before = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    capsys.readouterr()
+    summary = Trainer(config_lib.load("debug", [*SYNTHETIC, "max_steps=2", "seed=1", "resume_allow_changes=seed",
+                                                "eval_interval=1", f"output_dir={out}"])).train()
+    assert {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()} == before
+    assert ("already at step 2 of max_steps=2: nothing to train, nothing written (raise max_steps to continue, or "
+            "resume=none to start over)\n") in capsys.readouterr().out
+    assert (summary["steps"], summary["val_loss"]) == (2, None)
