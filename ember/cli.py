@@ -294,10 +294,12 @@ def cmd_convert(argv: list[str]) -> int:
     parser.add_argument("--to", choices=("hf", "ember", "torch", "peft"), default=None,
                         help="target format (default: hf -> ember, ember -> hf, torch -> ember); peft: a LoRA run's "
                         "adapters as adapter_config.json + adapter_model.safetensors")
-    parser.add_argument("--merge", action="store_true", help="fold a LoRA run's adapters into its base (W + alpha/r "
-                        "B A) and write a whole model (hf unless --to says otherwise; implied for hf, ember, torch)")
+    parser.add_argument("--merge", action="store_true", help="fold a LoRA run's (or a peft adapter's) adapters into "
+                        "its base (W + alpha/r B A) and write a whole model (hf unless --to says otherwise; implied "
+                        "for hf, ember, torch); refused for a whole model, which has none")
     parser.add_argument("--overwrite", action="store_true", help="replace what DST holds (refused without it when "
-                        "DST is not empty, and always when DST holds what the conversion reads)")
+                        "DST is not empty, and always when DST holds what the conversion reads; a file only when it "
+                        "is an earlier --to torch export). --to torch writes a file, the others a directory")
     try:
         args = parser.parse_args(argv)
     except SystemExit as exit_:

@@ -10,6 +10,7 @@ import dataclasses
 import json
 import os
 import shutil
+import zipfile
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
@@ -107,10 +108,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def export_tokenizer(src: Path, dst: Path, vocab_size: int) -> bool:
-    """Put the model's tokenizer beside its HF export, so `AutoTokenizer.from_pretrained(dst)` and `model.init_from=
-    dst` find it: the files of the folder it came from (an HF directory's own, or the run's data.tokenizer), or
-    ember's embedded BPE (a run without data.tokenizer) saved as tokenizer.json with its EOS named. False when
-    no tokenizer is known (a torch file without its run)."""
+    """Put the model's tokenizer beside its HF or ember export, so `AutoTokenizer.from_pretrained(dst)`,
+    `model.init_from=dst`, `ember eval` and `ember generate` (tokenizer_for) find it: the files of the folder it
+    came from (an HF directory's own, or the run's data.tokenizer), or ember's embedded BPE (a run without
+    data.tokenizer) saved as tokenizer.json with its EOS named. False when no tokenizer is known (a torch file
+    without its run)."""
     import yaml
 
     from ember.data.tokenizer import embedded_tokenizer
@@ -140,10 +142,11 @@ def convert(src: Union[str, Path], dst: Union[str, Path], to: Optional[str] = No
             overwrite: bool = False) -> str:
     """Convert a model between a Hugging Face directory, an ember checkpoint and a torch.save file; a LoRA
     run's adapters to a peft directory (`to="peft"`), or folded into its base (`merge`, and always for the
-    whole-model formats). A peft directory reads as its base with the adapter folded in.
-    `dst` must be new or empty unless `overwrite`; it is written beside it and swapped in whole, so a failed
-    conversion leaves it as it was. Returns the target format. The model is held in memory once; formats
-    convert tensor by tensor."""
+    whole-model formats: ember too, as a plain checkpoint). A peft directory reads as its base with the adapter
+    folded in; `merge` of a whole model is refused. The model's tokenizer goes beside an hf or ember output.
+    `dst` must be new or empty unless `overwrite` (see check_destination); it is written beside it and swapped
+    in whole, so a failed conversion leaves it as it was. Returns the target format. The model is held in memory
+    once; formats convert tensor by tensor."""
     src, dst = Path(src), Path(dst)
     source = detect_format(src) if src.exists() else None
     if source is None:
@@ -151,13 +154,17 @@ def convert(src: Union[str, Path], dst: Union[str, Path], to: Optional[str] = No
     target = to or ("hf" if merge else {"hf": "ember", "ember": "hf", "torch": "ember", "peft": "hf"}[source])
     if target not in ("hf", "ember", "torch", "peft"):
         raise CheckpointError(f"--to {target}: choose hf, ember, torch or peft")
-    if source == target:
+    step_dir = ember_step_dir(src) if source == "ember" else None
+    meta = read_json(step_dir / MODEL_JSON) if step_dir is not None else {}
+    lora_run = "lora" in meta
+    if merge and not (lora_run or source == "peft"):  # a whole model already: --merge would mean nothing
+        raise CheckpointError(f"--merge folds a LoRA run's or a peft adapter's adapters into the base; '{src}' is "
+                              f"{_WHOLE_MODEL[source]}, with none to fold: drop --merge")
+    if source == target and not lora_run:  # a LoRA run to ember: its merged model, a plain checkpoint
         raise CheckpointError(f"'{src}' is already in {target} format")
-    check_destination(src, dst, overwrite)
+    check_destination(src, dst, overwrite, target)
     if target == "peft":
-        step_dir = ember_step_dir(src) if source == "ember" else None
-        meta = read_json(step_dir / MODEL_JSON) if step_dir is not None else {}
-        if merge or "lora" not in meta:
+        if merge or not lora_run:
             raise CheckpointError(f"--to peft writes a LoRA run's adapters; '{src}' is not one (trained without "
                                   "lora.rank)" if not merge else "--merge folds the adapters into the base: use --to hf")
         check_lora_base(step_dir, meta)  # the adapter names that base: on other weights it would mean another model
@@ -170,7 +177,6 @@ def convert(src: Union[str, Path], dst: Union[str, Path], to: Optional[str] = No
         meta = _meta_of(model)
     else:
         model = load_model(src)
-        step_dir = ember_step_dir(src) if source == "ember" else None
         meta = _meta_of(model)
         if step_dir is not None:  # keep the checkpoint's own family (llama3.1, not the class's) and flavor labels
             family, flavor, _ = read_model_json(step_dir / MODEL_JSON)
@@ -179,30 +185,64 @@ def convert(src: Union[str, Path], dst: Union[str, Path], to: Optional[str] = No
     with _staged(dst) as stage:
         if target == "hf":
             save_hf(model, model.args, stage)
-            if source != "torch":
-                export_tokenizer(src, stage, model.args.vocab_size)
         elif target == "torch":
             torch.save({"model": model.state_dict(), "ember": meta}, stage)
         else:
             save_ember_checkpoint(model, meta["family"], meta["flavor"], model.args, stage)
+        if target != "torch" and source != "torch":  # a torch file holds no tokenizer, nor knows its run
+            export_tokenizer(src, stage, model.args.vocab_size)
     return target
 
 
-def check_destination(src: Path, dst: Path, overwrite: bool) -> None:
+_DIRECTORY_NAMES = {"hf": "Hugging Face directory", "ember": "ember checkpoint", "peft": "peft adapter directory"}
+_WHOLE_MODEL = {"hf": "a Hugging Face directory", "torch": "a torch.save file",
+                "ember": "an ember checkpoint of a whole model (trained without lora.rank)"}
+
+
+def check_destination(src: Path, dst: Path, overwrite: bool, to: str) -> None:
     """`ember convert` writes into a new or empty `dst`; over anything else only with --overwrite, and never over
     what the conversion reads (the source, or a LoRA run's or peft adapter's base): that would destroy the
-    model being converted, or leave the run it came from on other weights."""
+    model being converted, or leave the run it came from on other weights. `--to torch` writes one file, the
+    other formats a directory: a destination of the other kind is refused, and an existing file is replaced only
+    when it is an earlier `--to torch` export (not, say, the weights file of an HF directory, which that would
+    break)."""
+    writes_file = to == "torch"
+    if dst.exists() and dst.is_dir() == writes_file:
+        kind, writes = ("a directory", "one file") if writes_file else ("a file", "a directory")
+        example = f" such as '{dst / 'model.pt'}'" if writes_file else ""
+        raise CheckpointError(f"'{dst}' is {kind}, but --to {to} writes {writes}: give a new path{example}")
     if not dst.exists() or (dst.is_dir() and not any(dst.iterdir())):
         return
     if not overwrite:
+        if writes_file:
+            raise CheckpointError(f"'{dst}' exists; give --overwrite to replace it, or write to a new file")
         raise CheckpointError(f"'{dst}' is not empty; give --overwrite to replace what it holds, or write to a new "
                               "directory")
+    if writes_file and not _is_torch_export(dst):
+        try:
+            part_of = f" (it is part of the {_DIRECTORY_NAMES[detect_format(dst.parent)]} '{dst.parent}')"
+        except UserFileNotFound:
+            part_of = ""
+        raise CheckpointError(f"'{dst}' is not a file `ember convert --to torch` wrote{part_of}; --overwrite replaces "
+                              "only such a file: write to a new file")
     target = dst.resolve()
     for read in _files_read(src):
         if read == target or target in read.parents:
             model = read if read == target else read.parent  # a torch file, or the directory of a model's files
             raise CheckpointError(f"'{dst}' holds {model}, which converting '{src}' reads; --overwrite would destroy "
                                   "it: write to another directory")
+
+
+def _is_torch_export(path: Path) -> bool:
+    """Whether `path` is a file `ember convert --to torch` writes: {"model": state_dict, "ember": model.json}.
+    mmap: the tensors are not read."""
+    if not zipfile.is_zipfile(path):
+        return False
+    try:
+        payload = torch.load(path, weights_only=True, mmap=True, map_location="cpu")
+    except Exception:  # any unreadable file is simply not one
+        return False
+    return isinstance(payload, dict) and "model" in payload and "ember" in payload
 
 
 def _files_read(path: Path) -> list[Path]:

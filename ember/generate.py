@@ -31,7 +31,8 @@ class Generation:
 def tokenizer_for(path: Union[str, Path], spec: Optional[str] = None) -> Any:
     """The tokenizer of the model at `path`: `spec` when given (a tokenizer.json, SentencePiece or tiktoken
     file), else the one its training run used (the run's config.yaml: data.tokenizer, or the embedded BPE of
-    the model's vocabulary), or an HF directory's tokenizer.json."""
+    the model's vocabulary), or the tokenizer.json / tokenizer.model in the model's directory (an HF directory's,
+    or the files `ember convert` copies beside an ember checkpoint it writes)."""
     import yaml
 
     from ember.data.tokenizer import embedded_tokenizer, load_tokenizer, torch_file_without_tokenizer
@@ -42,8 +43,9 @@ def tokenizer_for(path: Union[str, Path], spec: Optional[str] = None) -> Any:
     path = Path(path).expanduser()
     if path.is_file():  # a torch file: it names no tokenizer
         raise torch_file_without_tokenizer(path)
-    if path.is_dir() and (path / "tokenizer.json").is_file():
-        return load_tokenizer(str(path / "tokenizer.json"))
+    # An HF directory's own, or the one `ember convert` copies beside the checkpoint it writes
+    if path.is_dir() and any((path / name).is_file() for name in ("tokenizer.json", "tokenizer.model")):
+        return load_tokenizer(str(path))
     run = path if (path / "config.yaml").is_file() else path.parent.parent  # a run, or its checkpoints/step-N
     step = path if (path / MODEL_JSON).is_file() else None
     if step is None and (run / "checkpoints").is_dir():

@@ -10,11 +10,12 @@ model.json = {"family", "flavor", "args"}, enough to rebuild the model without t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
 import zipfile
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Iterator, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -72,7 +73,6 @@ def base_state_dict(model: Union[nn.Module, list[nn.Module]]) -> dict[str, Any]:
 def load_hf_weights(model: Union[nn.Module, list[nn.Module]], directory: Path) -> None:
     """Copy a Hugging Face directory's weights into `model` (maybe sharded: FSDP/TP DTensors, pipeline
     stages), tensor by tensor: each is read, mapped to ember's layout, and only this rank's shard kept."""
-    from safetensors import safe_open
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     family, config = _hf_family(directory)
@@ -84,7 +84,7 @@ def load_hf_weights(model: Union[nn.Module, list[nn.Module]], directory: Path) -
     targets = base_state_dict(model)
     loaded: set[str] = set()
     for path in _hf_weight_files(directory):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
+        with open_safetensors(path) as f:
             for key in f.keys():
                 if hf.skip_hf_key(key, args):
                     continue
@@ -310,6 +310,20 @@ def _hf_weight_files(directory: Path) -> list[Path]:
     raise UserFileNotFound(f"'{directory}' has no model.safetensors or model.safetensors.index.json{hint}")
 
 
+@contextlib.contextmanager
+def open_safetensors(path: Path) -> Iterator[Any]:
+    """safe_open(path) on the CPU; a damaged file (truncated, or another format written over it) is a one-line
+    error naming it, whether its header or a tensor is what cannot be read."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            yield f
+    except SafetensorError as err:
+        raise CheckpointError(f"'{path}' is not a readable safetensors file ({first_error_line(err)}): it is damaged "
+                              "or another format was written over it; export or copy it again") from None
+
+
 HF_FAMILIES = {"llama": HF_FAMILY, "mixtral": "mixtral", "gpt2": "gpt"}  # config.json model_type -> ember family
 
 
@@ -329,8 +343,6 @@ def _hf_family(directory: Path) -> tuple[str, dict[str, Any]]:
 
 
 def _load_hf(directory: Path, device: Device, dtype: torch.dtype) -> nn.Module:
-    from safetensors import safe_open
-
     family, config = _hf_family(directory)
     hf = MODELS[family].hf
     try:
@@ -339,7 +351,7 @@ def _load_hf(directory: Path, device: Device, dtype: torch.dtype) -> nn.Module:
         raise CheckpointError(f"'{directory / 'config.json'}': {err}") from None
     hf_state = {}
     for path in _hf_weight_files(directory):  # tensor by tensor, straight to the target device and dtype
-        with safe_open(str(path), framework="pt", device="cpu") as f:
+        with open_safetensors(path) as f:
             for key in f.keys():
                 hf_state[key] = f.get_tensor(key).to(device, dtype)
     try:

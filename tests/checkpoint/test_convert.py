@@ -189,12 +189,132 @@ def test_convert_writes_over_a_non_empty_destination_only_with_overwrite(tmp_pat
         assert (code, err) == (2, f"error: '{dst}' holds {step}, which converting '{step}' reads; --overwrite would "
                                   "destroy it: write to another directory\n")
     assert load_model(step) is not None and (tmp_path / "run" / "checkpoints").is_dir()
-    # A file destination too
-    (tmp_path / "model.pt").write_bytes(b"keep me")
-    code, err = _convert_in_process(capsys, str(step), str(tmp_path / "model.pt"), "--to", "torch")
-    assert code == 2 and "model.pt' is not empty; give --overwrite" in err and (tmp_path / "model.pt").read_bytes() == b"keep me"
-    assert _convert_in_process(capsys, str(step), str(tmp_path / "model.pt"), "--to", "torch", "--overwrite") == (0, "")
+    # A file destination too: an earlier --to torch export is replaced with --overwrite
+    pt = tmp_path / "model.pt"
+    assert _convert_in_process(capsys, str(tmp_path / "second"), str(pt), "--to", "torch") == (0, "")
+    before = pt.read_bytes()
+    code, err = _convert_in_process(capsys, str(step), str(pt), "--to", "torch")
+    assert (code, err) == (2, f"error: '{pt}' exists; give --overwrite to replace it, or write to a new file\n")
+    assert pt.read_bytes() == before
+    assert _convert_in_process(capsys, str(step), str(pt), "--to", "torch", "--overwrite") == (0, "")
+    with torch.no_grad():
+        assert torch.equal(load_model(pt)(tokens), first(tokens))
     assert not list(tmp_path.glob(".*convert-*"))  # no staging left behind
+
+
+def test_a_destination_of_another_kind_than_the_format_writes_is_refused(tmp_path: Path, capsys):
+    # --to torch writes one file, the other formats a directory; --overwrite replaced a file with a directory, or
+    # wrote a torch pickle over an HF directory's weights (which then failed to load).
+    model = _model("llama3")
+    save_ember_checkpoint(model, "llama3", "debug", model.args, tmp_path / "ck")
+    hf = tmp_path / "hf"
+    assert _convert_in_process(capsys, str(tmp_path / "ck"), str(hf)) == (0, "")
+    weights = hf / "model.safetensors"
+    before = weights.read_bytes()
+    for overwrite in ([], ["--overwrite"]):
+        code, err = _convert_in_process(capsys, str(tmp_path / "ck"), str(weights), "--to", "hf", *overwrite)
+        assert (code, err) == (2, f"error: '{weights}' is a file, but --to hf writes a directory: give a new path\n")
+        code, err = _convert_in_process(capsys, str(tmp_path / "ck"), str(hf), "--to", "torch", *overwrite)
+        assert (code, err) == (2, f"error: '{hf}' is a directory, but --to torch writes one file: give a new path such "
+                                  f"as '{hf / 'model.pt'}'\n")
+    code, err = _convert_in_process(capsys, str(tmp_path / "ck"), str(weights), "--to", "torch", "--overwrite")
+    assert (code, err) == (2, f"error: '{weights}' is not a file `ember convert --to torch` wrote (it is part of the "
+                              f"Hugging Face directory '{hf}'); --overwrite replaces only such a file: write to a new "
+                              "file\n")
+    notes = tmp_path / "notes.txt"
+    notes.write_text("keep me")
+    code, err = _convert_in_process(capsys, str(tmp_path / "ck"), str(notes), "--to", "torch", "--overwrite")
+    assert (code, err) == (2, f"error: '{notes}' is not a file `ember convert --to torch` wrote; --overwrite replaces "
+                              "only such a file: write to a new file\n")
+    assert weights.read_bytes() == before and notes.read_text() == "keep me"
+    (tmp_path / "empty").mkdir()
+    code, err = _convert_in_process(capsys, str(tmp_path / "ck"), str(tmp_path / "empty"), "--to", "torch")
+    assert code == 2 and "is a directory, but --to torch writes one file" in err and (tmp_path / "empty").is_dir()
+
+
+def test_a_damaged_safetensors_file_is_one_line_naming_it(tmp_path: Path, capsys):
+    model = _model("llama3")
+    save_ember_checkpoint(model, "llama3", "debug", model.args, tmp_path / "ck")
+    hf = tmp_path / "hf"
+    convert(tmp_path / "ck", hf)
+    weights = hf / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])  # truncated
+    code, err = _convert_in_process(capsys, str(hf), str(tmp_path / "out"))
+    assert (code, err) == (2, f"error: '{weights}' is not a readable safetensors file (Error while deserializing "
+                              "header: incomplete metadata, file not fully covered): it is damaged or another format "
+                              "was written over it; export or copy it again\n")
+    convert(tmp_path / "ck", tmp_path / "model.pt", "torch")
+    weights.write_bytes((tmp_path / "model.pt").read_bytes())  # a torch pickle where the safetensors were
+    code, err = _convert_in_process(capsys, str(hf), str(tmp_path / "out"))
+    assert (code, err) == (2, f"error: '{weights}' is not a readable safetensors file (Error while deserializing "
+                              "header: header too large): it is damaged or another format was written over it; "
+                              "export or copy it again\n")
+    assert not (tmp_path / "out").exists()
+
+
+def test_merge_applies_to_a_lora_run_or_a_peft_adapter_only(tmp_path: Path, capsys):
+    model = _model("llama3")
+    save_ember_checkpoint(model, "llama3", "debug", model.args, tmp_path / "ck")
+    convert(tmp_path / "ck", tmp_path / "hf")
+    convert(tmp_path / "ck", tmp_path / "model.pt", "torch")
+    for src, what in (("ck", "an ember checkpoint of a whole model (trained without lora.rank)"),
+                      ("hf", "a Hugging Face directory"), ("model.pt", "a torch.save file")):
+        code, err = _convert_in_process(capsys, str(tmp_path / src), str(tmp_path / "out"), "--merge")
+        assert (code, err) == (2, f"error: --merge folds a LoRA run's or a peft adapter's adapters into the base; "
+                                  f"'{tmp_path / src}' is {what}, with none to fold: drop --merge\n")
+    assert not (tmp_path / "out").exists()
+
+
+LORA_RUN = ["data.dataset=synthetic", "model.n_layers=2", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2",
+            "model.vocab_size=512", "seq_len=32", "global_batch_size=8", "micro_batch_size=8", "eval_batches=1",
+            "metrics.console=false", "metrics.tensorboard=false", "optim.lr=1e-2", "max_steps=2"]
+
+
+def test_a_lora_run_to_ember_is_its_merged_model_with_its_tokenizer(tmp_path: Path, capsys):
+    # README: --merge is implied by --to hf|ember|torch for a LoRA run; --to ember was refused as "already in
+    # ember format", with --merge too.
+    Trainer(config_lib.load("debug", LORA_RUN + [f"output_dir={tmp_path / 'base'}"])).train()
+    Trainer(config_lib.load("debug", LORA_RUN + ["lora.rank=4", "lora.alpha=8", f"model.init_from={tmp_path / 'base'}",
+                                                 f"output_dir={tmp_path / 'lora'}"])).train()
+    step = tmp_path / "lora" / "checkpoints" / "step-2"
+    tokens = torch.randint(0, 512, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = load_model(tmp_path / "lora")(tokens)
+    for src, dst, flags in (("lora", "merged", ["--to", "ember"]), ("lora", "merged2", ["--to", "ember", "--merge"]),
+                            (str(step), "merged3", ["--to", "ember"])):
+        assert _convert_in_process(capsys, str(tmp_path / src), str(tmp_path / dst), *flags) == (0, "")
+        meta = json.loads((tmp_path / dst / "model.json").read_text())
+        assert "lora" not in meta and "base" not in meta  # a plain checkpoint: it needs no base
+        with torch.no_grad():
+            torch.testing.assert_close(load_model(tmp_path / dst)(tokens), expected, rtol=1e-5, atol=1e-5)
+    from ember.generate import tokenizer_for
+
+    merged_tokenizer, run_tokenizer = tokenizer_for(tmp_path / "merged"), tokenizer_for(tmp_path / "lora")
+    assert merged_tokenizer.encode("def main(") == run_tokenizer.encode("def main(")
+    code, err = _convert_in_process(capsys, str(tmp_path / "base"), str(tmp_path / "again"), "--to", "ember")
+    assert (code, err) == (2, f"error: '{tmp_path / 'base'}' is already in ember format\n")
+
+
+def test_hf_to_ember_keeps_the_tokenizer_beside_the_checkpoint(tmp_path: Path, capsys):
+    # `ember eval dcp` / `ember generate dcp` after `ember convert hf dcp` said "no tokenizer is known".
+    import tokenizers
+
+    model = _model("llama3")
+    hf = tmp_path / "hf"
+    save_ember_checkpoint(model, "llama3", "debug", model.args, tmp_path / "ck")
+    convert(tmp_path / "ck", hf)
+    vocab = {"<unk>": 0, "</s>": 1, **{f"w{i}": i for i in range(2, 512)}}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tok.save(str(hf / "tokenizer.json"))
+    (hf / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    assert _convert_in_process(capsys, str(hf), str(tmp_path / "dcp")) == (0, "")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (tmp_path / "dcp" / name).read_bytes() == (hf / name).read_bytes()
+    assert cli.main(["generate", str(tmp_path / "dcp"), "--prompt", "w5 w9", "--max-new-tokens", "3", "--json"]) == 0
+    from_dcp = json.loads(capsys.readouterr().out)
+    assert cli.main(["generate", str(hf), "--prompt", "w5 w9", "--max-new-tokens", "3", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == from_dcp and len(from_dcp["token_ids"]) == 3
 
 
 @pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o027, 0o640)])

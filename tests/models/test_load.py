@@ -119,6 +119,31 @@ def test_hf_weights_that_do_not_fit_the_config(tmp_path: Path):
         load_model(tmp_path)
 
 
+@pytest.mark.parametrize("damage, reason", [
+    (lambda data: data[:-100], "Error while deserializing header: incomplete metadata, file not fully covered"),
+    (lambda data: b"PK\x03\x04" + data, "Error while deserializing header: header too large"),  # another format
+])
+def test_a_damaged_safetensors_file_is_one_line_for_every_reader(tmp_path: Path, damage, reason: str):
+    # load_model (ember eval, generate, convert) and load_weights (model.init_from, a sharded ember eval) raised
+    # safetensors' own SafetensorError, a traceback
+    from ember.load import load_weights
+    from safetensors.torch import save_file
+
+    args = build_model_args("llama3", "debug", {"n_layers": 1, "vocab_size": 64, "max_seq_len": 32})
+    (tmp_path / "config.json").write_text(json.dumps(hf.hf_config_from_args(args)))
+    weights = tmp_path / "model.safetensors"
+    save_file(hf.to_hf_state_dict(Transformer(args).state_dict(), args), str(weights))
+    weights.write_bytes(damage(weights.read_bytes()))
+    message = (f"'{weights}' is not a readable safetensors file ({reason}): it is damaged or another format was "
+               "written over it; export or copy it again")
+    with pytest.raises(CheckpointError) as err:
+        load_model(tmp_path)
+    assert str(err.value) == message
+    with pytest.raises(CheckpointError) as err:
+        load_weights(Transformer(args), tmp_path)
+    assert str(err.value) == message
+
+
 def test_the_file_of_convert_to_torch_loads(tmp_path: Path):
     # `ember convert --to torch` writes one file; load_model used to refuse it as "a file".
     from ember.convert import convert, save_ember_checkpoint
