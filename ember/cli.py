@@ -28,6 +28,7 @@ with 2 as well, --help on stdout with 0 (every command and subcommand). `ember -
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from pathlib import Path
@@ -119,20 +120,30 @@ def _launch(flags: dict[str, str], command: str, command_argv: list[str], check:
                      "--rdzv-endpoint", flags["--rdzv-endpoint"], "--rdzv-id", "ember"]
     else:
         run_args += ["--standalone"]
-    import logging
     import tempfile
 
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
     # torchrun sets one thread per process and says so; ember sets its own share of the cores instead.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    # The ranks' own errors are what the user needs; the launcher's "failed (exitcode: ...)" records are not.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    # The ranks' own errors are what the user needs; the launcher's "failed (exitcode: ...)" and "Received 2 death
+    # signal" records are not. Each elastic module's logger has its own level, so the parent's alone is not enough.
+    for name in [name for name in logging.root.manager.loggerDict if name.startswith("torch.distributed.elastic")]:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    killed = _KilledRanks()  # but which ranks torchrun had to kill after a signal is worth a word
+    processes_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    processes_log.setLevel(logging.WARNING)
+    processes_log.propagate = False
+    processes_log.addHandler(killed)
     with tempfile.TemporaryDirectory(prefix="ember-errors-") as error_dir:
         os.environ[ERROR_DIR_ENV] = error_dir  # ranks write user errors there instead of printing each
         try:
             torchrun_main(run_args + ["-m", "ember", command, *command_argv])
+        except SignalException as err:
+            # torchrun passed the signal on to every rank and waited for them: each said above what it did.
+            return _stopped_by(signal_name=err.sigval.name, killed=killed.pids)
         except ChildFailedError as err:
             user_errors: dict[str, list[str]] = {}  # message -> ranks, so an error every rank hit prints once
             for path in sorted(Path(error_dir).glob("rank*.txt"), key=lambda p: int(p.stem[4:])):
@@ -147,7 +158,40 @@ def _launch(flags: dict[str, str], command: str, command_argv: list[str], check:
             return 1
         finally:
             os.environ.pop(ERROR_DIR_ENV, None)
+            processes_log.removeHandler(killed)
+            processes_log.propagate = True
     return 0
+
+
+class _KilledRanks(logging.Handler):
+    """Notes the ranks torchrun killed because they had not stopped within its shutdown timeout (its record is
+    silenced with the others; the one line after a signal says it instead)."""
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.WARNING)
+        self.pids: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.msg.startswith("Unable to shutdown process") and record.args:
+            self.pids.append(str(record.args[0]))
+
+
+def _stopped_by(signal_name: str, killed: list[str]) -> int:
+    """The launcher's one line and exit code after SIGINT/SIGTERM (it passes the signal on to the ranks): those of
+    a single process, 130 for SIGINT, 0 or EMBER_EXIT_CODE_ON_STOP for SIGTERM, 128 + N for another signal."""
+    import signal
+
+    if killed:
+        print(f"error: stopped by {signal_name}, but torchrun killed process {', '.join(killed)}, not stopped within "
+              "its shutdown timeout: a checkpoint being written is not committed (resume=auto uses the one before; "
+              "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=SECONDS waits longer than the default 30)", file=sys.stderr)
+    else:
+        print(f"stopped by {signal_name}: passed on to every rank (a training run saves a checkpoint at its next "
+              "step and exits; the ranks' lines above say what each did)", file=sys.stderr)
+    stop_code = os.environ.get(STOP_EXIT_ENV, "")
+    if signal_name == "SIGTERM":
+        return int(stop_code) if stop_code.isdigit() else 0
+    return 128 + signal.Signals[signal_name].value
 
 
 def _report_rank_failure(err: BaseException) -> int:

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import pytest
 
 
 def _ember(*args: str) -> subprocess.CompletedProcess:
@@ -61,3 +68,35 @@ def test_print_and_dry_run_mean_the_same_for_slurm_and_k8s(tmp_path):
             header = ("# Written", "#   ember launch")  # the date and the command line differ
             outputs[flag] = [line for line in text.replace(str(out), "OUT").splitlines() if not line.startswith(header)]
         assert outputs["--print"] == outputs["--dry-run"], where
+
+
+TINY = ["debug", "data.dataset=synthetic", "model.n_layers=2", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2",
+        "model.vocab_size=256", "seq_len=32", "global_batch_size=4", "micro_batch_size=2", "logging_steps=1",
+        "max_steps=100000", "checkpoint.interval=0", "metrics.console=false"]
+
+
+@pytest.mark.parametrize("sig, exit_code, stop_env", [(signal.SIGINT, 130, None), (signal.SIGTERM, 0, None),
+                                                      (signal.SIGTERM, 75, "75")])
+def test_a_signal_to_the_launcher_is_one_line_and_the_single_process_exit_code(
+        tmp_path: Path, sig: signal.Signals, exit_code: int, stop_env: Optional[str]):
+    # torchrun's agent passes the signal on to the ranks, which save and stop; its own SignalException is not a
+    # traceback, and the exit code is a single process's: 130 for Ctrl-C, 0 or EMBER_EXIT_CODE_ON_STOP for SIGTERM.
+    out = tmp_path / "run"
+    env = {name: value for name, value in os.environ.items() if name != "EMBER_EXIT_CODE_ON_STOP"}
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **({"EMBER_EXIT_CODE_ON_STOP": stop_env} if stop_env else {}))
+    proc = subprocess.Popen([sys.executable, "-m", "ember", "launch", "local", "--nproc-per-node", "1", *TINY,
+                             f"output_dir={out}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    # A logged step: the rank's loop runs with its handlers (and the launcher's were installed before it started
+    # the rank). The ceiling only bounds a hang.
+    metrics, deadline = out / "metrics.jsonl", time.monotonic() + 600
+    while '"loss"' not in (metrics.read_text() if metrics.is_file() else ""):
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        assert time.monotonic() < deadline, "the run logged no step"
+        time.sleep(0.05)
+    proc.send_signal(sig)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == exit_code, stderr[-3000:]
+    assert stderr == (f"stopped by {sig.name}: passed on to every rank (a training run saves a checkpoint at its next "
+                      "step and exits; the ranks' lines above say what each did)\n")
+    (step_dir,) = (out / "checkpoints").iterdir()
+    assert f"{sig.name}: saving a checkpoint at step {step_dir.name.split('-')[1]} and exiting" in stdout
