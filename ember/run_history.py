@@ -122,12 +122,13 @@ def resume_changes(step_dir: Path, run_config: dict[str, Any], allowed: Sequence
 
 
 def describe_changes(found: list[Change]) -> str:
-    """The console line of a resume that changed keys."""
+    """The console line of a resume that changed keys: against the config that saved the checkpoint, which is what
+    the resumed state was trained with (an earlier segment that saved no checkpoint left nothing of its own)."""
     allowed = [c.describe() for c in found if c.identity]
     text = "; ".join(c.describe() for c in found if not c.identity)
     if allowed:
         text += ("; " if text else "") + "allowed by resume_allow_changes: " + "; ".join(allowed)
-    return f"changed on resume (recorded in {HISTORY_DIR}/): {text}"
+    return f"changed on resume, against the checkpoint's config (recorded in {HISTORY_DIR}/): {text}"
 
 
 def record_segment(output_dir: Path, cfg: config_lib.JobConfig, start_step: int, resumed_from: Optional[Path],
@@ -142,7 +143,7 @@ def record_segment(output_dir: Path, cfg: config_lib.JobConfig, start_step: int,
     segment = max(numbers, default=0) + 1
     header = [f"# segment {segment} of {output_dir}: started {time.strftime('%Y-%m-%dT%H:%M:%S%z')} at step {start_step}",
               f"# resumed from {resumed_from}" if resumed_from else "# from scratch"]
-    header += [f"# changed: {c.describe()}" + (" (resume_allow_changes)" if c.identity else "")
+    header += [f"# changed against the checkpoint: {c.describe()}" + (" (resume_allow_changes)" if c.identity else "")
                for c in sorted(found, key=lambda c: c.identity)]  # as the console line orders them
     path = history / f"segment-{segment}-step-{start_step}.yaml"
     tmp = path.with_suffix(".yaml.tmp")

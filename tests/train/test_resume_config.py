@@ -66,14 +66,15 @@ def test_allowed_changes_are_printed_and_each_segment_is_kept(tmp_path: Path, co
     proc = _ember("train", *TINY, f"data.dataset={corpus}", "max_steps=4", "optim.lr=0.001",
                   "schedule.name=constant", f"output_dir={out}")
     assert proc.returncode == 0, proc.stderr
-    assert ("changed on resume (recorded in config_history/): max_steps: 2 -> 4; optim.lr: 0.002 -> 0.001; "
+    assert ("changed on resume, against the checkpoint's config (recorded in config_history/): max_steps: 2 -> 4; "
+            "optim.lr: 0.002 -> 0.001; "
             "schedule.name: cosine -> constant\n") in proc.stdout
     # The other keys of what the run is may change when resume_allow_changes names them; said as such.
     proc = _ember("train", *TINY, "data.dataset=synthetic", "max_steps=6", "optim.lr=0.001", "schedule.name=constant",
                   "resume_allow_changes=[data]", f"output_dir={out}")
     assert proc.returncode == 0, proc.stderr
-    assert (f"changed on resume (recorded in config_history/): max_steps: 4 -> 6; allowed by resume_allow_changes: "
-            f"data.dataset: {corpus} -> synthetic\n") in proc.stdout
+    assert (f"changed on resume, against the checkpoint's config (recorded in config_history/): max_steps: 4 -> 6; "
+            f"allowed by resume_allow_changes: data.dataset: {corpus} -> synthetic\n") in proc.stdout
 
     assert _segments(out) == ["segment-1-step-0.yaml", "segment-2-step-2.yaml", "segment-3-step-4.yaml"]
     history = out / "config_history"
@@ -82,8 +83,9 @@ def test_allowed_changes_are_printed_and_each_segment_is_kept(tmp_path: Path, co
         (2, 0.002, "cosine", str(corpus)), (4, 0.001, "constant", str(corpus)), (6, 0.001, "constant", "synthetic")]
     header = [line for line in (history / "segment-3-step-4.yaml").read_text().splitlines() if line.startswith("#")]
     assert header[0].startswith(f"# segment 3 of {out}: started ") and header[0].endswith(" at step 4")
-    assert header[1:] == [f"# resumed from {out / 'checkpoints' / 'step-4'}", "# changed: max_steps: 4 -> 6",
-                          f"# changed: data.dataset: {corpus} -> synthetic (resume_allow_changes)"]
+    assert header[1:] == [f"# resumed from {out / 'checkpoints' / 'step-4'}",
+                          "# changed against the checkpoint: max_steps: 4 -> 6",
+                          f"# changed against the checkpoint: data.dataset: {corpus} -> synthetic (resume_allow_changes)"]
     # config.yaml is the latest segment's; each checkpoint holds the config that saved it.
     assert yaml.safe_load((out / "config.yaml").read_text())["max_steps"] == 6
     saved = {s: yaml.safe_load((out / "checkpoints" / f"step-{s}" / "run_config.yaml").read_text())["max_steps"]
