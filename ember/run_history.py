@@ -17,6 +17,7 @@ What is written:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
@@ -151,3 +152,28 @@ def record_segment(output_dir: Path, cfg: config_lib.JobConfig, start_step: int,
     tmp.replace(path)
     config_lib.save(cfg, output_dir / "config.yaml")
     return path
+
+
+class SegmentStart:
+    """A segment's files written before its first step: config.yaml and its config_history/ file (record_segment),
+    then run.json (metrics.py). `undo` puts back what was there when the run is refused before that step (a
+    tracker that cannot start), so a refused start leaves no segment that never ran."""
+
+    KEPT = ("config.yaml", "run.json")
+
+    def __init__(self, output_dir: Path, cfg: config_lib.JobConfig, start_step: int, resumed_from: Optional[Path],
+                 found: list[Change]):
+        self.output_dir = output_dir
+        self.kept = {name: (output_dir / name).read_bytes() if (output_dir / name).is_file() else None
+                     for name in self.KEPT}
+        self.path = record_segment(output_dir, cfg, start_step, resumed_from, found)
+
+    def undo(self) -> None:
+        self.path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # config_history/ goes only if this segment was its first
+            self.path.parent.rmdir()
+        for name, data in self.kept.items():
+            if data is None:
+                (self.output_dir / name).unlink(missing_ok=True)
+            else:
+                (self.output_dir / name).write_bytes(data)

@@ -304,16 +304,22 @@ class Trainer:
                     "val_loss": None, "steps": self.step, "checkpoint": str(self.checkpointer.resumed_from),
                     "stopped_by_signal": None, "skipped_steps": self.health.skipped_total, "eval": {}}
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        if self.is_main:
-            # config.yaml is this segment's; config_history/ keeps every segment's (ember/run_history.py).
-            run_history.record_segment(self.output_dir, cfg, self.step, self.checkpointer.resumed_from,
-                                       self.checkpointer.changes)
-        self._print_header()  # before the trackers start: a tracker that cannot start fails after it, in one line
-        logger = MetricsLogger(self.output_dir, cfg.metrics, enabled=self.is_main, console=self.console,
-                               start_step=self.step, run_info={"device": self.device, "mesh": self.shape.describe(),
-                                                               "world_size": self.world_size, "params": self.num_params,
-                                                               "compute": self._compute_description(),
-                                                               "model": self._built_model()})
+        # config.yaml is this segment's; config_history/ keeps every segment's (ember/run_history.py). The trackers
+        # read config.yaml when they start; a start refused before the first step takes the segment back.
+        segment = (run_history.SegmentStart(self.output_dir, cfg, self.step, self.checkpointer.resumed_from,
+                                            self.checkpointer.changes) if self.is_main else None)
+        try:
+            self._print_header()  # before the trackers start: a tracker that cannot start fails after it, in one line
+            logger = MetricsLogger(self.output_dir, cfg.metrics, enabled=self.is_main, console=self.console,
+                                   start_step=self.step, run_info={"device": self.device, "mesh": self.shape.describe(),
+                                                                   "world_size": self.world_size,
+                                                                   "params": self.num_params,
+                                                                   "compute": self._compute_description(),
+                                                                   "model": self._built_model()})
+        except BaseException:
+            if segment is not None:
+                segment.undo()
+            raise
         tokens_per_step = cfg.global_batch_size * cfg.seq_len * (2 if cfg.task == "dpo" else 1)  # DPO: pairs of rows
         recent: collections.deque = collections.deque(maxlen=cfg.logging_steps)  # (step, loss) of the last good steps
         window = {"time": 0.0, "steps": 0, "loss": 0.0, "data": 0.0}

@@ -308,3 +308,18 @@ def test_a_finished_run_asked_again_writes_nothing(tmp_path: Path, capsys: pytes
     assert ("already at step 2 of max_steps=2: nothing to train, nothing written (raise max_steps to continue, or "
             "resume=none to start over)\n") in capsys.readouterr().out
     assert (summary["steps"], summary["val_loss"]) == (2, None)
+
+
+def test_a_start_refused_before_its_first_step_leaves_no_segment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")  # nothing listens: the trackers refuse to start
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError):
+        Trainer(config_lib.load("debug", [*SYNTHETIC, "max_steps=2", "metrics.mlflow=true", f"output_dir={out}"])).train()
+    assert sorted(p.name for p in out.iterdir()) == []
+    _train(out, "max_steps=2")
+    before = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    with pytest.raises(ConfigError):
+        Trainer(config_lib.load("debug", [*SYNTHETIC, "max_steps=4", "metrics.mlflow=true", f"output_dir={out}"])).train()
+    assert {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()} == before
+    _train(out, "max_steps=4")
+    assert _segments(out) == ["segment-1-step-0.yaml", "segment-2-step-2.yaml"]
