@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 from pathlib import Path
@@ -19,8 +18,8 @@ EVAL_USAGE = """usage: ember eval PATH TASK[=DATA] ... [key=value ...] [--output
   PATH: an ember run or checkpoint, an HF directory or an `ember convert --to torch` file
   tasks: ppl (the run's data source, its validation split), ppl=DATA (all of DATA: a file, folder, glob or
          any data.dataset value), lambada=FILE.jsonl ({"text"}), boolq=FILE.jsonl ({"passage", "question",
-         "answer": true/false}), choice=FILE.jsonl ({"context", "choices", "label"}); `lambada` / `boolq`
-         alone: the hub dataset. Each task once per command.
+         "answer": true/false}), choice=FILE.jsonl ({"context", "choices", "label"}, scored as context + " " +
+         choice: no space of a choice's own); `lambada` / `boolq` alone: the hub dataset. Each task once per command.
   keys: eval.limit=N (the first N rows of each task, N >= 1; unset: all), eval.batch_size=N, eval.seq_len=N and
         eval.stride=N (ppl's window), eval.max_tokens=N (ppl), eval.split=val|train|all (ppl; default: val
         for the run's data, all for ppl=DATA), data.* (ppl's data source)
@@ -179,7 +178,9 @@ def _report(path: Path, results: dict[str, dict], target: Path) -> None:
 def _eval_harness(argv: list[str], meshes: dict[str, dict[str, int]]) -> int:
     """`ember eval PATH --harness TASK[,TASK] [--include-path DIR] [--limit N] [--output FILE] [--tokenizer F]`:
     lm-evaluation-harness tasks through ember.eval.harness.EmberLM."""
-    parser = argparse.ArgumentParser(prog="ember eval PATH --harness")
+    from ember.usage import ArgumentParser
+
+    parser = ArgumentParser(prog="ember eval PATH --harness", help_hint="ember eval --help")
     parser.add_argument("path")
     parser.add_argument("--harness", required=True, help="comma-separated lm-eval task names")
     parser.add_argument("--include-path", default=None, help="a folder of task YAMLs (local tasks, offline)")
