@@ -208,8 +208,8 @@ def ppl(model: nn.Module, tokenizer: Any, data_cfg: Any, split: str = "val", seq
     """Loss per token, perplexity and bits per byte of `split` of an ember data source ("val": the share
     data.val_fraction holds out, "train": the rest, "all": every document): documents joined with EOS as in
     training, scored by a sliding window of `seq_len` tokens (default: the model's max_seq_len) every `stride`
-    (default: half a window), both returned with the numbers. Bits per byte divide the total negative log-likelihood (in bits) by
-    the UTF-8 bytes of the text scored, so models with different tokenizers compare."""
+    (default: half a window), both returned with the numbers. Bits per byte divide the total negative
+    log-likelihood (in bits) by the UTF-8 bytes of the text scored, so models with different tokenizers compare."""
     from ember.data.sources import load_documents
 
     if split not in PPL_SPLITS:
