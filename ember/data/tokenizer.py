@@ -46,6 +46,9 @@ class Tokenizer:
         self.source = source  # for messages: a path, or "embedded byte-level BPE"
         special = special or {}
         self.bos_id = self._find(special.get("bos_token"), BOS_CANDIDATES)
+        # transformers (and so lm-eval's hf model) knows a tokenizer.json's BOS only from its tokenizer_config.json;
+        # one found among the candidates alone (the embedded BPE's, which training never inserts) is not declared
+        self.bos_declared = "bos_token" in special and self.bos_id is not None
         self.eos_id = self._find(special.get("eos_token"), EOS_CANDIDATES)
         self.pad_id = self._find(special.get("pad_token"), PAD_CANDIDATES)
         if self.eos_id is None:

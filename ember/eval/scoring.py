@@ -42,11 +42,14 @@ def _scoring(model: nn.Module) -> Iterator[None]:
 
 def encode_pair(tokenizer: Any, context: str, continuation: str) -> tuple[list[int], list[int]]:
     """(context ids, continuation ids) as lm-eval's HFLM splits them. An empty context is the tokenizer's BOS
-    (its EOS where it has none), as lm-eval's loglikelihood does: the first continuation token needs a position
-    to be predicted from."""
+    where it declares one (tokenizer_config.json's bos_token; a SentencePiece or tiktoken model's own), else its
+    EOS, as lm-eval's loglikelihood does (prefix_token_id): the first continuation token needs a position to be
+    predicted from. An ember run's embedded BPE declares none, so its models score after EOS, the document
+    boundary they were trained on, as lm-eval's hf model does on their HF export."""
     if context == "":
         ids = tokenizer.encode(continuation)
-        prefix = tokenizer.bos_id if getattr(tokenizer, "bos_id", None) is not None else tokenizer.eos_id
+        bos = getattr(tokenizer, "bos_id", None)
+        prefix = bos if bos is not None and getattr(tokenizer, "bos_declared", True) else tokenizer.eos_id
         return ([prefix], ids) if not ids or ids[0] != prefix else (ids[:1], ids[1:])
     spaces = len(context) - len(context.rstrip())
     if spaces:

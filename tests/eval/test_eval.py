@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ember.config import DataConfig
+from ember.data.tokenizer import BOS, Tokenizer, train_bpe
 from ember.errors import ConfigError, DataError
 from ember.eval import boolq, choice, lambada, loglikelihood, ppl, rolling_logprob
 from ember.eval.scoring import encode_pair
@@ -109,6 +110,14 @@ def test_an_empty_context_is_scored_after_bos_or_eos(model, tmp_path: Path):
     with_bos = WordTokenizer()
     with_bos.bos_id = 0
     assert encode_pair(with_bos, "", " x y") == ([0], with_bos.encode("x y"))
+    # lm-eval's prefix is the BOS transformers knows: a tokenizer.json's only when tokenizer_config.json names it.
+    # The embedded BPE has <|begin_of_text|> but declares it nowhere (its HF export neither): EOS, as lm-eval's
+    # hf model uses on that export; named in tokenizer_config.json: BOS.
+    bpe = train_bpe(["import os and sys", "def main ( self ) : return"] * 4, 300)
+    undeclared, declared = Tokenizer(bpe, "bpe"), Tokenizer(bpe, "bpe", {"bos_token": BOS})
+    assert (undeclared.bos_id, undeclared.eos_id) == (0, 1)
+    assert encode_pair(undeclared, "", " os") == ([1], undeclared.encode(" os"))
+    assert encode_pair(declared, "", " os") == ([0], declared.encode(" os"))
     rows = [{"context": "", "choices": ["x", "longer y"], "label": 1}, {"context": "c d", "choices": ["x"], "label": 0}]
     lls = [float(_logprobs(model, [1, *tok.encode(c)])[-len(tok.encode(c)):].sum()) for c in rows[0]["choices"]]
     picked = max(range(2), key=lambda j: lls[j])

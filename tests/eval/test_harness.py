@@ -48,7 +48,8 @@ def _requests(kind: str, args: list[tuple]) -> list[Instance]:
 def test_loglikelihoods_equal_lm_evals_hf_model(pair):
     model, tokenizer, hflm = pair
     requests = _requests("loglikelihood", [("def main(self):", " return"), ("import os ", "sys"),
-                                           ("x = 1\n" * 40, "y = 2"), ("The cat", " sat on the mat")])
+                                           ("x = 1\n" * 40, "y = 2"), ("The cat", " sat on the mat"),
+                                           ("", " import os"), ("", "x")])  # empty: after EOS (no BOS declared)
     ours = EmberLM(model, tokenizer, batch_size=3).loglikelihood(requests)
     theirs = hflm.loglikelihood(requests)
     for (a, greedy_a), (b, greedy_b) in zip(ours, theirs):
