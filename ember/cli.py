@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ember.errors import ConfigError, EmberError
+from ember.usage import ArgumentParser
 
 EXIT_USAGE = 2
 
@@ -331,7 +332,7 @@ def cmd_data(argv: list[str]) -> int:
 
 
 def cmd_convert(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="ember convert", description="Convert a model between formats: a Hugging "
+    parser = ArgumentParser(prog="ember convert", description="Convert a model between formats: a Hugging "
                                      "Face directory (hf), an ember DCP checkpoint (ember), a torch.save file (torch).")
     parser.add_argument("src")
     parser.add_argument("dst")
@@ -359,7 +360,7 @@ def cmd_convert(argv: list[str]) -> int:
 
 
 def cmd_generate(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="ember generate", description="Continue prompts with a trained model (KV-cache decoding). PATH: an ember "
         "run or checkpoint, an HF directory or an `ember convert --to torch` file.")
     parser.add_argument("path")
@@ -381,7 +382,7 @@ def cmd_generate(argv: list[str]) -> int:
     try:
         args = parser.parse_args(argv)
         if not args.prompt and not args.prompt_file:  # a usage error: the usage, then the line, on stderr
-            parser.error("give --prompt TEXT or --prompt-file FILE.jsonl")
+            parser.usage_error("give --prompt TEXT or --prompt-file FILE.jsonl")
     except SystemExit as exit_:
         return 0 if exit_.code == 0 else EXIT_USAGE
     import json
@@ -456,7 +457,7 @@ def cmd_eval(argv: list[str]) -> int:
 
 
 def cmd_report(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="ember report", description="An HTML page (self-contained: open it anywhere) and PNGs of a run's curves "
         "and summary; of several runs, the curves overlaid and the config keys that differ. A run still training, "
         "or killed and resumed, is read as it is (the last record of each step).")
@@ -523,7 +524,7 @@ def _version() -> str:
 
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="ember", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser = ArgumentParser(prog="ember", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("command", choices=sorted(COMMANDS), help="what to do")
     parser.add_argument("--version", action="store_true", help="print `ember VERSION` and exit")
     if not argv or argv[0] in ("-h", "--help"):  # help on stdout; without arguments, a usage error on stderr

@@ -87,7 +87,29 @@ def test_every_subcommand_helps_on_stdout_and_refuses_usage_on_stderr(capsys):
         assert "usage" in out.lower() and err == "", (command, err)
         assert cli.main([*command, "--no-such-option"]) == 2, command
         out, err = capsys.readouterr()
-        assert out == "" and "error" in err, (command, out, err)
+        # one line, as every other user error: argparse's usage block is not repeated before it
+        assert out == "" and err.startswith("error: ") and err.count("\n") == 1, (command, out, err)
+    # A bad value caught by argparse is one line naming the argument and where the help is, with 2.
+    for argv, message in (
+            (["plan", "debug", "--world", "2", "--device", "h800"], "argument --device: invalid choice: 'h800' "
+             "(choose from 'a100', 'h100', 'h200', 'b200', 'gb200', 'mi300x', 'tpu-v5p', 'tpu-v5e', 'tpu-v6e', "
+             "'cpu') (see ember plan --help)"),
+            (["plan", "debug", "--world", "two"], "argument --world: invalid int value: 'two' (see ember plan --help)"),
+            (["launch", "slurm", "debug", "--nodes", "x"],
+             "argument --nodes: invalid int value: 'x' (see ember launch slurm --help)"),
+            (["launch", "nowhere"], "argument COMMAND: invalid choice: 'nowhere' (choose from 'local', 'slurm', "
+             "'k8s', 'status', 'cancel', 'logs') (see ember launch --help)"),
+            (["data", "prepare", "embedded", "out", "--vocab-size", "x"],
+             "argument --vocab-size: invalid int value: 'x' (see ember data prepare --help)"),
+            (["convert", "a", "b", "--to", "onnx"], "argument --to: invalid choice: 'onnx' (choose from 'hf', "
+             "'ember', 'torch', 'peft') (see ember convert --help)"),
+            (["generate", "run", "--max-new-tokens", "x"],
+             "argument --max-new-tokens: invalid int value: 'x' (see ember generate --help)"),
+            (["report", "run", "--bogus"], "unrecognized arguments: --bogus (see ember report --help)"),
+            (["eval", "run", "--harness", "x", "--limit", "x"],
+             "argument --limit: invalid int value: 'x' (see ember eval --help)")):
+        assert cli.main(argv) == 2, argv
+        assert capsys.readouterr() == ("", f"error: {message}\n"), argv
     # Without the arguments they need, the commands that need some say how to call them, on stderr
     for command in ([], ["eval"], ["plan"], ["launch"], ["generate"], ["convert"], ["report"], ["data"],
                     ["launch", "slurm"], ["launch", "k8s"], ["launch", "status"], ["data", "prepare"]):

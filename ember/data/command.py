@@ -7,11 +7,12 @@ import argparse
 from pathlib import Path
 
 from ember.errors import ConfigError
+from ember.usage import ArgumentParser
 
 
-def parser() -> argparse.ArgumentParser:
-    root = argparse.ArgumentParser(prog="ember data", description="Data preparation.")
-    sub = root.add_subparsers(dest="what", required=True)
+def parser() -> ArgumentParser:
+    root = ArgumentParser(prog="ember data", description="Data preparation.")
+    sub = root.add_subparsers(dest="what", required=True, metavar="COMMAND")
     prep = sub.add_parser("prepare", help="tokenize SOURCE once into OUT_DIR/{train,val}.bin + manifest.json")
     prep.add_argument("source", help="embedded, a local file/folder/glob, or a hub dataset name")
     prep.add_argument("out_dir")
@@ -23,7 +24,7 @@ def parser() -> argparse.ArgumentParser:
     prep.add_argument("--val-fraction", type=float, default=0.02)
     prep.add_argument("--prompt-field", default=None, help="SFT data: the prompt column, masked out of the loss")
     tok = sub.add_parser("tokenizer", help="tokenizer tools")
-    tok_sub = tok.add_subparsers(dest="action", required=True)
+    tok_sub = tok.add_subparsers(dest="action", required=True, metavar="COMMAND")
     train = tok_sub.add_parser("train", help="train a byte-level BPE on SOURCE's train split")
     train.add_argument("source")
     train.add_argument("out", help="a tokenizer.json path, or a folder to write tokenizer.json into")

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from ember.errors import EmberError
+from ember.usage import ArgumentParser
 
 EXIT_USAGE = 2
 DESCRIPTION = """Run a training job on this machine, a SLURM cluster or Kubernetes. Every launcher starts the same
@@ -27,7 +28,7 @@ processes and requests no GPU unless the config says device=cuda. What is reques
 
 def _job_args(parser: argparse.ArgumentParser, nodes_flag: str = "--nodes") -> None:
     parser.add_argument("recipe", help="a built-in recipe or a YAML path")
-    parser.add_argument("overrides", nargs="*", metavar="key=value")
+    parser.add_argument("overrides", nargs="*", default=[], metavar="key=value")  # a default: optional
     parser.add_argument(nodes_flag, dest="nodes", type=int, default=1, help="machines (default 1)")
     parser.add_argument("--gpus-per-node", type=int, default=None, metavar="G",
                         help="G processes per machine, one per GPU, and a request for G GPUs per machine")
@@ -35,10 +36,10 @@ def _job_args(parser: argparse.ArgumentParser, nodes_flag: str = "--nodes") -> N
                         help="G processes per machine (default 1); GPUs are requested only with device=cuda")
 
 
-def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
-    parser = argparse.ArgumentParser(prog="ember launch", description=DESCRIPTION,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="where", required=True)
+def _parser() -> tuple[ArgumentParser, dict[str, ArgumentParser]]:
+    parser = ArgumentParser(prog="ember launch", description=DESCRIPTION,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="where", required=True, metavar="COMMAND")
     sub.add_parser("local", add_help=False, help="this machine: the built-in launcher of `ember train "
                    "--nproc-per-node` (see `ember launch local --help`)")
     slurm = sub.add_parser("slurm", help="write an sbatch script into OUTPUT_DIR/launch/ and submit it",

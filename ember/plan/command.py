@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ember.errors import ConfigError
+from ember.usage import ArgumentParser
 from ember.plan.cost import FABRICS
 from ember.plan.planner import Plan, make_plan
 
@@ -27,8 +28,8 @@ EXAMPLES = """examples:
   ember plan debug --world 2 --device cpu ici_mesh.fsdp=2 micro_batch_size=4 --json"""
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ember plan", description=DESCRIPTION, epilog=EXAMPLES,
+def parser() -> ArgumentParser:
+    p = ArgumentParser(prog="ember plan", description=DESCRIPTION, epilog=EXAMPLES,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("recipe", metavar="RECIPE", help="a built-in recipe (see `ember recipes`) or a YAML path")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, as for `ember train`")

@@ -1,0 +1,40 @@
+"""The argument parser of every `ember` command: a usage mistake is one line on stderr, as any other user error.
+
+argparse's own error() prints the whole usage block before its message; ember's commands print
+`error: MESSAGE (see ember COMMAND --help)` and exit 2 instead. A command called without what it needs (no
+arguments at all, or usage_error) still prints its usage, how to call it, with the message on stderr, and
+`--help` prints everything on stdout with 0.
+Subcommands (add_subparsers) are built with the same class, so they behave the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, NoReturn, Optional, Sequence
+
+EXIT_USAGE = 2
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse.ArgumentParser whose usage errors are one line. `help_hint`: the command whose --help the line
+    points to (default: the parser's prog, e.g. `ember launch slurm`)."""
+
+    def __init__(self, *args: Any, help_hint: Optional[str] = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.help_hint = help_hint or f"{self.prog} --help"
+        self._bare = False  # parsed with no arguments at all: the usage says how to call the command
+
+    def parse_known_args(self, args: Optional[Sequence[str]] = None,
+                         namespace: Optional[argparse.Namespace] = None) -> tuple[argparse.Namespace, list[str]]:
+        self._bare = args is not None and len(args) == 0
+        return super().parse_known_args(args, namespace)
+
+    def error(self, message: str) -> NoReturn:
+        if self._bare:
+            self.usage_error(message)
+        self.exit(EXIT_USAGE, f"error: {message} (see {self.help_hint})\n")
+
+    def usage_error(self, message: str) -> NoReturn:
+        """A command called without what it needs: its usage, then the message (argparse's own error), exit 2."""
+        super().error(message)
