@@ -20,7 +20,8 @@ share of the model with ember's own parallelize pipeline over a fake process gro
 world size), track one training step's memory under fake tensors, and estimate the step time.
 Prints per rank: parameter, gradient and optimizer bytes (the real shards), activations and the peak;
 the step time, MFU and collective volumes per mesh axis; whether it fits, the largest micro-batch that does,
-and layout warnings. Writes plan.json (the recipe's output_dir, or --output); --json prints it instead."""
+and layout warnings. Writes plan.json (the recipe's output_dir, or --output); --json prints it instead (and
+writes it only to --output)."""
 
 EXAMPLES = """examples:
   ember plan llama3.1-405b --world 1024 ici_mesh.tensor=8 ici_mesh.fsdp=1 dcn_mesh.fsdp=16 dcn_mesh.data=8 model.remat=full
@@ -40,8 +41,10 @@ def parser() -> ArgumentParser:
                    help="the device type: compute and memory from ember/hardware.py, links from ember/plan/cost.py")
     p.add_argument("--search", action="store_true",
                    help="try the remat policies and micro-batch sizes; list the feasible ones by predicted tokens/s")
-    p.add_argument("--json", action="store_true", help="print plan.json to stdout instead of the table")
-    p.add_argument("--output", metavar="FILE", default=None, help="where plan.json goes (default: OUTPUT_DIR/plan.json)")
+    p.add_argument("--json", action="store_true", help="print plan.json to stdout instead of the table (no file is "
+                   "written unless --output is given)")
+    p.add_argument("--output", metavar="FILE", default=None, help="where plan.json goes (default: OUTPUT_DIR/plan.json; "
+                   "with --json, only where --output says)")
     return p
 
 
@@ -58,14 +61,16 @@ def run_plan(argv: list[str]) -> int:
         raise ConfigError(f"--world must be a positive number of devices, got {args.world}")
     cfg = config_lib.load(args.recipe, overrides, world_size=args.world)
     plan = make_plan(cfg, args.world, args.nodes, args.device, args.search)
-    document = plan.to_json()
+    text = json.dumps(plan.to_json(), indent=1) + "\n"
+    # --json prints plan.json instead of the table and writes no file, unless --output names one
+    path = Path(args.output) if args.output else None if args.json else Path(cfg.output_dir) / "plan.json"
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
     if args.json:
-        print(json.dumps(document, indent=1))
-        return 0
-    path = Path(args.output) if args.output else Path(cfg.output_dir) / "plan.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(document, indent=1) + "\n")
-    render(plan, Console(soft_wrap=True), path)
+        print(text, end="")
+    else:
+        render(plan, Console(soft_wrap=True), path)
     return 0
 
 

@@ -121,6 +121,11 @@ def test_cli_json_and_plan_json(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "verdict: fits" in printed and "plan.json" in printed
     assert json.loads(out.read_text())["device"] == "h100"
+    # --json with --output: printed, and written there, the same document
+    named = tmp_path / "p2.json"
+    argv = ["plan", "debug", "--world", "2", "ici_mesh.fsdp=2", "micro_batch_size=4", "--json", "--output", str(named)]
+    assert main(argv) == 0
+    assert json.loads(named.read_text()) == json.loads(capsys.readouterr().out) and named.read_text().endswith("}\n")
 
 
 def test_search_json_holds_the_candidates_the_table_lists(capsys):
