@@ -142,6 +142,8 @@ class Trainer:
             self.val_loader = make_loader(cfg.data, self.tokenizer, split="val", **loader_kwargs)
         except DataError as err:  # a held-out split too small for one batch: train without validation
             self.val_note = f"no validation: {err}"
+        # The header, once the model and data are known: before what starting over, resuming or a tracker prints.
+        self._print_header()
 
         # 6. Metrics, health, checkpoints: resume restores weights, optimizer, schedule, data position and RNG.
         self.step = 0
@@ -309,7 +311,6 @@ class Trainer:
         segment = (run_history.SegmentStart(self.output_dir, cfg, self.step, self.checkpointer.resumed_from,
                                             self.checkpointer.changes) if self.is_main else None)
         try:
-            self._print_header()  # before the trackers start: a tracker that cannot start fails after it, in one line
             logger = MetricsLogger(self.output_dir, cfg.metrics, enabled=self.is_main, console=self.console,
                                    start_step=self.step, run_info={"device": self.device, "mesh": self.shape.describe(),
                                                                    "world_size": self.world_size,

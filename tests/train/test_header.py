@@ -65,3 +65,12 @@ def test_fp8_emulate_without_fp8_is_refused():
     assert str(info.value) == ("fp8.emulate=true emulates FP8 training, which this run does not turn on: add "
                                "precision=fp8 (or fp8.enabled=true), or drop fp8.emulate")
     assert config_lib.fp8_enabled(config_lib.load("debug", ["fp8.enabled=true", "fp8.emulate=true"]))
+
+
+def test_the_header_comes_first_on_a_resume_and_a_start_over(tmp_path: Path):
+    _run(tmp_path)
+    resumed = _run(tmp_path, "max_steps=2", "optim.lr=0.001").splitlines()
+    started_over = _run(tmp_path, "resume=none").splitlines()
+    for lines, said in ((resumed, "resumed from "), (resumed, "changed on resume"), (started_over, "started over")):
+        assert lines[0].startswith("ember train llama3 debug: "), lines[:3]
+        assert any(line.startswith(said) for line in lines[1:]), (said, lines)
