@@ -192,8 +192,21 @@ def load(recipe: str = "debug", overrides: Optional[list[str]] = None, world_siz
         cfg: JobConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as err:
         raise _explain(err, schema, "") from None
+    if cfg.model.init_from and not any(item.startswith("model.family=") for item in overrides):
+        cfg.model.family = _init_from_family(cfg.model.family, cfg.model.init_from)
     validate(cfg, world_size)
     return cfg
+
+
+def _init_from_family(recipe_family: str, init_from: str) -> str:
+    """With model.init_from the architecture is the source's, its family too: a recipe's model.family is a default
+    that the source replaces. One given on the command line is kept, and refused if it contradicts the source."""
+    from ember.load import source_family  # local: loading pulls in torch
+
+    try:
+        return source_family(recipe_family, init_from)
+    except EmberError as err:
+        raise ConfigError(str(err)) from None
 
 
 def _check_eval_tasks(cfg: JobConfig) -> None:

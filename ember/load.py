@@ -142,24 +142,37 @@ def source_architecture(path: Union[str, Path]) -> tuple[str, str, Any, Path]:
     return family, flavor, args, step_dir / MODEL_JSON
 
 
+def source_family(recipe_family: str, init_from: str) -> str:
+    """The family a run with model.init_from builds when the command line names none: the source's, as its
+    model.json says; an HF directory's config.json does not say which Llama it is, so there the recipe's family
+    stands when it is a Llama too."""
+    src_family, _, _, where = source_architecture(init_from)
+    same_kind = recipe_family in MODELS and MODELS[recipe_family].args_cls is MODELS[src_family].args_cls
+    return recipe_family if where.name != MODEL_JSON and same_kind else src_family
+
+
 def resolve_model(family: str, flavor: str, overrides: dict[str, Any], init_from: Optional[str]) -> ModelChoice:
     """The run's model. Without init_from: the flavor with the user's `model.<key>` overrides. With it, the
     architecture is the source's (config.json or model.json), so nothing needs restating; an override that
     contradicts it is refused naming the key and both values (silently training another architecture on
     those weights is the failure this prevents). A RoPE model's max_seq_len may differ: it sizes the RoPE
     table, no weight. The family must be the source's (any Llama family for an HF Llama directory, which
-    does not say which Llama it is)."""
+    does not say which Llama it is; config.load puts the source's in place of a recipe's), and the flavor is
+    a label: none of its sizes is built."""
     from ember.models import build_model_args
 
-    args = build_model_args(family, flavor, overrides)  # also checks the override keys
     if not init_from:
-        return ModelChoice(family, flavor, args)
+        return ModelChoice(family, flavor, build_model_args(family, flavor, overrides))  # also checks the keys
     src_family, src_flavor, src_args, where = source_architecture(init_from)
     same_class = MODELS[family].args_cls is MODELS[src_family].args_cls
     if not same_class or (family != src_family and where.name == MODEL_JSON):
         raise ConfigError(f"model.family={family} but model.init_from {where} describes a {src_family} model; "
-                          f"set model.family={src_family} (the architecture comes from model.init_from)")
-    keys = getattr(MODELS[family].args_cls, "CONFIG_KEYS", {})
+                          "drop model.family (the architecture comes from model.init_from)")
+    keys = getattr(MODELS[family].args_cls, "CONFIG_KEYS", {})  # config key -> field, where they differ
+    fields = {f.name for f in dataclasses.fields(src_args)} - set(keys.values()) | set(keys)
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise ConfigError(f"model.{unknown[0]} is not a hyper-parameter of {family} (fields: {', '.join(sorted(fields))})")
     for key, value in sorted(overrides.items()):
         if key == "max_seq_len" and getattr(src_args, "rope_theta", None) is not None:
             continue

@@ -145,3 +145,24 @@ def test_output_dir_must_be_a_writable_directory(tmp_path: Path):
     with pytest.raises(ConfigError, match=r"is not writable; choose another output_dir"):
         config_lib.load("debug", [f"output_dir={locked}/run"])
     assert config_lib.load("debug", [f"output_dir={tmp_path}/new/run"]).output_dir.endswith("new/run")
+
+
+def test_init_from_gives_the_family_and_only_a_command_line_family_can_contradict_it(tmp_path: Path):
+    # README: with model.init_from "the architecture is the source's (config.json or model.json): nothing to
+    # restate". A recipe's model.family (llama3.2-1b's llama3.2) is a default the source (a llama3 run) replaces.
+    from ember.convert import save_ember_checkpoint
+    from ember.models import build_model_args
+    from ember.models.llama import Transformer
+
+    args = build_model_args("llama3", "debug", {"n_layers": 1, "dim": 64, "n_heads": 4, "n_kv_heads": 2})
+    step_dir = tmp_path / "source" / "checkpoints" / "step-1"
+    save_ember_checkpoint(Transformer(args), "llama3", "debug", args, step_dir)
+    common = ["data.dataset=synthetic", "seq_len=32", f"model.init_from={tmp_path / 'source'}"]
+    cfg = config_lib.load("llama3.2-1b", common)
+    choice = config_lib.model_choice(cfg)
+    assert (cfg.model.family, choice.family, choice.flavor, choice.args) == ("llama3", "llama3", "debug", args)
+    with pytest.raises(ConfigError) as info:
+        config_lib.load("llama3.2-1b", [*common, "model.family=llama3.2"])
+    assert str(info.value) == (f"model.family=llama3.2 but model.init_from {step_dir / 'model.json'} describes a "
+                               "llama3 model; drop model.family (the architecture comes from model.init_from)")
+    assert config_lib.load("llama3.2-1b", [*common, "model.family=llama3"]).model.family == "llama3"
