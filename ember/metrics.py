@@ -17,6 +17,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 GIB = 2**30  # "GB" in ember's metrics is GiB: the unit of the vendors' "80GB" of HBM (ember.hardware)
 
 
+def plural(count: int, noun: str) -> str:
+    """`1 layer`, `2 layers`: a count as the console says it."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
 def mfu(tokens_per_s_per_device: float, flops_per_token: float, peak_flops: Optional[float]) -> Optional[float]:
     """Model FLOPs utilisation, a fraction in [0, 1]: achieved model FLOP/s per device / peak FLOP/s.
 

@@ -39,7 +39,7 @@ from ember.data.tokenizer import build_tokenizer
 from ember.hardware import keep_freed_cpu_memory, peak_flops, pick_compute_dtype, pick_device, raise_measured_peak
 from ember.health import HealthGuard, StopSignals, TrainingStopped
 from ember.load import load_weights
-from ember.metrics import MetricsLogger, progress_bar, throughput_record
+from ember.metrics import MetricsLogger, plural, progress_bar, throughput_record
 from ember.models import MODELS
 from ember.nn import moe as moe_lib
 from ember.nn.loss import output_chunks
@@ -405,7 +405,7 @@ class Trainer:
             val = f", validation loss {val_loss:.3f}" if val_loss is not None else ""
             (lo, hi) = summary["final_loss_steps"]
             last = f"step {hi}" if lo == hi else f"mean of steps {lo}-{hi}"
-            self.console.print(f"done: {self.step} steps, loss {first[1]:.3f} (step {first[0]}) -> "
+            self.console.print(f"done: {plural(self.step, 'step')}, loss {first[1]:.3f} (step {first[0]}) -> "
                                f"{summary['final_loss_avg']:.3f} ({last}){val}; model saved to {step_dir}")
             self.console.print(f"see the run: ember report {self.output_dir}", markup=False, highlight=False)
         return summary
@@ -463,8 +463,8 @@ class Trainer:
         tok = f"tokenizer vocab {self.tokenizer.vocab_size}" if self.tokenizer else "synthetic tokens"
         peak = f"{self.peak.value_flops / 1e12:.3f} TFLOP/s ({self.peak.source})" if self.peak.value_flops else "unknown"
         self.console.print(
-            f"[bold]ember train[/bold] {self._model_label()}: {self.num_params:,} params, "
-            f"{args.n_layers} layers, dim {args.dim}, {tok} | {self.device.type} {self._compute_description()} | "
+            f"[bold]ember train[/bold] {self._model_label()}: {self.num_params:,} params, {plural(args.n_layers, 'layer')}, "
+            f"dim {args.dim}, {tok} | {self.device.type} {self._compute_description()} | "
             f"global batch {cfg.global_batch_size} x seq {cfg.seq_len} "
             f"(micro {cfg.micro_batch_size} x accum {self.grad_accum}) | mesh {self.shape.describe()} | "
             f"peak {peak} | output {self.output_dir}"

@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ember.errors import ConfigError
+from ember.metrics import plural
 from ember.usage import ArgumentParser
 from ember.plan.cost import FABRICS
 from ember.plan.planner import Plan, make_plan
@@ -88,7 +89,7 @@ def _ranks(ranks: list[int]) -> str:
 
 def render(plan: Plan, console: Console, path: Optional[Path]) -> None:
     """The per-role memory table, the step, the traffic, the verdict and the warnings."""
-    title = (f"ember plan: {plan.mesh} on {plan.world_size} x {plan.device} ({plan.nodes} nodes), "
+    title = (f"ember plan: {plan.mesh} on {plan.world_size} x {plan.device} ({plural(plan.nodes, 'node')}), "
              f"micro-batch {plan.micro_batch_size}, remat={plan.remat}")
     table = Table(title=title, title_justify="left", min_width=100)
     for column in ("ranks", "stage", "params GiB", "grads GiB", "optim GiB", "activations GiB", "peak GiB"):
@@ -100,7 +101,8 @@ def render(plan: Plan, console: Console, path: Optional[Path]) -> None:
             r = by_rank[rank]
             numbers = (r.param_bytes, r.grad_bytes, r.optim_bytes, r.activation_bytes, r.peak_bytes)
             groups.setdefault(numbers, []).append(rank)
-        stage = role.kind if len(plan.roles) == 1 else f"{role.kind}, pp {role.pp_rank}, {role.n_layers} layers"
+        layers = plural(role.n_layers, "layer")
+        stage = role.kind if len(plan.roles) == 1 else f"{role.kind}, pp {role.pp_rank}, {layers}"
         for numbers, ranks in groups.items():
             table.add_row(_ranks(ranks), stage, *(_gib(n) for n in numbers))
     console.print(table)

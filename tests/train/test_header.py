@@ -34,7 +34,8 @@ def test_a_fine_tune_names_the_model_it_built(tmp_path: Path):
     # The recipe names 8B; the architecture (and the weights) are the source's 1-layer model.
     printed = _run(tuned, "model.flavor=8B", f"model.init_from={source}")
     params = json.loads((source / "run.json").read_text())["params"]
-    assert printed.splitlines()[0].startswith(f"ember train llama3 (from {source}): {params:,} params, 1 layers, dim 64, ")
+    assert printed.splitlines()[0].startswith(f"ember train llama3 (from {source}): {params:,} params, 1 layer, dim 64, ")
+    assert "\ndone: 1 step, loss " in printed  # counts are singular at 1
 
     info = json.loads((tuned / "run.json").read_text())
     source_meta = json.loads((source / "checkpoints" / "step-1" / "model.json").read_text())
