@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -34,6 +35,15 @@ def _job_args(parser: argparse.ArgumentParser, nodes_flag: str = "--nodes") -> N
                         help="G processes per machine, one per GPU, and a request for G GPUs per machine")
     parser.add_argument("--nproc-per-node", type=int, default=None, metavar="G",
                         help="G processes per machine (default 1); GPUs are requested only with device=cuda")
+
+
+def _job_id(text: str) -> str:
+    """A SLURM job id (1234, an array task 1234_5, a heterogeneous job's component 1234+1), checked before
+    scontrol is asked about it."""
+    if not re.fullmatch(r"\d+([_+]\d+)?", text):
+        raise argparse.ArgumentTypeError(f"'{text}' is not a SLURM job id (a number such as 1234; 1234_5 for an "
+                                         "array task)")
+    return text
 
 
 def _parser() -> tuple[ArgumentParser, dict[str, ArgumentParser]]:
@@ -87,7 +97,7 @@ def _parser() -> tuple[ArgumentParser, dict[str, ArgumentParser]]:
     for name, help_ in (("status", "a SLURM job's state"), ("cancel", "scancel a SLURM job"),
                         ("logs", "a SLURM job's log and, if it failed, its first failing rank")):
         cmd = sub.add_parser(name, help=help_)
-        cmd.add_argument("job_id")
+        cmd.add_argument("job_id", metavar="JOB", type=_job_id, help="a SLURM job id: 1234, or 1234_5 (an array task)")
         if name == "logs":
             cmd.add_argument("--follow", "-f", action="store_true", help="until the job ends")
     return parser, sub.choices
@@ -134,8 +144,6 @@ def _prepare(args: argparse.Namespace) -> tuple[object, object, Path, int, str]:
 
 
 def _default_name(recipe: str) -> str:
-    import re
-
     stem = Path(recipe).stem if recipe.endswith((".yaml", ".yml")) else recipe
     return "ember-" + (re.sub(r"[^a-z0-9-]+", "-", stem.lower()).strip("-") or "job")
 
@@ -155,8 +163,7 @@ def _slurm(args: argparse.Namespace, argv: list[str]) -> int:
     path = slurm.write_script(script, output_dir, opts.job_name)
     print(request, file=sys.stderr)
     if args.dry_run:
-        print(script)
-        print(f"wrote {path} (not submitted: --dry-run)", file=sys.stderr)
+        _print_written(script, f"wrote {path} (not submitted: --dry-run)")
         return 0
     job_id = slurm.submit(path)
     print(f"submitted job {job_id}: {path}\nlog: {output_dir}/logs/{opts.job_name}-{job_id}.out", flush=True)
@@ -178,9 +185,17 @@ def _k8s(args: argparse.Namespace) -> int:
     path.write_text(manifest)
     print(request, file=sys.stderr)
     if args.print_manifest:
-        print(manifest)
-    print(f"wrote {path}; start it with: kubectl apply -f {path}")
+        _print_written(manifest, f"wrote {path} (not applied: `kubectl apply -f {path}` starts it)")
+    else:
+        print(f"wrote {path}; start it with: kubectl apply -f {path}")
     return 0
+
+
+def _print_written(text: str, note: str) -> None:
+    """--print / --dry-run of slurm and k8s alike: stdout holds the file's text alone (`> job.yaml` keeps it
+    whole), and what was written is said on stderr."""
+    print(text, end="" if text.endswith("\n") else "\n")
+    print(note, file=sys.stderr)
 
 
 def _job_command(args: argparse.Namespace) -> int:

@@ -33,6 +33,18 @@ def test_help_and_one_line_errors(tmp_path):
     assert proc.returncode == 2 and "--nodes must be >= 1" in proc.stderr
 
 
+def test_a_job_id_is_checked_and_overrides_are_optional(capsys):
+    from ember import cli
+
+    for command in ("status", "cancel", "logs"):
+        assert cli.main(["launch", command, "abc"]) == 2
+        assert capsys.readouterr() == ("", "error: argument JOB: 'abc' is not a SLURM job id (a number such as 1234; "
+                                       f"1234_5 for an array task) (see ember launch {command} --help)\n")
+    # Without arguments: the usage, and only the recipe named as required (key=value overrides are optional).
+    assert cli.main(["launch", "slurm"]) == 2
+    assert capsys.readouterr().err.endswith("ember launch slurm: error: the following arguments are required: recipe\n")
+
+
 def test_what_is_requested_is_what_the_flags_say_and_is_printed(tmp_path):
     # --nproc-per-node: processes only (device=auto asks a CPU cluster for no GPU); --gpus-per-node: one GPU each.
     script = tmp_path / "launch" / "ember-debug.sbatch"
@@ -63,8 +75,11 @@ def test_print_and_dry_run_mean_the_same_for_slurm_and_k8s(tmp_path):
             out = tmp_path / where / flag.strip("-")
             proc = _ember("launch", where, "debug", "device=cpu", f"output_dir={out}", *extra, flag)
             assert proc.returncode == 0, (where, flag, proc.stderr)
-            text = (out / "launch" / written).read_text()
-            assert text.strip() in proc.stdout  # printed; a slurm --print submits nothing (no sbatch here either)
+            path = out / "launch" / written
+            text = path.read_text()
+            assert proc.stdout == text  # printed alone; a slurm --print submits nothing (no sbatch here either)
+            note = "not submitted: --dry-run" if where == "slurm" else f"not applied: `kubectl apply -f {path}` starts it"
+            assert proc.stderr.splitlines()[-1] == f"wrote {path} ({note})", proc.stderr
             header = ("# Written", "#   ember launch")  # the date and the command line differ
             outputs[flag] = [line for line in text.replace(str(out), "OUT").splitlines() if not line.startswith(header)]
         assert outputs["--print"] == outputs["--dry-run"], where
