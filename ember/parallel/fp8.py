@@ -36,12 +36,21 @@ def _import_float8() -> Any:
     # torchao warns for each optional kernel library its wheel cannot load here (CUDA-arch specific ones on
     # another GPU or a CPU); float8 training does not use them.
     logging.getLogger("torchao").setLevel(logging.ERROR)
+    # torchao registers its KernelPreference enum with torch.utils._pytree.register_constant at import, which this
+    # torch logs as deprecated (enums are opaque values to torch.compile now): torchao's matter, harmless to float8
+    # training, and a warning line on every rank's stderr. Only that record is dropped.
+    logging.getLogger("torch.utils._pytree").addFilter(_not_the_kernel_preference_notice)
     try:
         import torchao.float8 as float8
     except ImportError:
         raise ConfigError("fp8 training needs torchao: pip install -e '.[fp8]' torch==<your torch>, or drop "
                           "precision=fp8 / fp8.enabled") from None
     return float8
+
+
+def _not_the_kernel_preference_notice(record: Any) -> bool:
+    message = record.getMessage()
+    return not ("KernelPreference" in message and "register_constant() on Enum subclasses is deprecated" in message)
 
 
 def check_fp8_device(device: torch.device, emulate: bool) -> None:
