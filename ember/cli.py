@@ -207,14 +207,14 @@ def _report_rank_failure(err: BaseException) -> int:
     return 1
 
 
-def cmd_train(argv: list[str]) -> int:
+def cmd_train(argv: list[str], command: str = "train") -> int:
     from ember import config as config_lib
 
     if _wants_help(argv):
         print(TRAIN_USAGE)
         return 0
     try:
-        flags, argv = _split_launch_flags(argv)
+        flags, argv = _split_launch_flags(argv, command)
     except ConfigError as err:
         return _fail(str(err))
     recipe, overrides = "debug", list(argv)
@@ -502,7 +502,7 @@ def cmd_launch(argv: list[str]) -> int:
             return 0
         if not any(arg.split("=")[0] in LAUNCH_FLAGS for arg in rest):
             rest = ["--nproc-per-node", "1", *rest]
-        return cmd_train(rest)
+        return cmd_train(rest, "launch local")
     from ember.launch.cli import main as launch_main
 
     return launch_main(argv)

@@ -31,6 +31,9 @@ def test_help_and_one_line_errors(tmp_path):
     assert not (tmp_path / "launch").exists()  # nothing written
     proc = _ember("launch", "slurm", "debug", "--nodes", "0")
     assert proc.returncode == 2 and "--nodes must be >= 1" in proc.stderr
+    proc = _ember("launch", "local", "--bogus", "1")
+    assert (proc.returncode, proc.stderr) == (2, "error: unknown option '--bogus' for ember launch local (options: "
+                                              "--nproc-per-node, --nnodes, --node-rank, --rdzv-endpoint)\n")
 
 
 def test_a_job_id_is_checked_and_overrides_are_optional(capsys):
