@@ -10,7 +10,6 @@ Subcommands (add_subparsers) are built with the same class, so they behave the s
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any, NoReturn, Optional, Sequence
 
 EXIT_USAGE = 2

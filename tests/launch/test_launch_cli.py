@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Optional
 
@@ -96,7 +95,7 @@ TINY = ["debug", "data.dataset=synthetic", "model.n_layers=2", "model.dim=64", "
 @pytest.mark.parametrize("sig, exit_code, stop_env", [(signal.SIGINT, 130, None), (signal.SIGTERM, 0, None),
                                                       (signal.SIGTERM, 75, "75")])
 def test_a_signal_to_the_launcher_is_one_line_and_the_single_process_exit_code(
-        tmp_path: Path, sig: signal.Signals, exit_code: int, stop_env: Optional[str]):
+        tmp_path: Path, sig: signal.Signals, exit_code: int, stop_env: Optional[str], wait_for_logged_step):
     # torchrun's agent passes the signal on to the ranks, which save and stop; its own SignalException is not a
     # traceback, and the exit code is a single process's: 130 for Ctrl-C, 0 or EMBER_EXIT_CODE_ON_STOP for SIGTERM.
     out = tmp_path / "run"
@@ -105,12 +104,8 @@ def test_a_signal_to_the_launcher_is_one_line_and_the_single_process_exit_code(
     proc = subprocess.Popen([sys.executable, "-m", "ember", "launch", "local", "--nproc-per-node", "1", *TINY,
                              f"output_dir={out}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     # A logged step: the rank's loop runs with its handlers (and the launcher's were installed before it started
-    # the rank). The ceiling only bounds a hang.
-    metrics, deadline = out / "metrics.jsonl", time.monotonic() + 600
-    while '"loss"' not in (metrics.read_text() if metrics.is_file() else ""):
-        assert proc.poll() is None, proc.communicate()[1][-2000:]
-        assert time.monotonic() < deadline, "the run logged no step"
-        time.sleep(0.05)
+    # the rank).
+    wait_for_logged_step(proc, out / "metrics.jsonl")
     proc.send_signal(sig)
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == exit_code, stderr[-3000:]
