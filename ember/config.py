@@ -203,6 +203,8 @@ def _init_from_family(recipe_family: str, init_from: str) -> str:
     that the source replaces. One given on the command line is kept, and refused if it contradicts the source."""
     from ember.load import source_family  # local: loading pulls in torch
 
+    if not Path(init_from).expanduser().exists():  # validate says so, after the checks that need no source
+        return recipe_family
     try:
         return source_family(recipe_family, init_from)
     except EmberError as err:
