@@ -424,7 +424,7 @@ def validate(cfg: JobConfig, world_size: int = 1) -> None:
 
 def mesh_shape(cfg: JobConfig, world_size: int) -> Any:
     """The resolved ici x dcn degrees for `world_size` processes, or a ConfigError naming the numbers."""
-    from ember.parallel.mesh import MeshError, resolve_mesh
+    from ember.parallel.mesh_shape import MeshError, resolve_mesh
 
     try:
         return resolve_mesh(cfg.ici_mesh, cfg.dcn_mesh, world_size)

@@ -96,3 +96,20 @@ def test_model_code_is_single_device(module: str):
     assert not _uses_torch_distributed(module), f"{module} uses torch.distributed"
     if not module.startswith("ember.models."):
         assert not {m for m in _imports(module) if m.startswith("ember.data")}, f"{module} imports ember.data"
+
+
+def _top_level_imports(module: str) -> set[str]:
+    """What importing `module` imports at once (its module body, not inside its functions)."""
+    tree = ast.parse(MODULES[module].read_text())
+    return {alias.name if isinstance(node, ast.Import) else f"{node.module}"
+            for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names}
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m == "ember.report" or m.startswith("ember.report.")))
+def test_report_reads_files_without_torch_distributed(module: str):
+    """`ember report` reads a run's files: neither it nor an ember module it imports brings in torch.distributed."""
+    for target in _imports(module):
+        assert not target.startswith("torch.distributed"), f"{module} imports {target}"
+        if target in MODULES:
+            heavy = [m for m in _top_level_imports(target) if m.startswith("torch.distributed")]
+            assert not heavy, f"{module} imports {target}, which imports {heavy}"

@@ -89,7 +89,7 @@ def eval_mesh_overrides(options: list[str]) -> dict[str, dict[str, int]]:
 def eval_mesh_shape(meshes: dict[str, dict[str, int]], world_size: int) -> Any:
     """The resolved MeshShape: training's default (fsdp fills the world) with the given axes, checked
     against the world size as training checks it."""
-    from ember.parallel.mesh import AXES, MeshError, resolve_mesh
+    from ember.parallel.mesh_shape import AXES, MeshError, resolve_mesh
 
     ici = dict(meshes["ici_mesh"])
     if "fsdp" not in ici and -1 not in (*ici.values(), *meshes["dcn_mesh"].values()):

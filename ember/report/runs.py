@@ -130,7 +130,7 @@ def _mesh_from_config(config: dict[str, Any], world_size: Optional[int]) -> Opti
         return None
     from types import SimpleNamespace
 
-    from ember.parallel.mesh import MeshError, resolve_mesh
+    from ember.parallel.mesh_shape import MeshError, resolve_mesh
 
     try:
         shape = resolve_mesh(SimpleNamespace(**config["ici_mesh"]), SimpleNamespace(**config.get("dcn_mesh", {})),

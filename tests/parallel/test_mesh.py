@@ -5,7 +5,8 @@ import torch
 
 from ember import config as config_lib
 from ember.config import ConfigError, MeshConfig
-from ember.parallel.mesh import MeshError, MeshShape, rank_grid, resolve_mesh
+from ember.parallel.mesh import rank_grid
+from ember.parallel.mesh_shape import MeshError, MeshShape, resolve_mesh
 
 SMALL = ["data.dataset=synthetic", "global_batch_size=16", "micro_batch_size=2"]
 
