@@ -28,13 +28,13 @@ with 2 as well, --help on stdout with 0 (every command and subcommand). `ember -
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from pathlib import Path
 from typing import Callable, Optional
 
 from ember.errors import ConfigError, EmberError
+from ember.launch.local import ERROR_DIR_ENV, LAUNCH_FLAGS, STOP_EXIT_ENV, launch_local, split_launch_flags
 from ember.usage import ArgumentParser
 
 EXIT_USAGE = 2
@@ -44,8 +44,6 @@ def _one_line(err: BaseException) -> str:
     return str(err).splitlines()[0] if str(err) else type(err).__name__
 
 
-STOP_EXIT_ENV = "EMBER_EXIT_CODE_ON_STOP"  # the exit code of a run stopped (and saved) by SIGTERM/SIGUSR1
-ERROR_DIR_ENV = "EMBER_ERROR_DIR"  # set by `ember train --nproc-per-node`: where ranks leave their user errors
 
 
 def _fail_rank(message: str, world_size: int) -> int:
@@ -65,134 +63,15 @@ def _fail(message: str) -> int:
     return EXIT_USAGE
 
 
-LAUNCH_FLAGS = ("--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint")
 TRAIN_USAGE = """usage: ember train [--nproc-per-node N [--nnodes M --node-rank R --rdzv-endpoint HOST:PORT]] [RECIPE] [key=value ...]
   RECIPE: a built-in recipe (see `ember recipes`) or a YAML path; default debug
   --nproc-per-node etc.: start N processes per node through torch.distributed.run (torchrun), which
   is the same as `torchrun --nproc-per-node N -m ember train ...`"""
 
 
-def _split_launch_flags(argv: list[str], command: str = "train") -> tuple[dict[str, str], list[str]]:
-    """Leading launcher flags (`--flag value` or `--flag=value`), and the rest."""
-    flags: dict[str, str] = {}
-    rest = list(argv)
-    while rest and rest[0].startswith("--"):
-        name, eq, value = rest.pop(0).partition("=")
-        name = name.replace("_", "-")
-        if name not in LAUNCH_FLAGS:
-            raise ConfigError(f"unknown option '{name}' for ember {command} (options: {', '.join(LAUNCH_FLAGS)})")
-        if not eq:
-            if not rest:
-                raise ConfigError(f"option {name} needs a value")
-            value = rest.pop(0)
-        flags[name] = value
-    return flags, rest
-
-
 def _wants_help(argv: list[str]) -> bool:
     """-h/--help anywhere (`ember train debug --help` too): the hand-parsed commands answer as argparse does."""
     return any(arg in ("-h", "--help") for arg in argv)
-
-
-def _positive_int(flags: dict[str, str], name: str, default: int) -> int:
-    try:
-        value = int(flags.get(name, default))
-    except ValueError:
-        raise ConfigError(f"{name} must be an integer, got '{flags[name]}'") from None
-    if value < 1:
-        raise ConfigError(f"{name} must be >= 1, got {value}")
-    return value
-
-
-def _launch(flags: dict[str, str], command: str, command_argv: list[str], check: Callable[[int], object]) -> int:
-    """`check(world_size)` the job's config (it raises ConfigError), then start `ember COMMAND ...` on every
-    rank through torch.distributed.run."""
-    nproc = _positive_int(flags, "--nproc-per-node", 1)
-    nnodes = _positive_int(flags, "--nnodes", 1)
-    if nnodes > 1 and "--rdzv-endpoint" not in flags:
-        raise ConfigError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the node of rank 0) and --node-rank")
-    node_rank = int(flags.get("--node-rank", 0)) if flags.get("--node-rank", "0").isdigit() else -1
-    if not 0 <= node_rank < nnodes:
-        raise ConfigError(f"--node-rank must be in [0, {nnodes}), got {flags.get('--node-rank')}")
-    check(nproc * nnodes)  # fail here, before any process starts
-    run_args = ["--nproc-per-node", str(nproc), "--nnodes", str(nnodes)]
-    if nnodes > 1:
-        run_args += ["--node-rank", str(node_rank), "--rdzv-backend", "c10d",
-                     "--rdzv-endpoint", flags["--rdzv-endpoint"], "--rdzv-id", "ember"]
-    else:
-        run_args += ["--standalone"]
-    import tempfile
-
-    from torch.distributed.elastic.multiprocessing import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import main as torchrun_main
-
-    # torchrun sets one thread per process and says so; ember sets its own share of the cores instead.
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    # The ranks' own errors are what the user needs; the launcher's "failed (exitcode: ...)" and "Received 2 death
-    # signal" records are not. Each elastic module's logger has its own level, so the parent's alone is not enough.
-    for name in [name for name in logging.root.manager.loggerDict if name.startswith("torch.distributed.elastic")]:
-        logging.getLogger(name).setLevel(logging.CRITICAL)
-    killed = _KilledRanks()  # but which ranks torchrun had to kill after a signal is worth a word
-    processes_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
-    processes_log.setLevel(logging.WARNING)
-    processes_log.propagate = False
-    processes_log.addHandler(killed)
-    with tempfile.TemporaryDirectory(prefix="ember-errors-") as error_dir:
-        os.environ[ERROR_DIR_ENV] = error_dir  # ranks write user errors there instead of printing each
-        try:
-            torchrun_main(run_args + ["-m", "ember", command, *command_argv])
-        except SignalException as err:
-            # torchrun passed the signal on to every rank and waited for them: each said above what it did.
-            return _stopped_by(signal_name=err.sigval.name, killed=killed.pids)
-        except ChildFailedError as err:
-            user_errors: dict[str, list[str]] = {}  # message -> ranks, so an error every rank hit prints once
-            for path in sorted(Path(error_dir).glob("rank*.txt"), key=lambda p: int(p.stem[4:])):
-                user_errors.setdefault(path.read_text().strip(), []).append(path.stem[4:])
-            for message, ranks in user_errors.items():
-                print(f"error: [rank {', '.join(ranks)}] {message}", file=sys.stderr)
-            if user_errors:
-                return EXIT_USAGE
-            rank, first = err.get_first_failure()  # the root cause; the launcher stopped the other ranks
-            print(f"error: the job failed on rank {rank} (exit code {first.exitcode}); its error is printed above",
-                  file=sys.stderr)
-            return 1
-        finally:
-            os.environ.pop(ERROR_DIR_ENV, None)
-            processes_log.removeHandler(killed)
-            processes_log.propagate = True
-    return 0
-
-
-class _KilledRanks(logging.Handler):
-    """Notes the ranks torchrun killed because they had not stopped within its shutdown timeout (its record is
-    silenced with the others; the one line after a signal says it instead)."""
-
-    def __init__(self) -> None:
-        super().__init__(level=logging.WARNING)
-        self.pids: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if record.msg.startswith("Unable to shutdown process") and record.args:
-            self.pids.append(str(record.args[0]))
-
-
-def _stopped_by(signal_name: str, killed: list[str]) -> int:
-    """The launcher's one line and exit code after SIGINT/SIGTERM (it passes the signal on to the ranks): those of
-    a single process, 130 for SIGINT, 0 or EMBER_EXIT_CODE_ON_STOP for SIGTERM, 128 + N for another signal."""
-    import signal
-
-    if killed:
-        print(f"error: stopped by {signal_name}, but torchrun killed process {', '.join(killed)}, not stopped within "
-              "its shutdown timeout: a checkpoint being written is not committed (resume=auto uses the one before; "
-              "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=SECONDS waits longer than the default 30)", file=sys.stderr)
-    else:
-        print(f"stopped by {signal_name}: passed on to every rank (a training run saves a checkpoint at its next "
-              "step and exits; the ranks' lines above say what each did)", file=sys.stderr)
-    stop_code = os.environ.get(STOP_EXIT_ENV, "")
-    if signal_name == "SIGTERM":
-        return int(stop_code) if stop_code.isdigit() else 0
-    return 128 + signal.Signals[signal_name].value
 
 
 def _report_rank_failure(err: BaseException) -> int:
@@ -214,7 +93,7 @@ def cmd_train(argv: list[str], command: str = "train") -> int:
         print(TRAIN_USAGE)
         return 0
     try:
-        flags, argv = _split_launch_flags(argv, command)
+        flags, argv = split_launch_flags(argv, command)
     except ConfigError as err:
         return _fail(str(err))
     recipe, overrides = "debug", list(argv)
@@ -225,7 +104,7 @@ def cmd_train(argv: list[str], command: str = "train") -> int:
             return _fail(f"expected key=value after the recipe, got '{item}' (e.g. ember train debug max_steps=50)")
     if flags:
         try:
-            return _launch(flags, "train", argv, lambda world: config_lib.load(recipe, overrides, world_size=world))
+            return launch_local(flags, "train", argv, lambda world: config_lib.load(recipe, overrides, world_size=world))
         except ConfigError as err:
             return _fail(str(err))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
@@ -448,9 +327,9 @@ def cmd_eval(argv: list[str]) -> int:
     from ember.eval.command import check_eval_launch
 
     try:
-        flags, argv = _split_launch_flags(argv, "eval")
+        flags, argv = split_launch_flags(argv, "eval")
         if flags:
-            return _launch(flags, "eval", argv, lambda world: check_eval_launch(argv, world))
+            return launch_local(flags, "eval", argv, lambda world: check_eval_launch(argv, world))
     except EmberError as err:
         return _fail(_one_line(err))
     return _as_rank(lambda: run_eval(argv), int(os.environ.get("WORLD_SIZE", 1)))
