@@ -29,10 +29,14 @@ class UserFileNotFound(EmberError, FileNotFoundError):
 
 
 def first_error_line(err: BaseException) -> str:
-    """The gist of an exception for a one-line error: its first two lines; for DCP's CheckpointException
-    (a traceback per rank in its text), those of the first rank's own exception."""
+    """The gist of an exception for a one-line error: its first non-empty line, stripped, or its type's name
+    when its text is empty. A first line that only introduces what follows (ends with ':', as torch's
+    "Error(s) in loading state_dict for X:") takes the next line with it. For DCP's CheckpointException (a
+    traceback per rank in its text), the first rank's own exception."""
     failures = getattr(err, "failures", None)  # DCP's CheckpointException: {rank: (exception, traceback)}
     if isinstance(failures, dict) and failures:
         err = next(iter(failures.values()))[0]
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    return " ".join(lines[:2]) if lines else type(err).__name__
+    if not lines:
+        return type(err).__name__
+    return " ".join(lines[:2]) if lines[0].endswith(":") else lines[0]

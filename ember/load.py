@@ -418,7 +418,7 @@ def _load_torch_file(path: Path) -> nn.Module:
     try:  # weights_only: a checkpoint file is data; mmap: the tensors stay on disk until copied
         payload = torch.load(path, weights_only=True, mmap=True, map_location="cpu")
     except Exception as err:
-        raise CheckpointError(f"'{path}' is not a torch.save file ember can read safely ({str(err).splitlines()[0]})") from None
+        raise CheckpointError(f"'{path}' is not a torch.save file ember can read safely ({first_error_line(err)})") from None
     if not isinstance(payload, dict) or "model" not in payload or "ember" not in payload:
         raise CheckpointError(f"'{path}' holds no {{'model': state_dict, 'ember': model.json}}; write it with ember convert")
     family, _, args = parse_model_meta(payload["ember"], path)

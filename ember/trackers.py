@@ -23,7 +23,7 @@ from urllib.parse import urlsplit, urlunsplit
 import yaml
 
 from ember.config import dotted_keys
-from ember.errors import ConfigError
+from ember.errors import ConfigError, first_error_line
 
 
 def scalars(values: dict[str, Any]) -> dict[str, float]:
@@ -67,7 +67,7 @@ class WandbTracker:
                 # console off: ember's console lines stay ember's (and no terminal output goes to W&B's files)
                 settings=wandb.Settings(console="off", save_code=False, silent=True))
         except Exception as err:  # wandb.errors.UsageError (no login), CommError (no network), ...
-            raise ConfigError(f"metrics.wandb: W&B did not start: {_first_line(err)} (offline: WANDB_MODE=offline)") from None
+            raise ConfigError(f"metrics.wandb: W&B did not start: {first_error_line(err)} (offline: WANDB_MODE=offline)") from None
         id_file.write_text(run_id + "\n")
 
     def log(self, step: int, values: dict[str, Any]) -> None:
@@ -111,7 +111,7 @@ class MlflowTracker:
             if (output_dir / "config.yaml").is_file():
                 self.client.log_artifact(self.run_id, str(output_dir / "config.yaml"))
         except Exception as err:  # MlflowException, a database or network error
-            raise ConfigError(f"metrics.mlflow: cannot start an MLflow run at {_shown_uri(uri)}: {_first_line(err)}") from None
+            raise ConfigError(f"metrics.mlflow: cannot start an MLflow run at {_shown_uri(uri)}: {first_error_line(err)}") from None
         id_file.write_text(self.run_id + "\n")
 
     def _existing_run(self, id_file: Path) -> Any:
@@ -168,7 +168,7 @@ def check_reachable(uri: str, timeout_s: float = REACH_TIMEOUT_S) -> None:
         reason: object = f"HTTP {err.code}"
     except (OSError, ValueError) as err:  # refused, unknown host, timed out, a malformed URI
         reason = getattr(err, "reason", err)
-    shown = _first_line(reason) if isinstance(reason, BaseException) else reason
+    shown = first_error_line(reason) if isinstance(reason, BaseException) else reason
     raise ConfigError(f"metrics.mlflow: the MLflow tracking server at {_shown_uri(uri)} does not answer ({shown}; "
                       f"waited up to {timeout_s:g} s): start it, fix MLFLOW_TRACKING_URI, or unset it to track in "
                       "OUTPUT_DIR/mlflow.db")
@@ -177,11 +177,6 @@ def check_reachable(uri: str, timeout_s: float = REACH_TIMEOUT_S) -> None:
 def _metric_key(key: str) -> str:
     """MLflow names allow letters, digits, _ - . space / only (a mixture source may be a path with other signs)."""
     return re.sub(r"[^\w\-. /]", "_", key)
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
 
 
 class Trackers:
@@ -208,7 +203,7 @@ class Trackers:
                 tracker.log(step, values)
             except Exception as err:  # a network blip must not end a long run: metrics.jsonl has every record
                 self.active.remove(tracker)
-                warnings.warn(f"{type(tracker).__name__} failed at step {step} ({_first_line(err)}); it logs no "
+                warnings.warn(f"{type(tracker).__name__} failed at step {step} ({first_error_line(err)}); it logs no "
                               "more in this run, metrics.jsonl goes on", stacklevel=2)
 
     def close(self) -> None:

@@ -30,7 +30,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ember.errors import DataError
+from ember.errors import DataError, first_error_line
 
 ROLES = ("system", "user", "assistant")
 AUTO = "auto"
@@ -199,8 +199,7 @@ def render(template: ChatTemplate, messages: list[dict], add_generation_prompt: 
         return compiled.render(messages=messages, tools=None, documents=None,
                                add_generation_prompt=add_generation_prompt, **dict(template.variables))
     except jinja2.TemplateError as err:
-        first = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise DataError(f"chat template {template.name} failed: {first}; fix the conversation or the template") from None
+        raise DataError(f"chat template {template.name} failed: {first_error_line(err)}; fix the conversation or the template") from None
 
 
 # ---------------------------------------------------------------- assistant spans and labels

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional, Union
 
-from ember.errors import DataError, UserFileNotFound
+from ember.errors import DataError, UserFileNotFound, first_error_line
 
 EMBEDDED = "embedded"
 SYNTHETIC = "synthetic"
@@ -276,8 +276,7 @@ def _table_rows(path: Path, fields: Fields) -> list[Row]:
     try:
         table = datasets.load_dataset(builder, data_files=[str(path)], split="train")
     except Exception as err:
-        first = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise DataError(f"{path} is not a readable {builder} file ({first}); fix or remove it") from None
+        raise DataError(f"{path} is not a readable {builder} file ({first_error_line(err)}); fix or remove it") from None
     for name, key in fields.columns:
         if name not in table.column_names:
             raise DataError(
@@ -365,8 +364,7 @@ def load_hub_table(name: str, config: Optional[str], hf_split: str, what: str = 
     try:
         return datasets.load_dataset(name, config, split=hf_split)
     except Exception as err:  # network, auth, unknown name or config: all user-fixable, all one line
-        first = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise DataError(f"cannot load {what} '{name}' from the Hugging Face hub: {first}{fix}") from None
+        raise DataError(f"cannot load {what} '{name}' from the Hugging Face hub: {first_error_line(err)}{fix}") from None
 
 
 def load_hub(name: str, config: Optional[str], hf_split: str, fields: Fields, split: str, val_fraction: float) -> Documents:

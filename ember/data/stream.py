@@ -23,7 +23,7 @@ import torch
 
 from ember.data import sources
 from ember.data.prefetch import Prefetcher
-from ember.errors import DataError
+from ember.errors import DataError, first_error_line
 
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".arrow": "arrow"}
 
@@ -61,8 +61,7 @@ def open_stream(data_cfg: Any, split: str, dp_rank: int, dp_world: int) -> tuple
     except ValueError:
         raise
     except Exception as err:  # network, auth, unknown name or config: all user-fixable, all one line
-        first = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise DataError(f"cannot stream data.dataset '{spec}': {first}") from None
+        raise DataError(f"cannot stream data.dataset '{spec}': {first_error_line(err)}") from None
     if dp_world > 1:
         ds = split_dataset_by_node(ds, rank=dp_rank, world_size=dp_world)
     return ds, name

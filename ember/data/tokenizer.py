@@ -24,7 +24,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from ember.constants import default_cache_dir
 from ember.data import sources
-from ember.errors import ConfigError, DataError, UserFileNotFound
+from ember.errors import ConfigError, DataError, UserFileNotFound, first_error_line
 
 BOS, EOS, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"
 # Special tokens of common tokenizer.json files, most specific first (Llama 3, Llama 2/Mistral, GPT-2/NeoX).
@@ -157,8 +157,7 @@ class SentencePieceTokenizer:
         try:
             self.sp = spm.SentencePieceProcessor(model_file=str(path))
         except Exception as err:
-            first = str(err).splitlines()[0] if str(err) else type(err).__name__
-            raise DataError(f"data.tokenizer '{path}' is not a valid SentencePiece model ({first}); re-export it") from None
+            raise DataError(f"data.tokenizer '{path}' is not a valid SentencePiece model ({first_error_line(err)}); re-export it") from None
         self.vocab_size = self.sp.get_piece_size()
         self.bos_id = self.sp.bos_id() if self.sp.bos_id() >= 0 else None
         if self.sp.eos_id() < 0:
@@ -202,8 +201,7 @@ class TiktokenTokenizer:
         try:
             ranks = load_tiktoken_bpe(str(path))
         except Exception as err:
-            first = str(err).splitlines()[0] if str(err) else type(err).__name__
-            raise DataError(f"data.tokenizer '{path}' is not a valid tiktoken BPE file ({first})") from None
+            raise DataError(f"data.tokenizer '{path}' is not a valid tiktoken BPE file ({first_error_line(err)})") from None
         specials = list(LLAMA3_NAMED_SPECIAL) + [
             f"<|reserved_special_token_{i}|>" for i in range(5, LLAMA3_NUM_SPECIAL - 5)
         ]
@@ -268,8 +266,7 @@ def _load_hf_tokenizer(path: Path) -> Tokenizer:
     try:
         tok = tokenizers.Tokenizer.from_file(str(path))
     except Exception as err:
-        first = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise DataError(f"data.tokenizer '{path}' is not a valid HF tokenizer.json ({first}); re-export it") from None
+        raise DataError(f"data.tokenizer '{path}' is not a valid HF tokenizer.json ({first_error_line(err)}); re-export it") from None
     special: dict[str, str] = {}
     config_path = path.parent / "tokenizer_config.json"
     if config_path.is_file():

@@ -17,7 +17,7 @@ from typing import Any, Optional
 import yaml
 
 from ember.config import dotted_keys
-from ember.errors import UserFileNotFound
+from ember.errors import UserFileNotFound, first_error_line
 
 Series = tuple[list[int], list[float]]  # (steps, values), steps ascending and unique
 
@@ -154,7 +154,7 @@ def read_run(path: Path, name: Optional[str] = None) -> Run:
         try:
             run.config = yaml.safe_load(config_file.read_text(encoding="utf-8")) or {}
         except yaml.YAMLError as err:
-            run.notes.append(f"config.yaml does not parse ({str(err).splitlines()[0]}): no config shown")
+            run.notes.append(f"config.yaml does not parse ({first_error_line(err)}): no config shown")
     else:
         run.notes.append("no config.yaml: config keys, mesh and device are unknown")
     info_file = path / "run.json"
