@@ -3,37 +3,35 @@
 import subprocess
 import sys
 
-
-def _ember(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ember", *args], capture_output=True, text=True, timeout=120)
+from tests.helpers import run_ember
 
 
 def test_recipes_table_lists_parameter_counts():
-    proc = _ember("recipes")
+    proc = run_ember("recipes")
     assert proc.returncode == 0, proc.stderr
     for text in ("llama3.1-405b", "405,853,388,800", "70,553,706,496", "1,235,814,400", "debug", "8192", "1024"):
         assert text in proc.stdout
 
 
 def test_unknown_command_and_recipe_are_one_line_errors():
-    proc = _ember("trian")
+    proc = run_ember("trian")
     assert proc.returncode == 2 and proc.stderr.startswith("error: unknown command 'trian'")
-    proc = _ember("train", "llama3-8")
+    proc = run_ember("train", "llama3-8")
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "did you mean 'llama3-8b'" in proc.stderr
-    assert _ember("train", "--help").returncode == 0
+    assert run_ember("train", "--help").returncode == 0
 
 
 def test_every_command_has_help():
     for command in ("train", "recipes", "convert", "data", "generate", "eval"):
-        proc = _ember(command, "--help")
+        proc = run_ember(command, "--help")
         assert proc.returncode == 0 and "usage" in proc.stdout.lower(), (command, proc.stderr)
 
 
 def test_only_user_errors_are_one_line(tmp_path):
     # A user's mistake (here a data path that does not exist) is one line; a bug (a ValueError from inside
     # ember, simulated by a broken model class) keeps its traceback instead of being dressed as a user error.
-    proc = _ember("train", "data.dataset=" + str(tmp_path / "nowhere"), f"output_dir={tmp_path / 'o'}")
+    proc = run_ember("train", "data.dataset=" + str(tmp_path / "nowhere"), f"output_dir={tmp_path / 'o'}")
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "does not exist" in proc.stderr
     code = ("import sys, ember.models as m, ember.cli as c\n"
             "class Broken:\n"
@@ -57,7 +55,7 @@ def test_help_after_other_arguments(capsys):
 def test_version_is_the_package_version():
     from importlib.metadata import version
 
-    proc = _ember("--version")
+    proc = run_ember("--version")
     assert (proc.returncode, proc.stdout, proc.stderr) == (0, f"ember {version('ember')}\n", "")
 
 
@@ -119,17 +117,20 @@ def test_every_subcommand_helps_on_stdout_and_refuses_usage_on_stderr(capsys):
 
 
 def _readme_commands(*commands: str) -> list[list[str]]:
-    """The README's `ember COMMAND ...` lines in its bash blocks, as argv (continuations joined, comments cut)."""
+    """The `ember COMMAND ...` lines in the bash blocks of README.md and docs/*.md, as argv (continuations joined,
+    comments cut), each distinct command once, in the order the pages give them."""
     import re
     import shlex
     from pathlib import Path
 
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    root = Path(__file__).parent.parent
     lines = []
-    for block in re.findall(r"```bash\n(.*?)```", readme, re.S):
-        lines += block.replace("\\\n", " ").splitlines()
+    for page in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        for block in re.findall(r"```bash\n(.*?)```", page.read_text(), re.S):
+            lines += block.replace("\\\n", " ").splitlines()
     words = [shlex.split(line, comments=True) for line in lines]
-    return [w[1:] for w in words if len(w) > 1 and w[0] == "ember" and w[1] in commands]
+    examples = [w[1:] for w in words if len(w) > 1 and w[0] == "ember" and w[1] in commands]
+    return [argv for i, argv in enumerate(examples) if argv not in examples[:i]]
 
 
 def test_the_readme_plan_and_launch_examples_run_as_written(tmp_path, monkeypatch, capsys):

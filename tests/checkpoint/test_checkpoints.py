@@ -4,8 +4,6 @@ Runs go through `ember train` in subprocesses, as a user's job would; faults are
 sitecustomize module on PYTHONPATH (SIGKILL at a step, or death in the middle of a save).
 """
 
-import json
-import os
 import signal
 import subprocess
 import sys
@@ -15,56 +13,22 @@ from typing import Optional
 import pytest
 import torch
 
-TINY = ["debug", "data.dataset=synthetic", "model.n_layers=2", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2",
+from tests.helpers import job_env, kill_injection, losses_by_step, run_ember, tiny_model, wait_for_logged_step
+
+TINY = ["debug", "data.dataset=synthetic", *tiny_model(2),
         "model.vocab_size=256", "seq_len=32", "global_batch_size=4", "micro_batch_size=2", "logging_steps=1",
         "max_steps=6", "checkpoint.interval=2", "eval_batches=1", "metrics.console=false", "optim.lr=1e-2"]
 
-INJECT = '''
-import os
-if os.environ.get("EMBER_KILL_AT_STEP") or os.environ.get("EMBER_DIE_IN_SAVE_AT"):
-    import signal
-    import ember.train as t
-    import ember.checkpoint as c
-    kill_at = int(os.environ.get("EMBER_KILL_AT_STEP", -1))
-    original_step = t.Trainer.train_step
-    def train_step(self, batches):
-        if self.step == kill_at and os.environ.get("RANK", "0") == "0":
-            os.kill(os.getpid(), signal.SIGKILL)
-        return original_step(self, batches)
-    t.Trainer.train_step = train_step
-    die_at = os.environ.get("EMBER_DIE_IN_SAVE_AT")
-    original_commit = c.CheckpointManager._commit
-    def commit(self, tmp, final):
-        if die_at and final.name == "step-" + die_at:
-            os._exit(1)  # every shard written, the commit not done: a crash in the middle of the save
-        return original_commit(self, tmp, final)
-    c.CheckpointManager._commit = commit
-'''
-
 
 def _env(tmp_path: Path, **extra: str) -> dict:
-    inject = tmp_path / "inject"
-    inject.mkdir(exist_ok=True)
-    (inject / "sitecustomize.py").write_text(INJECT)
-    env = dict(os.environ, PYTHONPATH=str(inject), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **extra)
-    env.pop("RANK", None), env.pop("WORLD_SIZE", None)
-    return env
+    return job_env(PYTHONPATH=str(kill_injection(tmp_path)), **extra)
 
 
 def _train(tmp_path: Path, out: Path, *overrides: str, nproc: int = 1, env: dict | None = None,
            expect: int | None = 0) -> subprocess.CompletedProcess:
     launch = [f"--nproc-per-node={nproc}"] if nproc > 1 else []
-    proc = subprocess.run([sys.executable, "-m", "ember", "train", *launch, *TINY, f"output_dir={out}", *overrides],
-                          capture_output=True, text=True, env=env or _env(tmp_path), timeout=600)
-    if expect is not None:
-        assert proc.returncode == expect, proc.stderr[-3000:]
-    return proc
-
-
-def _steps(out: Path) -> dict[int, tuple[float, float]]:
-    """(loss, grad_norm) per step; a step logged twice (before a crash, then after the resume) keeps the last."""
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: (r["loss"], r["grad_norm"]) for r in records if "loss" in r}
+    return run_ember("train", *launch, *TINY, f"output_dir={out}", *overrides, env=env or _env(tmp_path),
+                     expect=expect)
 
 
 def _train_state(out: Path, step: int) -> dict:
@@ -84,7 +48,7 @@ def test_killed_run_resumes_bit_for_bit(uninterrupted: Path, tmp_path: Path):
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-2"]
     proc = _train(tmp_path, out)
     assert "resumed from" in proc.stdout and "step-2" in proc.stdout
-    a, b = _steps(uninterrupted), _steps(out)
+    a, b = losses_by_step(uninterrupted), losses_by_step(out)
     assert b == a  # every step from 3 on equals the uninterrupted run's, bit for bit (== on floats)
     assert _train_state(out, 6)["data"] == _train_state(uninterrupted, 6)["data"]  # the same data consumed
 
@@ -97,7 +61,7 @@ def test_crash_in_the_middle_of_a_save_keeps_the_previous_checkpoint(uninterrupt
     proc = _train(tmp_path, out)
     assert "removed the incomplete checkpoint step-4.tmp" in proc.stdout
     assert "resumed from" in proc.stdout and "step-2 (step 2)" in proc.stdout
-    assert _steps(out) == _steps(uninterrupted)
+    assert losses_by_step(out) == losses_by_step(uninterrupted)
 
 
 def test_fsdp2_killed_run_resumes_bit_for_bit(tmp_path: Path):
@@ -107,17 +71,17 @@ def test_fsdp2_killed_run_resumes_bit_for_bit(tmp_path: Path):
     assert (b / "checkpoints" / "step-2" / "model.json").is_file()
     assert not (b / "checkpoints" / "step-6").exists()
     _train(tmp_path, b, nproc=2)
-    assert _steps(b) == _steps(a)
+    assert losses_by_step(b) == losses_by_step(a)
 
 
 def test_a_checkpoint_reshards_to_one_process_and_to_tensor_parallel(tmp_path: Path):
     a = tmp_path / "fsdp"
     _train(tmp_path, a, nproc=2)
-    reference = _steps(a)
+    reference = losses_by_step(a)
     for name, extra, nproc in (("single", [], 1), ("tp", ["ici_mesh.tensor=2", "ici_mesh.fsdp=1"], 2)):
         out = tmp_path / name
         _train(tmp_path, out, f"resume={a / 'checkpoints' / 'step-4'}", *extra, nproc=nproc)
-        got = _steps(out)
+        got = losses_by_step(out)
         assert sorted(got) == [5, 6]
         for step in (5, 6):
             assert got[step][0] == pytest.approx(reference[step][0], rel=1e-5), name
@@ -138,7 +102,7 @@ def test_corrupt_checkpoints(uninterrupted: Path, tmp_path: Path):
     # resume=auto: says what is wrong and falls back to step-2
     proc = _train(tmp_path, out, "max_steps=6")
     assert f"shard file {shard.name} is truncated" in proc.stdout and "falling back to step-2" in proc.stdout
-    assert _steps(out) == _steps(uninterrupted)
+    assert losses_by_step(out) == losses_by_step(uninterrupted)
     # An explicit path to a bad checkpoint is an error naming the file, with nothing overwritten.
     bad = out / "checkpoints" / "step-2"
     (bad / next(p.name for p in bad.glob("*.distcp"))).unlink()
@@ -152,7 +116,7 @@ def test_corrupt_checkpoints(uninterrupted: Path, tmp_path: Path):
 @pytest.mark.parametrize("sig, exit_code, stop_env", [(signal.SIGTERM, 0, None), (signal.SIGINT, 130, None),
                                                       (signal.SIGTERM, 75, "75")])
 def test_stop_signal_saves_at_the_next_step_and_exits(tmp_path: Path, sig: signal.Signals, exit_code: int,
-                                                      stop_env: Optional[str], wait_for_logged_step):
+                                                      stop_env: Optional[str]):
     # SIGTERM: preemption, the run is saved and may be resumed (exit 0; EMBER_EXIT_CODE_ON_STOP, which `ember
     # launch k8s` sets, for a scheduler that restarts failed pods). SIGINT: Ctrl-C, saved the same way, with the
     # shell's "interrupted" exit status so that `ember train && next` does not go on.
@@ -170,7 +134,7 @@ def test_stop_signal_saves_at_the_next_step_and_exits(tmp_path: Path, sig: signa
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr
     (step_dir,) = (out / "checkpoints").iterdir()
     step = int(step_dir.name.split("-")[1])
-    assert step == max(_steps(out)) and (step_dir / "model.json").is_file()  # its last step: saved, then stopped
+    assert step == max(losses_by_step(out)) and (step_dir / "model.json").is_file()  # its last step: saved, stopped
     assert f"{sig.name}: saving a checkpoint at step {step}" in stdout
     assert _train_state(out, step)["step"] == step
     if sig == signal.SIGINT:
@@ -181,4 +145,4 @@ def test_async_save_commits_every_checkpoint(uninterrupted: Path, tmp_path: Path
     out = tmp_path / "async"
     _train(tmp_path, out, "checkpoint.async=true")
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-2", "step-4", "step-6"]
-    assert _steps(out) == _steps(uninterrupted)  # saving in the background changes nothing
+    assert losses_by_step(out) == losses_by_step(uninterrupted)  # saving in the background changes nothing

@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import math
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +14,7 @@ import torch
 
 from ember.constants import IGNORE_INDEX
 from ember.finetune.dpo import dpo_loss, encode_pairs, sequence_logprobs
+from tests.helpers import read_records, run_ember, tiny_model
 
 WORDS = "import os sys def main self return None if x for in range print class".split()
 
@@ -72,10 +71,6 @@ def test_pair_rows_train_the_response_and_its_eos_only():
     assert rows_[3].tolist() == samples.rejected[0].tolist() and mask[3].tolist() == [0, 0, 0, 1, 1, 0, 0, 0]
 
 
-def _ember(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ember", *args], capture_output=True, text=True, timeout=timeout)
-
-
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Prompts of random code words; the chosen answer is always ' return None', the rejected two random words."""
@@ -89,21 +84,16 @@ def pairs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-TINY = ["model.n_layers=1", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "seq_len=32",
-        "global_batch_size=8", "micro_batch_size=4", "logging_steps=1", "metrics.console=false", "data.val_fraction=0.1",
-        "eval_batches=1"]
-
-
-def _records(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+TINY = [*tiny_model(), "seq_len=32", "global_batch_size=8", "micro_batch_size=4", "logging_steps=1",
+        "metrics.console=false", "data.val_fraction=0.1", "eval_batches=1"]
 
 
 def test_a_dpo_run_starts_at_log2_and_learns_the_preference(pairs: Path, tmp_path: Path):
     run = tmp_path / "run"
-    proc = _ember("train", "debug", "task=dpo", f"data.dataset={pairs}", *TINY, "max_steps=20", "optim.lr=2e-3",
-                  f"output_dir={run}")
+    proc = run_ember("train", "debug", "task=dpo", f"data.dataset={pairs}", *TINY, "max_steps=20", "optim.lr=2e-3",
+                     f"output_dir={run}")
     assert proc.returncode == 0, proc.stderr
-    steps = [r for r in _records(run) if "loss" in r and "dpo/accuracy" in r]
+    steps = [r for r in read_records(run) if "loss" in r and "dpo/accuracy" in r]
     assert steps[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)  # the policy is the reference at step 1
     assert steps[0]["dpo/reward_margin"] == pytest.approx(0, abs=1e-6)
     assert steps[-1]["dpo/accuracy"] == 1.0 and steps[-1]["dpo/reward_margin"] > 1.0
@@ -119,13 +109,13 @@ def test_a_dpo_run_starts_at_log2_and_learns_the_preference(pairs: Path, tmp_pat
 
 def test_dpo_on_lora_uses_the_base_as_its_reference(pairs: Path, tmp_path: Path):
     base = tmp_path / "base"
-    proc = _ember("train", "debug", *TINY, "max_steps=2", f"output_dir={base}")
+    proc = run_ember("train", "debug", *TINY, "max_steps=2", f"output_dir={base}")
     assert proc.returncode == 0, proc.stderr
     run = tmp_path / "lora"
-    proc = _ember("train", "debug", "task=dpo", f"data.dataset={pairs}", *TINY, "max_steps=20", "optim.lr=1e-2",
-                  "lora.rank=4", f"model.init_from={base}", f"output_dir={run}")
+    proc = run_ember("train", "debug", "task=dpo", f"data.dataset={pairs}", *TINY, "max_steps=20", "optim.lr=1e-2",
+                     "lora.rank=4", f"model.init_from={base}", f"output_dir={run}")
     assert proc.returncode == 0, proc.stderr
-    steps = [r for r in _records(run) if "dpo/accuracy" in r]
+    steps = [r for r in read_records(run) if "dpo/accuracy" in r]
     assert steps[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)  # B = 0: adapters on equals adapters off
     assert steps[-1]["loss"] < steps[0]["loss"] - 0.2 and steps[-1]["dpo/reward_margin"] > 0
 
@@ -133,19 +123,19 @@ def test_dpo_on_lora_uses_the_base_as_its_reference(pairs: Path, tmp_path: Path)
 def test_dpo_on_fsdp_and_tensor_ranks_equals_one_process_and_resumes_exactly(pairs: Path, tmp_path: Path):
     common = ["task=dpo", f"data.dataset={pairs}", *TINY, "optim.lr=2e-3", "checkpoint.interval=4"]
     one, two, resumed = tmp_path / "one", tmp_path / "two", tmp_path / "resumed"
-    assert _ember("train", "debug", *common, "max_steps=8", f"output_dir={one}").returncode == 0
-    proc = _ember("train", "--nproc-per-node", "2", "debug", *common, "max_steps=8", "micro_batch_size=2",
-                  "ici_mesh.fsdp=2", f"output_dir={two}")
+    assert run_ember("train", "debug", *common, "max_steps=8", f"output_dir={one}").returncode == 0
+    proc = run_ember("train", "--nproc-per-node", "2", "debug", *common, "max_steps=8", "micro_batch_size=2",
+                     "ici_mesh.fsdp=2", f"output_dir={two}")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    losses = lambda run: [r["loss"] for r in _records(run) if "dpo/accuracy" in r]  # noqa: E731
+    losses = lambda run: [r["loss"] for r in read_records(run) if "dpo/accuracy" in r]  # noqa: E731
     assert losses(two) == pytest.approx(losses(one), abs=1e-5)
     tensor = tmp_path / "tensor"
-    proc = _ember("train", "--nproc-per-node", "2", "debug", *common, "max_steps=8", "ici_mesh.tensor=2",
-                  f"output_dir={tensor}")
+    proc = run_ember("train", "--nproc-per-node", "2", "debug", *common, "max_steps=8", "ici_mesh.tensor=2",
+                     f"output_dir={tensor}")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert losses(tensor) == pytest.approx(losses(one), abs=1e-5)
-    assert _ember("train", "debug", *common, "max_steps=4", f"output_dir={resumed}").returncode == 0
-    assert _ember("train", "debug", *common, "max_steps=8", f"output_dir={resumed}").returncode == 0
+    assert run_ember("train", "debug", *common, "max_steps=4", f"output_dir={resumed}").returncode == 0
+    assert run_ember("train", "debug", *common, "max_steps=8", f"output_dir={resumed}").returncode == 0
     assert losses(resumed) == losses(one)  # bit for bit: the data position, and the reference rebuilt from the start
 
 
@@ -156,7 +146,7 @@ def test_dpo_mistakes_are_one_line(pairs: Path, tmp_path: Path):
                           ([], "task=dpo reads preference pairs from data.dataset"),
                           ([f"data.dataset={pairs}", "dpo.beta=0"], "dpo.beta must be a positive number"),
                           ([f"data.dataset={pairs}", "task=ppo"], "task 'ppo' is not one of lm, dpo")]:
-        proc = _ember("train", "debug", "task=dpo", *args, *TINY, "max_steps=1", f"output_dir={tmp_path / 'x'}")
+        proc = run_ember("train", "debug", "task=dpo", *args, *TINY, "max_steps=1", f"output_dir={tmp_path / 'x'}")
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr, (args, proc.stderr)
     from ember import config as config_lib
     from ember.config import ConfigError

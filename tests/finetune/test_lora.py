@@ -8,8 +8,6 @@ through model.init_from, as a user's fine-tune starts from a pretrained director
 import json
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,25 +20,13 @@ from ember.finetune.lora import LoraLinear, apply_lora, init_lora, lora_disabled
 from ember.convert import convert
 from ember.load import load_model
 from ember.train import Trainer
+from tests.helpers import job_env, kill_injection, losses_by_step, run_ember, run_layouts, tiny_model
 
-HERE = Path(__file__).parent
-LAYOUTS_WORKER = HERE.parent / "parallel" / "layouts_worker.py"
 # The layouts tests' shape: 4 layers, 4 query / 2 K/V heads (tensor=2 splits them), seq 32.
-SHAPE = ["data.dataset=synthetic", "model.n_layers=4", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2",
+SHAPE = ["data.dataset=synthetic", *tiny_model(4),
          "model.vocab_size=512", "seq_len=32", "global_batch_size=8", "logging_steps=1", "eval_batches=1",
          "schedule.warmup_steps=0", "metrics.console=false", "metrics.tensorboard=false"]
 LORA = ["lora.rank=4", "lora.alpha=8", "optim.lr=1e-2"]
-
-
-def _env(tmp_path: Path, **extra: str) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **extra)
-    env.pop("RANK", None), env.pop("WORLD_SIZE", None)
-    return env
-
-
-def _losses(out: Path) -> dict[int, tuple[float, float]]:
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: (r["loss"], r["grad_norm"]) for r in records if "loss" in r}
 
 
 @pytest.fixture(scope="module")
@@ -247,15 +233,6 @@ def test_the_fused_adapter_step_under_bf16_autocast_keeps_fp32_gradients():
         assert (got.double() - want).norm() / want.norm() < 1e-2  # bf16 GEMMs: within bf16's precision
 
 
-def _run_layouts(tmp_path: Path, nproc: int, cases: dict, base_overrides: list[str]) -> dict:
-    out = tmp_path / "results.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(LAYOUTS_WORKER), str(out), json.dumps(cases), *base_overrides]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(tmp_path), timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out.read_text())
-
-
 def test_fsdp_and_tensor_parallel_lora_losses_equal_one_process(base, tmp_path):
     steps = 3
     # fp32, where every layout must give the single process's losses to rounding; bf16 cases beside it
@@ -263,7 +240,7 @@ def test_fsdp_and_tensor_parallel_lora_losses_equal_one_process(base, tmp_path):
     ref_out = tmp_path / "single"
     cfg = config_lib.load("debug", common + ["micro_batch_size=8", f"output_dir={ref_out}"])
     Trainer(cfg).train()
-    reference = _losses(ref_out)
+    reference = losses_by_step(ref_out)
     cases = {
         "fsdp=2": ["micro_batch_size=4"],
         "tensor=2": ["micro_batch_size=4", "ici_mesh.tensor=2"],
@@ -274,7 +251,7 @@ def test_fsdp_and_tensor_parallel_lora_losses_equal_one_process(base, tmp_path):
         # bf16 autocast around the pipeline schedule: its stages' bf16 matrices meet fp32 activations
         "pipeline=2 bf16": ["micro_batch_size=4", "ici_mesh.pipeline=2", "parallel.pp_schedule=gpipe", "precision=bf16"],
     }
-    results = _run_layouts(tmp_path, 2, cases, common)
+    results = run_layouts(tmp_path, 2, cases, common)
     assert set(results) == set(cases)
     ref_loss = [reference[s][0] for s in sorted(reference)]
     ref_norm = [reference[s][1] for s in sorted(reference)]
@@ -292,43 +269,22 @@ def test_fsdp_and_tensor_parallel_lora_losses_equal_one_process(base, tmp_path):
             torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4, msg=name)
 
 
-INJECT = '''
-import os
-if os.environ.get("EMBER_KILL_AT_STEP"):
-    import signal
-    import ember.train as t
-    kill_at = int(os.environ["EMBER_KILL_AT_STEP"])
-    original_step = t.Trainer.train_step
-    def train_step(self, batches):
-        if self.step == kill_at:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return original_step(self, batches)
-    t.Trainer.train_step = train_step
-'''
-
-
-def _train_cli(tmp_path: Path, out: Path, base: Path, *extra: str, env: dict | None = None, expect: int = 0):
-    proc = subprocess.run([sys.executable, "-m", "ember", "train", "debug", *SHAPE, *LORA, "micro_batch_size=4",
-                           "max_steps=6", "checkpoint.interval=2", "lora.dropout=0.1", f"model.init_from={base}",
-                           f"output_dir={out}", *extra], capture_output=True, text=True, env=env or _env(tmp_path),
-                          timeout=600)
-    assert proc.returncode == expect, proc.stderr[-3000:]
-    return proc
+def _train_cli(out: Path, base: Path, *extra: str, env: dict | None = None, expect: int = 0):
+    return run_ember("train", "debug", *SHAPE, *LORA, "micro_batch_size=4", "max_steps=6", "checkpoint.interval=2",
+                     "lora.dropout=0.1", f"model.init_from={base}", f"output_dir={out}", *extra, env=env or job_env(),
+                     expect=expect)
 
 
 def test_a_killed_lora_run_resumes_bit_for_bit(base, tmp_path):
     """With dropout on the adapters, so the RNG state is part of what must come back."""
     a, b = tmp_path / "A", tmp_path / "B"
-    _train_cli(tmp_path, a, base)
-    inject = tmp_path / "inject"
-    inject.mkdir()
-    (inject / "sitecustomize.py").write_text(INJECT)
-    _train_cli(tmp_path, b, base, env=_env(tmp_path, PYTHONPATH=str(inject), EMBER_KILL_AT_STEP="3"),
+    _train_cli(a, base)
+    _train_cli(b, base, env=job_env(PYTHONPATH=str(kill_injection(tmp_path)), EMBER_KILL_AT_STEP="3"),
                expect=-signal.SIGKILL)
     assert sorted(p.name for p in (b / "checkpoints").iterdir()) == ["step-2"]
-    proc = _train_cli(tmp_path, b, base)
+    proc = _train_cli(b, base)
     assert "resumed from" in proc.stdout
-    assert _losses(b) == _losses(a)  # == on floats: bit for bit
+    assert losses_by_step(b) == losses_by_step(a)  # == on floats: bit for bit
 
 
 # ---- export and import --------------------------------------------------------------------------------------
@@ -346,8 +302,7 @@ def test_peft_export_loads_in_peft_with_ember_logits(lora_run, base_hf, tmp_path
     from transformers import AutoModelForCausalLM
 
     out, _, _ = lora_run
-    proc = subprocess.run([sys.executable, "-m", "ember", "convert", str(out), str(tmp_path / "adapter"), "--to", "peft"],
-                          capture_output=True, text=True, env=_env(tmp_path))
+    proc = run_ember("convert", str(out), str(tmp_path / "adapter"), "--to", "peft", env=job_env())
     assert proc.returncode == 0, proc.stderr
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["lora_alpha"] == 8 and sorted(config["target_modules"]) == sorted(
@@ -367,8 +322,7 @@ def test_merged_export_loads_in_transformers_with_ember_logits(lora_run, tmp_pat
     from transformers import AutoModelForCausalLM
 
     out, _, _ = lora_run
-    proc = subprocess.run([sys.executable, "-m", "ember", "convert", str(out), str(tmp_path / "merged"), "--merge"],
-                          capture_output=True, text=True, env=_env(tmp_path))
+    proc = run_ember("convert", str(out), str(tmp_path / "merged"), "--merge", env=job_env())
     assert proc.returncode == 0, proc.stderr
     assert not any("lora" in k for k in json.dumps(sorted(os.listdir(tmp_path / "merged"))))
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
+
+from tests.helpers import read_records, run_ember
 
 SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "[UNK]"]
 WORDS = ["system", "user", "assistant", "what", "is", "plus", "?", ".", "good", "bad"] + [str(i) for i in range(20)]
@@ -42,16 +42,6 @@ def _hf_folder(folder: Path) -> Path:
     return folder
 
 
-def _ember(*args: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "ember", *args], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
-
-
-def _records(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if "loss" in line]
-
-
 SMALL = ["seq_len=64", "global_batch_size=8", "micro_batch_size=8", "max_steps=25", "logging_steps=1",
          "eval_interval=0", "checkpoint.interval=0", "eval_batches=1", "schedule.warmup_steps=2", "metrics.console=false",
          "lora.rank=8", "lora.alpha=16"]
@@ -75,14 +65,14 @@ def test_hf_folder_to_sft_lora_to_hf_to_dpo_lora_to_peft(tmp_path: Path):
 
     # 1. Chat SFT with LoRA, one command from the HF folder (the recipe reads its weights and tokenizer)
     sft = tmp_path / "sft"
-    _ember("train", "llama3.2-1b-sft", f"model.init_from={base}", f"data.dataset={chats}", "optim.lr=1e-2",
-           f"output_dir={sft}", *SMALL)
-    losses = [r["loss"] for r in _records(sft)]
+    run_ember("train", "llama3.2-1b-sft", f"model.init_from={base}", f"data.dataset={chats}", "optim.lr=1e-2",
+              f"output_dir={sft}", *SMALL, expect=0)
+    losses = [r["loss"] for r in read_records(sft) if "loss" in r]
     assert losses[-1] < losses[0] - 0.5  # the assistant tokens' loss (4.2 -> 3.3 here)
 
     # 2. Back to Hugging Face: a whole model (W + alpha/r B A) with the tokenizer beside it
     merged = tmp_path / "sft-hf"
-    _ember("convert", str(sft), str(merged), "--merge")
+    run_ember("convert", str(sft), str(merged), "--merge", expect=0)
     hf = AutoModelForCausalLM.from_pretrained(str(merged), dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(merged))
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "what is 2 plus 3 ?"}], add_generation_prompt=True,
@@ -94,16 +84,16 @@ def test_hf_folder_to_sft_lora_to_hf_to_dpo_lora_to_peft(tmp_path: Path):
 
     # 3. DPO with LoRA from the merged folder (its reference: the same folder, adapters off)
     dpo = tmp_path / "dpo"
-    _ember("train", "llama3.2-1b-sft", "task=dpo", f"model.init_from={merged}", f"data.dataset={prefs}",
-           "optim.lr=5e-3", "data.val_fraction=0.1", f"output_dir={dpo}", *SMALL)
-    steps = [r for r in _records(dpo) if "dpo/accuracy" in r]
+    run_ember("train", "llama3.2-1b-sft", "task=dpo", f"model.init_from={merged}", f"data.dataset={prefs}",
+              "optim.lr=5e-3", "data.val_fraction=0.1", f"output_dir={dpo}", *SMALL, expect=0)
+    steps = [r for r in read_records(dpo) if "dpo/accuracy" in r]
     assert abs(steps[0]["loss"] - 0.693147) < 1e-5 and steps[0]["dpo/reward_margin"] == 0
     # the policy learns to prefer the answer over "bad" (margin 0.23 in fp32, 0.21 with the base in bf16)
     assert steps[-1]["dpo/accuracy"] == 1.0 and steps[-1]["dpo/reward_margin"] > 0.1
 
     # 4. The DPO adapters as peft's, on the merged SFT folder
     adapter = tmp_path / "dpo-adapter"
-    _ember("convert", str(dpo), str(adapter), "--to", "peft")
+    run_ember("convert", str(dpo), str(adapter), "--to", "peft", expect=0)
     peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(merged), dtype=torch.float32),
                                            str(adapter)).eval()
     with torch.no_grad():
@@ -112,18 +102,16 @@ def test_hf_folder_to_sft_lora_to_hf_to_dpo_lora_to_peft(tmp_path: Path):
 
     # 5. sft-hf/ is the DPO run's base. Merging into it again is refused (not empty); with --overwrite the same
     #    merge writes the same bytes, and the DPO run loads as before (its base's fingerprint is its content)
-    proc = subprocess.run([sys.executable, "-m", "ember", "convert", str(sft), str(merged), "--merge"],
-                          capture_output=True, text=True, timeout=600)
+    proc = run_ember("convert", str(sft), str(merged), "--merge")
     assert (proc.returncode, proc.stderr) == (2, f"error: '{merged}' is not empty; give --overwrite to replace what "
                                                  "it holds, or write to a new directory\n")
-    _ember("convert", str(sft), str(merged), "--merge", "--overwrite")
+    run_ember("convert", str(sft), str(merged), "--merge", "--overwrite", expect=0)
     with torch.no_grad():
         assert torch.equal(load_model(dpo)(ids), dpo_logits)
     # ... but other weights there (another tool's re-export) and the DPO run refuses to load, naming its base
     hf.model.norm.weight.data.mul_(1.01)
     hf.save_pretrained(str(merged))
-    proc = subprocess.run([sys.executable, "-m", "ember", "generate", str(dpo), "--prompt", "what"],
-                          capture_output=True, text=True, timeout=600)
+    proc = run_ember("generate", str(dpo), "--prompt", "what")
     step = dpo / "checkpoints" / "step-25"
     assert (proc.returncode, proc.stderr) == (2, (
         f"error: '{step}' holds LoRA adapters trained on the base '{merged}', which has changed since "

@@ -11,26 +11,24 @@ from typing import Optional
 
 import pytest
 
-
-def _ember(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ember", *args], capture_output=True, text=True, timeout=120)
+from tests.helpers import run_ember, tiny_model, wait_for_logged_step
 
 
 def test_help_and_one_line_errors(tmp_path):
     for argv in (["launch", "--help"], ["launch", "slurm", "--help"], ["launch", "k8s", "--help"],
                  ["launch", "local", "--help"]):
-        proc = _ember(*argv)
+        proc = run_ember(*argv)
         assert proc.returncode == 0 and "usage: ember launch" in proc.stdout, argv
     # The config is checked for nodes x processes: 3 processes cannot hold tensor=2.
-    proc = _ember("launch", "local", "--nproc-per-node", "3", "debug", "ici_mesh.tensor=2")
+    proc = run_ember("launch", "local", "--nproc-per-node", "3", "debug", "ici_mesh.tensor=2")
     assert proc.returncode == 2 and proc.stderr.startswith("error: the world size 3") and proc.stderr.count("\n") == 1
-    proc = _ember("launch", "slurm", "debug", "--nodes", "3", "--nproc-per-node", "1", f"output_dir={tmp_path}",
-                  "--dry-run")
+    proc = run_ember("launch", "slurm", "debug", "--nodes", "3", "--nproc-per-node", "1", f"output_dir={tmp_path}",
+                     "--dry-run")
     assert proc.returncode == 2 and "global_batch_size" in proc.stderr and proc.stderr.count("\n") == 1
     assert not (tmp_path / "launch").exists()  # nothing written
-    proc = _ember("launch", "slurm", "debug", "--nodes", "0")
+    proc = run_ember("launch", "slurm", "debug", "--nodes", "0")
     assert proc.returncode == 2 and "--nodes must be >= 1" in proc.stderr
-    proc = _ember("launch", "local", "--bogus", "1")
+    proc = run_ember("launch", "local", "--bogus", "1")
     assert (proc.returncode, proc.stderr) == (2, "error: unknown option '--bogus' for ember launch local (options: "
                                               "--nproc-per-node, --nnodes, --node-rank, --rdzv-endpoint)\n")
 
@@ -56,7 +54,7 @@ def test_what_is_requested_is_what_the_flags_say_and_is_printed(tmp_path):
              (["--nproc-per-node", "2", "device=cuda"], "#SBATCH --gpus-per-node=2",
               "requesting 1 node x 2 processes each, 2 GPUs per node")]
     for flags, gpu_line, request in cases:
-        proc = _ember("launch", "slurm", "debug", "micro_batch_size=4", f"output_dir={tmp_path}", *flags, "--dry-run")
+        proc = run_ember("launch", "slurm", "debug", "micro_batch_size=4", f"output_dir={tmp_path}", *flags, "--dry-run")
         assert proc.returncode == 0, proc.stderr
         assert proc.stderr.splitlines()[0] == request, (flags, proc.stderr)
         lines = script.read_text().splitlines()
@@ -65,7 +63,7 @@ def test_what_is_requested_is_what_the_flags_say_and_is_printed(tmp_path):
                             "device=cpu job; give --nproc-per-node 1 for CPU processes, or drop device=cpu"),
                            (["--gpus-per-node", "2", "--nproc-per-node", "2"], "error: give --gpus-per-node G (G "
                             "processes and G GPUs per node) or --nproc-per-node G (G processes), not both")):
-        proc = _ember("launch", "slurm", "debug", "micro_batch_size=4", f"output_dir={tmp_path / 'no'}", *flags)
+        proc = run_ember("launch", "slurm", "debug", "micro_batch_size=4", f"output_dir={tmp_path / 'no'}", *flags)
         assert proc.returncode == 2 and proc.stderr == message + "\n", proc.stderr
         assert not (tmp_path / "no").exists()
 
@@ -75,7 +73,7 @@ def test_print_and_dry_run_mean_the_same_for_slurm_and_k8s(tmp_path):
         outputs = {}
         for flag in ("--print", "--dry-run"):
             out = tmp_path / where / flag.strip("-")
-            proc = _ember("launch", where, "debug", "device=cpu", f"output_dir={out}", *extra, flag)
+            proc = run_ember("launch", where, "debug", "device=cpu", f"output_dir={out}", *extra, flag)
             assert proc.returncode == 0, (where, flag, proc.stderr)
             path = out / "launch" / written
             text = path.read_text()
@@ -87,7 +85,7 @@ def test_print_and_dry_run_mean_the_same_for_slurm_and_k8s(tmp_path):
         assert outputs["--print"] == outputs["--dry-run"], where
 
 
-TINY = ["debug", "data.dataset=synthetic", "model.n_layers=2", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2",
+TINY = ["debug", "data.dataset=synthetic", *tiny_model(2),
         "model.vocab_size=256", "seq_len=32", "global_batch_size=4", "micro_batch_size=2", "logging_steps=1",
         "max_steps=100000", "checkpoint.interval=0", "metrics.console=false"]
 
@@ -95,7 +93,7 @@ TINY = ["debug", "data.dataset=synthetic", "model.n_layers=2", "model.dim=64", "
 @pytest.mark.parametrize("sig, exit_code, stop_env", [(signal.SIGINT, 130, None), (signal.SIGTERM, 0, None),
                                                       (signal.SIGTERM, 75, "75")])
 def test_a_signal_to_the_launcher_is_one_line_and_the_single_process_exit_code(
-        tmp_path: Path, sig: signal.Signals, exit_code: int, stop_env: Optional[str], wait_for_logged_step):
+        tmp_path: Path, sig: signal.Signals, exit_code: int, stop_env: Optional[str]):
     # torchrun's agent passes the signal on to the ranks, which save and stop; its own SignalException is not a
     # traceback, and the exit code is a single process's: 130 for Ctrl-C, 0 or EMBER_EXIT_CODE_ON_STOP for SIGTERM.
     out = tmp_path / "run"

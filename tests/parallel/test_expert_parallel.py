@@ -8,7 +8,6 @@ here: like every data-parallel layout, expert ranks compute the load-balancing s
 own tokens (as MaxText and Megatron-LM do by default), which is a different loss from one process's.
 """
 
-import json
 from pathlib import Path
 
 import pytest
@@ -17,16 +16,14 @@ import torch
 from ember import config as config_lib
 from ember import load_model
 from ember.train import Trainer
-
-from test_layouts import _run_layouts  # noqa: E402  (tests/parallel is on sys.path under pytest)
+from tests.helpers import read_records, run_layouts, tiny_model
 
 STEPS = 3
 MOE = [
-    "model.family=mixtral", "model.flavor=debug", "data.dataset=synthetic", "model.n_layers=2", "model.dim=64",
-    "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=512", "model.ffn_hidden_dim=96",
-    "model.n_experts=4", "model.top_k=2", "model.aux_loss_coef=0", "model.z_loss_coef=0", "seq_len=32",
-    "global_batch_size=8", f"max_steps={STEPS}", "logging_steps=1", "eval_batches=1", "schedule.warmup_steps=0",
-    "optim.lr=1e-2",
+    "model.family=mixtral", "model.flavor=debug", "data.dataset=synthetic", *tiny_model(2), "model.vocab_size=512",
+    "model.ffn_hidden_dim=96", "model.n_experts=4", "model.top_k=2", "model.aux_loss_coef=0", "model.z_loss_coef=0",
+    "seq_len=32", "global_batch_size=8", f"max_steps={STEPS}", "logging_steps=1", "eval_batches=1",
+    "schedule.warmup_steps=0", "optim.lr=1e-2",
 ]
 REL = 1e-5
 CASES = {
@@ -57,7 +54,7 @@ GLAM = [item for item in MOE if not item.startswith(("model.family", "model.flav
 def _single_process(out, base: list[str]) -> dict:
     cfg = config_lib.load("debug", base + ["micro_batch_size=8", f"output_dir={out}", "metrics.console=false"])
     summary = Trainer(cfg).train()
-    steps = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    steps = [r for r in read_records(out) if "loss" in r]
     return {"loss": [r["loss"] for r in steps], "grad_norm": [r["grad_norm"] for r in steps],
             "expert_load": [r["moe/layer0/tokens_per_expert"] for r in steps], "val_loss": summary["val_loss"],
             "dir": out}
@@ -72,7 +69,7 @@ def test_glam_expert_and_tensor_parallel_match_single_process(tmp_path):
     expected = _single_process(tmp_path / "reference", GLAM)
     # tensor=2: GLaM's dense layers column/row-split, its MoE layers sequence-sharded, its tied matrix whole
     cases = {"glam expert=2": CASES[2]["expert=2"], "glam tensor=2": CASES[2]["tensor=2"]}
-    results = _run_layouts(2, cases, tmp_path, base=GLAM)
+    results = run_layouts(tmp_path, 2, cases, GLAM)
     for name, got in results.items():
         assert got["loss"] == pytest.approx(expected["loss"], rel=REL), name
         assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=REL), name
@@ -94,7 +91,7 @@ def test_router_losses_under_pipeline_and_tensor_parallelism(tmp_path):
                 "parallel.pp_microbatches=1"]
     cases = {"pipeline=2": pipeline, "pipeline=2 remat=full": pipeline + ["model.remat=full"],
              "tensor=2": CASES[2]["tensor=2"]}
-    results = _run_layouts(2, cases, tmp_path, base=MOE + losses)
+    results = run_layouts(tmp_path, 2, cases, MOE + losses)
     for name in ("pipeline=2", "pipeline=2 remat=full"):
         assert results[name]["loss"] == pytest.approx(expected["loss"], rel=REL), name
         assert results[name]["grad_norm"] == pytest.approx(expected["grad_norm"], rel=REL), name
@@ -105,7 +102,7 @@ def test_router_losses_under_pipeline_and_tensor_parallelism(tmp_path):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_expert_parallel_layouts_match_single_process(reference, tmp_path, world):
-    results = _run_layouts(world, CASES[world], tmp_path, base=MOE)
+    results = run_layouts(tmp_path, world, CASES[world], MOE)
     assert set(results) == set(CASES[world])
     assert reference["loss"][0] - reference["loss"][-1] > 1e-3  # the steps move the weights
     # every token of the global batch routed twice, in layer 0, summed over the ranks

@@ -5,18 +5,12 @@ parallelism, indexed by each context rank's true positions), biases in column- a
 and sequence-parallel LayerNorms with a bias.
 """
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 from ember import config as config_lib
 from ember.train import Trainer
+from tests.helpers import read_records, run_layouts
 
-HERE = Path(__file__).parent
 STEPS = 3
 REL = 1e-5  # fp32; only the order of floating-point sums differs between layouts
 # A small GPT: 2 layers, 4 heads (tensor=2), seq 32 (context=2 makes 4 chunks), tied embeddings.
@@ -36,19 +30,11 @@ def test_gpt_world_size_2_layouts_match_single_process(tmp_path):
     cfg = config_lib.load("debug", BASE + ["micro_batch_size=8", f"output_dir={tmp_path / 'reference'}",
                                            "metrics.console=false"])
     summary = Trainer(cfg).train()
-    records = [json.loads(line) for line in (tmp_path / "reference" / "metrics.jsonl").read_text().splitlines()]
-    reference = [r for r in records if "loss" in r]
+    reference = [r for r in read_records(tmp_path / "reference") if "loss" in r]
     # Uniform random tokens start at the loss floor (ln 512); the weights still move, so the steps' losses
     # differ and agreement is not that of an untouched model.
     assert len(reference) == STEPS and abs(reference[0]["loss"] - reference[-1]["loss"]) > 1e-3
-    out = tmp_path / "results.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(HERE / "layouts_worker.py"), str(out), json.dumps(WORLD2), *BASE]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    env.pop("RANK", None), env.pop("WORLD_SIZE", None)
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = json.loads(out.read_text())
+    results = run_layouts(tmp_path, 2, WORLD2, BASE)
     assert set(results) == set(WORLD2)
     for name, got in results.items():
         assert got["loss"] == pytest.approx([r["loss"] for r in reference], rel=REL), name

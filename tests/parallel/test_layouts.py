@@ -6,7 +6,6 @@ The layouts of one world size run in a single torchrun job that shares one proce
 of floating-point sums (reduce-scatters, sharded matmuls, the all-gathered attention).
 """
 
-import json
 import os
 import socket
 import subprocess
@@ -19,13 +18,13 @@ import torch
 from ember import config as config_lib
 from ember import load_model
 from ember.train import Trainer
+from tests.helpers import job_env, read_records, run_ember, run_layouts, tiny_model
 
-HERE = Path(__file__).parent
 STEPS = 3
 # A small Llama 3 that every layout here can split: 4 layers (4 pipeline stages), 4 query / 2 K/V
 # heads (tensor=2), seq 32 (context=2 makes 4 chunks). lr is high enough that steps 2-3 move.
 BASE = [
-    "data.dataset=synthetic", "model.n_layers=4", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2",
+    "data.dataset=synthetic", *tiny_model(4),
     "model.vocab_size=512", "seq_len=32", "global_batch_size=8", f"max_steps={STEPS}", "logging_steps=1",
     "eval_batches=1", "schedule.warmup_steps=0", "optim.lr=1e-2",
 ]
@@ -63,17 +62,10 @@ WORLD4 = {
 }
 
 
-def _env() -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    env.pop("RANK", None), env.pop("WORLD_SIZE", None)
-    return env
-
-
 def _single_process(out: Path, *overrides: str) -> dict:
     cfg = config_lib.load("debug", BASE + ["micro_batch_size=8", f"output_dir={out}", "metrics.console=false", *overrides])
     summary = Trainer(cfg).train()
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if "loss" in r]
+    steps = [r for r in read_records(out) if "loss" in r]
     return {"loss": [r["loss"] for r in steps], "grad_norm": [r["grad_norm"] for r in steps],
             "val_loss": summary["val_loss"], "dir": out}
 
@@ -88,15 +80,6 @@ def tied_reference(tmp_path_factory) -> dict:
     return _single_process(tmp_path_factory.mktemp("tied"), TIED)
 
 
-def _run_layouts(nproc: int, cases: dict, tmp_path: Path, base: list[str] = BASE) -> dict:
-    out = tmp_path / "results.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(HERE / "layouts_worker.py"), str(out), json.dumps(cases), *base]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out.read_text())
-
-
 def _assert_matches(results: dict, reference: dict, tied_reference: dict | None = None, cases: dict = WORLD2) -> None:
     assert len(reference["loss"]) == STEPS
     for name, got in results.items():
@@ -109,7 +92,7 @@ def _assert_matches(results: dict, reference: dict, tied_reference: dict | None 
 
 
 def test_world_size_2_layouts_match_single_process(reference, tied_reference, tmp_path):
-    results = _run_layouts(2, WORLD2, tmp_path)
+    results = run_layouts(tmp_path, 2, WORLD2, BASE)
     assert set(results) == set(WORLD2)
     # The loss moves over the steps, so agreement is not the trivial agreement of an untrained model.
     assert reference["loss"][0] - reference["loss"][-1] > 1e-3
@@ -128,7 +111,7 @@ def test_world_size_2_layouts_match_single_process(reference, tied_reference, tm
 
 
 def test_world_size_4_layouts_match_single_process(reference, tmp_path):
-    results = _run_layouts(4, WORLD4, tmp_path)
+    results = run_layouts(tmp_path, 4, WORLD4, BASE)
     assert set(results) == set(WORLD4)
     _assert_matches(results, reference, None, WORLD4)
 
@@ -152,15 +135,14 @@ def test_two_nodes_on_loopback(reference, tmp_path, mesh, nproc):
         subprocess.Popen(
             [sys.executable, "-m", "ember", "train", f"--nproc-per-node={nproc}", "--nnodes=2", f"--node-rank={node}",
              f"--rdzv-endpoint=127.0.0.1:{port}", "debug", *BASE, *extra],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=job_env(),
         )
         for node in (0, 1)
     ]
     outputs = [p.communicate(timeout=600) for p in procs]
     for p, (_, err) in zip(procs, outputs):
         assert p.returncode == 0, err[-4000:]
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    losses = [r["loss"] for r in records if "loss" in r]
+    losses = [r["loss"] for r in read_records(out) if "loss" in r]
     assert losses == pytest.approx(reference["loss"], rel=REL)
 
 
@@ -181,31 +163,24 @@ def test_a_failing_rank_ends_the_job_and_names_itself(tmp_path):
         "        return original(self, batches)\n"
         "    t.Trainer.train_step = failing\n"
     )
-    env = _env()
+    env = job_env()
     env["PYTHONPATH"] = os.pathsep.join([str(inject), env.get("PYTHONPATH", "")])
     # No hang: the job ends because rank 1 failed, not at the collectives' timeout (an hour here), well inside
     # the subprocess ceiling, which only bounds a hang on a loaded machine.
-    proc = subprocess.run(
-        [sys.executable, "-m", "ember", "train", "--nproc-per-node", "2", "debug", *BASE, "micro_batch_size=4",
-         "max_steps=20", "parallel.timeout_s=3600", f"output_dir={tmp_path / 'run'}", "metrics.console=false"],
-        capture_output=True, text=True, env=env, timeout=600,
-    )
+    proc = run_ember("train", "--nproc-per-node", "2", "debug", *BASE, "micro_batch_size=4", "max_steps=20",
+                     "parallel.timeout_s=3600", f"output_dir={tmp_path / 'run'}", "metrics.console=false", env=env)
     assert proc.returncode != 0
     assert "error: [rank 1] RuntimeError: injected failure" in proc.stderr
     assert "the job failed on rank 1" in proc.stderr
 
 
 def test_launch_flags_are_checked_before_any_process_starts(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "ember", "train", "--nproc-per-node", "3", "debug", "data.dataset=synthetic",
-         "ici_mesh.tensor=2"],
-        capture_output=True, text=True, env=_env(), timeout=120,
-    )
+    proc = run_ember("train", "--nproc-per-node", "3", "debug", "data.dataset=synthetic", "ici_mesh.tensor=2",
+                     env=job_env())
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "error: the world size 3 is not divisible by the product of the other mesh axes (2), so ici_mesh.fsdp=-1 "
         "cannot fill it; change the degrees or the number of processes"
     ]
-    proc = subprocess.run([sys.executable, "-m", "ember", "train", "--nnodes", "2", "debug"],
-                          capture_output=True, text=True, env=_env(), timeout=120)
+    proc = run_ember("train", "--nnodes", "2", "debug", env=job_env())
     assert proc.returncode == 2 and "--nnodes > 1 needs --rdzv-endpoint" in proc.stderr

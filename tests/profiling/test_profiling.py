@@ -5,27 +5,20 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from ember.profiling import StepProfiler, category, exposed_time, without_kineto_notices
+from tests.helpers import read_records, run_ember, tiny_model
 
-TINY = ["model.n_layers=1", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "seq_len=32",
-        "global_batch_size=4", "max_steps=6", "logging_steps=1", "eval_batches=1", "checkpoint.interval=4"]
-
-
-def _ember(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ember", "train", "debug", *args], capture_output=True, text=True,
-                          timeout=300)
+TINY = [*tiny_model(), "seq_len=32", "global_batch_size=4", "max_steps=6", "logging_steps=1", "eval_batches=1",
+        "checkpoint.interval=4"]
 
 
 def _losses(run: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()
-            if "loss" in json.loads(line)]
+    return [r["loss"] for r in read_records(run) if "loss" in r]
 
 
 def _range_names(trace: Path) -> set[str]:
@@ -45,8 +38,10 @@ def test_exposed_time_and_categories():
 
 def test_traced_steps_hold_the_phases_and_leave_the_numbers_alone(tmp_path: Path):
     plain, traced = tmp_path / "plain", tmp_path / "traced"
-    assert _ember(*TINY, "micro_batch_size=4", "metrics.console=false", f"output_dir={plain}").returncode == 0
-    proc = _ember(*TINY, "micro_batch_size=2", "profile_step=3", "profile_duration=2", f"output_dir={traced}")
+    assert run_ember("train", "debug", *TINY, "micro_batch_size=4", "metrics.console=false",
+                     f"output_dir={plain}").returncode == 0
+    proc = run_ember("train", "debug", *TINY, "micro_batch_size=2", "profile_step=3", "profile_duration=2",
+                     f"output_dir={traced}")
     assert proc.returncode == 0, proc.stderr
     assert "USDT:" not in proc.stderr and "profiler_start" not in proc.stderr  # kineto's notices held back
     trace = traced / "profile" / "rank0.step3-4.pt.trace.json"
@@ -58,15 +53,15 @@ def test_traced_steps_hold_the_phases_and_leave_the_numbers_alone(tmp_path: Path
     # micro-batches of 2 (accumulated twice) against 4: the loss of a global batch is the same to rounding
     assert _losses(traced) == pytest.approx(_losses(plain), rel=1e-5)
     again = tmp_path / "again"
-    assert _ember(*TINY, "micro_batch_size=2", "metrics.console=false", f"output_dir={again}").returncode == 0
+    assert run_ember("train", "debug", *TINY, "micro_batch_size=2", "metrics.console=false",
+                     f"output_dir={again}").returncode == 0
     assert _losses(again) == _losses(traced)  # bit for bit: profiling changes nothing
 
 
 def test_every_rank_writes_its_trace_and_communication_is_counted(tmp_path: Path):
     run = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "ember", "train", "--nproc-per-node", "2", "debug", *TINY,
-                           "micro_batch_size=2", "ici_mesh.fsdp=2", "profile.enabled=true", "profile.step=2",
-                           "profile.steps=1", f"output_dir={run}"], capture_output=True, text=True, timeout=300)
+    proc = run_ember("train", "--nproc-per-node", "2", "debug", *TINY, "micro_batch_size=2", "ici_mesh.fsdp=2",
+                     "profile.enabled=true", "profile.step=2", "profile.steps=1", f"output_dir={run}")
     assert proc.returncode == 0, proc.stderr[-2000:]
     for rank in (0, 1):
         assert "ember/step 2" in _range_names(run / "profile" / f"rank{rank}.step2-2.pt.trace.json")
