@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import glob
 import hashlib
-import json
 import os
 import sys
 import sysconfig
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Optional, Union
+from typing import Any, Callable, Iterable, Optional, Union
 
+from ember.data.jsonl import json_rows
 from ember.errors import DataError, UserFileNotFound, first_error_line
 
 EMBEDDED = "embedded"
@@ -248,26 +248,6 @@ def _has_content(row: Row) -> bool:
     return bool(row) if isinstance(row, (str, list)) else bool(row[1])
 
 
-def _json_rows(path: Path, text: str, fields: Fields) -> Iterator[Row]:
-    if path.suffix == ".jsonl":
-        for lineno, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataError(f"{path} line {lineno} is not valid JSON ({err.msg}); fix or remove that line") from None
-            yield _row(row, fields, f"{path} line {lineno}")
-        return
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise DataError(f"{path} is not valid JSON ({err.msg} at line {err.lineno}); fix the file") from None
-    rows = data if isinstance(data, list) else [data]
-    for i, row in enumerate(rows):
-        yield _row(row, fields, f"{path} item {i}")
-
-
 def _table_rows(path: Path, fields: Fields) -> list[Row]:
     """The text column (and prompt column), or the messages column, of a .parquet or .arrow file, read by
     `datasets`."""
@@ -314,7 +294,8 @@ def _local_documents(spec: str, files: list[Path], fields: Fields) -> tuple[dict
             if text is None:
                 skipped.append(str(path))
                 continue
-            rows = [text] if path.suffix == ".txt" else _json_rows(path, text, fields)
+            rows = [text] if path.suffix == ".txt" else [_row(row, fields, where)
+                                                            for where, row in json_rows(path, text)]
         for i, row in enumerate(rows):
             if _has_content(row):
                 docs[f"{path.resolve().relative_to(base).as_posix()}:{i}"] = row

@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional
 
 from torch import nn
 
+from ember.data.jsonl import read_json_rows
 from ember.errors import ConfigError, DataError, UserFileNotFound
 from ember.eval.distributed import EvalRanks
 from ember.eval.scoring import loglikelihood, rolling_logprob
@@ -101,23 +102,11 @@ def read_rows(spec: str, task: str, fields: tuple[str, ...], limit: Optional[int
     check_limit(limit)
     path = Path(spec).expanduser()
     if path.is_file():
-        try:
-            lines = path.read_text(encoding="utf-8").splitlines()
-        except UnicodeDecodeError:
-            raise DataError(f"{task} data '{path}' is not UTF-8 text") from None
-        located = []
-        for lineno, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except ValueError:
-                raise DataError(f"{path} line {lineno} is not valid JSON") from None
-            missing = [f for f in fields if not isinstance(row, dict) or f not in row]
+        located = read_json_rows(path, f"{task} data")
+        for where, row in located:
+            missing = [f for f in fields if f not in row]
             if missing:
-                raise DataError(f"{path} line {lineno} has no '{missing[0]}' field ({task} rows need "
-                                f"{', '.join(fields)})")
-            located.append((f"{path} line {lineno}", row))
+                raise DataError(f"{where} has no '{missing[0]}' field ({task} rows need {', '.join(fields)})")
     elif spec in (task, HUB.get(task, ("",))[0]) and task in HUB:
         from ember.data.sources import load_hub_table
 

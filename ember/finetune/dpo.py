@@ -16,7 +16,6 @@ being trained and ref is the frozen starting model. What differs from pretrainin
 from __future__ import annotations
 
 import contextlib
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -26,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ember.constants import IGNORE_INDEX
+from ember.data.jsonl import read_json_rows
 from ember.errors import DataError, UserFileNotFound
 
 
@@ -131,41 +131,21 @@ def _read_pairs(spec: str, fields: tuple[str, ...], split_name: str) -> list[dic
     """Rows of a local jsonl/json file, or of a hub dataset (through `datasets`, where the network allows)."""
     path = Path(spec).expanduser()
     if path.is_file():
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError:
-            raise DataError(f"DPO data '{path}' is not UTF-8 text") from None
-        if path.suffix == ".json":
-            try:
-                rows = json.loads(text)
-            except ValueError:
-                raise DataError(f"{path} is not valid JSON") from None
-            rows = rows if isinstance(rows, list) else [rows]
-        else:
-            rows = []
-            for lineno, line in enumerate(text.splitlines(), 1):
-                if not line.strip():
-                    continue
-                try:
-                    rows.append(json.loads(line))
-                except ValueError:
-                    raise DataError(f"{path} line {lineno} is not valid JSON") from None
-        where = lambda i: f"{path} row {i + 1}"  # noqa: E731
+        located = read_json_rows(path, "DPO data")
     elif path.suffix in (".jsonl", ".json") or path.parent != Path("."):
         raise UserFileNotFound(f"DPO data '{spec}' does not exist; give a jsonl of {{prompt, chosen, rejected}} rows")
     else:
         from ember.data.sources import _import_datasets
 
         datasets = _import_datasets(f"DPO data from the hub ({spec})")
-        rows = [dict(r) for r in datasets.load_dataset(spec, split=split_name)]
-        where = lambda i: f"{spec} row {i + 1}"  # noqa: E731
-    for i, row in enumerate(rows):
-        missing = [f for f in fields if not isinstance(row, dict) or f not in row]
+        located = [(f"{spec} row {i}", dict(r)) for i, r in enumerate(datasets.load_dataset(spec, split=split_name), 1)]
+    for where, row in located:
+        missing = [f for f in fields if f not in row]
         if missing:
-            raise DataError(f"{where(i)} has no '{missing[0]}' field (DPO rows need {', '.join(fields)})")
-    if not rows:
+            raise DataError(f"{where} has no '{missing[0]}' field (DPO rows need {', '.join(fields)})")
+    if not located:
         raise DataError(f"DPO data '{spec}' is empty")
-    return rows
+    return [row for _, row in located]
 
 
 def _fit(prompt: list[int], response: list[int], length: int) -> tuple[list[int], list[int]]:
