@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Union
 
+from ember.data.hub import import_datasets, load_hub_table
 from ember.data.jsonl import json_rows
 from ember.errors import DataError, UserFileNotFound, first_error_line
 
@@ -251,7 +252,7 @@ def _has_content(row: Row) -> bool:
 def _table_rows(path: Path, fields: Fields) -> list[Row]:
     """The text column (and prompt column), or the messages column, of a .parquet or .arrow file, read by
     `datasets`."""
-    datasets = _import_datasets(f"reading '{path}'")
+    datasets = import_datasets(f"reading '{path}'")
     builder = "parquet" if path.suffix == ".parquet" else "arrow"
     try:
         table = datasets.load_dataset(builder, data_files=[str(path)], split="train")
@@ -326,28 +327,6 @@ def load_local(spec: str, files: list[Path], fields: Fields, split: str, val_fra
 
 
 # ---------------------------------------------------------------- Hugging Face hub
-def _import_datasets(purpose: str) -> Any:
-    try:
-        import datasets  # lazy: an optional dependency, and slow to import
-    except ImportError:
-        raise DataError(f"{purpose} needs the `datasets` library; run `pip install datasets`") from None
-    # Its progress bars and info logs would break into ember's console (progress bar, metrics lines).
-    datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()
-    return datasets
-
-
-def load_hub_table(name: str, config: Optional[str], hf_split: str, what: str = "data.dataset", fix: str = "") -> Any:
-    """A hub dataset's `hf_split` as a `datasets` table; `what` names who asked (a key, an eval task) in the
-    one-line error, followed by `fix`."""
-    datasets = _import_datasets(f"{what} '{name}' is not a local file, folder or glob; loading it from the Hugging "
-                                "Face hub")
-    try:
-        return datasets.load_dataset(name, config, split=hf_split)
-    except Exception as err:  # network, auth, unknown name or config: all user-fixable, all one line
-        raise DataError(f"cannot load {what} '{name}' from the Hugging Face hub: {first_error_line(err)}{fix}") from None
-
-
 def load_hub(name: str, config: Optional[str], hf_split: str, fields: Fields, split: str, val_fraction: float) -> Documents:
     """A hub dataset's `hf_split` (data.split), divided into ember's train/val by the same key hash."""
     _check_split(split)

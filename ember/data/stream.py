@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ember.data import sources
+from ember.data.hub import import_datasets
 from ember.data.prefetch import Prefetcher
 from ember.errors import DataError, first_error_line
 
@@ -35,7 +36,7 @@ def _draw(seed: int, epoch: int, k: int, n: int) -> int:
 
 def open_stream(data_cfg: Any, split: str, dp_rank: int, dp_world: int) -> tuple[Any, str]:
     """The rank's IterableDataset for ember's `split` ("train" -> data.split, "val" -> data.val_split)."""
-    datasets = sources._import_datasets("data.streaming=true")
+    datasets = import_datasets("data.streaming=true")
     from datasets.distributed import split_dataset_by_node
 
     hf_split = data_cfg.split if split == "train" else data_cfg.val_split

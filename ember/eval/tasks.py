@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional
 
 from torch import nn
 
+from ember.data.hub import load_hub_table
 from ember.data.jsonl import read_json_rows
 from ember.errors import ConfigError, DataError, UserFileNotFound
 from ember.eval.distributed import EvalRanks
@@ -108,8 +109,6 @@ def read_rows(spec: str, task: str, fields: tuple[str, ...], limit: Optional[int
             if missing:
                 raise DataError(f"{where} has no '{missing[0]}' field ({task} rows need {', '.join(fields)})")
     elif spec in (task, HUB.get(task, ("",))[0]) and task in HUB:
-        from ember.data.sources import load_hub_table
-
         name, config, split = HUB[task]
         rows = [dict(r) for r in load_hub_table(name, config, split, f"{task} data",
                                                 f"; give a local jsonl file ({task}=FILE.jsonl)")]

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ember.constants import IGNORE_INDEX
+from ember.data.hub import import_datasets
 from ember.data.jsonl import read_json_rows
 from ember.errors import DataError, UserFileNotFound
 
@@ -135,9 +136,7 @@ def _read_pairs(spec: str, fields: tuple[str, ...], split_name: str) -> list[dic
     elif path.suffix in (".jsonl", ".json") or path.parent != Path("."):
         raise UserFileNotFound(f"DPO data '{spec}' does not exist; give a jsonl of {{prompt, chosen, rejected}} rows")
     else:
-        from ember.data.sources import _import_datasets
-
-        datasets = _import_datasets(f"DPO data from the hub ({spec})")
+        datasets = import_datasets(f"DPO data from the hub ({spec})")
         located = [(f"{spec} row {i}", dict(r)) for i, r in enumerate(datasets.load_dataset(spec, split=split_name), 1)]
     for where, row in located:
         missing = [f for f in fields if f not in row]
