@@ -36,6 +36,12 @@ def losses_by_step(run: Path) -> dict[int, tuple[float, float]]:
     return {r["step"]: (r["loss"], r["grad_norm"]) for r in read_records(run) if "loss" in r}
 
 
+def write_jsonl(path: Path, rows: list[dict]) -> str:
+    """Writes ROWS as JSON lines to PATH; returns the path as the string a `key=value` override takes."""
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
 def tiny_model(n_layers: int = 1) -> list[str]:
     """The overrides of the suite's smallest llama: dim 64, 4 query and 2 K/V heads (tensor=2 splits both)."""
     return [f"model.n_layers={n_layers}", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2"]

@@ -12,13 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import read_records, run_ember, tiny_model
+
 WORDS = "import os sys def main self return None if x for in range print class".split()
 
 
-def _ember(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_DATASETS_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-m", "ember", *args], capture_output=True, text=True, timeout=timeout,
-                          env=env)
+OFFLINE = {**os.environ, "HF_DATASETS_OFFLINE": "1"}
 
 
 def _text(rng: random.Random, low: int, high: int) -> str:
@@ -30,9 +29,9 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny trained run (4 heads, 2 KV heads: tensor=2 splits both) and task files whose row counts leave
     the two data ranks uneven shares of batches (the idle-forward path)."""
     root = tmp_path_factory.mktemp("dist-eval")
-    proc = _ember("train", "debug", "model.n_layers=2", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2",
-                  "seq_len=32", "global_batch_size=4", "micro_batch_size=4", "max_steps=20", "metrics.console=false",
-                  "eval_batches=1", f"output_dir={root / 'run'}")
+    proc = run_ember("train", "debug", *tiny_model(2), "seq_len=32", "global_batch_size=4", "micro_batch_size=4",
+                     "max_steps=20", "metrics.console=false", "eval_batches=1", f"output_dir={root / 'run'}",
+                     env=OFFLINE)
     assert proc.returncode == 0, proc.stderr
     rng = random.Random(0)
     rows = {"lambada": [{"text": _text(rng, 4, 40)} for _ in range(9)],
@@ -46,8 +45,8 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _eval(run: Path, name: str, *extra: str) -> dict:
     tasks = [f"{t}={run / f'{t}.jsonl'}" for t in ("lambada", "boolq", "choice")]
-    proc = _ember("eval", *extra, str(run / "run"), "ppl", *tasks, "eval.max_tokens=700", "eval.batch_size=4",
-                  "eval.seq_len=32", "--output", str(run / name))
+    proc = run_ember("eval", *extra, str(run / "run"), "ppl", *tasks, "eval.max_tokens=700", "eval.batch_size=4",
+                     "eval.seq_len=32", "--output", str(run / name), env=OFFLINE)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads((run / name).read_text())["results"]
 
@@ -103,9 +102,9 @@ def test_mesh_mistakes_are_one_line_before_any_process_starts(run: Path):
     for extra, message in [(["ici_mesh.tensor=3"], "world size 2 is not divisible"),
                            (["ici_mesh.pipeline=2"], "ember eval shards the model over data, fsdp, tensor"),
                            (["ici_mesh.fsdp=two"], "ici_mesh.fsdp must be int, got 'two'")]:
-        proc = _ember("eval", "--nproc-per-node", "2", str(run / "run"), "ppl", *extra, timeout=60)
+        proc = run_ember("eval", "--nproc-per-node", "2", str(run / "run"), "ppl", *extra, timeout=60, env=OFFLINE)
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr, (extra, proc.stderr)
-    proc = _ember("eval", "--nproc", "2", str(run / "run"), "ppl", timeout=60)
+    proc = run_ember("eval", "--nproc", "2", str(run / "run"), "ppl", timeout=60, env=OFFLINE)
     assert proc.returncode == 2 and "unknown option '--nproc' for ember eval" in proc.stderr
 
 
@@ -114,14 +113,14 @@ def test_in_loop_eval_on_two_fsdp_ranks_equals_ember_eval(run: Path, tmp_path: P
     logged numbers equal `ember eval` of the final checkpoint on one process."""
     lam, bq = run / "lambada.jsonl", run / "boolq.jsonl"
     out = tmp_path / "run"
-    proc = _ember("train", "--nproc-per-node", "2", "debug", "model.n_layers=1", "model.dim=64", "model.n_heads=4",
-                  "model.n_kv_heads=2", "seq_len=32", "global_batch_size=4", "micro_batch_size=2", "max_steps=3",
-                  "metrics.console=false", "eval_batches=1", "eval.batch_size=2", f"output_dir={out}",
-                  f"eval.tasks=[{{name: lambada, data: {lam}}}, {{name: boolq, data: {bq}}}]")
+    proc = run_ember("train", "--nproc-per-node", "2", "debug", *tiny_model(), "seq_len=32", "global_batch_size=4",
+                     "micro_batch_size=2", "max_steps=3", "metrics.console=false", "eval_batches=1",
+                     "eval.batch_size=2", f"output_dir={out}",
+                     f"eval.tasks=[{{name: lambada, data: {lam}}}, {{name: boolq, data: {bq}}}]", env=OFFLINE)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    final = [r for r in logged if "eval/lambada/acc" in r][-1]
-    proc = _ember("eval", str(out), f"lambada={lam}", f"boolq={bq}", "--output", str(tmp_path / "e.json"))
+    final = [r for r in read_records(out) if "eval/lambada/acc" in r][-1]
+    proc = run_ember("eval", str(out), f"lambada={lam}", f"boolq={bq}", "--output", str(tmp_path / "e.json"),
+                     env=OFFLINE)
     assert proc.returncode == 0, proc.stderr
     results = json.loads((tmp_path / "e.json").read_text())["results"]
     assert final["eval/lambada/n"] == 9 and final["eval/boolq/n"] == 7

@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +18,7 @@ from ember.errors import ConfigError, DataError
 from ember.eval import boolq, choice, lambada, loglikelihood, ppl, rolling_logprob
 from ember.eval.scoring import encode_pair
 from ember.models import MODELS, build_model_args
+from tests.helpers import TINY_RUN, read_records, run_ember, write_jsonl
 
 
 class WordTokenizer:
@@ -54,11 +53,6 @@ def _logprobs(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
     return F.log_softmax(logits, dim=-1).gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)
 
 
-def _write(path: Path, rows: list[dict]) -> str:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
-
-
 def test_encode_pair_moves_trailing_spaces_to_the_continuation():
     tok = WordTokenizer()
     assert encode_pair(tok, "a b ", "c") == (tok.encode("a b"), tok.encode("c"))
@@ -75,7 +69,7 @@ def test_lambada_equals_a_hand_computation(model, tmp_path: Path):
             logits = model(torch.tensor([ids[:-1]]))[0, -1]
         expected_hits += int(logits.argmax()) == ids[-1]
         expected_ll += float(F.log_softmax(logits, -1)[ids[-1]])
-    result = lambada(model, tok, _write(tmp_path / "l.jsonl", rows), batch_size=3)
+    result = lambada(model, tok, write_jsonl(tmp_path / "l.jsonl", rows), batch_size=3)
     assert result["n"] == 10 and result["acc"] == expected_hits / 10
     assert result["perplexity"] == pytest.approx(math.exp(-expected_ll / 10), rel=1e-5)
 
@@ -88,7 +82,7 @@ def test_boolq_and_choice_equal_a_hand_computation(model, tmp_path: Path):
         prompt = tok.encode(f"{row['passage']}\nQuestion: {row['question']}?\nAnswer:")
         no, yes = (float(_logprobs(model, prompt + tok.encode(w))[-1]) for w in ("no", "yes"))
         correct += (yes > no) == row["answer"]
-    assert boolq(model, tok, _write(tmp_path / "b.jsonl", rows))["acc"] == correct / 10
+    assert boolq(model, tok, write_jsonl(tmp_path / "b.jsonl", rows))["acc"] == correct / 10
     rows = [{"context": f"c{i} d{i}", "choices": ["x", "longer y", f"z{i} z"], "label": i % 3} for i in range(10)]
     acc = acc_norm = 0
     for row in rows:
@@ -96,7 +90,7 @@ def test_boolq_and_choice_equal_a_hand_computation(model, tmp_path: Path):
         lls = [float(_logprobs(model, ctx + tok.encode(c))[-len(tok.encode(c)):].sum()) for c in row["choices"]]
         acc += max(range(3), key=lambda j: lls[j]) == row["label"]
         acc_norm += max(range(3), key=lambda j: lls[j] / len(" " + row["choices"][j])) == row["label"]
-    result = choice(model, tok, _write(tmp_path / "c.jsonl", rows), batch_size=4)
+    result = choice(model, tok, write_jsonl(tmp_path / "c.jsonl", rows), batch_size=4)
     assert (result["acc"], result["acc_norm"], result["n"]) == (acc / 10, acc_norm / 10, 10)
 
 
@@ -122,7 +116,7 @@ def test_an_empty_context_is_scored_after_bos_or_eos(model, tmp_path: Path):
     lls = [float(_logprobs(model, [1, *tok.encode(c)])[-len(tok.encode(c)):].sum()) for c in rows[0]["choices"]]
     picked = max(range(2), key=lambda j: lls[j])
     picked_norm = max(range(2), key=lambda j: lls[j] / len(" " + rows[0]["choices"][j]))
-    assert choice(model, tok, _write(tmp_path / "c.jsonl", rows)) == {
+    assert choice(model, tok, write_jsonl(tmp_path / "c.jsonl", rows)) == {
         "acc": ((picked == 1) + 1) / 2, "acc_norm": ((picked_norm == 1) + 1) / 2, "n": 2}
 
 
@@ -156,7 +150,7 @@ def test_loglikelihood_cuts_long_inputs_from_the_left(model):
 def test_ppl_split_all_scores_every_token_of_the_file(model, tmp_path: Path):
     tok = WordTokenizer()
     docs = ["a b c d e", "f g a b", "h i j k l m n"]
-    data = DataConfig(dataset=_write(tmp_path / "d.jsonl", [{"text": d} for d in docs]))
+    data = DataConfig(dataset=write_jsonl(tmp_path / "d.jsonl", [{"text": d} for d in docs]))
     ids = [i for d in docs for i in tok.encode(d) + [tok.eos_id]]  # documents joined with EOS, as in training
     result = ppl(model, tok, data, split="all", seq_len=64)
     assert result["tokens"] == len(ids) - 1 == 18 and (result["seq_len"], result["stride"]) == (64, 32)
@@ -184,9 +178,9 @@ def test_boolq_reads_answers_as_written(model, tmp_path: Path):
         prompt = tok.encode(f"{row['passage']}\nQuestion: {row['question']}?\nAnswer:")
         no, yes = (float(_logprobs(model, prompt + tok.encode(w))[-1]) for w in ("no", "yes"))
         correct += (yes > no) == expected
-    assert boolq(model, tok, _write(tmp_path / "b.jsonl", rows)) == {"acc": correct / 8, "n": 8}
+    assert boolq(model, tok, write_jsonl(tmp_path / "b.jsonl", rows)) == {"acc": correct / 8, "n": 8}
     for answer in ["maybe", None, 1, ""]:
-        bad = _write(tmp_path / "bad.jsonl", [rows[0], {**rows[1], "answer": answer}])
+        bad = write_jsonl(tmp_path / "bad.jsonl", [rows[0], {**rows[1], "answer": answer}])
         with pytest.raises(DataError) as err:
             boolq(model, tok, bad)
         assert str(err.value) == (f"{bad} line 2: 'answer' must be true or false (a JSON boolean, or \"true\", "
@@ -216,14 +210,14 @@ def test_rows_of_the_wrong_type_name_their_line(model, tmp_path: Path):
             (choice, {"context": "c ", "choices": ["a", "b"], "label": 0},
              "'context' must not end with a space or tab (one space is put between context and choice, as lm-eval's "
              "target_delimiter does), got \"c \"")]:
-        path = _write(tmp_path / "rows.jsonl", [row])
+        path = write_jsonl(tmp_path / "rows.jsonl", [row])
         with pytest.raises(DataError, match=f"^{re.escape(path)} line 1: {re.escape(message)}"):
             task(model, tok, path)
 
 
 def test_limit_takes_the_first_rows_and_refuses_less_than_one(model, tmp_path: Path):
     tok = WordTokenizer()
-    path = _write(tmp_path / "l.jsonl", [{"text": f"a{i} b{i} c{i}"} for i in range(3)])
+    path = write_jsonl(tmp_path / "l.jsonl", [{"text": f"a{i} b{i} c{i}"} for i in range(3)])
     assert lambada(model, tok, path, limit=2)["n"] == 2 and lambada(model, tok, path)["n"] == 3
     assert lambada(model, tok, path, limit=5)["n"] == 3
     for limit in (0, -1):
@@ -237,18 +231,12 @@ def test_limit_takes_the_first_rows_and_refuses_less_than_one(model, tmp_path: P
             rolling_logprob(model, list(range(2, 20)), 8, 4, batch_size)
 
 
-def _ember(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ember", *args], capture_output=True, text=True, timeout=300)
-
-
 def test_cli_writes_eval_json_and_refuses_bad_input(tmp_path: Path):
     run = tmp_path / "run"
-    proc = _ember("train", "debug", "model.n_layers=1", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2",
-                  "seq_len=32", "global_batch_size=2", "micro_batch_size=2", "max_steps=2", "metrics.console=false",
-                  "eval_batches=1", f"output_dir={run}")
+    proc = run_ember("train", "debug", *TINY_RUN, "max_steps=2", f"output_dir={run}")
     assert proc.returncode == 0, proc.stderr
-    data = _write(tmp_path / "l.jsonl", [{"text": "import os and sys"}, {"text": "def main ( self"}])
-    proc = _ember("eval", str(run), "ppl", f"lambada={data}", "eval.max_tokens=300")
+    data = write_jsonl(tmp_path / "l.jsonl", [{"text": "import os and sys"}, {"text": "def main ( self"}])
+    proc = run_ember("eval", str(run), "ppl", f"lambada={data}", "eval.max_tokens=300")
     assert proc.returncode == 0, proc.stderr
     report = json.loads((run / "checkpoints" / "step-2" / "eval.json").read_text())
     assert report["model"] == str(run) and report["step"] == 2
@@ -262,33 +250,30 @@ def test_cli_writes_eval_json_and_refuses_bad_input(tmp_path: Path):
     empty, latin = tmp_path / "empty.jsonl", tmp_path / "latin.jsonl"
     empty.write_text("")
     latin.write_bytes('{"text": "caf\xe9"}\n'.encode("latin-1"))
-    missing = _write(tmp_path / "m.jsonl", [{"passage": "x", "question": "y"}])
+    missing = write_jsonl(tmp_path / "m.jsonl", [{"passage": "x", "question": "y"}])
     for args, message in [(["hellaswag"], "unknown eval task or key 'hellaswag'"),
                           ([f"boolq={missing}"], "line 1 has no 'answer' field"),
                           ([f"lambada={empty}"], "is empty"),
                           ([f"lambada={latin}"], "is not UTF-8 text"),
                           ([f"lambada={tmp_path / 'nope.jsonl'}"], "does not exist")]:
-        proc = _ember("eval", str(run), *args)
+        proc = run_ember("eval", str(run), *args)
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr, (args, proc.stderr)
-    proc = _ember("eval", str(tmp_path), "ppl")
+    proc = run_ember("eval", str(tmp_path), "ppl")
     assert proc.returncode == 2 and "holds no model" in proc.stderr
 
 
 def test_in_loop_eval_logs_the_tasks_and_equals_ember_eval(tmp_path: Path):
-    lam = _write(tmp_path / "l.jsonl", [{"text": "import os and sys"}, {"text": "def main ( self"},
-                                        {"text": "return None if x"}])
-    bq = _write(tmp_path / "b.jsonl", [{"passage": "import os", "question": "is it python", "answer": True},
-                                       {"passage": "a b c", "question": "is it python", "answer": False}])
+    lam = write_jsonl(tmp_path / "l.jsonl", [{"text": "import os and sys"}, {"text": "def main ( self"},
+                                             {"text": "return None if x"}])
+    bq = write_jsonl(tmp_path / "b.jsonl", [{"passage": "import os", "question": "is it python", "answer": True},
+                                            {"passage": "a b c", "question": "is it python", "answer": False}])
     run = tmp_path / "run"
-    proc = _ember("train", "debug", "model.n_layers=1", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2",
-                  "seq_len=32", "global_batch_size=2", "micro_batch_size=2", "max_steps=4", "eval_interval=2",
-                  "metrics.console=false", "eval_batches=1", f"output_dir={run}",
-                  f"eval.tasks=[{{name: lambada, data: {lam}}}, {{name: boolq, data: {bq}}}]")
+    proc = run_ember("train", "debug", *TINY_RUN, "max_steps=4", "eval_interval=2", f"output_dir={run}",
+                     f"eval.tasks=[{{name: lambada, data: {lam}}}, {{name: boolq, data: {bq}}}]")
     assert proc.returncode == 0, proc.stderr
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    logged = {r["step"]: r for r in records if "eval/lambada/acc" in r}
+    logged = {r["step"]: r for r in read_records(run) if "eval/lambada/acc" in r}
     assert sorted(logged) == [2, 4] and logged[4]["eval/boolq/n"] == 2 and "val_loss" in logged[4]
-    proc = _ember("eval", str(run), f"lambada={lam}", f"boolq={bq}", "--output", str(tmp_path / "e.json"))
+    proc = run_ember("eval", str(run), f"lambada={lam}", f"boolq={bq}", "--output", str(tmp_path / "e.json"))
     assert proc.returncode == 0, proc.stderr
     results = json.loads((tmp_path / "e.json").read_text())["results"]
     assert logged[4]["eval/lambada/perplexity"] == pytest.approx(results["lambada"]["perplexity"], rel=1e-5)
@@ -303,7 +288,7 @@ def test_in_loop_eval_config_errors(tmp_path: Path):
         config_lib.load("debug", ["eval.tasks=[{name: mmlu, data: x.jsonl}]"])
     with pytest.raises(ConfigError, match=r"eval.tasks\[0\].data '.*nope.jsonl' is not a file"):
         config_lib.load("debug", [f"eval.tasks=[{{name: boolq, data: {tmp_path / 'nope.jsonl'}}}]"])
-    bad = _write(tmp_path / "b.jsonl", [{"passage": "p", "question": "q", "answer": "maybe"}])
+    bad = write_jsonl(tmp_path / "b.jsonl", [{"passage": "p", "question": "q", "answer": "maybe"}])
     with pytest.raises(DataError, match=r"b.jsonl line 1: 'answer' must be true or false"):  # rows read at config time
         config_lib.load("debug", [f"eval.tasks=[{{name: boolq, data: {bad}}}]"])
     for key, value, message in [("limit", -1, r"eval.limit must be >= 1 \(null: every row\), got -1"),
@@ -311,7 +296,7 @@ def test_in_loop_eval_config_errors(tmp_path: Path):
                                 ("batch_size", 0, "eval.batch_size must be >= 1, got 0")]:
         with pytest.raises(ConfigError, match=message):
             config_lib.load("debug", [f"eval.{key}={value}"])
-    data = _write(tmp_path / "l.jsonl", [{"text": "a b"}])
+    data = write_jsonl(tmp_path / "l.jsonl", [{"text": "a b"}])
     with pytest.raises(ConfigError, match="use `ember eval` on the checkpoint for tensor"):
         config_lib.load("debug", [f"eval.tasks=[{{name: lambada, data: {data}}}]", "ici_mesh.tensor=2",
                                   "micro_batch_size=8"], world_size=2)

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import lm_eval
@@ -20,6 +18,7 @@ from ember.convert import convert, save_hf
 from ember.data.tokenizer import embedded_tokenizer
 from ember.eval.harness import EmberLM
 from ember.models import MODELS, build_model_args
+from tests.helpers import TINY_RUN, run_ember
 
 
 @pytest.fixture(scope="module")
@@ -61,10 +60,7 @@ def test_loglikelihoods_equal_lm_evals_hf_model(pair):
 
 def test_a_local_task_runs_offline_through_the_cli(tmp_path: Path):
     run = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "ember", "train", "debug", "model.n_layers=1", "model.dim=64",
-                           "model.n_heads=4", "model.n_kv_heads=2", "seq_len=32", "global_batch_size=2",
-                           "micro_batch_size=2", "max_steps=2", "metrics.console=false", "eval_batches=1",
-                           f"output_dir={run}"], capture_output=True, text=True, timeout=300)
+    proc = run_ember("train", "debug", *TINY_RUN, "max_steps=2", f"output_dir={run}")
     assert proc.returncode == 0, proc.stderr
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps({"q": f"import os{i}", "a": " sys"}) + "\n" for i in range(6)))
@@ -75,9 +71,8 @@ def test_a_local_task_runs_offline_through_the_cli(tmp_path: Path):
         "test_split: test\noutput_type: loglikelihood\ndoc_to_text: '{{q}}'\ndoc_to_target: '{{a}}'\n"
         "metric_list:\n  - metric: perplexity\n  - metric: acc\n")
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, "-m", "ember", "eval", str(run), "--harness", "ember_tiny",
-                           "--include-path", str(tasks), "--output", str(tmp_path / "e.json")],
-                          capture_output=True, text=True, timeout=600, env=env)
+    proc = run_ember("eval", str(run), "--harness", "ember_tiny", "--include-path", str(tasks), "--output",
+                     str(tmp_path / "e.json"), env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((tmp_path / "e.json").read_text())["results"]["ember_tiny"]
     # lm-eval's own `hf` model on the HF export of the same run (its weights and tokenizer), the same task

@@ -13,6 +13,7 @@ from ember.errors import ConfigError
 from ember.generate import attach_kv_caches, detach_kv_caches, generate
 from ember.convert import save_hf
 from ember.models import MODELS, build_model_args
+from tests.helpers import TINY_RUN, run_ember
 
 SMALL = {"n_layers": 2, "dim": 64, "n_heads": 4, "vocab_size": 256, "max_seq_len": 64}
 FAMILIES = {"llama3.1": {**SMALL, "n_kv_heads": 2}, "mixtral": {**SMALL, "n_kv_heads": 2, "ffn_hidden_dim": 96,
@@ -165,19 +166,10 @@ def test_a_prompt_beyond_the_context_is_one_line():
         generate(model, IdTokenizer(), [" ".join(["5"] * 60)], max_new_tokens=10)
 
 
-def _ember(*args: str) -> "subprocess.CompletedProcess":
-    import subprocess
-    import sys
-
-    return subprocess.run([sys.executable, "-m", "ember", *args], capture_output=True, text=True, timeout=300)
-
-
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("gen") / "run"
-    proc = _ember("train", "debug", "model.n_layers=1", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2",
-                  "seq_len=32", "global_batch_size=2", "micro_batch_size=2", "max_steps=3", "metrics.console=false",
-                  "eval_batches=1", f"output_dir={out}")
+    proc = run_ember("train", "debug", *TINY_RUN, "max_steps=3", f"output_dir={out}")
     assert proc.returncode == 0, proc.stderr
     return out
 
@@ -188,8 +180,8 @@ def test_cli_json_output_and_errors(trained_run: Path, tmp_path: Path):
     from ember import load_model
     from ember.generate import tokenizer_for
 
-    proc = _ember("generate", str(trained_run), "--prompt", "def f(", "--prompt", "import", "--max-new-tokens", "5",
-                  "--json")
+    proc = run_ember("generate", str(trained_run), "--prompt", "def f(", "--prompt", "import", "--max-new-tokens", "5",
+                     "--json")
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
     assert [r["prompt"] for r in rows] == ["def f(", "import"] and all(len(r["token_ids"]) <= 5 for r in rows)
@@ -197,15 +189,15 @@ def test_cli_json_output_and_errors(trained_run: Path, tmp_path: Path):
     expected = generate(load_model(trained_run), tokenizer_for(trained_run), ["def f(", "import"], max_new_tokens=5)
     assert [r["token_ids"] for r in rows] == [e.token_ids for e in expected]
     assert [r["completion"] for r in rows] == [e.completion for e in expected]
-    proc = _ember("generate", str(trained_run), "--prompt", "x " * 3000, "--max-new-tokens", "5")
+    proc = run_ember("generate", str(trained_run), "--prompt", "x " * 3000, "--max-new-tokens", "5")
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "exceeds the model's max_seq_len" in proc.stderr
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "no prompt"}\n')
-    proc = _ember("generate", str(trained_run), "--prompt-file", str(bad))
+    proc = run_ember("generate", str(trained_run), "--prompt-file", str(bad))
     assert proc.returncode == 2 and f"{bad} line 1 has no 'prompt' field" in proc.stderr
     # Sampling options without --temperature sample at 1.0, and say so; the Python API gives the same tokens.
-    proc = _ember("generate", str(trained_run), "--prompt", "def f(", "--max-new-tokens", "5", "--top-k", "50",
-                  "--seed", "3", "--json")
+    proc = run_ember("generate", str(trained_run), "--prompt", "def f(", "--max-new-tokens", "5", "--top-k", "50",
+                     "--seed", "3", "--json")
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == "note: sampling at temperature 1.0 (--top-k/--top-p/--seed sample; --temperature sets it)\n"
     (sampled,) = generate(load_model(trained_run), tokenizer_for(trained_run), ["def f("], max_new_tokens=5,
@@ -213,7 +205,7 @@ def test_cli_json_output_and_errors(trained_run: Path, tmp_path: Path):
     assert json.loads(proc.stdout)["token_ids"] == sampled.token_ids
     not_a_model = tmp_path / "empty"
     not_a_model.mkdir()
-    proc = _ember("generate", str(not_a_model), "--prompt", "x")
+    proc = run_ember("generate", str(not_a_model), "--prompt", "x")
     assert proc.returncode == 2 and "holds no model" in proc.stderr
 
 
@@ -228,7 +220,7 @@ def test_cli_json_output_and_errors(trained_run: Path, tmp_path: Path):
     (["--stop", ""], "error: a stop string is empty"),
 ])
 def test_cli_refuses_out_of_range_sampling_options_before_loading(tmp_path: Path, flags: list, message: str):
-    proc = _ember("generate", str(tmp_path / "no-model-needed"), "--prompt", "x", *flags)
+    proc = run_ember("generate", str(tmp_path / "no-model-needed"), "--prompt", "x", *flags)
     assert proc.returncode == 2 and proc.stderr.startswith(message) and proc.stderr.count("\n") == 1, proc.stderr
 
 
@@ -237,12 +229,12 @@ def test_cli_checks_every_argument_before_printing(trained_run: Path):
     for flags, message in ((["--max-new-tokens", "0"], "error: max_new_tokens=0 must be >= 1\n"),
                            (["--max-new-tokens", "100000"], "error: a prompt of 3 tokens plus max_new_tokens=100000 "
                             "exceeds the model's max_seq_len=2048; shorten the prompt or lower max_new_tokens\n")):
-        proc = _ember("generate", str(trained_run), "--prompt", "the cat", *flags)
+        proc = run_ember("generate", str(trained_run), "--prompt", "the cat", *flags)
         assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", message)
 
 
 def test_cli_without_a_prompt_prints_its_usage(tmp_path: Path):
-    proc = _ember("generate", str(tmp_path))
+    proc = run_ember("generate", str(tmp_path))
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.startswith("usage: ember generate [-h] [--prompt PROMPT]")
     assert proc.stderr.endswith("\nember generate: error: give --prompt TEXT or --prompt-file FILE.jsonl\n")

@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import re
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import jsonschema
@@ -19,15 +17,12 @@ import yaml
 from ember.launch.command import TrainJob, kubernetes_args, torchrun_argv
 from ember.launch.k8s import K8sOptions, manifest_docs, render_manifest
 from ember.launch.slurm import SlurmOptions, render_script
+from tests.helpers import run_ember
 
 HERE = Path(__file__).parent
 K8S_VERSION = "1.31"
 JOB = TrainJob("debug", ["model.n_layers=1", "micro_batch_size=1", "global_batch_size=16", "output_dir=/outputs/x",
                          "dcn_mesh.fsdp=2"], nodes=2, nproc_per_node=8)
-
-
-def _ember(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ember", *args], capture_output=True, text=True, timeout=120)
 
 
 def test_the_manifest_passes_the_published_schemas():
@@ -75,17 +70,17 @@ def test_kubernetes_and_slurm_run_the_same_torchrun_command(tmp_path: Path):
 
 def test_k8s_command_line(tmp_path: Path):
     out = tmp_path / "run"
-    proc = _ember("launch", "k8s", "debug", "model.n_layers=1", "micro_batch_size=4", f"output_dir={out}",
-                  "--nodes", "2", "--nproc-per-node", "1", "--image", "img:1", "device=cpu")
+    proc = run_ember("launch", "k8s", "debug", "model.n_layers=1", "micro_batch_size=4", f"output_dir={out}",
+                     "--nodes", "2", "--nproc-per-node", "1", "--image", "img:1", "device=cpu")
     assert proc.returncode == 0, proc.stderr
     claim, job = yaml.safe_load_all((out / "launch" / "ember-debug.yaml").read_text())
     command = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["command"]
     assert "dcn_mesh.fsdp=2" in command  # inferred from --nodes
     assert "nvidia.com/gpu" not in json.dumps(job)  # device=cpu: no GPU request
     # A secret's value is refused; a name needs the Secret that holds it.
-    proc = _ember("launch", "k8s", "debug", "--image", "i", "--env", "HF_TOKEN=hf_abcdefgh12345")
+    proc = run_ember("launch", "k8s", "debug", "--image", "i", "--env", "HF_TOKEN=hf_abcdefgh12345")
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "hf_abcdefgh12345" not in proc.stderr
-    proc = _ember("launch", "k8s", "debug", "--image", "i", "--env", "HF_TOKEN")
+    proc = run_ember("launch", "k8s", "debug", "--image", "i", "--env", "HF_TOKEN")
     assert proc.returncode == 2 and "--secret" in proc.stderr
-    proc = _ember("launch", "k8s", "debug", "--image", "i", "--job-name", "Bad_Name")
+    proc = run_ember("launch", "k8s", "debug", "--image", "i", "--job-name", "Bad_Name")
     assert proc.returncode == 2 and "Bad_Name" in proc.stderr and proc.stderr.count("\n") == 1

@@ -5,11 +5,9 @@ started these tests fail (apt-get install -y slurm-wlm munge); they never skip."
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,9 +15,10 @@ import pytest
 
 from ember.launch.failures import first_failure
 from slurm_cluster import SlurmCluster
+from tests.helpers import read_records, run_ember, tiny_model
 
 # A tiny Llama on synthetic tokens, on CPU with gloo: a step takes ~10 ms, so a run is mostly process start.
-TINY = ["data.dataset=synthetic", "model.n_layers=1", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2",
+TINY = ["data.dataset=synthetic", *tiny_model(),
         "model.vocab_size=256", "seq_len=32", "global_batch_size=4", "logging_steps=1", "eval_batches=1",
         "metrics.console=false", "device=cpu", "checkpoint.interval=0", "schedule.warmup_steps=0"]
 
@@ -41,13 +40,11 @@ def _env(cluster: SlurmCluster) -> dict[str, str]:
 
 def _ember(cluster: SlurmCluster, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     # The timeout only bounds a hang: two slurmds and their jobs share this machine's cores with everything else.
-    return subprocess.run([sys.executable, "-m", "ember", *args], capture_output=True, text=True, timeout=timeout,
-                          env=_env(cluster))
+    return run_ember(*args, timeout=timeout, env=_env(cluster))
 
 
 def _records(out: Path) -> dict[int, dict]:
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r for r in rows if "loss" in r}
+    return {r["step"]: r for r in read_records(out) if "loss" in r}
 
 
 def _job_id(proc: subprocess.CompletedProcess) -> str:
@@ -148,11 +145,10 @@ def test_the_script_is_valid_bash_and_names_no_secret(cluster: SlurmCluster, tmp
     secret = "hf_s3cretValue0123456789"
     env = dict(_env(cluster), HF_TOKEN=secret)
     out = tmp_path / "dry"
-    argv = [sys.executable, "-m", "ember", "launch", "slurm", "debug", *TINY, "micro_batch_size=2", f"output_dir={out}",
-            "--nodes", "2", "--nproc-per-node", "1", "--env", "HF_TOKEN", "--env", "NCCL_DEBUG=INFO", "--partition",
-            "debug", "--time", "01:00:00", "--container", "nvcr.io/example/ember:1", "--mounts", "/data:/data",
-            "--dry-run"]
-    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120)
+    args = ["launch", "slurm", "debug", *TINY, "micro_batch_size=2", f"output_dir={out}", "--nodes", "2",
+            "--nproc-per-node", "1", "--env", "HF_TOKEN", "--env", "NCCL_DEBUG=INFO", "--partition", "debug", "--time",
+            "01:00:00", "--container", "nvcr.io/example/ember:1", "--mounts", "/data:/data", "--dry-run"]
+    proc = run_ember(*args, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     script = out / "launch" / "ember-debug.sbatch"
     text = script.read_text()
@@ -163,7 +159,7 @@ def test_the_script_is_valid_bash_and_names_no_secret(cluster: SlurmCluster, tmp
     assert "#SBATCH --requeue" in text and "#SBATCH --signal=B:USR1@120" in text and "%x-%j.out" in text
     # A secret given by value is refused, in one line that does not repeat it; so is a name that is not set.
     for bad, words in ((["--env", f"HF_TOKEN={secret}"], "by name"), (["--env", "EMBER_NOT_SET_ANYWHERE"], "not set")):
-        proc = subprocess.run(argv + bad, capture_output=True, text=True, env=env, timeout=120)
+        proc = run_ember(*args, *bad, env=env, timeout=120)
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and words in proc.stderr, proc.stderr
         assert secret not in proc.stderr
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,14 +18,10 @@ from ember.config import ConfigError
 from ember.optim import lr_multiplier
 from ember.report.runs import read_run
 from ember.train import Trainer
+from tests.helpers import read_records, run_ember, tiny_model
 
-TINY = ["debug", "model.n_layers=2", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2",
-        "seq_len=32", "global_batch_size=4", "micro_batch_size=2", "logging_steps=1", "checkpoint.interval=2",
-        "eval_batches=1", "optim.lr=0.002"]
-
-
-def _ember(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ember", *args], capture_output=True, text=True, timeout=600)
+TINY = ["debug", *tiny_model(2), "seq_len=32", "global_batch_size=4", "micro_batch_size=2", "logging_steps=1",
+        "checkpoint.interval=2", "eval_batches=1", "optim.lr=0.002"]
 
 
 @pytest.fixture
@@ -44,10 +38,10 @@ def _segments(out: Path) -> list[str]:
 
 def test_a_changed_data_source_or_seed_is_refused_naming_each_key(tmp_path: Path, corpus: Path):
     out = tmp_path / "run"
-    first = _ember("train", *TINY, f"data.dataset={corpus}", "max_steps=2", f"output_dir={out}")
+    first = run_ember("train", *TINY, f"data.dataset={corpus}", "max_steps=2", f"output_dir={out}")
     assert first.returncode == 0, first.stderr
     config_before = (out / "config.yaml").read_bytes()
-    proc = _ember("train", *TINY, "data.dataset=synthetic", "seed=7", "max_steps=4", f"output_dir={out}")
+    proc = run_ember("train", *TINY, "data.dataset=synthetic", "seed=7", "max_steps=4", f"output_dir={out}")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     step_dir = out / "checkpoints" / "step-2"
     assert proc.stderr == (
@@ -62,16 +56,16 @@ def test_a_changed_data_source_or_seed_is_refused_naming_each_key(tmp_path: Path
 
 def test_allowed_changes_are_printed_and_each_segment_is_kept(tmp_path: Path, corpus: Path):
     out = tmp_path / "run"
-    assert _ember("train", *TINY, f"data.dataset={corpus}", "max_steps=2", f"output_dir={out}").returncode == 0
-    proc = _ember("train", *TINY, f"data.dataset={corpus}", "max_steps=4", "optim.lr=0.001",
-                  "schedule.name=constant", f"output_dir={out}")
+    assert run_ember("train", *TINY, f"data.dataset={corpus}", "max_steps=2", f"output_dir={out}").returncode == 0
+    proc = run_ember("train", *TINY, f"data.dataset={corpus}", "max_steps=4", "optim.lr=0.001",
+                     "schedule.name=constant", f"output_dir={out}")
     assert proc.returncode == 0, proc.stderr
     assert ("changed on resume, against the checkpoint's config (recorded in config_history/): max_steps: 2 -> 4; "
             "optim.lr: 0.002 -> 0.001; "
             "schedule.name: cosine -> constant\n") in proc.stdout
     # The other keys of what the run is may change when resume_allow_changes names them; said as such.
-    proc = _ember("train", *TINY, "data.dataset=synthetic", "max_steps=6", "optim.lr=0.001", "schedule.name=constant",
-                  "resume_allow_changes=[data]", f"output_dir={out}")
+    proc = run_ember("train", *TINY, "data.dataset=synthetic", "max_steps=6", "optim.lr=0.001",
+                     "schedule.name=constant", "resume_allow_changes=[data]", f"output_dir={out}")
     assert proc.returncode == 0, proc.stderr
     assert (f"changed on resume, against the checkpoint's config (recorded in config_history/): max_steps: 4 -> 6; "
             f"allowed by resume_allow_changes: data.dataset: {corpus} -> synthetic\n") in proc.stdout
@@ -94,7 +88,7 @@ def test_allowed_changes_are_printed_and_each_segment_is_kept(tmp_path: Path, co
     assert read_run(out).summary()["max_steps"] == 6  # ember report reads config.yaml as before
 
     # Repeating the run from its config.yaml moves the old run, its history included, aside.
-    proc = _ember("train", str(out / "config.yaml"), "resume=none")
+    proc = run_ember("train", str(out / "config.yaml"), "resume=none")
     assert proc.returncode == 0, proc.stderr
     (previous,) = out.glob("previous-*")
     assert _segments(previous) == ["segment-1-step-0.yaml", "segment-2-step-2.yaml", "segment-3-step-4.yaml"]
@@ -171,8 +165,7 @@ def _train(out: Path, *overrides: str) -> Trainer:
 
 
 def _logged_lr(out: Path) -> dict[int, float]:
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["lr"] for r in records if "lr" in r}
+    return {r["step"]: r["lr"] for r in read_records(out) if "lr" in r}
 
 
 def test_changed_optim_keys_take_effect_on_resume(tmp_path: Path):
@@ -222,10 +215,9 @@ def test_an_unchanged_resume_continues_bit_for_bit(tmp_path: Path):
     assert [g["lr"] for g in resumed.optimizer.param_groups] == saved["_last_lr"]
     assert resumed.lr_scheduler.base_lrs == saved["base_lrs"]
     resumed.train()
-    whole_records = [json.loads(line) for line in (whole / "metrics.jsonl").read_text().splitlines()]
-    part_records = [json.loads(line) for line in (parts / "metrics.jsonl").read_text().splitlines()]
-    pick = lambda records: [(r["step"], r["loss"], r["lr"], r["grad_norm"]) for r in records if "loss" in r]  # noqa: E731
-    assert pick(part_records) == pick(whole_records)
+    pick = lambda run: [(r["step"], r["loss"], r["lr"], r["grad_norm"])  # noqa: E731
+                        for r in read_records(run) if "loss" in r]
+    assert pick(parts) == pick(whole)
     assert [{k: v for k, v in g.items() if k != "params"} for g in resumed.optimizer.param_groups] == [
         {k: v for k, v in g.items() if k != "params"} for g in uninterrupted.optimizer.param_groups]
 
