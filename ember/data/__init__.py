@@ -5,7 +5,7 @@
     inputs, labels = next(loader)                                    # (micro_batch_size, seq_len) each
 """
 
-from ember.data.loader import TokenLoader, build_loader
+from ember.data.loader import TokenLoader, TrainLoader, build_loader
 from ember.data.tokenizer import Tokenizer, build_tokenizer
 
-__all__ = ["TokenLoader", "Tokenizer", "build_loader", "build_tokenizer"]
+__all__ = ["TokenLoader", "Tokenizer", "TrainLoader", "build_loader", "build_tokenizer"]

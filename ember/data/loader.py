@@ -19,7 +19,7 @@ import functools
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Protocol, Union, runtime_checkable
 
 import numpy as np
 import torch
@@ -185,6 +185,21 @@ def _batches_from(make: Callable[[int, int], Batch], epoch: int, cursor: int) ->
     return next_batch
 
 
+@runtime_checkable
+class TrainLoader(Protocol):
+    """What the trainer uses of a data loader. TokenLoader (packed, synthetic, mixture and DPO pair samples) and
+    the streaming StreamLoader are one: batches of (inputs, labels), (micro_batch_size, seq_len) each, forever,
+    and a state that is the position the caller has consumed (a checkpoint's "data")."""
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+    def reset(self) -> None: ...  # back to the first batch: every evaluation reads the same validation batches
+    def close(self) -> None: ...  # stop the prefetch thread
+    def describe(self) -> str: ...  # one line for the run's header: the source, the split, its size
+    def mixture_counts(self) -> Optional[dict[str, int]]: ...  # samples taken from each source of a mixture
+
+
 class TokenLoader:
     """An infinite iterator of (inputs, labels), each a LongTensor (micro_batch_size, seq_len).
 
@@ -304,7 +319,7 @@ def build_loader(
     split: str = "train",
     vocab_size: Optional[int] = None,
     cache_dir: Optional[Path] = None,
-) -> TokenLoader:
+) -> TrainLoader:
     """The loader of one split ("train" or "val") of data_cfg.dataset for this data-parallel rank."""
     if seq_len <= 0 or micro_batch_size <= 0:
         raise DataError(f"seq_len={seq_len} and micro_batch_size={micro_batch_size} must be positive")

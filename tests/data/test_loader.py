@@ -142,6 +142,16 @@ def test_synthetic_is_deterministic_and_needs_no_tokenizer():
         build_loader(cfg, None, seq_len=16, micro_batch_size=4)
 
 
+def test_every_loader_the_trainer_gets_is_a_train_loader():
+    from ember.data.loader import TrainLoader
+    from ember.data.stream import StreamLoader
+
+    # TrainLoader holds the methods the trainer calls: a loader kind that lacks one fails here, not mid-run.
+    assert issubclass(TokenLoader, TrainLoader) and issubclass(StreamLoader, TrainLoader)
+    loader = build_loader(DataCfg(dataset="synthetic"), None, seq_len=16, micro_batch_size=4, vocab_size=100)
+    assert isinstance(loader, TrainLoader) and loader.mixture_counts() is None
+
+
 def test_the_real_config_section_fits():
     from dataclasses import fields
 
