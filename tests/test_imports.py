@@ -2,7 +2,8 @@
 - no import cycle between ember's modules, counting imports inside functions too (a lazy import that
   closes a cycle is still a cycle a reader has to untangle);
 - model code and ember/nn are single-device PyTorch: no torch.distributed;
-- ember/nn never imports ember.data (shared constants live in ember/constants.py)."""
+- ember/nn never imports ember.data (shared constants live in ember/constants.py);
+- ember/report loads no torch (`import torch` loads torch.distributed): it reads files."""
 
 from __future__ import annotations
 
@@ -99,17 +100,54 @@ def test_model_code_is_single_device(module: str):
 
 
 def _top_level_imports(module: str) -> set[str]:
-    """What importing `module` imports at once (its module body, not inside its functions)."""
-    tree = ast.parse(MODULES[module].read_text())
-    return {alias.name if isinstance(node, ast.Import) else f"{node.module}"
-            for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names}
+    """What importing `module` imports at once: its module body's imports (in `if`/`try` blocks and class
+    bodies too), not those inside its functions."""
+    path = MODULES[module]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: set[str] = set()
+    nodes = list(ast.parse(path.read_text(), filename=str(path)).body)
+    while nodes:
+        node = nodes.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parent + ([base] if base else []))
+            found.update(f"{base}.{alias.name}" for alias in node.names)  # `from torch import distributed`
+            found.add(base)
+        nodes.extend(ast.iter_child_nodes(node))
+    return found
+
+
+def _loaded_by(modules: set[str]) -> set[str]:
+    """Every module that importing `modules` loads: the packages above each, and the top-level imports of
+    every ember module among them, followed through ember (a third-party module counts as itself)."""
+    loaded: set[str] = set()
+    todo = set(modules)
+    while todo:
+        module = todo.pop()
+        parts = module.split(".")
+        for name in (".".join(parts[:i]) for i in range(1, len(parts) + 1)):
+            if name not in loaded:
+                loaded.add(name)
+                if name in MODULES:
+                    todo.update(_top_level_imports(name) - loaded)
+    return loaded
 
 
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if m == "ember.report" or m.startswith("ember.report.")))
 def test_report_reads_files_without_torch_distributed(module: str):
-    """`ember report` reads a run's files: neither it nor an ember module it imports brings in torch.distributed."""
-    for target in _imports(module):
-        assert not target.startswith("torch.distributed"), f"{module} imports {target}"
-        if target in MODULES:
-            heavy = [m for m in _top_level_imports(target) if m.startswith("torch.distributed")]
-            assert not heavy, f"{module} imports {target}, which imports {heavy}"
+    """`ember report` reads a run's files: nothing it loads, at import or in its functions (their lazy imports
+    and everything those load), is torch.distributed, or torch itself (`import torch` loads torch.distributed)."""
+    loaded = _loaded_by({module} | _imports(module))
+    assert not {m for m in loaded if m == "torch" or m.startswith("torch.")}, f"{module} loads torch"
+
+
+def test_the_report_check_follows_imports_through_ember():
+    # Pins the checker itself: mesh.py imports torch.distributed, train.py torch; mesh_shape.py is plain arithmetic.
+    assert "torch.distributed" in _loaded_by({"ember.parallel.mesh"}) and "torch" in _loaded_by({"ember.train"})
+    assert "torch" not in _loaded_by({"ember.parallel.mesh_shape"})
