@@ -15,9 +15,9 @@ import torch
 
 from tests.helpers import job_env, kill_injection, losses_by_step, run_ember, tiny_model, wait_for_logged_step
 
-TINY = ["debug", "data.dataset=synthetic", *tiny_model(2),
-        "model.vocab_size=256", "seq_len=32", "global_batch_size=4", "micro_batch_size=2", "logging_steps=1",
-        "max_steps=6", "checkpoint.interval=2", "eval_batches=1", "metrics.console=false", "optim.lr=1e-2"]
+TINY = ["debug", "data.dataset=synthetic", *tiny_model(2), "model.vocab_size=256", "seq_len=32", "global_batch_size=4",
+        "micro_batch_size=2", "logging_steps=1", "max_steps=6", "checkpoint.interval=2", "eval_batches=1",
+        "metrics.console=false", "optim.lr=1e-2"]
 
 
 def _env(tmp_path: Path, **extra: str) -> dict:

@@ -17,11 +17,11 @@ from ember.finetune import base_fingerprint
 from ember.finetune.base_fingerprint import differences, fingerprint
 from ember.load import load_model, load_weights
 from ember.train import Trainer
+from tests.helpers import tiny_model
 
-SHAPE = ["data.dataset=synthetic", "model.n_layers=2", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2",
-         "model.vocab_size=512", "seq_len=32", "global_batch_size=8", "micro_batch_size=8", "logging_steps=1",
-         "eval_batches=1", "schedule.warmup_steps=0", "metrics.console=false", "metrics.tensorboard=false",
-         "optim.lr=1e-2"]
+SHAPE = ["data.dataset=synthetic", *tiny_model(2), "model.vocab_size=512", "seq_len=32", "global_batch_size=8",
+         "micro_batch_size=8", "logging_steps=1", "eval_batches=1", "schedule.warmup_steps=0", "metrics.console=false",
+         "metrics.tensorboard=false", "optim.lr=1e-2"]
 LORA = ["lora.rank=4", "lora.alpha=8", "checkpoint.interval=2"]
 
 

@@ -23,9 +23,9 @@ from ember.train import Trainer
 from tests.helpers import job_env, kill_injection, losses_by_step, run_ember, run_layouts, tiny_model
 
 # The layouts tests' shape: 4 layers, 4 query / 2 K/V heads (tensor=2 splits them), seq 32.
-SHAPE = ["data.dataset=synthetic", *tiny_model(4),
-         "model.vocab_size=512", "seq_len=32", "global_batch_size=8", "logging_steps=1", "eval_batches=1",
-         "schedule.warmup_steps=0", "metrics.console=false", "metrics.tensorboard=false"]
+SHAPE = ["data.dataset=synthetic", *tiny_model(4), "model.vocab_size=512", "seq_len=32", "global_batch_size=8",
+         "logging_steps=1", "eval_batches=1", "schedule.warmup_steps=0", "metrics.console=false",
+         "metrics.tensorboard=false"]
 LORA = ["lora.rank=4", "lora.alpha=8", "optim.lr=1e-2"]
 
 
@@ -55,7 +55,7 @@ def lora_run(base, tmp_path_factory) -> tuple[Path, Trainer, dict]:
 
 def _compute(trainer: Trainer):
     """The autocast a trainer's model runs under (its frozen matrices may be bf16 beside fp32 activations)."""
-    return torch.autocast("cpu", dtype=trainer.compute_dtype, enabled=trainer.compute_dtype != torch.float32)
+    return torch.autocast("cpu", dtype=trainer.spec.compute_dtype, enabled=trainer.spec.compute_dtype != torch.float32)
 
 
 def _tokens(n: int = 2, t: int = 16, vocab: int = 512) -> torch.Tensor:
@@ -94,7 +94,7 @@ def test_gradients_reach_only_the_adapters_and_the_base_is_unchanged(base, lora_
     # Where the CPU has bf16 matmuls, precision=auto stores the frozen matrices in bf16 (embeddings and norms
     # stay fp32); every base weight is then the base's, cast once, bit for bit after 8 optimizer steps.
     stored = torch.bfloat16 if cpu_runs_bf16_natively() else torch.float32
-    assert trainer.compute_dtype == stored
+    assert trainer.spec.compute_dtype == stored
     assert after["layers.0.attention.wq.weight"].dtype == after["output.weight"].dtype == stored
     assert after["tok_embeddings.weight"].dtype == after["norm.weight"].dtype == torch.float32
     for key, tensor in before.items():
@@ -114,14 +114,14 @@ def test_mfu_counts_the_weight_gradients_a_lora_run_computes(lora_run):
     from ember.models.llama import LlamaArgs, flops_per_token
 
     _, trainer, _ = lora_run
-    args: LlamaArgs = trainer.model_args
+    args: LlamaArgs = trainer.spec.args
     d, kv, hidden = args.dim, args.kv_heads * args.head_dim, args.ffn_hidden_dim
     shapes = [(d, d), (d, kv), (d, kv), (d, d), (d, hidden), (hidden, d), (d, hidden)]  # wq wk wv wo w1 w2 w3
     adapters = args.n_layers * sum(4 * (fan_in + fan_out) for fan_in, fan_out in shapes)  # rank 4: A and B
     n = args.n_layers * (sum(i * o for i, o in shapes) + 2 * d) + d + args.vocab_size * d  # 6 N's N, all frozen
     full = flops_per_token(args, 32)
-    assert trainer.flops_per_token == full - 2 * n + 6 * adapters
-    assert 2 / 3 < trainer.flops_per_token / full < 0.8  # 4 N + adapters + attention of 6 N + attention
+    assert trainer.spec.flops_per_token == full - 2 * n + 6 * adapters
+    assert 2 / 3 < trainer.spec.flops_per_token / full < 0.8  # 4 N + adapters + attention of 6 N + attention
 
 
 def test_a_short_lora_run_lowers_the_loss(tmp_path):

@@ -85,9 +85,8 @@ def test_print_and_dry_run_mean_the_same_for_slurm_and_k8s(tmp_path):
         assert outputs["--print"] == outputs["--dry-run"], where
 
 
-TINY = ["debug", "data.dataset=synthetic", *tiny_model(2),
-        "model.vocab_size=256", "seq_len=32", "global_batch_size=4", "micro_batch_size=2", "logging_steps=1",
-        "max_steps=100000", "checkpoint.interval=0", "metrics.console=false"]
+TINY = ["debug", "data.dataset=synthetic", *tiny_model(2), "model.vocab_size=256", "seq_len=32", "global_batch_size=4",
+        "micro_batch_size=2", "logging_steps=1", "max_steps=100000", "checkpoint.interval=0", "metrics.console=false"]
 
 
 @pytest.mark.parametrize("sig, exit_code, stop_env", [(signal.SIGINT, 130, None), (signal.SIGTERM, 0, None),

@@ -18,9 +18,9 @@ from slurm_cluster import SlurmCluster
 from tests.helpers import read_records, run_ember, tiny_model
 
 # A tiny Llama on synthetic tokens, on CPU with gloo: a step takes ~10 ms, so a run is mostly process start.
-TINY = ["data.dataset=synthetic", *tiny_model(),
-        "model.vocab_size=256", "seq_len=32", "global_batch_size=4", "logging_steps=1", "eval_batches=1",
-        "metrics.console=false", "device=cpu", "checkpoint.interval=0", "schedule.warmup_steps=0"]
+TINY = ["data.dataset=synthetic", *tiny_model(), "model.vocab_size=256", "seq_len=32", "global_batch_size=4",
+        "logging_steps=1", "eval_batches=1", "metrics.console=false", "device=cpu", "checkpoint.interval=0",
+        "schedule.warmup_steps=0"]
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,6 @@
 """MFU arithmetic, memory readings, and the three sinks of MetricsLogger."""
 
 import io
-import json
 import math
 import sys
 import warnings
@@ -13,6 +12,7 @@ from rich.console import Console
 from ember import metrics
 from ember.config import MetricsConfig
 from ember.metrics import MetricsLogger, format_line, mfu, peak_memory_gb
+from tests.helpers import read_records
 
 # One record as the trainer logs it.
 RECORD = {
@@ -49,10 +49,6 @@ def test_peak_memory_cpu_is_process_rss():
     assert 0.05 < peak_memory_gb(torch.device("cpu")) < 1024
 
 
-def _read_jsonl(path):
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
 def test_jsonl_lines_parse_with_the_keys_given(tmp_path):
     out = io.StringIO()
     cfg = MetricsConfig(tensorboard=False)
@@ -60,7 +56,7 @@ def test_jsonl_lines_parse_with_the_keys_given(tmp_path):
         logger.log(10, RECORD)
         logger.log(20, {**RECORD, "step": 20, "mfu": None, "grad_norm": math.nan})
         logger.log(20, {"val_loss": 6.5})  # no "step": it is added
-    lines = _read_jsonl(tmp_path / "metrics.jsonl")
+    lines = read_records(tmp_path)
     assert lines[0] == RECORD  # keys and values exactly as given
     assert lines[1]["mfu"] is None and lines[1]["grad_norm"] is None  # NaN is not JSON: null
     assert lines[2] == {"step": 20, "val_loss": 6.5}
@@ -82,7 +78,7 @@ def test_jsonl_appends_across_loggers(tmp_path):
         for step in steps:
             logger.log(step, {"step": step, "loss": float(start)})
         logger.close()
-    records = _read_jsonl(tmp_path / "metrics.jsonl")
+    records = read_records(tmp_path)
     assert [(r["step"], r["loss"]) for r in records] == [(1, 0.0), (2, 0.0), (3, 2.0), (4, 2.0)]
 
 
@@ -106,7 +102,7 @@ def test_missing_tensorboard_warns_once_and_continues(tmp_path, monkeypatch):
         logger = MetricsLogger(tmp_path / "b", cfg)
     logger.log(1, RECORD)
     logger.close()
-    assert _read_jsonl(tmp_path / "b" / "metrics.jsonl") == [RECORD]
+    assert read_records(tmp_path / "b") == [RECORD]
 
 
 def test_disabled_logger_writes_nothing(tmp_path):

@@ -19,6 +19,7 @@ import pytest
 
 from ember import config, hardware
 from ember.train import Trainer
+from tests.helpers import read_records
 
 
 @pytest.fixture
@@ -50,8 +51,7 @@ def _trainer(out: Path, steps: int) -> Trainer:
 
 
 def _step_records(out: Path) -> list[dict]:
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in records if "mfu" in r]
+    return [r for r in read_records(out) if "mfu" in r]
 
 
 def _cached_entry() -> dict:

@@ -15,6 +15,7 @@ from ember.models import MODELS, build_model_args
 from ember.models.mixtral import FLAVORS, Transformer, flops_per_token, num_params
 from ember.nn.moe import MoE
 from ember.train import Trainer
+from tests.helpers import read_records
 
 
 def test_published_parameter_counts():
@@ -87,7 +88,7 @@ def test_debug_mixtral_trains_with_router_losses_logged(tmp_path: Path):
                                     f"output_dir={tmp_path}", "metrics.console=false", "model.z_loss_coef=1e-3"])
     trainer = Trainer(cfg)
     summary = trainer.train()
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+    records = [r for r in read_records(tmp_path) if "loss" in r]
     assert {"aux_loss", "z_loss", "expert_imbalance"} <= records[-1].keys()
     # every training forward of every MoE layer counted: 10 steps x 8 x 64 tokens x top-2, per layer
     assert sum(records[-1]["moe/layer1/tokens_per_expert"]) == 10 * 8 * 64 * 2

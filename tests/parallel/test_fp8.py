@@ -3,9 +3,6 @@ layout gives one process's losses, and devices or settings that cannot run it ar
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,20 +10,18 @@ import torch
 
 from ember.models import MODELS, build_model_args
 from ember.parallel.fp8 import apply_fp8
+from tests.helpers import read_records, run_ember, tiny_model
 
-TINY = ["model.n_layers=2", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "seq_len=64", "global_batch_size=4",
-        "max_steps=20", "logging_steps=5", "metrics.console=false", "eval_batches=1"]
+TINY = [*tiny_model(2), "seq_len=64", "global_batch_size=4", "max_steps=20", "logging_steps=5", "metrics.console=false",
+        "eval_batches=1"]
 FP8 = ["fp8.enabled=true", "fp8.emulate=true"]
 
 
 def _losses(*args: str, nproc: int = 1, tmp: Path) -> list[float]:
     out = tmp / "-".join(a.replace("=", "_").replace(".", "_") for a in args if "mesh" in a or "fp8" in a or "rec" in a)
     launch = ["--nproc-per-node", str(nproc)] if nproc > 1 else []
-    proc = subprocess.run([sys.executable, "-m", "ember", "train", *launch, "debug", *TINY, *args, f"output_dir={out}"],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()
-            if "loss" in json.loads(line)]
+    run_ember("train", *launch, "debug", *TINY, *args, f"output_dir={out}", expect=0)
+    return [r["loss"] for r in read_records(out) if "loss" in r]
 
 
 def test_the_blocks_linears_are_converted_and_the_head_and_routers_are_not():

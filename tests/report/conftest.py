@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 from pathlib import Path
 from typing import Callable
 
 import pytest
 
 from ember.cli import main
+from tests.helpers import tiny_model
 
-TINY = ["model.n_layers=1", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "seq_len=32",
-        "global_batch_size=2", "micro_batch_size=2", "logging_steps=2", "metrics.tensorboard=false"]
+TINY = [*tiny_model(), "seq_len=32", "global_batch_size=2", "micro_batch_size=2", "logging_steps=2",
+        "metrics.tensorboard=false"]
 
 
 def _train(output_dir: Path, *overrides: str, recipe: str = "debug") -> str:
@@ -24,20 +24,10 @@ def _train(output_dir: Path, *overrides: str, recipe: str = "debug") -> str:
     return out.getvalue()
 
 
-def _records(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-
 @pytest.fixture(scope="session")
 def train() -> Callable[..., str]:
     """train(output_dir, *overrides): a tiny `ember train` in this process; returns what it printed."""
     return _train
-
-
-@pytest.fixture(scope="session")
-def records() -> Callable[[Path], list[dict]]:
-    """records(run): metrics.jsonl's records, in file order."""
-    return _records
 
 
 @pytest.fixture(scope="session")

@@ -15,6 +15,7 @@ from matplotlib.image import imread
 from ember.cli import main
 from ember.report import build_report
 from ember.report.figures import smooth, smoothing_weight
+from tests.helpers import read_records
 
 FIGURES = {"loss_steps", "loss_tokens", "lr", "grad_norm", "throughput", "memory", "data_wait"}
 
@@ -29,7 +30,7 @@ def _column(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
     return [r["step"] for r in rows], [r[key] for r in rows]
 
 
-def test_report_of_a_real_run(tiny_run: tuple[Path, str], tmp_path: Path, records):
+def test_report_of_a_real_run(tiny_run: tuple[Path, str], tmp_path: Path):
     run, printed = tiny_run
     assert f"see the run: ember report {run}" in printed  # `ember train` ends with the command
     report = build_report([run], tmp_path / "r.html", tmp_path / "png")
@@ -37,7 +38,7 @@ def test_report_of_a_real_run(tiny_run: tuple[Path, str], tmp_path: Path, record
     assert set(plots) == FIGURES and report.missing == [] and report.runs[0].notes == []
     for name in FIGURES:  # the PNGs decode, 800 x 450 each
         assert imread(tmp_path / "png" / f"{name}.png").shape[:2] == (450, 800)
-    rows = records(run)
+    rows = read_records(run)
     train_rows = [r for r in rows if "loss" in r]
     series = {name: plot.series["tiny"] for name, plot in plots.items()}
     steps, loss = _column(rows, "loss")
@@ -83,7 +84,7 @@ def test_cli_defaults_and_help(tiny_run: tuple[Path, str], tmp_path: Path, capsy
     assert main(["report", "--help"]) == 0 and "--png DIR" in capsys.readouterr().out
 
 
-def test_two_runs_overlaid_with_exactly_the_differing_keys(tiny_run: tuple[Path, str], tmp_path: Path, train, records):
+def test_two_runs_overlaid_with_exactly_the_differing_keys(tiny_run: tuple[Path, str], tmp_path: Path, train):
     other = tmp_path / "other"
     train(other, "max_steps=6", "optim.lr=0.001", "seed=3")
     report = build_report([tiny_run[0], other], tmp_path / "cmp.html")
@@ -96,16 +97,16 @@ def test_two_runs_overlaid_with_exactly_the_differing_keys(tiny_run: tuple[Path,
     assert "<h2>Config differences</h2>" in html and "<td>optim.lr</td><td>0.002</td><td>0.001</td>" in html
     loss = {p.name: p for p in report.plots}["loss_steps"].series
     assert set(loss) == {"tiny", "other"}
-    assert loss["other"]["train loss"] == dict(zip(("x", "y"), _column(records(other), "loss")))
+    assert loss["other"]["train loss"] == dict(zip(("x", "y"), _column(read_records(other), "loss")))
 
 
-def test_moe_run_has_the_expert_load_heat_map(tmp_path: Path, train, records):
+def test_moe_run_has_the_expert_load_heat_map(tmp_path: Path, train):
     run = tmp_path / "moe"
     train(run, "model.family=mixtral", "model.n_layers=2", "max_steps=4")
     report = build_report([run])
     plots = {plot.name: plot for plot in report.plots}
     assert imread(run / "report" / "moe_load.png").shape[:2] == (450, 800)
-    rows = [r for r in records(run) if "loss" in r]
+    rows = [r for r in read_records(run) if "loss" in r]
     for layer in (0, 1):
         summed = [sum(r[f"moe/layer{layer}/tokens_per_expert"][e] for r in rows) for e in range(8)]
         assert plots["moe_load"].series["moe"][f"layer{layer}"] == {"x": list(range(8)), "y": summed}

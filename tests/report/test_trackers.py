@@ -23,6 +23,7 @@ from ember.config import MetricsConfig
 from ember.errors import ConfigError
 from ember.metrics import MetricsLogger
 from ember.trackers import check_reachable, scalars
+from tests.helpers import read_records, tiny_model
 
 SECRETS = {"WANDB_API_KEY": "fake-wandb-key-0123456789abcdef0123456789abcdef", "HF_TOKEN": "hf_fakeTokenThatMustNotLeak42"}
 
@@ -57,7 +58,7 @@ def _expected_by_step(rows: list[dict]) -> dict[int, dict[str, float]]:
     return by_step
 
 
-def test_wandb_offline_and_mlflow_sqlite_round_trips(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, train, records):
+def test_wandb_offline_and_mlflow_sqlite_round_trips(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, train):
     for name, value in SECRETS.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -67,7 +68,7 @@ def test_wandb_offline_and_mlflow_sqlite_round_trips(tmp_path: Path, monkeypatch
     run = tmp_path / "tracked"
     train(run, "max_steps=6", "eval_interval=4", "metrics.wandb=true", "metrics.mlflow=true",
           "metrics.wandb_tags=[tiny,test]", "metrics.wandb_group=report-tests")
-    expected = _expected_by_step(records(run))
+    expected = _expected_by_step(read_records(run))
     config = yaml.safe_load((run / "config.yaml").read_text())
 
     # W&B: the history rows by step, and the run's config
@@ -128,8 +129,8 @@ def test_scalars_expand_lists_and_drop_the_rest():
 def test_a_tracker_that_cannot_start_is_one_line_before_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                  capsys: pytest.CaptureFixture, train):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "nosuchscheme://tracking.example:5000")
-    assert main(["train", "debug", "model.n_layers=1", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2",
-                 "max_steps=3", "metrics.mlflow=true", f"output_dir={tmp_path / 'run'}"]) == 2
+    assert main(["train", "debug", *tiny_model(), "max_steps=3", "metrics.mlflow=true",
+                 f"output_dir={tmp_path / 'run'}"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: metrics.mlflow: cannot start an MLflow run at nosuchscheme://") and "\n" not in err
     assert not (tmp_path / "run" / "metrics.jsonl").exists() or not (tmp_path / "run" / "metrics.jsonl").read_text()
@@ -152,8 +153,8 @@ def test_an_unreachable_mlflow_server_is_one_line_after_the_header(tmp_path: Pat
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     printed = io.StringIO()  # stdout and stderr in one stream, in the order they were written
     with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
-        code = main(["train", "debug", "model.n_layers=1", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2",
-                     "max_steps=2", "metrics.mlflow=true", f"output_dir={tmp_path / 'run'}"])
+        code = main(["train", "debug", *tiny_model(), "max_steps=2", "metrics.mlflow=true",
+                     f"output_dir={tmp_path / 'run'}"])
     lines = printed.getvalue().splitlines()
     assert code == 2 and lines[0].startswith("ember train llama3 debug: ")
     errors = [line for line in lines if line.startswith("error:")]

@@ -14,10 +14,10 @@ from ember import config as config_lib
 from ember.config import ConfigError
 from ember.report import build_report
 from ember.train import Trainer
+from tests.helpers import tiny_model
 
-TINY = ["model.n_layers=1", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "seq_len=32",
-        "global_batch_size=2", "micro_batch_size=2", "data.dataset=synthetic", "eval_batches=1", "max_steps=1",
-        "metrics.tensorboard=false"]
+TINY = [*tiny_model(), "seq_len=32", "global_batch_size=2", "micro_batch_size=2", "data.dataset=synthetic",
+        "eval_batches=1", "max_steps=1", "metrics.tensorboard=false"]
 
 
 def _run(output_dir: Path, *overrides: str) -> str:

@@ -1,7 +1,6 @@
 """Training-health guards: non-finite steps are skipped, too many in a row stop the run with a
 checkpoint of the last good weights; loss spikes are reported with the data position."""
 
-import json
 from pathlib import Path
 
 import pytest
@@ -10,10 +9,10 @@ import torch
 from ember import config as config_lib
 from ember import step as step_lib
 from ember.train import Trainer, TrainingStopped
+from tests.helpers import read_records, tiny_model
 
-SMALL = ["data.dataset=synthetic", "model.n_layers=1", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2",
-         "model.vocab_size=256", "seq_len=16", "global_batch_size=2", "micro_batch_size=2", "logging_steps=1",
-         "metrics.console=false", "eval_batches=1"]
+SMALL = ["data.dataset=synthetic", *tiny_model(), "model.vocab_size=256", "seq_len=16", "global_batch_size=2",
+         "micro_batch_size=2", "logging_steps=1", "metrics.console=false", "eval_batches=1"]
 
 
 def _trainer(tmp_path: Path, *overrides: str) -> Trainer:
@@ -62,7 +61,6 @@ def test_loss_spike_is_reported_with_its_data_position(tmp_path: Path, monkeypat
     trainer = _trainer(tmp_path, "max_steps=16", "loss_spike_factor=3")
     _poison(monkeypatch, trainer, {14}, 10.0)
     trainer.train()
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    spikes = [r for r in records if "loss_spike" in r]
+    spikes = [r for r in read_records(tmp_path) if "loss_spike" in r]
     assert [r["step"] for r in spikes] == [14]
     assert spikes[0]["data_position"] == {"epoch": 0, "cursor": 28}  # 14 steps x 2 samples read so far

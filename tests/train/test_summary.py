@@ -9,9 +9,10 @@ from rich.console import Console
 
 from ember import config as config_lib
 from ember.train import Trainer
+from tests.helpers import tiny_model
 
-TINY = ["model.n_layers=1", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "seq_len=32",
-        "global_batch_size=2", "micro_batch_size=2", "data.dataset=synthetic", "eval_batches=1"]
+TINY = [*tiny_model(), "seq_len=32", "global_batch_size=2", "micro_batch_size=2", "data.dataset=synthetic",
+        "eval_batches=1"]
 
 
 def _run(tmp_path: Path, *overrides: str) -> tuple[dict, str]:
