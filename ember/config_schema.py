@@ -144,10 +144,15 @@ class EvalTask:
 
 @dataclass
 class EvalConfig:
-    # Downstream tasks run with the validation loss (every eval_interval steps and at the end), logged as
-    # eval/<task>/<metric>, e.g. [{name: lambada, data: lambada.jsonl}, {name: boolq, data: boolq.jsonl}].
+    """Downstream tasks. In training they run with the validation loss (every eval_interval steps and at the
+    end), logged as eval/<task>/<metric>; `ember eval` reads limit and batch_size from this section too (its
+    tasks are its arguments). limit: the first N rows of each task; None (the default): every row, so that a
+    number is for the rows the user gave, and a periodic in-loop eval of a large file scores all of it each time
+    unless eval.limit is set."""
+
+    # e.g. [{name: lambada, data: lambada.jsonl}, {name: boolq, data: boolq.jsonl}]
     tasks: list[EvalTask] = field(default_factory=list)
-    limit: Optional[int] = 200  # rows per task at each evaluation (None: all)
+    limit: Optional[int] = None
     batch_size: int = 16
 
 

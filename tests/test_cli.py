@@ -1,4 +1,5 @@
-"""The `ember` command itself: help, recipes table, unknown commands."""
+"""The `ember` command in a subprocess: the recipes table, unknown commands, user errors against bugs, and the
+README's plan and launch examples. Every subcommand's --help and usage errors: tests/test_commands.py."""
 
 import subprocess
 import sys
@@ -22,12 +23,6 @@ def test_unknown_command_and_recipe_are_one_line_errors():
     assert run_ember("train", "--help").returncode == 0
 
 
-def test_every_command_has_help():
-    for command in ("train", "recipes", "convert", "data", "generate", "eval"):
-        proc = run_ember(command, "--help")
-        assert proc.returncode == 0 and "usage" in proc.stdout.lower(), (command, proc.stderr)
-
-
 def test_only_user_errors_are_one_line(tmp_path):
     # A user's mistake (here a data path that does not exist) is one line; a bug (a ValueError from inside
     # ember, simulated by a broken model class) keeps its traceback instead of being dressed as a user error.
@@ -41,79 +36,6 @@ def test_only_user_errors_are_one_line(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code, "train", "data.dataset=synthetic", f"output_dir={tmp_path / 'p'}"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "Traceback" in proc.stderr and "an internal bug" in proc.stderr
-
-
-def test_help_after_other_arguments(capsys):
-    # `ember train debug --help` (help asked for after a recipe) is help, not an unknown key=value.
-    from ember import cli
-
-    for argv in (["train", "debug", "--help"], ["eval", "run/", "-h"], ["recipes", "--help"]):
-        assert cli.main(argv) == 0, argv
-        assert "usage" in capsys.readouterr().out.lower(), argv
-
-
-def test_version_is_the_package_version():
-    from importlib.metadata import version
-
-    proc = run_ember("--version")
-    assert (proc.returncode, proc.stdout, proc.stderr) == (0, f"ember {version('ember')}\n", "")
-
-
-def _subcommands() -> list[list[str]]:
-    """Every command and subcommand of `ember`, from the parsers themselves."""
-    from ember import cli
-    from ember.data.command import parser as data_parser
-    from ember.launch.cli import _parser as launch_parser
-
-    commands = [[name] for name in sorted(cli.COMMANDS)]
-    commands += [["launch", name] for name in launch_parser()[1]]
-    data = data_parser()._subparsers._group_actions[0].choices
-    commands += [["data", name] for name in data]
-    commands += [["data", name, sub] for name, p in data.items() if p._subparsers
-                 for sub in p._subparsers._group_actions[0].choices]
-    return commands
-
-
-def test_every_subcommand_helps_on_stdout_and_refuses_usage_on_stderr(capsys):
-    from ember import cli
-
-    commands = _subcommands()
-    assert ["launch", "status"] in commands and ["data", "tokenizer", "train"] in commands and len(commands) == 18
-    for command in commands:
-        assert cli.main([*command, "--help"]) == 0, command
-        out, err = capsys.readouterr()
-        assert "usage" in out.lower() and err == "", (command, err)
-        assert cli.main([*command, "--no-such-option"]) == 2, command
-        out, err = capsys.readouterr()
-        # one line, as every other user error: argparse's usage block is not repeated before it
-        assert out == "" and err.startswith("error: ") and err.count("\n") == 1, (command, out, err)
-    # A bad value caught by argparse is one line naming the argument and where the help is, with 2.
-    for argv, message in (
-            (["plan", "debug", "--world", "2", "--device", "h800"], "argument --device: invalid choice: 'h800' "
-             "(choose from 'a100', 'h100', 'h200', 'b200', 'gb200', 'mi300x', 'tpu-v5p', 'tpu-v5e', 'tpu-v6e', "
-             "'cpu') (see ember plan --help)"),
-            (["plan", "debug", "--world", "two"], "argument --world: invalid int value: 'two' (see ember plan --help)"),
-            (["launch", "slurm", "debug", "--nodes", "x"],
-             "argument --nodes: invalid int value: 'x' (see ember launch slurm --help)"),
-            (["launch", "nowhere"], "argument COMMAND: invalid choice: 'nowhere' (choose from 'local', 'slurm', "
-             "'k8s', 'status', 'cancel', 'logs') (see ember launch --help)"),
-            (["data", "prepare", "embedded", "out", "--vocab-size", "x"],
-             "argument --vocab-size: invalid int value: 'x' (see ember data prepare --help)"),
-            (["convert", "a", "b", "--to", "onnx"], "argument --to: invalid choice: 'onnx' (choose from 'hf', "
-             "'ember', 'torch', 'peft') (see ember convert --help)"),
-            (["generate", "run", "--max-new-tokens", "x"],
-             "argument --max-new-tokens: invalid int value: 'x' (see ember generate --help)"),
-            (["report", "run", "--bogus"], "unrecognized arguments: --bogus (see ember report --help)"),
-            (["eval", "run", "--harness", "x", "--limit", "x"],
-             "argument --limit: invalid int value: 'x' (see ember eval --help)")):
-        assert cli.main(argv) == 2, argv
-        assert capsys.readouterr() == ("", f"error: {message}\n"), argv
-    # Without the arguments they need, the commands that need some say how to call them, on stderr
-    for command in ([], ["eval"], ["plan"], ["launch"], ["generate"], ["convert"], ["report"], ["data"],
-                    ["launch", "slurm"], ["launch", "k8s"], ["launch", "status"], ["data", "prepare"]):
-        assert cli.main(command) == 2, command
-        out, err = capsys.readouterr()
-        assert out == "" and "usage" in err.lower(), (command, out, err)
 
 
 def _readme_commands(*commands: str) -> list[list[str]]:

@@ -1,6 +1,7 @@
 """`ember train|eval --nproc-per-node N ...` (and `ember launch local`): the job's config checked for its world
 size, then `ember COMMAND` started on every rank through torch.distributed.run (torchrun), with the ranks' user
-errors printed once each and a signal to the launcher answered as a single process answers it."""
+errors printed once each and a signal to the launcher answered as a single process answers it. The ranks' side
+too: a user error handed to the launcher (rank_user_error), another exception printed with its rank."""
 
 from __future__ import annotations
 
@@ -11,13 +12,15 @@ from pathlib import Path
 from typing import Callable
 
 from ember.errors import ConfigError
+from ember.usage import EXIT_USAGE
 
-EXIT_USAGE = 2
 STOP_EXIT_ENV = "EMBER_EXIT_CODE_ON_STOP"  # the exit code of a run stopped (and saved) by SIGTERM/SIGUSR1
 ERROR_DIR_ENV = "EMBER_ERROR_DIR"  # set by the launcher: where ranks leave their user errors
 
 
 LAUNCH_FLAGS = ("--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint")
+
+
 def split_launch_flags(argv: list[str], command: str = "train") -> tuple[dict[str, str], list[str]]:
     """Leading launcher flags (`--flag value` or `--flag=value`), and the rest."""
     flags: dict[str, str] = {}
@@ -103,6 +106,30 @@ def launch_local(flags: dict[str, str], command: str, command_argv: list[str], c
             processes_log.removeHandler(killed)
             processes_log.propagate = True
     return 0
+
+
+def rank_user_error(message: str) -> int:
+    """A user error on one rank of a job: left in the launcher's error directory (it prints each distinct message
+    once, with the ranks that hit it); under plain torchrun, printed with the rank."""
+    rank = os.environ.get("RANK", "0")
+    if os.environ.get(ERROR_DIR_ENV):
+        Path(os.environ[ERROR_DIR_ENV], f"rank{rank}.txt").write_text(message + "\n")
+    else:
+        print(f"error: [rank {rank}] {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def report_rank_failure(err: BaseException) -> int:
+    """Print an exception (a bug, not a user error) with the rank it happened on; torchrun then stops the other
+    ranks."""
+    import traceback
+
+    rank = os.environ.get("RANK", "0")
+    for line in traceback.format_exception(err):
+        for part in line.rstrip("\n").split("\n"):
+            print(f"[rank {rank}] {part}", file=sys.stderr)
+    print(f"error: [rank {rank}] {type(err).__name__}: {err}", file=sys.stderr)
+    return 1
 
 
 class _KilledRanks(logging.Handler):

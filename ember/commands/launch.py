@@ -1,4 +1,5 @@
-"""`ember launch local|slurm|k8s|status|cancel|logs`: one job description, three places to run it."""
+"""`ember launch local|slurm|k8s|status|cancel|logs`: one job description, three places to run it (ember/launch;
+`launch local` is `ember train --nproc-per-node`, ember/commands/train.py)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ import shlex
 import sys
 from pathlib import Path
 
+from ember.commands import train
 from ember.errors import EmberError
+from ember.launch.local import LAUNCH_FLAGS
 from ember.usage import ArgumentParser
 
-EXIT_USAGE = 2
 DESCRIPTION = """Run a training job on this machine, a SLURM cluster or Kubernetes. Every launcher starts the same
 `torchrun --nnodes N --nproc-per-node G --rdzv-backend c10d ... -m ember train RECIPE key=value ...` on each node,
 with dcn_mesh.fsdp=N inferred from --nodes unless a dcn_mesh axis is given, and checks the config for N x G
@@ -46,7 +48,8 @@ def _job_id(text: str) -> str:
     return text
 
 
-def _parser() -> tuple[ArgumentParser, dict[str, ArgumentParser]]:
+def parser() -> tuple[ArgumentParser, dict[str, ArgumentParser]]:
+    """The `ember launch` parser and its subcommands' parsers by name."""
     parser = ArgumentParser(prog="ember launch", description=DESCRIPTION,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="where", required=True, metavar="COMMAND")
@@ -103,30 +106,35 @@ def _parser() -> tuple[ArgumentParser, dict[str, ArgumentParser]]:
     return parser, sub.choices
 
 
-def main(argv: list[str]) -> int:
-    if argv and argv[0] == "local":  # ember.cli runs it: `ember train --nproc-per-node ...`
-        raise SystemExit("ember launch local is `ember train --nproc-per-node`; run it through the ember command")
-    parser, commands = _parser()
-    try:
+def parse(argv: list[str]) -> argparse.Namespace:
+    """`where`: the subcommand; `launch local` takes `ember train`'s arguments (--nproc-per-node 1 unless a
+    launcher flag is given)."""
+    if argv and argv[0] == "local":
+        rest = argv[1:]
+        if not any(arg.split("=")[0] in LAUNCH_FLAGS for arg in rest):
+            rest = ["--nproc-per-node", "1", *rest]
+        args = train.parse(rest, "launch local")
+    else:
+        launch, commands = parser()
         if not argv:  # a usage error: on stderr, as argparse's own
-            parser.print_help(sys.stderr)
-            return EXIT_USAGE
+            launch.print_help(sys.stderr)
+            raise SystemExit(2)
         if argv[0] not in commands:  # --help, or argparse's one-line usage error
-            parser.parse_args(argv)
+            launch.parse_args(argv)
         # key=value overrides may come before or after the options, as with `ember train`
         args = commands[argv[0]].parse_intermixed_args(argv[1:])
-    except SystemExit as exit_:
-        return 0 if exit_.code == 0 else EXIT_USAGE
-    args.where = argv[0]
-    try:
-        if args.where == "slurm":
-            return _slurm(args, argv)
-        if args.where == "k8s":
-            return _k8s(args)
-        return _job_command(args)
-    except EmberError as err:
-        print(f"error: {str(err).splitlines()[0]}", file=sys.stderr)
-        return EXIT_USAGE
+    args.where, args.command_line = argv[0], shlex.join(["ember", "launch", *argv])
+    return args
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.where == "local":
+        return train.run(args)
+    if args.where == "slurm":
+        return _slurm(args)
+    if args.where == "k8s":
+        return _k8s(args)
+    return _job_command(args)
 
 
 def _prepare(args: argparse.Namespace) -> tuple[object, object, Path, int, str]:
@@ -148,7 +156,7 @@ def _default_name(recipe: str) -> str:
     return "ember-" + (re.sub(r"[^a-z0-9-]+", "-", stem.lower()).strip("-") or "job")
 
 
-def _slurm(args: argparse.Namespace, argv: list[str]) -> int:
+def _slurm(args: argparse.Namespace) -> int:
     from ember.launch import slurm
 
     job, cfg, output_dir, gpus, request = _prepare(args)
@@ -159,7 +167,7 @@ def _slurm(args: argparse.Namespace, argv: list[str]) -> int:
                               gpus_per_node=gpus, container=args.container, mounts=args.mounts, env=args.env,
                               signal_seconds=args.signal_seconds, extra_sbatch=args.sbatch)
     script = slurm.render_script(job, opts, output_dir, Path.cwd(),
-                                 command_line=shlex.join(["ember", "launch", *argv]))
+                                 command_line=args.command_line)
     path = slurm.write_script(script, output_dir, opts.job_name)
     print(request, file=sys.stderr)
     if args.dry_run:

@@ -1,5 +1,5 @@
 """`ember data`: `prepare` tokenizes a source once into memory-mapped shards and a manifest (ember.data.prepare),
-`tokenizer train` trains a byte-level BPE tokenizer.json (ember.data.tokenizer). ember/cli.py dispatches here."""
+`tokenizer train` trains a byte-level BPE tokenizer.json (ember.data.tokenizer)."""
 
 from __future__ import annotations
 
@@ -43,9 +43,11 @@ def _data_cfg(args: argparse.Namespace) -> object:
                       prompt_field=getattr(args, "prompt_field", None))
 
 
-def run_data(argv: list[str]) -> int:
-    """`ember data ...`: 0 when done; a user error raises EmberError (one line), a usage error SystemExit."""
-    args = parser().parse_args(argv)
+def parse(argv: list[str]) -> argparse.Namespace:
+    return parser().parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 

@@ -1,20 +1,23 @@
-"""`ember eval`: the command-line side of ember.eval (argument parsing, the eval.json report).
-
-    ember eval PATH TASK[=DATA] ... [key=value ...] [--output FILE] [--tokenizer FILE]
-    ember eval PATH --harness TASK[,TASK] [--include-path DIR] [--limit N] [mesh keys]
-    ember eval --nproc-per-node N PATH ... ici_mesh.fsdp=N | ici_mesh.tensor=N ...   (or under torchrun)
-"""
+"""`ember eval PATH TASK[=DATA] ... | --harness TASK[,TASK]`: the command-line side of ember.eval (its arguments,
+the eval.json report). The eval.* keys are training's `eval` section (ember/config_schema.py's EvalConfig: limit,
+batch_size, typed and defaulted once for both) with ppl's window added (EvalOptions), merged as the config is."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from ember.commands import as_rank, wants_help, world_size
+from ember.config_schema import EvalConfig
 from ember.errors import ConfigError, UserFileNotFound
+from ember.launch.local import launch_local, split_launch_flags
 
-EVAL_USAGE = """usage: ember eval PATH TASK[=DATA] ... [key=value ...] [--output FILE] [--tokenizer FILE]
+USAGE = """usage: ember eval PATH TASK[=DATA] ... [key=value ...] [--output FILE] [--tokenizer FILE]
   PATH: an ember run or checkpoint, an HF directory or an `ember convert --to torch` file
   tasks: ppl (the run's data source, its validation split), ppl=DATA (all of DATA: a file, folder, glob or
          any data.dataset value), lambada=FILE.jsonl ({"text"}), boolq=FILE.jsonl ({"passage", "question",
@@ -32,42 +35,72 @@ EVAL_USAGE = """usage: ember eval PATH TASK[=DATA] ... [key=value ...] [--output
   a model sharded as in training (axes data, fsdp, tensor; default fsdp over every process); requests are
   shared out over the data ranks; the same results as one process. Plain `torchrun ... -m ember eval` works too."""
 
-# ppl's keys, and the key that counts rows of the other tasks: each must apply to a task of the command
-PPL_KEYS = ("eval.seq_len", "eval.stride", "eval.max_tokens", "eval.split")
+
+@dataclass
+class EvalOptions(EvalConfig):
+    """`ember eval`'s eval.* keys: training's eval section (its tasks are the command's TASK arguments instead)
+    and ppl's window."""
+
+    seq_len: Optional[int] = None  # default: the sequence length the run trained at (its config.yaml), else the model's
+    stride: Optional[int] = None  # default: half of seq_len
+    max_tokens: Optional[int] = None  # tokens scored (default: all)
+    split: Optional[str] = None  # val | train | all; default: val for the run's data, all for ppl=DATA
+
+
+PPL_KEYS = ("eval.seq_len", "eval.stride", "eval.max_tokens", "eval.split")  # each needs a ppl task
 EVAL_KEYS = ("eval.limit", "eval.batch_size", *PPL_KEYS)
 
 
-def run_eval(argv: list[str]) -> int:
-    """`ember eval` without its help text and error printing (the CLI's): returns the exit code, raises
-    EmberError for a user's mistake."""
-    argv, meshes = _split_mesh_keys(argv)
-    if "--harness" in argv:
-        return _eval_harness(argv, meshes)
-    path, tasks, options, data_overrides, output, tokenizer_spec = _parse_eval_args(argv)
+def parse(argv: list[str]) -> argparse.Namespace:
+    """The launcher flags, the mesh keys (`meshes`), and either the harness's arguments (`harness`) or the tasks
+    with their options, every value checked before any work (in the launcher too, before any process starts)."""
+    if wants_help(argv):
+        print(USAGE)
+        raise SystemExit(0)
+    flags, rest = split_launch_flags(argv, "eval")
+    items, meshes = _split_mesh_keys(rest)
+    if not items:  # no model to evaluate: how to call the command, as a usage error (on stderr)
+        print(USAGE, file=sys.stderr)
+        raise SystemExit(2)
+    args = _parse_harness_args(items) if "--harness" in items else _parse_eval_args(items)
+    args.flags, args.argv, args.meshes = flags, rest, meshes
+    return args
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.flags:
+        from ember.eval.distributed import eval_mesh_shape
+
+        # the mesh is checked against the world size here, before any process starts
+        return launch_local(args.flags, "eval", args.argv, lambda world: eval_mesh_shape(args.meshes, world))
+    return as_rank(lambda: _eval_harness(args) if args.harness else _eval_tasks(args))
+
+
+def _eval_tasks(args: argparse.Namespace) -> int:
+    """The TASK[=DATA] arguments scored, the results merged into eval.json."""
     from ember.eval import TASKS, ppl
     from ember.eval.tasks import HUB, TASK_ROWS
     from ember.generate import tokenizer_for
 
-    data_cfg = _eval_data_config(path, tasks.get("ppl"), data_overrides) if "ppl" in tasks else None
+    path, tasks, options = args.path, args.tasks, args.options
+    data_cfg = _eval_data_config(path, tasks.get("ppl"), args.data_overrides) if "ppl" in tasks else None
     for task, data in tasks.items():  # every local row checked before the model loads
         if task != "ppl" and data not in (None, task, HUB.get(task, ("",))[0]):
             TASK_ROWS[task](data)
-    target = _target(Path(path), output)
+    target = _target(Path(path), args.output)
     _read_previous(target, Path(path))  # a file we may not add to stops us before any work
-    model, ranks = _load(path, meshes)
-    tokenizer = tokenizer_for(path, tokenizer_spec)  # a torch file's error says how to get the run's
-    # ppl's default window: the sequence length the run trained at (its config.yaml), else the model's
-    options.setdefault("eval.seq_len", _trained_seq_len(Path(path)))
+    model, ranks = _load(path, args.meshes)
+    tokenizer = tokenizer_for(path, args.tokenizer)  # a torch file's error says how to get the run's
+    seq_len = options.seq_len if options.seq_len is not None else _trained_seq_len(Path(path))
     results: dict[str, dict] = {}
-    limit, batch = options.get("eval.limit"), options.get("eval.batch_size", 16)
     for task, data in tasks.items():
         if task == "ppl":
-            split = options.get("eval.split", "all" if data else "val")
-            metrics = ppl(model, tokenizer, data_cfg, split, options.get("eval.seq_len"), options.get("eval.stride"),
-                          options.get("eval.max_tokens"), batch, ranks)
+            split = options.split or ("all" if data else "val")
+            metrics = ppl(model, tokenizer, data_cfg, split, seq_len, options.stride, options.max_tokens,
+                          options.batch_size, ranks)
             results["ppl"] = {**metrics, "data": _data_label(data_cfg.dataset), "split": split}
         else:
-            metrics = TASKS[task](model, tokenizer, data or task, limit, batch, ranks)
+            metrics = TASKS[task](model, tokenizer, data or task, options.limit, options.batch_size, ranks)
             results[task] = {**metrics, "data": _data_label(data or task, task)}
     if _is_main():
         _report(Path(path), results, target)
@@ -94,22 +127,13 @@ def _split_mesh_keys(argv: list[str]) -> tuple[list[str], dict[str, dict[str, in
     return [a for a in argv if a not in mesh_items], eval_mesh_overrides(mesh_items)
 
 
-def check_eval_launch(argv: list[str], world_size: int) -> None:
-    """What `ember eval --nproc-per-node` checks before it starts any process: the mesh fits the world."""
-    from ember.eval.distributed import eval_mesh_shape
-
-    eval_mesh_shape(_split_mesh_keys(argv)[1], world_size)
-
-
 def _load(path: str, meshes: dict[str, dict[str, int]]) -> tuple[Any, Any]:
     """The model and this process's EvalRanks: on one process load_model; under torchrun (or with mesh keys)
     sharded over the mesh."""
-    import os
-
     from ember.eval.distributed import EvalRanks, load_sharded
     from ember.load import load_model
 
-    if int(os.environ.get("WORLD_SIZE", 1)) > 1 or any(meshes.values()):
+    if world_size() > 1 or any(meshes.values()):
         model, ranks = load_sharded(path, meshes)
         if _is_main():
             print(f"model sharded over {ranks.layout}; requests shared over {ranks.dp_world} data-parallel ranks")
@@ -175,9 +199,10 @@ def _report(path: Path, results: dict[str, dict], target: Path) -> None:
     print(f"wrote {target}" + (f" (kept the earlier {', '.join(kept)})" if kept else ""))
 
 
-def _eval_harness(argv: list[str], meshes: dict[str, dict[str, int]]) -> int:
-    """`ember eval PATH --harness TASK[,TASK] [--include-path DIR] [--limit N] [--output FILE] [--tokenizer F]`:
-    lm-evaluation-harness tasks through ember.eval.harness.EmberLM."""
+def _parse_harness_args(argv: list[str]) -> argparse.Namespace:
+    """`ember eval PATH --harness TASK[,TASK] [--include-path DIR] [--limit N] [--output FILE] [--tokenizer F]`."""
+    from ember.eval.scoring import check_batch_size
+    from ember.eval.tasks import check_limit
     from ember.usage import ArgumentParser
 
     parser = ArgumentParser(prog="ember eval PATH --harness", help_hint="ember eval --help")
@@ -188,20 +213,20 @@ def _eval_harness(argv: list[str], meshes: dict[str, dict[str, int]]) -> int:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--output", default=None)
     parser.add_argument("--tokenizer", default=None)
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exit_:
-        return 0 if exit_.code == 0 else 2
-    from ember.eval.harness import EmberLM, simple_evaluate
-    from ember.eval.scoring import check_batch_size
-    from ember.eval.tasks import check_limit
-    from ember.generate import tokenizer_for
-
+    args = parser.parse_args(argv)
     check_limit(args.limit, "--limit")
     check_batch_size(args.batch_size, "--batch-size")
+    return args
+
+
+def _eval_harness(args: argparse.Namespace) -> int:
+    """lm-evaluation-harness tasks through ember.eval.harness.EmberLM, the results merged into eval.json."""
+    from ember.eval.harness import EmberLM, simple_evaluate
+    from ember.generate import tokenizer_for
+
     target = _target(Path(args.path), args.output)
     _read_previous(target, Path(args.path))
-    model, ranks = _load(args.path, meshes)
+    model, ranks = _load(args.path, args.meshes)
     tokenizer = tokenizer_for(args.path, args.tokenizer)
     lm = EmberLM(model, tokenizer, batch_size=args.batch_size, ranks=ranks)
     out = simple_evaluate(lm, args.harness.split(","), include_path=args.include_path, limit=args.limit)
@@ -217,16 +242,14 @@ def _eval_harness(argv: list[str], meshes: dict[str, dict[str, int]]) -> int:
     return 0
 
 
-def _parse_eval_args(argv: list[str]) -> tuple[str, dict[str, Optional[str]], dict, list[str], Optional[str],
-                                                Optional[str]]:
-    """(path, {task: data or None}, {eval key: value}, data.* overrides, --output, --tokenizer), every value
-    checked: each task once, each key applying to a task of the command, numbers >= 1."""
+def _parse_eval_args(argv: list[str]) -> argparse.Namespace:
+    """path, tasks ({task: data or None}), options (EvalOptions), data_overrides (data.* items), output and
+    tokenizer, every value checked: each task once, each key applying to a task of the command, numbers >= 1."""
     from ember.eval import TASKS
-    from ember.eval.tasks import PPL_SPLITS
 
     path, rest = argv[0], argv[1:]
     tasks: dict[str, Optional[str]] = {}
-    options: dict = {}
+    eval_items: list[str] = []
     data_overrides: list[str] = []
     output = tokenizer = None
     while rest:
@@ -245,40 +268,62 @@ def _parse_eval_args(argv: list[str]) -> tuple[str, dict[str, Optional[str]], di
                 raise ConfigError(f"{name} is given twice ({tasks[name] or name}, {value or name}); eval.json holds "
                                   f"one {name} entry: run one `ember eval` per data, each with its own --output FILE")
             tasks[name] = value or None
-        elif name in EVAL_KEYS:
-            options[name] = _eval_key(name, value, PPL_SPLITS)
+        elif name.startswith("eval.") and eq:
+            eval_items.append(item)
         elif name.startswith("data.") and eq:
             data_overrides.append(item)
         else:
             raise ConfigError(f"unknown eval task or key '{item}' (tasks: ppl, {', '.join(TASKS)}; keys: "
                               f"{', '.join(EVAL_KEYS)}, data.*)")
+    options = _eval_options(eval_items)
+    given = [item.partition("=")[0] for item in eval_items]
     if not tasks:
         raise ConfigError("name at least one task: ppl, ppl=DATA, lambada=FILE, boolq=FILE or choice=FILE")
     if "ppl" not in tasks:
-        unused = [k for k in options if k in PPL_KEYS] + [o.partition("=")[0] for o in data_overrides]
+        unused = [k for k in given if k in PPL_KEYS] + [o.partition("=")[0] for o in data_overrides]
         if unused:
             raise ConfigError(f"{unused[0]} is a key of ppl, and no ppl task is given")
-    if set(tasks) == {"ppl"} and "eval.limit" in options:
+    if set(tasks) == {"ppl"} and "eval.limit" in given:
         raise ConfigError("eval.limit counts rows of lambada, boolq and choice; ppl is bounded by eval.max_tokens")
     if tasks.get("ppl") and any(o.startswith("data.dataset=") for o in data_overrides):
         raise ConfigError("ppl=DATA and data.dataset both name ppl's data; give one")
-    return path, tasks, options, data_overrides, output, tokenizer
+    return argparse.Namespace(harness=None, path=path, tasks=tasks, options=options, data_overrides=data_overrides,
+                              output=output, tokenizer=tokenizer)
 
 
-def _eval_key(name: str, value: str, splits: tuple[str, ...]) -> Any:
-    """An eval.* value, checked: eval.split one of `splits`, the others integers >= 1."""
-    if name == "eval.split":
-        if value not in splits:
-            raise ConfigError(f"eval.split must be one of {', '.join(splits)}, got '{value}'")
-        return value
-    try:
-        number = int(value)
-    except ValueError:
-        raise ConfigError(f"{name} must be an integer >= 1, got '{value}'") from None
-    if number < 1:
-        hint = " (leave it unset to score every row)" if name == "eval.limit" else ""
-        raise ConfigError(f"{name} must be an integer >= 1{hint}, got {number}")
-    return number
+def _eval_options(items: list[str]) -> EvalOptions:
+    """The eval.KEY=VALUE items merged into EvalOptions by OmegaConf, as the config merges its overrides (types,
+    null for unset), then checked: eval.split one of PPL_SPLITS, the numbers >= 1. One line names a bad key."""
+    import difflib
+
+    from omegaconf import OmegaConf
+    from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+    from ember.eval.tasks import PPL_SPLITS, check_limit
+
+    merged = OmegaConf.structured(EvalOptions)
+    for item in items:
+        key, _, value = item.partition("=")
+        if key == "eval.tasks":
+            raise ConfigError("eval.tasks is the training config's list; name ember eval's tasks as arguments "
+                              "(ppl, lambada=FILE, boolq=FILE, choice=FILE)")
+        try:
+            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item[len("eval."):]]))
+        except ConfigKeyError:
+            hint = difflib.get_close_matches(key, EVAL_KEYS, n=1, cutoff=0.6)
+            raise ConfigError(f"unknown config key '{key}'" + (f" (did you mean '{hint[0]}'?)" if hint else "")
+                              + f" for ember eval (keys: {', '.join(EVAL_KEYS)}, data.*)") from None
+        except OmegaConfBaseException:  # only the numbers can be mistyped: eval.split takes any text
+            raise ConfigError(f"{key} must be an integer >= 1, got '{value}'") from None
+    options: EvalOptions = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    check_limit(options.limit, "eval.limit")
+    for name in ("batch_size", "seq_len", "stride", "max_tokens"):
+        number = getattr(options, name)
+        if number is not None and number < 1:
+            raise ConfigError(f"eval.{name} must be an integer >= 1, got {number}")
+    if options.split is not None and options.split not in PPL_SPLITS:
+        raise ConfigError(f"eval.split must be one of {', '.join(PPL_SPLITS)}, got '{options.split}'")
+    return options
 
 
 def _eval_data_config(path: str, dataset: Optional[str], overrides: list[str]) -> Any:
@@ -287,21 +332,20 @@ def _eval_data_config(path: str, dataset: Optional[str], overrides: list[str]) -
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from ember.config import DataConfig
+    from ember.config_schema import DataConfig
 
     base = OmegaConf.structured(DataConfig)
-    run = Path(path)
-    run = run if (run / "config.yaml").is_file() else run.parent.parent
+    config_yaml = _run_config_yaml(Path(path))
     dotlist = [o[len("data."):] for o in overrides] + ([f"dataset={dataset}"] if dataset else [])
     try:
-        if (run / "config.yaml").is_file():
-            base = OmegaConf.merge(base, (yaml.safe_load((run / "config.yaml").read_text()) or {}).get("data", {}))
+        if config_yaml:
+            base = OmegaConf.merge(base, (yaml.safe_load(config_yaml.read_text()) or {}).get("data", {}))
         base = OmegaConf.merge(base, OmegaConf.from_dotlist(dotlist))
         data_cfg = OmegaConf.to_object(base)
     except OmegaConfBaseException as err:
         raise ConfigError(f"bad data key for ppl: {str(err).splitlines()[0]}") from None
-    if not dataset and not any(o.startswith("data.dataset=") for o in overrides) and (run / "config.yaml").is_file():
-        _check_run_dataset(data_cfg.dataset, run / "config.yaml")
+    if not dataset and not any(o.startswith("data.dataset=") for o in overrides) and config_yaml:
+        _check_run_dataset(data_cfg.dataset, config_yaml)
     return data_cfg
 
 
@@ -322,13 +366,16 @@ def _check_run_dataset(spec: str, config_yaml: Path) -> None:
                                "in, or pass data.dataset=ABSOLUTE_PATH")
 
 
+def _run_config_yaml(path: Path) -> Optional[Path]:
+    """The config.yaml of the run at `path` (the run's directory, or one of its checkpoints), if it has one."""
+    return next((run / "config.yaml" for run in (path, path.parent.parent) if (run / "config.yaml").is_file()), None)
+
+
 def _trained_seq_len(path: Path) -> Optional[int]:
     import yaml
 
-    run = path if (path / "config.yaml").is_file() else path.parent.parent
-    if not (run / "config.yaml").is_file():
-        return None
-    seq_len = (yaml.safe_load((run / "config.yaml").read_text()) or {}).get("seq_len")
+    config_yaml = _run_config_yaml(path)
+    seq_len = (yaml.safe_load(config_yaml.read_text()) or {}).get("seq_len") if config_yaml else None
     return seq_len if isinstance(seq_len, int) else None
 
 

@@ -1,4 +1,5 @@
-"""`ember plan`: its arguments, the table, plan.json."""
+"""`ember plan RECIPE [key=value ...] --world N ...`: its arguments, the table, plan.json (the plan itself:
+ember/plan)."""
 
 from __future__ import annotations
 
@@ -49,18 +50,21 @@ def parser() -> ArgumentParser:
     return p
 
 
-def run_plan(argv: list[str]) -> int:
-    """The command: parse, plan, print, write. User errors raise EmberError (the CLI prints one line)."""
-    from ember import config as config_lib
-
+def parse(argv: list[str]) -> argparse.Namespace:
     args = parser().parse_intermixed_args(argv)  # flags anywhere among the key=value overrides
-    overrides = [o for o in args.overrides if "=" in o]
-    if len(overrides) != len(args.overrides):
-        bad = next(o for o in args.overrides if "=" not in o)
-        raise ConfigError(f"'{bad}' is not a key=value override (flags go before or after them: --world N ...)")
+    bad = [o for o in args.overrides if "=" not in o]
+    if bad:
+        raise ConfigError(f"'{bad[0]}' is not a key=value override (flags go before or after them: --world N ...)")
     if args.world < 1:
         raise ConfigError(f"--world must be a positive number of devices, got {args.world}")
-    cfg = config_lib.load(args.recipe, overrides, world_size=args.world)
+    return args
+
+
+def run(args: argparse.Namespace) -> int:
+    """Plan, print, write."""
+    from ember import config as config_lib
+
+    cfg = config_lib.load(args.recipe, args.overrides, world_size=args.world)
     plan = make_plan(cfg, args.world, args.nodes, args.device, args.search)
     text = json.dumps(plan.to_json(), indent=1) + "\n"
     # --json prints plan.json instead of the table and writes no file, unless --output names one

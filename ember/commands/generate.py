@@ -1,0 +1,93 @@
+"""`ember generate PATH --prompt TEXT [...]`: continue prompts with a trained model (KV-cache decoding,
+ember/generate.py)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ember.usage import ArgumentParser
+
+
+def parser() -> ArgumentParser:
+    p = ArgumentParser(
+        prog="ember generate", description="Continue prompts with a trained model (KV-cache decoding). PATH: an ember "
+        "run or checkpoint, an HF directory or an `ember convert --to torch` file.")
+    p.add_argument("path")
+    p.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for a batch)")
+    p.add_argument("--prompt-file", help="a jsonl of {\"prompt\": ...} rows, decoded as one batch")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=None,
+                   help="finite, >= 0; 0: greedy. Default: greedy, or 1.0 when --top-k, --top-p or --seed is "
+                   "given (these sample; with --temperature 0 they are an error)")
+    p.add_argument("--top-k", type=int, default=None, help=">= 1: sample from the K most likely tokens")
+    p.add_argument("--top-p", type=float, default=None, help="in (0, 1]: sample from the smallest set of tokens "
+                   "holding this probability mass")
+    p.add_argument("--seed", type=int, default=None, help="seed the sampling (same seed, same output)")
+    p.add_argument("--stop", action="append", default=[], help="stop at this string, not empty (repeatable)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer file (default: the run's own)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--json", action="store_true", help="one JSON object per prompt: prompt, completion, token_ids")
+    p.add_argument("--compile", action="store_true", help="torch.compile the decode step (for long outputs)")
+    return p
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = parser()
+    args = p.parse_args(argv)
+    if not args.prompt and not args.prompt_file:  # a usage error: the usage, then the line, on stderr
+        p.usage_error("give --prompt TEXT or --prompt-file FILE.jsonl")
+    return args
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+
+    import torch
+
+    from ember.generate import check_max_new_tokens, generate, prompt_ids, sampling_temperature, tokenizer_for
+    from ember.hardware import pick_device
+    from ember.load import load_model
+
+    # Every argument is checked before anything is printed: a streamed prompt followed by an error would run
+    # the two together on one line.
+    temperature = sampling_temperature(args.temperature, args.top_k, args.top_p, args.seed, args.stop)
+    check_max_new_tokens(args.max_new_tokens)
+    prompts = list(args.prompt)
+    if args.prompt_file:
+        prompts += _read_prompts(Path(args.prompt_file))
+    device = pick_device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+    model = load_model(args.path, device=device, dtype=dtype)
+    tokenizer = tokenizer_for(args.path, args.tokenizer)
+    prompt_ids(model, tokenizer, prompts, args.max_new_tokens)  # each prompt fits max_seq_len with the new tokens
+    if args.temperature is None and temperature > 0:
+        print(f"note: sampling at temperature {temperature} (--top-k/--top-p/--seed sample; --temperature sets it)",
+              file=sys.stderr)
+    stream = not args.json and len(prompts) == 1
+    if stream:
+        print(prompts[0], end="", flush=True)
+    results = generate(model, tokenizer, prompts, max_new_tokens=args.max_new_tokens,
+                       temperature=temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                       stop=args.stop, compile=args.compile,
+                       on_text=(lambda row, piece: print(piece, end="", flush=True)) if stream else None)
+    for result in results:
+        if args.json:
+            print(json.dumps({"prompt": result.prompt, "completion": result.completion, "token_ids": result.token_ids}))
+        elif stream:
+            print()
+        else:
+            print(f"{result.prompt}{result.completion}\n")
+    return 0
+
+
+def _read_prompts(path: Path) -> list[str]:
+    """The "prompt" of every row of a jsonl file; errors name the file and line."""
+    from ember.errors import DataError
+    from ember.eval.tasks import read_rows
+
+    prompts = [row["prompt"] for row in read_rows(str(path), "--prompt-file", ("prompt",))]
+    if not all(isinstance(p, str) for p in prompts):
+        raise DataError(f"--prompt-file '{path}': every \"prompt\" must be text")
+    return prompts
