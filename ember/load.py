@@ -5,17 +5,17 @@ unpickling a file someone handed us, and no remote code runs. Models are built o
 filled once, so a large model never sits in memory twice.
 
 An ember checkpoint is `<run>/checkpoints/step-N/`: the DCP files of {"model": model.state_dict()} plus
-model.json = {"family", "flavor", "args"}, enough to rebuild the model without the recipe.
+model.json = {"family", "flavor", "args"}, enough to rebuild the model without the recipe. Hugging Face
+directories are read by ember/hf_directory.py; model.json by ember/model_meta.py.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import warnings
 import zipfile
 from pathlib import Path
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -27,13 +27,13 @@ from ember.errors import CheckpointError, ConfigError, UserFileNotFound, first_e
 from ember.finetune.base_fingerprint import check_lora_base
 from ember.finetune.lora import LoraLinear, apply_lora, is_adapter_key, merge_lora, trainable_names
 from ember.finetune.peft_format import check_adapter_config, is_peft_dir, merge_peft_adapter, peft_base
+from ember.hf_directory import HF_FAMILY, hf_family, hf_weight_files, load_hf_model, open_safetensors
 from ember.model_meta import (MODEL_JSON, build_on_meta, ember_step_dir, newest_step_dir, parse_model_meta, read_json,
                               read_model_json)
 from ember.models import MODELS
 
 MODEL_PATHS = (f"an ember run or checkpoint directory ({MODEL_JSON}, checkpoints/step-N), a HF model directory "
                "(config.json) or an `ember convert --to torch` file")
-HF_FAMILY = "llama3"  # Llama 2 and 3.x share one architecture; config.json carries the differences
 Device = Union[str, torch.device]
 
 
@@ -75,7 +75,7 @@ def load_hf_weights(model: Union[nn.Module, list[nn.Module]], directory: Path) -
     stages), tensor by tensor: each is read, mapped to ember's layout, and only this rank's shard kept."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    family, config = _hf_family(directory)
+    family, config = hf_family(directory)
     if family != HF_FAMILY:  # per-expert HF tensors are stacked on load; not streamed into shards yet
         raise CheckpointError(f"model.init_from: streaming a {family} Hugging Face directory into a sharded model is not "
                          f"supported yet; convert it first (`ember convert {directory} CKPT`) and use model.init_from=CKPT")
@@ -83,7 +83,7 @@ def load_hf_weights(model: Union[nn.Module, list[nn.Module]], directory: Path) -
     args = hf.args_from_hf_config(config)
     targets = base_state_dict(model)
     loaded: set[str] = set()
-    for path in _hf_weight_files(directory):
+    for path in hf_weight_files(directory):
         with open_safetensors(path) as f:
             for key in f.keys():
                 if hf.skip_hf_key(key, args):
@@ -129,7 +129,7 @@ def source_architecture(path: Union[str, Path]) -> tuple[str, str, Any, Path]:
     if is_peft_dir(path):  # an adapter: the architecture is its base's
         return source_architecture(_peft_base(path))
     if (path / "config.json").is_file() and not (path / MODEL_JSON).is_file():
-        family, config = _hf_family(path)
+        family, config = hf_family(path)
         try:
             args = MODELS[family].hf.args_from_hf_config(config)
         except (KeyError, ValueError) as err:
@@ -302,87 +302,6 @@ def _load_peft(adapter_dir: Path, device: Device, dtype: torch.dtype) -> nn.Modu
     return model
 
 
-# ---- Hugging Face directories (safetensors) ---------------------------------------------------------
-
-
-def _hf_weight_files(directory: Path) -> list[Path]:
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise CheckpointError(f"'{index}' has no 'weight_map'")
-        files = [directory / name for name in sorted(set(weight_map.values()))]
-        missing = [f for f in files if not f.is_file()]
-        if missing:
-            raise UserFileNotFound(f"'{missing[0]}' is missing (listed in '{index}')")
-        return files
-    if (directory / "model.safetensors").is_file():
-        return [directory / "model.safetensors"]
-    pickles = sorted(p.name for p in directory.glob("*.bin")) + sorted(p.name for p in directory.glob("*.pt*"))
-    hint = f"; found {pickles[0]}, which ember does not unpickle: convert it to safetensors" if pickles else ""
-    raise UserFileNotFound(f"'{directory}' has no model.safetensors or model.safetensors.index.json{hint}")
-
-
-@contextlib.contextmanager
-def open_safetensors(path: Path) -> Iterator[Any]:
-    """safe_open(path) on the CPU; a damaged file (truncated, or another format written over it) is a one-line
-    error naming it, whether its header or a tensor is what cannot be read."""
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            yield f
-    except SafetensorError as err:
-        raise CheckpointError(f"'{path}' is not a readable safetensors file ({first_error_line(err)}): it is damaged "
-                              "or another format was written over it; export or copy it again") from None
-
-
-HF_FAMILIES = {"llama": HF_FAMILY, "mixtral": "mixtral", "gpt2": "gpt"}  # config.json model_type -> ember family
-
-
-def _hf_family(directory: Path) -> tuple[str, dict[str, Any]]:
-    config_path = directory / "config.json"
-    config = read_json(config_path)
-    model_type = config.get("model_type")
-    if model_type not in HF_FAMILIES:
-        raise CheckpointError(f"'{config_path}' describes model_type '{model_type}'; ember loads "
-                         f"{', '.join(HF_FAMILIES)} (LlamaForCausalLM, MixtralForCausalLM, GPT2LMHeadModel) models")
-    expected = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "gpt2": "GPT2LMHeadModel"}[model_type]
-    architectures = config.get("architectures") or [expected]
-    if architectures != [expected]:
-        raise CheckpointError(f"'{config_path}' describes architectures {architectures}; ember loads {expected} "
-                         f"for model_type '{model_type}'")
-    return HF_FAMILIES[model_type], config
-
-
-def _load_hf(directory: Path, device: Device, dtype: torch.dtype) -> nn.Module:
-    family, config = _hf_family(directory)
-    hf = MODELS[family].hf
-    try:
-        args = hf.args_from_hf_config(config)
-    except (KeyError, ValueError) as err:
-        raise CheckpointError(f"'{directory / 'config.json'}': {err}") from None
-    hf_state = {}
-    for path in _hf_weight_files(directory):  # tensor by tensor, straight to the target device and dtype
-        with open_safetensors(path) as f:
-            for key in f.keys():
-                hf_state[key] = f.get_tensor(key).to(device, dtype)
-    try:
-        state = hf.from_hf_state_dict(hf_state, args)
-    except KeyError as err:
-        raise CheckpointError(f"'{directory}': {err.args[0]}") from None
-    del hf_state
-    model = build_on_meta(family, args, dtype)
-    try:  # assign: the loaded tensors become the parameters, so the meta model needs no to_empty
-        model.load_state_dict(state, strict=True, assign=True)
-    except RuntimeError as err:
-        detail = " ".join(str(err).split())
-        raise CheckpointError(f"'{directory}': the weights do not fit config.json: {detail}") from None
-    model.tie_weights()
-    model.init_rope(torch.device(device))
-    return model
-
-
 @torch.no_grad()
 def load_model(path: Union[str, Path], device: Device = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
     """The model stored at `path`, in eval mode: `model(tokens (B, T)) -> logits (B, T, vocab)`.
@@ -406,7 +325,7 @@ def load_model(path: Union[str, Path], device: Device = "cpu", dtype: torch.dtyp
     elif is_peft_dir(path):
         model = _load_peft(path, device, dtype)
     elif (path / "config.json").is_file():
-        model = _load_hf(path, device, dtype)
+        model = load_hf_model(path, device, dtype)
     else:
         raise UserFileNotFound(f"'{path}' holds no model (expected {expected})")
     return model.eval()

@@ -1,0 +1,105 @@
+"""A Hugging Face model directory (config.json and safetensors weights): which ember family its config.json
+describes, its weight files, and the whole model read from them.
+
+Weights are read only through safetensors, never by unpickling, and no remote code runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any, Iterator, Union
+
+import torch
+from torch import nn
+
+from ember.errors import CheckpointError, UserFileNotFound, first_error_line
+from ember.model_meta import build_on_meta, read_json
+from ember.models import MODELS
+
+HF_FAMILY = "llama3"  # Llama 2 and 3.x share one architecture; config.json carries the differences
+Device = Union[str, torch.device]
+
+
+def hf_weight_files(directory: Path) -> list[Path]:
+    """The safetensors files of a directory: those its model.safetensors.index.json lists, or its one
+    model.safetensors; a directory with only pickled weights (.bin, .pt) is refused, naming the fix."""
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"'{index}' has no 'weight_map'")
+        files = [directory / name for name in sorted(set(weight_map.values()))]
+        missing = [f for f in files if not f.is_file()]
+        if missing:
+            raise UserFileNotFound(f"'{missing[0]}' is missing (listed in '{index}')")
+        return files
+    if (directory / "model.safetensors").is_file():
+        return [directory / "model.safetensors"]
+    pickles = sorted(p.name for p in directory.glob("*.bin")) + sorted(p.name for p in directory.glob("*.pt*"))
+    hint = f"; found {pickles[0]}, which ember does not unpickle: convert it to safetensors" if pickles else ""
+    raise UserFileNotFound(f"'{directory}' has no model.safetensors or model.safetensors.index.json{hint}")
+
+
+@contextlib.contextmanager
+def open_safetensors(path: Path) -> Iterator[Any]:
+    """safe_open(path) on the CPU; a damaged file (truncated, or another format written over it) is a one-line
+    error naming it, whether its header or a tensor is what cannot be read."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            yield f
+    except SafetensorError as err:
+        raise CheckpointError(f"'{path}' is not a readable safetensors file ({first_error_line(err)}): it is damaged "
+                              "or another format was written over it; export or copy it again") from None
+
+
+HF_FAMILIES = {"llama": HF_FAMILY, "mixtral": "mixtral", "gpt2": "gpt"}  # config.json model_type -> ember family
+
+
+def hf_family(directory: Path) -> tuple[str, dict[str, Any]]:
+    """(the ember family, the parsed config.json) of a directory whose config.json describes a model ember
+    loads; any other model_type or architecture is refused, naming what ember loads."""
+    config_path = directory / "config.json"
+    config = read_json(config_path)
+    model_type = config.get("model_type")
+    if model_type not in HF_FAMILIES:
+        raise CheckpointError(f"'{config_path}' describes model_type '{model_type}'; ember loads "
+                              f"{', '.join(HF_FAMILIES)} (LlamaForCausalLM, MixtralForCausalLM, GPT2LMHeadModel) models")
+    expected = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "gpt2": "GPT2LMHeadModel"}[model_type]
+    architectures = config.get("architectures") or [expected]
+    if architectures != [expected]:
+        raise CheckpointError(f"'{config_path}' describes architectures {architectures}; ember loads {expected} "
+                              f"for model_type '{model_type}'")
+    return HF_FAMILIES[model_type], config
+
+
+def load_hf_model(directory: Path, device: Device, dtype: torch.dtype) -> nn.Module:
+    """The whole model of a directory, its parameters in `dtype` on `device` (the RoPE tables fp32), built on
+    the meta device and filled with the loaded tensors, so it never sits in memory twice."""
+    family, config = hf_family(directory)
+    hf = MODELS[family].hf
+    try:
+        args = hf.args_from_hf_config(config)
+    except (KeyError, ValueError) as err:
+        raise CheckpointError(f"'{directory / 'config.json'}': {err}") from None
+    hf_state = {}
+    for path in hf_weight_files(directory):  # tensor by tensor, straight to the target device and dtype
+        with open_safetensors(path) as f:
+            for key in f.keys():
+                hf_state[key] = f.get_tensor(key).to(device, dtype)
+    try:
+        state = hf.from_hf_state_dict(hf_state, args)
+    except KeyError as err:
+        raise CheckpointError(f"'{directory}': {err.args[0]}") from None
+    del hf_state
+    model = build_on_meta(family, args, dtype)
+    try:  # assign: the loaded tensors become the parameters, so the meta model needs no to_empty
+        model.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as err:
+        detail = " ".join(str(err).split())
+        raise CheckpointError(f"'{directory}': the weights do not fit config.json: {detail}") from None
+    model.tie_weights()
+    model.init_rope(torch.device(device))
+    return model
