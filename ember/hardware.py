@@ -23,7 +23,10 @@ from typing import Iterator, Optional
 import torch
 
 from ember.constants import default_cache_dir
-from ember.errors import ConfigError
+from ember.device import cpu_runs_bf16_natively
+# Re-exported: train, run, eval, generate and plan import these from ember.hardware.
+from ember.cpu_allocator import keep_freed_cpu_memory  # noqa: F401
+from ember.device import pick_compute_dtype, pick_device  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -116,93 +119,6 @@ _NAME_PATTERNS: list[tuple[str, DeviceSpec]] = [
     (r"V6E|V6 ?LITE|TRILLIUM", TPU_V6E),  # "TPU v6 lite"
     (r"V5P|TPU V5\b", TPU_V5P),  # "TPU v5"
 ]
-
-
-def pick_device(name: str) -> torch.device:
-    """The `device` key's device; on CUDA, this process's GPU (LOCAL_RANK, as torchrun sets it)."""
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device=cuda but no CUDA device is visible; use device=cpu or device=auto")
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda":
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device(name)
-
-
-def pick_compute_dtype(precision: str, device: torch.device, frozen_base: bool = False) -> torch.dtype:
-    """The compute dtype `precision` means on `device`. auto: bf16 autocast where the device runs it fast (CUDA
-    with bf16 support); on CPU fp32, except for a frozen base (LoRA) on a CPU with native bf16 matmuls (see
-    `cpu_runs_bf16_natively`). Full training on CPU keeps fp32 by default: CPU runs are the debugging and
-    reference runs, whose losses the multi-process layouts must match exactly; a frozen base takes no updates,
-    so storing and multiplying it in bf16 costs no precision that training keeps (the adapters, their
-    gradients and AdamW's state stay fp32). fp8 computes in bf16 outside the float8 matmuls of its linears
-    (ember/parallel/fp8.py)."""
-    precision = "bf16" if precision == "fp8" else precision
-    if precision == "fp32":
-        return torch.float32
-    if precision == "bf16":
-        if device.type == "cuda" and not torch.cuda.is_bf16_supported():
-            raise ConfigError("precision=bf16 but this GPU has no bf16 support; use precision=fp32")
-        return torch.bfloat16
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
-    return torch.bfloat16 if frozen_base and device.type == "cpu" and cpu_runs_bf16_natively() else torch.float32
-
-
-def cpu_runs_bf16_natively() -> bool:
-    """Whether this CPU has bf16 matmul instructions (x86 AVX512-BF16 or AMX-BF16; ARM's BF16 extension),
-    which oneDNN uses for bf16 matmuls several times faster than fp32 (4.6x measured on a 2-core AMD EPYC
-    with AVX512-BF16). Without them torch emulates bf16, slower than fp32."""
-    capabilities = getattr(torch.cpu, "get_capabilities", None)  # torch >= 2.7
-    if capabilities is None:
-        return False
-    try:
-        found = capabilities()
-    except (RuntimeError, OSError):
-        return False
-    return any(bool(found.get(flag)) for flag in ("avx512_bf16", "amx_bf16", "bf16"))
-
-
-# glibc's mallopt parameters (malloc.h) and how much freed memory a CPU run keeps for reuse
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-CPU_MALLOC_KEEP_BYTES = 1 << 30
-_cpu_allocator_note: Optional[str] = None
-
-
-def keep_freed_cpu_memory() -> Optional[str]:
-    """Tell glibc's malloc to keep freed memory in the process for reuse (mmap and trim thresholds of 1 GiB).
-    Returns what was done, for the run's header, or None where nothing was (not glibc, or the user chose).
-
-    Why: every training step allocates and frees the same activation- and logits-sized buffers. By default
-    glibc serves blocks above its mmap threshold (128 KiB, adapting up to 32 MiB) with fresh mmaps and hands
-    heap tops above its trim threshold back to the OS, so each step page-faults those buffers in again; with
-    both thresholds at 1 GiB they are reused. PyTorch's CPU performance guide recommends jemalloc or tcmalloc
-    for the same reason; this gets the reuse with nothing to install. Measured on a 2-core EPYC (LoRA r32, bf16,
-    debug and 110M): +3-13% tokens/s; transformers + peft on the same batch: +20-36% (benchmarks/finetune_memory.py).
-    Left alone where the user chose: EMBER_CPU_MALLOC=default, another allocator preloaded (LD_PRELOAD), or
-    glibc's own settings in the environment (MALLOC_TRIM_THRESHOLD_, MALLOC_MMAP_THRESHOLD_, GLIBC_TUNABLES).
-    Once per process."""
-    global _cpu_allocator_note
-    if _cpu_allocator_note is not None:
-        return _cpu_allocator_note or None
-    _cpu_allocator_note = ""
-    user_set = [k for k in ("LD_PRELOAD", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES")
-                if os.environ.get(k)]
-    if os.environ.get("EMBER_CPU_MALLOC") == "default" or user_set:
-        return None
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return None
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        applied = (libc.mallopt(_M_MMAP_THRESHOLD, CPU_MALLOC_KEEP_BYTES) == 1,
-                   libc.mallopt(_M_TRIM_THRESHOLD, CPU_MALLOC_KEEP_BYTES) == 1)
-    except (OSError, AttributeError):
-        return None
-    if all(applied):
-        _cpu_allocator_note = f"glibc malloc keeps up to {CPU_MALLOC_KEEP_BYTES >> 30} GiB freed for reuse"
-    return _cpu_allocator_note or None
 
 
 def match_device(name: str) -> Optional[DeviceSpec]:
@@ -348,7 +264,7 @@ def _read_peaks(path: Path) -> dict[str, CpuPeak]:
         for key, entry in raw.items():
             if isinstance(entry, dict):  # {"flops", "quiet", "job"}
                 peaks[key] = CpuPeak(float(entry["flops"]), bool(entry.get("quiet", True)), str(entry.get("job", "")))
-            else:  # a bare number (the first version of this file): measured unchecked, so measured again once
+            else:  # a bare number: a figure with no contention check, so measured again once
                 peaks[key] = CpuPeak(float(entry), quiet=False)
         return peaks
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
@@ -412,7 +328,7 @@ def cpu_peak_flops(dtype: torch.dtype = torch.float32) -> tuple[float, str]:
 
     Measured once per (CPU model, threads, torch version) and kept in the ember cache, so every run and
     every rank of a node divides by the same number: a peak measured at each start, while other threads
-    or processes compete, comes out low and made MFU exceed 100%. A measurement during which other
+    or processes compete, comes out low and makes MFU exceed 100%. A measurement during which other
     processes kept cores busy is kept as provisional: the ranks of the job that made it use it (one figure
     per job), the next job measures again and keeps the higher figure, until a quiet measurement settles it.
     Where the cache cannot be written, the process measures for itself."""

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ember import hardware
+from ember import device, hardware
 from ember.hardware import match_device, peak_flops
 
 
@@ -289,19 +289,19 @@ def test_device_spec_is_frozen():
 
 @pytest.mark.parametrize("native", [True, False])
 def test_auto_precision_on_cpu_is_bf16_only_for_a_frozen_base_on_a_bf16_cpu(native: bool, monkeypatch):
-    monkeypatch.setattr(hardware, "cpu_runs_bf16_natively", lambda: native)
+    monkeypatch.setattr(device, "cpu_runs_bf16_natively", lambda: native)
     cpu = torch.device("cpu")
-    assert hardware.pick_compute_dtype("auto", cpu) == torch.float32  # full training: fp32 on any CPU
-    assert hardware.pick_compute_dtype("auto", cpu, frozen_base=True) == (torch.bfloat16 if native else torch.float32)
-    assert hardware.pick_compute_dtype("fp32", cpu, frozen_base=True) == torch.float32  # asked for: kept
-    assert hardware.pick_compute_dtype("bf16", cpu) == torch.bfloat16
+    assert device.pick_compute_dtype("auto", cpu) == torch.float32  # full training: fp32 on any CPU
+    assert device.pick_compute_dtype("auto", cpu, frozen_base=True) == (torch.bfloat16 if native else torch.float32)
+    assert device.pick_compute_dtype("fp32", cpu, frozen_base=True) == torch.float32  # asked for: kept
+    assert device.pick_compute_dtype("bf16", cpu) == torch.bfloat16
 
 
 def test_cpu_bf16_detection_reads_torchs_capabilities(monkeypatch):
     for flags, expected in (({"avx512_bf16": True}, True), ({"amx_bf16": True, "avx512_bf16": False}, True),
                             ({"avx512_bf16": False, "avx2": True}, False), ({}, False)):
         monkeypatch.setattr(torch.cpu, "get_capabilities", lambda flags=flags: flags, raising=False)
-        assert hardware.cpu_runs_bf16_natively() is expected, flags
+        assert device.cpu_runs_bf16_natively() is expected, flags
 
 
 def test_a_bf16_cpu_peak_is_its_own_entry_and_raising_it_leaves_fp32_alone(fresh_cache: Path, monkeypatch):
