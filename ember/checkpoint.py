@@ -18,7 +18,6 @@ hang), and are committed at a later step boundary.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -36,14 +35,14 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-from ember.config_schema import ModelConfig
 from ember.errors import CheckpointError, first_error_line
-from ember.finetune.base_fingerprint import check_resume_base
-from ember.finetune.lora import trainable_state_dict
+from ember.finetune.base_fingerprint import check_resume_base, reference_meta
+from ember.finetune.lora import lora_meta, trainable_state_dict
 from ember.load import model_state_dict
-from ember.model_meta import MODEL_JSON, read_model_json
+from ember.model_meta import MODEL_JSON, ArchitectureMismatch, check_architecture, meta_for
 from ember.optim import apply_group_settings, group_settings
-from ember.run_history import CHECKPOINT_CONFIG, HISTORY_DIR, Change, RunChanged, describe_changes, resume_changes
+from ember.run_history import (CHECKPOINT_CONFIG, HISTORY_DIR, Change, RunChanged, config_dict, describe_changes,
+                               resume_changes)
 
 STEP_DIR = re.compile(r"step-(\d+)")
 
@@ -289,42 +288,6 @@ class CheckpointManager:
         return train_state
 
 
-class ArchitectureMismatch(CheckpointError):
-    """A checkpoint of another model than the run's (layers, sizes, RoPE, family...)."""
-
-
-def _config_key(arg: str) -> str:
-    """The config key that sets a model hyper-parameter: model.<arg>, else the flavor it comes from."""
-    fields = {f.name for f in dataclasses.fields(ModelConfig)}
-    arg = arg.removesuffix("_override")  # ffn_hidden_dim's field in the args
-    return f"model.{arg}" if arg in fields else f"model.flavor ({arg})"
-
-
-def architecture_differences(saved: dict[str, Any], run: dict[str, Any]) -> list[str]:
-    """'key: checkpoint X, this run Y' for each hyper-parameter (and the family) that differs, named by config key."""
-    diffs = []
-    if saved.get("family") != run.get("family"):
-        diffs.append(f"model.family: checkpoint {saved.get('family')}, this run {run.get('family')}")
-    saved_args, run_args = saved.get("args") or {}, run.get("args") or {}
-    for key in sorted(set(saved_args) | set(run_args)):
-        if saved_args.get(key) != run_args.get(key):
-            diffs.append(f"{_config_key(key)}: checkpoint {saved_args.get(key)}, this run {run_args.get(key)}")
-    return diffs
-
-
-def check_architecture(step_dir: Path, meta: dict[str, Any]) -> None:
-    """Refuse a checkpoint whose model.json describes another architecture than the run's `meta`: loading it
-    would drop layers silently, or keep a changed RoPE base with weights trained for the old one."""
-    saved = meta_for(*read_model_json(step_dir / MODEL_JSON))  # every key checked; defaults filled in
-    diffs = architecture_differences(saved, meta)
-    if diffs:
-        more = f" (and {len(diffs) - 3} more)" if len(diffs) > 3 else ""
-        raise ArchitectureMismatch(
-            f"checkpoint {step_dir} is of another model: {'; '.join(diffs[:3])}{more}. The model's architecture "
-            "cannot change on resume, not even with resume_allow_changes: resume with the checkpoint's model config, "
-            "or start over with resume=none (the old run is moved aside) or a new output_dir")
-
-
 def starts_over(resume: str, output_dir: Path) -> bool:
     """Whether a run begins other than from its own output_dir's checkpoints (resume=none, or another run's
     checkpoint): another run's files there are then moved aside, never mixed with this one's."""
@@ -366,5 +329,19 @@ def archive_previous_run(output_dir: Path, say: Callable[[str], None]) -> Option
     return target
 
 
-def meta_for(family: str, flavor: str, args: Any) -> dict[str, Any]:
-    return {"family": family, "flavor": flavor, "args": dataclasses.asdict(args)}
+def open_checkpoints(spec: Any, model_parts: list[nn.Module], model: nn.Module, optimizer: torch.optim.Optimizer,
+                     say: Callable[[str], None]) -> "CheckpointManager":
+    """The run's CheckpointManager (spec: an ember.run.RunSpec), after moving another run's files aside when
+    this one starts over. Its model.json names the model that was built and, for LoRA, the base the adapters
+    sit on; for a full DPO run, the reference (model.init_from) that a resume rebuilds."""
+    cfg, output_dir = spec.cfg, Path(spec.cfg.output_dir)
+    if starts_over(cfg.resume, output_dir):
+        archive_previous_run(output_dir, say)
+    meta = meta_for(cfg.model.family, spec.flavor, spec.args)
+    if cfg.lora.rank:  # a LoRA checkpoint holds the adapters and their optimizer state, and names its base
+        meta.update(lora_meta(cfg.lora, cfg.model.init_from))
+    elif cfg.task == "dpo" and cfg.model.init_from:
+        meta.update(reference_meta(cfg.model.init_from))
+    return CheckpointManager(cfg.checkpoint, output_dir, model_parts, model, optimizer, meta, say=say,
+                             adapters_only=bool(cfg.lora.rank), run_config=config_dict(cfg),
+                             allow_changes=cfg.resume_allow_changes)

@@ -174,9 +174,8 @@ def generate(model: nn.Module, tokenizer: Any, prompts: Sequence[Union[str, Sequ
     pad = torch.tensor([longest - len(row) for row in ids], device=device)  # (B,) right-aligned prompts
     tokens = torch.tensor([[0] * (longest - len(row)) + row for row in ids], device=device)  # (B, P)
     generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
-    was_training, chunks = model.training, getattr(model, "output_chunks", 1)
+    was_training = model.training
     model.eval()
-    model.output_chunks, model.last_logits_only = 1, True  # only the last position's logits are sampled from
     caches = attach_kv_caches(model, batch, total)
     decode_step = model
     if compile:
@@ -194,7 +193,7 @@ def generate(model: nn.Module, tokenizer: Any, prompts: Sequence[Union[str, Sequ
                 cache.set_positions(slots, pad)
             positions = (slots[None, :] - pad[:, None]).clamp_min(0)  # (B, T): each row counts from its first token
             step = decode_step if step_tokens.shape[1] == 1 else model  # the prefill runs eagerly
-            logits = step(step_tokens, positions)[:, -1]  # (B, V)
+            logits = step(step_tokens, positions, last_only=True)[:, -1]  # (B, V): all that is sampled from
             next_tokens = _sample(logits, temperature, top_k, top_p, generator)
             for row, token in enumerate(next_tokens.tolist()):
                 if reasons[row]:
@@ -219,7 +218,6 @@ def generate(model: nn.Module, tokenizer: Any, prompts: Sequence[Union[str, Sequ
             step_tokens = next_tokens[:, None]
     finally:
         detach_kv_caches(model)
-        model.output_chunks, model.last_logits_only = chunks, False
         model.train(was_training)
     if not (stop or on_text):
         texts = [tokenizer.decode(ids) for ids in out_ids]

@@ -8,11 +8,16 @@ import resource
 import sys
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
+from torch import nn
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+if TYPE_CHECKING:
+    from ember.hardware import PeakFlops
+    from ember.run import RunSpec
 
 GIB = 2**30  # "GB" in ember's metrics is GiB: the unit of the vendors' "80GB" of HBM (ember.hardware)
 
@@ -36,6 +41,76 @@ def mfu(tokens_per_s_per_device: float, flops_per_token: float, peak_flops: Opti
     if peak_flops is None or peak_flops <= 0:
         return None
     return tokens_per_s_per_device * flops_per_token / peak_flops
+
+
+def model_label(spec: RunSpec) -> str:
+    """The model that was built: with model.init_from the source's architecture, whatever flavor the recipe names."""
+    model = spec.cfg.model
+    return f"{model.family} (from {model.init_from})" if model.init_from else f"{model.family} {model.flavor}"
+
+
+def compute_description(spec: RunSpec, model_parts: list[nn.Module]) -> str:
+    """What the steps compute in: the dtype, or FP8's recipe, emulation and converted linears."""
+    if spec.parallel.fp8_recipe:
+        from ember.parallel.fp8 import describe_fp8
+
+        return describe_fp8(model_parts, spec.parallel.fp8_recipe, spec.parallel.fp8_emulate, spec.compute_dtype)
+    return str(spec.compute_dtype).replace("torch.", "")
+
+
+def run_record(spec: RunSpec, model_parts: list[nn.Module], num_params: int) -> dict[str, Any]:
+    """run.json's facts about the run: the device, mesh and compute, and the model that was built (model.json's
+    fields) with where its architecture came from."""
+    from ember.model_meta import meta_for
+
+    model = {**meta_for(spec.family, spec.flavor, spec.args), "init_from": spec.cfg.model.init_from,
+             "architecture_from": spec.architecture_from}
+    return {"device": spec.device, "mesh": spec.shape.describe(), "world_size": spec.world_size, "params": num_params,
+            "compute": compute_description(spec, model_parts), "model": model}
+
+
+def print_header(console: Console, spec: RunSpec, model: nn.Module, num_params: int, tokenizer: Any,
+                 peak: PeakFlops, data: str, notes: list[Optional[str]]) -> None:
+    """The run's header: the model, device and compute, batch and mesh, the MFU peak, then one line each for
+    model.init_from, LoRA, the data and the given `notes` (those not None)."""
+    cfg, args = spec.cfg, spec.args
+    parts = list(model) if isinstance(model, nn.ModuleList) else [model]
+    tok = f"tokenizer vocab {tokenizer.vocab_size}" if tokenizer else "synthetic tokens"
+    peak_text = f"{peak.value_flops / 1e12:.3f} TFLOP/s ({peak.source})" if peak.value_flops else "unknown"
+    console.print(
+        f"[bold]ember train[/bold] {model_label(spec)}: {num_params:,} params, {plural(args.n_layers, 'layer')}, "
+        f"dim {args.dim}, {tok} | {spec.device.type} {compute_description(spec, parts)} | "
+        f"global batch {cfg.global_batch_size} x seq {cfg.seq_len} "
+        f"(micro {cfg.micro_batch_size} x accum {spec.grad_accum}) | mesh {spec.shape.describe()} | "
+        f"peak {peak_text} | output {Path(cfg.output_dir)}"
+    )
+    lines = notes[:1]
+    if cfg.model.init_from:
+        lines.append(f"model: initialised from {cfg.model.init_from} (architecture from {spec.architecture_from})")
+    if cfg.lora.rank:
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)  # this rank's shards
+        lines.append(f"lora: rank {cfg.lora.rank}, alpha {cfg.lora.alpha:g}, targets {cfg.lora.targets}; "
+                     f"{trainable:,} trainable parameters on this rank, the base frozen")
+    lines += [f"data: {data}", *notes[1:]]
+    for line in lines:
+        if line:
+            console.print(line, markup=False, highlight=False)
+    if peak.value_flops is None:
+        console.print(f"[yellow]MFU not reported: {peak.source}[/yellow]")
+
+
+def raise_peak_if_beaten(peak: PeakFlops, spec: RunSpec, window: dict[str, float],
+                         say: Callable[[str], None]) -> PeakFlops:
+    """The MFU peak after a logging window (time and steps): raised, and said, where the run beat a measured
+    CPU matmul peak (ember.hardware.raise_measured_peak says why)."""
+    from ember.hardware import raise_measured_peak
+
+    achieved = spec.tokens_per_step * window["steps"] / window["time"] / spec.world_size * spec.flops_per_token
+    raised = raise_measured_peak(peak, achieved)
+    if raised != peak:
+        say(f"note: this run beat the measured CPU matmul peak; MFU is now against "
+            f"{raised.value_flops / 1e12:.3f} TFLOP/s, the best rate seen ({raised.source})")
+    return raised
 
 
 def progress_bar(console: Console, enabled: bool) -> Progress:

@@ -16,6 +16,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
+from ember.config_schema import ModelConfig
 from ember.errors import CheckpointError, UserFileNotFound, first_error_line
 from ember.models import MODELS
 
@@ -132,3 +133,43 @@ def build_on_meta(family: str, args: Any, dtype: torch.dtype) -> nn.Module:
     """The family's model for `args` on the meta device: its shapes, no storage."""
     with torch.device("meta"):
         return MODELS[family].model_cls(args).to(dtype)  # costs nothing: no storage on meta
+
+
+def meta_for(family: str, flavor: str, args: Any) -> dict[str, Any]:
+    return {"family": family, "flavor": flavor, "args": dataclasses.asdict(args)}
+
+
+class ArchitectureMismatch(CheckpointError):
+    """A checkpoint of another model than the run's (layers, sizes, RoPE, family...)."""
+
+
+def _config_key(arg: str) -> str:
+    """The config key that sets a model hyper-parameter: model.<arg>, else the flavor it comes from."""
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    arg = arg.removesuffix("_override")  # ffn_hidden_dim's field in the args
+    return f"model.{arg}" if arg in fields else f"model.flavor ({arg})"
+
+
+def architecture_differences(saved: dict[str, Any], run: dict[str, Any]) -> list[str]:
+    """'key: checkpoint X, this run Y' for each hyper-parameter (and the family) that differs, named by config key."""
+    diffs = []
+    if saved.get("family") != run.get("family"):
+        diffs.append(f"model.family: checkpoint {saved.get('family')}, this run {run.get('family')}")
+    saved_args, run_args = saved.get("args") or {}, run.get("args") or {}
+    for key in sorted(set(saved_args) | set(run_args)):
+        if saved_args.get(key) != run_args.get(key):
+            diffs.append(f"{_config_key(key)}: checkpoint {saved_args.get(key)}, this run {run_args.get(key)}")
+    return diffs
+
+
+def check_architecture(step_dir: Path, meta: dict[str, Any]) -> None:
+    """Refuse a checkpoint whose model.json describes another architecture than the run's `meta`: loading it
+    would drop layers silently, or keep a changed RoPE base with weights trained for the old one."""
+    saved = meta_for(*read_model_json(step_dir / MODEL_JSON))  # every key checked; defaults filled in
+    diffs = architecture_differences(saved, meta)
+    if diffs:
+        more = f" (and {len(diffs) - 3} more)" if len(diffs) > 3 else ""
+        raise ArchitectureMismatch(
+            f"checkpoint {step_dir} is of another model: {'; '.join(diffs[:3])}{more}. The model's architecture "
+            "cannot change on resume, not even with resume_allow_changes: resume with the checkpoint's model config, "
+            "or start over with resume=none (the old run is moved aside) or a new output_dir")

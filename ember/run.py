@@ -1,26 +1,230 @@
-"""Decisions about a run that follow from its config and mesh, made in one place.
+"""A run, resolved and assembled in one place: `ember train`, `ember plan`, `ember eval` (on a mesh) and the
+DPO reference all go through here, so what the plan models is what the trainer builds (a rule copied into
+each caller drifted within a day).
 
-The trainer (ember/train.py) and the planner (ember/plan/memory.py) both call these, so what `ember plan`
-models is what `ember train` builds; a rule copied into each drifted within a day. This is the start of the
-one frozen description of a run that docs/architecture.md's principles ask for.
+- `resolve(cfg, world_size, device) -> RunSpec`: every decision that follows from the config and the machine
+  (the mesh, the model's architecture, compute dtype, FSDP mixed precision, loss parallelism, the context-
+  parallel implementation, FP8, gradient accumulation, pipeline stages, FLOPs per token), frozen; the run
+  header prints it and run.json records it.
+- `build_model(spec, mesh)`: model on meta -> pipeline split -> `parallelize` -> to_empty -> random init ->
+  model.init_from -> LoRA adapters' init. The planner stops after `parallelize` (its tensors are fake).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
 
 import torch
+from torch import nn
+
+from ember import config as config_lib
+from ember.config_schema import JobConfig
+from ember.errors import ConfigError
+from ember.finetune import base_fingerprint
+from ember.finetune import lora as lora_lib
+from ember.hardware import pick_compute_dtype
+from ember.models import MODELS, ModelSpec
+from ember.nn.loss import output_chunks
+from ember.parallel.mesh_shape import MeshShape
+from ember.parallel.parallelize import ParallelOptions
 
 
-def uses_loss_parallel(cfg: Any, shape: Any) -> bool:
+def uses_loss_parallel(cfg: JobConfig, shape: MeshShape) -> bool:
     """Cross-entropy on vocabulary-sharded logits: with tensor > 1 and parallel.loss_parallel, never with a
-    pipeline, nor for task=dpo (which sums each row's log-probabilities from whole logits). `cfg` is a
-    JobConfig, `shape` a MeshShape."""
+    pipeline, nor for task=dpo (which sums each row's log-probabilities from whole logits)."""
     return (shape.degree("tensor") > 1 and cfg.parallel.loss_parallel and shape.degree("pipeline") == 1
             and cfg.task != "dpo")
 
 
-def uses_fsdp_mixed_precision(cfg: Any, shape: Any, compute_dtype: torch.dtype) -> bool:
+def uses_fsdp_mixed_precision(cfg: JobConfig, shape: MeshShape, compute_dtype: torch.dtype) -> bool:
     """FSDP's mixed precision (low-precision parameters, fp32 gradient reduction) instead of autocast: where
     FSDP reduces gradients over more than one rank, parallel.mixed_precision is on, and compute is not fp32."""
     return shape.grad_sync > 1 and cfg.parallel.mixed_precision and compute_dtype != torch.float32
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Every decision about a run, made once by `resolve`. `device` is the device the steps run on (for the
+    planner, the type of its target device)."""
+
+    cfg: JobConfig
+    world_size: int
+    device: torch.device
+    shape: MeshShape
+    flavor: str  # the flavor label (with model.init_from, the source's)
+    args: Any  # the model's hyper-parameters
+    architecture_from: Optional[str]  # model.init_from's description file, where the architecture came from
+    compute_dtype: torch.dtype
+    fsdp_mixed: bool
+    parallel: ParallelOptions
+    grad_accum: int
+    num_stages: int  # pipeline stages over all ranks (1 without a pipeline)
+    pp_microbatches: int  # pipeline micro-batches per micro-batch (1 without a pipeline)
+    output_chunks: int  # the forward's logits in this many sequence chunks (whole-sequence logits only)
+    flops_per_token: float  # training FLOPs per token as MFU counts them (LoRA, DPO included)
+
+    @property
+    def family(self) -> str:
+        return self.cfg.model.family
+
+    @property
+    def model(self) -> ModelSpec:
+        return MODELS[self.cfg.model.family]
+
+    def degree(self, axis: str) -> int:
+        return self.shape.degree(axis)
+
+    @property
+    def autocast_dtype(self) -> Optional[torch.dtype]:
+        """Autocast's dtype, or None: fp32 compute, or FSDP's mixed precision casting instead."""
+        return None if self.compute_dtype == torch.float32 or self.fsdp_mixed else self.compute_dtype
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens of one optimizer step; for DPO both rows of each pair."""
+        return self.cfg.global_batch_size * self.cfg.seq_len * (2 if self.cfg.task == "dpo" else 1)
+
+    def describe(self) -> dict[str, Any]:
+        """The decisions as run.json records them."""
+        par = self.parallel
+        return {"mesh": self.shape.describe(), "world_size": self.world_size, "device": str(self.device),
+                "compute_dtype": str(self.compute_dtype).replace("torch.", ""), "fsdp_mixed_precision": self.fsdp_mixed,
+                "loss_parallel": par.loss_parallel, "cp_impl": par.cp_impl, "fp8": par.fp8_recipe,
+                "grad_accum": self.grad_accum, "pipeline_stages": self.num_stages,
+                "pp_microbatches": self.pp_microbatches, "flops_per_token": self.flops_per_token}
+
+
+def resolve(cfg: JobConfig, world_size: int, device: torch.device,
+            compute_dtype: Optional[torch.dtype] = None) -> RunSpec:
+    """The RunSpec of `cfg` on `world_size` processes of `device`. `compute_dtype`: the planner's, for a device
+    this machine may not have (its hardware table decides); None: picked for `device`, this machine's, against
+    which the options that need a kind of device are checked (one line each, before any work)."""
+    shape = config_lib.mesh_shape(cfg, world_size)
+    choice = config_lib.model_choice(cfg)
+    if compute_dtype is None:
+        compute_dtype = pick_compute_dtype(cfg.precision, device, frozen_base=cfg.lora.rank > 0)
+        check_device_options(cfg, shape, device)
+    flops = lora_lib.run_flops_per_token(cfg, MODELS[cfg.model.family], choice.args, compute_dtype)
+    return _decide(cfg, world_size, device, shape, choice.flavor, choice.args, choice.source, compute_dtype, flops)
+
+
+def respecify(spec: RunSpec, cfg: JobConfig) -> RunSpec:
+    """`spec`'s decisions for `cfg`, a variant of spec.cfg with the same model, mesh and FLOPs per token (the
+    planner's trials of micro-batch sizes and remat policies)."""
+    return _decide(cfg, spec.world_size, spec.device, spec.shape, spec.flavor, spec.args, spec.architecture_from,
+                   spec.compute_dtype, spec.flops_per_token)
+
+
+def _decide(cfg: JobConfig, world_size: int, device: torch.device, shape: MeshShape, flavor: str, args: Any,
+            architecture_from: Optional[str], compute_dtype: torch.dtype, flops_per_token: float) -> RunSpec:
+    fsdp_mixed = uses_fsdp_mixed_precision(cfg, shape, compute_dtype)
+    parallel = ParallelOptions(
+        compile=cfg.compile, remat=cfg.model.remat, remat_every=cfg.model.remat_every,
+        param_dtype=compute_dtype if fsdp_mixed else None, reduce_dtype=torch.float32 if fsdp_mixed else None,
+        reshard_after_forward=cfg.parallel.reshard_after_forward, cpu_offload=cfg.parallel.cpu_offload,
+        loss_parallel=uses_loss_parallel(cfg, shape), cp_impl=cp_implementation(cfg, device),
+        flex_attention=cfg.data.document_mask and device.type == "cuda",
+        fp8_recipe=cfg.fp8.recipe if config_lib.fp8_enabled(cfg) else None, fp8_emulate=cfg.fp8.emulate)
+    pp = shape.degree("pipeline")
+    num_stages = pp * cfg.parallel.pp_stages_per_rank if pp > 1 else 1
+    pp_microbatches = 1 if pp == 1 else (cfg.micro_batch_size if cfg.parallel.pp_microbatches == -1
+                                         else cfg.parallel.pp_microbatches)
+    # Plain-tensor logits of the whole sequence (no tensor or pipeline split) are computed in chunks.
+    chunks = (output_chunks(cfg.micro_batch_size, cfg.seq_len // shape.degree("context"), args.vocab_size,
+                            device.type) if shape.degree("tensor") == 1 and pp == 1 else 1)
+    return RunSpec(cfg=cfg, world_size=world_size, device=device, shape=shape, flavor=flavor, args=args,
+                   architecture_from=architecture_from, compute_dtype=compute_dtype, fsdp_mixed=fsdp_mixed,
+                   parallel=parallel, grad_accum=config_lib.grad_accum_steps(cfg, shape.dp), num_stages=num_stages,
+                   pp_microbatches=pp_microbatches, output_chunks=chunks, flops_per_token=flops_per_token)
+
+
+def cp_implementation(cfg: JobConfig, device: torch.device) -> str:
+    """parallel.cp_impl, with auto meaning ring attention on CUDA and the all-gather form elsewhere."""
+    if cfg.parallel.cp_impl != "auto":
+        return cfg.parallel.cp_impl
+    return "ring" if device.type == "cuda" else "allgather"
+
+
+def check_device_options(cfg: JobConfig, shape: MeshShape, device: torch.device) -> None:
+    """The options that need a kind of device, against the one the run has."""
+    from ember.parallel import fp8 as fp8_lib
+
+    if config_lib.fp8_enabled(cfg):
+        fp8_lib.check_fp8_device(device, cfg.fp8.emulate)
+    if shape.degree("context") > 1 and cp_implementation(cfg, device) == "ring" and device.type != "cuda":
+        raise ConfigError("parallel.cp_impl=ring needs CUDA (SDPA's CPU kernel has no ring form); use allgather")
+    if cfg.parallel.cpu_offload and (device.type != "cuda" or shape.grad_sync == 1):
+        raise ConfigError("parallel.cpu_offload moves FSDP-sharded parameters and optimizer state from the GPU "
+                          "to host memory; it needs device=cuda and a data/fsdp axis > 1 (on CPU they are already there)")
+
+
+@dataclass
+class BuiltModel:
+    """This rank's part of the model: its (pipeline stage id, module) pairs, and the whole model on meta (for
+    counts that are the whole model's, not a stage's)."""
+
+    stages: list[tuple[int, nn.Module]]
+    whole: nn.Module
+
+    @property
+    def parts(self) -> list[nn.Module]:
+        return [part for _, part in self.stages]
+
+
+def build_model(spec: RunSpec, mesh: Optional[Any], *, stage_ids: Optional[list[int]] = None,
+                args: Any = None, num_stages: Optional[int] = None, materialize: bool = True,
+                random_init: bool = True, init_from: Optional[str] = None) -> BuiltModel:
+    """Build this rank's part of the model as `spec` says, on `mesh` (an ember.parallel.mesh.ParallelMesh, or
+    None for one device).
+
+    stage_ids: the pipeline stages to build (default: this rank's by its pipeline coordinate); `args` and
+    `num_stages` build another model the same way (the planner's models cut to a few layers). materialize=False
+    stops after `parallelize`, on meta. random_init=False skips the seeded init where every weight comes from
+    `init_from` (default: model.init_from), which is loaded resharded to the layout, then LoRA's adapters are
+    initialised."""
+    from ember.load import load_weights
+    from ember.parallel import pp as pp_lib
+    from ember.parallel.parallelize import init_weights, parallelize
+
+    cfg, model = spec.cfg, spec.model
+    args = args or spec.args
+    num_stages = num_stages or spec.num_stages
+    with torch.device("meta"):
+        whole = model.model_cls(args)
+    if stage_ids is None:
+        stage_ids = ([0] if num_stages == 1 else
+                     pp_lib.stage_ids(mesh.coordinate("pipeline"), spec.degree("pipeline"), cfg.parallel.pp_stages_per_rank))
+    stages = ([(sid, pp_lib.split_model(whole, sid, num_stages)) for sid in stage_ids] if num_stages > 1
+              else [(0, whole)])
+    lora = lora_lib.lora_transform(cfg, spec.compute_dtype)
+    for _, part in stages:
+        parallelize(part, mesh, model.tp_plan, spec.parallel, lora=lora)
+    built = BuiltModel(stages, whole)
+    if not materialize:
+        return built
+    for part in built.parts:
+        # With CPU offload FSDP keeps the sharded parameters in host memory and moves them itself.
+        part.to_empty(device="cpu" if spec.parallel.cpu_offload else spec.device)
+        part.tie_weights()  # to_empty gives each module its own Parameter
+    if random_init:
+        def build_on_meta() -> nn.Module:
+            with torch.device("meta"):
+                return model.model_cls(args)
+
+        init_weights(built.parts, build_on_meta, cfg.seed, spec.device, mesh is not None)
+    else:
+        for part in built.parts:
+            part.init_rope(spec.device)
+    init_from = init_from or cfg.model.init_from
+    if init_from:  # on resume, the base of a LoRA or DPO checkpoint: a failure says so
+        resumed = (base_fingerprint.resumed_base(cfg.resume, Path(cfg.output_dir), init_from) if random_init
+                   else contextlib.nullcontext())
+        with resumed:
+            load_weights(built.parts, init_from)
+    if lora is not None:
+        lora_lib.init_lora(built.parts, cfg.seed)
+    return built
+

@@ -47,13 +47,15 @@ class ForwardBackward:
 
     def __init__(self, model: nn.Module, mesh: Optional[ParallelMesh], device: torch.device, *,
                  autocast_dtype: Optional[torch.dtype], loss_parallel: bool, cp_impl: str,
-                 eos_id: Optional[int] = None, dpo: Any = None):
+                 eos_id: Optional[int] = None, output_chunks: int = 1, dpo: Any = None):
         """autocast_dtype: None for no autocast (fp32, or FSDP's mixed precision casting instead);
         eos_id: set for document masking (attention within packed documents, positions restart);
+        output_chunks: the logits in this many sequence chunks (ember.nn.loss.output_chunks; whole-sequence logits);
         dpo: an ember.finetune.dpo.DPOObjective for task=dpo: micro-batches are preference pairs and the loss is
         the mean DPO loss over the global batch's pairs instead of the mean token loss."""
         self.model, self.mesh, self.device, self.dpo = model, mesh, device, dpo
         self.autocast_dtype, self.loss_parallel, self.cp_impl, self.eos_id = autocast_dtype, loss_parallel, cp_impl, eos_id
+        self.output_chunks = output_chunks
         degree = (lambda axis: mesh.shape.degree(axis)) if mesh is not None else (lambda axis: 1)
         self.tp, self.pp, self.cp = degree("tensor"), degree("pipeline"), degree("context")
         self.schedule: Any = None
@@ -134,7 +136,7 @@ class ForwardBackward:
                                            {inputs, labels})
         with ring, self._loss_context():
             with self._autocast(), phase("forward"):
-                logits = self.model(inputs, positions, document_ids)  # (B, T, V)
+                logits = self.model(inputs, positions, document_ids, chunks=self.output_chunks)  # (B, T, V)
             if self.dpo is not None:
                 loss, stats = self.dpo.loss_sum(logits, inputs, labels, positions, document_ids, self._autocast)
                 loss = loss * scale

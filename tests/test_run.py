@@ -12,7 +12,6 @@ import torch
 from ember import config as config_lib
 from ember import run as run_lib
 from ember.parallel.mesh import AXES, MeshShape
-from ember.plan.memory import Job
 from ember.train import Trainer
 
 
@@ -49,30 +48,57 @@ def test_uses_fsdp_mixed_precision(cfg, shape, dtype, expected):
     assert run_lib.uses_fsdp_mixed_precision(cfg, shape, dtype) is expected
 
 
-def test_the_trainer_and_the_planner_both_take_the_functions_answer(tmp_path: Path, monkeypatch):
-    """One process, where the real answer is False for both: each caller must report what the function says."""
-    asked: list[str] = []
+def _tiny(tmp_path: Path, *extra: str, world: int = 1) -> config_lib.JobConfig:
+    return config_lib.load("debug", ["data.dataset=synthetic", "model.n_layers=1", "model.dim=64", "model.n_heads=4",
+                                     "model.n_kv_heads=2", "seq_len=16", "global_batch_size=2", "micro_batch_size=2",
+                                     "max_steps=1", "metrics.console=false", f"output_dir={tmp_path}", *extra],
+                           world_size=world)
 
-    def loss_parallel(cfg, shape):
-        asked.append("loss_parallel")
-        return True
 
-    def fsdp_mixed(cfg, shape, dtype):
-        asked.append("fsdp_mixed")
-        return True
+def test_the_trainer_and_the_planner_take_resolves_decisions_and_build_by_build_model(tmp_path: Path, monkeypatch):
+    """One resolution and one build path: the trainer's RunSpec is resolve's, the planner's is resolve's for its
+    target, and both build through build_model. A decision changed in ember/run.py reaches both."""
+    from ember.plan import memory as plan_memory
+    from ember.plan.planner import make_plan
 
-    cfg = config_lib.load("debug", ["data.dataset=synthetic", "model.n_layers=1", "model.dim=64", "model.n_heads=4",
-                                    "model.n_kv_heads=2", "seq_len=16", "global_batch_size=2", "micro_batch_size=2",
-                                    "max_steps=1", "metrics.console=false", f"output_dir={tmp_path}"])
-    shape = config_lib.mesh_shape(cfg, 1)
-    job = Job(cfg, config_lib.model_choice(cfg).args, shape, torch.bfloat16, "cpu")
-    assert (job.loss_parallel, job.fsdp_mixed) == (False, False)
-    monkeypatch.setattr(run_lib, "uses_loss_parallel", loss_parallel)
-    monkeypatch.setattr(run_lib, "uses_fsdp_mixed_precision", fsdp_mixed)
-    assert (job.loss_parallel, job.fsdp_mixed) == (True, True)
-    assert asked == ["loss_parallel", "fsdp_mixed"]
-    asked.clear()
+    resolved, built = [], []
+    real_resolve, real_build = run_lib.resolve, run_lib.build_model
+    monkeypatch.setattr(run_lib, "uses_loss_parallel", lambda cfg, shape: True)
+    monkeypatch.setattr(run_lib, "uses_fsdp_mixed_precision", lambda cfg, shape, dtype: True)
+
+    def resolve(*args, **kwargs):
+        resolved.append(real_resolve(*args, **kwargs))
+        return resolved[-1]
+
+    def build_model(spec, *args, **kwargs):
+        built.append(spec)
+        return real_build(spec, *args, **kwargs)
+
+    for module in (run_lib, plan_memory):
+        monkeypatch.setattr(module, "resolve", resolve, raising=False)
+        monkeypatch.setattr(module, "build_model", build_model, raising=False)
+    cfg = _tiny(tmp_path)
     trainer = Trainer(cfg)
     trainer.train_loader.close()
-    assert sorted(asked) == ["fsdp_mixed", "loss_parallel"]
-    assert trainer.forward_backward.loss_parallel is True and trainer.fsdp_mixed is True
+    assert trainer.spec is resolved[0] and built[0] is trainer.spec
+    assert trainer.forward_backward.loss_parallel is True and trainer.spec.fsdp_mixed is True
+    make_plan(cfg, world=1, device="cpu")
+    plan = resolved[1]
+    assert plan.parallel.loss_parallel is True and plan.fsdp_mixed is True and len(built) > 1
+    # On this machine's CPU the plan's spec is the trainer's, decision for decision.
+    assert dataclasses.replace(plan, device=trainer.spec.device) == trainer.spec
+
+
+def test_resolve_decides_from_the_config_and_the_device(tmp_path: Path):
+    cfg = _tiny(tmp_path, "micro_batch_size=1", "parallel.cp_impl=auto", "precision=bf16", world=2)
+    on_cpu = run_lib.resolve(cfg, 2, torch.device("cpu"))
+    assert (on_cpu.shape.degree("fsdp"), on_cpu.grad_accum, on_cpu.compute_dtype) == (2, 1, torch.bfloat16)
+    assert on_cpu.fsdp_mixed and on_cpu.autocast_dtype is None and on_cpu.parallel.param_dtype == torch.bfloat16
+    assert on_cpu.parallel.cp_impl == "allgather" and on_cpu.tokens_per_step == 32
+    planned = run_lib.resolve(cfg, 2, torch.device("cuda"), compute_dtype=torch.bfloat16)
+    assert planned.parallel.cp_impl == "ring"  # auto: ring attention on CUDA
+    one = run_lib.resolve(_tiny(tmp_path, "precision=fp32", "micro_batch_size=1"), 1, torch.device("cpu"))
+    assert not one.fsdp_mixed and one.autocast_dtype is None and one.grad_accum == 2
+    with pytest.raises(config_lib.ConfigError, match="cp_impl=ring needs CUDA"):
+        run_lib.resolve(_tiny(tmp_path, "ici_mesh.context=2", "ici_mesh.fsdp=1", "parallel.cp_impl=ring", world=2),
+                        2, torch.device("cpu"))

@@ -12,12 +12,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Optional, Sequence, TypeVar
 
 import torch
 from torch import nn
 
+from ember.config_schema import JobConfig, MeshConfig, ModelConfig, ParallelConfig
 from ember.errors import ConfigError
 
 Item = TypeVar("Item")
@@ -86,31 +86,33 @@ def eval_mesh_overrides(options: list[str]) -> dict[str, dict[str, int]]:
     return meshes
 
 
-def eval_mesh_shape(meshes: dict[str, dict[str, int]], world_size: int) -> Any:
-    """The resolved MeshShape: training's default (fsdp fills the world) with the given axes, checked
-    against the world size as training checks it."""
-    from ember.parallel.mesh_shape import AXES, MeshError, resolve_mesh
-
+def eval_mesh_sections(meshes: dict[str, dict[str, int]]) -> tuple[MeshConfig, MeshConfig]:
+    """(ici_mesh, dcn_mesh) as a run's config holds them: training's default (fsdp fills the world) with the
+    given axes."""
     ici = dict(meshes["ici_mesh"])
     if "fsdp" not in ici and -1 not in (*ici.values(), *meshes["dcn_mesh"].values()):
         ici["fsdp"] = -1
-    # Sections as config.MeshConfig holds them (every axis, 1 where unset); config imports eval, not the reverse.
-    ici_section, dcn_section = (SimpleNamespace(**{axis: mesh.get(axis, 1) for axis in AXES})
-                                for mesh in (ici, meshes["dcn_mesh"]))
+    return MeshConfig(**ici), MeshConfig(**meshes["dcn_mesh"])
+
+
+def eval_mesh_shape(meshes: dict[str, dict[str, int]], world_size: int) -> Any:
+    """The resolved MeshShape, checked against the world size as training checks it."""
+    from ember.parallel.mesh_shape import MeshError, resolve_mesh
+
     try:
-        return resolve_mesh(ici_section, dcn_section, world_size)
+        return resolve_mesh(*eval_mesh_sections(meshes), world_size)
     except MeshError as err:
         raise ConfigError(str(err)) from None
 
 
 def load_sharded(path: str, meshes: dict[str, dict[str, int]]) -> tuple[nn.Module, EvalRanks]:
     """Join the job (torchrun's environment), build the mesh, and load the model at `path` (an ember run or
-    checkpoint, or an HF directory) sharded over it. Returns the model in eval mode and this rank's place."""
+    checkpoint, or an HF directory) sharded over it, built as training builds it (ember.run.build_model).
+    Returns the model in eval mode and this rank's place."""
     from ember.hardware import pick_device
-    from ember.load import load_weights, source_architecture
-    from ember.models import MODELS
+    from ember.load import source_architecture
     from ember.parallel.mesh import ParallelMesh, init_distributed
-    from ember.parallel.parallelize import parallelize
+    from ember.run import build_model, resolve
 
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     shape = eval_mesh_shape(meshes, world_size)
@@ -122,16 +124,15 @@ def load_sharded(path: str, meshes: dict[str, dict[str, int]]) -> tuple[nn.Modul
     if tensor > 1 and (args.n_heads % tensor or args.kv_heads % tensor):
         raise ConfigError(f"ici_mesh.tensor={tensor} must divide the model's {args.n_heads} heads and {args.kv_heads} "
                           "KV heads; choose a tensor degree that divides both")
+    ici, dcn = eval_mesh_sections(meshes)
+    # The stored weights as they are (fp32, no FSDP mixed precision), and logits whole on every rank
+    # (no loss_parallel): scoring reads them like one process's.
+    cfg = JobConfig(model=ModelConfig(family=family, init_from=str(path)), ici_mesh=ici, dcn_mesh=dcn,
+                    precision="fp32", global_batch_size=world_size, micro_batch_size=1,
+                    parallel=ParallelConfig(loss_parallel=False, mixed_precision=False))
     device = pick_device("auto")
+    spec = resolve(cfg, world_size, device)
     init_distributed(device, timeout_s=600)
     mesh = ParallelMesh(shape, device.type)
-    spec = MODELS[family]
-    with torch.device("meta"):
-        model = spec.model_cls(args)
-    # Logits come back whole on every rank (loss_parallel=False): scoring reads them like one process's.
-    parallelize(model, mesh, spec.tp_plan, loss_parallel=False)
-    model.to_empty(device=device)
-    model.tie_weights()
-    model.init_rope(device)
-    load_weights(model, path)
+    model = build_model(spec, mesh, random_init=False).parts[0]
     return model.eval(), EvalRanks(mesh.dp_rank, shape.dp, tensor, shape.describe())

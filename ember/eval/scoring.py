@@ -29,14 +29,12 @@ class Score:
 
 @contextlib.contextmanager
 def _scoring(model: nn.Module) -> Iterator[None]:
-    """Eval mode and whole (unchunked) logits for the duration; the model's own settings after."""
-    was_training, chunks = model.training, getattr(model, "output_chunks", 1)
+    """Eval mode for the duration; the model's own mode after."""
+    was_training = model.training
     model.eval()
-    model.output_chunks = 1
     try:
         yield
     finally:
-        model.output_chunks = chunks
         model.train(was_training)
 
 

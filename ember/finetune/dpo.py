@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from ember.constants import IGNORE_INDEX
 from ember.data.hub import import_datasets
@@ -101,6 +102,26 @@ class DPOObjective:
                "dpo/chosen_reward": self._sums["chosen"] / n, "dpo/rejected_reward": self._sums["rejected"] / n}
         self._sums = dict.fromkeys(self._sums, 0.0)
         return out
+
+
+def dpo_objective(spec: Any, mesh: Any, policy: nn.Module) -> DPOObjective:
+    """task=dpo's loss (spec: an ember.run.RunSpec), with the frozen starting model as its reference: under LoRA
+    the policy with its adapters off (no second model in memory); otherwise a second copy of the starting
+    weights, built and sharded as the policy is (its init and model.init_from, never the resumed checkpoint).
+    The reference's logits come in the policy's chunks."""
+    from ember.finetune.lora import lora_disabled
+    from ember.run import build_model
+
+    if spec.cfg.lora.rank:
+        def reference(*inputs: Any) -> Any:
+            with lora_disabled(policy):
+                return policy(*inputs, chunks=spec.output_chunks)
+    else:
+        frozen = build_model(spec, mesh).parts[0].requires_grad_(False).eval()
+
+        def reference(*inputs: Any) -> Any:
+            return frozen(*inputs, chunks=spec.output_chunks)
+    return DPOObjective(spec.cfg.dpo.beta, reference)
 
 
 # ---------------------------------------------------------------- the data

@@ -187,11 +187,6 @@ class Decoder(nn.Module):
         self.norm: Optional[nn.Module] = make_norm()
         self.output: Optional[nn.Linear] = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie_weights()
-        # > 1: forward returns the logits as this many sequence chunks, so the loss can consume each
-        # before the next exists in full (torchtune's chunked output). Set from outside by the trainer.
-        self.output_chunks = 1
-        # True: forward returns the last position's logits only (B, 1, V): generation samples from nothing else.
-        self.last_logits_only = False
         if rope:  # not persistent: derived from args, recomputed by init_rope, never in checkpoints
             cos, sin = rope_cos_sin(args)
             self.register_buffer("rope_cos", cos, persistent=False)
@@ -213,15 +208,18 @@ class Decoder(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None,
                 document_ids: Optional[torch.Tensor] = None,
-                logits_at: Optional[torch.Tensor] = None) -> torch.Tensor | list[torch.Tensor]:
+                logits_at: Optional[torch.Tensor] = None, *, last_only: bool = False,
+                chunks: int = 1) -> torch.Tensor | list[torch.Tensor]:
         """positions: (T,) or (B, T), the position of each token, default 0..T-1 (context parallelism
         passes its slice's; document masking restarts them per document). document_ids: (B, T), the
         packed document of each token, so attention stays within documents; default: plain causal.
         logits_at: (B, K), the only positions whose logits are wanted: (B, K, vocab_size) comes back, and the
         output projection of every other position is skipped (scoring needs a few positions per row; at a
         small model's size the projection is a third of the forward's FLOPs). Plain (unsharded) hidden
-        states only.
-        With output_chunks > 1 the logits come as a list of (B, T_i, vocab_size) chunks along T."""
+        states only. last_only: the last position's logits only, (B, 1, vocab_size): what generation samples from.
+        chunks > 1: the logits as a list of `chunks` (B, T_i, vocab_size) pieces along T, so the loss can consume
+        each before the next exists in full (torchtune's chunked output).
+        A pipeline stage without the output projection returns its hidden states (B, T, dim)."""
         T = tokens.shape[1]
         if positions is None and T > self.args.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds max_seq_len={self.args.max_seq_len}")
@@ -236,14 +234,14 @@ class Decoder(nn.Module):
         h = self.norm(h) if self.norm is not None else h
         if self.output is None:
             return h
-        if self.last_logits_only:
+        if last_only:
             h = h[:, -1:]  # (B, 1, dim)
         elif logits_at is not None:
             h = h.gather(1, logits_at[..., None].expand(-1, -1, h.shape[-1]))  # (B, K, dim)
         if self.logit_scale is not None:
             h = h * self.logit_scale
-        if self.output_chunks > 1:
-            return [self.output(chunk) for chunk in h.tensor_split(self.output_chunks, dim=1)]
+        if chunks > 1:
+            return [self.output(chunk) for chunk in h.tensor_split(chunks, dim=1)]
         return self.output(h)  # (B, T, vocab_size)
 
     def moe_layers(self) -> list[MoE]:

@@ -3,8 +3,8 @@
     TP/SP -> CP -> (flex attention) -> activation checkpointing -> compile per block -> EP -> FSDP2
 
 A family supplies only its tensor-parallel plan (models/<family>/parallelize.py); what expert parallelism
-shards is the model's own MoE layers (`Decoder.moe_layers()`). Pipeline splitting happens before, in the
-trainer: each stage is the same Decoder class holding some layers and is parallelised the same way.
+shards is the model's own MoE layers (`Decoder.moe_layers()`). Pipeline splitting happens before, in
+ember/run.py's build_model: each stage is the same Decoder class holding some layers and is parallelised the same way.
 See docs/architecture.md for where each axis comes from.
 
 MoE layers under tensor parallelism are not split: each runs on its tensor rank's own sequence shard (the
@@ -18,6 +18,7 @@ matrices stay whole for the grouped GEMM.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -33,6 +34,26 @@ from ember.parallel.ep import apply_ep
 from ember.parallel.fp8 import apply_fp8, fp8_all_gather, fp8_tp_plan
 from ember.parallel.fsdp import apply_fsdp
 from ember.parallel.tp import apply_tp
+
+
+@dataclass(frozen=True)
+class ParallelOptions:
+    """What `parallelize` applies besides the mesh and the family's TP plan: the parallel part of a run
+    (ember.run.RunSpec.parallel), decided by ember.run.resolve. The defaults apply nothing but the mesh."""
+
+    compile: bool = False
+    remat: str = "none"
+    remat_every: int = 2
+    param_dtype: Optional[torch.dtype] = None  # FSDP mixed precision: parameters gathered in this dtype
+    reduce_dtype: Optional[torch.dtype] = None  # and gradients reduced in this one
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
+    loss_parallel: bool = True
+    cp_impl: str = "allgather"
+    flex_attention: bool = False  # document masking by flex attention's block masks (CUDA)
+    fp8_recipe: Optional[str] = None
+    fp8_emulate: bool = False
+
 
 TPPlan = Callable[[bool], tuple[dict[str, Any], dict[str, Any]]]  # loss_parallel -> (model plan, block plan)
 
@@ -69,35 +90,20 @@ def apply_compile(model: nn.Module) -> None:
                 child.compile(fullgraph=True)
 
 
-def parallelize(
-    model: nn.Module,
-    mesh: Optional[Any],
-    tp_plan: TPPlan,
-    *,
-    compile: bool = False,
-    remat: str = "none",
-    remat_every: int = 2,
-    param_dtype: Optional[torch.dtype] = None,
-    reduce_dtype: Optional[torch.dtype] = None,
-    reshard_after_forward: bool = True,
-    cpu_offload: bool = False,
-    loss_parallel: bool = True,
-    cp_impl: str = "allgather",
-    flex_attention: bool = False,
-    lora: Optional[Callable[[nn.Module], Any]] = None,
-    fp8_recipe: Optional[str] = None,
-    fp8_emulate: bool = False,
-) -> nn.Module:
+def parallelize(model: nn.Module, mesh: Optional[Any], tp_plan: TPPlan, options: ParallelOptions = ParallelOptions(),
+                *, lora: Optional[Callable[[nn.Module], Any]] = None) -> nn.Module:
     """Apply every parallelism to `model` (a Decoder or pipeline stage built on meta), in place. `mesh` is an
-    ember.parallel.mesh.ParallelMesh, or None for a single device; an axis of degree 1 is skipped.
-    `lora`: ember.finetune.lora.apply_lora with its settings bound, run right after TP (its docstring says why).
-    `fp8_recipe`: tensorwise | rowwise converts the linears to float8 training first (ember/parallel/fp8.py)."""
+    ember.parallel.mesh.ParallelMesh, or None for a single device; an axis of degree 1 is skipped. `options`
+    is the run's (ember.run.RunSpec.parallel). `lora`: ember.finetune.lora.apply_lora with its settings bound,
+    run right after TP (its docstring says why). options.fp8_recipe (tensorwise | rowwise) converts the
+    linears to float8 training first (ember/parallel/fp8.py)."""
+    fp8_recipe, loss_parallel = options.fp8_recipe, options.loss_parallel
     sub = mesh.submesh if mesh is not None else (lambda *axes: None)
     tp_mesh, cp_mesh, ep_mesh = sub("tensor"), sub("context"), sub("expert")
     moe_layers = model.moe_layers()
     embeddings = [m for m in (model.tok_embeddings, getattr(model, "pos_embeddings", None)) if m is not None]
     if fp8_recipe is not None:  # before TP: torchao's float8 parallel styles expect Float8Linear modules
-        apply_fp8(model, fp8_recipe, fp8_emulate, fsdp_float8_all_gather=fp8_all_gather(mesh, fp8_recipe))
+        apply_fp8(model, fp8_recipe, options.fp8_emulate, fsdp_float8_all_gather=fp8_all_gather(mesh, fp8_recipe))
     if tp_mesh is not None:
         top, block = tp_plan(loss_parallel)
         if moe_layers:
@@ -111,13 +117,13 @@ def parallelize(
     if lora is not None:
         lora(model)
     if cp_mesh is not None:
-        apply_cp(model, cp_mesh, cp_impl)
-    if flex_attention:  # document masking on CUDA: one shared kernel, so layers reuse one BlockMask per batch
+        apply_cp(model, cp_mesh, options.cp_impl)
+    if options.flex_attention:  # document masking on CUDA: one shared kernel, so layers reuse one BlockMask per batch
         kernel = FlexDocumentAttention()
         for layer in model.layers.values():
             layer.attention.attention_fn = kernel
-    apply_ac(model, remat, remat_every)
-    if compile:
+    apply_ac(model, options.remat, options.remat_every)
+    if options.compile:
         if tp_mesh is not None:
             for table in embeddings:
                 table.register_forward_hook(settle_embedding_output)
@@ -133,8 +139,9 @@ def parallelize(
         own_units += [(moe.experts, mesh.expert_fsdp_mesh()) for moe in moe_layers]
     if tp_mesh is not None:
         own_units += [(moe, mesh.moe_fsdp_mesh()) for moe in moe_layers]
-    apply_fsdp(model, mesh.fsdp_mesh(), param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-               reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload, own_units=own_units)
+    apply_fsdp(model, mesh.fsdp_mesh(), param_dtype=options.param_dtype, reduce_dtype=options.reduce_dtype,
+               reshard_after_forward=options.reshard_after_forward, cpu_offload=options.cpu_offload,
+               own_units=own_units)
     return model
 
 

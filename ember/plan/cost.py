@@ -23,6 +23,7 @@ import torch
 from ember import hardware
 from ember.errors import ConfigError
 from ember.plan.memory import sharded_dims
+from ember.run import RunSpec
 
 # Assumptions (not measured here; no accelerator was available to calibrate them):
 # - the share of the dense peak a training step's matmuls reach: large bf16 GEMMs run at 70-80% of an H100's
@@ -188,12 +189,12 @@ def fsdp_traffic(params: list[Any], gather_bytes: int, reduce_bytes: int, forwar
     return list(groups.values())
 
 
-def layer_traffic(job: Any, n_layers: int, n_moe_layers: int, batch: int, forwards: int) -> list[Traffic]:
+def layer_traffic(spec: RunSpec, n_layers: int, n_moe_layers: int, batch: int, forwards: int) -> list[Traffic]:
     """Tensor, context, expert and pipeline traffic of one rank's `n_layers` layers per step."""
-    args, T = job.args, job.cfg.seq_len
-    tp, cp, ep, pp = (job.degree(a) for a in ("tensor", "context", "expert", "pipeline"))
-    act = job.compute_dtype.itemsize
-    redo = recompute_factor(job.cfg.model.remat, job.cfg.model.remat_every) - 1  # share of forwards repeated
+    args, T = spec.args, spec.cfg.seq_len
+    tp, cp, ep, pp = (spec.degree(a) for a in ("tensor", "context", "expert", "pipeline"))
+    act = spec.compute_dtype.itemsize
+    redo = recompute_factor(spec.cfg.model.remat, spec.cfg.model.remat_every) - 1  # share of forwards repeated
     out = []
     seq = T // cp
     if tp > 1:  # sequence parallel: 2 all-gathers + 2 reduce-scatters of (B, T, dim) per layer forward, 4 back

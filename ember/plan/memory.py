@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import math
 import re
 from dataclasses import dataclass
@@ -31,72 +30,27 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ember import config as config_lib
-from ember import run as run_lib
-from ember.finetune.lora import lora_transform, run_flops_per_token
-from ember.models import MODELS
-from ember.nn.loss import output_chunks
+from ember.config_schema import JobConfig
 from ember.optim import build_optimizer
-from ember.parallel import pp as pp_lib
 from ember.parallel.mesh import ParallelMesh
-from ember.parallel.parallelize import parallelize
+from ember.run import RunSpec, build_model, resolve, respecify
 from ember.step import ForwardBackward, token_loss_sum
 
 ADAM_MOMENTS = 2  # AdamW's exp_avg and exp_avg_sq, each like its parameter
 STEP_BYTES = 4  # AdamW's per-parameter `step`: a float32 scalar tensor with the fused kernel (ember's default)
 
 
-@dataclass(frozen=True)
-class Job:
-    """What the plan needs of a config, resolved once: the model, the mesh degrees and the step's shape."""
+def plan_spec(cfg: JobConfig, world: int, device_type: str, compute_dtype: torch.dtype) -> RunSpec:
+    """The run the plan models: ember.run.resolve's RunSpec for `world` devices of `device_type` ("cuda" for
+    the accelerators in the plan's table, or "cpu") computing in the planner's `compute_dtype`."""
+    return resolve(cfg, world, torch.device(device_type), compute_dtype=compute_dtype)
 
-    cfg: Any  # ember.config.JobConfig
-    args: Any  # the model's hyper-parameters
-    shape: Any  # ember.parallel.mesh.MeshShape
-    compute_dtype: torch.dtype
-    device_type: str  # "cuda" for accelerators (their kernels' choices), "cpu"
 
-    @property
-    def spec(self) -> Any:
-        return MODELS[self.cfg.model.family]
-
-    def degree(self, axis: str) -> int:
-        return self.shape.degree(axis)
-
-    @functools.cached_property
-    def flops_per_token(self) -> float:  # as the trainer counts them (LoRA, DPO); built once per plan
-        return run_flops_per_token(self.cfg, self.spec, self.args, self.compute_dtype)
-
-    @property
-    def fsdp_mixed(self) -> bool:  # the trainer's decision, by the same function
-        return run_lib.uses_fsdp_mixed_precision(self.cfg, self.shape, self.compute_dtype)
-
-    @property
-    def loss_parallel(self) -> bool:  # the trainer's decision, by the same function
-        return run_lib.uses_loss_parallel(self.cfg, self.shape)
-
-    @property
-    def num_stages(self) -> int:
-        return self.degree("pipeline") * self.cfg.parallel.pp_stages_per_rank if self.degree("pipeline") > 1 else 1
-
-    @property
-    def pp_microbatches(self) -> int:
-        """Pipeline micro-batches per micro-batch (1 without a pipeline)."""
-        if self.degree("pipeline") == 1:
-            return 1
-        n = self.cfg.parallel.pp_microbatches
-        return self.cfg.micro_batch_size if n == -1 else n
-
-    @property
-    def grad_accum(self) -> int:
-        return config_lib.grad_accum_steps(self.cfg, self.shape.dp)
-
-    def with_micro_batch(self, micro_batch_size: int, remat: Optional[str] = None) -> "Job":
-        model = dataclasses.replace(self.cfg.model, remat=remat or self.cfg.model.remat)
-        trial = dataclasses.replace(self, cfg=dataclasses.replace(self.cfg, micro_batch_size=micro_batch_size,
-                                                                  model=model))
-        trial.__dict__["flops_per_token"] = self.flops_per_token  # per token: neither changes it
-        return trial
+def with_micro_batch(spec: RunSpec, micro_batch_size: int, remat: Optional[str] = None) -> RunSpec:
+    """`spec` at another micro-batch size (and remat policy): a trial of the planner's search."""
+    cfg = dataclasses.replace(spec.cfg, micro_batch_size=micro_batch_size,
+                              model=dataclasses.replace(spec.cfg.model, remat=remat or spec.cfg.model.remat))
+    return respecify(spec, cfg)
 
 
 @contextlib.contextmanager
@@ -132,26 +86,17 @@ def _clear_dtensor_caches() -> None:
             clear()
 
 
-def build_parts(job: Job, mesh: Optional[ParallelMesh], stage_ids: list[int], args: Any = None,
+def build_parts(spec: RunSpec, mesh: Optional[ParallelMesh], stage_ids: list[int], args: Any = None,
                 num_stages: Optional[int] = None) -> list[nn.Module]:
-    """This rank's model parts on meta, split and parallelized as ember.train.Trainer._build_model does, LoRA
-    included (frozen matrices, in bf16 under bf16 compute, and the adapters); no compile, which changes no
-    parameter the plan counts."""
-    cfg, args = job.cfg, args or job.args
-    num_stages = num_stages or job.num_stages
-    with torch.device("meta"):
-        whole = job.spec.model_cls(args)
-    parts = [pp_lib.split_model(whole, sid, num_stages) for sid in stage_ids] if num_stages > 1 else [whole]
-    for part in parts:
-        parallelize(part, mesh, job.spec.tp_plan, remat=cfg.model.remat, remat_every=cfg.model.remat_every,
-                    param_dtype=job.compute_dtype if job.fsdp_mixed else None,
-                    reduce_dtype=torch.float32 if job.fsdp_mixed else None,
-                    reshard_after_forward=cfg.parallel.reshard_after_forward, loss_parallel=job.loss_parallel,
-                    cp_impl="allgather", lora=lora_transform(cfg, job.compute_dtype))
-    if job.degree("tensor") == 1 and num_stages == 1:
-        whole.output_chunks = output_chunks(cfg.micro_batch_size, cfg.seq_len // job.degree("context"),
-                                            args.vocab_size, job.device_type)
-    return parts
+    """This rank's model parts on meta, split and parallelized by ember.run.build_model as the trainer builds
+    them, LoRA included (frozen matrices, in bf16 under bf16 compute, and the adapters). Less what changes no
+    byte the plan counts and has no fake-tensor or CPU form: compile, ring and flex attention, float8 linears,
+    CPU offload (the planner prices FP8's matmuls and CP's traffic itself)."""
+    counted = dataclasses.replace(spec.parallel, compile=False, cp_impl="allgather", flex_attention=False,
+                                  fp8_recipe=None, cpu_offload=False)
+    built = build_model(dataclasses.replace(spec, parallel=counted), mesh, stage_ids=stage_ids, args=args,
+                        num_stages=num_stages, materialize=False)
+    return built.parts
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
@@ -292,7 +237,7 @@ def total_bytes(snapshot: dict) -> int:
     return sum(dev.get("Total", 0) for dev in snapshot.values())
 
 
-def track_step(job: Job, mesh: Optional[ParallelMesh], part: nn.Module, kind: str, batch: int,
+def track_step(spec: RunSpec, mesh: Optional[ParallelMesh], part: nn.Module, kind: str, batch: int,
                grad_ratio: Optional[dict[str, float]] = None) -> Tracked:
     """Peak memory of one training step of `part` (a whole model, or a pipeline stage of `kind` first |
     middle | last) on `batch` sequences per forward: min(2, forwards per step) forward/backward passes (the
@@ -303,24 +248,24 @@ def track_step(job: Job, mesh: Optional[ParallelMesh], part: nn.Module, kind: st
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor, Shard
 
-    cfg, args = job.cfg, job.args
+    cfg, args = spec.cfg, spec.args
     T = cfg.seq_len
-    forwards = min(2, job.grad_accum * job.pp_microbatches)
+    forwards = min(2, spec.grad_accum * spec.pp_microbatches)
     tp_mesh = mesh.submesh("tensor") if mesh is not None else None
-    autocast = None if job.compute_dtype == torch.float32 or job.fsdp_mixed else job.compute_dtype
-    with FakeTensorMode(allow_non_fake_inputs=True), balanced_routing([part], job.degree("expert"), job.compute_dtype):
+    with FakeTensorMode(allow_non_fake_inputs=True), balanced_routing([part], spec.degree("expert"), spec.compute_dtype):
         part.to_empty(device="cpu")
         part.tie_weights()
-        optimizer = build_optimizer(part, cfg.optim, job.device_type)
-        fb = ForwardBackward(part, mesh, torch.device("cpu"), autocast_dtype=autocast,
-                             loss_parallel=job.loss_parallel, cp_impl="allgather")
+        optimizer = build_optimizer(part, cfg.optim, spec.device.type)
+        fb = ForwardBackward(part, mesh, torch.device("cpu"), autocast_dtype=spec.autocast_dtype,
+                             loss_parallel=spec.parallel.loss_parallel, cp_impl="allgather",
+                             output_chunks=spec.output_chunks)
         tokens = torch.zeros(batch, T, dtype=torch.long)
 
         def hidden() -> torch.Tensor:  # a stage's input from the previous one (requires grad, like a received one)
-            dtype = job.compute_dtype
+            dtype = spec.compute_dtype
             if tp_mesh is None:
                 return torch.zeros(batch, T, args.dim, dtype=dtype, requires_grad=True)
-            local = torch.zeros(batch, T // job.degree("tensor"), args.dim, dtype=dtype, requires_grad=True)
+            local = torch.zeros(batch, T // spec.degree("tensor"), args.dim, dtype=dtype, requires_grad=True)
             return DTensor.from_local(local, tp_mesh, [Shard(1)], run_check=False)
 
         def forward_backward() -> None:
@@ -349,7 +294,7 @@ def track_step(job: Job, mesh: Optional[ParallelMesh], part: nn.Module, kind: st
             if grad_ratio is not None:  # what each gradient holds, against its parameter's shard
                 for name, p in named_params([part]):
                     if p.grad is not None:
-                        key = param_key(name, layer_period(job))
+                        key = param_key(name, layer_period(spec))
                         grad_ratio[key] = _local(p.grad).numel() / max(_local(p).numel(), 1)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -385,18 +330,18 @@ def track_step(job: Job, mesh: Optional[ParallelMesh], part: nn.Module, kind: st
     return Tracked(peak, marks["before"], marks["after"] - marks["before"])
 
 
-def layer_period(job: Job) -> int:
+def layer_period(spec: RunSpec) -> int:
     """Layers after which the stack repeats: whole remat_every periods (selective) and MoE periods (GLaM)."""
-    period = job.cfg.model.remat_every if job.cfg.model.remat == "selective" else 1
-    return math.lcm(period, getattr(job.args, "moe_every", 1) or 1)
+    period = spec.cfg.model.remat_every if spec.cfg.model.remat == "selective" else 1
+    return math.lcm(period, getattr(spec.args, "moe_every", 1) or 1)
 
 
-def cut_stage(job: Job, mesh: Optional[ParallelMesh], kind: str, n_layers: int) -> nn.Module:
+def cut_stage(spec: RunSpec, mesh: Optional[ParallelMesh], kind: str, n_layers: int) -> nn.Module:
     """A stage of `kind` with `n_layers` layers: a model of 1, 2 or 3 such runs of layers, split as the
     pipeline splits (so the first keeps the embedding, the last the norm and output)."""
     runs, stage_id = {"whole": (1, 0), "first": (2, 0), "middle": (3, 1), "last": (2, 1)}[kind]
-    args = dataclasses.replace(job.args, n_layers=n_layers * runs)
-    return build_parts(job, mesh, [stage_id], args=args, num_stages=runs)[0]
+    args = dataclasses.replace(spec.args, n_layers=n_layers * runs)
+    return build_parts(spec, mesh, [stage_id], args=args, num_stages=runs)[0]
 
 
 @dataclass(frozen=True)
@@ -422,13 +367,13 @@ class StageModel:
         return Tracked(*(round(affine(f)) for f in ("peak", "static", "activations")))
 
 
-def model_stage(job: Job, mesh: Optional[ParallelMesh], kind: str, batch: int, both_batches: bool) -> StageModel:
+def model_stage(spec: RunSpec, mesh: Optional[ParallelMesh], kind: str, batch: int, both_batches: bool) -> StageModel:
     """The tracked runs of a stage kind: at k and 2k layers, and with `both_batches` at `batch` and 2 x `batch`
     rows per forward (for other micro-batch sizes)."""
-    k = layer_period(job)
+    k = layer_period(spec)
     runs, grad_ratio = {}, {}
     for rows in ((batch, 2 * batch) if both_batches else (batch,)):
         for layers in (k, 2 * k):
-            part = cut_stage(job, mesh, kind, layers)
-            runs[(layers, rows)] = track_step(job, mesh, part, kind, rows, grad_ratio if not runs else None)
+            part = cut_stage(spec, mesh, kind, layers)
+            runs[(layers, rows)] = track_step(spec, mesh, part, kind, rows, grad_ratio if not runs else None)
     return StageModel(runs, grad_ratio)

@@ -15,14 +15,14 @@ from typing import Any, Optional
 
 import torch
 
-from ember import config as config_lib
 from ember import hardware
 from ember.errors import ConfigError
 from ember.parallel import pp as pp_lib
 from ember.parallel.mesh import AXES, ParallelMesh, rank_grid
 from ember.plan import cost
-from ember.plan.memory import (Job, StageModel, StateBytes, build_parts, fake_world, layer_period, model_stage,
-                               named_params, state_bytes)
+from ember.plan.memory import (StageModel, StateBytes, build_parts, fake_world, layer_period, model_stage,
+                               named_params, plan_spec, state_bytes, with_micro_batch)
+from ember.run import RunSpec
 
 EXACT_WORLD = 64  # uneven shards: every rank built up to this world size
 SEARCH_POLICIES = ("none", "op", "selective", "full")  # offload keeps activations on the host: not a device-memory plan
@@ -100,76 +100,76 @@ def _coordinates(shape: Any) -> list[dict[str, int]]:
     return coords
 
 
-def _roles(job: Job, shape: Any) -> list[Role]:
+def _roles(spec: RunSpec, shape: Any) -> list[Role]:
     grid = rank_grid(shape, AXES)  # (pipeline, data, fsdp, context, expert, tensor)
-    pp, v = job.degree("pipeline"), job.cfg.parallel.pp_stages_per_rank if job.degree("pipeline") > 1 else 1
-    ranges = pp_lib.stage_layer_ranges(job.args.n_layers, job.num_stages)
+    pp, v = spec.degree("pipeline"), spec.cfg.parallel.pp_stages_per_rank if spec.degree("pipeline") > 1 else 1
+    ranges = pp_lib.stage_layer_ranges(spec.args.n_layers, spec.num_stages)
     roles = []
     for p in range(pp):
         ids = pp_lib.stage_ids(p, pp, v) if pp > 1 else [0]
-        kind = "whole" if pp == 1 else "first" if 0 in ids else "last" if job.num_stages - 1 in ids else "middle"
+        kind = "whole" if pp == 1 else "first" if 0 in ids else "last" if spec.num_stages - 1 in ids else "middle"
         roles.append(Role(p, ids, kind, sum(len(ranges[i]) for i in ids), sorted(grid[p].flatten().tolist())))
     return roles
 
 
-def _micro_batch_choices(job: Job) -> list[int]:
+def _micro_batch_choices(spec: RunSpec) -> list[int]:
     """Micro-batch sizes the config accepts: divisors of global_batch / dp that the pipeline can split."""
-    per_replica = job.cfg.global_batch_size // job.shape.dp
+    per_replica = spec.cfg.global_batch_size // spec.shape.dp
     choices = []
     for m in range(1, per_replica + 1):
         if per_replica % m:
             continue
-        if job.degree("pipeline") > 1:
-            n = job.cfg.parallel.pp_microbatches
+        if spec.degree("pipeline") > 1:
+            n = spec.cfg.parallel.pp_microbatches
             M = m if n == -1 else n
-            if m % M or (job.cfg.parallel.pp_schedule == "1f1b" and M < job.degree("pipeline")):
+            if m % M or (spec.cfg.parallel.pp_schedule == "1f1b" and M < spec.degree("pipeline")):
                 continue
-            if job.cfg.parallel.pp_schedule == "interleaved_1f1b" and M % job.degree("pipeline"):
+            if spec.cfg.parallel.pp_schedule == "interleaved_1f1b" and M % spec.degree("pipeline"):
                 continue
         choices.append(m)
     return choices
 
 
-def _rank_memory(job: Job, role: Role, model: StageModel) -> tuple[int, int]:
+def _rank_memory(spec: RunSpec, role: Role, model: StageModel) -> tuple[int, int]:
     """(activation bytes, peak bytes) of a rank of `role`: the tracked step at the stage's layers and rows,
     with the pipeline's other in-flight micro-batches' activations on top."""
-    par, pp = job.cfg.parallel, job.degree("pipeline")
+    par, pp = spec.cfg.parallel, spec.degree("pipeline")
     v = len(role.stage_ids)
-    rows = job.cfg.micro_batch_size // job.pp_microbatches
+    rows = spec.cfg.micro_batch_size // spec.pp_microbatches
     whole = model.at(role.n_layers, rows)
     unit = model.at(role.n_layers / v, rows).activations  # one local stage's activations for one micro-batch
-    n = cost.in_flight(par.pp_schedule, pp, role.pp_rank, job.pp_microbatches, v)
+    n = cost.in_flight(par.pp_schedule, pp, role.pp_rank, spec.pp_microbatches, v)
     peak = whole.peak + (n - 1) * unit
-    if pp > 1 and job.num_stages - 1 in role.stage_ids:
+    if pp > 1 and spec.num_stages - 1 in role.stage_ids:
         # torch.distributed.pipelining's last stage keeps every micro-batch's output (the logits) and at the
         # end of the schedule's step concatenates them into the merged output it returns (ember's step.py
         # does not pass return_outputs=False): M outputs held through the loop, 2 M at its end, with every
         # gradient there by then.
-        M = job.pp_microbatches
-        logits = rows * (job.cfg.seq_len // job.degree("context")) * job.args.vocab_size * job.compute_dtype.itemsize
+        M = spec.pp_microbatches
+        logits = rows * (spec.cfg.seq_len // spec.degree("context")) * spec.args.vocab_size * spec.compute_dtype.itemsize
         # (the in-flight micro-batches' activations above already hold their outputs)
         peak = max(peak + max(M - n, 0) * logits, whole.static + role.state.grad + 2 * M * logits)
     return n * unit, peak
 
 
-def _step(job: Job, fab: cost.Fabric, roles: list[Role], grid: torch.Tensor, ranks_per_node: int,
+def _step(spec: RunSpec, fab: cost.Fabric, roles: list[Role], grid: torch.Tensor, ranks_per_node: int,
           world: int) -> tuple[cost.StepTime, list[cost.Traffic]]:
     """The slowest role's step time, and its traffic."""
-    cfg = job.cfg
-    forwards = job.grad_accum * job.pp_microbatches
-    rows = cfg.micro_batch_size // job.pp_microbatches
-    gather = job.compute_dtype.itemsize if job.fsdp_mixed else 4
+    cfg = spec.cfg
+    forwards = spec.grad_accum * spec.pp_microbatches
+    rows = cfg.micro_batch_size // spec.pp_microbatches
+    gather = spec.compute_dtype.itemsize if spec.fsdp_mixed else 4
     reduce = 4
     tokens = cfg.global_batch_size * cfg.seq_len
     tokens *= 2 if cfg.task == "dpo" else 1  # DPO's rows come in pairs (chosen, rejected), as the trainer counts
-    flops = job.flops_per_token * tokens
-    bubble = cost.bubble(cfg.parallel.pp_schedule, job.degree("pipeline"), job.pp_microbatches,
+    flops = spec.flops_per_token * tokens
+    bubble = cost.bubble(cfg.parallel.pp_schedule, spec.degree("pipeline"), spec.pp_microbatches,
                          cfg.parallel.pp_stages_per_rank)
-    peak = cost.peak_flops(fab, job.compute_dtype, fp8=cfg.precision == "fp8")
+    peak = cost.peak_flops(fab, spec.compute_dtype, fp8=cfg.precision == "fp8")
     best: Optional[tuple[cost.StepTime, list[cost.Traffic]]] = None
     for role in roles:
         traffic = cost.fsdp_traffic(role.params, gather, reduce, forwards, cfg.parallel.reshard_after_forward)
-        traffic += cost.layer_traffic(job, role.n_layers, role.n_moe_layers, rows, forwards)
+        traffic += cost.layer_traffic(spec, role.n_layers, role.n_moe_layers, rows, forwards)
         cost.time_traffic(traffic, grid, AXES, ranks_per_node, fab)
         step = cost.step_time(flops, tokens, world, peak, cfg.model.remat, cfg.model.remat_every, traffic, bubble)
         if best is None or step.step_s > best[0].step_s:
@@ -188,19 +188,18 @@ def make_plan(cfg: Any, world: int, nodes: Optional[int] = None, device: str = "
     if nodes < 1 or world % nodes:
         raise ConfigError(f"--nodes {nodes} does not divide --world {world}: every node runs the same number of ranks")
     ranks_per_node = world // nodes
-    shape = config_lib.mesh_shape(cfg, world)
-    job = Job(cfg, config_lib.model_choice(cfg).args, shape, dtype,
-              "cpu" if device == "cpu" else "cuda")
-    roles = _roles(job, shape)
+    spec = plan_spec(cfg, world, "cpu" if device == "cpu" else "cuda", dtype)
+    shape = spec.shape
+    roles = _roles(spec, shape)
     remats = SEARCH_POLICIES if search else (cfg.model.remat,)
-    base_rows = cfg.micro_batch_size // job.pp_microbatches
+    base_rows = cfg.micro_batch_size // spec.pp_microbatches
     models: dict[tuple[str, str], StageModel] = {}
     exact: dict[int, StateBytes] = {}
-    period = layer_period(job)
+    period = layer_period(spec)
     warnings: list[str] = []
     # With pp_microbatches=-1 a pipeline micro-batch is one sequence whatever micro_batch_size is.
-    rows_vary = job.degree("pipeline") == 1 or cfg.parallel.pp_microbatches != -1
-    ranges = pp_lib.stage_layer_ranges(job.args.n_layers, job.num_stages)
+    rows_vary = spec.degree("pipeline") == 1 or cfg.parallel.pp_microbatches != -1
+    ranges = pp_lib.stage_layer_ranges(spec.args.n_layers, spec.num_stages)
     built: dict[tuple, Role] = {}  # roles alike (same pieces, same layer counts) hold the same shards
     for role in roles:
         signature = (role.kind, tuple(len(ranges[i]) for i in role.stage_ids))
@@ -211,7 +210,7 @@ def make_plan(cfg: Any, world: int, nodes: Optional[int] = None, device: str = "
             built[signature] = role
             with fake_world(role.ranks[0], world):
                 mesh = ParallelMesh(shape, "cpu") if world > 1 else None
-                parts = build_parts(job, mesh, role.stage_ids)
+                parts = build_parts(spec, mesh, role.stage_ids)
                 named = named_params(parts)
                 role.params = [p for _, p in named]
                 role.n_moe_layers = sum(len(part.moe_layers()) for part in parts)
@@ -220,7 +219,7 @@ def make_plan(cfg: Any, world: int, nodes: Optional[int] = None, device: str = "
                     warnings.append(note)
                 for remat in remats:
                     if (remat, role.kind) not in models:
-                        models[(remat, role.kind)] = model_stage(job.with_micro_batch(cfg.micro_batch_size, remat),
+                        models[(remat, role.kind)] = model_stage(with_micro_batch(spec, cfg.micro_batch_size, remat),
                                                                  mesh, role.kind, base_rows, both_batches=rows_vary)
                 grads = models[(cfg.model.remat, role.kind)].grad_ratio
                 role.state = state_bytes(named, grads, period)
@@ -228,7 +227,7 @@ def make_plan(cfg: Any, world: int, nodes: Optional[int] = None, device: str = "
             grads = models[(cfg.model.remat, role.kind)].grad_ratio
             for rank in role.ranks[1:]:
                 with fake_world(rank, world):
-                    parts = build_parts(job, ParallelMesh(shape, "cpu"), role.stage_ids)
+                    parts = build_parts(spec, ParallelMesh(shape, "cpu"), role.stage_ids)
                     exact[rank] = state_bytes(named_params(parts), grads, period)
         elif not role.state.even:
             where = f" on pipeline rank {role.pp_rank}" if len(roles) > 1 else ""
@@ -238,10 +237,10 @@ def make_plan(cfg: Any, world: int, nodes: Optional[int] = None, device: str = "
     coords = _coordinates(shape)
     usable = cost.usable_bytes(fab)
 
-    def memory(job_: Job, remat: str) -> dict[int, tuple[int, int]]:
-        return {role.pp_rank: _rank_memory(job_, role, models[(remat, role.kind)]) for role in roles}
+    def memory(trial_spec: RunSpec, remat: str) -> dict[int, tuple[int, int]]:
+        return {role.pp_rank: _rank_memory(trial_spec, role, models[(remat, role.kind)]) for role in roles}
 
-    mem = memory(job, cfg.model.remat)
+    mem = memory(spec, cfg.model.remat)
     ranks = []
     for role in roles:
         act, peak = mem[role.pp_rank]
@@ -255,13 +254,13 @@ def make_plan(cfg: Any, world: int, nodes: Optional[int] = None, device: str = "
     fits = max(r.peak_bytes for r in ranks) <= usable
 
     grid = rank_grid(shape, AXES)
-    step, traffic = _step(job, fab, roles, grid, ranks_per_node, world)
+    step, traffic = _step(spec, fab, roles, grid, ranks_per_node, world)
 
     # The largest micro-batch that fits, and with --search every feasible (remat, micro-batch) by tokens/s.
     max_mb, options = None, []
     for remat in remats:
-        for m in _micro_batch_choices(job):
-            trial = job.with_micro_batch(m, remat)
+        for m in _micro_batch_choices(spec):
+            trial = with_micro_batch(spec, m, remat)
             peak = max(p for _, p in memory(trial, remat).values())
             if peak > usable:
                 continue
@@ -273,12 +272,12 @@ def make_plan(cfg: Any, world: int, nodes: Optional[int] = None, device: str = "
                                 "step_time_s": t.step_s, "tokens_per_s": t.tokens_per_s, "mfu": t.mfu})
     options.sort(key=lambda o: -o["tokens_per_s"])
 
-    warnings += _layout_warnings(job, traffic, step, fab, fits, max(r.peak_bytes for r in ranks), usable, device)
+    warnings += _layout_warnings(spec, traffic, step, fab, fits, max(r.peak_bytes for r in ranks), usable, device)
     return Plan(world, device, nodes, shape.describe(), fits, usable, step, ranks, roles, traffic, warnings,
                 cfg.micro_batch_size, cfg.model.remat, max_mb, options, search, time.perf_counter() - start)
 
 
-def _layout_warnings(job: Job, traffic: list[cost.Traffic], step: cost.StepTime, fab: cost.Fabric, fits: bool,
+def _layout_warnings(spec: RunSpec, traffic: list[cost.Traffic], step: cost.StepTime, fab: cost.Fabric, fits: bool,
                      peak: int, usable: float, device: str) -> list[str]:
     notes = []
     if not fits:
@@ -290,6 +289,6 @@ def _layout_warnings(job: Job, traffic: list[cost.Traffic], step: cost.StepTime,
             notes.append(f"the {t.axes[0]} axis ({t.size} ranks) crosses nodes: its per-layer collectives run at "
                          f"{fab.inter_gbs:g} instead of {fab.intra_gbs:g} GB/s; keep it in ici_mesh within a node")
     if step.bubble > 0.1:
-        notes.append(f"pipeline bubble {step.bubble:.0%} ({job.degree('pipeline')} stages, {job.pp_microbatches} "
+        notes.append(f"pipeline bubble {step.bubble:.0%} ({spec.degree('pipeline')} stages, {spec.pp_microbatches} "
                      f"micro-batches per flush): raise micro_batch_size or parallel.pp_microbatches")
     return notes

@@ -13,7 +13,7 @@ import transformers
 
 from ember import cli
 from ember import config as config_lib
-from ember.checkpoint import check_architecture
+from ember.model_meta import check_architecture
 from ember.errors import CheckpointError
 from ember.convert import convert, save_ember_checkpoint
 from ember.load import load_model

@@ -47,14 +47,13 @@ def test_init_from_an_hf_directory_takes_its_whole_architecture(tmp_path: Path):
     cfg = config_lib.load("debug", ["data.dataset=synthetic", "seq_len=16", "max_steps=1", "metrics.console=false",
                                     f"model.init_from={hf_dir}", f"output_dir={tmp_path / 'out'}"])
     trainer = Trainer(cfg)
-    args = trainer.model_args
+    args = trainer.spec.args
     assert (args.dim, args.n_layers, args.ffn_hidden_dim, args.vocab_size) == (64, 2, 176, 512)
     assert (args.rope_theta, args.norm_eps) == (10000.0, 1e-6)
     tokens = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        trainer.model.output_chunks = 1
         torch.testing.assert_close(trainer.model.eval()(tokens), hf_model(tokens).logits, rtol=1e-5, atol=1e-5)
-    assert trainer.model_choice.source == str(hf_dir / "config.json")
+    assert trainer.spec.architecture_from == str(hf_dir / "config.json")
     trainer.train_loader.close()
     # An override that contradicts config.json is refused, naming the key and both values.
     with pytest.raises(ConfigError, match=r"model\.rope_theta=500000\.0 contradicts model\.init_from .*config\.json "
@@ -143,7 +142,7 @@ def test_init_from_an_ember_checkpoint_that_does_not_fit_is_one_line(tmp_path: P
     # With nothing restated, the run is the checkpoint's model, weights and all.
     cfg = config_lib.load("debug", common + [f"output_dir={tmp_path / 'o'}", "metrics.console=false"])
     trainer = Trainer(cfg)
-    assert trainer.model_args == args
+    assert trainer.spec.args == args
     for name, tensor in model.state_dict().items():
         assert torch.equal(trainer.model.state_dict()[name], tensor), name
     trainer.train_loader.close()

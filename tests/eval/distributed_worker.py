@@ -6,8 +6,7 @@ import sys
 
 import torch.distributed as dist
 
-from ember.eval.command import _split_mesh_keys
-from ember.eval.distributed import load_sharded
+from ember.eval.distributed import eval_mesh_overrides, load_sharded
 from ember.eval.harness import EmberLM
 from ember.generate import tokenizer_for
 
@@ -19,7 +18,7 @@ class Request:
 
 def main() -> None:
     out, requests_file, run = sys.argv[1], sys.argv[2], sys.argv[3]
-    _, meshes = _split_mesh_keys(sys.argv[4:])
+    meshes = eval_mesh_overrides(sys.argv[4:])
     model, ranks = load_sharded(run, meshes)
     lm = EmberLM(model, tokenizer_for(run, None), batch_size=2, ranks=ranks)
     requests = json.loads(open(requests_file).read())

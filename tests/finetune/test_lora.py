@@ -233,6 +233,7 @@ def test_the_fused_adapter_step_under_bf16_autocast_keeps_fp32_gradients():
         assert (got.double() - want).norm() / want.norm() < 1e-2  # bf16 GEMMs: within bf16's precision
 
 
+@pytest.mark.slow
 def test_fsdp_and_tensor_parallel_lora_losses_equal_one_process(base, tmp_path):
     steps = 3
     # fp32, where every layout must give the single process's losses to rounding; bf16 cases beside it
@@ -275,6 +276,7 @@ def _train_cli(out: Path, base: Path, *extra: str, env: dict | None = None, expe
                      expect=expect)
 
 
+@pytest.mark.slow
 def test_a_killed_lora_run_resumes_bit_for_bit(base, tmp_path):
     """With dropout on the adapters, so the RNG state is part of what must come back."""
     a, b = tmp_path / "A", tmp_path / "B"
@@ -297,6 +299,7 @@ def base_hf(base, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_peft_export_loads_in_peft_with_ember_logits(lora_run, base_hf, tmp_path):
     import peft  # the test extra installs it: never skipped
     from transformers import AutoModelForCausalLM
@@ -318,6 +321,7 @@ def test_peft_export_loads_in_peft_with_ember_logits(lora_run, base_hf, tmp_path
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_merged_export_loads_in_transformers_with_ember_logits(lora_run, tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ember.models import MODELS, build_model_args
-from ember.parallel.parallelize import parallelize
+from ember.parallel.parallelize import ParallelOptions, parallelize
 from ember.models.llama import FLAVORS, LlamaArgs, Transformer, flops_per_token, num_params, tp_plan
 from ember.nn.decoder import apply_rope
 
@@ -202,7 +202,7 @@ def test_parallelize_compile_keeps_parameter_names():
     model = _debug_model()
     names = [k for k, _ in model.named_parameters()]
     assert parallelize(model, None, tp_plan) is model
-    assert parallelize(model, None, tp_plan, compile=True) is model
+    assert parallelize(model, None, tp_plan, ParallelOptions(compile=True)) is model
     assert [k for k, _ in model.named_parameters()] == names
     assert all(block._compiled_call_impl is not None for block in model.layers.values())
 

@@ -63,8 +63,7 @@ def test_chunked_model_output_equals_whole():
     model.init_weights()
     tokens = torch.randint(0, args.vocab_size, (2, 24))
     whole = model(tokens)
-    model.output_chunks = 5  # uneven: tensor_split gives 5, 5, 5, 5, 4 positions
-    chunks = model(tokens)
+    chunks = model(tokens, chunks=5)  # uneven: tensor_split gives 5, 5, 5, 5, 4 positions
     assert [c.shape[1] for c in chunks] == [5, 5, 5, 5, 4]
     torch.testing.assert_close(torch.cat(chunks, dim=1), whole)
 

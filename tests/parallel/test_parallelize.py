@@ -11,7 +11,7 @@ import torch
 from ember.models import MODELS, build_model_args
 from ember.nn.attention import FlexDocumentAttention, causal_attention
 from ember.nn.moe import MoE
-from ember.parallel.parallelize import parallelize
+from ember.parallel.parallelize import ParallelOptions, parallelize
 
 FAMILIES = ["llama3", "mixtral", "glam", "gpt"]
 
@@ -33,7 +33,7 @@ def test_document_masking_gets_flex_attention_in_every_family(family: str):
     # Mixtral and GLaM used to drop flex_attention=True silently and fall back to a dense (B, 1, T, T) mask.
     model = _model(family)
     assert all(block.attention.attention_fn is causal_attention for block in model.layers.values())
-    parallelize(model, None, MODELS[family].tp_plan, flex_attention=True)
+    parallelize(model, None, MODELS[family].tp_plan, ParallelOptions(flex_attention=True))
     kernels = {id(block.attention.attention_fn) for block in model.layers.values()}
     assert len(kernels) == 1  # one kernel for every layer: the BlockMask is built once per batch
     assert isinstance(model.layers["0"].attention.attention_fn, FlexDocumentAttention)
@@ -43,7 +43,7 @@ def test_document_masking_gets_flex_attention_in_every_family(family: str):
 def test_compile_and_remat_keep_names_and_leave_moe_layers_eager(family: str):
     model = _model(family)
     names = [name for name, _ in model.named_parameters()]
-    assert parallelize(model, None, MODELS[family].tp_plan, compile=True, remat="full") is model
+    assert parallelize(model, None, MODELS[family].tp_plan, ParallelOptions(compile=True, remat="full")) is model
     assert [name for name, _ in model.named_parameters()] == names
     for block in model.layers.values():
         moe = [m for m in block.children() if isinstance(m, MoE)]

@@ -9,7 +9,7 @@ import torch
 from ember import config as config_lib
 from ember.cli import main
 from ember.parallel.mesh import ParallelMesh
-from ember.plan.memory import Job, build_parts, fake_world, named_params, state_bytes
+from ember.plan.memory import build_parts, fake_world, named_params, plan_spec, state_bytes
 from ember.plan.planner import make_plan
 
 LLAMA_405B_1024 = ["ici_mesh.tensor=8", "ici_mesh.fsdp=1", "dcn_mesh.fsdp=16", "dcn_mesh.data=8", "model.remat=full"]
@@ -17,10 +17,9 @@ LLAMA_405B_1024 = ["ici_mesh.tensor=8", "ici_mesh.fsdp=1", "dcn_mesh.fsdp=16", "
 
 def _state(recipe: str, overrides: list[str], world: int, rank: int = 0):
     cfg = config_lib.load(recipe, overrides, world_size=world)
-    shape = config_lib.mesh_shape(cfg, world)
-    job = Job(cfg, config_lib.model_choice(cfg).args, shape, torch.bfloat16, "cuda")
+    spec = plan_spec(cfg, world, "cuda", torch.bfloat16)
     with fake_world(rank, world):
-        parts = build_parts(job, ParallelMesh(shape, "cpu"), [0])
+        parts = build_parts(spec, ParallelMesh(spec.shape, "cpu"), [0])
         return state_bytes(named_params(parts))
 
 
@@ -134,7 +133,7 @@ def test_search_json_holds_the_candidates_the_table_lists(capsys):
 
     from rich.console import Console
 
-    from ember.plan.command import render
+    from ember.commands.plan import render
 
     cfg = config_lib.load("debug", ["ici_mesh.fsdp=2", "micro_batch_size=4"], world_size=2)
     plan = make_plan(cfg, 2, device="h100", search=True)

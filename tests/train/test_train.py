@@ -46,7 +46,7 @@ def test_debug_loss_falls(tmp_path: Path):
         assert record["mfu"] == pytest.approx(record["tflops_per_device"] * 1e12 / trainer.peak.value_flops,
                                               rel=1e-12)
         assert record["tflops_per_device"] == pytest.approx(
-            record["tokens_per_s_per_device"] * trainer.flops_per_token / 1e12, rel=1e-9
+            record["tokens_per_s_per_device"] * trainer.spec.flops_per_token / 1e12, rel=1e-9
         )
 
 
