@@ -15,6 +15,9 @@ import torch
 
 from tests.helpers import job_env, kill_injection, losses_by_step, run_ember, tiny_model, wait_for_logged_step
 
+# Every test here trains in a subprocess (or several, or a torchrun job).
+pytestmark = pytest.mark.slow
+
 TINY = ["debug", "data.dataset=synthetic", *tiny_model(2), "model.vocab_size=256", "seq_len=32", "global_batch_size=4",
         "micro_batch_size=2", "logging_steps=1", "max_steps=6", "checkpoint.interval=2", "eval_batches=1",
         "metrics.console=false", "optim.lr=1e-2"]

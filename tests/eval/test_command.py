@@ -11,6 +11,9 @@ import pytest
 
 from tests.helpers import TINY_RUN, run_ember, write_jsonl
 
+# Every test here runs `ember eval` on a run trained in a subprocess.
+pytestmark = pytest.mark.slow
+
 TEXTS = ["import os and sys are modules", "def main ( self ) : return None", "for i in range ( 10 ) : print ( i )"]
 
 

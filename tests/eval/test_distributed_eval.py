@@ -14,6 +14,9 @@ import pytest
 
 from tests.helpers import read_records, run_ember, tiny_model
 
+# Every test here trains in a subprocess and evaluates on two processes.
+pytestmark = pytest.mark.slow
+
 WORDS = "import os sys def main self return None if x for in range print class".split()
 
 

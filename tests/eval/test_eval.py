@@ -231,6 +231,7 @@ def test_limit_takes_the_first_rows_and_refuses_less_than_one(model, tmp_path: P
             rolling_logprob(model, list(range(2, 20)), 8, 4, batch_size)
 
 
+@pytest.mark.slow
 def test_cli_writes_eval_json_and_refuses_bad_input(tmp_path: Path):
     run = tmp_path / "run"
     proc = run_ember("train", "debug", *TINY_RUN, "max_steps=2", f"output_dir={run}")
@@ -262,6 +263,7 @@ def test_cli_writes_eval_json_and_refuses_bad_input(tmp_path: Path):
     assert proc.returncode == 2 and "holds no model" in proc.stderr
 
 
+@pytest.mark.slow
 def test_in_loop_eval_logs_the_tasks_and_equals_ember_eval(tmp_path: Path):
     lam = write_jsonl(tmp_path / "l.jsonl", [{"text": "import os and sys"}, {"text": "def main ( self"},
                                              {"text": "return None if x"}])

@@ -58,6 +58,7 @@ def test_loglikelihoods_equal_lm_evals_hf_model(pair):
         assert a == pytest.approx(b, abs=1e-4)
 
 
+@pytest.mark.slow
 def test_a_local_task_runs_offline_through_the_cli(tmp_path: Path):
     run = tmp_path / "run"
     proc = run_ember("train", "debug", *TINY_RUN, "max_steps=2", f"output_dir={run}")

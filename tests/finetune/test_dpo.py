@@ -88,6 +88,7 @@ TINY = [*tiny_model(), "seq_len=32", "global_batch_size=8", "micro_batch_size=4"
         "metrics.console=false", "data.val_fraction=0.1", "eval_batches=1"]
 
 
+@pytest.mark.slow
 def test_a_dpo_run_starts_at_log2_and_learns_the_preference(pairs: Path, tmp_path: Path):
     run = tmp_path / "run"
     proc = run_ember("train", "debug", "task=dpo", f"data.dataset={pairs}", *TINY, "max_steps=20", "optim.lr=2e-3",
@@ -107,6 +108,7 @@ def test_a_dpo_run_starts_at_log2_and_learns_the_preference(pairs: Path, tmp_pat
     assert record["tflops_per_device"] * 1e12 / record["tokens_per_s_per_device"] == pytest.approx(full * 4 / 3, rel=1e-9)
 
 
+@pytest.mark.slow
 def test_dpo_on_lora_uses_the_base_as_its_reference(pairs: Path, tmp_path: Path):
     base = tmp_path / "base"
     proc = run_ember("train", "debug", *TINY, "max_steps=2", f"output_dir={base}")
@@ -120,6 +122,7 @@ def test_dpo_on_lora_uses_the_base_as_its_reference(pairs: Path, tmp_path: Path)
     assert steps[-1]["loss"] < steps[0]["loss"] - 0.2 and steps[-1]["dpo/reward_margin"] > 0
 
 
+@pytest.mark.slow
 def test_dpo_on_fsdp_and_tensor_ranks_equals_one_process_and_resumes_exactly(pairs: Path, tmp_path: Path):
     common = ["task=dpo", f"data.dataset={pairs}", *TINY, "optim.lr=2e-3", "checkpoint.interval=4"]
     one, two, resumed = tmp_path / "one", tmp_path / "two", tmp_path / "resumed"

@@ -9,9 +9,13 @@ import json
 import random
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.helpers import read_records, run_ember
+
+# Five training and conversion subprocesses end to end.
+pytestmark = pytest.mark.slow
 
 SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "[UNK]"]
 WORDS = ["system", "user", "assistant", "what", "is", "plus", "?", ".", "good", "bad"] + [str(i) for i in range(20)]

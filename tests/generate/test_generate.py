@@ -103,6 +103,7 @@ def test_greedy_equals_transformers_generate(tmp_path: Path, family: str):
     assert result.token_ids == expected and result.stop_reason == "length"
 
 
+@pytest.mark.slow
 def test_a_compiled_decode_step_gives_the_same_tokens():
     model = _model("llama3.1")
     prompts = ["5 9 13 40", "7 3"]  # a padded batch: the static-shape masked path
@@ -174,6 +175,7 @@ def trained_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_cli_json_output_and_errors(trained_run: Path, tmp_path: Path):
     import json
 
@@ -209,6 +211,7 @@ def test_cli_json_output_and_errors(trained_run: Path, tmp_path: Path):
     assert proc.returncode == 2 and "holds no model" in proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags, message", [
     (["--top-p", "1.5"], "error: top_p=1.5 must be in (0, 1]"),
     (["--top-k", "-1"], "error: top_k=-1 must be >= 1"),
@@ -224,6 +227,7 @@ def test_cli_refuses_out_of_range_sampling_options_before_loading(tmp_path: Path
     assert proc.returncode == 2 and proc.stderr.startswith(message) and proc.stderr.count("\n") == 1, proc.stderr
 
 
+@pytest.mark.slow
 def test_cli_checks_every_argument_before_printing(trained_run: Path):
     # A streamed prompt is printed before its completion: an argument refused after it ran into the error line.
     for flags, message in ((["--max-new-tokens", "0"], "error: max_new_tokens=0 must be >= 1\n"),

@@ -9,6 +9,9 @@ import sys
 
 import pytest
 
+# Each test starts a Python process that imports torch (about 3 s here).
+pytestmark = pytest.mark.slow
+
 # Allocates a 64 MiB tensor and reads glibc's mallinfo2: hblkhd is the bytes held in mmapped blocks.
 PROBE = """
 import ctypes, json, torch

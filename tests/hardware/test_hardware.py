@@ -210,6 +210,7 @@ def test_an_unwritable_cache_measures_without_failing(tmp_path: Path, monkeypatc
     assert peak.value_flops == 1e11 and "not cached" in peak.source
 
 
+@pytest.mark.slow
 def test_ranks_starting_together_measure_once(tmp_path: Path):
     # Three processes at once, as torchrun starts a node's ranks (LOCAL_RANK set, one parent): the file lock
     # lets one measure while the others wait, then read its number, even though the others' start-up kept the

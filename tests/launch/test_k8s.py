@@ -68,6 +68,7 @@ def test_kubernetes_and_slurm_run_the_same_torchrun_command(tmp_path: Path):
         assert command[command.index("-m"):] == ["-m", "ember", "train", *(["debug"] + JOB.overrides)]
 
 
+@pytest.mark.slow
 def test_k8s_command_line(tmp_path: Path):
     out = tmp_path / "run"
     proc = run_ember("launch", "k8s", "debug", "model.n_layers=1", "micro_batch_size=4", f"output_dir={out}",

@@ -14,6 +14,7 @@ import pytest
 from tests.helpers import run_ember, tiny_model, wait_for_logged_step
 
 
+@pytest.mark.slow
 def test_help_and_one_line_errors(tmp_path):
     for argv in (["launch", "--help"], ["launch", "slurm", "--help"], ["launch", "k8s", "--help"],
                  ["launch", "local", "--help"]):
@@ -45,6 +46,7 @@ def test_a_job_id_is_checked_and_overrides_are_optional(capsys):
     assert capsys.readouterr().err.endswith("ember launch slurm: error: the following arguments are required: recipe\n")
 
 
+@pytest.mark.slow
 def test_what_is_requested_is_what_the_flags_say_and_is_printed(tmp_path):
     # --nproc-per-node: processes only (device=auto asks a CPU cluster for no GPU); --gpus-per-node: one GPU each.
     script = tmp_path / "launch" / "ember-debug.sbatch"
@@ -68,6 +70,7 @@ def test_what_is_requested_is_what_the_flags_say_and_is_printed(tmp_path):
         assert not (tmp_path / "no").exists()
 
 
+@pytest.mark.slow
 def test_print_and_dry_run_mean_the_same_for_slurm_and_k8s(tmp_path):
     for where, extra, written in (("slurm", [], "ember-debug.sbatch"), ("k8s", ["--image", "img:1"], "ember-debug.yaml")):
         outputs = {}
@@ -89,6 +92,7 @@ TINY = ["debug", "data.dataset=synthetic", *tiny_model(2), "model.vocab_size=256
         "micro_batch_size=2", "logging_steps=1", "max_steps=100000", "checkpoint.interval=0", "metrics.console=false"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig, exit_code, stop_env", [(signal.SIGINT, 130, None), (signal.SIGTERM, 0, None),
                                                       (signal.SIGTERM, 75, "75")])
 def test_a_signal_to_the_launcher_is_one_line_and_the_single_process_exit_code(

@@ -17,6 +17,9 @@ from ember.launch.failures import first_failure
 from slurm_cluster import SlurmCluster
 from tests.helpers import read_records, run_ember, tiny_model
 
+# Every test here starts a SLURM cluster; most submit training jobs to it.
+pytestmark = pytest.mark.slow
+
 # A tiny Llama on synthetic tokens, on CPU with gloo: a step takes ~10 ms, so a run is mostly process start.
 TINY = ["data.dataset=synthetic", *tiny_model(), "model.vocab_size=256", "seq_len=32", "global_batch_size=4",
         "logging_steps=1", "eval_batches=1", "metrics.console=false", "device=cpu", "checkpoint.interval=0",

@@ -21,6 +21,9 @@ from ember import config, hardware
 from ember.train import Trainer
 from tests.helpers import read_records
 
+# Both tests train and measure the CPU's peak.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture
 def measurements(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[float]:

@@ -82,6 +82,7 @@ def test_dropless_routing_matches_a_per_token_reference():
     assert moe.aux_loss >= 1.0 - 1e-6  # E * sum f_e P_e, minimal (1.0) when balanced
 
 
+@pytest.mark.slow
 def test_debug_mixtral_trains_with_router_losses_logged(tmp_path: Path):
     cfg = config_lib.load("debug", ["model.family=mixtral", "data.dataset=synthetic", "model.n_layers=2",
                                     "seq_len=64", "max_steps=30", "logging_steps=10", "optim.lr=3e-3",

@@ -18,6 +18,9 @@ from ember import load_model
 from ember.train import Trainer
 from tests.helpers import read_records, run_layouts, tiny_model
 
+# Every test here runs torchrun jobs.
+pytestmark = pytest.mark.slow
+
 STEPS = 3
 MOE = [
     "model.family=mixtral", "model.flavor=debug", "data.dataset=synthetic", *tiny_model(2), "model.vocab_size=512",

@@ -42,6 +42,7 @@ def test_the_blocks_linears_are_converted_and_the_head_and_routers_are_not():
         assert bool(routers) == expect_router and not routers & set(converted)
 
 
+@pytest.mark.slow
 def test_emulated_fp8_tracks_fp32_and_every_layout_equals_one_process(tmp_path: Path):
     fp32 = _losses("micro_batch_size=4", tmp=tmp_path)
     fp8 = _losses("micro_batch_size=4", *FP8, tmp=tmp_path)

@@ -11,6 +11,9 @@ from ember import config as config_lib
 from ember.train import Trainer
 from tests.helpers import read_records, run_layouts
 
+# A torchrun job.
+pytestmark = pytest.mark.slow
+
 STEPS = 3
 REL = 1e-5  # fp32; only the order of floating-point sums differs between layouts
 # A small GPT: 2 layers, 4 heads (tensor=2), seq 32 (context=2 makes 4 chunks), tied embeddings.

@@ -91,6 +91,7 @@ def _assert_matches(results: dict, reference: dict, tied_reference: dict | None 
             assert got["val_loss"] == pytest.approx(expected["val_loss"], rel=REL), name
 
 
+@pytest.mark.slow
 def test_world_size_2_layouts_match_single_process(reference, tied_reference, tmp_path):
     results = run_layouts(tmp_path, 2, WORLD2, BASE)
     assert set(results) == set(WORLD2)
@@ -110,6 +111,7 @@ def test_world_size_2_layouts_match_single_process(reference, tied_reference, tm
             torch.testing.assert_close(got[key], expected[key], rtol=1e-4, atol=1e-4, msg=f"{name}: {key}")
 
 
+@pytest.mark.slow
 def test_world_size_4_layouts_match_single_process(reference, tmp_path):
     results = run_layouts(tmp_path, 4, WORLD4, BASE)
     assert set(results) == set(WORLD4)
@@ -122,6 +124,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh, nproc", [("dcn_mesh.data=2", 1), ("dcn_mesh.fsdp=2", 2)])
 def test_two_nodes_on_loopback(reference, tmp_path, mesh, nproc):
     """Two launchers with c10d rendezvous on 127.0.0.1, as two nodes would run: `ember train --nnodes 2`."""
@@ -146,6 +149,7 @@ def test_two_nodes_on_loopback(reference, tmp_path, mesh, nproc):
     assert losses == pytest.approx(reference["loss"], rel=REL)
 
 
+@pytest.mark.slow
 def test_a_failing_rank_ends_the_job_and_names_itself(tmp_path):
     """Rank 1 raises at its second step while rank 0 waits in a collective: the launcher must stop the
     job (no hang), exit non-zero, and the console must show which rank failed and why."""

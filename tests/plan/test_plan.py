@@ -23,6 +23,7 @@ def _state(recipe: str, overrides: list[str], world: int, rank: int = 0):
         return state_bytes(named_params(parts))
 
 
+@pytest.mark.slow
 def test_llama_405b_on_1024_ranks_matches_the_hand_computed_shards():
     """tensor=8 within a node, fsdp=16 x data=8 (HSDP) across nodes. Per layer, each rank holds: wq and wo
     16384 x 16384 / (8 x 16), wk and wv 1024 x 16384 / (8 x 16), w1, w2, w3 53248 x 16384 / (8 x 16), two norms
@@ -53,6 +54,7 @@ def test_mixtral_8x22b_with_expert_parallelism_matches_the_hand_computed_shards(
     assert state.optim == 2 * elements * 4 + 4 * (56 * 10 + 3)
 
 
+@pytest.mark.slow
 def test_plan_405b_at_1024_ranks_has_every_rank(tmp_path):
     # How long it takes is measured by benchmarks/plan_speed.py, not asserted here: this machine is shared.
     cfg = config_lib.load("llama3.1-405b", LLAMA_405B_1024, world_size=1024)
@@ -86,6 +88,7 @@ def plan_flops(cfg) -> float:
     return MODELS[cfg.model.family].flops_per_token(args, cfg.seq_len) * cfg.global_batch_size * cfg.seq_len
 
 
+@pytest.mark.slow
 def test_layout_warnings_and_search():
     # tensor=2 on nodes of one device spans two; a 4-stage pipeline fed one micro-batch of 4 sequences idles 43%.
     cfg = config_lib.load("debug", ["ici_mesh.tensor=2", "ici_mesh.fsdp=1", "ici_mesh.pipeline=4",
@@ -103,6 +106,7 @@ def test_layout_warnings_and_search():
     assert first.activation_bytes > last.activation_bytes  # 1F1B: 4 micro-batches in flight vs 1
 
 
+@pytest.mark.slow
 def test_fsdp_beyond_the_shard_granularity_is_warned():
     cfg = config_lib.load("debug", ["ici_mesh.fsdp=512", "global_batch_size=512", "micro_batch_size=1"], world_size=512)
     plan = make_plan(cfg, 512, device="h100")
@@ -110,6 +114,7 @@ def test_fsdp_beyond_the_shard_granularity_is_warned():
     assert any("uneven shards" in w for w in plan.warnings)
 
 
+@pytest.mark.slow
 def test_cli_json_and_plan_json(tmp_path, capsys):
     assert main(["plan", "debug", "--world", "2", "ici_mesh.fsdp=2", "micro_batch_size=4", "--device", "cpu", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
@@ -128,6 +133,7 @@ def test_cli_json_and_plan_json(tmp_path, capsys):
     assert json.loads(named.read_text()) == json.loads(capsys.readouterr().out) and named.read_text().endswith("}\n")
 
 
+@pytest.mark.slow
 def test_search_json_holds_the_candidates_the_table_lists(capsys):
     import io
 

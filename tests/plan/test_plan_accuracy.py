@@ -9,6 +9,9 @@ import pytest
 
 from ember.plan.measure import LAYOUTS, compare, measure_layouts
 
+# Measures real training steps, in torchrun jobs.
+pytestmark = pytest.mark.slow
+
 PEAK_TOLERANCE = 0.10
 
 

@@ -36,6 +36,7 @@ def test_exposed_time_and_categories():
         ["matmul", "attention", "communication", "communication", "other"]
 
 
+@pytest.mark.slow
 def test_traced_steps_hold_the_phases_and_leave_the_numbers_alone(tmp_path: Path):
     plain, traced = tmp_path / "plain", tmp_path / "traced"
     assert run_ember("train", "debug", *TINY, "micro_batch_size=4", "metrics.console=false",
@@ -58,6 +59,7 @@ def test_traced_steps_hold_the_phases_and_leave_the_numbers_alone(tmp_path: Path
     assert _losses(again) == _losses(traced)  # bit for bit: profiling changes nothing
 
 
+@pytest.mark.slow
 def test_every_rank_writes_its_trace_and_communication_is_counted(tmp_path: Path):
     run = tmp_path / "run"
     proc = run_ember("train", "--nproc-per-node", "2", "debug", *TINY, "micro_batch_size=2", "ici_mesh.fsdp=2",

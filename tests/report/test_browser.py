@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 from matplotlib.image import imread
 
 from ember.report import build_report
@@ -14,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from browser import CHROMIUM, Browser  # noqa: E402  (a helper beside this file, also a script for docs/report.png)
 
 
+@pytest.mark.slow
 def test_report_opens_in_chromium_with_every_figure_and_no_errors(tiny_run: tuple[Path, str], tmp_path: Path):
     # Never skipped: without the browser this test fails, saying how to install it.
     assert CHROMIUM is not None, "chromium is not installed: apt-get install -y chromium (the README's test command does)"

@@ -30,6 +30,7 @@ def _column(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
     return [r["step"] for r in rows], [r[key] for r in rows]
 
 
+@pytest.mark.slow
 def test_report_of_a_real_run(tiny_run: tuple[Path, str], tmp_path: Path):
     run, printed = tiny_run
     assert f"see the run: ember report {run}" in printed  # `ember train` ends with the command
@@ -84,6 +85,7 @@ def test_cli_defaults_and_help(tiny_run: tuple[Path, str], tmp_path: Path, capsy
     assert main(["report", "--help"]) == 0 and "--png DIR" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_two_runs_overlaid_with_exactly_the_differing_keys(tiny_run: tuple[Path, str], tmp_path: Path, train):
     other = tmp_path / "other"
     train(other, "max_steps=6", "optim.lr=0.001", "seed=3")
@@ -100,6 +102,7 @@ def test_two_runs_overlaid_with_exactly_the_differing_keys(tiny_run: tuple[Path,
     assert loss["other"]["train loss"] == dict(zip(("x", "y"), _column(read_records(other), "loss")))
 
 
+@pytest.mark.slow
 def test_moe_run_has_the_expert_load_heat_map(tmp_path: Path, train):
     run = tmp_path / "moe"
     train(run, "model.family=mixtral", "model.n_layers=2", "max_steps=4")
@@ -114,6 +117,7 @@ def test_moe_run_has_the_expert_load_heat_map(tmp_path: Path, train):
         assert sum(summed) == 2 * 64 * 4
 
 
+@pytest.mark.slow
 def test_killed_and_resumed_run_shows_each_step_once(tiny_run: tuple[Path, str], tmp_path: Path, train):
     run = tmp_path / "resumed"
     shutil.copytree(tiny_run[0], run)
@@ -144,6 +148,7 @@ def test_spikes_and_skipped_steps_are_marked(tmp_path: Path):
     assert any("no config.yaml" in note for note in report.runs[0].notes)
 
 
+@pytest.mark.slow
 def test_eval_json_of_a_checkpoint_is_listed(tiny_run: tuple[Path, str], tmp_path: Path):
     run = tmp_path / "evaluated"
     shutil.copytree(tiny_run[0], run)
@@ -154,6 +159,7 @@ def test_eval_json_of_a_checkpoint_is_listed(tiny_run: tuple[Path, str], tmp_pat
     assert "<td>evaluated</td><td>step-20</td><td>ppl</td><td>perplexity</td><td>123.5</td>" in report.html.read_text()
 
 
+@pytest.mark.slow
 def test_bad_input_is_one_line_or_said_in_the_report(tiny_run: tuple[Path, str], tmp_path: Path,
                                                      capsys: pytest.CaptureFixture):
     empty = tmp_path / "empty"

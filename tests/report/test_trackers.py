@@ -58,6 +58,7 @@ def _expected_by_step(rows: list[dict]) -> dict[int, dict[str, float]]:
     return by_step
 
 
+@pytest.mark.slow
 def test_wandb_offline_and_mlflow_sqlite_round_trips(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, train):
     for name, value in SECRETS.items():
         monkeypatch.setenv(name, value)

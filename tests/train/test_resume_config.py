@@ -36,6 +36,7 @@ def _segments(out: Path) -> list[str]:
     return sorted(p.name for p in (out / "config_history").iterdir())
 
 
+@pytest.mark.slow
 def test_a_changed_data_source_or_seed_is_refused_naming_each_key(tmp_path: Path, corpus: Path):
     out = tmp_path / "run"
     first = run_ember("train", *TINY, f"data.dataset={corpus}", "max_steps=2", f"output_dir={out}")
@@ -54,6 +55,7 @@ def test_a_changed_data_source_or_seed_is_refused_naming_each_key(tmp_path: Path
     assert not (out / "checkpoints" / "step-4").exists() and _segments(out) == ["segment-1-step-0.yaml"]
 
 
+@pytest.mark.slow
 def test_allowed_changes_are_printed_and_each_segment_is_kept(tmp_path: Path, corpus: Path):
     out = tmp_path / "run"
     assert run_ember("train", *TINY, f"data.dataset={corpus}", "max_steps=2", f"output_dir={out}").returncode == 0
@@ -168,6 +170,7 @@ def _logged_lr(out: Path) -> dict[int, float]:
     return {r["step"]: r["lr"] for r in read_records(out) if "lr" in r}
 
 
+@pytest.mark.slow
 def test_changed_optim_keys_take_effect_on_resume(tmp_path: Path):
     out = tmp_path / "run"
     _train(out, "max_steps=4")

@@ -28,6 +28,7 @@ def _train(tmp_path: Path, *overrides: str) -> tuple[Trainer, dict, list[dict]]:
     return trainer, summary, records
 
 
+@pytest.mark.slow
 def test_debug_loss_falls(tmp_path: Path):
     # 60 steps of 1k tokens from a near-uniform start (ln 8192 = 9.01): the loss must drop by 2.5 nats.
     trainer, summary, records = _train(tmp_path, "max_steps=60", "schedule.warmup_steps=5")
@@ -50,6 +51,7 @@ def test_debug_loss_falls(tmp_path: Path):
         )
 
 
+@pytest.mark.slow
 def test_same_seed_same_losses_and_gradient_accumulation(tmp_path: Path):
     _, _, a = _train(tmp_path / "a", "max_steps=6", "logging_steps=1")
     _, _, b = _train(tmp_path / "b", "max_steps=6", "logging_steps=1")
@@ -75,6 +77,7 @@ def test_loss_is_global_token_mean_with_masked_labels(tmp_path: Path):
     assert loss == pytest.approx(float(expected), rel=1e-5)
 
 
+@pytest.mark.slow
 def test_cli_end_to_end_writes_config_and_metrics(tmp_path: Path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "ember", "train", "debug", *SMALL, "max_steps=10", f"output_dir={out}"]
