@@ -3,6 +3,8 @@ layout gives one process's losses, and devices or settings that cannot run it ar
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -58,8 +60,7 @@ def test_fp8_refusals_are_one_line(tmp_path: Path):
     for args, message in [(["precision=fp8"], "fp8 training needs a GPU with FP8 matmuls"),
                           (["fp8.enabled=true", "fp8.recipe=blockwise"], "fp8.recipe 'blockwise' is not one of"),
                           (["precision=fp8", "lora.rank=4", "model.init_from=x"], "fp8 training converts the linears")]:
-        proc = subprocess.run([sys.executable, "-m", "ember", "train", "debug", *TINY, "micro_batch_size=4", *args,
-                               f"output_dir={tmp_path / 'x'}"], capture_output=True, text=True, timeout=300)
+        proc = run_ember("train", "debug", *TINY, "micro_batch_size=4", *args, f"output_dir={tmp_path / 'x'}")
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr, (args, proc.stderr)
 
 
