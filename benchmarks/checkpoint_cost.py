@@ -25,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-from ember import config as config_lib
+
+from ember import run as run_lib
 from ember.train import Trainer
 
 BASE = ["data.dataset=synthetic", "metrics.console=false", "model.n_layers=8", "model.dim=512", "model.n_heads=8",
@@ -34,7 +35,7 @@ BASE = ["data.dataset=synthetic", "metrics.console=false", "model.n_layers=8", "
 
 def measure(async_save: bool, overrides: list[str], rounds: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = config_lib.load("debug", BASE + overrides + [f"output_dir={tmp}", f"checkpoint.async_save={async_save}",
+        cfg = run_lib.load_config("debug", BASE + overrides + [f"output_dir={tmp}", f"checkpoint.async_save={async_save}",
                                                            "checkpoint.keep=2", "max_steps=1000"])
         trainer = Trainer(cfg)
         batches = trainer.global_batches()

@@ -29,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-from ember import config as config_lib
+
+from ember import run as run_lib
 from ember.config import DataConfig, MixtureSource
 from ember.data import sources
 from ember.data.loader import build_loader
@@ -83,7 +84,7 @@ def main() -> None:
             print(f"{name:18s} {rate:14,.0f} tokens/s", flush=True)
 
         out_dir = tmp_path / "run"
-        cfg = config_lib.load("debug", [f"max_steps={args.train_steps}", "logging_steps=10", f"output_dir={out_dir}",
+        cfg = run_lib.load_config("debug", [f"max_steps={args.train_steps}", "logging_steps=10", f"output_dir={out_dir}",
                                         "metrics.console=false", "eval_batches=1"])
         Trainer(cfg).train()
         records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]

@@ -13,7 +13,7 @@ the same random batch and optimizer (ember's AdamW settings), each contestant ru
 - both compiled at r32: ember's compile=true against torch.compile of the peft model under autocast ("vs
   peft" of the compiled ember row is against the compiled peft row);
 - the allocator: on CPU ember's Trainer tells glibc's malloc to keep freed memory for reuse
-  (`ember.hardware.keep_freed_cpu_memory`), so every ember row runs that way, as a user's run does, and
+  (`ember.cpu_allocator.keep_freed_cpu_memory`), so every ember row runs that way, as a user's run does, and
   every peft row with glibc's defaults, as a user's script does. Two more r32 contestants compare like
   for like: ember with glibc's defaults (EMBER_CPU_MALLOC=default) against peft autocast, and peft
   autocast with freed memory kept against ember;
@@ -53,7 +53,7 @@ MODELS = {
     "110M": {"dim": 768, "n_layers": 12, "n_heads": 12, "n_kv_heads": 4, "vocab_size": 32000},
 }
 # name -> (framework, LoRA rank (0: full), precision, malloc, torch.compile). malloc "kept": glibc keeps freed
-# memory for reuse, as ember sets it on CPU (hardware.keep_freed_cpu_memory); "default": glibc's defaults.
+# memory for reuse, as ember sets it on CPU (cpu_allocator.keep_freed_cpu_memory); "default": glibc's defaults.
 EMBER, PEFT = "kept", "default"  # each as a user gets it
 CONTESTANTS = {
     "ember full": ("ember", 0, "auto", EMBER, False), "ember full bf16": ("ember", 0, "bf16", EMBER, False),
@@ -85,14 +85,14 @@ def worker(spec: dict) -> dict:
     if framework == "ember" and malloc == "default":
         os.environ["EMBER_CPU_MALLOC"] = "default"  # the Trainer leaves glibc's defaults alone
     elif framework == "peft" and malloc == "kept":
-        from ember.hardware import keep_freed_cpu_memory
+        from ember.cpu_allocator import keep_freed_cpu_memory
 
         keep_freed_cpu_memory()  # what the Trainer does on CPU
     torch.manual_seed(0)
     batch, seq, base = spec["batch"], spec["seq"], spec["base"]
     autocast = contextlib.nullcontext()
     if framework == "ember":
-        from ember import config as config_lib
+        from ember import run as run_lib
         from ember.train import Trainer
 
         overrides = [f"model.init_from={base}", "data.dataset=synthetic", "metrics.console=false",
@@ -100,7 +100,7 @@ def worker(spec: dict) -> dict:
                      f"micro_batch_size={batch}", "resume=none", f"precision={precision}", f"compile={compiled}".lower()]
         if rank:
             overrides += [f"lora.rank={rank}", "lora.alpha=16", "lora.targets=all"]
-        trainer = Trainer(config_lib.load("debug", overrides))
+        trainer = Trainer(run_lib.load_config("debug", overrides))
         vocab = trainer.model_args.vocab_size
         model, optimizer = trainer.model, trainer.optimizer
         compute = str(trainer.compute_dtype).removeprefix("torch.")

@@ -37,7 +37,8 @@ from typing import Callable
 
 import torch
 
-from ember import config as config_lib
+
+from ember import run as run_lib
 from ember.convert import save_hf
 from ember.optim import build_optimizer
 from ember.train import Trainer
@@ -49,7 +50,7 @@ def build_ember(overrides: list[str], out: str) -> Trainer:
     # Auxiliary losses off on both sides: transformers adds its load-balancing loss only with
     # output_router_logits=True (off in the exported config) and has no z-loss, so ember's coefficients
     # are zeroed to train on the language-model loss alone (its MoE layers still compute the two scalars).
-    cfg = config_lib.load("debug", overrides + [
+    cfg = run_lib.load_config("debug", overrides + [
         "model.family=mixtral", "model.flavor=debug", "model.aux_loss_coef=0", "model.z_loss_coef=0",
         "data.dataset=synthetic", "metrics.console=false", f"output_dir={out}", "compile=false",
     ])

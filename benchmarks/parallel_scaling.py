@@ -63,13 +63,14 @@ def worker(out_path: str, steps: int, warmup: int, overrides: list[str]) -> None
     import torch
     import torch.distributed as dist
 
-    from ember import config as config_lib
+
+    from ember import run as run_lib
     from ember.metrics import peak_memory_gb
     from ember.train import Trainer
 
     world = int(os.environ.get("WORLD_SIZE", 1))
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = config_lib.load("debug", BASE + overrides + [f"output_dir={tmp}"], world_size=world)
+        cfg = run_lib.load_config("debug", BASE + overrides + [f"output_dir={tmp}"], world_size=world)
         trainer = Trainer(cfg)
         batches = trainer.global_batches()
         times = []

@@ -19,7 +19,8 @@ from pathlib import Path
 
 from results_file import write_results
 
-from ember import config as config_lib
+
+from ember import run as run_lib
 from ember.plan.planner import make_plan
 
 # (name, recipe, overrides, world size): the same jobs as tests/plan/test_plan.py
@@ -41,7 +42,7 @@ def main() -> int:
     rows = []
     print(f"{'job':<44}{'ranks':>6}{'median s':>10}{'best s':>8}  fits")
     for name, recipe, overrides, world in JOBS:
-        cfg = config_lib.load(recipe, overrides, world_size=world)
+        cfg = run_lib.load_config(recipe, overrides, world_size=world)
         seconds, fits = [], None
         for _ in range(args.rounds):
             start = time.perf_counter()

@@ -34,14 +34,15 @@ from pathlib import Path
 
 import torch
 
-from ember import config as config_lib
+
+from ember import run as run_lib
 from ember.metrics import mfu, peak_memory_gb
 from ember.train import Trainer
 
 
 def measure(recipe: str, overrides: list[str], steps: int, warmup: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = config_lib.load(recipe, overrides + ["data.dataset=synthetic", "metrics.console=false",
+        cfg = run_lib.load_config(recipe, overrides + ["data.dataset=synthetic", "metrics.console=false",
                                                    f"output_dir={tmp}", f"max_steps={steps + warmup}"])
         trainer = Trainer(cfg)
         batches = trainer.global_batches()

@@ -37,13 +37,14 @@ from typing import Callable
 
 import torch
 
-from ember import config as config_lib
+
+from ember import run as run_lib
 from ember.models.llama.hf import hf_config_from_args
 from ember.train import Trainer
 
 
 def build_ember(overrides: list[str], compile_model: bool, out: str) -> tuple[Trainer, Callable]:
-    cfg = config_lib.load(
+    cfg = run_lib.load_config(
         "debug", overrides + ["data.dataset=synthetic", "metrics.console=false", f"output_dir={out}", f"compile={compile_model}"]
     )
     trainer = Trainer(cfg)

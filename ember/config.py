@@ -3,7 +3,9 @@ ember/config_schema.py.
 
 OmegaConf does the parsing and the type checking (structured configs from these dataclasses); this
 file adds what users of the field expect on top: a recipe lookup, `did you mean` for unknown keys,
-one-line errors, and the cross-field checks that would otherwise fail minutes into a run.
+one-line errors, and the cross-field checks that need nothing but the config. It imports nothing of ember but
+the schema (and its errors): the checks that need a feature's code live with that feature, and
+ember.run.load_config runs them, before any work.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from ember.config_schema import (  # noqa: F401  the sections (ember/config_sche
     ModelConfig, MeshConfig, ParallelConfig, OptimConfig, ScheduleConfig, MixtureSource, DataConfig, EvalTask,
     EvalConfig, MetricsConfig, CheckpointConfig, LoraConfig, Fp8Config, ProfileConfig, DPOConfig, JobConfig,
 )
-from ember.errors import ConfigError, EmberError
+from ember.errors import ConfigError, first_error_line
 
 RECIPES_DIR = Path(__file__).parent / "recipes"
 
@@ -74,9 +76,9 @@ def _explain(err: OmegaConfBaseException, schema: DictConfig, origin: str) -> Co
         suffix = f" (did you mean '{hint[0]}'?)" if hint else ""
         return ConfigError(f"unknown config key '{key}'{suffix}{where}")
     if isinstance(err, ValidationError):
-        first_line = str(err).split("\n")[0]
+        first_line = first_error_line(err)
         return ConfigError(f"bad value for config key '{key}'{where}: {first_line} (expected {_type_name(key)})")
-    return ConfigError(f"invalid config{where}: {str(err).splitlines()[0]}")
+    return ConfigError(f"invalid config{where}: {first_error_line(err)}")
 
 
 def _type_name(key: str) -> str:
@@ -119,7 +121,7 @@ def _parse_overrides(overrides: list[str]) -> DictConfig:
     try:
         return OmegaConf.from_dotlist(overrides)
     except OmegaConfBaseException as err:
-        raise ConfigError(f"cannot parse overrides: {str(err).splitlines()[0]}") from None
+        raise ConfigError(f"cannot parse overrides: {first_error_line(err)}") from None
 
 
 def _reject_env_interpolation(node: Any, origin: str) -> None:
@@ -172,8 +174,10 @@ def _list_of_keys(item: str) -> str:
     return f"{key}{sep}[{value}]"
 
 
-def load(recipe: str = "debug", overrides: Optional[list[str]] = None, world_size: int = 1) -> JobConfig:
-    """Recipe (built-in name or YAML path) + `key=value` overrides -> a validated JobConfig."""
+def load(recipe: str = "debug", overrides: Optional[list[str]] = None) -> JobConfig:
+    """Recipe (built-in name or YAML path) + `key=value` overrides -> a JobConfig, its types and the checks that
+    need nothing but the config done (`validate`). ember.run.load_config adds the features' checks: what a
+    command runs on."""
     overrides = [_list_of_keys(item) for item in _alias_overrides(list(overrides or []))]
     path = resolve_recipe(recipe)
     schema = OmegaConf.structured(JobConfig)
@@ -192,69 +196,8 @@ def load(recipe: str = "debug", overrides: Optional[list[str]] = None, world_siz
         cfg: JobConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as err:
         raise _explain(err, schema, "") from None
-    if cfg.model.init_from and not any(item.startswith("model.family=") for item in overrides):
-        cfg.model.family = _init_from_family(cfg.model.family, cfg.model.init_from)
-    validate(cfg, world_size)
+    validate(cfg)
     return cfg
-
-
-def _init_from_family(recipe_family: str, init_from: str) -> str:
-    """With model.init_from the architecture is the source's, its family too: a recipe's model.family is a default
-    that the source replaces. One given on the command line is kept, and refused if it contradicts the source."""
-    from ember.load import source_family  # local: loading pulls in torch
-
-    if not Path(init_from).expanduser().exists():  # validate says so, after the checks that need no source
-        return recipe_family
-    try:
-        return source_family(recipe_family, init_from)
-    except EmberError as err:
-        raise ConfigError(str(err)) from None
-
-
-def _check_eval_tasks(cfg: JobConfig) -> None:
-    """In-loop eval tasks: known names, data that exists, and a layout where every rank can run the whole
-    model forward on the same requests (data, fsdp, expert axes)."""
-    from ember.eval.tasks import HUB, TASK_ROWS, TASKS  # local: config stays importable on its own
-
-    if cfg.eval.batch_size < 1:
-        raise ConfigError(f"eval.batch_size must be >= 1, got {cfg.eval.batch_size}")
-    if cfg.eval.limit is not None and cfg.eval.limit < 1:
-        raise ConfigError(f"eval.limit must be >= 1 (null: every row), got {cfg.eval.limit}")
-    for i, task in enumerate(cfg.eval.tasks):
-        if task.name not in TASKS:
-            raise ConfigError(f"eval.tasks[{i}].name '{task.name}' is not one of {', '.join(TASKS)}")
-        if Path(task.data).expanduser().is_file():
-            TASK_ROWS[task.name](task.data)  # every row's fields and types, before training starts
-        elif not (task.name in HUB and task.data in (task.name, HUB[task.name][0])):
-            raise ConfigError(f"eval.tasks[{i}].data '{task.data}' is not a file; give a local jsonl"
-                              + (f" or '{task.name}' for the hub" if task.name in HUB else ""))
-    if cfg.eval.tasks and cfg.data.dataset == "synthetic" and cfg.data.tokenizer is None:
-        raise ConfigError("eval.tasks need a tokenizer, and data.dataset=synthetic has none; set data.tokenizer")
-
-
-def _check_chat_data(cfg: JobConfig) -> None:
-    """Chat SFT (data.messages_field, data.chat_template) and data.packing."""
-    from ember.data.chat import TEMPLATE_CHOICES  # local: config stays importable on its own
-
-    data = cfg.data
-    if data.chat_template not in TEMPLATE_CHOICES:
-        raise ConfigError(f"data.chat_template '{data.chat_template}' is not one of {', '.join(TEMPLATE_CHOICES)} "
-                          "(auto: the tokenizer folder's own template)")
-    if data.messages_field is not None:
-        if data.prompt_field:
-            raise ConfigError("data.messages_field (chat rows) and data.prompt_field (prompt/response rows) exclude "
-                              "each other; set one of them")
-        if data.streaming:
-            raise ConfigError("data.messages_field (chat SFT) reads whole files; set data.streaming=false")
-        if data.dataset == "synthetic" and not data.mixture:
-            raise ConfigError("data.messages_field (chat SFT) reads conversations, and synthetic tokens have none; "
-                              "set data.dataset=chat.jsonl")
-        # A missing tokenizer or dataset is refused when the run builds its tokenizer (chat.check_chat_source),
-        # before the model: the *-sft recipes leave both to the command line and still load for `ember recipes`.
-    if not data.packing and (data.streaming or (data.dataset == "synthetic" and not data.mixture)):
-        raise ConfigError("data.packing=false pads each document, read whole; synthetic tokens and streamed data "
-                          "have none: set data.packing=true")
-
 
 def _check_trackers(metrics: MetricsConfig) -> None:
     """metrics.wandb / metrics.mlflow need their package: said now, not after the model is built."""
@@ -333,11 +276,10 @@ def _check_resume_allow_changes(names: list[str]) -> None:
                               "name keys as overrides do, e.g. [data.dataset,seed]")
 
 
-def validate(cfg: JobConfig, world_size: int = 1) -> None:
-    """Cross-field checks that no type system catches; each names the keys to change."""
-    # local imports: config must stay importable on its own (and fast, without torch)
-    from ember.parallel.ac import POLICIES as REMAT_POLICIES
-
+def validate(cfg: JobConfig) -> None:
+    """The checks that need nothing but the config: ranges, names and combinations of keys, each naming the keys
+    to change. The checks that need a feature's code (data sources, eval tasks, the mesh against the model, LoRA)
+    live with the feature; ember.run.load_config runs them after these."""
     for key in ("max_steps", "global_batch_size", "micro_batch_size", "seq_len", "logging_steps"):
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"{key} must be positive, got {getattr(cfg, key)}")
@@ -360,20 +302,13 @@ def validate(cfg: JobConfig, world_size: int = 1) -> None:
     if cfg.checkpoint.interval < 0 or cfg.checkpoint.keep < 0 or cfg.checkpoint.keep_every < 0:
         raise ConfigError("checkpoint.interval, checkpoint.keep and checkpoint.keep_every must be >= 0")
     _check_output_dir(cfg.output_dir)
-    from ember.data.sources import check_source_exists  # local: config stays importable on its own
-
-    try:  # a mistyped data path fails here, once, not in every rank after the model is built
-        for key, source in [("data.dataset", cfg.data.dataset)] + [
-                (f"data.mixture[{i}].source", item.source) for i, item in enumerate(cfg.data.mixture)]:
-            check_source_exists(source, key)
-    except EmberError as err:
-        raise ConfigError(str(err)) from None
-    _check_eval_tasks(cfg)
+    if cfg.eval.batch_size < 1:
+        raise ConfigError(f"eval.batch_size must be >= 1, got {cfg.eval.batch_size}")
+    if cfg.eval.limit is not None and cfg.eval.limit < 1:
+        raise ConfigError(f"eval.limit must be >= 1 (null: every row), got {cfg.eval.limit}")
     if cfg.resume not in ("auto", "none") and not Path(cfg.resume).expanduser().exists():
         raise ConfigError(f"resume={cfg.resume}: no such checkpoint; give a checkpoints/step-N path, auto or none")
     _check_resume_allow_changes(cfg.resume_allow_changes)
-    if cfg.model.remat not in REMAT_POLICIES:
-        raise ConfigError(f"model.remat '{cfg.model.remat}' is not one of {', '.join(REMAT_POLICIES)}")
     if cfg.model.remat_every < 1:
         raise ConfigError(f"model.remat_every must be >= 1, got {cfg.model.remat_every}")
     for i, part in enumerate(cfg.data.mixture):
@@ -386,7 +321,6 @@ def validate(cfg: JobConfig, world_size: int = 1) -> None:
         raise ConfigError("data.document_mask needs documents; synthetic tokens have none: set data.document_mask=false")
     if cfg.data.prompt_field and cfg.data.streaming:
         raise ConfigError("data.prompt_field (SFT) reads whole files; set data.streaming=false")
-    _check_chat_data(cfg)
     _check_dpo(cfg)
     _check_trackers(cfg.metrics)
     if cfg.profile.step < 1 or cfg.profile.steps < 1:
@@ -397,121 +331,10 @@ def validate(cfg: JobConfig, world_size: int = 1) -> None:
                           f"choose profile.step in 1-{cfg.max_steps}")
     if cfg.data.mixture and cfg.data.dataset == "synthetic":
         raise ConfigError("data.mixture and data.dataset=synthetic exclude each other; drop one of them")
-    shape = mesh_shape(cfg, world_size)
-    per_step = cfg.micro_batch_size * shape.dp
-    if cfg.global_batch_size % per_step:
-        raise ConfigError(
-            f"global_batch_size={cfg.global_batch_size} is not divisible by micro_batch_size x data-parallel size "
-            f"= {cfg.micro_batch_size} x {shape.dp} = {per_step}; change global_batch_size or micro_batch_size"
-        )
-    try:
-        args = model_choice(cfg).args  # with model.init_from: the source's architecture (read, not loaded)
-    except EmberError as err:
-        raise ConfigError(str(err)) from None
-    if cfg.seq_len > args.max_seq_len:
-        raise ConfigError(
-            f"seq_len={cfg.seq_len} exceeds the model's max_seq_len={args.max_seq_len} "
-            f"({cfg.model.family} {cfg.model.flavor}); lower seq_len or set model.max_seq_len"
-        )
-    _validate_parallel(cfg, shape, args)
     if cfg.lora.rank < 0:
         raise ConfigError(f"lora.rank must be >= 0 (0: LoRA off), got {cfg.lora.rank}")
-    if cfg.lora.rank:
-        from ember.finetune.lora import check_lora  # local: config stays importable on its own
-
-        check_lora(cfg.lora, cfg.model.family, args, cfg.model.init_from)
-
-
-def mesh_shape(cfg: JobConfig, world_size: int) -> Any:
-    """The resolved ici x dcn degrees for `world_size` processes, or a ConfigError naming the numbers."""
-    from ember.parallel.mesh_shape import MeshError, resolve_mesh
-
-    try:
-        return resolve_mesh(cfg.ici_mesh, cfg.dcn_mesh, world_size)
-    except MeshError as err:
-        raise ConfigError(str(err)) from None
-
-
-def _validate_parallel(cfg: JobConfig, shape: Any, args: Any) -> None:
-    if cfg.eval.tasks and any(shape.degree(a) > 1 for a in ("tensor", "pipeline", "context")):
-        raise ConfigError("eval.tasks run the whole model on every rank: they work with the data, fsdp and expert "
-                          "axes; use `ember eval` on the checkpoint for tensor, pipeline or context layouts")
-    par = cfg.parallel
-    tp, pp, cp = shape.degree("tensor"), shape.degree("pipeline"), shape.degree("context")
-    ep = shape.degree("expert")
-    n_experts = getattr(args, "n_experts", None)
-    if ep > 1 and not n_experts:
-        raise ConfigError(
-            f"expert parallelism (expert={ep}) needs a mixture-of-experts model; "
-            f"{cfg.model.family} has no experts: set ici_mesh.expert=1 and dcn_mesh.expert=1"
-        )
-    if ep > 1 and n_experts % ep:
-        raise ConfigError(f"expert-parallel degree {ep} does not divide model.n_experts={n_experts}; "
-                          f"choose an expert degree that divides it")
-    if tp > 1:
-        for what, n in (("model.n_heads", args.n_heads), ("model.n_kv_heads", args.kv_heads),
-                        ("the FFN hidden size", args.ffn_hidden_dim), ("seq_len", cfg.seq_len)):
-            if n % tp:
-                raise ConfigError(
-                    f"tensor-parallel degree {tp} does not divide {what}={n}; choose a tensor degree that divides it"
-                )
-    if cp > 1 and cfg.seq_len % (2 * cp):
-        raise ConfigError(
-            f"context-parallel degree {cp} needs seq_len divisible by 2 x {cp} = {2 * cp} (load-balanced "
-            f"head-tail chunks), got seq_len={cfg.seq_len}"
-        )
-    if par.cp_impl not in CP_IMPLS:
-        raise ConfigError(f"parallel.cp_impl '{par.cp_impl}' is not one of {', '.join(CP_IMPLS)}")
-    from ember.parallel.pp import SCHEDULES as PP_SCHEDULES
-
-    if par.pp_schedule not in PP_SCHEDULES:
-        raise ConfigError(f"parallel.pp_schedule '{par.pp_schedule}' is not one of {', '.join(PP_SCHEDULES)}")
-    if pp > 1:
-        stages = pp * par.pp_stages_per_rank
-        if par.pp_schedule == "interleaved_1f1b" and par.pp_stages_per_rank < 2:
-            raise ConfigError("parallel.pp_schedule=interleaved_1f1b needs parallel.pp_stages_per_rank >= 2")
-        if par.pp_schedule != "interleaved_1f1b" and par.pp_stages_per_rank != 1:
-            raise ConfigError(
-                f"parallel.pp_schedule={par.pp_schedule} runs one stage per rank; set parallel.pp_stages_per_rank=1 "
-                f"or use interleaved_1f1b"
-            )
-        if args.n_layers < stages:
-            raise ConfigError(
-                f"{stages} pipeline stages (pipeline={pp} x pp_stages_per_rank={par.pp_stages_per_rank}) need at "
-                f"least as many layers, got model.n_layers={args.n_layers}"
-            )
-        microbatches = cfg.micro_batch_size if par.pp_microbatches == -1 else par.pp_microbatches
-        if microbatches < 1 or cfg.micro_batch_size % microbatches:
-            raise ConfigError(
-                f"parallel.pp_microbatches={par.pp_microbatches} must divide micro_batch_size={cfg.micro_batch_size}"
-            )
-        if par.pp_schedule == "1f1b" and microbatches < pp:
-            raise ConfigError(
-                f"1f1b needs at least as many pipeline micro-batches as stages: parallel.pp_microbatches={microbatches} "
-                f"< pipeline={pp}; raise parallel.pp_microbatches (or -1: one per sequence) or use pp_schedule=gpipe"
-            )
-        if par.pp_schedule == "interleaved_1f1b" and microbatches % pp:
-            raise ConfigError(
-                f"interleaved_1f1b needs the pipeline micro-batches ({microbatches}) to be a multiple of pipeline={pp}"
-            )
-        if args.tie_embeddings:
-            raise ConfigError(
-                f"{cfg.model.family} {cfg.model.flavor} ties its embedding to its output projection, which pipeline "
-                f"stages split apart; use pipeline=1 (FSDP/TP scale it fine)"
-            )
-        if cp > 1:
-            raise ConfigError("context and pipeline parallelism together are not supported yet; set one of them to 1")
-    if cfg.data.document_mask and (cp > 1 or pp > 1):
-        raise ConfigError("data.document_mask does not run with context or pipeline parallelism yet; "
-                          "set data.document_mask=false or use data/fsdp/tensor axes")
-
-
-def model_choice(cfg: JobConfig) -> Any:
-    """The run's model (ember.load.ModelChoice: family, flavor, args, source): the recipe's flavor with the
-    model.* overrides, or with model.init_from the source's architecture."""
-    from ember.load import resolve_model  # local: loading pulls in torch
-
-    return resolve_model(cfg.model.family, cfg.model.flavor, model_overrides(cfg.model), cfg.model.init_from)
+    if cfg.parallel.cp_impl not in CP_IMPLS:
+        raise ConfigError(f"parallel.cp_impl '{cfg.parallel.cp_impl}' is not one of {', '.join(CP_IMPLS)}")
 
 
 def model_overrides(model: ModelConfig) -> dict[str, Any]:

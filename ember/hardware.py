@@ -25,8 +25,6 @@ import torch
 from ember.constants import default_cache_dir
 from ember.device import cpu_runs_bf16_natively
 # Re-exported: train, run, eval, generate and plan import these from ember.hardware.
-from ember.cpu_allocator import keep_freed_cpu_memory  # noqa: F401
-from ember.device import pick_compute_dtype, pick_device  # noqa: F401
 
 
 @dataclass(frozen=True)

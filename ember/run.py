@@ -22,13 +22,14 @@ from torch import nn
 
 from ember import config as config_lib
 from ember.config_schema import JobConfig
-from ember.errors import ConfigError
+from ember.errors import ConfigError, EmberError
 from ember.finetune import base_fingerprint
 from ember.finetune import lora as lora_lib
-from ember.hardware import pick_compute_dtype
+from ember.device import pick_compute_dtype
 from ember.models import MODELS, ModelSpec
 from ember.nn.loss import output_chunks
-from ember.parallel.mesh_shape import MeshShape
+from ember.load import ModelChoice, resolve_model
+from ember.parallel.mesh_shape import MeshError, MeshShape, resolve_mesh
 from ember.parallel.parallelize import ParallelOptions
 
 
@@ -43,6 +44,76 @@ def uses_fsdp_mixed_precision(cfg: JobConfig, shape: MeshShape, compute_dtype: t
     """FSDP's mixed precision (low-precision parameters, fp32 gradient reduction) instead of autocast: where
     FSDP reduces gradients over more than one rank, parallel.mixed_precision is on, and compute is not fp32."""
     return shape.grad_sync > 1 and cfg.parallel.mixed_precision and compute_dtype != torch.float32
+
+
+def load_config(recipe: str = "debug", overrides: Optional[list[str]] = None, world_size: int = 1) -> JobConfig:
+    """Recipe + `key=value` overrides -> the JobConfig a command runs: merged and type-checked by ember.config,
+    the family taken from model.init_from's source, then every feature's checks (`check`), before any work."""
+    overrides = list(overrides or [])
+    cfg = config_lib.load(recipe, overrides)
+    if cfg.model.init_from and not any(item.startswith("model.family=") for item in overrides):
+        cfg.model.family = _init_from_family(cfg.model.family, cfg.model.init_from)
+    check(cfg, world_size)
+    return cfg
+
+
+def check(cfg: JobConfig, world_size: int) -> None:
+    """The checks that need a feature's code, each with its feature: data sources, eval tasks, chat data, the
+    mesh and batch against the world, the model's architecture (model.init_from's read, not loaded), the
+    parallel layout against it, and LoRA. Each is one ConfigError naming the keys."""
+    from ember.data import chat, sources
+    from ember.eval import tasks
+    from ember.parallel import checks as parallel_checks
+
+    sources.check(cfg)
+    tasks.check(cfg)
+    chat.check(cfg)
+    shape = mesh_shape(cfg, world_size)
+    per_step = cfg.micro_batch_size * shape.dp
+    if cfg.global_batch_size % per_step:
+        raise ConfigError(
+            f"global_batch_size={cfg.global_batch_size} is not divisible by micro_batch_size x data-parallel size "
+            f"= {cfg.micro_batch_size} x {shape.dp} = {per_step}; change global_batch_size or micro_batch_size")
+    args = model_choice(cfg).args
+    if cfg.seq_len > args.max_seq_len:
+        raise ConfigError(f"seq_len={cfg.seq_len} exceeds the model's max_seq_len={args.max_seq_len} "
+                          f"({cfg.model.family} {cfg.model.flavor}); lower seq_len or set model.max_seq_len")
+    parallel_checks.check(cfg, shape, args)
+    if cfg.lora.rank:
+        lora_lib.check_lora(cfg.lora, cfg.model.family, args, cfg.model.init_from)
+
+
+def _init_from_family(recipe_family: str, init_from: str) -> str:
+    """With model.init_from the architecture is the source's, its family too: a recipe's model.family is a default
+    that the source replaces. One given on the command line is kept, and refused if it contradicts the source."""
+    from ember.load import source_family
+
+    if not Path(init_from).expanduser().exists():  # model_choice says so, after the checks that need no source
+        return recipe_family
+    try:
+        return source_family(recipe_family, init_from)
+    except EmberError as err:
+        raise ConfigError(str(err)) from None
+
+
+def mesh_shape(cfg: JobConfig, world_size: int) -> MeshShape:
+    """The resolved ici x dcn degrees for `world_size` processes, or a ConfigError naming the numbers."""
+    try:
+        return resolve_mesh(cfg.ici_mesh, cfg.dcn_mesh, world_size)
+    except MeshError as err:
+        raise ConfigError(str(err)) from None
+
+
+def model_choice(cfg: JobConfig) -> ModelChoice:
+    """The run's model (family, flavor, args, source): the recipe's flavor with the model.* overrides, or with
+    model.init_from the source's architecture (read, not loaded)."""
+    try:
+        return resolve_model(cfg.model.family, cfg.model.flavor, config_lib.model_overrides(cfg.model),
+                             cfg.model.init_from)
+    except ConfigError:
+        raise
+    except EmberError as err:
+        raise ConfigError(str(err)) from None
 
 
 @dataclass(frozen=True)
@@ -102,8 +173,8 @@ def resolve(cfg: JobConfig, world_size: int, device: torch.device,
     """The RunSpec of `cfg` on `world_size` processes of `device`. `compute_dtype`: the planner's, for a device
     this machine may not have (its hardware table decides); None: picked for `device`, this machine's, against
     which the options that need a kind of device are checked (one line each, before any work)."""
-    shape = config_lib.mesh_shape(cfg, world_size)
-    choice = config_lib.model_choice(cfg)
+    shape = mesh_shape(cfg, world_size)
+    choice = model_choice(cfg)
     if compute_dtype is None:
         compute_dtype = pick_compute_dtype(cfg.precision, device, frozen_base=cfg.lora.rank > 0)
         check_device_options(cfg, shape, device)

@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional, Sequence
 import yaml
 
 from ember import config as config_lib
-from ember.errors import CheckpointError
+from ember.errors import CheckpointError, first_error_line
 
 HISTORY_DIR = "config_history"
 CHECKPOINT_CONFIG = "run_config.yaml"
@@ -104,7 +104,7 @@ def resume_changes(step_dir: Path, run_config: dict[str, Any], allowed: Sequence
     try:
         saved = yaml.safe_load(saved_file.read_text(encoding="utf-8")) or {}
     except (yaml.YAMLError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{saved_file} does not parse ({str(err).splitlines()[0]}); restore it, or start "
+        raise CheckpointError(f"{saved_file} does not parse ({first_error_line(err)}); restore it, or start "
                               "over with resume=none") from None
     found = changes(saved, run_config)
     fixed = [c for c in found if any(_covers(name, c.key) for name in FIXED)]

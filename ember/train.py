@@ -30,7 +30,9 @@ from ember.errors import DataError
 from ember.eval.distributed import EvalRanks
 from ember.eval.tasks import run_tasks
 from ember.finetune import dpo as dpo_lib
-from ember.hardware import keep_freed_cpu_memory, peak_flops, pick_device
+from ember.cpu_allocator import keep_freed_cpu_memory
+from ember.device import pick_device
+from ember.hardware import peak_flops
 from ember.health import HealthGuard, StopSignals, TrainingStopped
 from ember.metrics import (MetricsLogger, plural, print_header, progress_bar, raise_peak_if_beaten, run_record,
                            throughput_record)

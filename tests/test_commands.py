@@ -151,11 +151,11 @@ def test_only_argparse_exits_are_usage(monkeypatch: pytest.MonkeyPatch):
 def test_eval_keys_are_the_configs_eval_section():
     """`ember eval`'s eval.* keys merge into EvalConfig (with ppl's window): one default (limit None: every row,
     as in training), the config's types (null unsets), and one line naming a bad key."""
-    from ember import config as config_lib
+    from ember import run as run_lib
     from ember.commands.eval import EvalOptions, parse
     from ember.config_schema import EvalConfig
 
-    assert config_lib.load("debug").eval.limit is None and EvalConfig().limit is None
+    assert run_lib.load_config("debug").eval.limit is None and EvalConfig().limit is None
     options = parse(["run", "lambada=l.jsonl"]).options
     assert isinstance(options, EvalConfig) and (options.limit, options.batch_size) == (None, 16)
     options = parse(["run", "lambada=l.jsonl", "ppl", "eval.limit=5", "eval.batch_size=4", "eval.split=train",

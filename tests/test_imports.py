@@ -151,3 +151,12 @@ def test_the_report_check_follows_imports_through_ember():
     # Pins the checker itself: mesh.py imports torch.distributed, train.py torch; mesh_shape.py is plain arithmetic.
     assert "torch.distributed" in _loaded_by({"ember.parallel.mesh"}) and "torch" in _loaded_by({"ember.train"})
     assert "torch" not in _loaded_by({"ember.parallel.mesh_shape"})
+
+
+def test_config_imports_nothing_of_ember_but_its_schema():
+    """Config loading and merging (ember/config.py) depend on the schema and its errors only, anywhere in the file:
+    the checks that need a feature's code live with the feature (ember.run.load_config calls them)."""
+    ember_imports = {m for m in _imports("ember.config") if m == "ember" or m.startswith("ember.")}
+    assert ember_imports <= {"ember.config_schema", "ember.errors"}, ember_imports
+    assert {m for m in _loaded_by({"ember.config"}) if m in MODULES} - {"ember"} <= {
+        "ember.config", "ember.config_schema", "ember.errors"}

@@ -49,7 +49,7 @@ def test_uses_fsdp_mixed_precision(cfg, shape, dtype, expected):
 
 
 def _tiny(tmp_path: Path, *extra: str, world: int = 1) -> config_lib.JobConfig:
-    return config_lib.load("debug", ["data.dataset=synthetic", "model.n_layers=1", "model.dim=64", "model.n_heads=4",
+    return run_lib.load_config("debug", ["data.dataset=synthetic", "model.n_layers=1", "model.dim=64", "model.n_heads=4",
                                      "model.n_kv_heads=2", "seq_len=16", "global_batch_size=2", "micro_batch_size=2",
                                      "max_steps=1", "metrics.console=false", f"output_dir={tmp_path}", *extra],
                            world_size=world)

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from ember.commands import as_rank, wants_help, world_size
 from ember.config_schema import EvalConfig
-from ember.errors import ConfigError, UserFileNotFound
+from ember.errors import ConfigError, UserFileNotFound, first_error_line
 from ember.launch.local import launch_local, split_launch_flags
 
 USAGE = """usage: ember eval PATH TASK[=DATA] ... [key=value ...] [--output FILE] [--tokenizer FILE]
@@ -130,7 +130,8 @@ def _split_mesh_keys(argv: list[str]) -> tuple[list[str], dict[str, dict[str, in
 def _load(path: str, meshes: dict[str, dict[str, int]]) -> tuple[Any, Any]:
     """The model and this process's EvalRanks: on one process load_model; under torchrun (or with mesh keys)
     sharded over the mesh."""
-    from ember.eval.distributed import EvalRanks, load_sharded
+    from ember.eval.distributed import EvalRanks
+    from ember.eval.sharded import load_sharded
     from ember.load import load_model
 
     if world_size() > 1 or any(meshes.values()):
@@ -161,7 +162,7 @@ def _read_previous(target: Path, path: Path) -> dict[str, Any]:
     try:
         previous = json.loads(target.read_text())
     except (OSError, ValueError) as err:
-        raise ConfigError(f"{target} exists and is not an eval.json ember can add to ({str(err).splitlines()[0]}); "
+        raise ConfigError(f"{target} exists and is not an eval.json ember can add to ({first_error_line(err)}); "
                           "move it aside or pass another --output") from None
     if not isinstance(previous, dict) or not isinstance(previous.get("results"), dict):
         raise ConfigError(f"{target} exists and is not an eval.json ({{model, step, results}}); move it aside or "
@@ -343,7 +344,7 @@ def _eval_data_config(path: str, dataset: Optional[str], overrides: list[str]) -
         base = OmegaConf.merge(base, OmegaConf.from_dotlist(dotlist))
         data_cfg = OmegaConf.to_object(base)
     except OmegaConfBaseException as err:
-        raise ConfigError(f"bad data key for ppl: {str(err).splitlines()[0]}") from None
+        raise ConfigError(f"bad data key for ppl: {first_error_line(err)}") from None
     if not dataset and not any(o.startswith("data.dataset=") for o in overrides) and config_yaml:
         _check_run_dataset(data_cfg.dataset, config_yaml)
     return data_cfg
@@ -354,12 +355,12 @@ def _check_run_dataset(spec: str, config_yaml: Path) -> None:
     directory: where it is not there, say where it came from and how to point at it."""
     import glob
 
-    from ember.data.sources import EMBEDDED, SYNTHETIC, _looks_like_path
+    from ember.data.sources import EMBEDDED, SYNTHETIC, looks_like_path
 
     local = Path(spec).expanduser()
     if spec in (EMBEDDED, SYNTHETIC) or local.is_absolute():
         return
-    missing = not glob.glob(spec) if glob.has_magic(spec) else not local.exists() and _looks_like_path(spec)
+    missing = not glob.glob(spec) if glob.has_magic(spec) else not local.exists() and looks_like_path(spec)
     if missing:
         raise UserFileNotFound(f"data.dataset '{spec}' comes from {config_yaml} and is read relative to the current "
                                f"directory ({Path.cwd()}), where it is not; run from the directory the run was started "

@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from ember.generate import check_max_new_tokens, generate, prompt_ids, sampling_temperature, tokenizer_for
-    from ember.hardware import pick_device
+    from ember.device import pick_device
     from ember.load import load_model
 
     # Every argument is checked before anything is printed: a streamed prompt followed by an error would run

@@ -62,9 +62,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def run(args: argparse.Namespace) -> int:
     """Plan, print, write."""
-    from ember import config as config_lib
 
-    cfg = config_lib.load(args.recipe, args.overrides, world_size=args.world)
+    from ember import run as run_lib
+    cfg = run_lib.load_config(args.recipe, args.overrides, world_size=args.world)
     plan = make_plan(cfg, args.world, args.nodes, args.device, args.search)
     text = json.dumps(plan.to_json(), indent=1) + "\n"
     # --json prints plan.json instead of the table and writes no file, unless --output names one

@@ -22,13 +22,15 @@ def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from ember import config as config_lib
+
+    from ember import run as run_lib
     from ember.models import MODELS, build_model_args
 
     table = Table(title="ember recipes")
     for column in ("recipe", "family", "flavor", "parameters", "active", "seq_len", "global batch", "tokens/step"):
         table.add_column(column, justify="left" if column in ("recipe", "family", "flavor") else "right", no_wrap=True)
     for name in config_lib.recipe_names():
-        cfg = config_lib.load(name)
+        cfg = run_lib.load_config(name)
         spec = MODELS[cfg.model.family]
         model_args = build_model_args(cfg.model.family, cfg.model.flavor, config_lib.model_overrides(cfg.model))
         with torch.device("meta"):  # shapes only: 405B costs no memory here

@@ -35,12 +35,12 @@ def parse(argv: list[str], command: str = "train") -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ember import config as config_lib
 
+    from ember import run as run_lib
     if args.flags:
         return launch_local(args.flags, "train", args.argv,
-                            lambda world: config_lib.load(args.recipe, args.overrides, world_size=world))
-    cfg = config_lib.load(args.recipe, args.overrides, world_size=world_size())
+                            lambda world: run_lib.load_config(args.recipe, args.overrides, world_size=world))
+    cfg = run_lib.load_config(args.recipe, args.overrides, world_size=world_size())
     from ember.train import Trainer, TrainingStopped  # imported after validation so config errors come back at once
 
     trainer = Trainer(cfg)

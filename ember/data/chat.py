@@ -30,7 +30,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ember.errors import DataError, first_error_line
+from ember.config_schema import JobConfig
+from ember.errors import ConfigError, DataError, first_error_line
 
 ROLES = ("system", "user", "assistant")
 AUTO = "auto"
@@ -286,3 +287,26 @@ def encode_conversations(conversations: list[list[dict]], tokenizer: Any, templa
                 ids, mask = ids + [tokenizer.eos_id], np.append(mask, np.uint8(0))
             out.append((np.asarray(ids, dtype=dtype), mask))
     return out
+
+
+def check(cfg: JobConfig) -> None:
+    """Chat SFT (data.messages_field, data.chat_template) and data.packing, against the rest of the config
+    (ember.run.load_config calls this)."""
+    data = cfg.data
+    if data.chat_template not in TEMPLATE_CHOICES:
+        raise ConfigError(f"data.chat_template '{data.chat_template}' is not one of {', '.join(TEMPLATE_CHOICES)} "
+                          "(auto: the tokenizer folder's own template)")
+    if data.messages_field is not None:
+        if data.prompt_field:
+            raise ConfigError("data.messages_field (chat rows) and data.prompt_field (prompt/response rows) exclude "
+                              "each other; set one of them")
+        if data.streaming:
+            raise ConfigError("data.messages_field (chat SFT) reads whole files; set data.streaming=false")
+        if data.dataset == "synthetic" and not data.mixture:
+            raise ConfigError("data.messages_field (chat SFT) reads conversations, and synthetic tokens have none; "
+                              "set data.dataset=chat.jsonl")
+        # A missing tokenizer or dataset is refused when the run builds its tokenizer (chat.check_chat_source),
+        # before the model: the *-sft recipes leave both to the command line and still load for `ember recipes`.
+    if not data.packing and (data.streaming or (data.dataset == "synthetic" and not data.mixture)):
+        raise ConfigError("data.packing=false pads each document, read whole; synthetic tokens and streamed data "
+                          "have none: set data.packing=true")

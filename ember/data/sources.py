@@ -22,7 +22,8 @@ from typing import Any, Callable, Iterable, Optional, Union
 
 from ember.data.hub import import_datasets, load_hub_table
 from ember.data.jsonl import json_rows
-from ember.errors import DataError, UserFileNotFound, first_error_line
+from ember.config_schema import JobConfig
+from ember.errors import ConfigError, DataError, EmberError, UserFileNotFound, first_error_line
 
 EMBEDDED = "embedded"
 SYNTHETIC = "synthetic"
@@ -185,11 +186,11 @@ def check_source_exists(spec: str, key: str) -> None:
     that named it). Whether an existing path holds readable data is found when it is read."""
     if spec in (EMBEDDED, SYNTHETIC) or glob.has_magic(spec):
         return
-    if not Path(spec).expanduser().exists() and _looks_like_path(spec):
+    if not Path(spec).expanduser().exists() and looks_like_path(spec):
         raise UserFileNotFound(f"{key} path '{spec}' does not exist; check the path")
 
 
-def _looks_like_path(spec: str) -> bool:
+def looks_like_path(spec: str) -> bool:
     # Hub names are `name` or `owner/name`; anything else that is not on disk is a mistyped path.
     return spec.startswith(("/", ".", "~")) or Path(spec).suffix in LOCAL_SUFFIXES or spec.count("/") > 1
 
@@ -356,7 +357,7 @@ def load_documents(data_cfg: Any, split: str = "train") -> Documents:
     files = local_files(spec)
     if files is not None:
         return load_local(spec, files, fields, split, data_cfg.val_fraction)
-    if _looks_like_path(spec):
+    if looks_like_path(spec):
         raise UserFileNotFound(f"data.dataset path '{spec}' does not exist; check the path")
     return load_hub(spec, data_cfg.config, data_cfg.split, fields, split, data_cfg.val_fraction)
 
@@ -374,3 +375,15 @@ def source_fingerprint(data_cfg: Any) -> Optional[str]:
     if fields.messages is None:  # unchanged for text and SFT data, so their existing caches stay valid
         return short_hash("local", stats, data_cfg.text_field, data_cfg.val_fraction, fields.prompt)
     return short_hash("local", stats, data_cfg.val_fraction, fields.messages)
+
+
+def check(cfg: JobConfig) -> None:
+    """data.dataset and each data.mixture source: a mistyped path fails here, once, not in every rank after the
+    model is built (ember.run.load_config calls this)."""
+    sources = [("data.dataset", cfg.data.dataset)] + [(f"data.mixture[{i}].source", item.source)
+                                                      for i, item in enumerate(cfg.data.mixture)]
+    try:
+        for key, source in sources:
+            check_source_exists(source, key)
+    except EmberError as err:
+        raise ConfigError(str(err)) from None

@@ -23,6 +23,7 @@ from torch import nn
 
 from ember.data.hub import load_hub_table
 from ember.data.jsonl import read_json_rows
+from ember.config_schema import JobConfig
 from ember.errors import ConfigError, DataError, UserFileNotFound
 from ember.eval.distributed import EvalRanks
 from ember.eval.scoring import loglikelihood, rolling_logprob
@@ -246,3 +247,18 @@ def run_tasks(model: nn.Module, tokenizer: Any, tasks: list[Any], limit: Optiona
         metrics = TASKS[task.name](model, tokenizer, task.data, limit, batch_size, ranks)
         results.update({f"eval/{task.name}/{k}": v for k, v in metrics.items()})
     return results
+
+
+def check(cfg: JobConfig) -> None:
+    """In-loop eval tasks (eval.tasks): known names, and data that exists with every row's fields and types,
+    before training starts (ember.run.load_config calls this)."""
+    for i, task in enumerate(cfg.eval.tasks):
+        if task.name not in TASKS:
+            raise ConfigError(f"eval.tasks[{i}].name '{task.name}' is not one of {', '.join(TASKS)}")
+        if Path(task.data).expanduser().is_file():
+            TASK_ROWS[task.name](task.data)  # every row's fields and types, before training starts
+        elif not (task.name in HUB and task.data in (task.name, HUB[task.name][0])):
+            raise ConfigError(f"eval.tasks[{i}].data '{task.data}' is not a file; give a local jsonl"
+                              + (f" or '{task.name}' for the hub" if task.name in HUB else ""))
+    if cfg.eval.tasks and cfg.data.dataset == "synthetic" and cfg.data.tokenizer is None:
+        raise ConfigError("eval.tasks need a tokenizer, and data.dataset=synthetic has none; set data.tokenizer")

@@ -25,9 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ember.config_schema import DataConfig, DPOConfig
 from ember.constants import IGNORE_INDEX
 from ember.data.hub import import_datasets
 from ember.data.jsonl import read_json_rows
+from ember.data.loader import TrainLoader
 from ember.errors import DataError, UserFileNotFound
 
 
@@ -235,9 +237,9 @@ def _encode_chat_pair(chat: Any, template: Any, encoder: Any, prompt: list, resp
     return list(ids[:first]), list(ids[first:last + 1])
 
 
-def build_pair_loader(data_cfg: Any, tokenizer: Any, *, dpo_cfg: Any, split: str, seq_len: int,
+def build_pair_loader(data_cfg: DataConfig, tokenizer: Any, *, dpo_cfg: DPOConfig, split: str, seq_len: int,
                       micro_batch_size: int, dp_rank: int, dp_world: int, seed: int,
-                      vocab_size: Optional[int] = None) -> Any:
+                      vocab_size: Optional[int] = None) -> TrainLoader:
     """The TokenLoader of one split of the pairs in data.dataset: the last data.val_fraction of the pairs (at
     least one) are held out for validation, the rest train. (vocab_size: build_loader's interface; the trainer
     has checked that the tokenizer fits the model.)"""

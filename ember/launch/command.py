@@ -39,8 +39,8 @@ def check_job(job: TrainJob) -> tuple[TrainJob, Any]:
     """Validate the job's config for its world size now, on the submitting machine, so that a typo fails in a
     second instead of after the queue. Returns the job with the dcn_mesh inferred (see `infer_dcn_mesh`) and
     the loaded JobConfig."""
-    from ember import config as config_lib
 
+    from ember import run as run_lib
     for name, value in (("--nodes", job.nodes), ("--nproc-per-node", job.nproc_per_node)):
         if value < 1:
             raise ConfigError(f"{name} must be >= 1, got {value}")
@@ -48,7 +48,7 @@ def check_job(job: TrainJob) -> tuple[TrainJob, Any]:
         if "=" not in item:
             raise ConfigError(f"expected key=value after the recipe, got '{item}' (e.g. max_steps=50)")
     job = infer_dcn_mesh(job)
-    return job, config_lib.load(job.recipe, job.overrides, world_size=job.world_size)
+    return job, run_lib.load_config(job.recipe, job.overrides, world_size=job.world_size)
 
 
 def gpu_request(job: TrainJob, device: str, gpus_flag: bool) -> tuple[int, str]:
@@ -75,6 +75,7 @@ def infer_dcn_mesh(job: TrainJob) -> TrainJob:
     import yaml
 
     from ember import config as config_lib
+
 
     if job.nodes == 1 or any(item.startswith("dcn_mesh.") for item in job.overrides):
         return job

@@ -27,7 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ember import config as config_lib
+
+from ember import run as run_lib
 from ember.plan.memory import step_memory_tracker, total_bytes
 from ember.train import Trainer
 
@@ -105,10 +106,10 @@ def measure_layouts(world: int, cases: dict[str, list[str]], out: Path, recipe: 
 def compare(world: int, name: str, overrides: list[str], measured: list[dict[str, int]], recipe: str = RECIPE,
             base: list[str] = BASE) -> list[dict[str, Any]]:
     """One row per rank: the plan's bytes beside the measured ones."""
-    from ember import config as config_lib
+    from ember import run as run_lib
     from ember.plan.planner import make_plan
 
-    cfg = config_lib.load(recipe, [*base, *overrides], world_size=world)
+    cfg = run_lib.load_config(recipe, [*base, *overrides], world_size=world)
     plan = make_plan(cfg, world, device="cpu")
     rows = []
     for planned, real in zip(plan.ranks, measured):
@@ -128,7 +129,7 @@ def main() -> None:
         out_dir = os.path.join(out_path + ".runs", name.replace(" ", "_"))
         if rank == 0:
             shutil.rmtree(out_dir, ignore_errors=True)
-        cfg = config_lib.load(recipe, [*base, *overrides, f"output_dir={out_dir}", "metrics.console=false"],
+        cfg = run_lib.load_config(recipe, [*base, *overrides, f"output_dir={out_dir}", "metrics.console=false"],
                               world_size=world)
         measured = measure(Trainer(cfg))
         gathered = [None] * world

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import torch
 
-from ember import hardware
+from ember import device as device_lib
 from ember.errors import ConfigError
 from ember.parallel import pp as pp_lib
 from ember.parallel.mesh import AXES, ParallelMesh, rank_grid
@@ -85,10 +85,10 @@ class Plan:
 
 
 def compute_dtype(precision: str, device: str, frozen_base: bool = False) -> torch.dtype:
-    """The trainer's choice (ember.hardware.pick_compute_dtype): on `--device cpu` this machine's CPU decides
+    """The trainer's choice (ember.device.pick_compute_dtype): on `--device cpu` this machine's CPU decides
     (a LoRA base runs bf16 where it has bf16 matmuls); accelerators in the table all run bf16."""
     if device == "cpu":
-        return hardware.pick_compute_dtype(precision, torch.device("cpu"), frozen_base=frozen_base)
+        return device_lib.pick_compute_dtype(precision, torch.device("cpu"), frozen_base=frozen_base)
     return torch.float32 if precision == "fp32" else torch.bfloat16
 
 

@@ -3,8 +3,6 @@
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +11,7 @@ import transformers
 
 from ember import cli
 from ember import config as config_lib
+from ember import run as run_lib
 from ember.model_meta import check_architecture
 from ember.errors import CheckpointError
 from ember.convert import convert, save_ember_checkpoint
@@ -20,6 +19,7 @@ from ember.load import load_model
 from ember.models import MODELS, build_model_args
 from ember.models.llama import Transformer
 from ember.train import Trainer
+from tests.helpers import run_ember, tiny_model
 
 
 def _model(family: str) -> Transformer:
@@ -30,15 +30,11 @@ def _model(family: str) -> Transformer:
     return model.eval()
 
 
-def _convert(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ember", "convert", *args], capture_output=True, text=True, timeout=300)
-
-
 @pytest.mark.parametrize("family", ["llama3.1", "llama3.2"])  # rope scaling and GQA; tied embeddings
 def test_export_loads_in_transformers_with_the_same_logits(tmp_path: Path, family: str):
     model = _model(family)
     save_ember_checkpoint(model, family, "debug", model.args, tmp_path / "run" / "checkpoints" / "step-3")
-    proc = _convert(str(tmp_path / "run"), str(tmp_path / "hf"))
+    proc = run_ember("convert", str(tmp_path / "run"), str(tmp_path / "hf"))
     assert proc.returncode == 0, proc.stderr
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32).eval()
     tokens = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(1))
@@ -53,17 +49,17 @@ def test_round_trip_through_every_format(tmp_path: Path):
     steps = [("ember", "torch.pt", "torch"), ("torch.pt", "ember2", None), ("ember2", "hf", None),
              ("hf", "ember3", None), ("ember3", "hf2", "hf")]
     for src, dst, to in steps:
-        proc = _convert(str(tmp_path / src), str(tmp_path / dst), *(["--to", to] if to else []))
+        proc = run_ember("convert", str(tmp_path / src), str(tmp_path / dst), *(["--to", to] if to else []))
         assert proc.returncode == 0, proc.stderr
     with torch.no_grad():
         expected = model(tokens)
         for name in ("ember2", "hf", "ember3", "hf2"):
             assert torch.equal(load_model(tmp_path / name)(tokens), expected), name
     assert json.loads((tmp_path / "ember2" / "model.json").read_text())["family"] == "llama3"
-    proc = _convert(str(tmp_path / "missing"), str(tmp_path / "x"))
+    proc = run_ember("convert", str(tmp_path / "missing"), str(tmp_path / "x"))
     assert proc.returncode == 2 and proc.stderr == f"error: '{tmp_path / 'missing'}' does not exist\n"
     (tmp_path / "evil.pt").write_bytes(b"not a pickle")
-    proc = _convert(str(tmp_path / "evil.pt"), str(tmp_path / "y"))
+    proc = run_ember("convert", str(tmp_path / "evil.pt"), str(tmp_path / "y"))
     assert proc.returncode == 2 and proc.stderr == (
         f"error: '{tmp_path / 'evil.pt'}' is not a model: a model path is an ember run or checkpoint directory "
         "(model.json, checkpoints/step-N), a HF model directory (config.json) or an `ember convert --to torch` file\n")
@@ -73,8 +69,8 @@ def test_training_starts_from_an_hf_directory(tmp_path: Path):
     model = _model("llama3")
     hf_dir = tmp_path / "hf"
     save_ember_checkpoint(model, "llama3", "debug", model.args, tmp_path / "ember")
-    assert _convert(str(tmp_path / "ember"), str(hf_dir)).returncode == 0
-    cfg = config_lib.load("debug", ["data.dataset=synthetic", "model.n_layers=2", "model.vocab_size=512",
+    assert run_ember("convert", str(tmp_path / "ember"), str(hf_dir)).returncode == 0
+    cfg = run_lib.load_config("debug", ["data.dataset=synthetic", "model.n_layers=2", "model.vocab_size=512",
                                     "model.max_seq_len=64", "seq_len=16", "max_steps=1", f"model.init_from={hf_dir}",
                                     f"output_dir={tmp_path / 'out'}", "metrics.console=false"])
     trainer = Trainer(cfg)
@@ -83,7 +79,7 @@ def test_training_starts_from_an_hf_directory(tmp_path: Path):
     # A contradicting override is refused at config time, naming both values (it used to surface as a
     # shape mismatch once the model was built).
     with pytest.raises(config_lib.ConfigError, match=r"model.vocab_size=1024 contradicts .* \(vocab_size 512\)"):
-        config_lib.load("debug", ["data.dataset=synthetic", "model.n_layers=2", "model.vocab_size=1024",
+        run_lib.load_config("debug", ["data.dataset=synthetic", "model.n_layers=2", "model.vocab_size=1024",
                                   "model.max_seq_len=64", "seq_len=16", f"model.init_from={hf_dir}",
                                   f"output_dir={tmp_path / 'out2'}"])
 
@@ -103,7 +99,7 @@ def test_a_file_with_bad_model_metadata_is_one_line(tmp_path: Path, meta: dict, 
     # Metadata is read from disk: an unknown family or hyper-parameter used to end in a KeyError/TypeError
     # traceback. Through the real command line: exit code 2, one line on stderr, no traceback.
     torch.save({"model": {}, "ember": meta}, tmp_path / "odd.pt")
-    proc = _convert(str(tmp_path / "odd.pt"), str(tmp_path / "out"))
+    proc = run_ember("convert", str(tmp_path / "odd.pt"), str(tmp_path / "out"))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
 
@@ -265,16 +261,16 @@ def test_merge_applies_to_a_lora_run_or_a_peft_adapter_only(tmp_path: Path, caps
     assert not (tmp_path / "out").exists()
 
 
-LORA_RUN = ["data.dataset=synthetic", "model.n_layers=2", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2",
-            "model.vocab_size=512", "seq_len=32", "global_batch_size=8", "micro_batch_size=8", "eval_batches=1",
-            "metrics.console=false", "metrics.tensorboard=false", "optim.lr=1e-2", "max_steps=2"]
+LORA_RUN = ["data.dataset=synthetic", *tiny_model(2), "model.vocab_size=512", "seq_len=32", "global_batch_size=8",
+            "micro_batch_size=8", "eval_batches=1", "metrics.console=false", "metrics.tensorboard=false",
+            "optim.lr=1e-2", "max_steps=2"]
 
 
 def test_a_lora_run_to_ember_is_its_merged_model_with_its_tokenizer(tmp_path: Path, capsys):
     # README: --merge is implied by --to hf|ember|torch for a LoRA run; --to ember was refused as "already in
     # ember format", with --merge too.
-    Trainer(config_lib.load("debug", LORA_RUN + [f"output_dir={tmp_path / 'base'}"])).train()
-    Trainer(config_lib.load("debug", LORA_RUN + ["lora.rank=4", "lora.alpha=8", f"model.init_from={tmp_path / 'base'}",
+    Trainer(run_lib.load_config("debug", LORA_RUN + [f"output_dir={tmp_path / 'base'}"])).train()
+    Trainer(run_lib.load_config("debug", LORA_RUN + ["lora.rank=4", "lora.alpha=8", f"model.init_from={tmp_path / 'base'}",
                                                  f"output_dir={tmp_path / 'lora'}"])).train()
     step = tmp_path / "lora" / "checkpoints" / "step-2"
     tokens = torch.randint(0, 512, (1, 8), generator=torch.Generator().manual_seed(0))

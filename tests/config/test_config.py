@@ -8,11 +8,13 @@ from pathlib import Path
 import pytest
 
 from ember import config as config_lib
+
+from ember import run as run_lib
 from ember.config import ConfigError
 
 
 def test_debug_recipe_defaults():
-    cfg = config_lib.load("debug")
+    cfg = run_lib.load_config("debug")
     assert cfg.model.family == "llama3" and cfg.model.flavor == "debug"
     assert cfg.data.dataset == "embedded"
     assert cfg.global_batch_size % cfg.micro_batch_size == 0
@@ -23,20 +25,20 @@ def test_every_builtin_recipe_loads():
     for required in ("debug", "llama3-8b", "llama3.1-8b", "llama3.1-70b", "llama3.1-405b", "llama3.2-1b", "llama2-7b"):
         assert required in names
     for name in names:
-        config_lib.load(name)
-    cfg = config_lib.load("llama3.1-8b")
+        run_lib.load_config(name)
+    cfg = run_lib.load_config("llama3.1-8b")
     assert (cfg.seq_len, cfg.global_batch_size) == (8192, 1024)
 
 
 def test_overrides_reach_nested_sections_and_cast_types():
-    cfg = config_lib.load(
+    cfg = run_lib.load_config(
         "llama3.1-8b",
         ["global_batch_size=512", "seq_len=4096", "optim.lr=1e-4", "model.flavor=70B", "optim.betas=[0.9,0.99]"],
     )
     assert cfg.global_batch_size == 512 and cfg.seq_len == 4096
     assert cfg.optim.lr == pytest.approx(1e-4) and isinstance(cfg.optim.lr, float)
     assert cfg.model.flavor == "70B" and list(cfg.optim.betas) == [0.9, 0.99]
-    cfg = config_lib.load("debug", ["model.n_layers=2", "compile=true"])
+    cfg = run_lib.load_config("debug", ["model.n_layers=2", "compile=true"])
     assert cfg.model.n_layers == 2 and cfg.compile is True
     assert config_lib.model_overrides(cfg.model) == {"n_layers": 2}
 
@@ -62,44 +64,44 @@ def test_overrides_reach_nested_sections_and_cast_types():
 )
 def test_error_messages_name_the_key(overrides, message):
     with pytest.raises(ConfigError) as info:
-        config_lib.load("debug", overrides)
+        run_lib.load_config("debug", overrides)
     assert message in str(info.value)
     assert "\n" not in str(info.value)
 
 
 def test_wrong_type_names_value_and_expected_type():
     with pytest.raises(ConfigError) as info:
-        config_lib.load("debug", ["optim.lr=fast"])
+        run_lib.load_config("debug", ["optim.lr=fast"])
     text = str(info.value)
     assert "'fast'" in text and "expected float" in text
     with pytest.raises(ConfigError) as info:
-        config_lib.load("debug", ["model.n_layers=two"])
+        run_lib.load_config("debug", ["model.n_layers=two"])
     assert "expected int or null" in str(info.value)
 
 
 def test_recipe_errors(tmp_path: Path):
     with pytest.raises(ConfigError, match="unknown recipe 'llama3.1-8B'.*did you mean 'llama3.1-8b'"):
-        config_lib.load("llama3.1-8B")
+        run_lib.load_config("llama3.1-8B")
     with pytest.raises(ConfigError, match="recipe file 'missing.yaml' not found"):
-        config_lib.load("missing.yaml")
+        run_lib.load_config("missing.yaml")
     bad = tmp_path / "bad.yaml"
     bad.write_text("seed: [1,\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
-        config_lib.load(str(bad))
+        run_lib.load_config(str(bad))
     unknown = tmp_path / "unknown.yaml"
     unknown.write_text("optim:\n  lrr: 1.0\n")
     with pytest.raises(ConfigError, match=r"unknown config key 'optim.lrr' \(did you mean 'optim.lr'\?\)"):
-        config_lib.load(str(unknown))
+        run_lib.load_config(str(unknown))
     code = tmp_path / "code.yaml"
     code.write_text("seed: !!python/object/apply:os.system ['echo pwned']\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
-        config_lib.load(str(code))
+        run_lib.load_config(str(code))
 
 
 def test_saved_config_round_trips(tmp_path: Path):
-    cfg = config_lib.load("debug", ["optim.lr=1e-3", "model.n_layers=2", "max_steps=7"])
+    cfg = run_lib.load_config("debug", ["optim.lr=1e-3", "model.n_layers=2", "max_steps=7"])
     config_lib.save(cfg, tmp_path / "config.yaml")
-    again = config_lib.load(str(tmp_path / "config.yaml"))
+    again = run_lib.load_config(str(tmp_path / "config.yaml"))
     assert again == cfg
 
 
@@ -119,7 +121,7 @@ def test_llama_ffn_hidden_dim_is_settable_like_every_family():
 
     from ember.models import MODELS, build_model_args
 
-    cfg = config_lib.load("debug", ["model.ffn_hidden_dim=176"])
+    cfg = run_lib.load_config("debug", ["model.ffn_hidden_dim=176"])
     args = build_model_args(cfg.model.family, cfg.model.flavor, config_lib.model_overrides(cfg.model))
     assert args.ffn_hidden_dim == 176
     with torch.device("meta"):
@@ -127,7 +129,7 @@ def test_llama_ffn_hidden_dim_is_settable_like_every_family():
     assert model.layers["0"].feed_forward.w1.weight.shape == (176, args.dim)
     assert build_model_args("llama3", "debug").ffn_hidden_dim == 704  # Meta's rule when unset
     with pytest.raises(config_lib.ConfigError, match="unknown config key 'model.ffn_hidden_dim_override'"):
-        config_lib.load("debug", ["model.ffn_hidden_dim_override=176"])
+        run_lib.load_config("debug", ["model.ffn_hidden_dim_override=176"])
 
 
 def test_output_dir_must_be_a_writable_directory(tmp_path: Path):
@@ -135,16 +137,16 @@ def test_output_dir_must_be_a_writable_directory(tmp_path: Path):
     a_file = tmp_path / "notes.txt"
     a_file.write_text("x")
     with pytest.raises(ConfigError, match=r"output_dir=.*notes\.txt is a file, not a directory"):
-        config_lib.load("debug", [f"output_dir={a_file}"])
+        run_lib.load_config("debug", [f"output_dir={a_file}"])
     with pytest.raises(ConfigError, match=r"notes\.txt is a file, so the directory cannot be created"):
-        config_lib.load("debug", [f"output_dir={a_file}/run"])
+        run_lib.load_config("debug", [f"output_dir={a_file}/run"])
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o500)
     if os.access(locked, os.W_OK):  # root writes anywhere; a read-only mount is the same case for it
         locked = Path("/proc/sys")
     with pytest.raises(ConfigError, match=r"is not writable; choose another output_dir"):
-        config_lib.load("debug", [f"output_dir={locked}/run"])
-    assert config_lib.load("debug", [f"output_dir={tmp_path}/new/run"]).output_dir.endswith("new/run")
+        run_lib.load_config("debug", [f"output_dir={locked}/run"])
+    assert run_lib.load_config("debug", [f"output_dir={tmp_path}/new/run"]).output_dir.endswith("new/run")
 
 
 def test_init_from_gives_the_family_and_only_a_command_line_family_can_contradict_it(tmp_path: Path):
@@ -158,11 +160,11 @@ def test_init_from_gives_the_family_and_only_a_command_line_family_can_contradic
     step_dir = tmp_path / "source" / "checkpoints" / "step-1"
     save_ember_checkpoint(Transformer(args), "llama3", "debug", args, step_dir)
     common = ["data.dataset=synthetic", "seq_len=32", f"model.init_from={tmp_path / 'source'}"]
-    cfg = config_lib.load("llama3.2-1b", common)
-    choice = config_lib.model_choice(cfg)
+    cfg = run_lib.load_config("llama3.2-1b", common)
+    choice = run_lib.model_choice(cfg)
     assert (cfg.model.family, choice.family, choice.flavor, choice.args) == ("llama3", "llama3", "debug", args)
     with pytest.raises(ConfigError) as info:
-        config_lib.load("llama3.2-1b", [*common, "model.family=llama3.2"])
+        run_lib.load_config("llama3.2-1b", [*common, "model.family=llama3.2"])
     assert str(info.value) == (f"model.family=llama3.2 but model.init_from {step_dir / 'model.json'} describes a "
                                "llama3 model; drop model.family (the architecture comes from model.init_from)")
-    assert config_lib.load("llama3.2-1b", [*common, "model.family=llama3"]).model.family == "llama3"
+    assert run_lib.load_config("llama3.2-1b", [*common, "model.family=llama3"]).model.family == "llama3"

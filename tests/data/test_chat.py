@@ -11,7 +11,8 @@ import torch
 from data_testing import DataCfg
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from ember import config as config_lib
+
+from ember import run as run_lib
 from ember.constants import IGNORE_INDEX
 from ember.data import chat, packing
 from ember.data import prepare as prepare_lib
@@ -263,14 +264,14 @@ def test_config_errors(tmp_path: Path):
     ]
     for extra, start in cases:
         with pytest.raises(ConfigError) as info:
-            config_lib.load("debug", base + extra)
+            run_lib.load_config("debug", base + extra)
         assert str(info.value).startswith(start) and "\n" not in str(info.value)
     with pytest.raises(ConfigError, match=r"^data\.packing=false pads each document"):
-        config_lib.load("debug", [f"output_dir={tmp_path / 'run'}", "data.dataset=synthetic", "data.packing=false"])
+        run_lib.load_config("debug", [f"output_dir={tmp_path / 'run'}", "data.dataset=synthetic", "data.packing=false"])
     # No tokenizer, or no conversations: refused when the run builds its tokenizer, before the model.
     with pytest.raises(DataError, match=r"^data\.messages_field \(chat SFT\) needs the model's tokenizer and chat "
                                         r"template: set model\.init_from=DIR"):
-        build_tokenizer(config_lib.load("debug", base).data, 8192)
+        build_tokenizer(run_lib.load_config("debug", base).data, 8192)
     with pytest.raises(DataError, match=r"not data\.dataset=embedded; set data\.dataset=chat\.jsonl"):
         build_tokenizer(DataCfg(messages_field="messages", tokenizer="tok"), 8192)
 
@@ -292,7 +293,7 @@ def _hf_llama_folder(folder: Path, template: str | None) -> Path:
 def test_sft_recipes(tmp_path: Path, recipe: str):
     data = _chat_file(tmp_path, 4)
     out = f"output_dir={tmp_path / 'run'}"
-    cfg = config_lib.load(recipe, [out])  # loads alone, so `ember recipes` lists it
+    cfg = run_lib.load_config(recipe, [out])  # loads alone, so `ember recipes` lists it
     assert (cfg.data.messages_field, cfg.optim.lr, cfg.schedule.name) == ("messages", 2e-5, "cosine")
     assert cfg.global_batch_size == 64 and cfg.data.packing and cfg.data.document_mask
     if recipe == "llama2-7b-sft":
@@ -300,17 +301,17 @@ def test_sft_recipes(tmp_path: Path, recipe: str):
         return
     # Without model.init_from: one line, when the tokenizer is built (the trainer's step before the model).
     with pytest.raises(DataError, match=r"^data\.messages_field \(chat SFT\) needs the model's tokenizer"):
-        build_tokenizer(config_lib.load(recipe, [out, f"data.dataset={data}"]).data, 128256)
+        build_tokenizer(run_lib.load_config(recipe, [out, f"data.dataset={data}"]).data, 128256)
     # With it: the architecture and the tokenizer are the folder's.
     folder = _hf_llama_folder(tmp_path / "llama", None)
-    cfg = config_lib.load(recipe, [out, f"model.init_from={folder}", f"data.dataset={data}"])
+    cfg = run_lib.load_config(recipe, [out, f"model.init_from={folder}", f"data.dataset={data}"])
     assert cfg.data.tokenizer == str(folder) and cfg.model.init_from == str(folder)
-    args = config_lib.model_choice(cfg).args
+    args = run_lib.model_choice(cfg).args
     assert (args.dim, args.n_layers, args.vocab_size) == (2048, 16, 128256)
     tok = build_tokenizer(cfg.data, args.vocab_size)
     assert chat.load_template(cfg.data.chat_template, tok).name == "built-in llama3"
     with pytest.raises(ConfigError, match=r"^model\.init_from '.*nowhere' does not exist"):
-        config_lib.load(recipe, [out, f"model.init_from={tmp_path / 'nowhere'}", f"data.dataset={data}"])
+        run_lib.load_config(recipe, [out, f"model.init_from={tmp_path / 'nowhere'}", f"data.dataset={data}"])
 
 
 def test_parquet_and_json_rows_read_as_jsonl(tmp_path: Path):
@@ -391,7 +392,7 @@ def test_chat_sft_run_lowers_assistant_loss(tmp_path: Path):
     from ember.train import Trainer
 
     folder = _write_tokenizer(tmp_path / "tok", LLAMA3)
-    cfg = config_lib.load("debug", [
+    cfg = run_lib.load_config("debug", [
         f"output_dir={tmp_path / 'run'}", "metrics.console=false", "model.n_layers=2", "model.vocab_size=512", "max_steps=30",
         "seq_len=64", "global_batch_size=8", "micro_batch_size=8", "logging_steps=5", "schedule.warmup_steps=3",
         "optim.lr=3e-3", f"data.dataset={_chat_file(tmp_path, 200)}", "data.messages_field=messages",
@@ -411,8 +412,8 @@ def test_lora_chat_sft_lowers_assistant_loss_with_the_base_frozen(tmp_path: Path
     common = ["metrics.console=false", "model.n_layers=2", "model.vocab_size=512", "seq_len=64", "global_batch_size=8",
               "micro_batch_size=8", "logging_steps=5", f"data.dataset={_chat_file(tmp_path, 200)}",
               "data.messages_field=messages", f"data.tokenizer={folder}", "data.document_mask=true", "eval_batches=1"]
-    Trainer(config_lib.load("debug", common + [f"output_dir={tmp_path / 'base'}", "max_steps=2"])).train()
-    trainer = Trainer(config_lib.load("debug", common + [
+    Trainer(run_lib.load_config("debug", common + [f"output_dir={tmp_path / 'base'}", "max_steps=2"])).train()
+    trainer = Trainer(run_lib.load_config("debug", common + [
         f"output_dir={tmp_path / 'lora'}", "max_steps=30", "optim.lr=1e-2", "schedule.warmup_steps=3",
         f"model.init_from={tmp_path / 'base'}", "lora.rank=8", "lora.alpha=16"]))
     frozen = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if not p.requires_grad}

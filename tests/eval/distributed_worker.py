@@ -6,7 +6,8 @@ import sys
 
 import torch.distributed as dist
 
-from ember.eval.distributed import eval_mesh_overrides, load_sharded
+from ember.eval.distributed import eval_mesh_overrides
+from ember.eval.sharded import load_sharded
 from ember.eval.harness import EmberLM
 from ember.generate import tokenizer_for
 

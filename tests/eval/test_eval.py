@@ -283,22 +283,22 @@ def test_in_loop_eval_logs_the_tasks_and_equals_ember_eval(tmp_path: Path):
 
 
 def test_in_loop_eval_config_errors(tmp_path: Path):
-    from ember import config as config_lib
+    from ember import run as run_lib
     from ember.config import ConfigError
 
     with pytest.raises(ConfigError, match=r"eval.tasks\[0\].name 'mmlu' is not one of lambada, boolq, choice"):
-        config_lib.load("debug", ["eval.tasks=[{name: mmlu, data: x.jsonl}]"])
+        run_lib.load_config("debug", ["eval.tasks=[{name: mmlu, data: x.jsonl}]"])
     with pytest.raises(ConfigError, match=r"eval.tasks\[0\].data '.*nope.jsonl' is not a file"):
-        config_lib.load("debug", [f"eval.tasks=[{{name: boolq, data: {tmp_path / 'nope.jsonl'}}}]"])
+        run_lib.load_config("debug", [f"eval.tasks=[{{name: boolq, data: {tmp_path / 'nope.jsonl'}}}]"])
     bad = write_jsonl(tmp_path / "b.jsonl", [{"passage": "p", "question": "q", "answer": "maybe"}])
     with pytest.raises(DataError, match=r"b.jsonl line 1: 'answer' must be true or false"):  # rows read at config time
-        config_lib.load("debug", [f"eval.tasks=[{{name: boolq, data: {bad}}}]"])
+        run_lib.load_config("debug", [f"eval.tasks=[{{name: boolq, data: {bad}}}]"])
     for key, value, message in [("limit", -1, r"eval.limit must be >= 1 \(null: every row\), got -1"),
                                 ("limit", 0, r"eval.limit must be >= 1 \(null: every row\), got 0"),
                                 ("batch_size", 0, "eval.batch_size must be >= 1, got 0")]:
         with pytest.raises(ConfigError, match=message):
-            config_lib.load("debug", [f"eval.{key}={value}"])
+            run_lib.load_config("debug", [f"eval.{key}={value}"])
     data = write_jsonl(tmp_path / "l.jsonl", [{"text": "a b"}])
     with pytest.raises(ConfigError, match="use `ember eval` on the checkpoint for tensor"):
-        config_lib.load("debug", [f"eval.tasks=[{{name: lambada, data: {data}}}]", "ici_mesh.tensor=2",
+        run_lib.load_config("debug", [f"eval.tasks=[{{name: lambada, data: {data}}}]", "ici_mesh.tensor=2",
                                   "micro_batch_size=8"], world_size=2)

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ember import config as config_lib
+
+from ember import run as run_lib
 from ember.convert import convert, save_hf
 from ember.errors import CheckpointError, ConfigError, EmberError
 from ember.finetune import base_fingerprint
@@ -33,12 +34,12 @@ def _cache(tmp_path: Path, monkeypatch):
 @pytest.fixture(scope="module")
 def base_ckpt(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("base") / "run"
-    Trainer(config_lib.load("debug", SHAPE + ["max_steps=2", f"output_dir={out}"])).train()
+    Trainer(run_lib.load_config("debug", SHAPE + ["max_steps=2", f"output_dir={out}"])).train()
     return out / "checkpoints" / "step-2"
 
 
 def _lora(out: Path, base: Path, steps: int) -> Trainer:
-    return Trainer(config_lib.load("debug", SHAPE + LORA + [f"max_steps={steps}", f"model.init_from={base}",
+    return Trainer(run_lib.load_config("debug", SHAPE + LORA + [f"max_steps={steps}", f"model.init_from={base}",
                                                             f"output_dir={out}"]))
 
 
@@ -50,6 +51,7 @@ def _overwrite_one_weight(base_ckpt: Path, base_hf: Path) -> None:
     save_hf(model, model.args, base_hf)
 
 
+@pytest.mark.slow
 def test_the_run_records_each_base_file_with_its_size_and_sha256(base_ckpt: Path, tmp_path: Path):
     base = tmp_path / "base-hf"
     convert(base_ckpt, base, "hf")
@@ -81,6 +83,7 @@ def test_the_run_records_each_base_file_with_its_size_and_sha256(base_ckpt: Path
                                             "checkpoints/step-4/__0_0.distcp, checkpoints/step-4/model.json added")
 
 
+@pytest.mark.slow
 def test_a_changed_base_is_refused_by_every_load_and_by_resume(base_ckpt: Path, tmp_path: Path):
     base, run = tmp_path / "base-hf", tmp_path / "lora"
     convert(base_ckpt, base, "hf")
@@ -150,6 +153,7 @@ def test_a_peft_export_is_readable_like_the_runs_other_files(base_ckpt: Path, tm
     assert (tmp_path / "adapter" / "adapter_model.safetensors").stat().st_mode & 0o777 == 0o644
 
 
+@pytest.mark.slow
 def test_a_full_dpo_run_refuses_to_resume_on_a_changed_reference(base_ckpt: Path, tmp_path: Path):
     """task=dpo without LoRA rebuilds its frozen reference from model.init_from on resume (the checkpoint holds
     only the policy): the reference's weights are recorded and checked like a LoRA base's."""
@@ -158,7 +162,7 @@ def test_a_full_dpo_run_refuses_to_resume_on_a_changed_reference(base_ckpt: Path
                              for i in range(32)))
     base, run = tmp_path / "base-hf", tmp_path / "dpo"
     convert(base_ckpt, base, "hf")
-    dpo = lambda steps: Trainer(config_lib.load(  # noqa: E731
+    dpo = lambda steps: Trainer(run_lib.load_config(  # noqa: E731
         "debug", SHAPE + ["task=dpo", f"data.dataset={pairs}", "checkpoint.interval=2", f"max_steps={steps}",
                           f"model.init_from={base}", f"output_dir={run}"]))
     dpo(2).train()
@@ -173,6 +177,7 @@ def test_a_full_dpo_run_refuses_to_resume_on_a_changed_reference(base_ckpt: Path
         "trained with, or start over on these with resume=none (the old run is moved aside)")
 
 
+@pytest.mark.slow
 def test_resuming_on_a_base_that_lost_its_weights_names_it_as_the_runs_base(base_ckpt: Path, tmp_path: Path):
     base, run = tmp_path / "base-hf", tmp_path / "lora"
     convert(base_ckpt, base, "hf")
@@ -185,6 +190,6 @@ def test_resuming_on_a_base_that_lost_its_weights_names_it_as_the_runs_base(base
         f"{base.resolve()}, which cannot be loaded now (model.safetensors gone); put the base it was trained on "
         "back there, or start over on other weights with resume=none (the old run is moved aside)")
     with pytest.raises(EmberError) as err:  # starting over: no checkpoint to name, the loader's own line
-        Trainer(config_lib.load("debug", SHAPE + LORA + ["max_steps=2", f"model.init_from={base}", "resume=none",
+        Trainer(run_lib.load_config("debug", SHAPE + LORA + ["max_steps=2", f"model.init_from={base}", "resume=none",
                                                          f"output_dir={tmp_path / 'other'}"]))
     assert str(err.value) == f"'{base}' has no model.safetensors or model.safetensors.index.json"

@@ -142,6 +142,7 @@ def test_dpo_on_fsdp_and_tensor_ranks_equals_one_process_and_resumes_exactly(pai
     assert losses(resumed) == losses(one)  # bit for bit: the data position, and the reference rebuilt from the start
 
 
+@pytest.mark.slow
 def test_dpo_mistakes_are_one_line(pairs: Path, tmp_path: Path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": "a", "chosen": " b"}) + "\n")
@@ -151,11 +152,11 @@ def test_dpo_mistakes_are_one_line(pairs: Path, tmp_path: Path):
                           ([f"data.dataset={pairs}", "task=ppo"], "task 'ppo' is not one of lm, dpo")]:
         proc = run_ember("train", "debug", "task=dpo", *args, *TINY, "max_steps=1", f"output_dir={tmp_path / 'x'}")
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr, (args, proc.stderr)
-    from ember import config as config_lib
+    from ember import run as run_lib
     from ember.config import ConfigError
 
     with pytest.raises(ConfigError, match="task=dpo scores whole sequences per rank; pipeline parallelism"):
-        config_lib.load("debug", ["task=dpo", f"data.dataset={pairs}", "ici_mesh.pipeline=2", "micro_batch_size=8"],
+        run_lib.load_config("debug", ["task=dpo", f"data.dataset={pairs}", "ici_mesh.pipeline=2", "micro_batch_size=8"],
                         world_size=2)
 
 

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ember import config as config_lib
+
+from ember import run as run_lib
 from ember.errors import CheckpointError, ConfigError
-from ember.hardware import cpu_runs_bf16_natively
+from ember.device import cpu_runs_bf16_natively
 from ember.finetune.lora import LoraLinear, apply_lora, init_lora, lora_disabled, merge_lora
 from ember.convert import convert
 from ember.load import load_model
@@ -34,13 +35,13 @@ def base(tmp_path_factory) -> Path:
     """A trained (not freshly initialised) base checkpoint: its weights are not the init's, so a LoRA run that
     re-initialised or moved them would show."""
     out = tmp_path_factory.mktemp("base") / "run"
-    cfg = config_lib.load("debug", SHAPE + ["micro_batch_size=8", "max_steps=2", "optim.lr=1e-2", f"output_dir={out}"])
+    cfg = run_lib.load_config("debug", SHAPE + ["micro_batch_size=8", "max_steps=2", "optim.lr=1e-2", f"output_dir={out}"])
     Trainer(cfg).train()
     return out / "checkpoints" / "step-2"
 
 
 def _lora_run(out: Path, base: Path, *overrides: str, steps: int = 4, shape: list[str] = SHAPE) -> tuple[Trainer, dict]:
-    cfg = config_lib.load("debug", shape + LORA + ["micro_batch_size=8", f"max_steps={steps}", f"output_dir={out}",
+    cfg = run_lib.load_config("debug", shape + LORA + ["micro_batch_size=8", f"max_steps={steps}", f"output_dir={out}",
                                                    f"model.init_from={base}", *overrides])
     trainer = Trainer(cfg)
     return trainer, trainer.train()
@@ -87,6 +88,7 @@ def test_targets_groups_and_names(base):
         assert len(names) == 4 * len(expected)
 
 
+@pytest.mark.slow
 def test_gradients_reach_only_the_adapters_and_the_base_is_unchanged(base, lora_run):
     out, trainer, summary = lora_run
     before = load_model(base).state_dict()
@@ -108,6 +110,7 @@ def test_gradients_reach_only_the_adapters_and_the_base_is_unchanged(base, lora_
     assert len(trainer.optimizer.state) == 2 * 4 * 7
 
 
+@pytest.mark.slow
 def test_mfu_counts_the_weight_gradients_a_lora_run_computes(lora_run):
     """6 N counts a weight gradient for every parameter; a LoRA step skips the frozen ones' (2 FLOPs each) and
     adds the adapters' forward and backward (6 each), so MFU is not overstated 1.5x."""
@@ -124,17 +127,19 @@ def test_mfu_counts_the_weight_gradients_a_lora_run_computes(lora_run):
     assert 2 / 3 < trainer.spec.flops_per_token / full < 0.8  # 4 N + adapters + attention of 6 N + attention
 
 
+@pytest.mark.slow
 def test_a_short_lora_run_lowers_the_loss(tmp_path):
     # Text (the embedded corpus), so there is something to learn; random tokens have nothing past ln V. The
     # base is a 1-step model: LoRA alone (rank 8, all targets) must bring its loss down.
     text = [o for o in SHAPE if not o.startswith(("data.dataset", "model.vocab_size"))] + ["micro_batch_size=8"]
-    cfg = config_lib.load("debug", text + ["max_steps=1", f"output_dir={tmp_path / 'base'}"])
+    cfg = run_lib.load_config("debug", text + ["max_steps=1", f"output_dir={tmp_path / 'base'}"])
     Trainer(cfg).train()
     _, summary = _lora_run(tmp_path / "lora", tmp_path / "base", "lora.rank=8", "optim.lr=3e-2", steps=20,
                            shape=text)
     assert summary["final_loss_avg"] < summary["first_loss"] - 0.3, summary  # 9.52 -> 9.02 when written
 
 
+@pytest.mark.slow
 def test_the_checkpoint_holds_only_adapters_and_names_its_base(base, lora_run):
     from torch.distributed.checkpoint import FileSystemReader
 
@@ -160,6 +165,7 @@ def test_the_checkpoint_holds_only_adapters_and_names_its_base(base, lora_run):
         torch.testing.assert_close(load_model(out)(tokens), trainer.model(tokens), rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_lora_disabled_gives_the_base_back(base, lora_run):
     out, _, _ = lora_run
     model, tokens = load_model(out), _tokens()
@@ -239,7 +245,7 @@ def test_fsdp_and_tensor_parallel_lora_losses_equal_one_process(base, tmp_path):
     # fp32, where every layout must give the single process's losses to rounding; bf16 cases beside it
     common = SHAPE + LORA + [f"max_steps={steps}", f"model.init_from={base}", "precision=fp32"]
     ref_out = tmp_path / "single"
-    cfg = config_lib.load("debug", common + ["micro_batch_size=8", f"output_dir={ref_out}"])
+    cfg = run_lib.load_config("debug", common + ["micro_batch_size=8", f"output_dir={ref_out}"])
     Trainer(cfg).train()
     reference = losses_by_step(ref_out)
     cases = {
@@ -335,6 +341,7 @@ def test_merged_export_loads_in_transformers_with_ember_logits(lora_run, tmp_pat
         torch.testing.assert_close(model(tokens).logits, load_model(out)(tokens), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_peft_directory_is_its_base_with_the_adapter_folded_in(lora_run, base, tmp_path):
     out, _, _ = lora_run
     convert(out, tmp_path / "adapter", "peft")  # base_model_name_or_path: the ember base checkpoint
@@ -343,7 +350,7 @@ def test_a_peft_directory_is_its_base_with_the_adapter_folded_in(lora_run, base,
         torch.testing.assert_close(load_model(tmp_path / "adapter")(tokens), load_model(out)(tokens),
                                    rtol=1e-5, atol=1e-5)
     # model.init_from=ADAPTER: training starts from the merged weights (architecture from the base)
-    cfg = config_lib.load("debug", SHAPE + ["micro_batch_size=8", "max_steps=1", f"output_dir={tmp_path / 'ft'}",
+    cfg = run_lib.load_config("debug", SHAPE + ["micro_batch_size=8", "max_steps=1", f"output_dir={tmp_path / 'ft'}",
                                             f"model.init_from={tmp_path / 'adapter'}"])
     trainer = Trainer(cfg)
     merged = load_model(out)
@@ -352,11 +359,12 @@ def test_a_peft_directory_is_its_base_with_the_adapter_folded_in(lora_run, base,
         torch.testing.assert_close(trainer.model.state_dict()[key], tensor, rtol=0, atol=1e-6, msg=key)
 
 
+@pytest.mark.slow
 def test_an_adapter_for_another_base_is_one_line(lora_run, tmp_path):
     out, _, _ = lora_run
     convert(out, tmp_path / "adapter", "peft")
     other = tmp_path / "other"  # a base with 8 K/V heads: k_proj / v_proj have other shapes
-    cfg = config_lib.load("debug", SHAPE + ["model.n_kv_heads=4", "micro_batch_size=8", "max_steps=1",
+    cfg = run_lib.load_config("debug", SHAPE + ["model.n_kv_heads=4", "micro_batch_size=8", "max_steps=1",
                                             f"output_dir={other}"])
     Trainer(cfg).train()
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
@@ -379,13 +387,13 @@ def test_an_adapter_for_another_base_is_one_line(lora_run, tmp_path):
 ])
 def test_bad_lora_config_is_one_line(base, overrides, message):
     with pytest.raises(ConfigError, match=message) as err:
-        config_lib.load("debug", SHAPE + LORA + ["micro_batch_size=8", f"model.init_from={base}", *overrides])
+        run_lib.load_config("debug", SHAPE + LORA + ["micro_batch_size=8", f"model.init_from={base}", *overrides])
     assert "\n" not in str(err.value)
 
 
 def test_lora_needs_a_base_and_refuses_moe_experts():
     with pytest.raises(ConfigError, match=r"lora.rank > 0 adapts a trained base: set model.init_from"):
-        config_lib.load("debug", SHAPE + LORA)
+        run_lib.load_config("debug", SHAPE + LORA)
     from ember.models import MODELS
 
     for family in ("mixtral", "glam"):
@@ -402,6 +410,7 @@ def test_peft_export_of_a_full_run_is_refused(base, tmp_path):
         convert(base, tmp_path / "x", "peft")
 
 
+@pytest.mark.slow
 def test_trained_norms_and_embeddings_are_saved_and_restored(base, tmp_path):
     trainer, _ = _lora_run(tmp_path / "run", base, "lora.train_norms=true", "lora.train_embeddings=true",
                            "lora.targets=attn", steps=2)
@@ -418,6 +427,7 @@ def test_trained_norms_and_embeddings_are_saved_and_restored(base, tmp_path):
         convert(tmp_path / "run", tmp_path / "adapter", "peft")
 
 
+@pytest.mark.slow
 def test_gpt_peft_export_fuses_qkv_into_c_attn(tmp_path):
     """GPT-2's fused c_attn: the q/k/v adapters become one of rank 3r (block-diagonal B) that peft applies
     with the same scaling; peft's logits equal ember's."""
@@ -427,9 +437,9 @@ def test_gpt_peft_export_fuses_qkv_into_c_attn(tmp_path):
     gpt = ["model.family=gpt", "model.n_layers=2", "model.dim=64", "model.n_heads=4", "model.vocab_size=512",
            "data.dataset=synthetic", "seq_len=32", "global_batch_size=8", "micro_batch_size=8", "logging_steps=1",
            "eval_batches=1", "metrics.console=false", "metrics.tensorboard=false", "optim.lr=1e-2"]
-    Trainer(config_lib.load("debug", gpt + ["max_steps=1", f"output_dir={tmp_path / 'base'}"])).train()
+    Trainer(run_lib.load_config("debug", gpt + ["max_steps=1", f"output_dir={tmp_path / 'base'}"])).train()
     convert(tmp_path / "base", tmp_path / "base_hf", "hf")
-    Trainer(config_lib.load("debug", gpt + ["max_steps=3", "lora.rank=4", "lora.alpha=8", "lora.targets=[wq,wv,wo,w1]",
+    Trainer(run_lib.load_config("debug", gpt + ["max_steps=3", "lora.rank=4", "lora.alpha=8", "lora.targets=[wq,wv,wo,w1]",
                                             f"model.init_from={tmp_path / 'base'}", f"output_dir={tmp_path / 'lora'}"])).train()
     convert(tmp_path / "lora", tmp_path / "adapter", "peft")
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())

@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from ember import config, hardware
+from ember import hardware
+
+from ember import run as run_lib
 from ember.train import Trainer
 from tests.helpers import read_records
 
@@ -48,7 +50,7 @@ def _contention(monkeypatch: pytest.MonkeyPatch, cores: float) -> None:
 
 def _trainer(out: Path, steps: int) -> Trainer:
     # fp32 on every CPU: full training never computes in bf16 on CPU, so the fp32 peak is the one measured.
-    cfg = config.load("debug", [f"max_steps={steps}", "logging_steps=1", "data.dataset=synthetic",
+    cfg = run_lib.load_config("debug", [f"max_steps={steps}", "logging_steps=1", "data.dataset=synthetic",
                                 "model.n_layers=2", "metrics.console=false", "precision=fp32", f"output_dir={out}"])
     return Trainer(cfg)
 

@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from ember import config as config_lib
+
+from ember import run as run_lib
 from ember import load_model
 from ember.convert import convert
 from ember.models import MODELS, build_model_args
@@ -74,7 +76,7 @@ def test_every_other_layer_is_moe():
         model = Transformer(args)
     assert [i for i, block in enumerate(model.layers.values()) if block.moe is not None] == [0, 3, 6]
     assert all(moe.n_experts == 16 for moe in model.moe_layers())
-    cfg = config_lib.load("glam-126m-64e", ["model.moe_every=4"])
+    cfg = run_lib.load_config("glam-126m-64e", ["model.moe_every=4"])
     assert build_model_args("glam", cfg.model.flavor, config_lib.model_overrides(cfg.model)).moe_every == 4
 
 
@@ -148,7 +150,7 @@ def test_debug_glam_trains_and_its_checkpoint_loads(tmp_path: Path):
     # 40 steps of 1k tokens of the embedded corpus. The tied N(0, 1) embedding starts above uniform (each
     # token's own row has a large logit, see Transformer.init_weights), so the margin is counted from the
     # uniform loss ln 8192 = 9.01, not from the first step: 1.2 nats below it (measured: 7.41 train, 7.38 val).
-    cfg = config_lib.load("debug", [
+    cfg = run_lib.load_config("debug", [
         "model.family=glam", "model.flavor=debug", "model.n_layers=2", "seq_len=128", "global_batch_size=8",
         "micro_batch_size=4", "max_steps=40", "logging_steps=10", "schedule.warmup_steps=5", "optim.lr=3e-3",
         "model.z_loss_coef=1e-3", f"output_dir={tmp_path}", "metrics.console=false"])

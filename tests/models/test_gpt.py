@@ -11,6 +11,8 @@ import transformers
 from safetensors import safe_open
 
 from ember import config as config_lib
+
+from ember import run as run_lib
 from ember import load_model
 from ember.convert import convert, save_hf
 from ember.models import MODELS, build_model_args
@@ -77,7 +79,7 @@ def test_registered_with_overrides_and_errors():
     with pytest.raises(ValueError, match="model.n_kv_heads is not a hyper-parameter of gpt"):
         build_model_args("gpt", "debug", {"n_kv_heads": 4})
     with pytest.raises(config_lib.ConfigError, match="ties its embedding to its output projection"):
-        config_lib.load("debug", ["model.family=gpt", "ici_mesh.pipeline=2", "ici_mesh.fsdp=1"], world_size=2)
+        run_lib.load_config("debug", ["model.family=gpt", "ici_mesh.pipeline=2", "ici_mesh.fsdp=1"], world_size=2)
 
 
 def test_init_is_gaussian_with_zero_biases_and_tied_output():
@@ -196,7 +198,7 @@ def test_hub_gpt2_key_names_and_unsupported_configs():
 def test_debug_gpt_trains_and_its_loss_falls(tmp_path: Path):
     # 25 steps of 1k tokens of the embedded corpus from a near-uniform start (ln 8192 = 9.01); a narrower
     # debug GPT (dim 128) so that it takes seconds. Measured: 9.04 -> 6.76 (last-10 mean), val 6.75.
-    cfg = config_lib.load("debug", ["model.family=gpt", "model.n_layers=2", "model.dim=128", "model.n_heads=4",
+    cfg = run_lib.load_config("debug", ["model.family=gpt", "model.n_layers=2", "model.dim=128", "model.n_heads=4",
                                     "model.ffn_hidden_dim=512", "seq_len=128", "global_batch_size=8",
                                     "micro_batch_size=8", "max_steps=25", "logging_steps=5", "eval_batches=2",
                                     "optim.lr=3e-3", "schedule.warmup_steps=5", f"output_dir={tmp_path}",

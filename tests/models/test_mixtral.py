@@ -9,6 +9,8 @@ import torch
 import transformers
 
 from ember import config as config_lib
+
+from ember import run as run_lib
 from ember import load_model
 from ember.convert import convert, save_hf
 from ember.models import MODELS, build_model_args
@@ -84,7 +86,7 @@ def test_dropless_routing_matches_a_per_token_reference():
 
 @pytest.mark.slow
 def test_debug_mixtral_trains_with_router_losses_logged(tmp_path: Path):
-    cfg = config_lib.load("debug", ["model.family=mixtral", "data.dataset=synthetic", "model.n_layers=2",
+    cfg = run_lib.load_config("debug", ["model.family=mixtral", "data.dataset=synthetic", "model.n_layers=2",
                                     "seq_len=64", "max_steps=30", "logging_steps=10", "optim.lr=3e-3",
                                     f"output_dir={tmp_path}", "metrics.console=false", "model.z_loss_coef=1e-3"])
     trainer = Trainer(cfg)
@@ -96,9 +98,9 @@ def test_debug_mixtral_trains_with_router_losses_logged(tmp_path: Path):
     copy.deepcopy(trainer.model)  # the trainer's MoE hooks hold it weakly: the model still copies (EMA, export)
     assert records[-1]["expert_imbalance"] >= 1.0
     assert summary["final_loss_avg"] < summary["first_loss"]  # random tokens: it learns the unigram floor
-    config_lib.load("debug", ["model.family=mixtral", "ici_mesh.tensor=2", "ici_mesh.fsdp=1"], world_size=2)
+    run_lib.load_config("debug", ["model.family=mixtral", "ici_mesh.tensor=2", "ici_mesh.fsdp=1"], world_size=2)
     with pytest.raises(config_lib.ConfigError, match="expert-parallel degree 3 does not divide model.n_experts=8"):
-        config_lib.load("debug", ["model.family=mixtral", "ici_mesh.expert=3", "ici_mesh.fsdp=1", "global_batch_size=24",
+        run_lib.load_config("debug", ["model.family=mixtral", "ici_mesh.expert=3", "ici_mesh.fsdp=1", "global_batch_size=24",
                                   "micro_batch_size=8"], world_size=3)
     assert build_model_args("mixtral", "debug", {"n_experts": 4}).n_experts == 4
     assert "mixtral" in MODELS

@@ -11,7 +11,8 @@ import sys
 
 import torch.distributed as dist
 
-from ember import config as config_lib
+
+from ember import run as run_lib
 from ember.train import Trainer
 
 
@@ -24,7 +25,7 @@ def main() -> None:
         out_dir = os.path.join(out_path + ".runs", name)
         if int(os.environ["RANK"]) == 0:
             shutil.rmtree(out_dir, ignore_errors=True)
-        cfg = config_lib.load("debug", [*base, *overrides, f"output_dir={out_dir}", "metrics.console=false"],
+        cfg = run_lib.load_config("debug", [*base, *overrides, f"output_dir={out_dir}", "metrics.console=false"],
                               world_size=world)
         trainer = Trainer(cfg)
         trainer.train()

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ember import config as config_lib
+
+from ember import run as run_lib
 from ember import load_model
 from ember.train import Trainer
 from tests.helpers import read_records, run_layouts, tiny_model
@@ -55,7 +56,7 @@ GLAM = [item for item in MOE if not item.startswith(("model.family", "model.flav
 
 
 def _single_process(out, base: list[str]) -> dict:
-    cfg = config_lib.load("debug", base + ["micro_batch_size=8", f"output_dir={out}", "metrics.console=false"])
+    cfg = run_lib.load_config("debug", base + ["micro_batch_size=8", f"output_dir={out}", "metrics.console=false"])
     summary = Trainer(cfg).train()
     steps = [r for r in read_records(out) if "loss" in r]
     return {"loss": [r["loss"] for r in steps], "grad_norm": [r["grad_norm"] for r in steps],

@@ -7,7 +7,8 @@ and sequence-parallel LayerNorms with a bias.
 
 import pytest
 
-from ember import config as config_lib
+
+from ember import run as run_lib
 from ember.train import Trainer
 from tests.helpers import read_records, run_layouts
 
@@ -30,7 +31,7 @@ WORLD2 = {
 
 
 def test_gpt_world_size_2_layouts_match_single_process(tmp_path):
-    cfg = config_lib.load("debug", BASE + ["micro_batch_size=8", f"output_dir={tmp_path / 'reference'}",
+    cfg = run_lib.load_config("debug", BASE + ["micro_batch_size=8", f"output_dir={tmp_path / 'reference'}",
                                            "metrics.console=false"])
     summary = Trainer(cfg).train()
     reference = [r for r in read_records(tmp_path / "reference") if "loss" in r]

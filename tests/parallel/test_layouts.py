@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ember import config as config_lib
+
+from ember import run as run_lib
 from ember import load_model
 from ember.train import Trainer
 from tests.helpers import job_env, read_records, run_ember, run_layouts, tiny_model
@@ -63,7 +64,7 @@ WORLD4 = {
 
 
 def _single_process(out: Path, *overrides: str) -> dict:
-    cfg = config_lib.load("debug", BASE + ["micro_batch_size=8", f"output_dir={out}", "metrics.console=false", *overrides])
+    cfg = run_lib.load_config("debug", BASE + ["micro_batch_size=8", f"output_dir={out}", "metrics.console=false", *overrides])
     summary = Trainer(cfg).train()
     steps = [r for r in read_records(out) if "loss" in r]
     return {"loss": [r["loss"] for r in steps], "grad_norm": [r["grad_norm"] for r in steps],
@@ -178,6 +179,7 @@ def test_a_failing_rank_ends_the_job_and_names_itself(tmp_path):
     assert "the job failed on rank 1" in proc.stderr
 
 
+@pytest.mark.slow
 def test_launch_flags_are_checked_before_any_process_starts(tmp_path):
     proc = run_ember("train", "--nproc-per-node", "3", "debug", "data.dataset=synthetic", "ici_mesh.tensor=2",
                      env=job_env())

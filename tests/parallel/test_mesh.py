@@ -4,6 +4,8 @@ import pytest
 import torch
 
 from ember import config as config_lib
+
+from ember import run as run_lib
 from ember.config import ConfigError, MeshConfig
 from ember.parallel.mesh import rank_grid
 from ember.parallel.mesh_shape import MeshError, MeshShape, resolve_mesh
@@ -72,18 +74,18 @@ def test_ranks_are_node_major_with_dcn_outermost():
 )
 def test_parallel_config_errors_name_the_numbers(overrides, message):
     with pytest.raises(ConfigError) as err:
-        config_lib.load("debug", SMALL + overrides, world_size=4)
+        run_lib.load_config("debug", SMALL + overrides, world_size=4)
     assert message in str(err.value)
     assert "\n" not in str(err.value)
 
 
 def test_data_parallel_size_sets_gradient_accumulation():
-    cfg = config_lib.load("debug", SMALL + ["ici_mesh.tensor=2"], world_size=8)
-    shape = config_lib.mesh_shape(cfg, 8)
+    cfg = run_lib.load_config("debug", SMALL + ["ici_mesh.tensor=2"], world_size=8)
+    shape = run_lib.mesh_shape(cfg, 8)
     assert shape.dp == 4 and config_lib.grad_accum_steps(cfg, shape.dp) == 2
 
 
 def test_tensor_degree_must_divide_heads():
     with pytest.raises(ConfigError, match=r"tensor-parallel degree 8 does not divide model.n_kv_heads=4"):
-        config_lib.load("debug", SMALL + ["ici_mesh.tensor=8", "ici_mesh.fsdp=1"], world_size=8)
+        run_lib.load_config("debug", SMALL + ["ici_mesh.tensor=8", "ici_mesh.fsdp=1"], world_size=8)
     assert torch.equal(rank_grid(_shape(2, {"tensor": 2, "fsdp": 1}), ("tensor",)), torch.tensor([0, 1]))

@@ -6,7 +6,8 @@ import json
 import pytest
 import torch
 
-from ember import config as config_lib
+
+from ember import run as run_lib
 from ember.cli import main
 from ember.parallel.mesh import ParallelMesh
 from ember.plan.memory import build_parts, fake_world, named_params, plan_spec, state_bytes
@@ -16,7 +17,7 @@ LLAMA_405B_1024 = ["ici_mesh.tensor=8", "ici_mesh.fsdp=1", "dcn_mesh.fsdp=16", "
 
 
 def _state(recipe: str, overrides: list[str], world: int, rank: int = 0):
-    cfg = config_lib.load(recipe, overrides, world_size=world)
+    cfg = run_lib.load_config(recipe, overrides, world_size=world)
     spec = plan_spec(cfg, world, "cuda", torch.bfloat16)
     with fake_world(rank, world):
         parts = build_parts(spec, ParallelMesh(spec.shape, "cpu"), [0])
@@ -57,7 +58,7 @@ def test_mixtral_8x22b_with_expert_parallelism_matches_the_hand_computed_shards(
 @pytest.mark.slow
 def test_plan_405b_at_1024_ranks_has_every_rank(tmp_path):
     # How long it takes is measured by benchmarks/plan_speed.py, not asserted here: this machine is shared.
-    cfg = config_lib.load("llama3.1-405b", LLAMA_405B_1024, world_size=1024)
+    cfg = run_lib.load_config("llama3.1-405b", LLAMA_405B_1024, world_size=1024)
     plan = make_plan(cfg, 1024, device="h100")
     doc = plan.to_json()
     assert list(doc) == ["world_size", "device", "fits", "step_time_s", "mfu", "ranks"]
@@ -84,14 +85,14 @@ def test_plan_405b_at_1024_ranks_has_every_rank(tmp_path):
 def plan_flops(cfg) -> float:
     from ember.models import MODELS
 
-    args = config_lib.model_choice(cfg).args
+    args = run_lib.model_choice(cfg).args
     return MODELS[cfg.model.family].flops_per_token(args, cfg.seq_len) * cfg.global_batch_size * cfg.seq_len
 
 
 @pytest.mark.slow
 def test_layout_warnings_and_search():
     # tensor=2 on nodes of one device spans two; a 4-stage pipeline fed one micro-batch of 4 sequences idles 43%.
-    cfg = config_lib.load("debug", ["ici_mesh.tensor=2", "ici_mesh.fsdp=1", "ici_mesh.pipeline=4",
+    cfg = run_lib.load_config("debug", ["ici_mesh.tensor=2", "ici_mesh.fsdp=1", "ici_mesh.pipeline=4",
                                     "micro_batch_size=4", "global_batch_size=8"], world_size=8)
     plan = make_plan(cfg, 8, nodes=8, device="h100", search=True)
     text = " ".join(plan.warnings)
@@ -108,7 +109,7 @@ def test_layout_warnings_and_search():
 
 @pytest.mark.slow
 def test_fsdp_beyond_the_shard_granularity_is_warned():
-    cfg = config_lib.load("debug", ["ici_mesh.fsdp=512", "global_batch_size=512", "micro_batch_size=1"], world_size=512)
+    cfg = run_lib.load_config("debug", ["ici_mesh.fsdp=512", "global_batch_size=512", "micro_batch_size=1"], world_size=512)
     plan = make_plan(cfg, 512, device="h100")
     assert any("larger than the 128 rows" in w for w in plan.warnings)  # wk, wv: 4 K/V heads of 32
     assert any("uneven shards" in w for w in plan.warnings)
@@ -141,7 +142,7 @@ def test_search_json_holds_the_candidates_the_table_lists(capsys):
 
     from ember.commands.plan import render
 
-    cfg = config_lib.load("debug", ["ici_mesh.fsdp=2", "micro_batch_size=4"], world_size=2)
+    cfg = run_lib.load_config("debug", ["ici_mesh.fsdp=2", "micro_batch_size=4"], world_size=2)
     plan = make_plan(cfg, 2, device="h100", search=True)
     doc = plan.to_json()
     candidates = doc["candidates"]

@@ -74,17 +74,17 @@ def test_every_rank_writes_its_trace_and_communication_is_counted(tmp_path: Path
 
 
 def test_profile_keys_are_checked():
-    from ember import config as config_lib
+    from ember import run as run_lib
     from ember.config import ConfigError
 
     with pytest.raises(ConfigError, match="profile.step=0 and profile.steps=2 must be >= 1"):
-        config_lib.load("debug", ["profile.step=0"])
-    assert config_lib.load("debug", ["profile_step=7", "profile_duration=3"]).profile.__dict__ == \
+        run_lib.load_config("debug", ["profile.step=0"])
+    assert run_lib.load_config("debug", ["profile_step=7", "profile_duration=3"]).profile.__dict__ == \
         {"enabled": True, "step": 7, "steps": 3}
     with pytest.raises(ConfigError) as info:
-        config_lib.load("debug", ["max_steps=20", "profile_step=21"])
+        run_lib.load_config("debug", ["max_steps=20", "profile_step=21"])
     assert str(info.value) == "profile.step=21 is past max_steps=20: no step would be traced; choose profile.step in 1-20"
-    assert config_lib.load("debug", ["max_steps=20", "profile.step=21"]).profile.step == 21  # profiling off: unused
+    assert run_lib.load_config("debug", ["max_steps=20", "profile.step=21"]).profile.step == 21  # profiling off: unused
 
 
 def _planned(start_step: int, max_steps: int, first: int = 3, steps: int = 3) -> tuple[list[str], StepProfiler]:

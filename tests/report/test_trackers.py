@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ember import config as config_lib
+
+from ember import run as run_lib
 from ember.cli import main
 from ember.config import MetricsConfig
 from ember.errors import ConfigError
@@ -141,7 +142,7 @@ def test_a_tracker_that_cannot_start_is_one_line_before_training(tmp_path: Path,
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
     with pytest.raises(ConfigError, match=r"metrics.wandb=true needs the wandb package: pip install '.\[wandb\]'"):
-        config_lib.load("debug", ["metrics.wandb=true"])
+        run_lib.load_config("debug", ["metrics.wandb=true"])
 
 
 def test_an_unreachable_mlflow_server_is_one_line_after_the_header(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):

@@ -11,6 +11,8 @@ import pytest
 from rich.console import Console
 
 from ember import config as config_lib
+
+from ember import run as run_lib
 from ember.config import ConfigError
 from ember.report import build_report
 from ember.train import Trainer
@@ -23,7 +25,7 @@ TINY = [*tiny_model(), "seq_len=32", "global_batch_size=2", "micro_batch_size=2"
 def _run(output_dir: Path, *overrides: str) -> str:
     """A one-step run in this process; returns what it printed."""
     out = io.StringIO()
-    cfg = config_lib.load("debug", TINY + [f"output_dir={output_dir}", *overrides])
+    cfg = run_lib.load_config("debug", TINY + [f"output_dir={output_dir}", *overrides])
     Trainer(cfg, console=Console(file=out, width=400, soft_wrap=True)).train()
     return out.getvalue()
 
@@ -62,10 +64,10 @@ def test_the_header_says_fp8_and_its_emulation(tmp_path: Path):
 
 def test_fp8_emulate_without_fp8_is_refused():
     with pytest.raises(ConfigError) as info:
-        config_lib.load("debug", ["fp8.emulate=true"])
+        run_lib.load_config("debug", ["fp8.emulate=true"])
     assert str(info.value) == ("fp8.emulate=true emulates FP8 training, which this run does not turn on: add "
                                "precision=fp8 (or fp8.enabled=true), or drop fp8.emulate")
-    assert config_lib.fp8_enabled(config_lib.load("debug", ["fp8.enabled=true", "fp8.emulate=true"]))
+    assert config_lib.fp8_enabled(run_lib.load_config("debug", ["fp8.enabled=true", "fp8.emulate=true"]))
 
 
 def test_the_header_comes_first_on_a_resume_and_a_start_over(tmp_path: Path):

@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ember import config as config_lib
+
+from ember import run as run_lib
 from ember import step as step_lib
 from ember.train import Trainer, TrainingStopped
 from tests.helpers import read_records, tiny_model
@@ -16,7 +17,7 @@ SMALL = ["data.dataset=synthetic", *tiny_model(), "model.vocab_size=256", "seq_l
 
 
 def _trainer(tmp_path: Path, *overrides: str) -> Trainer:
-    return Trainer(config_lib.load("debug", SMALL + [f"output_dir={tmp_path}", *overrides]))
+    return Trainer(run_lib.load_config("debug", SMALL + [f"output_dir={tmp_path}", *overrides]))
 
 
 def _poison(monkeypatch: pytest.MonkeyPatch, trainer: Trainer, steps: set[int], factor: float) -> None:

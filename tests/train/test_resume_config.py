@@ -13,6 +13,8 @@ import torch
 import yaml
 
 from ember import config as config_lib
+
+from ember import run as run_lib
 from ember import run_history
 from ember.config import ConfigError
 from ember.optim import lr_multiplier
@@ -74,7 +76,7 @@ def test_allowed_changes_are_printed_and_each_segment_is_kept(tmp_path: Path, co
 
     assert _segments(out) == ["segment-1-step-0.yaml", "segment-2-step-2.yaml", "segment-3-step-4.yaml"]
     history = out / "config_history"
-    configs = [config_lib.load(str(history / name)) for name in _segments(out)]
+    configs = [run_lib.load_config(str(history / name)) for name in _segments(out)]
     assert [(c.max_steps, c.optim.lr, c.schedule.name, c.data.dataset) for c in configs] == [
         (2, 0.002, "cosine", str(corpus)), (4, 0.001, "constant", str(corpus)), (6, 0.001, "constant", "synthetic")]
     header = [line for line in (history / "segment-3-step-4.yaml").read_text().splitlines() if line.startswith("#")]
@@ -130,16 +132,16 @@ def test_values_are_shown_as_config_yaml_spells_them(tmp_path: Path):
 def test_resume_allow_changes_names_known_keys(tmp_path: Path):
     with pytest.raises(ConfigError, match=r"^resume_allow_changes: 'data.datset' is not a config key or section "
                                           r"\(did you mean 'data.dataset'\?\)"):
-        config_lib.load("debug", ["resume_allow_changes=[data.datset]"])
-    assert config_lib.load("debug", ["resume_allow_changes=[data,seed]"]).resume_allow_changes == ["data", "seed"]
+        run_lib.load_config("debug", ["resume_allow_changes=[data.datset]"])
+    assert run_lib.load_config("debug", ["resume_allow_changes=[data,seed]"]).resume_allow_changes == ["data", "seed"]
     # One key needs no brackets, on the command line or in a recipe.
-    assert config_lib.load("debug", ["resume_allow_changes=seed"]).resume_allow_changes == ["seed"]
+    assert run_lib.load_config("debug", ["resume_allow_changes=seed"]).resume_allow_changes == ["seed"]
     recipe = tmp_path / "r.yaml"
     recipe.write_text("resume_allow_changes: data.dataset\n")
-    assert config_lib.load(str(recipe)).resume_allow_changes == ["data.dataset"]
+    assert run_lib.load_config(str(recipe)).resume_allow_changes == ["data.dataset"]
     with pytest.raises(ConfigError, match=r"^resume_allow_changes: 'sed' is not a config key or section \(did you mean "
                                           r"'seed'\?\)"):
-        config_lib.load("debug", ["resume_allow_changes=sed"])
+        run_lib.load_config("debug", ["resume_allow_changes=sed"])
 
 
 def test_a_checkpoint_without_its_config_is_compared_with_the_runs(tmp_path: Path):
@@ -161,7 +163,7 @@ SYNTHETIC = TINY[1:] + ["data.dataset=synthetic", "metrics.console=false", "sche
 
 
 def _train(out: Path, *overrides: str) -> Trainer:
-    trainer = Trainer(config_lib.load("debug", [*SYNTHETIC, *overrides, f"output_dir={out}"]))
+    trainer = Trainer(run_lib.load_config("debug", [*SYNTHETIC, *overrides, f"output_dir={out}"]))
     trainer.train()
     return trainer
 
@@ -174,7 +176,7 @@ def _logged_lr(out: Path) -> dict[int, float]:
 def test_changed_optim_keys_take_effect_on_resume(tmp_path: Path):
     out = tmp_path / "run"
     _train(out, "max_steps=4")
-    cfg = config_lib.load("debug", [*SYNTHETIC, "max_steps=6", "optim.lr=1e-3", "optim.weight_decay=0.5",
+    cfg = run_lib.load_config("debug", [*SYNTHETIC, "max_steps=6", "optim.lr=1e-3", "optim.weight_decay=0.5",
                                     "optim.betas=[0.8,0.9]", "optim.eps=1e-6", f"output_dir={out}"])
     trainer = Trainer(cfg)
     # The decay group takes the new weight decay, the no-decay group (norms, embeddings) keeps none.
@@ -212,7 +214,7 @@ def test_an_unchanged_resume_continues_bit_for_bit(tmp_path: Path):
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     uninterrupted = _train(whole, "max_steps=4")
     _train(parts, "max_steps=4", "checkpoint.interval=2")
-    resumed = Trainer(config_lib.load("debug", [*SYNTHETIC, "max_steps=4", f"output_dir={parts}",
+    resumed = Trainer(run_lib.load_config("debug", [*SYNTHETIC, "max_steps=4", f"output_dir={parts}",
                                                 f"resume={parts / 'checkpoints' / 'step-2'}"]))
     saved = torch.load(parts / "checkpoints" / "step-2" / "train-rank0.pt", weights_only=True)["lr_scheduler"]
     assert [g["lr"] for g in resumed.optimizer.param_groups] == saved["_last_lr"]
@@ -233,7 +235,7 @@ def test_config_yaml_continues_the_run_whatever_started_it(tmp_path: Path):
         saved = yaml.safe_load(path.read_text())
         assert (saved["resume"], saved["resume_allow_changes"]) == ("auto", []), path
     # `ember train OUT/config.yaml` continues this run: it neither moves it aside nor starts from 0.
-    trainer = Trainer(config_lib.load(str(out / "config.yaml"), ["max_steps=4"]))
+    trainer = Trainer(run_lib.load_config(str(out / "config.yaml"), ["max_steps=4"]))
     assert trainer.checkpointer.resumed_from == out / "checkpoints" / "step-2"
     trainer.train()
     assert len(list(out.glob("previous-*"))) == 1 and _segments(out) == ["segment-1-step-0.yaml", "segment-2-step-2.yaml"]
@@ -241,7 +243,7 @@ def test_config_yaml_continues_the_run_whatever_started_it(tmp_path: Path):
     other = tmp_path / "other"
     _train(other, "max_steps=6", f"resume={out / 'checkpoints' / 'step-4'}")
     assert yaml.safe_load((other / "config.yaml").read_text())["resume"] == "auto"
-    trainer = Trainer(config_lib.load(str(other / "config.yaml"), ["max_steps=8"]))
+    trainer = Trainer(run_lib.load_config(str(other / "config.yaml"), ["max_steps=8"]))
     assert trainer.checkpointer.resumed_from == other / "checkpoints" / "step-6"
     trainer.train_loader.close()
 
@@ -267,7 +269,7 @@ def test_an_architecture_change_is_refused_by_config_key(tmp_path: Path):
     out = tmp_path / "run"
     _train(out, "max_steps=2")
     with pytest.raises(ConfigError) as err:
-        Trainer(config_lib.load("debug", [*SYNTHETIC, "max_steps=4", "model.n_layers=3", f"output_dir={out}",
+        Trainer(run_lib.load_config("debug", [*SYNTHETIC, "max_steps=4", "model.n_layers=3", f"output_dir={out}",
                                           "resume_allow_changes=[model]"]))
     assert str(err.value) == (
         f"checkpoint {out / 'checkpoints' / 'step-2'} is of another model: model.n_layers: checkpoint 2, this run 3. "
@@ -283,7 +285,7 @@ def test_an_allowed_change_never_falls_back_to_older_checkpoints(tmp_path: Path,
     shard.unlink()
     capsys.readouterr()
     with pytest.raises(ConfigError) as err:
-        Trainer(config_lib.load("debug", [*SYNTHETIC, "max_steps=6", "seed=1", "resume_allow_changes=seed",
+        Trainer(run_lib.load_config("debug", [*SYNTHETIC, "max_steps=6", "seed=1", "resume_allow_changes=seed",
                                           f"output_dir={out}"]))
     assert str(err.value) == (
         f"checkpoint {step_dir}: shard file {shard.name} is missing; with resume_allow_changes changing seed, no older "
@@ -297,7 +299,7 @@ def test_a_finished_run_asked_again_writes_nothing(tmp_path: Path, capsys: pytes
     _train(out, "max_steps=2")
     before = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
     capsys.readouterr()
-    summary = Trainer(config_lib.load("debug", [*SYNTHETIC, "max_steps=2", "seed=1", "resume_allow_changes=seed",
+    summary = Trainer(run_lib.load_config("debug", [*SYNTHETIC, "max_steps=2", "seed=1", "resume_allow_changes=seed",
                                                 "eval_interval=1", f"output_dir={out}"])).train()
     assert {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()} == before
     assert ("already at step 2 of max_steps=2: nothing to train, nothing written (raise max_steps to continue, or "
@@ -309,12 +311,12 @@ def test_a_start_refused_before_its_first_step_leaves_no_segment(tmp_path: Path,
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")  # nothing listens: the trackers refuse to start
     out = tmp_path / "run"
     with pytest.raises(ConfigError):
-        Trainer(config_lib.load("debug", [*SYNTHETIC, "max_steps=2", "metrics.mlflow=true", f"output_dir={out}"])).train()
+        Trainer(run_lib.load_config("debug", [*SYNTHETIC, "max_steps=2", "metrics.mlflow=true", f"output_dir={out}"])).train()
     assert sorted(p.name for p in out.iterdir()) == []
     _train(out, "max_steps=2")
     before = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
     with pytest.raises(ConfigError):
-        Trainer(config_lib.load("debug", [*SYNTHETIC, "max_steps=4", "metrics.mlflow=true", f"output_dir={out}"])).train()
+        Trainer(run_lib.load_config("debug", [*SYNTHETIC, "max_steps=4", "metrics.mlflow=true", f"output_dir={out}"])).train()
     assert {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()} == before
     _train(out, "max_steps=4")
     assert _segments(out) == ["segment-1-step-0.yaml", "segment-2-step-2.yaml"]

@@ -7,7 +7,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-from ember import config as config_lib
+
+from ember import run as run_lib
 from ember.train import Trainer
 from tests.helpers import tiny_model
 
@@ -17,7 +18,7 @@ TINY = [*tiny_model(), "seq_len=32", "global_batch_size=2", "micro_batch_size=2"
 
 def _run(tmp_path: Path, *overrides: str) -> tuple[dict, str]:
     out = io.StringIO()
-    cfg = config_lib.load("debug", TINY + [f"output_dir={tmp_path}", *overrides])
+    cfg = run_lib.load_config("debug", TINY + [f"output_dir={tmp_path}", *overrides])
     summary = Trainer(cfg, console=Console(file=out, width=400, soft_wrap=True)).train()
     return summary, out.getvalue()
 

@@ -1,16 +1,15 @@
 """The trainer end to end: the loss falls, runs repeat exactly, the CLI writes its files."""
 
-import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from ember import config as config_lib
+
+from ember import run as run_lib
 from ember.train import Trainer
+from tests.helpers import read_records, run_ember
 
 # A smaller cut of the debug recipe so each case takes seconds on two cores.
 SMALL = ["model.n_layers=2", "seq_len=128", "global_batch_size=8", "micro_batch_size=4", "logging_steps=5"]
@@ -21,11 +20,10 @@ REQUIRED_KEYS = {
 
 
 def _train(tmp_path: Path, *overrides: str) -> tuple[Trainer, dict, list[dict]]:
-    cfg = config_lib.load("debug", SMALL + [f"output_dir={tmp_path}", "metrics.console=false", *overrides])
+    cfg = run_lib.load_config("debug", SMALL + [f"output_dir={tmp_path}", "metrics.console=false", *overrides])
     trainer = Trainer(cfg)
     summary = trainer.train()
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    return trainer, summary, records
+    return trainer, summary, read_records(tmp_path)
 
 
 @pytest.mark.slow
@@ -64,7 +62,7 @@ def test_same_seed_same_losses_and_gradient_accumulation(tmp_path: Path):
 
 
 def test_loss_is_global_token_mean_with_masked_labels(tmp_path: Path):
-    cfg = config_lib.load("debug", SMALL + [f"output_dir={tmp_path}", "metrics.console=false", "max_steps=2"])
+    cfg = run_lib.load_config("debug", SMALL + [f"output_dir={tmp_path}", "metrics.console=false", "max_steps=2"])
     trainer = Trainer(cfg)
     torch.manual_seed(0)
     inputs = torch.randint(0, 8192, (2, 4, 16))
@@ -80,22 +78,18 @@ def test_loss_is_global_token_mean_with_masked_labels(tmp_path: Path):
 @pytest.mark.slow
 def test_cli_end_to_end_writes_config_and_metrics(tmp_path: Path):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "ember", "train", "debug", *SMALL, "max_steps=10", f"output_dir={out}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    proc = run_ember("train", "debug", *SMALL, "max_steps=10", f"output_dir={out}")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "done: 10 steps" in proc.stdout
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    records = read_records(out)
     assert REQUIRED_KEYS <= records[0].keys()
     assert list((out / "tb").glob("events.out.tfevents.*"))
-    saved = config_lib.load(str(out / "config.yaml"))
+    saved = run_lib.load_config(str(out / "config.yaml"))
     assert saved.max_steps == 10 and saved.model.n_layers == 2 and saved.output_dir == str(out)
     # The saved config repeats the run exactly.
-    again = subprocess.run(
-        [sys.executable, "-m", "ember", "train", str(out / "config.yaml"), f"output_dir={tmp_path / 'again'}"],
-        capture_output=True, text=True, timeout=300,
-    )
+    again = run_ember("train", str(out / "config.yaml"), f"output_dir={tmp_path / 'again'}")
     assert again.returncode == 0, again.stderr[-2000:]
-    repeat = [json.loads(line) for line in (tmp_path / "again" / "metrics.jsonl").read_text().splitlines()]
+    repeat = read_records(tmp_path / "again")
     assert [r.get("loss") for r in repeat] == [r.get("loss") for r in records]
     # The final checkpoint loads through the public API and predicts like the trained model.
     from ember import load_model
