@@ -15,7 +15,12 @@ from torch import nn
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from ember.config_schema import MetricsConfig
+
 if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
+
+    from ember.data.tokenizer import AnyTokenizer
     from ember.hardware import PeakFlops
     from ember.run import RunSpec
 
@@ -69,8 +74,8 @@ def run_record(spec: RunSpec, model_parts: list[nn.Module], num_params: int) -> 
             "compute": compute_description(spec, model_parts), "model": model}
 
 
-def print_header(console: Console, spec: RunSpec, model: nn.Module, num_params: int, tokenizer: Any,
-                 peak: PeakFlops, data: str, notes: list[Optional[str]]) -> None:
+def print_header(console: Console, spec: RunSpec, model: nn.Module, num_params: int,
+                 tokenizer: Optional[AnyTokenizer], peak: PeakFlops, data: str, notes: list[Optional[str]]) -> None:
     """The run's header: the model, device and compute, batch and mesh, the MFU peak, then one line each for
     model.init_from, LoRA, the data and the given `notes` (those not None)."""
     cfg, args = spec.cfg, spec.args
@@ -209,7 +214,7 @@ class MetricsLogger:
     Pass the Console a rich Progress bar draws on, so metric lines print above the bar, not through it.
     """
 
-    def __init__(self, output_dir: Path, cfg: Any, enabled: bool = True, console: Optional[Console] = None,
+    def __init__(self, output_dir: Path, cfg: MetricsConfig, enabled: bool = True, console: Optional[Console] = None,
                  start_step: int = 0, run_info: Optional[dict[str, Any]] = None):
         """start_step: the step the run starts after (a resumed run's checkpoint step). Records of later steps,
         logged by a run that crashed after its last checkpoint, are dropped: those steps are trained again,
@@ -307,7 +312,7 @@ def _drop_records_after(path: Path, step: int) -> None:
     tmp.replace(path)
 
 
-def _summary_writer(log_dir: Path, purge_step: Optional[int] = None) -> Any:
+def _summary_writer(log_dir: Path, purge_step: Optional[int] = None) -> Optional[SummaryWriter]:
     """A TensorBoard SummaryWriter, or None (warned once per process) when tensorboard is missing.
 
     Imported here, not at the top: importing tensorboard takes ~0.6 s on top of torch, which a run with

@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 import torch
 from torch import nn
 
 from ember.config import ConfigError
+from ember.config_schema import OptimConfig, ScheduleConfig
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 OPTIMIZERS = ("adamw",)
 IMPLEMENTATIONS = ("auto", "fused", "foreach", "for-loop")
@@ -49,7 +53,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     return [group for group in groups if group["params"]]
 
 
-def build_optimizer(model: nn.Module, cfg: Any, device_type: str) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, cfg: OptimConfig, device_type: str) -> torch.optim.AdamW:
     """AdamW over `model`'s trainable parameters, from the `optim` config section."""
     if cfg.name not in OPTIMIZERS:
         raise ConfigError(f"unknown optim.name '{cfg.name}'; choices: {', '.join(OPTIMIZERS)}")
@@ -68,7 +72,7 @@ def build_optimizer(model: nn.Module, cfg: Any, device_type: str) -> torch.optim
     )
 
 
-def lr_multiplier(step: int, cfg: Any, max_steps: int) -> float:
+def lr_multiplier(step: int, cfg: ScheduleConfig, max_steps: int) -> float:
     """The factor on the peak lr for 0-based optimizer step `step` (torchtitan's convention).
 
     With n = step + 1, the number of optimizer steps taken once this one is done, W = warmup_steps:
@@ -103,7 +107,7 @@ def lr_multiplier(step: int, cfg: Any, max_steps: int) -> float:
 
 
 def build_lr_scheduler(
-    optimizer: torch.optim.Optimizer, cfg: Any, max_steps: int
+    optimizer: torch.optim.Optimizer, cfg: ScheduleConfig, max_steps: int
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """LambdaLR over `lr_multiplier`; call .step() once after each optimizer.step()."""
     if cfg.name not in SCHEDULES:  # fail at build time, not at the first step past warmup
@@ -142,7 +146,8 @@ def restart_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR) -> None:
     scheduler._last_lr = list(lrs)  # what get_last_lr() reports
 
 
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, pp_mesh: Any = None) -> torch.Tensor:
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float,
+                    pp_mesh: Optional[DeviceMesh] = None) -> torch.Tensor:
     """The total L2 norm of the gradients (a 0-d tensor), after clipping them to max_norm when > 0.
 
     max_norm <= 0 disables clipping but still measures, so the norm is logged either way. Under FSDP and

@@ -34,8 +34,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ember.config_schema import JobConfig, LoraConfig
 from ember.errors import ConfigError
 from ember.finetune.base_fingerprint import FINGERPRINT_KEY, run_fingerprint
+from ember.models import ModelSpec
 
 GROUPS = {"attn": ("attention",), "mlp": ("feed_forward", "moe")}  # block children each group covers
 # Hugging Face module names users know from peft's target_modules -> ember's names inside a block.
@@ -138,7 +140,7 @@ def _matches(entry: str, name: str) -> bool:
     return any(name == n or name.endswith("." + n) or name.startswith(n + ".") for n in names)
 
 
-def resolve_targets(model: nn.Module, targets: Any, rank: int, family: str = "this model") -> list[str]:
+def resolve_targets(model: nn.Module, targets: str | Sequence[str], rank: int, family: str = "this model") -> list[str]:
     """The qualified names of the nn.Linear modules `targets` selects in `model`'s blocks, checked: every
     entry matches something, no entry reaches MoE experts, and `rank` fits every selected layer. Each
     mistake is a one-line ConfigError naming lora.targets or lora.rank."""
@@ -203,7 +205,7 @@ def _make_adapter(in_features: int, out_features: int, like: torch.Tensor, layou
     return layer
 
 
-def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float = 0.0, targets: Any = "all", *,
+def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float = 0.0, targets: str | Sequence[str] = "all", *,
                train_embeddings: bool = False, train_norms: bool = False, base_dtype: Optional[torch.dtype] = None,
                family: str = "this model") -> list[str]:
     """Freeze `model` (a Decoder or a pipeline stage, plain or tensor-parallel, usually on meta) and add LoRA
@@ -311,7 +313,7 @@ def merge_lora(model: nn.Module) -> int:
     return merged
 
 
-def lora_transform(cfg: Any, compute_dtype: torch.dtype) -> Optional[Callable[[nn.Module], Any]]:
+def lora_transform(cfg: JobConfig, compute_dtype: torch.dtype) -> Optional[Callable[[nn.Module], list[str]]]:
     """apply_lora with a JobConfig's settings bound (the frozen matrices in bf16 when the compute is), for
     parallelize(lora=...): what the trainer and the planner build alike. None without LoRA."""
     lo = cfg.lora
@@ -323,7 +325,7 @@ def lora_transform(cfg: Any, compute_dtype: torch.dtype) -> Optional[Callable[[n
                              base_dtype=torch.bfloat16 if compute_dtype == torch.bfloat16 else None)
 
 
-def run_flops_per_token(cfg: Any, spec: Any, args: Any, compute_dtype: torch.dtype) -> float:
+def run_flops_per_token(cfg: JobConfig, spec: ModelSpec, args: Any, compute_dtype: torch.dtype) -> float:
     """Training FLOPs per token of the run `cfg` describes: the family's 6 N + attention count, for LoRA
     less the frozen weights' gradients plus the adapters' (training_flops_per_token), for DPO plus the frozen
     reference's forward over every row (a third of full training's count)."""
@@ -372,7 +374,7 @@ def trainable_state_dict(model_parts: Sequence[nn.Module]) -> dict[str, Any]:
 # ---- config and checkpoint metadata -------------------------------------------------------------------
 
 
-def check_lora(cfg: Any, family: str, args: Any, init_from: Optional[str]) -> None:
+def check_lora(cfg: LoraConfig, family: str, args: Any, init_from: Optional[str]) -> None:
     """Config-time checks of a LoraConfig section with rank > 0 (targets are resolved on a meta model)."""
     from ember.models import MODELS
 
@@ -388,7 +390,7 @@ def check_lora(cfg: Any, family: str, args: Any, init_from: Optional[str]) -> No
     resolve_targets(model, cfg.targets, cfg.rank, family)
 
 
-def lora_meta(cfg: Any, init_from: str) -> dict[str, Any]:
+def lora_meta(cfg: LoraConfig, init_from: str) -> dict[str, Any]:
     """What a LoRA checkpoint's model.json adds: the adapter settings, the base they sit on and the base's
     fingerprint (its files' sizes and digests), by which loading or resuming the run refuses a changed base."""
     settings = {"rank": cfg.rank, "alpha": float(cfg.alpha), "dropout": float(cfg.dropout),
