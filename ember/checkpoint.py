@@ -25,7 +25,7 @@ import shutil
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
+from ember.config_schema import CheckpointConfig
 from ember.errors import CheckpointError, first_error_line
 from ember.finetune.base_fingerprint import check_resume_base, reference_meta
 from ember.finetune.lora import lora_meta, trainable_state_dict
@@ -43,6 +44,9 @@ from ember.model_meta import MODEL_JSON, ArchitectureMismatch, check_architectur
 from ember.optim import apply_group_settings, group_settings
 from ember.run_history import (CHECKPOINT_CONFIG, HISTORY_DIR, Change, RunChanged, config_dict, describe_changes,
                                resume_changes)
+
+if TYPE_CHECKING:
+    from ember.run import RunSpec
 
 STEP_DIR = re.compile(r"step-(\d+)")
 
@@ -125,7 +129,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 class CheckpointManager:
     """Saves and restores the whole training state of one run; every rank calls every method."""
 
-    def __init__(self, cfg: Any, output_dir: Path, model_parts: list[nn.Module], optim_model: nn.Module,
+    def __init__(self, cfg: CheckpointConfig, output_dir: Path, model_parts: list[nn.Module], optim_model: nn.Module,
                  optimizer: torch.optim.Optimizer, meta: dict[str, Any], say: Callable[[str], None] = print,
                  adapters_only: bool = False, run_config: Optional[dict[str, Any]] = None,
                  allow_changes: Sequence[str] = ()):
@@ -329,7 +333,7 @@ def archive_previous_run(output_dir: Path, say: Callable[[str], None]) -> Option
     return target
 
 
-def open_checkpoints(spec: Any, model_parts: list[nn.Module], model: nn.Module, optimizer: torch.optim.Optimizer,
+def open_checkpoints(spec: RunSpec, model_parts: list[nn.Module], model: nn.Module, optimizer: torch.optim.Optimizer,
                      say: Callable[[str], None]) -> "CheckpointManager":
     """The run's CheckpointManager (spec: an ember.run.RunSpec), after moving another run's files aside when
     this one starts over. Its model.json names the model that was built and, for LoRA, the base the adapters

@@ -24,7 +24,7 @@ import dataclasses
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,9 @@ from ember.optim import build_optimizer
 from ember.parallel.mesh import ParallelMesh
 from ember.run import RunSpec, build_model, resolve, respecify
 from ember.step import ForwardBackward, token_loss_sum
+
+if TYPE_CHECKING:
+    from torch.distributed._tools.mem_tracker import MemTracker
 
 ADAM_MOMENTS = 2  # AdamW's exp_avg and exp_avg_sq, each like its parameter
 STEP_BYTES = 4  # AdamW's per-parameter `step`: a float32 scalar tensor with the fused kernel (ember's default)
@@ -186,7 +189,7 @@ def balanced_routing(parts: list[nn.Module], ep: int, dtype: torch.dtype) -> Ite
             counts[: n_tokens % n_experts] += 1
         return counts
 
-    def bincount(x: torch.Tensor, weights: Any = None, minlength: int = 0) -> torch.Tensor:
+    def bincount(x: torch.Tensor, weights: Optional[torch.Tensor] = None, minlength: int = 0) -> torch.Tensor:
         return balanced(x.numel(), minlength)
 
     def dispatch(run: Callable, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -208,7 +211,7 @@ def balanced_routing(parts: list[nn.Module], ep: int, dtype: torch.dtype) -> Ite
             moe.dispatch, moe.experts.impl = dispatch_fn, impl
 
 
-def step_memory_tracker() -> Any:
+def step_memory_tracker() -> MemTracker:
     """torch's MemTracker for a whole training step. It raises when the root module runs a second forward
     (meant to catch a second iteration), which gradient accumulation and pipeline micro-batches do within
     one step: a root module's stats start over at each of its forwards. The totals (what the plan uses) are
@@ -223,7 +226,7 @@ def step_memory_tracker() -> Any:
                 del self.memory_tracking[module]
             super()._pre_fw_hook(module, inputs)
 
-        def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True) -> Any:
+        def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True) -> tuple[int, int]:
             # torch's tracker hooks every parameter's gradient, which raises on a frozen one (LoRA's base); the
             # hooks only label gradient bytes as such, the totals are counted per storage either way
             frozen = any(not p.requires_grad for p in module.parameters())
@@ -311,7 +314,7 @@ def track_step(spec: RunSpec, mesh: Optional[ParallelMesh], part: nn.Module, kin
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if isinstance(part, FSDPModule):
-            tracker: Any = FSDPMemTracker(part, optimizer)
+            tracker: MemTracker = FSDPMemTracker(part, optimizer)
         else:
             tracker = step_memory_tracker()
             tracker.track_external(part, optimizer)

@@ -16,9 +16,11 @@ from typing import Any, Optional
 import torch
 
 from ember import device as device_lib
+from ember.config_schema import JobConfig
 from ember.errors import ConfigError
 from ember.parallel import pp as pp_lib
 from ember.parallel.mesh import AXES, ParallelMesh, rank_grid
+from ember.parallel.mesh_shape import MeshShape
 from ember.plan import cost
 from ember.plan.memory import (StageModel, StateBytes, build_parts, fake_world, layer_period, model_stage,
                                named_params, plan_spec, state_bytes, with_micro_batch)
@@ -92,7 +94,7 @@ def compute_dtype(precision: str, device: str, frozen_base: bool = False) -> tor
     return torch.float32 if precision == "fp32" else torch.bfloat16
 
 
-def _coordinates(shape: Any) -> list[dict[str, int]]:
+def _coordinates(shape: MeshShape) -> list[dict[str, int]]:
     grid = rank_grid(shape, AXES)
     coords: list[dict[str, int]] = [{} for _ in range(shape.world_size)]
     for index in torch.cartesian_prod(*[torch.arange(n) for n in grid.shape]).reshape(-1, len(AXES)).tolist():
@@ -100,7 +102,7 @@ def _coordinates(shape: Any) -> list[dict[str, int]]:
     return coords
 
 
-def _roles(spec: RunSpec, shape: Any) -> list[Role]:
+def _roles(spec: RunSpec, shape: MeshShape) -> list[Role]:
     grid = rank_grid(shape, AXES)  # (pipeline, data, fsdp, context, expert, tensor)
     pp, v = spec.degree("pipeline"), spec.cfg.parallel.pp_stages_per_rank if spec.degree("pipeline") > 1 else 1
     ranges = pp_lib.stage_layer_ranges(spec.args.n_layers, spec.num_stages)
@@ -177,7 +179,7 @@ def _step(spec: RunSpec, fab: cost.Fabric, roles: list[Role], grid: torch.Tensor
     return best
 
 
-def make_plan(cfg: Any, world: int, nodes: Optional[int] = None, device: str = "h100",
+def make_plan(cfg: JobConfig, world: int, nodes: Optional[int] = None, device: str = "h100",
               search: bool = False) -> Plan:
     """Plan `cfg` (a loaded JobConfig) on `world` devices of type `device` over `nodes` nodes."""
     start = time.perf_counter()
