@@ -64,14 +64,14 @@ def compute_description(spec: RunSpec, model_parts: list[nn.Module]) -> str:
 
 
 def run_record(spec: RunSpec, model_parts: list[nn.Module], num_params: int) -> dict[str, Any]:
-    """run.json's facts about the run: the device, mesh and compute, and the model that was built (model.json's
-    fields) with where its architecture came from."""
+    """run.json's facts about the run: the device, mesh and compute, the model that was built (model.json's
+    fields) with where its architecture came from, and every decision ember.run.resolve made."""
     from ember.model_meta import meta_for
 
     model = {**meta_for(spec.family, spec.flavor, spec.args), "init_from": spec.cfg.model.init_from,
              "architecture_from": spec.architecture_from}
     return {"device": spec.device, "mesh": spec.shape.describe(), "world_size": spec.world_size, "params": num_params,
-            "compute": compute_description(spec, model_parts), "model": model}
+            "compute": compute_description(spec, model_parts), "model": model, "decisions": spec.describe()}
 
 
 def print_header(console: Console, spec: RunSpec, model: nn.Module, num_params: int,

@@ -59,7 +59,11 @@ def test_the_header_says_fp8_and_its_emulation(tmp_path: Path):
     printed = _run(tmp_path, "precision=fp8", "fp8.emulate=true")
     compute = "fp8 tensorwise (emulated in bfloat16) in 7 of 8 linears, bfloat16 elsewhere"  # the output head kept
     assert f" | cpu {compute} | " in printed.splitlines()[0]
-    assert json.loads((tmp_path / "run.json").read_text())["compute"] == compute
+    info = json.loads((tmp_path / "run.json").read_text())
+    assert info["compute"] == compute
+    # and every decision ember.run.resolve made, as it made them
+    assert {k: info["decisions"][k] for k in ("fp8", "compute_dtype", "mesh", "world_size", "loss_parallel")} == {
+        "fp8": "tensorwise", "compute_dtype": "bfloat16", "mesh": info["mesh"], "world_size": 1, "loss_parallel": False}
 
 
 def test_fp8_emulate_without_fp8_is_refused():
