@@ -35,8 +35,8 @@ def parse(argv: list[str], command: str = "train") -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> int:
-
     from ember import run as run_lib
+
     if args.flags:
         return launch_local(args.flags, "train", args.argv,
                             lambda world: run_lib.load_config(args.recipe, args.overrides, world_size=world))
