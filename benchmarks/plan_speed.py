@@ -1,5 +1,5 @@
-"""How long `ember plan` takes on this CPU for the full-scale jobs the README and tests/plan/ use: Llama 3.1 405B
-on 1024 H100s (data=8 x fsdp=16 x tensor=8, the README's example) and Mixtral 8x22B with expert=8 on 64.
+"""How long `ember plan` takes on this CPU for the full-scale jobs docs/plan.md and tests/plan/ use: Llama 3.1 405B
+on 1024 H100s (data=8 x fsdp=16 x tensor=8, docs/plan.md's example) and Mixtral 8x22B with expert=8 on 64.
 tests/plan/test_plan.py checks what these plans say; how fast they are is measured here, where a slow shared
 machine reads as a figure rather than a failed test.
 

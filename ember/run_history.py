@@ -64,7 +64,7 @@ def _covers(name: str, key: str) -> bool:
 
 
 def is_identity(key: str) -> bool:
-    """Whether a dotted config key is part of what the run is (README, Checkpoints and resume)."""
+    """Whether a dotted config key is part of what the run is (docs/checkpoints.md, What a resume may change)."""
     return any(_covers(n, key) for n in IDENTITY) and not any(_covers(n, key) for n in NOT_IDENTITY)
 
 

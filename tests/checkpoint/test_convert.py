@@ -267,8 +267,8 @@ LORA_RUN = ["data.dataset=synthetic", *tiny_model(2), "model.vocab_size=512", "s
 
 
 def test_a_lora_run_to_ember_is_its_merged_model_with_its_tokenizer(tmp_path: Path, capsys):
-    # README: --merge is implied by --to hf|ember|torch for a LoRA run; --to ember was refused as "already in
-    # ember format", with --merge too.
+    # docs/fine-tuning.md: --merge is implied by --to hf|ember|torch for a LoRA run; --to ember was refused as
+    # "already in ember format", with --merge too.
     Trainer(run_lib.load_config("debug", LORA_RUN + [f"output_dir={tmp_path / 'base'}"])).train()
     Trainer(run_lib.load_config("debug", LORA_RUN + ["lora.rank=4", "lora.alpha=8", f"model.init_from={tmp_path / 'base'}",
                                                  f"output_dir={tmp_path / 'lora'}"])).train()

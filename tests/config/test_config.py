@@ -150,8 +150,9 @@ def test_output_dir_must_be_a_writable_directory(tmp_path: Path):
 
 
 def test_init_from_gives_the_family_and_only_a_command_line_family_can_contradict_it(tmp_path: Path):
-    # README: with model.init_from "the architecture is the source's (config.json or model.json): nothing to
-    # restate". A recipe's model.family (llama3.2-1b's llama3.2) is a default the source (a llama3 run) replaces.
+    # docs/training-and-config.md: with model.init_from "the architecture is the source's (its config.json or
+    # model.json), its family included: nothing to restate". A recipe's model.family (llama3.2-1b's llama3.2) is a
+    # default the source (a llama3 run) replaces.
     from ember.convert import save_ember_checkpoint
     from ember.models import build_model_args
     from ember.models.llama import Transformer
