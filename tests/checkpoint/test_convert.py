@@ -30,6 +30,7 @@ def _model(family: str) -> Transformer:
     return model.eval()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama3.1", "llama3.2"])  # rope scaling and GQA; tied embeddings
 def test_export_loads_in_transformers_with_the_same_logits(tmp_path: Path, family: str):
     model = _model(family)
@@ -42,6 +43,7 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path: Path, famil
         torch.testing.assert_close(hf_model(tokens).logits, model(tokens), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_round_trip_through_every_format(tmp_path: Path):
     model = _model("llama3")
     tokens = torch.randint(0, 512, (1, 16), generator=torch.Generator().manual_seed(2))
@@ -65,6 +67,7 @@ def test_round_trip_through_every_format(tmp_path: Path):
         "(model.json, checkpoints/step-N), a HF model directory (config.json) or an `ember convert --to torch` file\n")
 
 
+@pytest.mark.slow
 def test_training_starts_from_an_hf_directory(tmp_path: Path):
     model = _model("llama3")
     hf_dir = tmp_path / "hf"
@@ -88,6 +91,7 @@ def _full_args() -> dict:
     return dataclasses.asdict(_model("llama3").args)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("meta, message", [
     ({"family": "nope", "flavor": "x", "args": {}}, "names model family 'nope', which ember does not know"),
     ({"family": "llama3", "flavor": "debug", "args": {"dim": 64, "bogus": 1}}, "'bogus' is not a hyper-parameter"),
@@ -266,6 +270,7 @@ LORA_RUN = ["data.dataset=synthetic", *tiny_model(2), "model.vocab_size=512", "s
             "optim.lr=1e-2", "max_steps=2"]
 
 
+@pytest.mark.slow
 def test_a_lora_run_to_ember_is_its_merged_model_with_its_tokenizer(tmp_path: Path, capsys):
     # docs/fine-tuning.md: --merge is implied by --to hf|ember|torch for a LoRA run; --to ember was refused as
     # "already in ember format", with --merge too.

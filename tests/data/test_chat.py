@@ -388,6 +388,7 @@ def test_packed_chat_keeps_resumable_state(tmp_path: Path):
 
 
 # ---------------------------------------------------------------- a short run: the assistant loss falls
+@pytest.mark.slow
 def test_chat_sft_run_lowers_assistant_loss(tmp_path: Path):
     from ember.train import Trainer
 
@@ -404,6 +405,7 @@ def test_chat_sft_run_lowers_assistant_loss(tmp_path: Path):
     assert summary["final_loss_avg"] < 2.0  # from ~6.2 nats
 
 
+@pytest.mark.slow
 def test_lora_chat_sft_lowers_assistant_loss_with_the_base_frozen(tmp_path: Path):
     """Issue 15's LoRA SFT: adapters on a frozen base (a 2-step run of the same shape), trained on conversations."""
     from ember.train import Trainer

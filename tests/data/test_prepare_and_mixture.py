@@ -59,6 +59,7 @@ def test_prepared_data_is_refused_with_another_tokenizer_or_when_truncated(tmp_p
         load_prepared(out, "train", small_tokenizer)
 
 
+@pytest.mark.slow
 def test_cli_prepare_end_to_end(tmp_path: Path):
     src = _docs(tmp_path / "docs.jsonl", 200, "token")
     tok_dir = tmp_path / "tok"

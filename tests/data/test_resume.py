@@ -85,6 +85,7 @@ def _resumed_in_new_process(tmp: Path, spec: dict, n: int, state: dict) -> dict:
     return torch.load(out, weights_only=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["jsonl", "prepared", "mixture", "synthetic", "stream"])
 @pytest.mark.parametrize("workers", [0, 1])
 def test_resume_in_a_new_process_continues_exactly(data_dir, tmp_path, kind, workers):

@@ -72,6 +72,7 @@ def test_bad_tokenizer_files_are_named(tmp_path: Path, spm_model: Path):
         build_tokenizer(DataCfg(tokenizer=str(spm_model)), 100)
 
 
+@pytest.mark.slow
 def test_cli_trains_a_tokenizer_json(tmp_path: Path):
     data = tmp_path / "docs.jsonl"
     data.write_text("".join(json.dumps({"text": f"{line} {i}"}) + "\n" for i, line in enumerate(CORPUS[:120])))
