@@ -1,6 +1,7 @@
 """One parallelize pipeline for every family, applied from outside the model in a fixed order:
 
-    TP/SP -> CP -> (flex attention) -> activation checkpointing -> compile per block -> EP -> FSDP2
+    (FP8 linears) -> TP/SP -> (LoRA) -> CP -> (flex attention) -> activation checkpointing -> compile per block
+    -> EP -> FSDP2
 
 A family supplies only its tensor-parallel plan (models/<family>/parallelize.py); what expert parallelism
 shards is the model's own MoE layers (`Decoder.moe_layers()`). Pipeline splitting happens before, in
