@@ -4,7 +4,12 @@ README's plan and launch examples. Every subcommand's --help and usage errors: t
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers import run_ember
+
+# Every test here runs `ember` in subprocesses (the README examples: about a minute).
+pytestmark = pytest.mark.slow
 
 
 def test_recipes_table_lists_parameter_counts():
