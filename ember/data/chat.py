@@ -26,12 +26,17 @@ import json
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import numpy as np
 
-from ember.config_schema import JobConfig
+from ember.config_schema import DataConfig, JobConfig
 from ember.errors import ConfigError, DataError, first_error_line
+
+if TYPE_CHECKING:
+    import jinja2
+    import numpy.typing as npt
+    import tokenizers
 
 ROLES = ("system", "user", "assistant")
 AUTO = "auto"
@@ -67,7 +72,7 @@ class ChatTemplate:
         return hashlib.sha256(json.dumps([self.source, self.variables]).encode()).hexdigest()[:16]
 
 
-def check_chat_source(data_cfg: Any) -> None:
+def check_chat_source(data_cfg: DataConfig) -> None:
     """What chat data needs from the command line, checked when the run builds its tokenizer (before the
     model): the *-sft recipes load without them, so `ember recipes` lists them."""
     if data_cfg.tokenizer is None:
@@ -101,7 +106,8 @@ def check_messages(value: Any, where: str) -> list[dict]:
 
 
 # ---------------------------------------------------------------- templates
-def _tojson(x: Any, ensure_ascii: bool = False, indent: Optional[int] = None, separators: Any = None,
+def _tojson(x: Any, ensure_ascii: bool = False, indent: Optional[int] = None,
+            separators: Optional[tuple[str, str]] = None,
             sort_keys: bool = False) -> str:
     # transformers' filter: Jinja's own escapes HTML characters, which a chat is not.
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
@@ -118,7 +124,7 @@ def _strftime_now(fmt: str) -> str:
 
 
 @functools.lru_cache(maxsize=16)
-def _compile(source: str) -> Any:
+def _compile(source: str) -> jinja2.Template:
     """The template compiled in a sandbox: a hub template is untrusted text and must not reach Python objects."""
     import jinja2
     import jinja2.ext
@@ -129,12 +135,12 @@ def _compile(source: str) -> Any:
         # prefix renders, so its tracking is not needed), so templates that use it render here too.
         tags = {"generation"}
 
-        def parse(self, parser: Any) -> Any:
+        def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
             lineno = next(parser.stream).lineno
             body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
             return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
 
-        def _body(self, caller: Any) -> str:
+        def _body(self, caller: Callable[[], str]) -> str:
             return caller()
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
@@ -228,7 +234,7 @@ def assistant_spans(template: ChatTemplate, messages: list[dict], text: str) -> 
     return spans
 
 
-def chat_encoder(tokenizer: Any) -> Any:
+def chat_encoder(tokenizer: Any) -> tokenizers.Tokenizer:
     """A copy of the tokenizer that reads the template's special-token text as special tokens.
 
     ember's Tokenizer encodes special-token text as plain text (a document is data); a rendered chat is
@@ -260,7 +266,8 @@ def _labels(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> np.
     return mask
 
 
-def encode_conversation(template: ChatTemplate, encoder: Any, messages: list[dict]) -> tuple[list[int], np.ndarray]:
+def encode_conversation(template: ChatTemplate, encoder: tokenizers.Tokenizer,
+                        messages: list[dict]) -> tuple[list[int], np.ndarray]:
     """(ids, mask): the ids apply_chat_template gives, and 1 on every token the loss covers."""
     text = render(template, messages)
     encoding = encoder.encode(text, add_special_tokens=False)
@@ -271,7 +278,7 @@ ENCODE_BATCH = 256  # conversations per encode_batch call: the Rust encoder spre
 
 
 def encode_conversations(conversations: list[list[dict]], tokenizer: Any, template: ChatTemplate,
-                         dtype: Any = np.uint32) -> list[tuple[np.ndarray, np.ndarray]]:
+                         dtype: npt.DTypeLike = np.uint32) -> list[tuple[np.ndarray, np.ndarray]]:
     """One (tokens, mask) per conversation, each ending with the tokenizer's EOS (the document separator
     packing and document masking read; not a target, since the end-of-turn marker already teaches stopping).
     A rendering that already ends with EOS gets no second one."""

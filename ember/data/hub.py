@@ -4,12 +4,16 @@ slow to import): hub datasets for training data, DPO pairs and eval tasks, table
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from types import ModuleType
+from typing import TYPE_CHECKING, Optional
 
 from ember.errors import DataError, first_error_line
 
+if TYPE_CHECKING:
+    import datasets
 
-def import_datasets(purpose: str) -> Any:
+
+def import_datasets(purpose: str) -> ModuleType:
     """The `datasets` module, quiet; `purpose` names what needs it in the one-line error when it is missing."""
     try:
         import datasets  # lazy: an optional dependency, and slow to import
@@ -21,7 +25,8 @@ def import_datasets(purpose: str) -> Any:
     return datasets
 
 
-def load_hub_table(name: str, config: Optional[str], hf_split: str, what: str = "data.dataset", fix: str = "") -> Any:
+def load_hub_table(name: str, config: Optional[str], hf_split: str, what: str = "data.dataset",
+                   fix: str = "") -> datasets.Dataset:
     """A hub dataset's `hf_split` as a `datasets` table; `what` names who asked (a key, an eval task) in the
     one-line error, followed by `fix`."""
     datasets = import_datasets(f"{what} '{name}' is not a local file, folder or glob; loading it from the Hugging "

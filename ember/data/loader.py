@@ -24,10 +24,11 @@ from typing import Any, Callable, Iterator, Optional, Protocol, Union, runtime_c
 import numpy as np
 import torch
 
+from ember.config_schema import DataConfig
 from ember.constants import IGNORE_INDEX
 from ember.data import packing, prepare, sources
 from ember.data.prefetch import Prefetcher
-from ember.data.tokenizer import Tokenizer
+from ember.data.tokenizer import AnyTokenizer
 from ember.errors import DataError
 
 
@@ -294,7 +295,8 @@ class TokenLoader:
         return text
 
 
-def _check_chat_documents(data_cfg: Any, stream: packing.TokenStream, tokenizer: Tokenizer, pad_to: Optional[int]) -> None:
+def _check_chat_documents(data_cfg: DataConfig, stream: packing.TokenStream, tokenizer: AnyTokenizer,
+                          pad_to: Optional[int]) -> None:
     """Document masking ends a document at every EOS. A chat template that writes the EOS token inside a
     conversation (an instruct tokenizer whose eos_token is its end-of-turn marker, e.g. Llama 3's <|eot_id|>)
     would cut each conversation into turns that cannot see each other: refused, not trained wrongly."""
@@ -308,8 +310,8 @@ def _check_chat_documents(data_cfg: Any, stream: packing.TokenStream, tokenizer:
 
 
 def build_loader(
-    data_cfg: Any,
-    tokenizer: Optional[Tokenizer],
+    data_cfg: DataConfig,
+    tokenizer: Optional[AnyTokenizer],
     *,
     seq_len: int,
     micro_batch_size: int,

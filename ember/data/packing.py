@@ -8,12 +8,13 @@ is prepare.py's business, which builds on this module.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 
+from ember.config_schema import DataConfig
 from ember.data import chat, sources
-from ember.data.tokenizer import Tokenizer
+from ember.data.tokenizer import AnyTokenizer
 
 ENCODE_BATCH_DOCS = 256  # documents per encode_batch call: enough to keep every core busy, bounded memory
 
@@ -33,7 +34,7 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
 
 
-def tokenize_documents(texts: list[str], tokenizer: Tokenizer) -> np.ndarray:
+def tokenize_documents(texts: list[str], tokenizer: AnyTokenizer) -> np.ndarray:
     """Encode in batches and concatenate, with tokenizer.eos_id after every document."""
     dtype = token_dtype(tokenizer.vocab_size)
     eos = np.array([tokenizer.eos_id], dtype=dtype)
@@ -44,7 +45,7 @@ def tokenize_documents(texts: list[str], tokenizer: Tokenizer) -> np.ndarray:
     return np.concatenate(pieces) if pieces else np.zeros(0, dtype=dtype)
 
 
-def tokenize_prompted(prompts: list[str], responses: list[str], tokenizer: Tokenizer) -> tuple[np.ndarray, np.ndarray]:
+def tokenize_prompted(prompts: list[str], responses: list[str], tokenizer: AnyTokenizer) -> tuple[np.ndarray, np.ndarray]:
     """SFT documents: prompt + response + EOS each, and a loss mask that is 0 on the prompt tokens."""
     dtype = token_dtype(tokenizer.vocab_size)
     tokens: list[np.ndarray] = []
@@ -60,7 +61,7 @@ def tokenize_prompted(prompts: list[str], responses: list[str], tokenizer: Token
     return np.concatenate(tokens), np.concatenate(mask)
 
 
-def document_pieces(docs: sources.Documents, tokenizer: Tokenizer,
+def document_pieces(docs: sources.Documents, tokenizer: AnyTokenizer,
                     template: Optional[chat.ChatTemplate] = None) -> list[tuple[np.ndarray, np.ndarray]]:
     """(tokens, loss mask) of each document, EOS included: for padding them one per sample."""
     if docs.conversations is not None:
@@ -92,7 +93,7 @@ def pad_pieces(pieces: list[tuple[np.ndarray, np.ndarray]], width: int, pad_id: 
     return tokens.reshape(-1), mask.reshape(-1), len(kept)
 
 
-def tokenize_source(data_cfg: Any, tokenizer: Tokenizer, split: str, template: Optional[chat.ChatTemplate] = None,
+def tokenize_source(data_cfg: DataConfig, tokenizer: AnyTokenizer, split: str, template: Optional[chat.ChatTemplate] = None,
                     pad_to: Optional[int] = None) -> TokenStream:
     """Read one split of the configured source and tokenize it (no cache: see prepare.token_stream).
 

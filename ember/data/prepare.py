@@ -18,12 +18,14 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, BinaryIO, Callable, Optional
 
 import numpy as np
 
+from ember.config_schema import DataConfig
 from ember.constants import default_cache_dir
 from ember.data import chat, packing, sources
+from ember.data.tokenizer import AnyTokenizer
 from ember.errors import DataError
 
 MANIFEST = "manifest.json"
@@ -35,7 +37,7 @@ def is_prepared(spec: str) -> bool:
     return (Path(spec).expanduser() / MANIFEST).is_file()
 
 
-def prepare(data_cfg: Any, tokenizer: Any, out_dir: Path,
+def prepare(data_cfg: DataConfig, tokenizer: AnyTokenizer, out_dir: Path,
             progress: Optional[Callable[[str, int, int], None]] = None) -> dict:
     """Tokenize both splits of data_cfg.dataset into out_dir; returns the manifest.
 
@@ -61,7 +63,7 @@ def prepare(data_cfg: Any, tokenizer: Any, out_dir: Path,
         path, mask_path = out_dir / f"{split}.bin", out_dir / f"{split}.mask.bin"
         masks: list[np.ndarray] = []
 
-        def write(f: Any) -> None:
+        def write(f: BinaryIO) -> None:
             nonlocal num_tokens
             for start in range(0, len(docs.texts), DOCS_PER_CHUNK):
                 texts = docs.texts[start : start + DOCS_PER_CHUNK]
@@ -99,7 +101,7 @@ def read_manifest(directory: Path) -> dict:
     return manifest
 
 
-def load_prepared(directory: Path, split: str, tokenizer: Any) -> packing.TokenStream:
+def load_prepared(directory: Path, split: str, tokenizer: AnyTokenizer) -> packing.TokenStream:
     """The memory-mapped tokens of one split, after checking the tokenizer and the file size."""
     manifest = read_manifest(directory)
     expected = manifest["tokenizer"]
@@ -131,7 +133,7 @@ def load_prepared(directory: Path, split: str, tokenizer: Any) -> packing.TokenS
                                info.get("skipped", []), loss_mask=mask)
 
 
-def token_stream(data_cfg: Any, tokenizer: Tokenizer, split: str, cache_dir: Optional[Path] = None,
+def token_stream(data_cfg: DataConfig, tokenizer: AnyTokenizer, split: str, cache_dir: Optional[Path] = None,
                  pad_to: Optional[int] = None) -> packing.TokenStream:
     """The tokens of one split, from the cache when the source has a fingerprint and was seen before.
 

@@ -18,12 +18,15 @@ import sysconfig
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, Union
+from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Iterable, Optional, Union
 
 from ember.data.hub import import_datasets, load_hub_table
 from ember.data.jsonl import json_rows
-from ember.config_schema import JobConfig
+from ember.config_schema import DataConfig, JobConfig
 from ember.errors import ConfigError, DataError, EmberError, UserFileNotFound, first_error_line
+
+if TYPE_CHECKING:
+    import datasets
 
 EMBEDDED = "embedded"
 SYNTHETIC = "synthetic"
@@ -50,7 +53,7 @@ class Documents:
 
 
 # ---------------------------------------------------------------- cache directory, atomic writes
-def atomic_write(path: Path, write: Callable[[Any], None]) -> None:
+def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
     """Write through a temporary file in the same folder, then rename it into place.
 
     A run killed halfway (or two runs racing to fill the same cache entry) leaves either no file or a
@@ -219,7 +222,7 @@ class Fields:
     messages: Optional[str] = None
 
     @staticmethod
-    def of(data_cfg: Any) -> "Fields":
+    def of(data_cfg: DataConfig) -> "Fields":
         return Fields(data_cfg.text_field, getattr(data_cfg, "prompt_field", None),
                       getattr(data_cfg, "messages_field", None))
 
@@ -267,7 +270,7 @@ def _table_rows(path: Path, fields: Fields) -> list[Row]:
     return _column_rows(table, fields, str(path))
 
 
-def _column_rows(table: Any, fields: Fields, name: str) -> list[Row]:
+def _column_rows(table: datasets.Dataset, fields: Fields, name: str) -> list[Row]:
     """The rows of a `datasets` table whose columns are known to be there."""
     if fields.messages is not None:
         return [_row({fields.messages: m}, fields, f"{name} row {i}") for i, m in enumerate(table[fields.messages])]
@@ -346,7 +349,7 @@ def load_hub(name: str, config: Optional[str], hf_split: str, fields: Fields, sp
 
 
 # ---------------------------------------------------------------- one entry point
-def load_documents(data_cfg: Any, split: str = "train") -> Documents:
+def load_documents(data_cfg: DataConfig, split: str = "train") -> Documents:
     """The documents of `split` ("train" or "val") of the source that data_cfg.dataset names."""
     spec = data_cfg.dataset
     if spec == SYNTHETIC:
@@ -362,7 +365,7 @@ def load_documents(data_cfg: Any, split: str = "train") -> Documents:
     return load_hub(spec, data_cfg.config, data_cfg.split, fields, split, data_cfg.val_fraction)
 
 
-def source_fingerprint(data_cfg: Any) -> Optional[str]:
+def source_fingerprint(data_cfg: DataConfig) -> Optional[str]:
     """A key that changes when the documents of either split could; None where none is cheap (the hub)."""
     spec = data_cfg.dataset
     if spec == EMBEDDED:

@@ -17,14 +17,19 @@ from __future__ import annotations
 
 import copy
 import hashlib
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
+from ember.config_schema import DataConfig
 from ember.data import sources
 from ember.data.hub import import_datasets
 from ember.data.prefetch import Prefetcher
+from ember.data.tokenizer import AnyTokenizer
 from ember.errors import DataError, first_error_line
+
+if TYPE_CHECKING:
+    import datasets
 
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".arrow": "arrow"}
 
@@ -34,7 +39,8 @@ def _draw(seed: int, epoch: int, k: int, n: int) -> int:
     return int.from_bytes(digest, "little") % n
 
 
-def open_stream(data_cfg: Any, split: str, dp_rank: int, dp_world: int) -> tuple[Any, str]:
+def open_stream(data_cfg: DataConfig, split: str, dp_rank: int,
+                dp_world: int) -> tuple[datasets.IterableDataset, str]:
     """The rank's IterableDataset for ember's `split` ("train" -> data.split, "val" -> data.val_split)."""
     datasets = import_datasets("data.streaming=true")
     from datasets.distributed import split_dataset_by_node
@@ -71,8 +77,8 @@ def open_stream(data_cfg: Any, split: str, dp_rank: int, dp_world: int) -> tuple
 class StreamReader:
     """Turns a document stream into (micro_batch_size, seq_len + 1) token rows; its state is exact."""
 
-    def __init__(self, dataset: Any, tokenizer: Any, text_field: str, seq_len: int, micro_batch_size: int,
-                 seed: int, buffer_size: int, name: str):
+    def __init__(self, dataset: datasets.IterableDataset, tokenizer: AnyTokenizer, text_field: str, seq_len: int,
+                 micro_batch_size: int, seed: int, buffer_size: int, name: str):
         self.dataset, self.tokenizer, self.text_field = dataset, tokenizer, text_field
         self.row, self.mb, self.seed, self.name = seq_len + 1, micro_batch_size, seed, name
         self.buffer_size = max(buffer_size, 1)
@@ -199,8 +205,8 @@ class StreamLoader:
         return f"{self.name} ({self.split}): streamed, shuffle buffer {self.reader.buffer_size} documents"
 
 
-def build_stream_loader(data_cfg: Any, tokenizer: Any, *, split: str, seq_len: int, micro_batch_size: int,
-                        dp_rank: int, dp_world: int, seed: int) -> StreamLoader:
+def build_stream_loader(data_cfg: DataConfig, tokenizer: Optional[AnyTokenizer], *, split: str, seq_len: int,
+                        micro_batch_size: int, dp_rank: int, dp_world: int, seed: int) -> StreamLoader:
     if tokenizer is None:
         raise DataError("data.streaming=true needs a tokenizer")
     # Opened once here so that a bad name, path or split fails at start, not in the prefetch thread.

@@ -17,11 +17,12 @@ import hashlib
 import json
 from pathlib import Path
 import re
-from typing import Any, Optional, Protocol, Sequence, Union
+from typing import Optional, Protocol, Sequence, Union
 
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from ember.config_schema import DataConfig
 from ember.constants import default_cache_dir
 from ember.data import sources
 from ember.errors import ConfigError, DataError, UserFileNotFound, first_error_line
@@ -282,7 +283,7 @@ def _load_hf_tokenizer(path: Path) -> Tokenizer:
     return Tokenizer(tok, str(path), special)
 
 
-def build_tokenizer(data_cfg: Any, vocab_size: int, cache_dir: Optional[Path] = None) -> AnyTokenizer:
+def build_tokenizer(data_cfg: DataConfig, vocab_size: int, cache_dir: Optional[Path] = None) -> AnyTokenizer:
     """The run's tokenizer (see the module docstring); its vocabulary must fit the model's embedding."""
     if getattr(data_cfg, "messages_field", None):
         from ember.data.chat import check_chat_source  # local: only chat data needs it
