@@ -11,13 +11,16 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
 from ember.errors import ConfigError
 from ember.nn.attention import KVCache
+
+if TYPE_CHECKING:
+    from ember.data.tokenizer import AnyTokenizer
 
 
 @dataclasses.dataclass
@@ -28,7 +31,7 @@ class Generation:
     stop_reason: str  # "eos", "stop" (a stop string), or "length"
 
 
-def tokenizer_for(path: Union[str, Path], spec: Optional[str] = None) -> Any:
+def tokenizer_for(path: Union[str, Path], spec: Optional[str] = None) -> AnyTokenizer:
     """The tokenizer of the model at `path`: `spec` when given (a tokenizer.json, SentencePiece or tiktoken
     file), else the one its training run used (the run's config.yaml: data.tokenizer, or the embedded BPE of
     the model's vocabulary), or the tokenizer.json / tokenizer.model in the model's directory (an HF directory's,
@@ -119,7 +122,7 @@ def check_max_new_tokens(max_new_tokens: int) -> None:
         raise ConfigError(f"max_new_tokens={max_new_tokens} must be >= 1")
 
 
-def prompt_ids(model: nn.Module, tokenizer: Any, prompts: Sequence[Union[str, Sequence[int]]],
+def prompt_ids(model: nn.Module, tokenizer: AnyTokenizer, prompts: Sequence[Union[str, Sequence[int]]],
                max_new_tokens: int) -> list[list[int]]:
     """The token ids of each prompt, checked to fit the model with `max_new_tokens` more: what generate() checks
     before any work, callable on its own so that `ember generate` refuses before it prints anything."""
@@ -155,7 +158,7 @@ def _sample(logits: torch.Tensor, temperature: float, top_k: Optional[int], top_
 
 
 @torch.no_grad()
-def generate(model: nn.Module, tokenizer: Any, prompts: Sequence[Union[str, Sequence[int]]], *,
+def generate(model: nn.Module, tokenizer: AnyTokenizer, prompts: Sequence[Union[str, Sequence[int]]], *,
              max_new_tokens: int = 64, temperature: Optional[float] = None, top_k: Optional[int] = None,
              top_p: Optional[float] = None, seed: Optional[int] = None, stop: Sequence[str] = (),
              stop_at_eos: bool = True, on_text: Optional[Callable[[int, str], None]] = None,

@@ -10,7 +10,7 @@ weigh correctly, gradient accumulation needs no extra scaling, and data-parallel
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,11 @@ from ember.parallel import pp as pp_lib
 from ember.parallel.mesh import ParallelMesh
 from ember.profiling import phase
 
+if TYPE_CHECKING:
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
+
+    from ember.finetune.dpo import DPOObjective
+
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, labels), each (B, T)
 
 
@@ -34,7 +39,7 @@ def _is_dtensor(x: Any) -> bool:
     return isinstance(x, DTensor)
 
 
-def token_loss_sum(logits: Any, labels: torch.Tensor) -> torch.Tensor:
+def token_loss_sum(logits: Union[torch.Tensor, list[torch.Tensor]], labels: torch.Tensor) -> torch.Tensor:
     """Summed token cross-entropy in fp32; logits (B, T, V), or the model's list of chunks of them."""
     if _is_dtensor(logits):  # vocabulary-sharded logits (loss parallel): DTensor's cross-entropy
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=IGNORE_INDEX,
@@ -47,7 +52,7 @@ class ForwardBackward:
 
     def __init__(self, model: nn.Module, mesh: Optional[ParallelMesh], device: torch.device, *,
                  autocast_dtype: Optional[torch.dtype], loss_parallel: bool, cp_impl: str,
-                 eos_id: Optional[int] = None, output_chunks: int = 1, dpo: Any = None):
+                 eos_id: Optional[int] = None, output_chunks: int = 1, dpo: Optional[DPOObjective] = None):
         """autocast_dtype: None for no autocast (fp32, or FSDP's mixed precision casting instead);
         eos_id: set for document masking (attention within packed documents, positions restart);
         output_chunks: the logits in this many sequence chunks (ember.nn.loss.output_chunks; whole-sequence logits);
@@ -58,7 +63,7 @@ class ForwardBackward:
         self.output_chunks = output_chunks
         degree = (lambda axis: mesh.shape.degree(axis)) if mesh is not None else (lambda axis: 1)
         self.tp, self.pp, self.cp = degree("tensor"), degree("pipeline"), degree("context")
-        self.schedule: Any = None
+        self.schedule: Optional[Union[PipelineScheduleSingle, PipelineScheduleMulti]] = None
         self.has_first_stage = self.has_last_stage = True
         self._pp_tokens = 1.0
 

@@ -10,12 +10,15 @@ runs the same number of forwards: a rank whose share is shorter runs a one-token
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Optional, Sequence, TypeVar
 
 import torch
 
 from ember.config_schema import MeshConfig
 from ember.errors import ConfigError
+
+if TYPE_CHECKING:
+    from ember.parallel.mesh_shape import MeshShape
 
 Item = TypeVar("Item")
 
@@ -92,7 +95,7 @@ def eval_mesh_sections(meshes: dict[str, dict[str, int]]) -> tuple[MeshConfig, M
     return MeshConfig(**ici), MeshConfig(**meshes["dcn_mesh"])
 
 
-def eval_mesh_shape(meshes: dict[str, dict[str, int]], world_size: int) -> Any:
+def eval_mesh_shape(meshes: dict[str, dict[str, int]], world_size: int) -> MeshShape:
     """The resolved MeshShape, checked against the world size as training checks it."""
     from ember.parallel.mesh_shape import MeshError, resolve_mesh
 

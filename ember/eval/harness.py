@@ -11,7 +11,7 @@ rolling windows from lm_eval.utils, and generation by ember.generate.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from torch import nn
 
@@ -19,6 +19,9 @@ from ember.errors import ConfigError
 from ember.eval.distributed import EvalRanks
 from ember.eval.scoring import encode_pair, score_tokens
 from ember.generate import generate
+
+if TYPE_CHECKING:
+    from ember.data.tokenizer import AnyTokenizer
 
 try:  # an optional dependency: only this module needs it
     from lm_eval.api.model import LM
@@ -35,7 +38,7 @@ def _require_lm_eval() -> None:
 class EmberLM(LM):  # type: ignore[misc]
     """lm-eval's `LM` interface (loglikelihood, loglikelihood_rolling, generate_until), batched."""
 
-    def __init__(self, model: nn.Module, tokenizer: Any, batch_size: int = 16, max_gen_toks: int = 256,
+    def __init__(self, model: nn.Module, tokenizer: AnyTokenizer, batch_size: int = 16, max_gen_toks: int = 256,
                  ranks: EvalRanks = EvalRanks()):
         """`ranks`: this process's place when the model is sharded over a mesh (ember.eval.distributed). Every
         rank then sees every request, as one process would (lm-eval is told of one rank), and the scoring shares

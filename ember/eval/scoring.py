@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +18,9 @@ from torch import nn
 
 from ember.errors import ConfigError, DataError
 from ember.eval.distributed import EvalRanks
+
+if TYPE_CHECKING:
+    from ember.data.tokenizer import AnyTokenizer
 
 
 @dataclass(frozen=True)
@@ -38,7 +41,7 @@ def _scoring(model: nn.Module) -> Iterator[None]:
         model.train(was_training)
 
 
-def encode_pair(tokenizer: Any, context: str, continuation: str) -> tuple[list[int], list[int]]:
+def encode_pair(tokenizer: AnyTokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
     """(context ids, continuation ids) as lm-eval's HFLM splits them. An empty context is the tokenizer's BOS
     where it declares one (tokenizer_config.json's bos_token; a SentencePiece or tiktoken model's own), else its
     EOS, as lm-eval's loglikelihood does (prefix_token_id): the first continuation token needs a position to be
@@ -127,7 +130,7 @@ def score_tokens(model: nn.Module, pairs: Sequence[tuple[list[int], list[int]]],
     return [scored[i] for i in range(len(inputs))]
 
 
-def loglikelihood(model: nn.Module, tokenizer: Any, requests: Sequence[tuple[str, str]],
+def loglikelihood(model: nn.Module, tokenizer: AnyTokenizer, requests: Sequence[tuple[str, str]],
                   batch_size: int = 16, ranks: EvalRanks = EvalRanks()) -> list[Score]:
     """Score each (context, continuation) text pair (lm-eval's `loglikelihood`)."""
     return score_tokens(model, [encode_pair(tokenizer, c, x) for c, x in requests], batch_size, ranks)

@@ -17,16 +17,19 @@ import dataclasses
 import json
 import math
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from torch import nn
 
 from ember.data.hub import load_hub_table
 from ember.data.jsonl import read_json_rows
-from ember.config_schema import JobConfig
+from ember.config_schema import DataConfig, EvalTask, JobConfig
 from ember.errors import ConfigError, DataError, UserFileNotFound
 from ember.eval.distributed import EvalRanks
 from ember.eval.scoring import loglikelihood, rolling_logprob
+
+if TYPE_CHECKING:
+    from ember.data.tokenizer import AnyTokenizer
 
 HUB = {"lambada": ("EleutherAI/lambada_openai", "default", "test"), "boolq": ("super_glue", "boolq", "validation")}
 PPL_SPLITS = ("val", "train", "all")  # eval.split: ember's held-out share, the rest, or every document
@@ -150,7 +153,7 @@ def choice_rows(spec: str, limit: Optional[int] = None) -> list[dict]:
                      {"context": _choice_context, "choices": _choices, "label": _label}, _label_in_range)
 
 
-def lambada(model: nn.Module, tokenizer: Any, spec: str, limit: Optional[int] = None, batch_size: int = 16,
+def lambada(model: nn.Module, tokenizer: AnyTokenizer, spec: str, limit: Optional[int] = None, batch_size: int = 16,
             ranks: EvalRanks = EvalRanks()) -> dict:
     rows = lambada_rows(spec, limit)
     requests = []
@@ -162,7 +165,7 @@ def lambada(model: nn.Module, tokenizer: Any, spec: str, limit: Optional[int] = 
             "perplexity": math.exp(-sum(s.logprob for s in scores) / len(scores)), "n": len(scores)}
 
 
-def boolq(model: nn.Module, tokenizer: Any, spec: str, limit: Optional[int] = None, batch_size: int = 16,
+def boolq(model: nn.Module, tokenizer: AnyTokenizer, spec: str, limit: Optional[int] = None, batch_size: int = 16,
           ranks: EvalRanks = EvalRanks()) -> dict:
     rows = boolq_rows(spec, limit)
     requests = []
@@ -174,7 +177,7 @@ def boolq(model: nn.Module, tokenizer: Any, spec: str, limit: Optional[int] = No
     return {"acc": correct / len(rows), "n": len(rows)}
 
 
-def choice(model: nn.Module, tokenizer: Any, spec: str, limit: Optional[int] = None, batch_size: int = 16,
+def choice(model: nn.Module, tokenizer: AnyTokenizer, spec: str, limit: Optional[int] = None, batch_size: int = 16,
            ranks: EvalRanks = EvalRanks()) -> dict:
     rows = choice_rows(spec, limit)
     requests = [(row["context"], " " + text) for row in rows for text in row["choices"]]
@@ -191,9 +194,9 @@ def choice(model: nn.Module, tokenizer: Any, spec: str, limit: Optional[int] = N
     return {"acc": acc / len(rows), "acc_norm": acc_norm / len(rows), "n": len(rows)}
 
 
-def ppl(model: nn.Module, tokenizer: Any, data_cfg: Any, split: str = "val", seq_len: Optional[int] = None,
-        stride: Optional[int] = None, max_tokens: Optional[int] = None, batch_size: int = 8,
-        ranks: EvalRanks = EvalRanks()) -> dict:
+def ppl(model: nn.Module, tokenizer: AnyTokenizer, data_cfg: DataConfig, split: str = "val",
+        seq_len: Optional[int] = None, stride: Optional[int] = None, max_tokens: Optional[int] = None,
+        batch_size: int = 8, ranks: EvalRanks = EvalRanks()) -> dict:
     """Loss per token, perplexity and bits per byte of `split` of an ember data source ("val": the share
     data.val_fraction holds out, "train": the rest, "all": every document): documents joined with EOS as in
     training, scored by a sliding window of `seq_len` tokens (default: the model's max_seq_len) every `stride`
@@ -239,7 +242,7 @@ TASK_ROWS: dict[str, Callable[..., list[dict]]] = {"lambada": lambada_rows, "boo
                                                     "choice": choice_rows}
 
 
-def run_tasks(model: nn.Module, tokenizer: Any, tasks: list[Any], limit: Optional[int] = None,
+def run_tasks(model: nn.Module, tokenizer: AnyTokenizer, tasks: list[EvalTask], limit: Optional[int] = None,
               batch_size: int = 16, ranks: EvalRanks = EvalRanks()) -> dict[str, float]:
     """Several tasks ({name, data} each, as eval.tasks holds them) as one flat record: eval/<task>/<metric>."""
     results: dict[str, float] = {}

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import numpy as np
 import torch
@@ -30,11 +30,23 @@ from ember.constants import IGNORE_INDEX
 from ember.data.hub import import_datasets
 from ember.data.jsonl import read_json_rows
 from ember.data.loader import TrainLoader
+from ember.data.tokenizer import AnyTokenizer
 from ember.errors import DataError, UserFileNotFound
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+    import tokenizers
+
+    from ember.data.chat import ChatTemplate
+    from ember.parallel.mesh import ParallelMesh
+    from ember.run import RunSpec
+
+Logits = Union[torch.Tensor, list[torch.Tensor]]  # the model's output: whole, or in chunks along the sequence
 
 
 # ---------------------------------------------------------------- the loss
-def sequence_logprobs(logits: Any, labels: torch.Tensor) -> torch.Tensor:
+def sequence_logprobs(logits: Logits, labels: torch.Tensor) -> torch.Tensor:
     """(B,) summed log-probability of each row's target tokens (labels != -100), in fp32. `logits` is (B, T, V)
     or the model's list of chunks of it along T (each chunk is reduced before the next is looked at)."""
     chunks = logits if isinstance(logits, (list, tuple)) else [logits]
@@ -67,12 +79,12 @@ class DPOObjective:
     no_grad by this class)."""
 
     beta: float
-    reference: Callable[..., Any]
+    reference: Callable[..., Logits]
     # Since the last pop_metrics: pairs, summed reward margins, pairs where chosen won, summed rewards.
     _sums: dict[str, float] = field(default_factory=lambda: dict.fromkeys(("pairs", "margin", "wins", "chosen",
                                                                             "rejected"), 0.0))
 
-    def loss_sum(self, logits: Any, inputs: torch.Tensor, labels: torch.Tensor, positions: Optional[torch.Tensor],
+    def loss_sum(self, logits: Logits, inputs: torch.Tensor, labels: torch.Tensor, positions: Optional[torch.Tensor],
                  document_ids: Optional[torch.Tensor],
                  autocast: Callable[[], Any] = contextlib.nullcontext) -> tuple[torch.Tensor, torch.Tensor]:
         """(summed loss over this micro-batch's pairs, its statistics [pairs, margin, wins, chosen, rejected]);
@@ -106,7 +118,7 @@ class DPOObjective:
         return out
 
 
-def dpo_objective(spec: Any, mesh: Any, policy: nn.Module) -> DPOObjective:
+def dpo_objective(spec: RunSpec, mesh: Optional[ParallelMesh], policy: nn.Module) -> DPOObjective:
     """task=dpo's loss (spec: an ember.run.RunSpec), with the frozen starting model as its reference: under LoRA
     the policy with its adapters off (no second model in memory); otherwise a second copy of the starting
     weights, built and sharded as the policy is (its init and model.init_from, never the resumed checkpoint).
@@ -115,13 +127,13 @@ def dpo_objective(spec: Any, mesh: Any, policy: nn.Module) -> DPOObjective:
     from ember.run import build_model
 
     if spec.cfg.lora.rank:
-        def reference(*inputs: Any) -> Any:
+        def reference(*inputs: Optional[torch.Tensor]) -> Logits:
             with lora_disabled(policy):
                 return policy(*inputs, chunks=spec.output_chunks)
     else:
         frozen = build_model(spec, mesh).parts[0].requires_grad_(False).eval()
 
-        def reference(*inputs: Any) -> Any:
+        def reference(*inputs: Optional[torch.Tensor]) -> Logits:
             return frozen(*inputs, chunks=spec.output_chunks)
     return DPOObjective(spec.cfg.dpo.beta, reference)
 
@@ -180,8 +192,8 @@ def _fit(prompt: list[int], response: list[int], length: int) -> tuple[list[int]
     return prompt, response
 
 
-def encode_pairs(rows: list[dict], tokenizer: Any, seq_len: int, prompt_field: str, chosen_field: str,
-                 rejected_field: str, template: Any = None) -> PairSamples:
+def encode_pairs(rows: list[dict], tokenizer: AnyTokenizer, seq_len: int, prompt_field: str, chosen_field: str,
+                 rejected_field: str, template: Optional[ChatTemplate] = None) -> PairSamples:
     """Token rows of every pair. A text prompt is followed by the response text (the split between them is
     lm-eval's: the response's tokens are what encode(prompt + response) adds after encode(prompt)), then EOS,
     which is a target. A `messages` prompt is rendered with the chat template and the response is the
@@ -221,7 +233,7 @@ def encode_pairs(rows: list[dict], tokenizer: Any, seq_len: int, prompt_field: s
     return PairSamples(out["chosen"], out["rejected"], masks["chosen"], masks["rejected"])
 
 
-def _encode_chat_pair(chat: Any, template: Any, encoder: Any, prompt: list, response: str,
+def _encode_chat_pair(chat: ModuleType, template: ChatTemplate, encoder: tokenizers.Tokenizer, prompt: list, response: str,
                       row: int) -> tuple[list[int], list[int]]:
     """(prompt ids, response ids) of a conversation prompt and the assistant's reply: the ids of the whole
     rendering, split where the reply's span starts (chat.assistant_spans finds it, refusing templates that
@@ -237,7 +249,7 @@ def _encode_chat_pair(chat: Any, template: Any, encoder: Any, prompt: list, resp
     return list(ids[:first]), list(ids[first:last + 1])
 
 
-def build_pair_loader(data_cfg: DataConfig, tokenizer: Any, *, dpo_cfg: DPOConfig, split: str, seq_len: int,
+def build_pair_loader(data_cfg: DataConfig, tokenizer: AnyTokenizer, *, dpo_cfg: DPOConfig, split: str, seq_len: int,
                       micro_batch_size: int, dp_rank: int, dp_world: int, seed: int,
                       vocab_size: Optional[int] = None) -> TrainLoader:
     """The TokenLoader of one split of the pairs in data.dataset: the last data.val_fraction of the pairs (at

@@ -8,11 +8,13 @@ contiguous run of layers: the first stage keeps the embedding, the last the norm
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable
+from typing import Callable, Union
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 
@@ -49,11 +51,11 @@ def build_schedule(
     stage_modules: list[tuple[int, nn.Module]],
     num_stages: int,
     device: torch.device,
-    pp_mesh: Any,
+    pp_mesh: DeviceMesh,
     schedule: str,
     n_microbatches: int,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-) -> Any:
+) -> Union[PipelineScheduleSingle, PipelineScheduleMulti]:
     """The pipeline schedule over this rank's stages. Gradients are not rescaled by the schedule
     (scale_grads=False): loss_fn already divides by the global batch's token count."""
     group = pp_mesh.get_group()
