@@ -17,13 +17,17 @@ import time
 import uuid
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Union
 from urllib.parse import urlsplit, urlunsplit
 
 import yaml
 
 from ember.config import dotted_keys
+from ember.config_schema import MetricsConfig
 from ember.errors import ConfigError, first_error_line
+
+if TYPE_CHECKING:
+    from mlflow.entities import Run
 
 
 def scalars(values: dict[str, Any]) -> dict[str, float]:
@@ -52,7 +56,7 @@ class WandbTracker:
     """One W&B run per output_dir: its id is kept in OUTPUT_DIR/wandb-run-id, so a resumed run goes on
     logging into the same W&B run. WANDB_MODE=offline writes it under OUTPUT_DIR/wandb/ for `wandb sync`."""
 
-    def __init__(self, cfg: Any, output_dir: Path, config: dict[str, Any]):
+    def __init__(self, cfg: MetricsConfig, output_dir: Path, config: dict[str, Any]):
         import wandb
 
         id_file = output_dir / "wandb-run-id"
@@ -85,7 +89,7 @@ class MlflowTracker:
     config as params, every record's numbers as metrics by step, config.yaml as an artifact.
     Tracking store: $MLFLOW_TRACKING_URI, else sqlite in OUTPUT_DIR/mlflow.db with artifacts in OUTPUT_DIR/mlartifacts."""
 
-    def __init__(self, cfg: Any, output_dir: Path, config: dict[str, Any]):
+    def __init__(self, cfg: MetricsConfig, output_dir: Path, config: dict[str, Any]):
         from mlflow.tracking import MlflowClient
 
         output_dir = output_dir.resolve()
@@ -114,7 +118,7 @@ class MlflowTracker:
             raise ConfigError(f"metrics.mlflow: cannot start an MLflow run at {_shown_uri(uri)}: {first_error_line(err)}") from None
         id_file.write_text(self.run_id + "\n")
 
-    def _existing_run(self, id_file: Path) -> Any:
+    def _existing_run(self, id_file: Path) -> Optional[Run]:
         if not id_file.is_file():
             return None
         try:
@@ -183,11 +187,11 @@ class Trackers:
     """The enabled trackers of rank 0, started now with the run's resolved config (OUTPUT_DIR/config.yaml,
     which the trainer writes first) and run facts (device, mesh)."""
 
-    def __init__(self, cfg: Any, output_dir: Path, run_info: Optional[dict[str, Any]] = None):
+    def __init__(self, cfg: MetricsConfig, output_dir: Path, run_info: Optional[dict[str, Any]] = None):
         config_file = output_dir / "config.yaml"
         config = yaml.safe_load(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
         config = {**(config or {}), "run": dict(run_info or {})}
-        self.active: list[Any] = []
+        self.active: list[Union[WandbTracker, MlflowTracker]] = []
         try:
             if getattr(cfg, "wandb", False):
                 self.active.append(WandbTracker(cfg, output_dir, config))

@@ -11,11 +11,15 @@ offload    keep every activation, but in host memory (`save_on_cpu`), paged back
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (CheckpointPolicy, SelectiveCheckpointContext, checkpoint,
+                                    create_selective_checkpoint_contexts)
+
+if TYPE_CHECKING:
+    from torch._ops import OpOverload
 
 POLICIES = ("none", "full", "selective", "op", "offload")
 
@@ -26,7 +30,7 @@ _SAVE_OP_NAMES = ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "
 _SAVE_OPS = {getattr(torch.ops.aten, n).default for n in _SAVE_OP_NAMES if hasattr(torch.ops.aten, n)}
 
 
-def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+def _save_matmuls(ctx: SelectiveCheckpointContext, op: OpOverload, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 

@@ -14,14 +14,18 @@ Two attention forms:
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Iterator, Optional, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
-def headtail_positions(seq_len: int, cp: int, rank: int, device: Any = None) -> torch.Tensor:
+
+def headtail_positions(seq_len: int, cp: int, rank: int,
+                       device: Optional[Union[torch.device, str]] = None) -> torch.Tensor:
     """The positions rank `rank` of `cp` holds: chunks rank and 2cp-1-rank of 2cp equal chunks. (seq_len // cp,)"""
     chunk = seq_len // (2 * cp)
     first = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
@@ -38,7 +42,7 @@ class AllGatherKVAttention:
     """Causal attention of local queries over the keys/values of the whole sequence, gathered from the
     context-parallel group; the mask compares true positions, so the head-tail layout is exact."""
 
-    def __init__(self, cp_mesh: Any):
+    def __init__(self, cp_mesh: DeviceMesh):
         self.mesh = cp_mesh
         self.cp = cp_mesh.size()
         self.rank = cp_mesh.get_local_rank()
@@ -49,7 +53,8 @@ class AllGatherKVAttention:
         k_pos = torch.cat([headtail_positions(seq_len, self.cp, r, device) for r in range(self.cp)])  # (T,), gather order
         return q_pos[:, None] >= k_pos[None, :]  # (T / cp, T): True where the query may attend
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: Any = None) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         from torch.distributed._functional_collectives import all_gather_tensor_autograd
 
         assert document_ids is None, "document masking with context parallelism is refused at config time"
@@ -60,7 +65,8 @@ class AllGatherKVAttention:
         return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
-def _repeat_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: Any = None) -> torch.Tensor:
+def _repeat_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
     # Ring attention shards SDPA's plain (B, H, T, D) form; GQA K/V heads are expanded first.
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
@@ -68,7 +74,7 @@ def _repeat_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docu
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
-def apply_cp(model: nn.Module, cp_mesh: Any, impl: str) -> None:
+def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, impl: str) -> None:
     """Swap each block's attention kernel for its context-parallel form ("allgather" or "ring")."""
     fn = AllGatherKVAttention(cp_mesh) if impl == "allgather" else _repeat_kv_attention
     for block in model.layers.values():
@@ -76,7 +82,7 @@ def apply_cp(model: nn.Module, cp_mesh: Any, impl: str) -> None:
 
 
 @contextlib.contextmanager
-def ring_context(cp_mesh: Any, buffers: list[torch.Tensor], seq_dims: list[int], keep: set) -> Iterator[None]:
+def ring_context(cp_mesh: DeviceMesh, buffers: list[torch.Tensor], seq_dims: list[int], keep: set) -> Iterator[None]:
     """torch's context_parallel around one forward+backward: shards `buffers` in place along `seq_dims`
     (its own head-tail load balancing) and routes SDPA through ring attention. CUDA only."""
     from torch.distributed.tensor.experimental import context_parallel

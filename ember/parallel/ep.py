@@ -9,16 +9,17 @@ complete on its one rank: the all-to-all's backward brings every rank's token gr
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 
-def apply_ep(moe_layers: list[nn.Module], ep_mesh: Any) -> None:
+def apply_ep(moe_layers: list[nn.Module], ep_mesh: DeviceMesh) -> None:
     """Shard each MoE layer's experts over `ep_mesh` (Shard(0) over the expert dimension: rank r holds
     experts r*E/ep .. (r+1)*E/ep - 1) and route its tokens through AllToAllDispatch. Works on a model
     built on meta (shapes only), before to_empty and init."""
@@ -48,7 +49,7 @@ class AllToAllDispatch:
        so backward sends the gradients the same way in reverse.
     """
 
-    def __init__(self, group: Any, ep: int):
+    def __init__(self, group: dist.ProcessGroup, ep: int):
         self.group, self.ep = group, ep
 
     def __call__(self, experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x_sorted: torch.Tensor,

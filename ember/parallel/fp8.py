@@ -19,20 +19,25 @@ precision, which is what CPU tests use.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional
+import logging
+from types import ModuleType
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 from torch import nn
 
 from ember.errors import ConfigError
 
+if TYPE_CHECKING:
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    from ember.parallel.mesh import ParallelMesh
+
 RECIPES = ("tensorwise", "rowwise")
 KEEP_HIGH_PRECISION = ("output", "router")  # module names (and their children) left out of the conversion
 
 
-def _import_float8() -> Any:
-    import logging
-
+def _import_float8() -> ModuleType:
     # torchao warns for each optional kernel library its wheel cannot load here (CUDA-arch specific ones on
     # another GPU or a CPU); float8 training does not use them.
     logging.getLogger("torchao").setLevel(logging.ERROR)
@@ -48,7 +53,7 @@ def _import_float8() -> Any:
     return float8
 
 
-def _not_the_kernel_preference_notice(record: Any) -> bool:
+def _not_the_kernel_preference_notice(record: logging.LogRecord) -> bool:
     message = record.getMessage()
     return not ("KernelPreference" in message and "register_constant() on Enum subclasses is deprecated" in message)
 
@@ -103,7 +108,7 @@ def describe_fp8(model_parts: list[nn.Module], recipe: str, emulate: bool, compu
     return f"fp8 {recipe}{emulated} in {converted} of {linears} linears, {dtype} elsewhere"
 
 
-def fp8_tp_plan(plan: dict[str, Any]) -> dict[str, Any]:
+def fp8_tp_plan(plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
     """The tensorwise recipe's TP plan: torchao's float8 styles in place of the colwise/rowwise ones and of
     the block inputs' layout change, so the all-gathered activations travel in float8 (torchtitan's plan)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
@@ -125,12 +130,12 @@ def fp8_tp_plan(plan: dict[str, Any]) -> dict[str, Any]:
     return swapped
 
 
-def fp8_all_gather(mesh: Optional[Any], recipe: str) -> bool:
+def fp8_all_gather(mesh: Optional[ParallelMesh], recipe: str) -> bool:
     """Whether FSDP all-gathers the weights in float8: the tensorwise recipe, when FSDP shards them."""
     return recipe == "tensorwise" and mesh is not None and mesh.fsdp_mesh() is not None
 
 
-def fp8_after_optimizer_step(model_parts: list[nn.Module], mesh: Optional[Any],
+def fp8_after_optimizer_step(model_parts: list[nn.Module], mesh: Optional[ParallelMesh],
                              recipe: str) -> Optional[Callable[[], None]]:
     """What must run after each optimizer step: with FSDP's float8 all-gather (tensorwise), every weight's
     scale computed in one fused pass for the next all-gather; otherwise nothing."""

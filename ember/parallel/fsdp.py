@@ -2,22 +2,26 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import Shard
 
 
 def apply_fsdp(
     model: nn.Module,
-    mesh: Optional[Any],
+    mesh: Optional[DeviceMesh],
     *,
     param_dtype: Optional[torch.dtype] = None,
     reduce_dtype: Optional[torch.dtype] = None,
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
-    own_units: Sequence[tuple[nn.Module, Optional[Any]]] = (),
+    own_units: Sequence[tuple[nn.Module, Optional[DeviceMesh]]] = (),
 ) -> None:
     """Shard `model` (a whole model or a pipeline stage of one) over `mesh`, in place.
 
@@ -63,7 +67,7 @@ def apply_fsdp(
                 module.set_force_sum_reduction_for_comms(True)
 
 
-def _stacked_placement(mesh: Any) -> Any:
+def _stacked_placement(mesh: DeviceMesh) -> Callable[[nn.Parameter], Optional[Shard]]:
     """Where FSDP splits a stacked (experts, rows, cols) parameter: its default, dim 0, only when this rank's
     experts divide evenly over the mesh. With few experts per expert-parallel rank (Mixtral's 8 at expert=8:
     one each) dim 0 cannot be split, and FSDP would leave it whole on some ranks and empty on the others; the

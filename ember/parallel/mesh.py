@@ -12,12 +12,15 @@ from __future__ import annotations
 import datetime
 import math
 import os
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
 
 from ember.parallel.mesh_shape import AXES, MeshShape
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 def rank_grid(shape: MeshShape, names: tuple[str, ...]) -> torch.Tensor:
@@ -46,7 +49,7 @@ class ParallelMesh:
             keep.add("fsdp")
         self.names = tuple(a for a in AXES if a in keep)
         self.mesh = DeviceMesh(device_type, rank_grid(shape, self.names), mesh_dim_names=self.names)
-        self._flattened: dict[tuple[str, ...], Any] = {}
+        self._flattened: dict[tuple[str, ...], DeviceMesh] = {}
 
     def has(self, axis: str) -> bool:
         return axis in self.names
@@ -54,7 +57,7 @@ class ParallelMesh:
     def coordinate(self, axis: str) -> int:
         return self.mesh.get_coordinate()[self.names.index(axis)] if self.has(axis) else 0
 
-    def submesh(self, *axes: str) -> Optional[Any]:
+    def submesh(self, *axes: str) -> Optional[DeviceMesh]:
         """The mesh over `axes` (those of degree > 1), several axes flattened into one; None if none."""
         present = tuple(a for a in axes if self.has(a) and self.shape.degree(a) > 1)
         if not present:
@@ -74,25 +77,25 @@ class ParallelMesh:
             index = index * self.shape.degree(axis) + self.coordinate(axis)
         return index
 
-    def fsdp_mesh(self) -> Optional[Any]:
+    def fsdp_mesh(self) -> Optional[DeviceMesh]:
         """FSDP's mesh for the non-expert parameters: (data, fsdp x context x expert) for HSDP /
         replicate, fsdp x context x expert for FSDP, None if no gradients need reducing. Context and
         expert ranks hold the same (non-expert) parameters, so they shard them too."""
         return self._sharding_mesh(("fsdp", "context", "expert"))
 
-    def moe_fsdp_mesh(self) -> Optional[Any]:
+    def moe_fsdp_mesh(self) -> Optional[DeviceMesh]:
         """FSDP's mesh for the router (and the experts, without expert parallelism) of a MoE layer under
         tensor parallelism: each tensor rank routes its own sequence shard, so for these parameters the
         tensor axis is one more data axis (Megatron-LM's "MoE parallel folding" with expert-TP 1)."""
         return self._sharding_mesh(("fsdp", "context", "expert", "tensor"))
 
-    def expert_fsdp_mesh(self) -> Optional[Any]:
+    def expert_fsdp_mesh(self) -> Optional[DeviceMesh]:
         """FSDP's mesh for the experts of an expert-parallel MoE layer: the ranks that hold the same
         experts, (data, fsdp x context x tensor) or fsdp x context x tensor; None if only the expert
         axis splits the work."""
         return self._sharding_mesh(("fsdp", "context", "tensor"))
 
-    def _sharding_mesh(self, shard_axes: tuple[str, ...]) -> Optional[Any]:
+    def _sharding_mesh(self, shard_axes: tuple[str, ...]) -> Optional[DeviceMesh]:
         """(data, the shard axes flattened) with data > 1, else the shard axes flattened; None if these
         axes and data are all of degree 1 (nothing to reduce)."""
         if math.prod(self.shape.degree(a) for a in ("data", *shard_axes)) == 1:

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from types import SimpleNamespace
+from typing import Union
+
+from ember.config_schema import MeshConfig
 
 # Outermost to innermost: the innermost axes get neighbouring ranks, so tensor parallelism (the most
 # traffic) runs between processes of one node, then context, then FSDP; pipeline traffic (the least) is outermost.
@@ -51,11 +54,12 @@ class MeshShape:
         return " x ".join(parts) if parts else "single device"
 
 
-def _axes(section: Any) -> dict[str, int]:
+def _axes(section: Union[MeshConfig, SimpleNamespace]) -> dict[str, int]:
     return {axis: int(getattr(section, axis)) for axis in AXES}
 
 
-def resolve_mesh(ici_section: Any, dcn_section: Any, world_size: int) -> MeshShape:
+def resolve_mesh(ici_section: Union[MeshConfig, SimpleNamespace], dcn_section: Union[MeshConfig, SimpleNamespace],
+                 world_size: int) -> MeshShape:
     """Fill in the one -1 axis and check that the axes multiply to the world size."""
     ici, dcn = _axes(ici_section), _axes(dcn_section)
     free = [(name, axis) for name, mesh in (("ici_mesh", ici), ("dcn_mesh", dcn)) for axis, v in mesh.items() if v == -1]

@@ -20,7 +20,7 @@ matrices stay whole for the grouped GEMM.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -35,6 +35,11 @@ from ember.parallel.ep import apply_ep
 from ember.parallel.fp8 import apply_fp8, fp8_all_gather, fp8_tp_plan
 from ember.parallel.fsdp import apply_fsdp
 from ember.parallel.tp import apply_tp
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from ember.parallel.mesh import ParallelMesh
 
 
 @dataclass(frozen=True)
@@ -66,7 +71,7 @@ def moe_tp_style() -> PrepareModuleInputOutput:
         output_layouts=(Shard(1),), desired_output_layouts=(Shard(1),), use_local_output=False)
 
 
-def settle_embedding_output(module: nn.Module, inputs: Any, output: Any) -> Any:
+def settle_embedding_output(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: DTensor) -> DTensor:
     """Forward hook for embeddings under TP with compiled blocks. The embedding's reduce-scatter leaves an
     async collective tensor inside its DTensor output; a compiled block traced on that input is then reused
     for the next blocks' plain tensors and fails (torch 2.13). Waiting here (an elementwise copy, once per
@@ -91,8 +96,9 @@ def apply_compile(model: nn.Module) -> None:
                 child.compile(fullgraph=True)
 
 
-def parallelize(model: nn.Module, mesh: Optional[Any], tp_plan: TPPlan, options: ParallelOptions = ParallelOptions(),
-                *, lora: Optional[Callable[[nn.Module], Any]] = None) -> nn.Module:
+def parallelize(model: nn.Module, mesh: Optional[ParallelMesh], tp_plan: TPPlan,
+                options: ParallelOptions = ParallelOptions(), *,
+                lora: Optional[Callable[[nn.Module], list[str]]] = None) -> nn.Module:
     """Apply every parallelism to `model` (a Decoder or pipeline stage built on meta), in place. `mesh` is an
     ember.parallel.mesh.ParallelMesh, or None for a single device; an axis of degree 1 is skipped. `options`
     is the run's (ember.run.RunSpec.parallel). `lora`: ember.finetune.lora.apply_lora with its settings bound,
@@ -135,7 +141,7 @@ def parallelize(model: nn.Module, mesh: Optional[Any], tp_plan: TPPlan, options:
         return model
     # Units with meshes of their own, inner first: experts (EP-sharded: reduced over the ranks holding
     # the same experts), then under TP each MoE layer's remaining parameters (tensor ranks as data ranks).
-    own_units: list[tuple[nn.Module, Optional[Any]]] = []
+    own_units: list[tuple[nn.Module, Optional[DeviceMesh]]] = []
     if ep_mesh is not None:
         own_units += [(moe.experts, mesh.expert_fsdp_mesh()) for moe in moe_layers]
     if tp_mesh is not None:

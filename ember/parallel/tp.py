@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 
-def apply_tp(model: nn.Module, tp_mesh: Any, top_plan: dict[str, ParallelStyle], block_plan: dict[str, ParallelStyle]) -> None:
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, top_plan: dict[str, ParallelStyle],
+             block_plan: dict[str, ParallelStyle]) -> None:
     """Apply `top_plan` to the model's own submodules and `block_plan` to every block in model.layers,
     each entry only where its module is present (a pipeline stage may lack the embedding or the head;
     GLaM's blocks hold either a MoE layer or a dense feed-forward)."""
