@@ -105,6 +105,7 @@ def test_saved_config_round_trips(tmp_path: Path):
     assert again == cfg
 
 
+@pytest.mark.slow
 def test_cli_error_is_one_line_exit_2():
     proc = subprocess.run(
         [sys.executable, "-m", "ember", "train", "debug", "optim.lrr=3e-4"], capture_output=True, text=True, timeout=120

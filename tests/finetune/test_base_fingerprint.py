@@ -143,6 +143,7 @@ def test_a_cached_digest_serves_only_the_same_unchanged_file(tmp_path: Path, mon
     assert fingerprint(file.parent)["model.safetensors"]["sha256"] == real
 
 
+@pytest.mark.slow
 def test_a_peft_export_is_readable_like_the_runs_other_files(base_ckpt: Path, tmp_path: Path):
     _lora(tmp_path / "lora", base_ckpt, 2).train()
     umask = os.umask(0o022)

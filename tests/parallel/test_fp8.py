@@ -56,6 +56,7 @@ def test_emulated_fp8_tracks_fp32_and_every_layout_equals_one_process(tmp_path: 
         assert _losses("micro_batch_size=2", *FP8, mesh, nproc=2, tmp=tmp_path) == pytest.approx(fp8, abs=1e-3), mesh
 
 
+@pytest.mark.slow
 def test_fp8_refusals_are_one_line(tmp_path: Path):
     for args, message in [(["precision=fp8"], "fp8 training needs a GPU with FP8 matmuls"),
                           (["fp8.enabled=true", "fp8.recipe=blockwise"], "fp8.recipe 'blockwise' is not one of"),
@@ -64,6 +65,7 @@ def test_fp8_refusals_are_one_line(tmp_path: Path):
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr, (args, proc.stderr)
 
 
+@pytest.mark.slow
 def test_importing_torchao_prints_no_kernel_preference_notice():
     # torch logs torchao's KernelPreference enum registration as deprecated at import: harmless, and silenced
     # by that exact record only (a fresh process: the import happens once).

@@ -76,6 +76,7 @@ def test_report_of_a_real_run(tiny_run: tuple[Path, str], tmp_path: Path):
     assert data["summary"]["tiny"]["steps"] == 20
 
 
+@pytest.mark.slow
 def test_cli_defaults_and_help(tiny_run: tuple[Path, str], tmp_path: Path, capsys: pytest.CaptureFixture):
     run = tmp_path / "copy"
     shutil.copytree(tiny_run[0], run)

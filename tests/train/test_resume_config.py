@@ -189,6 +189,7 @@ def test_changed_optim_keys_take_effect_on_resume(tmp_path: Path):
     assert lr[6] == pytest.approx(1e-4, rel=1e-12)  # the last step runs at min_lr_ratio x the new optim.lr
 
 
+@pytest.mark.slow
 def test_a_changed_schedule_applies_from_the_first_resumed_step(tmp_path: Path):
     out = tmp_path / "run"
     _train(out, "max_steps=4", "schedule.name=constant")
@@ -201,6 +202,7 @@ def test_a_changed_schedule_applies_from_the_first_resumed_step(tmp_path: Path):
     assert lr[5] == pytest.approx(9.714285714285714e-4, rel=1e-12)
 
 
+@pytest.mark.slow
 def test_a_longer_cosine_applies_from_the_first_resumed_step(tmp_path: Path):
     out = tmp_path / "run"
     _train(out, "max_steps=4")
@@ -210,6 +212,7 @@ def test_a_longer_cosine_applies_from_the_first_resumed_step(tmp_path: Path):
     assert _logged_lr(out)[5] == pytest.approx(8.99731e-4, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_an_unchanged_resume_continues_bit_for_bit(tmp_path: Path):
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     uninterrupted = _train(whole, "max_steps=4")
@@ -227,6 +230,7 @@ def test_an_unchanged_resume_continues_bit_for_bit(tmp_path: Path):
         {k: v for k, v in g.items() if k != "params"} for g in uninterrupted.optimizer.param_groups]
 
 
+@pytest.mark.slow
 def test_config_yaml_continues_the_run_whatever_started_it(tmp_path: Path):
     out = tmp_path / "run"
     _train(out, "max_steps=2")
@@ -294,6 +298,7 @@ def test_an_allowed_change_never_falls_back_to_older_checkpoints(tmp_path: Path,
     assert "falling back" not in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_a_finished_run_asked_again_writes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture):
     out = tmp_path / "run"
     _train(out, "max_steps=2")
@@ -307,6 +312,7 @@ def test_a_finished_run_asked_again_writes_nothing(tmp_path: Path, capsys: pytes
     assert (summary["steps"], summary["val_loss"]) == (2, None)
 
 
+@pytest.mark.slow
 def test_a_start_refused_before_its_first_step_leaves_no_segment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")  # nothing listens: the trackers refuse to start
     out = tmp_path / "run"

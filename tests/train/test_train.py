@@ -99,11 +99,13 @@ def test_cli_end_to_end_writes_config_and_metrics(tmp_path: Path):
     assert logits.shape == (1, 16, 8192) and torch.isfinite(logits).all()
 
 
+@pytest.mark.slow
 def test_synthetic_dataset_trains_without_tokenizer(tmp_path: Path):
     trainer, summary, _ = _train(tmp_path, "max_steps=3", "data.dataset=synthetic")
     assert trainer.tokenizer is None and summary["steps"] == 3
 
 
+@pytest.mark.slow
 def test_eval_interval_runs_on_its_own_cadence(tmp_path: Path):
     # eval_interval=2 with logging every 3 steps: validation at step 2 (and 4), then the final one at 5.
     _, summary, records = _train(tmp_path, "max_steps=5", "logging_steps=3", "eval_interval=2", "eval_batches=2")
