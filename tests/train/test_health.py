@@ -58,6 +58,7 @@ def test_too_many_in_a_row_stop_with_a_checkpoint(tmp_path: Path, monkeypatch: p
     assert state["step"] == 6 and state["skipped_in_a_row"] == 3
 
 
+@pytest.mark.slow
 def test_loss_spike_is_reported_with_its_data_position(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     trainer = _trainer(tmp_path, "max_steps=16", "loss_spike_factor=3")
     _poison(monkeypatch, trainer, {14}, 10.0)

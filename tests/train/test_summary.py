@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
+import pytest
 from rich.console import Console
 
 
@@ -29,6 +30,7 @@ def test_fewer_steps_than_the_logging_window(tmp_path: Path):
     assert "(step 1) ->" in text and "(mean of steps 1-5)" in text and "last 10" not in text
 
 
+@pytest.mark.slow
 def test_a_resumed_run_averages_its_own_last_steps(tmp_path: Path):
     _run(tmp_path, "max_steps=4", "logging_steps=3")
     summary, text = _run(tmp_path, "max_steps=9", "logging_steps=3")
