@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from types import FrameType
 from typing import Any, Callable, Optional
 
 import torch
@@ -85,7 +86,7 @@ class StopSignals:
             signal.signal(sig, handler)
         self._previous = {}
 
-    def _handle(self, signum: int, frame: Any) -> None:
+    def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
         if self.received is not None:
             os._exit(128 + signum)
         self.received = signum

@@ -21,10 +21,13 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
+
+if TYPE_CHECKING:
+    from torch.autograd.profiler_util import FunctionEvent
 
 # Op names by category (self time is counted once: a composite like aten::linear keeps only its own time).
 MATMUL = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_grouped_mm", "aten::_scaled_mm")
@@ -87,7 +90,7 @@ class Summary:
         return out
 
 
-def summarize(prof: Any, steps: tuple[int, int], cuda: bool, top: int = 10) -> Summary:
+def summarize(prof: profile, steps: tuple[int, int], cuda: bool, top: int = 10) -> Summary:
     """The summary of a finished torch.profiler.profile (see the module docstring)."""
     self_time = "self_device_time_total" if cuda else "self_cpu_time_total"
     totals: dict[str, float] = {}
@@ -112,7 +115,7 @@ def summarize(prof: Any, steps: tuple[int, int], cuda: bool, top: int = 10) -> S
                    sum(b - a for a, b in _union(comm)), exposed_time(comm, compute), steps)
 
 
-def _inside_communication(event: Any) -> bool:
+def _inside_communication(event: FunctionEvent) -> bool:
     parent = getattr(event, "cpu_parent", None)
     while parent is not None:
         if category(parent.name) == "communication":
@@ -155,7 +158,7 @@ class StepProfiler:
                  say: Callable[[str], None]):
         self.enabled, self.first, self.last = enabled, first, first + steps - 1
         self.folder, self.rank, self.device, self.say = Path(output_dir) / "profile", rank, device, say
-        self._prof: Optional[Any] = None
+        self._prof: Optional[profile] = None
 
     def plan(self, start_step: int, max_steps: int) -> None:
         """Say before the first step what will not be traced as asked: steps that a resumed run ran before, or

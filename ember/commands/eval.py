@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ember.commands import as_rank, wants_help, world_size
-from ember.config_schema import EvalConfig
+from ember.config_schema import DataConfig, EvalConfig
 from ember.errors import ConfigError, UserFileNotFound, first_error_line
 from ember.launch.local import launch_local, split_launch_flags
 
@@ -327,13 +327,11 @@ def _eval_options(items: list[str]) -> EvalOptions:
     return options
 
 
-def _eval_data_config(path: str, dataset: Optional[str], overrides: list[str]) -> Any:
+def _eval_data_config(path: str, dataset: Optional[str], overrides: list[str]) -> DataConfig:
     """The data section ppl reads: the run's own (its config.yaml), with data.* overrides and `dataset` (ppl=DATA)."""
     import yaml
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
-
-    from ember.config_schema import DataConfig
 
     base = OmegaConf.structured(DataConfig)
     config_yaml = _run_config_yaml(Path(path))

@@ -11,8 +11,7 @@ from __future__ import annotations
 import re
 import shlex
 from dataclasses import dataclass, field
-from typing import Any
-
+from ember.config_schema import JobConfig
 from ember.errors import ConfigError
 
 RDZV_ENDPOINT_ENV = "EMBER_RDZV_ENDPOINT"
@@ -35,7 +34,7 @@ class TrainJob:
         return self.nodes * self.nproc_per_node
 
 
-def check_job(job: TrainJob) -> tuple[TrainJob, Any]:
+def check_job(job: TrainJob) -> tuple[TrainJob, JobConfig]:
     """Validate the job's config for its world size now, on the submitting machine, so that a typo fails in a
     second instead of after the queue. Returns the job with the dcn_mesh inferred (see `infer_dcn_mesh`) and
     the loaded JobConfig."""

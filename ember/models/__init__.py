@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable
 
+from torch import nn
+
 from ember.errors import ConfigError
 from ember.models import glam, gpt, llama, mixtral
 
@@ -25,7 +27,7 @@ class ModelSpec:
     hf: ModuleType  # config and weight mapping to and from Hugging Face
     # (model) -> the parameters one token passes through (a mixture of experts uses top_k of its experts);
     # None: every parameter (a dense family). `ember recipes` shows it as "active".
-    active_params: Callable[[Any], int] | None = None
+    active_params: Callable[[nn.Module], int] | None = None
 
 
 MODELS: dict[str, ModelSpec] = {

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
@@ -161,7 +161,7 @@ class Traffic:
     seconds: float = 0.0
 
 
-def fsdp_traffic(params: list[Any], gather_bytes: int, reduce_bytes: int, forwards: int,
+def fsdp_traffic(params: list[torch.nn.Parameter], gather_bytes: int, reduce_bytes: int, forwards: int,
                  reshard_after_forward: bool) -> list[Traffic]:
     """FSDP's all-gathers (forward, and backward again when parameters were resharded after forward),
     gradient reduce-scatters and, for HSDP, the all-reduce across replicas (of trainable parameters only),
@@ -246,7 +246,7 @@ def usable_bytes(fab: Fabric) -> float:
     return fab.spec.memory_gb * 2**30 * (1 - MEMORY_RESERVE)
 
 
-def granularity_warning(params: list[Any]) -> Optional[str]:
+def granularity_warning(params: list[torch.nn.Parameter]) -> Optional[str]:
     """An FSDP group larger than a sharded parameter's rows: some ranks hold none of it (FSDP shards dim 0, or dim
     1 of stacked experts that dim 0 cannot split: ember.parallel.fsdp)."""
     worst = None

@@ -51,7 +51,7 @@ class Role:
     n_layers: int
     ranks: list[int]
     state: Optional[StateBytes] = None
-    params: list[Any] = field(default_factory=list)
+    params: list[torch.nn.Parameter] = field(default_factory=list)
     n_moe_layers: int = 0
 
 

@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import EngFormatter, MaxNLocator, PercentFormatter
@@ -49,7 +50,7 @@ def smooth(values: list[float], weight: float) -> list[float]:
     return out
 
 
-def _new_figure(ncols: int = 1) -> tuple[Figure, list[Any]]:
+def _new_figure(ncols: int = 1) -> tuple[Figure, list[Axes]]:
     fig = Figure(figsize=FIGSIZE, dpi=DPI, layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, ncols, squeeze=False)[0]
@@ -68,7 +69,7 @@ def _label(run: Run, curve: str, several: bool) -> str:
     return f"{run.name}: {curve}" if several else curve
 
 
-def _finish(fig: Figure, axes: list[Any], title: str) -> None:
+def _finish(fig: Figure, axes: list[Axes], title: str) -> None:
     fig.suptitle(title)
     for ax in axes:
         if ax.get_legend_handles_labels()[0]:
