@@ -13,6 +13,7 @@ from ember import config as config_lib
 from ember import run as run_lib
 from ember.parallel.mesh import AXES, MeshShape
 from ember.train import Trainer
+from tests.helpers import tiny_model
 
 
 def _shape(**degrees: int) -> MeshShape:
@@ -49,10 +50,9 @@ def test_uses_fsdp_mixed_precision(cfg, shape, dtype, expected):
 
 
 def _tiny(tmp_path: Path, *extra: str, world: int = 1) -> config_lib.JobConfig:
-    return run_lib.load_config("debug", ["data.dataset=synthetic", "model.n_layers=1", "model.dim=64", "model.n_heads=4",
-                                     "model.n_kv_heads=2", "seq_len=16", "global_batch_size=2", "micro_batch_size=2",
-                                     "max_steps=1", "metrics.console=false", f"output_dir={tmp_path}", *extra],
-                           world_size=world)
+    return run_lib.load_config("debug", ["data.dataset=synthetic", *tiny_model(), "seq_len=16", "global_batch_size=2",
+                                         "micro_batch_size=2", "max_steps=1", "metrics.console=false",
+                                         f"output_dir={tmp_path}", *extra], world_size=world)
 
 
 def test_the_trainer_and_the_planner_take_resolves_decisions_and_build_by_build_model(tmp_path: Path, monkeypatch):
