@@ -29,6 +29,7 @@ from ember.device import pick_compute_dtype
 from ember.models import MODELS, ModelSpec
 from ember.nn.loss import output_chunks
 from ember.load import ModelChoice, resolve_model
+from ember.parallel.mesh import ParallelMesh
 from ember.parallel.mesh_shape import MeshError, MeshShape, resolve_mesh
 from ember.parallel.parallelize import ParallelOptions
 
@@ -245,7 +246,7 @@ class BuiltModel:
         return [part for _, part in self.stages]
 
 
-def build_model(spec: RunSpec, mesh: Optional[Any], *, stage_ids: Optional[list[int]] = None,
+def build_model(spec: RunSpec, mesh: Optional[ParallelMesh], *, stage_ids: Optional[list[int]] = None,
                 args: Any = None, num_stages: Optional[int] = None, materialize: bool = True,
                 random_init: bool = True, init_from: Optional[str] = None) -> BuiltModel:
     """Build this rank's part of the model as `spec` says, on `mesh` (an ember.parallel.mesh.ParallelMesh, or
