@@ -46,6 +46,11 @@ from ember.step import Batch, ForwardBackward
 __all__ = ["Trainer", "TrainingStopped", "run"]
 
 
+def is_finite_step(loss: float, grad_norm: float) -> bool:
+    """A step whose loss and gradient norm are finite: the optimizer steps; otherwise the step is skipped."""
+    return math.isfinite(loss) and math.isfinite(grad_norm)
+
+
 class Trainer:
     """Owns the model, optimizer, data and metrics of one run, on one process or as one rank of many."""
 
@@ -83,7 +88,6 @@ class Trainer:
         self.model = self.model_parts[0] if len(self.model_parts) == 1 else nn.ModuleList(self.model_parts)
         self.num_params = sum(p.numel() for p in built.whole.parameters())
         n_moe_layers = len(built.whole.moe_layers())  # the whole model's, not a stage's
-        self.n_experts = getattr(spec.args, "n_experts", 0) if n_moe_layers else 0
         for part in self.model_parts:
             moe_lib.set_router_loss(part, cfg.model.aux_loss_coef, cfg.model.z_loss_coef,
                                     cfg.global_batch_size * cfg.seq_len, max(n_moe_layers, 1))
@@ -121,7 +125,6 @@ class Trainer:
 
         # 6. Health, checkpoints: resume restores weights, optimizer, schedule, data position and RNG.
         self.step = 0
-        self.last_step_skipped = False
         self.health = HealthGuard(cfg.max_skipped_steps, cfg.loss_spike_factor, self._say)
         self.checkpointer = open_checkpoints(spec, self.model_parts, self.model, self.optimizer, self._say)
         try:
@@ -162,8 +165,7 @@ class Trainer:
             grad_norm = float(clip_grad_norm_(self.model.parameters(), self.cfg.optim.max_grad_norm,
                                               pp_mesh=self.mesh.submesh("pipeline") if self.mesh else None))
             # Both are global, so every rank takes the same decision: a non-finite step changes no weight.
-            self.last_step_skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
-            if not self.last_step_skipped:
+            if is_finite_step(loss, grad_norm):
                 self.optimizer.step()
                 if self.fp8_after_step is not None:
                     self.fp8_after_step()
@@ -240,8 +242,9 @@ class Trainer:
                         torch.cuda.synchronize()
                     step_time = time.perf_counter() - t0
                 self.step += 1
-                progress.update(task, advance=1, **({} if self.last_step_skipped else {"loss": f"{loss:.3f}"}))
-                if self.last_step_skipped:
+                skipped = not is_finite_step(loss, grad_norm)  # train_step changed no weight
+                progress.update(task, advance=1, **({} if skipped else {"loss": f"{loss:.3f}"}))
+                if skipped:
                     logger.log(self.step, self.health.skipped(self.step, loss, grad_norm, self._save_now))
                     continue
                 spike = self.health.good_step(self.step, loss, self.train_loader.state_dict())
@@ -319,8 +322,9 @@ class Trainer:
             window_steps=window["steps"], window_loss=window["loss"], window_data_wait=window["data"],
             tokens_per_step=self.spec.tokens_per_step, world_size=self.world_size,
             flops_per_token=self.spec.flops_per_token, peak_flops=self.peak.value_flops, device=self.device)
-        if self.n_experts:  # MoE: router losses, and the load of every expert of every layer over the window
-            record.update(moe_lib.collect_moe_metrics(self.model_parts, self.spec.args.n_layers, self.n_experts,
+        n_experts = getattr(self.spec.args, "n_experts", 0)
+        if n_experts:  # MoE: router losses, and the load of every expert of every layer over the window
+            record.update(moe_lib.collect_moe_metrics(self.model_parts, self.spec.args.n_layers, n_experts,
                                                       self.forward_backward.all_sum, self.device))
         if self.forward_backward.dpo is not None:  # reward margin, accuracy, rewards over the window's pairs
             record.update(self.forward_backward.dpo.pop_metrics())
