@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 from ember.config_schema import CheckpointConfig
-from ember.errors import CheckpointError, first_error_line
+from ember.errors import CheckpointError, ConfigError, first_error_line
 from ember.finetune.base_fingerprint import check_resume_base, reference_meta
 from ember.finetune.lora import lora_meta, trainable_state_dict
 from ember.load import model_state_dict
@@ -310,7 +310,7 @@ RUN_FILES = ("checkpoints", "metrics.jsonl", "tb", "run.json", "config.yaml", HI
              "mlflow-run-id", "report.html", "report", "profile", "eval.json")
 
 
-def archive_previous_run(output_dir: Path, say: Callable[[str], None]) -> Optional[Path]:
+def archive_previous_run(output_dir: Path, say: Callable[[str], None], reason: str = "resume=none") -> Optional[Path]:
     """Move another run's files out of `output_dir` into `output_dir/previous-<time>/`, so a run started over
     never mixes with it (and nothing is deleted): RUN_FILES. The trackers' stores (mlflow.db, mlartifacts/,
     wandb/) stay: they hold runs by id, and the old run's tracker ids go with it, so this run gets new ones.
@@ -327,25 +327,32 @@ def archive_previous_run(output_dir: Path, say: Callable[[str], None]) -> Option
             target.mkdir(parents=True)
             for path in present:
                 os.replace(path, target / path.name)
-            say(f"started over (resume=none): the previous run's {', '.join(p.name for p in present)} "
+            say(f"started over ({reason}): the previous run's {', '.join(p.name for p in present)} "
                 f"moved to {target}")
     _barrier()
     return target
 
 
 def open_checkpoints(spec: RunSpec, model_parts: list[nn.Module], model: nn.Module, optimizer: torch.optim.Optimizer,
-                     say: Callable[[str], None]) -> "CheckpointManager":
-    """The run's CheckpointManager (spec: an ember.run.RunSpec), after moving another run's files aside when
-    this one starts over. Its model.json names the model that was built and, for LoRA, the base the adapters
-    sit on; for a full DPO run, the reference (model.init_from) that a resume rebuilds."""
+                     say: Callable[[str], None]) -> tuple["CheckpointManager", Optional[dict[str, Any]]]:
+    """The run's CheckpointManager and the training state resumed through it (None: from scratch). Its model.json
+    names the model that was built and, for LoRA, the base the adapters sit on; for a full DPO run, the
+    reference (model.init_from) that a resume rebuilds. A run that starts over (resume=none, or another run's
+    checkpoint) moves the files of the run in its output_dir aside, once the checkpoint it names has been checked
+    and loaded: a refused resume leaves that run as it was."""
     cfg, output_dir = spec.cfg, Path(spec.cfg.output_dir)
-    if starts_over(cfg.resume, output_dir):
-        archive_previous_run(output_dir, say)
     meta = meta_for(cfg.model.family, spec.flavor, spec.args)
     if cfg.lora.rank:  # a LoRA checkpoint holds the adapters and their optimizer state, and names its base
         meta.update(lora_meta(cfg.lora, cfg.model.init_from))
     elif cfg.task == "dpo" and cfg.model.init_from:
         meta.update(reference_meta(cfg.model.init_from))
-    return CheckpointManager(cfg.checkpoint, output_dir, model_parts, model, optimizer, meta, say=say,
-                             adapters_only=bool(cfg.lora.rank), run_config=config_dict(cfg),
-                             allow_changes=cfg.resume_allow_changes)
+    manager = CheckpointManager(cfg.checkpoint, output_dir, model_parts, model, optimizer, meta, say=say,
+                                adapters_only=bool(cfg.lora.rank), run_config=config_dict(cfg),
+                                allow_changes=cfg.resume_allow_changes)
+    try:
+        state = manager.resume(cfg.resume)
+    except CheckpointError as err:
+        raise ConfigError(str(err)) from None
+    if starts_over(cfg.resume, output_dir):
+        archive_previous_run(output_dir, say, f"resume={cfg.resume}")
+    return manager, state

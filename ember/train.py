@@ -22,8 +22,8 @@ from rich.console import Console
 
 from ember import run as run_lib
 from ember import run_history
-from ember.checkpoint import CheckpointError, open_checkpoints, rng_state, set_rng_state
-from ember.config import ConfigError, JobConfig
+from ember.checkpoint import open_checkpoints, rng_state, set_rng_state
+from ember.config import JobConfig
 from ember.data.loader import build_loader
 from ember.data.tokenizer import build_tokenizer
 from ember.errors import DataError
@@ -126,11 +126,7 @@ class Trainer:
         # 6. Health, checkpoints: resume restores weights, optimizer, schedule, data position and RNG.
         self.step = 0
         self.health = HealthGuard(cfg.max_skipped_steps, cfg.loss_spike_factor, self._say)
-        self.checkpointer = open_checkpoints(spec, self.model_parts, self.model, self.optimizer, self._say)
-        try:
-            state = self.checkpointer.resume(cfg.resume)
-        except CheckpointError as err:
-            raise ConfigError(str(err)) from None
+        self.checkpointer, state = open_checkpoints(spec, self.model_parts, self.model, self.optimizer, self._say)
         if state is not None:
             self.step = int(state["step"])
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])

@@ -281,6 +281,25 @@ def test_an_architecture_change_is_refused_by_config_key(tmp_path: Path):
         "checkpoint's model config, or start over with resume=none (the old run is moved aside) or a new output_dir")
 
 
+@pytest.mark.slow
+def test_a_refused_resume_of_another_runs_checkpoint_leaves_this_run_as_it_was(tmp_path: Path):
+    """resume=PATH starts this output_dir over from another run's checkpoint: the files of the run there are moved
+    aside only once that checkpoint is checked and loaded, and the message names the resume given."""
+    mine, other = tmp_path / "mine", tmp_path / "other"
+    _train(mine, "max_steps=2")
+    _train(other, "max_steps=2", "model.n_layers=3")
+    before = sorted(p.name for p in mine.iterdir())
+    metrics = (mine / "metrics.jsonl").read_text()
+    with pytest.raises(ConfigError, match="is of another model: model.n_layers: checkpoint 3, this run 2"):
+        Trainer(run_lib.load_config("debug", [*SYNTHETIC, "max_steps=4", f"output_dir={mine}",
+                                              f"resume={other / 'checkpoints' / 'step-2'}"]))
+    assert sorted(p.name for p in mine.iterdir()) == before and (mine / "metrics.jsonl").read_text() == metrics
+    trainer = Trainer(run_lib.load_config("debug", [*SYNTHETIC, "max_steps=4", "model.n_layers=3", f"output_dir={mine}",
+                                                    f"resume={other / 'checkpoints' / 'step-2'}"]))
+    trainer.train_loader.close()
+    assert trainer.step == 2 and [p.name for p in mine.iterdir() if p.name.startswith("previous-")]
+
+
 def test_an_allowed_change_never_falls_back_to_older_checkpoints(tmp_path: Path, capsys: pytest.CaptureFixture):
     out = tmp_path / "run"
     _train(out, "max_steps=4", "checkpoint.interval=2")
