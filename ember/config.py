@@ -34,6 +34,7 @@ FP8_RECIPES = ("tensorwise", "rowwise")  # ember.parallel.fp8.RECIPES (config st
 NOT_HYPERPARAMETERS = ("family", "flavor", "remat", "remat_every", "init_from", "aux_loss_coef", "z_loss_coef")  # model.* keys that are not model args
 CP_IMPLS = ("auto", "allgather", "ring")
 DEVICES = ("auto", "cpu", "cuda")
+EVAL_COMMAND_KEYS = ("eval.seq_len", "eval.stride", "eval.max_tokens", "eval.split")  # `ember eval`'s alone
 
 
 def recipe_names() -> list[str]:
@@ -72,6 +73,9 @@ def _explain(err: OmegaConfBaseException, schema: DictConfig, origin: str) -> Co
     key = getattr(err, "full_key", None) or "?"
     where = f" in {origin}" if origin else ""
     if isinstance(err, ConfigKeyError):
+        if key in EVAL_COMMAND_KEYS:  # ppl's window: a key of `ember eval`, where it means something
+            return ConfigError(f"'{key}' is a key of `ember eval` (the ppl window), not of training{where}; "
+                               "training's eval section has eval.tasks, eval.limit and eval.batch_size")
         hint = difflib.get_close_matches(key, _all_keys(schema), n=1, cutoff=0.6)
         suffix = f" (did you mean '{hint[0]}'?)" if hint else ""
         return ConfigError(f"unknown config key '{key}'{suffix}{where}")
