@@ -80,8 +80,10 @@ def _explain(err: OmegaConfBaseException, schema: DictConfig, origin: str) -> Co
         suffix = f" (did you mean '{hint[0]}'?)" if hint else ""
         return ConfigError(f"unknown config key '{key}'{suffix}{where}")
     if isinstance(err, ValidationError):
-        first_line = first_error_line(err)
-        return ConfigError(f"bad value for config key '{key}'{where}: {first_line} (expected {_type_name(key)})")
+        detail = first_error_line(err)
+        if "is not a ListConfig" in detail:  # OmegaConf's node classes mean nothing to a user
+            detail = f"got {getattr(err, 'value', None)!r}, not a list like [0.9, 0.95]"
+        return ConfigError(f"bad value for config key '{key}'{where}: {detail} (expected {_type_name(key)})")
     return ConfigError(f"invalid config{where}: {first_error_line(err)}")
 
 
