@@ -82,7 +82,7 @@ def _explain(err: OmegaConfBaseException, schema: DictConfig, origin: str) -> Co
     if isinstance(err, ValidationError):
         detail = first_error_line(err)
         if "is not a ListConfig" in detail:  # OmegaConf's node classes mean nothing to a user
-            detail = f"got {getattr(err, 'value', None)!r}, not a list like [0.9, 0.95]"
+            detail = f"got {getattr(err, 'value', None)!r}, not a list (write {key}=[A,B])"
         return ConfigError(f"bad value for config key '{key}'{where}: {detail} (expected {_type_name(key)})")
     return ConfigError(f"invalid config{where}: {first_error_line(err)}")
 

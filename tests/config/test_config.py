@@ -48,8 +48,8 @@ def test_overrides_reach_nested_sections_and_cast_types():
     [
         (["optim.lrr=3e-4"], "unknown config key 'optim.lrr' (did you mean 'optim.lr'?)"),
         (["max_step=10"], "unknown config key 'max_step' (did you mean 'max_steps'?)"),
-        (["optim.betas=abc"], "bad value for config key 'optim.betas': got 'abc', not a list like [0.9, 0.95] "
-                              "(expected list[float])"),
+        (["optim.betas=abc"], "bad value for config key 'optim.betas': got 'abc', not a list (write "
+                              "optim.betas=[A,B]) (expected list[float])"),
         (["eval.split=all"], "'eval.split' is a key of `ember eval` (the ppl window), not of training; training's "
                              "eval section has eval.tasks, eval.limit and eval.batch_size"),
         (["optim.lr=fast"], "config key 'optim.lr'"),
