@@ -145,8 +145,8 @@ def peak_flops(device: torch.device, dtype: torch.dtype, user_peak_tflops: Optio
         # (emulated) and would not fit the time budget, so MFU is against fp32; the label says which rate.
         cpu_dtype = torch.bfloat16 if dtype == torch.bfloat16 and cpu_runs_bf16_natively() else torch.float32
         value, where = cpu_peak_flops(cpu_dtype)
-        name = "bf16" if cpu_dtype == torch.bfloat16 else "fp32"
-        return PeakFlops(value, f"measured CPU {name} matmul, {torch.get_num_threads()} threads, {where}",
+        name, threads = ("bf16" if cpu_dtype == torch.bfloat16 else "fp32"), torch.get_num_threads()
+        return PeakFlops(value, f"measured CPU {name} matmul, {threads} thread{'s' if threads != 1 else ''}, {where}",
                          measured=True, cpu_dtype=cpu_dtype)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     spec = match_device(name)

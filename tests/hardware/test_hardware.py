@@ -322,3 +322,10 @@ def test_a_bf16_cpu_peak_is_its_own_entry_and_raising_it_leaves_fp32_alone(fresh
     monkeypatch.setattr(hardware, "cpu_runs_bf16_natively", lambda: False)
     monkeypatch.setattr(hardware, "_PEAK_IN_PROCESS", {})
     assert peak_flops(torch.device("cpu"), torch.bfloat16, None).value_flops == 1e11
+
+
+def test_the_measured_peak_counts_its_threads_in_words(monkeypatch):
+    monkeypatch.setattr(hardware, "cpu_peak_flops", lambda dtype: (1e11, "measured now"))
+    for threads, words in ((1, "1 thread,"), (4, "4 threads,")):
+        monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+        assert f"fp32 matmul, {words} measured now" in hardware.peak_flops(torch.device("cpu"), torch.float32, None).source
