@@ -97,6 +97,9 @@ def print_header(console: Console, spec: RunSpec, model: nn.Module, num_params: 
         lines.append(f"lora: rank {cfg.lora.rank}, alpha {cfg.lora.alpha:g}, targets {cfg.lora.targets}; "
                      f"{trainable:,} trainable parameters on this rank, the base frozen")
     lines += [f"data: {data}", *notes[1:]]
+    if cfg.schedule.warmup_steps >= cfg.max_steps:
+        lines.append(f"note: schedule.warmup_steps={cfg.schedule.warmup_steps} >= max_steps={cfg.max_steps}: the "
+                     f"learning rate is still warming up at the last step and never reaches optim.lr={cfg.optim.lr:g}")
     for line in lines:
         if line:
             console.print(line, markup=False, highlight=False)

@@ -81,3 +81,10 @@ def test_the_header_comes_first_on_a_resume_and_a_start_over(tmp_path: Path):
     for lines, said in ((resumed, "resumed from "), (resumed, "changed on resume"), (started_over, "started over")):
         assert lines[0].startswith("ember train llama3 debug: "), lines[:3]
         assert any(line.startswith(said) for line in lines[1:]), (said, lines)
+
+
+def test_a_warmup_longer_than_the_run_is_said(tmp_path: Path):
+    printed = _run(tmp_path, "schedule.warmup_steps=5")  # a one-step run
+    assert ("note: schedule.warmup_steps=5 >= max_steps=1: the learning rate is still warming up at the last step "
+            "and never reaches optim.lr=") in printed
+    assert "warming up" not in _run(tmp_path / "b", "schedule.warmup_steps=0")
