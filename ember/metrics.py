@@ -195,6 +195,9 @@ def format_line(step: int, values: dict[str, Any]) -> str:
         text = _fmt(values.get(key), spec, scale, suffix)
         if text is not None:
             parts.append(f"{label} {text}")
+    # eval.tasks' results (eval/<task>/<metric>), as the records name them
+    parts += [f"{key} {value}" if isinstance(value, int) else f"{key} {value:.4f}"
+              for key, value in values.items() if key.startswith("eval/") and isinstance(value, (int, float))]
     return "  ".join(parts)
 
 

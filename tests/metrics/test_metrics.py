@@ -116,3 +116,8 @@ def test_disabled_logger_writes_nothing(tmp_path):
 
 def test_format_line_skips_missing_and_nonfinite():
     assert format_line(3, {"loss": 2.0, "lr": math.inf}) == "step      3  loss 2.0000"
+
+
+def test_format_line_shows_the_eval_tasks_results():
+    line = format_line(4, {"val_loss": 3.5, "eval/lambada/acc": 0.25, "eval/lambada/ppl": 120.5, "eval/lambada/n": 3})
+    assert line.endswith("eval/lambada/acc 0.2500  eval/lambada/ppl 120.5000  eval/lambada/n 3")
