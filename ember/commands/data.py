@@ -1,13 +1,21 @@
 """`ember data`: `prepare` tokenizes a source once into memory-mapped shards and a manifest (ember.data.prepare),
-`tokenizer train` trains a byte-level BPE tokenizer.json (ember.data.tokenizer)."""
+`tokenizer train` trains a byte-level BPE tokenizer.json (ember.data.tokenizer). Neither writes over an existing
+output without --overwrite: it may be what a run trains on."""
 
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
-from ember.errors import ConfigError
+from ember.errors import ConfigError, EmberError, first_error_line
 from ember.usage import ArgumentParser
+
+# The shared data code names the `data.*` keys `ember train` takes; here the user typed these arguments.
+_ARGUMENTS = {"dataset": "SOURCE", "text_field": "--text-field", "val_fraction": "--val-fraction",
+              "config": "--config", "tokenizer": "--tokenizer", "prompt_field": "--prompt-field"}
+# The first bytes of a tokenizer.json as the `tokenizers` library writes it (its keys in a fixed order).
+_TOKENIZER_JSON_HEAD = re.compile(rb'\A\s*\{\s*"version"\s*:\s*"[^"]*"\s*,\s*"truncation"\s*:')
 
 
 def parser() -> ArgumentParser:
@@ -23,6 +31,7 @@ def parser() -> ArgumentParser:
     prep.add_argument("--config", default=None, help="HF dataset config name")
     prep.add_argument("--val-fraction", type=float, default=0.02)
     prep.add_argument("--prompt-field", default=None, help="SFT data: the prompt column, masked out of the loss")
+    prep.add_argument("--overwrite", action="store_true", help="replace what a non-empty OUT_DIR holds")
     tok = sub.add_parser("tokenizer", help="tokenizer tools")
     tok_sub = tok.add_subparsers(dest="action", required=True, metavar="COMMAND")
     train = tok_sub.add_parser("train", help="train a byte-level BPE on SOURCE's train split")
@@ -32,6 +41,7 @@ def parser() -> ArgumentParser:
     train.add_argument("--text-field", default="text")
     train.add_argument("--config", default=None)
     train.add_argument("--val-fraction", type=float, default=0.02)
+    train.add_argument("--overwrite", action="store_true", help="replace an existing tokenizer.json")
     return root
 
 
@@ -48,53 +58,100 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ember.data import sources
+
+    if not 0 <= args.val_fraction < 1:
+        raise ConfigError(f"--val-fraction must be in [0, 1), got {args.val_fraction}")
+    try:
+        sources.check_source_exists(args.source, "SOURCE")
+        return _prepare(args) if args.what == "prepare" else _train_tokenizer(args)
+    except EmberError as err:
+        raise type(err)(_in_command_words(first_error_line(err))) from None
+
+
+def _in_command_words(message: str) -> str:
+    """MESSAGE with each `data.KEY` (`data.KEY=VALUE`) this command takes as an argument named as that argument."""
+    def name(match: re.Match) -> str:
+        argument = _ARGUMENTS.get(match[1])
+        return match[0] if argument is None else argument + (" " if match[2] else "")
+
+    return re.sub(r"\bdata\.(\w+)(=)?", name, message).replace("unset --", "leave out --")
+
+
+def _prepare(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    console = Console(stderr=True)
-    if args.what == "prepare":
-        from ember.data.prepare import prepare
-        from ember.data.tokenizer import build_tokenizer
+    from ember.data.prepare import check_out_dir, prepare
+    from ember.data.tokenizer import build_tokenizer
 
-        if args.vocab_size <= 0:
-            raise ConfigError(f"--vocab-size must be positive, got {args.vocab_size}")
-        data_cfg = _data_cfg(args)
-        tokenizer = build_tokenizer(data_cfg, args.vocab_size if args.tokenizer is None else 2**32)
-        # Started at the first report, so an error in reading the source stays a single line.
-        progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                            TextColumn("documents"), TimeRemainingColumn(), console=console)
-        tasks: dict[str, int] = {}
+    if args.vocab_size <= 0:
+        raise ConfigError(f"--vocab-size must be positive, got {args.vocab_size}")
+    data_cfg = _data_cfg(args)
+    out_dir = Path(args.out_dir)
+    check_out_dir(data_cfg, out_dir, args.overwrite)  # before the default tokenizer is trained
+    tokenizer = build_tokenizer(data_cfg, args.vocab_size if args.tokenizer is None else 2**32)
+    # Started at the first report, so an error in reading the source stays a single line.
+    progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TextColumn("documents"), TimeRemainingColumn(), console=Console(stderr=True))
+    tasks: dict[str, int] = {}
 
-        def report(split: str, done: int, total: int) -> None:
-            if not tasks:
-                progress.start()
-            if split not in tasks:
-                tasks[split] = progress.add_task(f"tokenize {split}", total=total)
-            progress.update(tasks[split], completed=done)
+    def report(split: str, done: int, total: int) -> None:
+        if not tasks:
+            progress.start()
+        if split not in tasks:
+            tasks[split] = progress.add_task(f"tokenize {split}", total=total)
+        progress.update(tasks[split], completed=done)
 
-        try:
-            manifest = prepare(data_cfg, tokenizer, Path(args.out_dir), report)
-        finally:
-            if tasks:
-                progress.stop()
-        for split, info in manifest["splits"].items():
-            print(f"{split}: {info['num_documents']:,} documents, {info['num_tokens']:,} tokens -> "
-                  f"{Path(args.out_dir) / info['file']}")
-        print(f"train with: ember train ... data.dataset={args.out_dir}" +
-              (f" data.tokenizer={args.tokenizer}" if args.tokenizer else ""))
-        return 0
+    try:
+        manifest = prepare(data_cfg, tokenizer, out_dir, report, overwrite=args.overwrite)
+    finally:
+        if tasks:
+            progress.stop()
+    for split, info in manifest["splits"].items():
+        print(f"{split}: {info['num_documents']:,} documents, {info['num_tokens']:,} tokens -> "
+              f"{out_dir / info['file']}")
+    if "val" not in manifest["splits"]:
+        print("val: none (--val-fraction 0): a run on these shards trains without validation")
+    # The default tokenizer is the embedded BPE of this vocab size and val_fraction: the run must build the same.
+    same_tokenizer = (f" data.tokenizer={args.tokenizer}" if args.tokenizer else
+                      f" model.vocab_size={args.vocab_size} data.val_fraction={args.val_fraction}")
+    print(f"train with: ember train ... data.dataset={args.out_dir}{same_tokenizer}")
+    return 0
+
+
+def _train_tokenizer(args: argparse.Namespace) -> int:
     from ember.data import sources
     from ember.data.tokenizer import train_bpe
 
     if args.vocab_size < 260:
         raise ConfigError(f"--vocab-size must be at least 260 (256 bytes + specials), got {args.vocab_size}")
-    docs = sources.load_documents(_data_cfg(args), "train")
-    tok = train_bpe(docs.texts, args.vocab_size)
     out = Path(args.out)
     if out.is_dir() or not out.suffix:
         out = out / "tokenizer.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    sources.atomic_write(out, lambda f: f.write(tok.to_str().encode()))
+    _check_tokenizer_out(out, args.overwrite)
+    docs = sources.load_documents(_data_cfg(args), "train")
+    tok = train_bpe(docs.texts, args.vocab_size)
+    sources.atomic_write(out, lambda f: f.write(tok.to_str().encode()))  # written beside, renamed into place
     print(f"trained a byte-level BPE of {tok.get_vocab_size():,} tokens on {len(docs.texts):,} documents "
           f"of {docs.name}: {out}")
+    if tok.get_vocab_size() < args.vocab_size:
+        print(f"note: {tok.get_vocab_size():,} tokens, fewer than --vocab-size {args.vocab_size:,}: the corpus had no "
+              "more merges to learn (more text gives more)")
     return 0
+
+
+def _check_tokenizer_out(out: Path, overwrite: bool) -> None:
+    """A new path, or (with --overwrite) a tokenizer.json: never a directory or another kind of file (a user's
+    data), and never a tokenizer a run may use without being asked."""
+    if out.is_dir():
+        raise ConfigError(f"'{out}' is a directory; give a tokenizer.json path or a folder to write one into")
+    if not out.exists():
+        return
+    with out.open("rb") as f:
+        is_tokenizer = bool(_TOKENIZER_JSON_HEAD.match(f.read(256)))
+    if not is_tokenizer:
+        raise ConfigError(f"'{out}' exists and is not a tokenizer.json; write to another OUT (a new .json path or "
+                          "a folder)")
+    if not overwrite:
+        raise ConfigError(f"'{out}' exists; give --overwrite to replace it, or write to another OUT")

@@ -10,15 +10,22 @@ after every document, as uint16 or uint32) and one `OUT_DIR/manifest.json`:
 Training with `data.dataset=OUT_DIR` maps the .bin files; a manifest whose tokenizer identity differs
 from the run's tokenizer is refused, and a .bin whose size disagrees with the manifest (a truncated
 copy) is refused too. The checksum is recorded for `ember data verify`-style audits; checking it on
-every start would read the whole dataset.
+every start would read the whole dataset. With val_fraction 0 there is no val split (no val.bin, no
+"val" entry): a run on it trains without validation.
+
+OUT_DIR is new or empty, or replaced only when asked (check_out_dir): it may hold the shards a run trains
+on. It is written beside and swapped in whole, so a failure leaves it as it was.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
+import shutil
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Optional
+from typing import Any, BinaryIO, Callable, Iterator, Optional
 
 import numpy as np
 
@@ -26,7 +33,7 @@ from ember.config_schema import DataConfig
 from ember.constants import default_cache_dir
 from ember.data import chat, packing, sources
 from ember.data.tokenizer import AnyTokenizer
-from ember.errors import DataError
+from ember.errors import ConfigError, DataError
 
 MANIFEST = "manifest.json"
 FORMAT, VERSION = "ember-tokens", 1
@@ -37,14 +44,40 @@ def is_prepared(spec: str) -> bool:
     return (Path(spec).expanduser() / MANIFEST).is_file()
 
 
-def prepare(data_cfg: DataConfig, tokenizer: AnyTokenizer, out_dir: Path,
-            progress: Optional[Callable[[str, int, int], None]] = None) -> dict:
-    """Tokenize both splits of data_cfg.dataset into out_dir; returns the manifest.
+def check_out_dir(data_cfg: DataConfig, out_dir: Path, overwrite: bool) -> None:
+    """Preparing writes into a new or empty `out_dir`; over a non-empty one only with `overwrite` (it may hold the
+    shards a run trains on, which then would no longer match that run's tokenizer), and never over what it reads
+    (the source's files, the tokenizer): swapping the new shards in would delete them."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"OUT_DIR '{out_dir}' is a file, not a directory: give a new or empty directory")
+    if not out_dir.exists() or not any(out_dir.iterdir()):
+        return
+    target = out_dir.resolve()
+    local = [] if data_cfg.dataset in (sources.EMBEDDED, sources.SYNTHETIC) else sources.local_files(data_cfg.dataset)
+    for read in [*(local or []), *([Path(data_cfg.tokenizer)] if data_cfg.tokenizer else [])]:
+        resolved = read.expanduser().resolve()
+        if resolved == target or target in resolved.parents:
+            raise ConfigError(f"'{out_dir}' holds '{read}', which preparing reads; replacing '{out_dir}' would delete "
+                              "it: write to another OUT_DIR")
+    if not overwrite:
+        raise ConfigError(f"'{out_dir}' is not empty; give --overwrite to replace what it holds, or write to a new "
+                          "OUT_DIR")
 
-    Each .bin is streamed to disk chunk by chunk (never the whole corpus in memory twice) and renamed
-    into place when complete; the manifest is written last, so a directory with a manifest is whole.
+
+def prepare(data_cfg: DataConfig, tokenizer: AnyTokenizer, out_dir: Path,
+            progress: Optional[Callable[[str, int, int], None]] = None, overwrite: bool = False) -> dict:
+    """Tokenize the splits of data_cfg.dataset into out_dir (see check_out_dir); returns the manifest.
+
+    Every split's documents are read before any is tokenized, so a source too small to split fails before the
+    work. Each .bin is streamed to disk chunk by chunk (never the whole corpus in memory twice) into a directory
+    beside out_dir, which replaces out_dir once the manifest is written: out_dir is whole or as it was.
     """
-    out_dir.mkdir(parents=True, exist_ok=True)
+    check_out_dir(data_cfg, out_dir, overwrite)
+    splits = sources.SPLITS if data_cfg.val_fraction > 0 else ("train",)  # 0: no held-out documents, no val split
+    documents = {split: sources.load_documents(data_cfg, split) for split in splits}
+    if any(docs.conversations is not None for docs in documents.values()):
+        raise DataError("ember data prepare does not take chat data (data.messages_field) yet; train from the "
+                        "file itself: its tokens are cached on first use")
     dtype = packing.token_dtype(tokenizer.vocab_size)
     manifest: dict[str, Any] = {
         "format": FORMAT, "version": VERSION, "source": data_cfg.dataset, "text_field": data_cfg.text_field,
@@ -53,41 +86,63 @@ def prepare(data_cfg: DataConfig, tokenizer: AnyTokenizer, out_dir: Path,
                       "eos_id": tokenizer.eos_id},
         "splits": {},
     }
-    (out_dir / MANIFEST).unlink(missing_ok=True)  # re-preparing: the old manifest no longer describes the files
-    for split in sources.SPLITS:
-        docs = sources.load_documents(data_cfg, split)
-        if docs.conversations is not None:
-            raise DataError("ember data prepare does not take chat data (data.messages_field) yet; train from the "
-                            "file itself: its tokens are cached on first use")
-        digest, num_tokens = hashlib.sha256(), 0
-        path, mask_path = out_dir / f"{split}.bin", out_dir / f"{split}.mask.bin"
-        masks: list[np.ndarray] = []
-
-        def write(f: BinaryIO) -> None:
-            nonlocal num_tokens
-            for start in range(0, len(docs.texts), DOCS_PER_CHUNK):
-                texts = docs.texts[start : start + DOCS_PER_CHUNK]
-                if docs.prompts is None:
-                    chunk = packing.tokenize_documents(texts, tokenizer)
-                else:  # SFT: the loss mask (1 byte a token) is kept beside the tokens
-                    chunk, mask = packing.tokenize_prompted(docs.prompts[start : start + DOCS_PER_CHUNK], texts, tokenizer)
-                    masks.append(mask)
-                data = chunk.astype(dtype, copy=False).tobytes()
-                f.write(data)
-                digest.update(data)
-                num_tokens += len(chunk)
-                if progress:
-                    progress(split, min(start + DOCS_PER_CHUNK, len(docs.texts)), len(docs.texts))
-
-        sources.atomic_write(path, write)
-        info = {"file": path.name, "dtype": np.dtype(dtype).name, "num_tokens": num_tokens,
-                "num_documents": len(docs.texts), "sha256": digest.hexdigest(), "skipped": docs.skipped}
-        if docs.prompts is not None:
-            sources.atomic_write(mask_path, lambda f: [f.write(m.tobytes()) for m in masks])
-            info["mask_file"] = mask_path.name
-        manifest["splits"][split] = info
-    sources.atomic_write(out_dir / MANIFEST, lambda f: f.write((json.dumps(manifest, indent=2) + "\n").encode()))
+    with _staged_dir(out_dir) as stage:
+        for split, docs in documents.items():
+            manifest["splits"][split] = _write_split(stage, split, docs, tokenizer, dtype, progress)
+        sources.atomic_write(stage / MANIFEST, lambda f: f.write((json.dumps(manifest, indent=2) + "\n").encode()))
     return manifest
+
+
+def _write_split(stage: Path, split: str, docs: sources.Documents, tokenizer: AnyTokenizer, dtype: type,
+                 progress: Optional[Callable[[str, int, int], None]]) -> dict:
+    """Tokenizes one split into stage/<split>.bin (and its loss mask for SFT rows); returns its manifest entry."""
+    digest, num_tokens = hashlib.sha256(), 0
+    path, mask_path = stage / f"{split}.bin", stage / f"{split}.mask.bin"
+    masks: list[np.ndarray] = []
+
+    def write(f: BinaryIO) -> None:
+        nonlocal num_tokens
+        for start in range(0, len(docs.texts), DOCS_PER_CHUNK):
+            texts = docs.texts[start : start + DOCS_PER_CHUNK]
+            if docs.prompts is None:
+                chunk = packing.tokenize_documents(texts, tokenizer)
+            else:  # SFT: the loss mask (1 byte a token) is kept beside the tokens
+                chunk, mask = packing.tokenize_prompted(docs.prompts[start : start + DOCS_PER_CHUNK], texts, tokenizer)
+                masks.append(mask)
+            data = chunk.astype(dtype, copy=False).tobytes()
+            f.write(data)
+            digest.update(data)
+            num_tokens += len(chunk)
+            if progress:
+                progress(split, min(start + DOCS_PER_CHUNK, len(docs.texts)), len(docs.texts))
+
+    sources.atomic_write(path, write)
+    info = {"file": path.name, "dtype": np.dtype(dtype).name, "num_tokens": num_tokens,
+            "num_documents": len(docs.texts), "sha256": digest.hexdigest(), "skipped": docs.skipped}
+    if docs.prompts is not None:
+        sources.atomic_write(mask_path, lambda f: [f.write(m.tobytes()) for m in masks])
+        info["mask_file"] = mask_path.name
+    return info
+
+
+@contextlib.contextmanager
+def _staged_dir(out_dir: Path) -> Iterator[Path]:
+    """A new directory beside `out_dir` to write into; on success it replaces `out_dir` (whose old contents are
+    deleted only then), on failure it is deleted and `out_dir` is left as it was."""
+    target = out_dir.resolve()  # "." and "shards/" have a name once resolved
+    stage, old = (target.with_name(f".{target.name}.prepare-{kind}") for kind in ("new", "old"))
+    for leftover in (stage, old):  # an interrupted run's
+        shutil.rmtree(leftover, ignore_errors=True)
+    stage.mkdir(parents=True)
+    try:
+        yield stage
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    if target.exists():
+        os.replace(target, old)
+    os.replace(stage, target)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def read_manifest(directory: Path) -> dict:
@@ -112,6 +167,9 @@ def load_prepared(directory: Path, split: str, tokenizer: AnyTokenizer) -> packi
             "or run `ember data prepare` again with this one"
         )
     info = manifest["splits"].get(split)
+    if info is None and split == "val" and manifest.get("val_fraction") == 0:  # a run on it: "no validation: ..."
+        raise DataError(f"'{directory}' holds no val split (prepared with --val-fraction 0); prepare it with a "
+                        "--val-fraction above 0 to validate on it")
     if info is None:
         raise DataError(f"'{directory / MANIFEST}' has no '{split}' split; run `ember data prepare` again")
     path = directory / info["file"]

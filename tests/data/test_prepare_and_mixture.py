@@ -1,8 +1,6 @@
 """Pre-tokenized shards (`ember data prepare`) and weighted mixtures."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +13,7 @@ from ember.data import packing, prepare as prepare_lib
 from ember.data.loader import MixtureSamples, PackedSamples, build_loader
 from ember.data.prepare import MANIFEST, load_prepared, prepare
 from ember.data.tokenizer import Tokenizer, build_tokenizer
+from tests.helpers import run_ember
 
 
 def _docs(path: Path, n: int, word: str) -> Path:
@@ -63,16 +62,14 @@ def test_prepared_data_is_refused_with_another_tokenizer_or_when_truncated(tmp_p
 def test_cli_prepare_end_to_end(tmp_path: Path):
     src = _docs(tmp_path / "docs.jsonl", 200, "token")
     tok_dir = tmp_path / "tok"
-    run = lambda *args: subprocess.run([sys.executable, "-m", "ember", "data", *args],  # noqa: E731
-                                       capture_output=True, text=True, timeout=300)
-    assert run("tokenizer", "train", str(src), str(tok_dir), "--vocab-size", "300").returncode == 0
-    proc = run("prepare", str(src), str(tmp_path / "out"), "--tokenizer", str(tok_dir / "tokenizer.json"))
-    assert proc.returncode == 0, proc.stderr
+    run_ember("data", "tokenizer", "train", str(src), str(tok_dir), "--vocab-size", "300", timeout=300, expect=0)
+    proc = run_ember("data", "prepare", str(src), str(tmp_path / "out"), "--tokenizer", str(tok_dir / "tokenizer.json"),
+                     timeout=300, expect=0)
     assert "train: " in proc.stdout and f"data.dataset={tmp_path / 'out'}" in proc.stdout
     assert (tmp_path / "out" / MANIFEST).is_file()
-    proc = run("prepare", str(tmp_path / "missing.jsonl"), str(tmp_path / "out2"))
-    assert proc.returncode == 2 and proc.stderr.startswith("error: data.dataset path")
-    assert not (tmp_path / "out2" / MANIFEST).exists()
+    proc = run_ember("data", "prepare", str(tmp_path / "missing.jsonl"), str(tmp_path / "out2"), timeout=300, expect=2)
+    assert proc.stderr == f"error: SOURCE path '{tmp_path / 'missing.jsonl'}' does not exist; check the path\n"
+    assert not (tmp_path / "out2").exists()
 
 
 def _packed(n: int, value: int) -> PackedSamples:

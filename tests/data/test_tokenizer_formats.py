@@ -3,8 +3,6 @@
 
 import base64
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +11,7 @@ from data_testing import DataCfg
 
 from ember.data.tokenizer import (LLAMA3_NUM_SPECIAL, SentencePieceTokenizer, TiktokenTokenizer, build_tokenizer,
                                   load_tokenizer)
+from tests.helpers import run_ember
 
 TEXT = "The quick brown fox jumps over the lazy dog. Café, naïve: 42 + 7 = 49!\nsecond line"
 CORPUS = [f"{TEXT} {i} " * 3 for i in range(200)] + ["pack my box with five dozen liquor jugs"] * 50
@@ -77,12 +76,9 @@ def test_cli_trains_a_tokenizer_json(tmp_path: Path):
     data = tmp_path / "docs.jsonl"
     data.write_text("".join(json.dumps({"text": f"{line} {i}"}) + "\n" for i, line in enumerate(CORPUS[:120])))
     out = tmp_path / "tok"
-    proc = subprocess.run([sys.executable, "-m", "ember", "data", "tokenizer", "train", str(data), str(out),
-                           "--vocab-size", "300"], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
+    run_ember("data", "tokenizer", "train", str(data), str(out), "--vocab-size", "300", timeout=300, expect=0)
     tok = load_tokenizer(str(out))
     assert tok.vocab_size <= 300 and tok.decode(tok.encode(TEXT)) == TEXT
-    proc = subprocess.run([sys.executable, "-m", "ember", "data", "tokenizer", "train", str(tmp_path / "nope.jsonl"),
-                           str(out), "--vocab-size", "300"], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2
-    assert proc.stderr.strip() == f"error: data.dataset path '{tmp_path / 'nope.jsonl'}' does not exist; check the path"
+    proc = run_ember("data", "tokenizer", "train", str(tmp_path / "nope.jsonl"), str(out), "--vocab-size", "300",
+                     timeout=300, expect=2)
+    assert proc.stderr.strip() == f"error: SOURCE path '{tmp_path / 'nope.jsonl'}' does not exist; check the path"
