@@ -9,7 +9,7 @@ import torch
 from data_testing import SMALL_VOCAB, DataCfg
 
 from ember.config import MixtureSource
-from ember.data import packing, prepare as prepare_lib
+from ember.data import prepare as prepare_lib
 from ember.data.loader import MixtureSamples, PackedSamples, build_loader
 from ember.data.prepare import MANIFEST, load_prepared, prepare
 from ember.data.tokenizer import Tokenizer, build_tokenizer
