@@ -195,7 +195,8 @@ def check_source_exists(spec: str, key: str) -> None:
 
 def looks_like_path(spec: str) -> bool:
     # Hub names are `name` or `owner/name`; anything else that is not on disk is a mistyped path.
-    return spec.startswith(("/", ".", "~")) or Path(spec).suffix in LOCAL_SUFFIXES or spec.count("/") > 1
+    return (spec.startswith(("/", ".", "~")) or spec.endswith("/") or Path(spec).suffix in LOCAL_SUFFIXES
+            or spec.count("/") > 1)
 
 
 def _field(row: Any, name: str, where: str, key: str = "text_field") -> str:
@@ -322,6 +323,8 @@ def load_local(spec: str, files: list[Path], fields: Fields, split: str, val_fra
     _check_split(split)
     docs, skipped = _local_documents(spec, files, fields)
     keys = split_keys(list(docs), val_fraction)[split]
+    if not keys and split == "val" and val_fraction == 0:
+        raise DataError(f"data.val_fraction=0 holds no documents of data.dataset '{spec}' out for a val split")
     if not keys:
         raise DataError(
             f"data.dataset '{spec}' has {len(docs)} document(s), too few to hold one out for the {split} split "

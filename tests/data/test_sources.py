@@ -93,7 +93,7 @@ def test_local_non_utf8_file_is_skipped_and_counted(tmp_path: Path):
 
 
 def test_missing_path(tmp_path: Path):
-    for spec in (str(tmp_path / "nope.jsonl"), "./data/missing", "some/deep/folder"):
+    for spec in (str(tmp_path / "nope.jsonl"), "./data/missing", "some/deep/folder", "missing/"):
         with pytest.raises(FileNotFoundError, match=rf"data\.dataset path '{spec}' does not exist"):
             load_documents(DataCfg(dataset=spec), "train")
     with pytest.raises(FileNotFoundError, match=r"matches no files"):
@@ -121,6 +121,9 @@ def test_single_document_has_no_val_split(tmp_path: Path):
     assert load_documents(DataCfg(dataset=str(one)), "train").texts == ["only document"]
     with pytest.raises(ValueError, match=r"too few to hold one out for the val split"):
         load_documents(DataCfg(dataset=str(one)), "val")
+    with pytest.raises(ValueError, match=rf"^data\.val_fraction=0 holds no documents of data\.dataset '{one}' out for "
+                                         r"a val split$"):
+        load_documents(DataCfg(dataset=str(one), val_fraction=0.0), "val")
 
 
 def test_jsonl_without_the_text_field(tmp_path: Path):
