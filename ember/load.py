@@ -124,6 +124,9 @@ def source_architecture(path: Union[str, Path]) -> tuple[str, str, Any, Path]:
     """(family, flavor, args, the file they were read from) of what model.init_from names: an HF directory's
     config.json, or an ember checkpoint's model.json (a run directory: its newest complete step)."""
     path = Path(path).expanduser()
+    if path.exists() and not path.is_dir():
+        raise CheckpointError(f"model.init_from '{path}' is not a model: a model for init_from is a checkpoints/"
+                              "step-N, run or HF directory, not a file")
     if not path.is_dir():
         raise UserFileNotFound(f"model.init_from '{path}' does not exist; give a checkpoints/step-N, run or HF directory")
     if is_peft_dir(path):  # an adapter: the architecture is its base's

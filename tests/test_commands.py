@@ -174,3 +174,43 @@ def test_eval_keys_are_the_configs_eval_section():
         with pytest.raises(ConfigError) as err:
             parse(["run", "ppl", "lambada=l.jsonl", *items])
         assert str(err.value) == message, items
+
+
+def test_an_unknown_option_is_named_alone_with_the_commands_options(tmp_path: Path, capsys: pytest.CaptureFixture):
+    """Wherever it stands (before PATH, among the tasks, with --harness), ember eval names the option it does not
+    have and lists those it has; ember launch slurm names the option alone (argparse lumped the overrides after
+    it in with it) and writes nothing."""
+    eval_options = ("--output, --tokenizer, --harness, --include-path, --limit, --batch-size, --nproc-per-node, "
+                    "--nnodes, --node-rank, --rdzv-endpoint")
+    slurm_options = ("--nodes, --gpus-per-node, --nproc-per-node, --partition, --time, --account, --qos, --job-name, "
+                     "--container, --mounts, --env, --signal-seconds, --sbatch, --wait, --dry-run, --print")
+    for argv, message in (
+            (["eval", "--bogus"], f"unknown option '--bogus' for ember eval (options: {eval_options})"),
+            (["eval", "run", "ppl", "--bogus"], f"unknown option '--bogus' for ember eval (options: {eval_options})"),
+            (["eval", "run", "--harness", "x", "--bogus=1"],
+             f"unknown option '--bogus' for ember eval (options: {eval_options})"),
+            (["eval", "run", "ppl", "--limit", "3"], "--limit is an option of --harness (lm-eval tasks); ember's own "
+             "tasks take eval.limit=N and eval.batch_size=N"),
+            (["eval", "run", "ppl", "--nproc-per-node", "2"], "--nproc-per-node is a launcher option: give it before "
+             "PATH (ember eval --nproc-per-node N PATH ...)"),
+            (["launch", "slurm", "debug", "--bogus", "--dry-run", f"output_dir={tmp_path}"],
+             f"unknown option '--bogus' for ember launch slurm (options: {slurm_options})"),
+            (["launch", "status", "12", "--bogus"], "unknown option '--bogus' for ember launch status (it takes none)")):
+        assert cli.main(argv) == 2, argv
+        assert capsys.readouterr() == ("", f"error: {message}\n"), argv
+    assert not (tmp_path / "launch").exists()
+
+
+def test_eval_options_may_come_before_the_path():
+    from ember.commands.eval import parse
+
+    args = parse(["--output", "e.json", "run", "--tokenizer=t.json", "lambada=l.jsonl"])
+    assert (args.path, args.output, args.tokenizer, args.tasks) == ("run", "e.json", "t.json", {"lambada": "l.jsonl"})
+
+
+def test_a_file_where_a_model_directory_goes_is_named_as_not_a_model(tmp_path: Path, capsys: pytest.CaptureFixture):
+    notes = tmp_path / "notes.jsonl"
+    notes.write_text('{"text": "x"}\n')
+    assert cli.main(["train", "debug", f"model.init_from={notes}"]) == 2
+    assert capsys.readouterr() == ("", f"error: model.init_from '{notes}' is not a model: a model for init_from is a "
+                                       "checkpoints/step-N, run or HF directory, not a file\n")

@@ -5,8 +5,6 @@ batch_size, typed and defaulted once for both) with ppl's window added (EvalOpti
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +13,7 @@ from typing import Any, Optional
 from ember.commands import as_rank, wants_help, world_size
 from ember.config_schema import DataConfig, EvalConfig
 from ember.errors import ConfigError, UserFileNotFound, first_error_line
-from ember.launch.local import launch_local, split_launch_flags
+from ember.launch.local import LAUNCH_FLAGS, launch_local, split_launch_flags, unknown_option
 
 USAGE = """usage: ember eval PATH TASK[=DATA] ... [key=value ...] [--output FILE] [--tokenizer FILE]
   PATH: an ember run or checkpoint, an HF directory or an `ember convert --to torch` file
@@ -49,6 +47,8 @@ class EvalOptions(EvalConfig):
 
 PPL_KEYS = ("eval.seq_len", "eval.stride", "eval.max_tokens", "eval.split")  # each needs a ppl task
 EVAL_KEYS = ("eval.limit", "eval.batch_size", *PPL_KEYS)
+HARNESS_OPTIONS = ("--include-path", "--limit", "--batch-size")  # with --harness only
+OPTIONS = ("--output", "--tokenizer", "--harness", *HARNESS_OPTIONS)  # each takes a value
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -57,14 +57,31 @@ def parse(argv: list[str]) -> argparse.Namespace:
     if wants_help(argv):
         print(USAGE)
         raise SystemExit(0)
-    flags, rest = split_launch_flags(argv, "eval")
+    flags, rest = split_launch_flags(argv, "eval", OPTIONS)
     items, meshes = _split_mesh_keys(rest)
     if not items:  # no model to evaluate: how to call the command, as a usage error (on stderr)
         print(USAGE, file=sys.stderr)
         raise SystemExit(2)
-    args = _parse_harness_args(items) if "--harness" in items else _parse_eval_args(items)
+    _check_options(items)
+    harness = any(item.partition("=")[0] == "--harness" for item in items)
+    args = _parse_harness_args(items) if harness else _parse_eval_args(items)
     args.flags, args.argv, args.meshes = flags, rest, meshes
     return args
+
+
+def _check_options(items: list[str]) -> None:
+    """Every option among `items` is one of ember eval's (a launcher flag after PATH is told where it goes)."""
+    expect_value = False
+    for item in items:
+        name = item.partition("=")[0]
+        if expect_value:  # the value of the option before it, whatever it looks like
+            expect_value = False
+        elif name in OPTIONS:
+            expect_value = "=" not in item
+        elif name.replace("_", "-") in LAUNCH_FLAGS:
+            raise ConfigError(f"{name} is a launcher option: give it before PATH (ember eval {name} N PATH ...)")
+        elif item.startswith("--"):
+            raise unknown_option(name, "eval", (*OPTIONS, *LAUNCH_FLAGS))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -79,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
 def _eval_tasks(args: argparse.Namespace) -> int:
     """The TASK[=DATA] arguments scored, the results merged into eval.json."""
     from ember.eval import TASKS, ppl
+    from ember.eval.results import eval_json_target, read_previous, write_results
     from ember.eval.tasks import HUB, TASK_ROWS
     from ember.generate import tokenizer_for
 
@@ -87,8 +105,8 @@ def _eval_tasks(args: argparse.Namespace) -> int:
     for task, data in tasks.items():  # every local row checked before the model loads
         if task != "ppl" and data not in (None, task, HUB.get(task, ("",))[0]):
             TASK_ROWS[task](data)
-    target = _target(Path(path), args.output)
-    _read_previous(target, Path(path))  # a file we may not add to stops us before any work
+    target = eval_json_target(Path(path), args.output)
+    read_previous(target, Path(path))  # a file we may not add to stops us before any work
     model, ranks = _load(path, args.meshes)
     tokenizer = tokenizer_for(path, args.tokenizer)  # a torch file's error says how to get the run's
     seq_len = options.seq_len if options.seq_len is not None else _trained_seq_len(Path(path))
@@ -103,7 +121,7 @@ def _eval_tasks(args: argparse.Namespace) -> int:
             metrics = TASKS[task](model, tokenizer, data or task, options.limit, options.batch_size, ranks)
             results[task] = {**metrics, "data": _data_label(data or task, task)}
     if _is_main():
-        _report(Path(path), results, target)
+        write_results(Path(path), results, target)
     return 0
 
 
@@ -148,58 +166,6 @@ def _is_main() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def _target(path: Path, output: Optional[str]) -> Path:
-    return Path(output) if output else _eval_json_path(path)
-
-
-def _read_previous(target: Path, path: Path) -> dict[str, Any]:
-    """What `target` already holds ({model, step, results}; {} when absent), to merge this run's results into.
-    eval.json in the model's own place (the checkpoint, the HF directory, FILE.eval.json) is the model's by
-    construction, wherever the model was when it was written (a run moved or copied since); any other file must
-    be an eval.json of this model and step, else it is refused rather than overwritten."""
-    if not target.exists():
-        return {}
-    try:
-        previous = json.loads(target.read_text())
-    except (OSError, ValueError) as err:
-        raise ConfigError(f"{target} exists and is not an eval.json ember can add to ({first_error_line(err)}); "
-                          "move it aside or pass another --output") from None
-    if not isinstance(previous, dict) or not isinstance(previous.get("results"), dict):
-        raise ConfigError(f"{target} exists and is not an eval.json ({{model, step, results}}); move it aside or "
-                          "pass another --output")
-    own = _eval_json_path(path.resolve()).resolve()
-    if target.resolve() == own:
-        return previous
-    theirs = Path(str(previous.get("model", "")))
-    same = previous.get("step") == _step_of(path) and (
-        theirs.exists() and _eval_json_path(theirs.resolve()).resolve() == own)
-    if not same:
-        raise ConfigError(f"{target} holds results of another model ({previous.get('model')}, step "
-                          f"{previous.get('step')}); pass another --output or move it aside")
-    return previous
-
-
-def _report(path: Path, results: dict[str, dict], target: Path) -> None:
-    """Merge `results` into eval.json ({model, step, results}) at `target`: each task's entry replaces that
-    task's earlier one, the other tasks' stay. Then print this run's table."""
-    before = _read_previous(target, path)
-    previous = before.get("results", {})
-    merged = {**previous, **results}
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(target.name + ".tmp")  # replaced whole: a crash mid-write keeps the earlier file
-    # the model's absolute path: a later eval from another directory still recognises it
-    report = {"model": os.path.abspath(path), "step": _step_of(path), "results": merged}
-    if previous and before.get("model") != report["model"]:
-        print(f"{target} was written for the model at {before.get('model')}; it is now at {report['model']}")
-    tmp.write_text(json.dumps(report, indent=2) + "\n")
-    os.replace(tmp, target)
-    for task, metrics in results.items():
-        print(f"{task:<16}" + "  ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
-                                      for k, v in metrics.items()))
-    kept = [task for task in previous if task not in results]
-    print(f"wrote {target}" + (f" (kept the earlier {', '.join(kept)})" if kept else ""))
-
-
 def _parse_harness_args(argv: list[str]) -> argparse.Namespace:
     """`ember eval PATH --harness TASK[,TASK] [--include-path DIR] [--limit N] [--output FILE] [--tokenizer F]`."""
     from ember.eval.scoring import check_batch_size
@@ -222,15 +188,18 @@ def _parse_harness_args(argv: list[str]) -> argparse.Namespace:
 
 def _eval_harness(args: argparse.Namespace) -> int:
     """lm-evaluation-harness tasks through ember.eval.harness.EmberLM, the results merged into eval.json."""
-    from ember.eval.harness import EmberLM, simple_evaluate
+    from ember.eval.harness import EmberLM, simple_evaluate, task_manager
+    from ember.eval.results import eval_json_target, read_previous, write_results
     from ember.generate import tokenizer_for
 
-    target = _target(Path(args.path), args.output)
-    _read_previous(target, Path(args.path))
+    target = eval_json_target(Path(args.path), args.output)
+    read_previous(target, Path(args.path))
+    tasks = args.harness.split(",")
+    manager = task_manager(tasks, args.include_path)  # a task name lm-eval does not know stops us before the model
     model, ranks = _load(args.path, args.meshes)
     tokenizer = tokenizer_for(args.path, args.tokenizer)
     lm = EmberLM(model, tokenizer, batch_size=args.batch_size, ranks=ranks)
-    out = simple_evaluate(lm, args.harness.split(","), include_path=args.include_path, limit=args.limit)
+    out = simple_evaluate(lm, tasks, limit=args.limit, manager=manager)
     if not _is_main():  # lm-eval returns the results on the first process only (its convention under torchrun)
         return 0
     if out is None or not out.get("results"):
@@ -239,7 +208,7 @@ def _eval_harness(args: argparse.Namespace) -> int:
     results = {task: {**{key.split(",")[0]: value for key, value in metrics.items()
                          if isinstance(value, (int, float)) and not isinstance(value, bool)}, "data": data}
                for task, metrics in out["results"].items()}
-    _report(Path(args.path), results, target)
+    write_results(Path(args.path), results, target)
     return 0
 
 
@@ -248,20 +217,26 @@ def _parse_eval_args(argv: list[str]) -> argparse.Namespace:
     tokenizer, every value checked: each task once, each key applying to a task of the command, numbers >= 1."""
     from ember.eval import TASKS
 
-    path, rest = argv[0], argv[1:]
+    rest = list(argv)
+    path: Optional[str] = None
     tasks: dict[str, Optional[str]] = {}
     eval_items: list[str] = []
     data_overrides: list[str] = []
     output = tokenizer = None
     while rest:
         item = rest.pop(0)
-        if item in ("--output", "--tokenizer"):
-            if not rest:
-                raise ConfigError(f"{item} needs a value")
-            output, tokenizer = (rest.pop(0), tokenizer) if item == "--output" else (output, rest.pop(0))
-            continue
         name, eq, value = item.partition("=")
-        if name in ("ppl", *TASKS):
+        if name in ("--output", "--tokenizer"):
+            if not eq and not rest:
+                raise ConfigError(f"{item} needs a value")
+            value = value if eq else rest.pop(0)
+            output, tokenizer = (value, tokenizer) if name == "--output" else (output, value)
+        elif name in HARNESS_OPTIONS:
+            raise ConfigError(f"{name} is an option of --harness (lm-eval tasks); ember's own tasks take eval.limit=N "
+                              "and eval.batch_size=N")
+        elif path is None:
+            path = item
+        elif name in ("ppl", *TASKS):
             if eq and not value:
                 raise ConfigError(f"'{item}' names no data; give {name}=FILE" + ("" if name == "choice" else
                                                                                    f" or {name} alone"))
@@ -278,6 +253,8 @@ def _parse_eval_args(argv: list[str]) -> argparse.Namespace:
                               f"{', '.join(EVAL_KEYS)}, data.*)")
     options = _eval_options(eval_items)
     given = [item.partition("=")[0] for item in eval_items]
+    if path is None:
+        raise ConfigError("name the model to evaluate: ember eval PATH TASK[=DATA] ... (see ember eval --help)")
     if not tasks:
         raise ConfigError("name at least one task: ppl, ppl=DATA, lambada=FILE, boolq=FILE or choice=FILE")
     if "ppl" not in tasks:
@@ -335,6 +312,11 @@ def _eval_data_config(path: str, dataset: Optional[str], overrides: list[str]) -
 
     base = OmegaConf.structured(DataConfig)
     config_yaml = _run_config_yaml(Path(path))
+    named = dataset or any(o.startswith("data.dataset=") for o in overrides)
+    if not config_yaml and not named and _is_model(Path(path)):  # no run data to default to: never a silent one
+        raise ConfigError(f"plain ppl scores an ember run's own data (its config.yaml), and '{path}' is not an ember "
+                          "run; name the text to score: ppl=DATA (a file, folder, glob or hub dataset) or "
+                          "data.dataset=DATA")
     dotlist = [o[len("data."):] for o in overrides] + ([f"dataset={dataset}"] if dataset else [])
     try:
         if config_yaml:
@@ -343,7 +325,7 @@ def _eval_data_config(path: str, dataset: Optional[str], overrides: list[str]) -
         data_cfg = OmegaConf.to_object(base)
     except OmegaConfBaseException as err:
         raise ConfigError(f"bad data key for ppl: {first_error_line(err)}") from None
-    if not dataset and not any(o.startswith("data.dataset=") for o in overrides) and config_yaml:
+    if not named and config_yaml:
         _check_run_dataset(data_cfg.dataset, config_yaml)
     return data_cfg
 
@@ -370,28 +352,18 @@ def _run_config_yaml(path: Path) -> Optional[Path]:
     return next((run / "config.yaml" for run in (path, path.parent.parent) if (run / "config.yaml").is_file()), None)
 
 
+def _is_model(path: Path) -> bool:
+    """Whether `path` is something load_model reads (a file, or a directory of a model); its own errors say
+    what else is wrong."""
+    from ember.model_meta import MODEL_JSON
+
+    return path.is_file() or any((path / name).exists() for name in (MODEL_JSON, "config.json", "checkpoints",
+                                                                      "adapter_config.json"))
+
+
 def _trained_seq_len(path: Path) -> Optional[int]:
     import yaml
 
     config_yaml = _run_config_yaml(path)
     seq_len = (yaml.safe_load(config_yaml.read_text()) or {}).get("seq_len") if config_yaml else None
     return seq_len if isinstance(seq_len, int) else None
-
-
-def _step_of(path: Path) -> Optional[int]:
-    from ember.model_meta import MODEL_JSON
-
-    if path.is_dir() and (path / "checkpoints").is_dir():
-        steps = sorted(int(p.parent.name[5:]) for p in path.glob(f"checkpoints/step-*/{MODEL_JSON}"))
-        return steps[-1] if steps else None
-    return int(path.name[5:]) if path.name.startswith("step-") and path.name[5:].isdigit() else None
-
-
-def _eval_json_path(path: Path) -> Path:
-    """eval.json beside the model: in the checkpoint (a run's newest), the HF directory, or FILE.eval.json."""
-    if path.is_file():
-        return path.with_name(path.name + ".eval.json")
-    step = _step_of(path)
-    if step is not None and (path / "checkpoints").is_dir():
-        return path / "checkpoints" / f"step-{step}" / "eval.json"
-    return path / "eval.json"

@@ -7,6 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from ember.errors import ConfigError
 from ember.usage import ArgumentParser
 
 
@@ -52,6 +53,11 @@ def run(args: argparse.Namespace) -> int:
 
     # Every argument is checked before anything is printed: a streamed prompt followed by an error would run
     # the two together on one line.
+    sampling = [flag for flag, value in (("--top-k", args.top_k), ("--top-p", args.top_p), ("--seed", args.seed))
+                if value is not None]
+    if args.temperature == 0 and sampling:  # said with the command's flags rather than the Python API's names
+        raise ConfigError(f"--temperature 0 decodes greedily, so {' and '.join(sampling)} would have no effect; drop "
+                          "--temperature to sample (at 1.0), or give a temperature above 0")
     temperature = sampling_temperature(args.temperature, args.top_k, args.top_p, args.seed, args.stop)
     check_max_new_tokens(args.max_new_tokens)
     prompts = list(args.prompt)

@@ -9,9 +9,9 @@ import shlex
 import sys
 from pathlib import Path
 
-from ember.commands import train
+from ember.commands import train, wants_help
 from ember.errors import EmberError
-from ember.launch.local import LAUNCH_FLAGS
+from ember.launch.local import LAUNCH_FLAGS, unknown_option
 from ember.usage import ArgumentParser
 
 DESCRIPTION = """Run a training job on this machine, a SLURM cluster or Kubernetes. Every launcher starts the same
@@ -111,6 +111,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     launcher flag is given)."""
     if argv and argv[0] == "local":
         rest = argv[1:]
+        if wants_help(rest):  # train's usage under this name; what it equals stays `torchrun ... -m ember train`
+            print(train.USAGE.replace("usage: ember train", "usage: ember launch local", 1))
+            raise SystemExit(0)
         if not any(arg.split("=")[0] in LAUNCH_FLAGS for arg in rest):
             rest = ["--nproc-per-node", "1", *rest]
         args = train.parse(rest, "launch local")
@@ -121,8 +124,16 @@ def parse(argv: list[str]) -> argparse.Namespace:
             raise SystemExit(2)
         if argv[0] not in commands:  # --help, or argparse's one-line usage error
             launch.parse_args(argv)
-        # key=value overrides may come before or after the options, as with `ember train`
-        args = commands[argv[0]].parse_intermixed_args(argv[1:])
+        command = commands[argv[0]]
+        # key=value overrides may come before or after the options, as with `ember train`; an unknown option is
+        # named alone (argparse would lump the overrides after it in with it)
+        _, extra = command.parse_known_intermixed_args(argv[1:])
+        unknown = [arg.partition("=")[0] for arg in extra if arg.startswith("-") and arg != "-"]
+        if unknown:
+            options = [name for action in command._actions for name in action.option_strings
+                       if name.startswith("--") and name != "--help"]
+            raise unknown_option(unknown[0], f"launch {argv[0]}", options)
+        args = command.parse_intermixed_args(argv[1:])
     args.where, args.command_line = argv[0], shlex.join(["ember", "launch", *argv])
     return args
 

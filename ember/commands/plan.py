@@ -25,6 +25,8 @@ the step time, MFU and collective volumes per mesh axis; whether it fits, the la
 and layout warnings. Writes plan.json (the recipe's output_dir, or --output); --json prints it instead (and
 writes it only to --output)."""
 
+PLAN_KEYS = {"world_size", "device", "fits", "ranks"}  # what every plan.json holds
+
 EXAMPLES = """examples:
   ember plan llama3.1-405b --world 1024 ici_mesh.tensor=8 ici_mesh.fsdp=1 dcn_mesh.fsdp=16 dcn_mesh.data=8 model.remat=full
   ember plan mixtral-8x7b --world 64 --device h200 ici_mesh.expert=8 ici_mesh.fsdp=1 dcn_mesh.fsdp=8 --search
@@ -40,7 +42,8 @@ def parser() -> ArgumentParser:
     p.add_argument("--nodes", type=int, default=None, metavar="M",
                    help="nodes the ranks are spread over (default: the device's per-node count, 8 GPUs)")
     p.add_argument("--device", default="h100", choices=[*FABRICS, "cpu"],
-                   help="the device type: compute and memory from ember/hardware.py, links from ember/plan/cost.py")
+                   help="the device type (default: h100): compute and memory from ember/hardware.py, links from "
+                   "ember/plan/cost.py")
     p.add_argument("--search", action="store_true",
                    help="try the remat policies and micro-batch sizes; list the feasible ones by predicted tokens/s")
     p.add_argument("--json", action="store_true", help="print plan.json to stdout instead of the table (no file is "
@@ -65,10 +68,12 @@ def run(args: argparse.Namespace) -> int:
 
     from ember import run as run_lib
     cfg = run_lib.load_config(args.recipe, args.overrides, world_size=args.world)
-    plan = make_plan(cfg, args.world, args.nodes, args.device, args.search)
-    text = json.dumps(plan.to_json(), indent=1) + "\n"
     # --json prints plan.json instead of the table and writes no file, unless --output names one
     path = Path(args.output) if args.output else None if args.json else Path(cfg.output_dir) / "plan.json"
+    if path is not None:
+        _check_replaceable(path)  # before the planning: a file of the user's is never overwritten
+    plan = make_plan(cfg, args.world, args.nodes, args.device, args.search)
+    text = json.dumps(plan.to_json(), indent=1) + "\n"
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
@@ -77,6 +82,19 @@ def run(args: argparse.Namespace) -> int:
     else:
         render(plan, Console(soft_wrap=True), path)
     return 0
+
+
+def _check_replaceable(path: Path) -> None:
+    """An existing `path` is replaced only when it is a plan.json (an earlier plan); any other file is refused,
+    as `ember eval --output` refuses a file that is not an eval.json."""
+    if not path.exists():
+        return
+    try:
+        previous = json.loads(path.read_text())
+    except (OSError, ValueError):
+        previous = None
+    if not isinstance(previous, dict) or not PLAN_KEYS <= previous.keys():
+        raise ConfigError(f"{path} exists and is not a plan.json ember wrote; move it aside or pass another --output")
 
 
 def _gib(n: float) -> str:

@@ -21,6 +21,8 @@ from ember.eval.scoring import encode_pair, score_tokens
 from ember.generate import generate
 
 if TYPE_CHECKING:
+    from lm_eval.tasks import TaskManager
+
     from ember.data.tokenizer import AnyTokenizer
 
 try:  # an optional dependency: only this module needs it
@@ -82,13 +84,36 @@ class EmberLM(LM):  # type: ignore[misc]
         return outputs
 
 
-def simple_evaluate(lm: EmberLM, tasks: list[str], include_path: Optional[str] = None, limit: Optional[int] = None,
-                    **kwargs: Any) -> dict:
-    """lm_eval.simple_evaluate on `lm`. With include_path, only the tasks found there are indexed besides the
-    harness's own when those are asked for (indexing every default task takes ~15 s)."""
+def task_manager(tasks: list[str], include_path: Optional[str] = None) -> TaskManager:
+    """lm-eval's TaskManager with every name of `tasks` checked, before any model is loaded: a registered task,
+    group or tag, or a task YAML file. With include_path only the tasks found there are indexed (indexing every
+    default task takes ~15 s)."""
     _require_lm_eval()
-    from lm_eval import simple_evaluate as harness_evaluate
+    import difflib
+    from pathlib import Path
+
     from lm_eval.tasks import TaskManager
 
     manager = TaskManager(include_path=include_path, include_defaults=include_path is None)
+    for name in tasks:
+        if name in manager.all_tasks or Path(name).is_file():
+            continue
+        hint = difflib.get_close_matches(name, manager.all_tasks, n=1, cutoff=0.7)
+        close = f" (did you mean '{hint[0]}'?)" if hint else ""
+        if include_path:
+            raise ConfigError(f"lm-eval task '{name}' is not defined in --include-path {include_path}{close}; give a "
+                              "task name one of its YAMLs defines (task: NAME), or drop --include-path for lm-eval's "
+                              "registered tasks")
+        raise ConfigError(f"'{name}' is not an lm-eval task{close}; give a registered task name (`lm-eval ls tasks` "
+                          "lists them), or --include-path DIR with a folder of task YAMLs that defines it")
+    return manager
+
+
+def simple_evaluate(lm: EmberLM, tasks: list[str], include_path: Optional[str] = None, limit: Optional[int] = None,
+                    manager: Optional[TaskManager] = None, **kwargs: Any) -> dict:
+    """lm_eval.simple_evaluate on `lm`; `manager`: task_manager(tasks, include_path), made here if not given."""
+    _require_lm_eval()
+    from lm_eval import simple_evaluate as harness_evaluate
+
+    manager = manager or task_manager(tasks, include_path)
     return harness_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit, **kwargs)

@@ -9,7 +9,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from ember.errors import ConfigError
 from ember.usage import EXIT_USAGE
@@ -21,21 +21,32 @@ ERROR_DIR_ENV = "EMBER_ERROR_DIR"  # set by the launcher: where ranks leave thei
 LAUNCH_FLAGS = ("--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint")
 
 
-def split_launch_flags(argv: list[str], command: str = "train") -> tuple[dict[str, str], list[str]]:
-    """Leading launcher flags (`--flag value` or `--flag=value`), and the rest."""
+def split_launch_flags(argv: list[str], command: str = "train",
+                       own_options: tuple[str, ...] = ()) -> tuple[dict[str, str], list[str]]:
+    """Leading launcher flags (`--flag value` or `--flag=value`), and the rest. `own_options`: the command's own
+    options; one of them ends the launcher flags (the command reads it), any other option is refused naming
+    both."""
     flags: dict[str, str] = {}
     rest = list(argv)
     while rest and rest[0].startswith("--"):
-        name, eq, value = rest.pop(0).partition("=")
-        name = name.replace("_", "-")
+        name = rest[0].partition("=")[0].replace("_", "-")
+        if name in own_options:
+            break
         if name not in LAUNCH_FLAGS:
-            raise ConfigError(f"unknown option '{name}' for ember {command} (options: {', '.join(LAUNCH_FLAGS)})")
+            raise unknown_option(name, command, (*own_options, *LAUNCH_FLAGS))
+        _, eq, value = rest.pop(0).partition("=")
         if not eq:
             if not rest:
                 raise ConfigError(f"option {name} needs a value")
             value = rest.pop(0)
         flags[name] = value
     return flags, rest
+
+
+def unknown_option(name: str, command: str, options: Sequence[str]) -> ConfigError:
+    """The one line for an option `ember COMMAND` does not have, listing the `options` it has."""
+    listed = f"options: {', '.join(options)}" if options else "it takes none"
+    return ConfigError(f"unknown option '{name}' for ember {command} ({listed})")
 
 
 def _positive_int(flags: dict[str, str], name: str, default: int) -> int:

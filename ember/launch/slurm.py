@@ -45,6 +45,21 @@ class SlurmOptions:
     signal_seconds: int = 120  # the preemption/time-limit warning: USR1 this long before the end
     extra_sbatch: list[str] = field(default_factory=list)  # more #SBATCH options, verbatim
 
+    def __post_init__(self) -> None:
+        if self.time is not None:
+            check_time(self.time)
+
+
+# sbatch --time: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS, or no limit
+TIME_FORMAT = re.compile(r"\d+(:\d+){0,2}|\d+-\d+(:\d+){0,2}|(?i:infinite|unlimited)")
+
+
+def check_time(value: str) -> None:
+    """A time limit sbatch accepts, checked here: a wrong one would be found only when the script is submitted."""
+    if not TIME_FORMAT.fullmatch(value):
+        raise ConfigError(f"--time '{value}' is not a SLURM time limit; give minutes (90), MM:SS, HH:MM:SS "
+                          "(24:00:00), D-HH, D-HH:MM or D-HH:MM:SS (2-00:00:00)")
+
 
 def render_script(job: TrainJob, opts: SlurmOptions, output_dir: Path, workdir: Path,
                   environ: Optional[dict[str, str]] = None, command_line: str = "") -> str:

@@ -128,19 +128,20 @@ def test_a_torch_file_without_tokenizer_names_no_guess(run: Path, tmp_path: Path
                "give the run directory instead (its tokenizer is known), or --tokenizer FILE with the run's "
                "data.tokenizer (in its config.yaml), or export the run with `ember convert RUN --to hf`, which "
                "writes its tokenizer (the embedded BPE too) beside the weights\n")
-    proc = run_ember("eval", str(model), "ppl", "eval.max_tokens=40")
+    proc = run_ember("eval", str(model), "ppl", "data.dataset=embedded", "eval.max_tokens=40")
     assert (proc.returncode, proc.stderr) == (2, message)
     proc = run_ember("generate", str(model), "--prompt", "def", "--max-new-tokens", "2")
     assert (proc.returncode, proc.stderr) == (2, message)
-    # the HF export the error points to carries the run's tokenizer: the same numbers as the run (same window)
+    # the HF export the error points to carries the run's tokenizer: the same numbers as the run (same window, the
+    # run's data named: the export and the torch file have no config.yaml to take it from)
     proc = run_ember("convert", str(run), str(tmp_path / "hf"), "--to", "hf")
     assert proc.returncode == 0, proc.stderr
     losses = []
     exported = str(tmp_path / "hf" / "tokenizer.json")
     for path, extra in ((run, []), (tmp_path / "hf", []), (model, ["--tokenizer", exported])):
         out = tmp_path / f"{len(losses)}.json"
-        proc = run_ember("eval", str(path), "ppl", "eval.max_tokens=40", "eval.seq_len=32", *extra, "--output",
-                         str(out))
+        proc = run_ember("eval", str(path), "ppl", "data.dataset=embedded", "eval.max_tokens=40", "eval.seq_len=32",
+                         *extra, "--output", str(out))
         assert proc.returncode == 0, proc.stderr
         losses.append(_results(out)["ppl"]["loss"])
     assert losses[1] == pytest.approx(losses[0], rel=1e-6) and losses[2] == pytest.approx(losses[0], rel=1e-6)
@@ -148,14 +149,18 @@ def test_a_torch_file_without_tokenizer_names_no_guess(run: Path, tmp_path: Path
 
 def test_hub_tasks_that_cannot_load_are_one_line(run: Path, tmp_path: Path):
     """`lambada` / `boolq` alone load the hub dataset; offline (and with an empty cache) that is one line naming
-    the dataset and the local alternative, as data.dataset's hub sources are."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
-    for task, name in (("boolq", "super_glue"), ("lambada", "EleutherAI/lambada_openai")):
-        proc = run_ember("eval", str(run), task, env=env)
-        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
-        assert proc.stderr.startswith(f"error: cannot load {task} data '{name}' from the Hugging Face hub: "), \
-            proc.stderr
-        assert proc.stderr.endswith(f"; give a local jsonl file ({task}=FILE.jsonl)\n"), proc.stderr
+    the dataset and the local alternative, as data.dataset's hub sources are. So it is without HF_HUB_OFFLINE
+    when the hub cannot be reached (an endpoint that refuses connections): no retry lines before it."""
+    offline = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    unreachable = {key: value for key, value in offline.items() if "OFFLINE" not in key and "PROXY" not in key.upper()}
+    unreachable["HF_ENDPOINT"] = "http://127.0.0.1:9"
+    for env in (offline, unreachable):
+        for task, name in (("boolq", "super_glue"), ("lambada", "EleutherAI/lambada_openai")):
+            proc = run_ember("eval", str(run), task, env=env)
+            assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+            assert proc.stderr.startswith(f"error: cannot load {task} data '{name}' from the Hugging Face hub: "), \
+                proc.stderr
+            assert proc.stderr.endswith(f"; give a local jsonl file ({task}=FILE.jsonl)\n"), proc.stderr
 
 
 def test_a_moved_run_keeps_its_eval_json(run: Path, tmp_path: Path):

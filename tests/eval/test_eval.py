@@ -302,3 +302,46 @@ def test_in_loop_eval_config_errors(tmp_path: Path):
     with pytest.raises(ConfigError, match="use `ember eval` on the checkpoint for tensor"):
         run_lib.load_config("debug", [f"eval.tasks=[{{name: lambada, data: {data}}}]", "ici_mesh.tensor=2",
                                   "micro_batch_size=8"], world_size=2)
+
+
+def test_an_unreachable_hub_is_one_line_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                capfd: pytest.CaptureFixture):
+    """Without HF_HUB_OFFLINE and with no network (an endpoint that refuses connections), a hub task is read from
+    the local cache only (an empty one here): one error, and none of the hub client's retry lines (capfd: its log
+    handler writes to the process's stderr)."""
+    import datasets
+    from huggingface_hub import constants
+
+    from ember.eval.tasks import TASK_ROWS
+
+    for module, name in ((constants, "HF_HUB_OFFLINE"), (datasets.config, "HF_HUB_OFFLINE"),
+                         (datasets.config, "HF_DATASETS_OFFLINE")):
+        monkeypatch.setattr(module, name, False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets")
+    for var in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(DataError) as err:
+        TASK_ROWS["lambada"]("lambada")
+    assert str(err.value) == ("cannot load lambada data 'EleutherAI/lambada_openai' from the Hugging Face hub: "
+                              "http://127.0.0.1:9 cannot be reached (Connection refused) and it is not in the local "
+                              "cache; give a local jsonl file (lambada=FILE.jsonl)")
+    assert capfd.readouterr() == ("", "")
+    assert constants.HF_HUB_OFFLINE is False and datasets.config.HF_HUB_OFFLINE is False  # offline for the call only
+
+
+def test_plain_ppl_of_a_model_that_is_not_a_run_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture):
+    """An HF directory (or a torch file) has no run config.yaml to take ppl's data from: ppl alone is refused
+    before the model loads (a config.json stands for the directory here), never scored on a default corpus."""
+    from ember import cli
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (tmp_path / "m.pt").write_bytes(b"")
+    for path in (hf, tmp_path / "m.pt"):
+        assert cli.main(["eval", str(path), "ppl", "eval.max_tokens=40"]) == 2
+        assert capsys.readouterr() == ("", f"error: plain ppl scores an ember run's own data (its config.yaml), and "
+                                           f"'{path}' is not an ember run; name the text to score: ppl=DATA (a file, "
+                                           "folder, glob or hub dataset) or data.dataset=DATA\n")

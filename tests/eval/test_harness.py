@@ -85,3 +85,29 @@ def test_a_local_task_runs_offline_through_the_cli(tmp_path: Path):
     assert results["perplexity"] == pytest.approx(theirs["perplexity,none"], rel=1e-4)
     assert results["acc"] == theirs["acc,none"]
     assert results["data"] == f"lm-eval --include-path {tasks}"
+
+
+def test_a_task_lm_eval_does_not_know_is_one_line_before_the_model_loads(tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture):
+    """(There is no model at the path: the names are checked first.)"""
+    from ember import cli
+
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "tiny.yaml").write_text("task: ember_tiny\ndataset_path: json\noutput_type: loglikelihood\n")
+    for name, hint in (("nosuch_task", ""), ("ember_tyni", " (did you mean 'ember_tiny'?)")):
+        argv = ["eval", str(tmp_path / "run"), "--harness", name, "--include-path", str(tasks), "--limit", "2"]
+        assert cli.main(argv) == 2
+        assert capsys.readouterr() == ("", f"error: lm-eval task '{name}' is not defined in --include-path {tasks}"
+                                           f"{hint}; give a task name one of its YAMLs defines (task: NAME), or drop "
+                                           "--include-path for lm-eval's registered tasks\n")
+
+
+@pytest.mark.slow
+def test_a_mistyped_registered_task_is_one_line_naming_the_close_one(tmp_path: Path, capsys: pytest.CaptureFixture):
+    from ember import cli
+
+    assert cli.main(["eval", str(tmp_path / "run"), "--harness", "lambada_opnai", "--limit", "2"]) == 2
+    assert capsys.readouterr() == ("", "error: 'lambada_opnai' is not an lm-eval task (did you mean 'lambada_openai'?); "
+                                       "give a registered task name (`lm-eval ls tasks` lists them), or --include-path "
+                                       "DIR with a folder of task YAMLs that defines it\n")

@@ -242,3 +242,14 @@ def test_cli_without_a_prompt_prints_its_usage(tmp_path: Path):
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.startswith("usage: ember generate [-h] [--prompt PROMPT]")
     assert proc.stderr.endswith("\nember generate: error: give --prompt TEXT or --prompt-file FILE.jsonl\n")
+
+
+def test_cli_sampling_flags_beside_temperature_0_are_one_sentence(tmp_path: Path, capsys: pytest.CaptureFixture):
+    """Said with the command's flags, before any model is loaded (there is none here)."""
+    from ember import cli
+
+    for flags, named in ((["--top-k", "5"], "--top-k"), (["--top-p", "0.9", "--seed", "1"], "--top-p and --seed")):
+        assert cli.main(["generate", str(tmp_path / "none"), "--prompt", "x", *flags, "--temperature", "0"]) == 2
+        assert capsys.readouterr() == ("", f"error: --temperature 0 decodes greedily, so {named} would have no "
+                                           "effect; drop --temperature to sample (at 1.0), or give a temperature "
+                                           "above 0\n")

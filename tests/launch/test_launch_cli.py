@@ -114,3 +114,25 @@ def test_a_signal_to_the_launcher_is_one_line_and_the_single_process_exit_code(
                       "step and exits; the ranks' lines above say what each did)\n")
     (step_dir,) = (out / "checkpoints").iterdir()
     assert f"{sig.name}: saving a checkpoint at step {step_dir.name.split('-')[1]} and exiting" in stdout
+
+
+def test_launch_local_help_says_what_it_equals(capsys):
+    from ember import cli
+
+    assert cli.main(["launch", "local", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: ember launch local [--nproc-per-node N")
+    assert "the same as `torchrun --nproc-per-node N -m ember train ...`" in out and "-m ember launch" not in out
+
+
+def test_a_slurm_time_limit_is_checked_before_anything_is_written(tmp_path, capsys):
+    from ember import cli
+    from ember.launch.slurm import check_time
+
+    for value in ("90", "30:00", "24:00:00", "2-12", "2-12:30", "2-12:30:15", "UNLIMITED"):
+        check_time(value)
+    for value in ("abc", "1.5", "1:2:3:4", "2-", "-5", "24h"):
+        assert cli.main(["launch", "slurm", "debug", "--time", value, "--dry-run", f"output_dir={tmp_path}"]) == 2
+        assert capsys.readouterr() == ("", f"error: --time '{value}' is not a SLURM time limit; give minutes (90), "
+                                           "MM:SS, HH:MM:SS (24:00:00), D-HH, D-HH:MM or D-HH:MM:SS (2-00:00:00)\n")
+    assert not (tmp_path / "launch").exists()

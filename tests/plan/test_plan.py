@@ -132,6 +132,10 @@ def test_cli_json_and_plan_json(tmp_path, capsys):
     argv = ["plan", "debug", "--world", "2", "ici_mesh.fsdp=2", "micro_batch_size=4", "--json", "--output", str(named)]
     assert main(argv) == 0
     assert json.loads(named.read_text()) == json.loads(capsys.readouterr().out) and named.read_text().endswith("}\n")
+    # an earlier plan.json is replaced
+    assert main(["plan", "debug", "--world", "2", "ici_mesh.fsdp=1", "ici_mesh.data=2", "micro_batch_size=4",
+                 "--output", str(named)]) == 0
+    assert json.loads(named.read_text())["ranks"][1]["coordinate"] == {"data": 1}
 
 
 @pytest.mark.slow
@@ -185,4 +189,20 @@ def test_cli_user_errors_are_one_line(argv, message, capsys):
 
 def test_cli_help(capsys):
     assert main(["plan", "--help"]) == 0
-    assert "--search" in capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps the help
+    assert "--search" in out and "the device type (default: h100)" in out
+
+
+def test_cli_output_is_never_a_file_of_the_users(tmp_path, capsys):
+    """--output (or OUTPUT_DIR/plan.json) replaces an earlier plan.json only: any other file is refused, before
+    the planning, and kept as it was (an earlier plan.json is replaced: test_cli_json_and_plan_json)."""
+    notes = tmp_path / "notes.jsonl"
+    notes.write_text('{"text": "mine"}\n')
+    (tmp_path / "plan.json").write_text("not json")
+    for argv, target in ((["--output", str(notes)], notes), (["--json", "--output", str(notes)], notes),
+                         ([f"output_dir={tmp_path}"], tmp_path / "plan.json")):
+        assert main(["plan", "debug", "--world", "2", "--device", "cpu", "ici_mesh.fsdp=2", "micro_batch_size=4",
+                     *argv]) == 2
+        assert capsys.readouterr() == ("", f"error: {target} exists and is not a plan.json ember wrote; move it aside "
+                                           "or pass another --output\n")
+    assert notes.read_text() == '{"text": "mine"}\n' and (tmp_path / "plan.json").read_text() == "not json"
