@@ -104,8 +104,8 @@ def sampling_temperature(temperature: Optional[float], top_k: Optional[int], top
     if temperature < 0:
         raise ConfigError(f"temperature={temperature} must be >= 0 (0: greedy, 1: the model's own distribution)")
     if temperature == 0 and sampling:
-        raise ConfigError(f"{', '.join(sampling)} sample, but temperature=0 decodes greedily and would ignore them; "
-                          "drop the temperature (sampling then runs at 1.0) or set it above 0")
+        raise ConfigError(f"temperature=0 decodes greedily, so {' and '.join(sampling)} would have no effect; drop "
+                          "the temperature to sample (at 1.0), or give a temperature above 0")
     if top_k is not None and top_k < 1:
         raise ConfigError(f"top_k={top_k} must be >= 1 (the number of most likely tokens sampled from); "
                           "leave it out to sample from every token")

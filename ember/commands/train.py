@@ -21,7 +21,7 @@ def parse(argv: list[str], command: str = "train") -> argparse.Namespace:
     """(launch flags, recipe, overrides). `command`: how the user called it (`launch local` too), for the help
     and the errors."""
     if wants_help(argv):
-        print(USAGE.replace("ember train", f"ember {command}"))
+        print(USAGE.replace("usage: ember train", f"usage: ember {command}", 1))
         raise SystemExit(0)
     flags, rest = split_launch_flags(argv, command)
     recipe, overrides = "debug", list(rest)

@@ -149,9 +149,9 @@ def test_sampling_options_without_a_temperature_sample_at_1():
     ({"temperature": float("inf")}, "temperature=inf must be a finite number >= 0"),
     ({"top_p": float("nan")}, "top_p=nan must be in (0, 1]"),
     ({"top_p": float("inf")}, "top_p=inf must be in (0, 1]"),
-    ({"temperature": 0.0, "top_k": 5, "seed": 1}, "top_k, seed sample, but temperature=0 decodes greedily and would "
-                                                  "ignore them; drop the temperature (sampling then runs at 1.0) or set "
-                                                  "it above 0"),
+    ({"temperature": 0.0, "top_k": 5, "seed": 1}, "temperature=0 decodes greedily, so top_k and seed would have no "
+                                                  "effect; drop the temperature to sample (at 1.0), or give a "
+                                                  "temperature above 0"),
     ({"stop": [""]}, "a stop string is empty: it would end every completion before its first token"),
 ])
 def test_out_of_range_sampling_options_are_one_line(options: dict, message: str):
