@@ -101,9 +101,9 @@ def worker(spec: dict) -> dict:
         if rank:
             overrides += [f"lora.rank={rank}", "lora.alpha=16", "lora.targets=all"]
         trainer = Trainer(run_lib.load_config("debug", overrides))
-        vocab = trainer.model_args.vocab_size
+        vocab = trainer.spec.args.vocab_size
         model, optimizer = trainer.model, trainer.optimizer
-        compute = str(trainer.compute_dtype).removeprefix("torch.")
+        compute = str(trainer.spec.compute_dtype).removeprefix("torch.")
 
         def step(inputs: torch.Tensor, labels: torch.Tensor) -> None:
             trainer.train_step([(inputs, labels)])

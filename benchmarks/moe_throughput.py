@@ -72,11 +72,11 @@ def build_hf(trainer: Trainer, experts_impl: str | None, tmp: Path) -> tuple[tor
 
     # ember's weights through ember's HF export (per-expert hub layout, q/k permuted for HF's RoPE), read
     # back by transformers: same weights, so the same routing and expert loads on both sides.
-    save_hf(copy.deepcopy(trainer.model).cpu(), trainer.model_args, tmp / "hf")
+    save_hf(copy.deepcopy(trainer.model).cpu(), trainer.spec.args, tmp / "hf")
     kwargs = {"experts_implementation": experts_impl} if experts_impl else {}
     model = MixtralForCausalLM.from_pretrained(tmp / "hf", dtype=torch.float32, attn_implementation="sdpa", **kwargs)
     model = model.to(trainer.device).train()
-    cfg, args = model.config, trainer.model_args
+    cfg, args = model.config, trainer.spec.args
     # The same MoE as ember's: experts, top-k, expert width, no router jitter, no auxiliary loss.
     assert (cfg.num_local_experts, cfg.num_experts_per_tok, cfg.intermediate_size) == (
         args.n_experts, args.top_k, args.ffn_hidden_dim)
@@ -85,8 +85,8 @@ def build_hf(trainer: Trainer, experts_impl: str | None, tmp: Path) -> tuple[tor
     # is of the model code, not of an optimizer default.
     optimizer = build_optimizer(model, trainer.cfg.optim, trainer.device.type)
     max_norm = trainer.cfg.optim.max_grad_norm
-    autocast = (torch.autocast(trainer.device.type, dtype=trainer.compute_dtype)
-                if trainer.compute_dtype != torch.float32 else contextlib.nullcontext())
+    autocast = (torch.autocast(trainer.device.type, dtype=trainer.spec.compute_dtype)
+                if trainer.spec.compute_dtype != torch.float32 else contextlib.nullcontext())
 
     def step(inputs: torch.Tensor, labels: torch.Tensor) -> float:
         with autocast:
@@ -131,7 +131,7 @@ def main() -> int:
     overrides = [f"seq_len={args.seq_len}", f"global_batch_size={args.batch}", f"micro_batch_size={args.batch}"]
     with tempfile.TemporaryDirectory() as tmp:
         trainer = build_ember(overrides, tmp)
-        device, margs = trainer.device, trainer.model_args
+        device, margs = trainer.device, trainer.spec.args
         torch.manual_seed(0)
         inputs = torch.randint(0, margs.vocab_size, (args.batch, args.seq_len), device=device)
         labels = torch.randint(0, margs.vocab_size, (args.batch, args.seq_len), device=device)
@@ -174,7 +174,7 @@ def main() -> int:
         "ember_looped_vs_transformers": medians["transformers"] / medians["ember looped"],
         "grouped_vs_looped": medians["ember looped"] / medians["ember grouped"],
     }
-    precision = "fp32" if trainer.compute_dtype == torch.float32 else f"{str(trainer.compute_dtype)[6:]} autocast"
+    precision = "fp32" if trainer.spec.compute_dtype == torch.float32 else f"{str(trainer.spec.compute_dtype)[6:]} autocast"
     config = {
         "model": "mixtral debug", "dim": margs.dim, "n_layers": margs.n_layers, "n_heads": margs.n_heads,
         "n_kv_heads": margs.kv_heads, "n_experts": margs.n_experts, "top_k": margs.top_k,

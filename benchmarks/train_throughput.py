@@ -59,7 +59,7 @@ def build_ember(overrides: list[str], compile_model: bool, out: str) -> tuple[Tr
 def build_hf(trainer: Trainer, compile_model: bool) -> Callable:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    hf_config = LlamaConfig(**hf_config_from_args(trainer.model_args))
+    hf_config = LlamaConfig(**hf_config_from_args(trainer.spec.args))
     hf_config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     model = LlamaForCausalLM(hf_config).train()
