@@ -339,7 +339,7 @@ def open_checkpoints(spec: RunSpec, model_parts: list[nn.Module], model: nn.Modu
     names the model that was built and, for LoRA, the base the adapters sit on; for a full DPO run, the
     reference (model.init_from) that a resume rebuilds. A run that starts over (resume=none, or another run's
     checkpoint) moves the files of the run in its output_dir aside, once the checkpoint it names has been checked
-    and loaded: a refused resume leaves that run as it was."""
+    and loaded and has steps left to train: a refused or finished resume leaves that run as it was."""
     cfg, output_dir = spec.cfg, Path(spec.cfg.output_dir)
     meta = meta_for(cfg.model.family, spec.flavor, spec.args)
     if cfg.lora.rank:  # a LoRA checkpoint holds the adapters and their optimizer state, and names its base
@@ -353,6 +353,7 @@ def open_checkpoints(spec: RunSpec, model_parts: list[nn.Module], model: nn.Modu
         state = manager.resume(cfg.resume)
     except CheckpointError as err:
         raise ConfigError(str(err)) from None
-    if starts_over(cfg.resume, output_dir):
+    # A checkpoint already at max_steps trains nothing and writes nothing: the run there stays where it is.
+    if starts_over(cfg.resume, output_dir) and (state is None or int(state["step"]) < cfg.max_steps):
         archive_previous_run(output_dir, say, f"resume={cfg.resume}")
     return manager, state

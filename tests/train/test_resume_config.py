@@ -294,6 +294,10 @@ def test_a_refused_resume_of_another_runs_checkpoint_leaves_this_run_as_it_was(t
         Trainer(run_lib.load_config("debug", [*SYNTHETIC, "max_steps=4", f"output_dir={mine}",
                                               f"resume={other / 'checkpoints' / 'step-2'}"]))
     assert sorted(p.name for p in mine.iterdir()) == before and (mine / "metrics.jsonl").read_text() == metrics
+    # The other run's checkpoint is at max_steps=2 already: nothing to train, and nothing moved.
+    finished = Trainer(run_lib.load_config("debug", [*SYNTHETIC, "max_steps=2", "model.n_layers=3", f"output_dir={mine}",
+                                                     f"resume={other / 'checkpoints' / 'step-2'}"]))
+    assert finished.train()["steps"] == 2 and sorted(p.name for p in mine.iterdir()) == before
     trainer = Trainer(run_lib.load_config("debug", [*SYNTHETIC, "max_steps=4", "model.n_layers=3", f"output_dir={mine}",
                                                     f"resume={other / 'checkpoints' / 'step-2'}"]))
     trainer.train_loader.close()
