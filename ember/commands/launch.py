@@ -170,9 +170,12 @@ def _default_name(recipe: str) -> str:
 def _slurm(args: argparse.Namespace) -> int:
     from ember.launch import slurm
 
-    job, cfg, output_dir, gpus, request = _prepare(args)
+    # The flags' own formats first: a mistyped flag is said before what the job's config needs.
+    if args.time is not None:
+        slurm.check_time(args.time)
     if args.signal_seconds < 1:
         raise EmberError(f"--signal-seconds must be >= 1, got {args.signal_seconds}")
+    job, cfg, output_dir, gpus, request = _prepare(args)
     opts = slurm.SlurmOptions(job_name=args.job_name or _default_name(args.recipe), partition=args.partition,
                               time=args.time, account=args.account, qos=args.qos,
                               gpus_per_node=gpus, container=args.container, mounts=args.mounts, env=args.env,

@@ -132,7 +132,9 @@ def test_a_slurm_time_limit_is_checked_before_anything_is_written(tmp_path, caps
     for value in ("90", "30:00", "24:00:00", "2-12", "2-12:30", "2-12:30:15", "UNLIMITED"):
         check_time(value)
     for value in ("abc", "1.5", "1:2:3:4", "2-", "-5", "24h"):
-        assert cli.main(["launch", "slurm", "debug", "--time", value, "--dry-run", f"output_dir={tmp_path}"]) == 2
+        # --nproc-per-node 2 with the recipe's batch fails the config's batch check: the flag is said first
+        assert cli.main(["launch", "slurm", "debug", "--nodes", "1", "--nproc-per-node", "2", "--time", value,
+                         "--dry-run", f"output_dir={tmp_path}"]) == 2
         assert capsys.readouterr() == ("", f"error: --time '{value}' is not a SLURM time limit; give minutes (90), "
                                            "MM:SS, HH:MM:SS (24:00:00), D-HH, D-HH:MM or D-HH:MM:SS (2-00:00:00)\n")
     assert not (tmp_path / "launch").exists()
