@@ -148,6 +148,8 @@ def render(plan: Plan, console: Console, path: Optional[Path]) -> None:
     verdict = "[green]fits[/green]" if plan.fits else "[red]does not fit[/red]"
     best = (f"; the largest micro-batch that fits: {plan.max_micro_batch}" if plan.max_micro_batch
             else "; no micro-batch fits")
+    if plan.max_micro_batch and plan.max_micro_batch == plan.micro_batch_limit:  # memory did not set the limit
+        best += " (the most global_batch_size allows per data-parallel rank)"
     console.print(f"verdict: {verdict}: peak {_gib(peak)} GiB of {_gib(plan.usable_bytes)} GiB usable{best}")
     for note in plan.warnings:
         console.print(f"[yellow]warning:[/yellow] {note}")

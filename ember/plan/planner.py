@@ -74,6 +74,7 @@ class Plan:
     options: list[dict[str, Any]]  # --search: feasible (remat, micro-batch) by predicted tokens/s
     searched: bool = False
     seconds: float = 0.0
+    micro_batch_limit: Optional[int] = None  # the largest the batch allows (global_batch_size / data-parallel size)
 
     def to_json(self) -> dict[str, Any]:
         """The plan.json contract scripts read: the layout as given, and with --search the feasible candidates
@@ -276,7 +277,8 @@ def make_plan(cfg: JobConfig, world: int, nodes: Optional[int] = None, device: s
 
     warnings += _layout_warnings(spec, traffic, step, fab, fits, max(r.peak_bytes for r in ranks), usable, device)
     return Plan(world, device, nodes, shape.describe(), fits, usable, step, ranks, roles, traffic, warnings,
-                cfg.micro_batch_size, cfg.model.remat, max_mb, options, search, time.perf_counter() - start)
+                cfg.micro_batch_size, cfg.model.remat, max_mb, options, search, time.perf_counter() - start,
+                max(_micro_batch_choices(spec), default=None))
 
 
 def _layout_warnings(spec: RunSpec, traffic: list[cost.Traffic], step: cost.StepTime, fab: cost.Fabric, fits: bool,

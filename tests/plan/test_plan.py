@@ -125,6 +125,9 @@ def test_cli_json_and_plan_json(tmp_path, capsys):
     assert main(["plan", "debug", f"output_dir={tmp_path}", "--world", "2", "ici_mesh.fsdp=2", "micro_batch_size=4"]) == 0
     printed = capsys.readouterr().out
     assert "verdict: fits" in printed and "plan.json" in printed
+    # 8 sequences over 2 data-parallel ranks: 4 is the batch's limit, not memory's, and the verdict says so
+    assert ("the largest micro-batch that fits: 4 (the most global_batch_size allows per data-parallel rank)"
+            in printed)
     assert "ember plan: fsdp=2 on 2 x h100 (1 node), micro-batch 4" in printed  # not "1 nodes"
     assert json.loads(out.read_text())["device"] == "h100"
     # --json with --output: printed, and written there, the same document
