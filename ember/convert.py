@@ -5,14 +5,13 @@ Reading is ember/load.py's; this module depends on it, never the reverse.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
 import shutil
 import zipfile
 from pathlib import Path
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -26,6 +25,7 @@ from ember.load import (HF_FAMILY, _adapter_tensors, _barrier, _is_rank0, _load_
                         model_state_dict)
 from ember.model_meta import MODEL_JSON, ember_step_dir, read_json, read_model_json
 from ember.models import MODELS
+from ember.staging import staged
 
 
 def save_hf(model: nn.Module, args: Any, out_dir: Union[str, Path], max_shard_bytes: int = 5 * 2**30) -> None:
@@ -169,7 +169,7 @@ def convert(src: Union[str, Path], dst: Union[str, Path], to: Optional[str] = No
                                   "lora.rank)" if not merge else "--merge folds the adapters into the base: use --to hf")
         check_lora_base(step_dir, meta)  # the adapter names that base: on other weights it would mean another model
         args, state = _adapter_tensors(step_dir, meta)
-        with _staged(dst) as stage:
+        with staged(dst, "convert") as stage:
             save_peft(meta, args, state, stage)
         return target
     if source == "torch":
@@ -182,7 +182,7 @@ def convert(src: Union[str, Path], dst: Union[str, Path], to: Optional[str] = No
             family, flavor, _ = read_model_json(step_dir / MODEL_JSON)
             meta.update(family=family, flavor=flavor)
         merge_lora(model)  # a LoRA run as a whole model: W + alpha/r B A
-    with _staged(dst) as stage:
+    with staged(dst, "convert") as stage:
         if target == "hf":
             save_hf(model, model.args, stage)
         elif target == "torch":
@@ -253,29 +253,3 @@ def _files_read(path: Path) -> list[Path]:
         if isinstance(base, str) and Path(base).exists():
             files += _files_read(Path(base))
     return files
-
-
-@contextlib.contextmanager
-def _staged(dst: Path) -> Iterator[Path]:
-    """A path beside `dst` to write into; on success it replaces `dst` (whatever was there is removed only
-    then), on failure it is removed and `dst` is left as it was."""
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    stage, old = (dst.with_name(f".{dst.name}.convert-{kind}") for kind in ("new", "old"))
-    for leftover in (stage, old):  # an interrupted conversion's
-        _remove(leftover)
-    try:
-        yield stage
-    except BaseException:
-        _remove(stage)
-        raise
-    if dst.exists():
-        os.replace(dst, old)
-    os.replace(stage, dst)
-    _remove(old)
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir():
-        shutil.rmtree(path)
-    elif path.exists():
-        path.unlink()

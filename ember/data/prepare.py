@@ -19,13 +19,10 @@ on. It is written beside and swapped in whole, so a failure leaves it as it was.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import os
-import shutil
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterator, Optional
+from typing import Any, BinaryIO, Callable, Optional
 
 import numpy as np
 
@@ -34,6 +31,7 @@ from ember.constants import default_cache_dir
 from ember.data import chat, packing, sources
 from ember.data.tokenizer import AnyTokenizer
 from ember.errors import ConfigError, DataError
+from ember.staging import staged
 
 MANIFEST = "manifest.json"
 FORMAT, VERSION = "ember-tokens", 1
@@ -86,7 +84,7 @@ def prepare(data_cfg: DataConfig, tokenizer: AnyTokenizer, out_dir: Path,
                       "eos_id": tokenizer.eos_id},
         "splits": {},
     }
-    with _staged_dir(out_dir) as stage:
+    with staged(out_dir, "prepare", directory=True) as stage:
         for split, docs in documents.items():
             manifest["splits"][split] = _write_split(stage, split, docs, tokenizer, dtype, progress)
         sources.atomic_write(stage / MANIFEST, lambda f: f.write((json.dumps(manifest, indent=2) + "\n").encode()))
@@ -123,26 +121,6 @@ def _write_split(stage: Path, split: str, docs: sources.Documents, tokenizer: An
         sources.atomic_write(mask_path, lambda f: [f.write(m.tobytes()) for m in masks])
         info["mask_file"] = mask_path.name
     return info
-
-
-@contextlib.contextmanager
-def _staged_dir(out_dir: Path) -> Iterator[Path]:
-    """A new directory beside `out_dir` to write into; on success it replaces `out_dir` (whose old contents are
-    deleted only then), on failure it is deleted and `out_dir` is left as it was."""
-    target = out_dir.resolve()  # "." and "shards/" have a name once resolved
-    stage, old = (target.with_name(f".{target.name}.prepare-{kind}") for kind in ("new", "old"))
-    for leftover in (stage, old):  # an interrupted run's
-        shutil.rmtree(leftover, ignore_errors=True)
-    stage.mkdir(parents=True)
-    try:
-        yield stage
-    except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
-        raise
-    if target.exists():
-        os.replace(target, old)
-    os.replace(stage, target)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def read_manifest(directory: Path) -> dict:
