@@ -31,9 +31,10 @@ RECIPES_DIR = Path(__file__).parent / "recipes"
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp8")
 FP8_RECIPES = ("tensorwise", "rowwise")  # ember.parallel.fp8.RECIPES (config stays importable without torch)
-NOT_HYPERPARAMETERS = ("family", "flavor", "remat", "remat_every", "init_from", "aux_loss_coef", "z_loss_coef")  # model.* keys that are not model args
+NOT_HYPERPARAMETERS = ("family", "flavor", "remat", "remat_every", "scan_layers", "init_from", "aux_loss_coef", "z_loss_coef")  # model.* keys that are not model args
 CP_IMPLS = ("auto", "allgather", "ring")
-DEVICES = ("auto", "cpu", "cuda")
+DEVICES = ("auto", "cpu", "cuda", "tpu", "xla")
+XLA_DEVICES = ("tpu", "xla")  # the jax path (ember/xla/), every other device the torch.distributed one
 EVAL_COMMAND_KEYS = ("eval.seq_len", "eval.stride", "eval.max_tokens", "eval.split")  # `ember eval`'s alone
 
 
@@ -315,6 +316,9 @@ def validate(cfg: JobConfig) -> None:
     if cfg.resume not in ("auto", "none") and not Path(cfg.resume).expanduser().exists():
         raise ConfigError(f"resume={cfg.resume}: no such checkpoint; give a checkpoints/step-N path, auto or none")
     _check_resume_allow_changes(cfg.resume_allow_changes)
+    if cfg.model.scan_layers and cfg.device not in XLA_DEVICES:
+        raise ConfigError(f"model.scan_layers=true is the XLA path's (device=tpu or device=xla), not device={cfg.device}; "
+                          "drop model.scan_layers or set device=xla")
     if cfg.model.remat_every < 1:
         raise ConfigError(f"model.remat_every must be >= 1, got {cfg.model.remat_every}")
     for i, part in enumerate(cfg.data.mixture):

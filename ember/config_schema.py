@@ -36,6 +36,9 @@ class ModelConfig:
     # recompute the rest) | offload (keep activations in host memory)
     remat: str = "none"
     remat_every: int = 2
+    # device=tpu|xla: the blocks as one jax.lax.scan over stacked layer weights, so XLA compiles one block
+    # whatever the depth (ember/xla/step.py); the torch.distributed path refuses it
+    scan_layers: bool = False
     # Weights to start from instead of the random init (continued pretraining, fine-tuning): an ember
     # checkpoint (checkpoints/step-N or a run directory) or a Hugging Face directory, resharded onto
     # whatever mesh this run uses.
@@ -238,7 +241,7 @@ class JobConfig:
     output_dir: str = "outputs/debug"
     compile: bool = False
     precision: str = "auto"  # auto (bf16 where supported, fp32 on CPU) | fp32 | bf16 | fp8 (bf16 + fp8.enabled)
-    device: str = "auto"  # auto | cpu | cuda
+    device: str = "auto"  # auto | cpu | cuda | tpu | xla (tpu, or any jax backend: ember/xla/, the .[tpu] extra)
     resume: str = "auto"  # auto (the newest complete checkpoint in output_dir, if any) | none | a checkpoint path
     # Keys of what the run is (model.*, data.*, seed, task, seq_len, global_batch_size, lora.*, dpo.*, optim.name;
     # ember/run_history.py) that this resume may change, e.g. [data.dataset]; a section name covers its keys.
