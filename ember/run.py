@@ -52,6 +52,10 @@ def load_config(recipe: str = "debug", overrides: Optional[list[str]] = None, wo
     the family taken from model.init_from's source, then every feature's checks (`check`), before any work."""
     overrides = list(overrides or [])
     cfg = config_lib.load(recipe, overrides)
+    if cfg.device in config_lib.XLA_DEVICES:  # the world is every jax device of every host, not WORLD_SIZE
+        from ember.xla import runtime
+
+        world_size = runtime.device_count(cfg.device)
     if cfg.model.init_from and not any(item.startswith("model.family=") for item in overrides):
         cfg.model.family = _init_from_family(cfg.model.family, cfg.model.init_from)
     check(cfg, world_size)
@@ -80,6 +84,10 @@ def check(cfg: JobConfig, world_size: int) -> None:
         raise ConfigError(f"seq_len={cfg.seq_len} exceeds the model's max_seq_len={args.max_seq_len} "
                           f"({cfg.model.family} {cfg.model.flavor}); lower seq_len or set model.max_seq_len")
     parallel_checks.check(cfg, shape, args)
+    if cfg.device in config_lib.XLA_DEVICES:
+        from ember.xla import checks as xla_checks
+
+        xla_checks.check(cfg, shape)
     if cfg.lora.rank:
         lora_lib.check_lora(cfg.lora, cfg.model.family, args, cfg.model.init_from)
 

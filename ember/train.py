@@ -302,6 +302,10 @@ class Trainer:
             self.console.print(f"see the run: ember report {self.output_dir}", markup=False, highlight=False)
         return summary
 
+    def all_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """A host tensor summed over every rank (the MoE metrics' one reduction)."""
+        return self.forward_backward.all_sum(value)
+
     def _close_loaders(self) -> None:
         for loader in (self.train_loader, self.val_loader):
             if loader is not None:
@@ -321,9 +325,10 @@ class Trainer:
         n_experts = getattr(self.spec.args, "n_experts", 0)
         if n_experts:  # MoE: router losses, and the load of every expert of every layer over the window
             record.update(moe_lib.collect_moe_metrics(self.model_parts, self.spec.args.n_layers, n_experts,
-                                                      self.forward_backward.all_sum, self.device))
-        if self.forward_backward.dpo is not None:  # reward margin, accuracy, rewards over the window's pairs
-            record.update(self.forward_backward.dpo.pop_metrics())
+                                                      self.all_sum, self.device))
+        dpo = getattr(self.forward_backward, "dpo", None)
+        if dpo is not None:  # reward margin, accuracy, rewards over the window's pairs
+            record.update(dpo.pop_metrics())
         for source, count in (self.train_loader.mixture_counts() or {}).items():
             record[f"mix/{source}"] = count  # samples drawn from each mixture source so far
         return record

@@ -1,0 +1,35 @@
+"""What the XLA path (device=tpu|xla) does not run, refused before any work with one line naming the key.
+Imports no jax: ember.run.check calls it with the config."""
+
+from __future__ import annotations
+
+from ember.config import fp8_enabled
+from ember.config_schema import JobConfig
+from ember.errors import ConfigError
+from ember.parallel.mesh_shape import MeshShape
+
+
+def check(cfg: JobConfig, shape: MeshShape) -> None:
+    where = f"device={cfg.device}"
+    if shape.degree("pipeline") > 1:
+        raise ConfigError(f"{where} has no pipeline parallelism (XLA shards layers with fsdp/tensor instead); "
+                          "set ici_mesh.pipeline=1 and dcn_mesh.pipeline=1")
+    refused = [
+        (cfg.task != "lm", f"task={cfg.task}", "task=lm, or train DPO on cpu/cuda"),
+        (cfg.lora.rank > 0, "lora.rank", "lora.rank=0, or fine-tune with LoRA on cpu/cuda"),
+        (bool(cfg.eval.tasks), "eval.tasks", "eval.tasks=[] and score the checkpoint with `ember eval`"),
+        (fp8_enabled(cfg), "precision=fp8 (fp8.enabled)", "precision=bf16"),
+        (cfg.profile.enabled, "profile.enabled", "profile.enabled=false: jax.profiler traces of this path are "
+         "not built yet (torch.profiler would see only the host)"),
+        (cfg.model.remat == "offload" and cfg.device != "tpu", "model.remat=offload",
+         "offload needs a TPU's pinned host memory; use model.remat=full on device=xla"),
+    ]
+    for refused_here, key, fix in refused:
+        if refused_here:
+            raise ConfigError(f"{key} is not supported with {where}; use {fix}")
+    if cfg.model.scan_layers and cfg.model.remat == "selective":
+        raise ConfigError("model.scan_layers=true runs every block alike, so model.remat=selective (every "
+                          "remat_every-th block) cannot apply; use model.remat=full or none")
+    if cfg.model.scan_layers and (cfg.model.n_experts or cfg.model.family in ("mixtral", "glam")):
+        raise ConfigError(f"model.scan_layers=true is for dense families on {where} (an MoE layer's routing "
+                          "statistics do not leave a scan yet); drop model.scan_layers")

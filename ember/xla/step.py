@@ -1,0 +1,250 @@
+"""The XLA path's train step: one jit-compiled jax function for forward, backward, gradient accumulation,
+clipping and the AdamW update, over weights and optimizer state that live as sharded jax arrays.
+
+torch autograd does not run under jax tracing (`loss.backward()` sees no graph), so the step is functional:
+the model's forward is called with the jax arrays as its parameters (torchax's reparametrisation) inside
+`jax.value_and_grad`. The loss math is the torch path's (ember/step.py): the summed token cross-entropy of each
+micro-batch times 1 / (target tokens of the global batch), in fp32; the MoE router losses join the objective,
+not the reported loss, weighted as nn/moe.set_router_loss weighs them. What differs, and why:
+- the cross-entropy is F.cross_entropy, not nn/loss.py's fused one (its in-place exp_ has no jax lowering);
+- AdamW is optax's (torch's foreach/fused kernels have no lowering): scale_by_adam then decoupled weight
+  decay on the groups optim.param_groups decays, times -lr: torch's AdamW update, the same arithmetic;
+- MoE experts run as `jax.lax.ragged_dot` over the expert-sorted tokens (dropless, static shapes: XLA's
+  grouped matmul) instead of grouped_mm or a loop over data-dependent splits;
+- remat policies are jax.checkpoint policies (model.remat keys unchanged), and model.scan_layers runs the
+  blocks as one jax.lax.scan over stacked weights.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils.stateless import _reparametrize_module
+
+from ember.constants import IGNORE_INDEX
+from ember.nn.attention import document_layout
+from ember.nn.moe import MoE
+
+Params = dict[str, Any]  # name -> jax.Array
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    max_grad_norm: float
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float
+    remat: str  # model.remat: none | full | selective | op | offload
+    remat_every: int
+    scan_layers: bool
+    compute_dtype: torch.dtype  # the forward's parameter dtype (fp32 master weights stay fp32)
+    eos_id: Optional[int]  # document masking
+    router_coefs: tuple[float, float]  # (aux, z): model.aux_loss_coef, model.z_loss_coef
+    router_weight_per_token: float  # 1 / (tokens per step x MoE layers): nn/moe.set_router_loss's weight
+
+
+def remat_policy(policy: str) -> Any:
+    """model.remat's jax.checkpoint policy: full/selective save nothing inside a block, op saves the matmul
+    outputs (dots), offload saves them in host memory; None: no remat."""
+    import jax
+
+    cp = jax.checkpoint_policies
+    if policy in ("full", "selective"):
+        return cp.nothing_saveable
+    if policy == "op":
+        return cp.dots_saveable
+    if policy == "offload":
+        return cp.offload_dot_with_no_batch_dims("device", "pinned_host")
+    return None
+
+
+def _xla_experts(experts: nn.Module, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Experts.forward's math over tokens sorted by expert, each weight one ragged_dot over the groups."""
+    import jax
+    import jax.numpy as jnp
+    from torchax import interop
+
+    def grouped(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # x (M, in), w (E, out, in) -> (M, out)
+        return interop.call_jax(lambda a, b, n: jax.lax.ragged_dot(a, jnp.swapaxes(b, 1, 2), n.astype(jnp.int32)),
+                                x, w.to(x.dtype), counts)
+
+    h = experts.activation(grouped(x_sorted, experts.w1))
+    if experts.gated:
+        h = h * grouped(x_sorted, experts.w3)
+    return grouped(h, experts.w2)
+
+
+class ScannedBlocks(nn.Module):
+    """The model's blocks as one module whose forward is a jax.lax.scan over their stacked weights: XLA
+    compiles one block whatever the depth. Stands in for Decoder.layers' values (the Decoder calls it as it
+    calls a block); `stacked` holds the (n_layers, ...) weights while a traced forward runs."""
+
+    def __init__(self, block: nn.Module, policy: Any):
+        super().__init__()
+        self.block, self.policy = block, policy
+        self.stacked: Optional[dict[str, torch.Tensor]] = None
+
+    def forward(self, h: torch.Tensor, *rest: Any) -> torch.Tensor:
+        import jax
+        from torchax import interop
+
+        def body(carry: Any, layer: Any) -> tuple[Any, None]:
+            def run(x: torch.Tensor, params: dict[str, torch.Tensor]) -> torch.Tensor:
+                with _reparametrize_module(self.block, params):
+                    return self.block(x, *rest)
+            fn = interop.call_torch
+            step = (jax.checkpoint(functools.partial(fn, run), policy=self.policy) if self.policy is not None
+                    else functools.partial(fn, run))
+            return step(carry, layer), None
+
+        out, _ = jax.lax.scan(body, interop.jax_view(h), interop.jax_view(self.stacked))
+        return interop.torch_view(out)
+
+
+def prepare_model(model: nn.Module, options: StepOptions, hidden: Any) -> tuple[nn.Module, Optional[ScannedBlocks]]:
+    """`model` made ready for tracing, in place: MoE layers dispatch to ragged_dot and attach no autograd
+    router loss (the step adds it); each block's output constrained to `hidden` (a NamedSharding of (B, T,
+    dim): sequence parallelism at block boundaries); blocks rematerialised by jax.checkpoint; with scan_layers
+    the blocks replaced by one ScannedBlocks (returned) over layer 0's module."""
+    import jax
+    from torchax import interop
+
+    def constrain(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+        return interop.call_jax(jax.lax.with_sharding_constraint, out, hidden)
+
+    for block in model.layers.values():
+        block.register_forward_hook(constrain)
+
+    for moe in model.moe_layers():
+        moe.dispatch = lambda run, tokens, counts, experts=moe.experts: _xla_experts(experts, tokens, counts)
+        moe.aux_loss_coef = moe.z_loss_coef = 0.0
+    policy = remat_policy(options.remat)
+    if options.scan_layers:
+        scanned = ScannedBlocks(model.layers["0"], policy)
+        model.layers = nn.ModuleDict({"scan": scanned})
+        return model, scanned
+    if policy is not None:
+        for name, block in model.layers.items():
+            if options.remat == "selective" and int(name) % options.remat_every:
+                continue
+            block.forward = interop.gradient_checkpoint(block.forward, kwargs={"policy": policy})
+    return model, None
+
+
+def adamw(options: StepOptions, decay: dict[str, bool]) -> Any:
+    """optax AdamW as torch's: bias-corrected Adam, then weight decay on the parameters `decay` marks; the
+    step multiplies the update by -lr (lr comes from the torch LR schedule, one value per step)."""
+    import optax
+
+    b1, b2 = options.betas
+    return optax.chain(optax.scale_by_adam(b1=b1, b2=b2, eps=options.eps),
+                       optax.add_decayed_weights(options.weight_decay, mask=decay))
+
+
+@dataclass
+class CompiledStep:
+    """The jitted functions of one run: train(params, opt_state, inputs, labels, lr) -> (params, opt_state,
+    loss, grad_norm, moe_counts, router_losses) and evaluate(params, inputs, labels) -> loss; inputs and
+    labels (micro-batches, B, T)."""
+
+    train: Callable[..., Any]
+    evaluate: Callable[..., Any]
+    loss_and_grads: Callable[..., Any]  # (params, inputs, labels, scale) -> ((loss, ...), grads): the tests'
+
+
+def build_step(model: nn.Module, scanned: Optional[ScannedBlocks], options: StepOptions, tx: Any,
+               buffers: Params, tied: dict[str, str], shardings: dict[str, Any]) -> CompiledStep:
+    """The run's compiled functions. `buffers`: the model's (replicated) buffers; `tied`: alias -> parameter
+    name for weights one module shares with another; `shardings`: {"params", "opt_state", "batch", "hidden",
+    "replicated"} NamedShardings (pytrees where they are)."""
+    import jax
+    import jax.numpy as jnp
+    from torchax import interop
+
+    moes = model.moe_layers() if scanned is None else []
+    low = options.compute_dtype != torch.float32
+    jax_dtype = jnp.bfloat16 if options.compute_dtype == torch.bfloat16 else jnp.float16
+    aux_coef, z_coef = options.router_coefs
+
+    def torch_loss(params: dict[str, torch.Tensor], inputs: torch.Tensor, labels: torch.Tensor) -> tuple:
+        positions = document_ids = None
+        if options.eos_id is not None:
+            document_ids, positions = document_layout(inputs, options.eos_id)
+        state = dict(params)
+        state.update({alias: state[name] for alias, name in tied.items()})
+        if scanned is not None:
+            prefix = "layers.scan.block."
+            scanned.stacked = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+            state = {k: v for k, v in state.items() if not k.startswith(prefix)}
+        with _reparametrize_module(model, state, strict=False):
+            logits = model(inputs, positions, document_ids)
+        if scanned is not None:
+            scanned.stacked = None
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
+                               reduction="sum")
+        routed = inputs.numel()
+        router = loss.new_zeros(())
+        counts, aux = [], []
+        for moe in moes:
+            router = router + (aux_coef * moe.aux_loss + z_coef * moe.z_loss) * routed
+            counts.append(moe.tokens_per_expert)
+            aux.append(torch.stack([moe.aux_loss, moe.z_loss]))
+            moe._step_loads.clear()  # the trace's values: the step returns the load instead
+        objective = loss + router * options.router_weight_per_token
+        stats = (torch.stack(counts) if counts else loss.new_zeros((0,)), torch.stack(aux) if aux else loss.new_zeros((0,)))
+        return objective, (loss, *stats)
+
+    def micro_loss(params: Params, inputs: Any, labels: Any, scale: Any) -> tuple[Any, Any]:
+        if low:  # fp32 master weights, the forward in the compute dtype: their gradients come back fp32
+            params = {k: v.astype(jax_dtype) if jnp.issubdtype(v.dtype, jnp.floating) else v for k, v in params.items()}
+        inputs = jax.lax.with_sharding_constraint(inputs, shardings["batch"])
+        objective, (loss, counts, aux) = interop.call_torch(torch_loss, {**params, **buffers}, inputs, labels)
+        return objective * scale, (loss * scale, counts, aux)
+
+    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+
+    def accumulate(params: Params, inputs: Any, labels: Any, scale: Any) -> tuple:
+        def body(carry: tuple, batch: tuple) -> tuple:
+            grads, loss, counts = carry
+            (_, (micro, micro_counts, aux)), g = grad_fn(params, batch[0], batch[1], scale)
+            grads = jax.tree.map(jnp.add, grads, g)
+            return (grads, loss + micro, counts + micro_counts), aux
+
+        first = jax.eval_shape(grad_fn, params, inputs[0], labels[0], scale)
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (first[1], first[0][1][0], first[0][1][1]))
+        (grads, loss, counts), aux = jax.lax.scan(body, zeros, (inputs, labels))
+        return grads, loss, counts, aux[-1]
+
+    def token_scale(labels: Any) -> Any:  # 1 / target tokens of the global batch, as ember/step.py weighs
+        return 1.0 / jnp.maximum(jnp.sum(labels != IGNORE_INDEX), 1).astype(jnp.float32)
+
+    def train(params: Params, opt_state: Any, inputs: Any, labels: Any, lr: Any) -> tuple:
+        grads, loss, counts, aux = accumulate(params, inputs, labels, token_scale(labels))
+        norm = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)))
+        if options.max_grad_norm > 0:  # torch's clip_grad_norm_: coef max_norm / (norm + 1e-6), at most 1
+            coef = jnp.minimum(options.max_grad_norm / (norm + 1e-6), 1.0)
+            grads = jax.tree.map(lambda g: g * coef, grads)
+        updates, new_opt = tx.update(grads, opt_state, params)
+        new_params = jax.tree.map(lambda p, u: p - lr * u, params, updates)
+        finite = jnp.isfinite(loss) & jnp.isfinite(norm)  # a non-finite step changes nothing (ember/train.py)
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
+        return keep(new_params, params), keep(new_opt, opt_state), loss, norm, counts, aux
+
+    def evaluate(params: Params, inputs: Any, labels: Any) -> Any:
+        scale = token_scale(labels)
+
+        def body(total: Any, batch: tuple) -> tuple:
+            _, (loss, _, _) = micro_loss(params, batch[0], batch[1], scale)
+            return total + loss, None
+        return jax.lax.scan(body, jnp.zeros((), jnp.float32), (inputs, labels))[0]
+
+    p, o, r = shardings["params"], shardings["opt_state"], shardings["replicated"]
+    return CompiledStep(
+        train=jax.jit(train, out_shardings=(p, o, r, r, r, r), donate_argnums=(0, 1)),
+        evaluate=jax.jit(evaluate, out_shardings=r),
+        loss_and_grads=jax.jit(grad_fn))

@@ -1,0 +1,277 @@
+"""XlaTrainer: ember/train.py's loop, with the step compiled by XLA over sharded jax arrays (ember/xla/step.py).
+
+What it shares with the torch.distributed Trainer, unchanged: the run's decisions (run.resolve), the model
+(run.build_model, on the host: its seeded init is the torch path's, weight for weight), the loaders and their
+exact resume, the LR schedule (a torch LambdaLR whose value each step is an argument of the compiled step),
+health checks, metrics, run.json, and checkpoints. A checkpoint is ember's own (DCP through
+checkpoint.CheckpointManager, over a host copy of the weights and a torch AdamW's state gathered from the
+devices at save time): a TPU run's checkpoint is resumed, evaluated, generated from, converted to Hugging Face
+and fine-tuned anywhere ember runs, and a torch run's resumes on TPU. The cost is a full host copy of weights
+and optimizer state on each host while saving (fine to ~8B parameters per host; docs/tpu.md says the bound).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from rich.console import Console
+
+from ember import run as run_lib
+from ember.checkpoint import open_checkpoints, set_rng_state
+from ember.config import JobConfig
+from ember.constants import IGNORE_INDEX
+from ember.data.loader import build_loader
+from ember.data.tokenizer import build_tokenizer
+from ember.errors import DataError
+from ember.health import HealthGuard
+from ember.metrics import print_header
+from ember.nn import moe as moe_lib
+from ember.optim import build_lr_scheduler, build_optimizer, param_groups, restart_schedule
+from ember.step import Batch
+from ember.train import Trainer
+from ember.xla import mesh as mesh_lib
+from ember.xla import runtime
+from ember.xla.sharding import param_specs
+from ember.xla.step import StepOptions, adamw, build_step, prepare_model
+
+SCAN_PREFIX = "layers.scan.block."
+
+
+def pick_compute_dtype(precision: str, device: str) -> torch.dtype:
+    """precision on the XLA path: auto is bf16 on TPUs (their matmul units are bf16) and fp32 elsewhere."""
+    if precision in ("bf16", "fp8") or (precision == "auto" and device == "tpu"):
+        return torch.bfloat16
+    return torch.float32
+
+
+def device_names(model: torch.nn.Module, n_layers: int, scan: bool) -> dict[str, list[str]]:
+    """device-state name -> the host parameter names it holds: one each, or with scan_layers the layers'
+    names of a block stacked in layer order."""
+    names: dict[str, list[str]] = {}
+    for name, _ in model.named_parameters():
+        if scan and name.startswith("layers."):
+            _, layer, rest = name.split(".", 2)
+            names.setdefault(SCAN_PREFIX + rest, [None] * n_layers)[int(layer)] = name
+        else:
+            names[name] = [name]
+    return names
+
+
+def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """alias -> parameter name, for the names under which one Parameter appears again (tied embeddings)."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            aliases[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return aliases
+
+
+class XlaTrainer(Trainer):
+    """The Trainer on jax devices (device=tpu|xla); see the module docstring."""
+
+    def __init__(self, cfg: JobConfig, console: Optional[Console] = None):
+        import jax
+        from jax.sharding import NamedSharding, PartitionSpec as P
+
+        self.cfg, self.console = cfg, console or Console(soft_wrap=True)
+        devices = runtime.devices(cfg.device)
+        self.rank, self.world_size = jax.process_index(), len(devices)
+        self.is_main = self.rank == 0
+        self.device = torch.device("cpu")  # the host: loaders, the host copy, signals
+        self.output_dir = Path(cfg.output_dir)
+        self.mesh = None  # no torch.distributed mesh: the jax Mesh is self.jax_mesh
+        compute_dtype = pick_compute_dtype(cfg.precision, cfg.device)
+        spec = run_lib.resolve(cfg, self.world_size, torch.device("cpu"), compute_dtype=compute_dtype)
+        self.spec = dataclasses.replace(spec, device=torch.device("xla"), output_chunks=1)
+        self.jax_mesh = mesh_lib.jax_mesh(spec.shape, devices)
+        torch.manual_seed(cfg.seed)
+        self.peak = _peak(cfg, devices[0].device_kind, compute_dtype)
+        self.tokenizer = build_tokenizer(cfg.data, spec.args.vocab_size) if cfg.data.dataset != "synthetic" else None
+
+        # The host model: built and initialised as the torch path builds it (the same seed, the same weights).
+        built = run_lib.build_model(dataclasses.replace(spec, device=torch.device("cpu")), None)
+        self.host_model = built.parts[0]
+        self.model_parts, self.model = [self.host_model], self.host_model
+        self.num_params = sum(p.numel() for p in built.whole.parameters())
+        n_moe = len(self.host_model.moe_layers())
+        self.optimizer = build_optimizer(self.host_model, cfg.optim, "cpu")
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.schedule, cfg.max_steps)
+        self.optimizer._opt_called = True  # the host optimizer never steps (the devices' does): no scheduler warning
+        self.forward_backward = None
+
+        # The traced model: another instance of the same architecture whose weights are the jax arrays.
+        traced = run_lib.build_model(dataclasses.replace(spec, device=torch.device("cpu")), None).parts[0]
+        options = StepOptions(
+            max_grad_norm=cfg.optim.max_grad_norm, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
+            weight_decay=cfg.optim.weight_decay, remat=cfg.model.remat, remat_every=cfg.model.remat_every,
+            scan_layers=cfg.model.scan_layers, compute_dtype=compute_dtype,
+            eos_id=self.tokenizer.eos_id if cfg.data.document_mask and self.tokenizer else None,
+            router_coefs=(cfg.model.aux_loss_coef, cfg.model.z_loss_coef),
+            router_weight_per_token=1.0 / (cfg.global_batch_size * cfg.seq_len * max(n_moe, 1)))
+        self.names = device_names(self.host_model, spec.args.n_layers, cfg.model.scan_layers)
+        traced, scanned = prepare_model(traced, options, NamedSharding(self.jax_mesh, mesh_lib.hidden_spec(self.jax_mesh)))
+        specs = param_specs(self.host_model, spec.model.tp_plan, self.jax_mesh,
+                            [hosts[0] for hosts in self.names.values()])
+        self.param_shardings = {name: NamedSharding(self.jax_mesh, P(*((None,) * (len(hosts) > 1)), *specs[hosts[0]]))
+                                for name, hosts in self.names.items()}
+        decay = {id(p) for group in param_groups(self.host_model, cfg.optim.weight_decay) if group["weight_decay"]
+                 for p in group["params"]}
+        self.tx = adamw(options, {name: id(self.host_model.get_parameter(hosts[0])) in decay
+                                  for name, hosts in self.names.items()})
+        replicated = NamedSharding(self.jax_mesh, P())
+        self.opt_shardings = _opt_shardings(self.tx, self.param_shardings, replicated)
+        buffers = {name: jax.device_put(np.asarray(buf.numpy()), replicated)
+                   for name, buf in traced.named_buffers()}
+        stacked_batch = NamedSharding(self.jax_mesh, P(None, *mesh_lib.batch_spec(self.jax_mesh)))
+        self.batch_sharding = stacked_batch
+        self.compiled = build_step(traced, scanned, options, self.tx, buffers,
+                                   tied_aliases(traced) if not cfg.model.scan_layers else tied_aliases(self.host_model),
+                                   {"params": self.param_shardings, "opt_state": self.opt_shardings,
+                                    "batch": NamedSharding(self.jax_mesh, mesh_lib.batch_spec(self.jax_mesh)),
+                                    "replicated": replicated})
+
+        # Data: this host's rows of each global micro-batch (all of them on one host).
+        hosts = jax.process_count()
+        rows = cfg.micro_batch_size * spec.shape.dp
+        loader_kwargs = dict(seq_len=cfg.seq_len, micro_batch_size=rows // hosts, dp_rank=self.rank, dp_world=hosts,
+                             seed=cfg.seed, vocab_size=spec.args.vocab_size)
+        self.train_loader = build_loader(cfg.data, self.tokenizer, split="train", **loader_kwargs)
+        self.val_loader, val_note = None, None
+        try:
+            self.val_loader = build_loader(cfg.data, self.tokenizer, split="val", **loader_kwargs)
+        except DataError as err:
+            val_note = f"no validation: {err}"
+        if self.is_main and cfg.metrics.console:
+            mesh_note = f"xla: {len(devices)} {devices[0].device_kind} device(s), jax mesh {dict(self.jax_mesh.shape)}"
+            print_header(self.console, self.spec, self.host_model, self.num_params, self.tokenizer, self.peak,
+                         self.train_loader.describe(), [mesh_note, val_note])
+
+        self.step = 0
+        self.health = HealthGuard(cfg.max_skipped_steps, cfg.loss_spike_factor, self._say)
+        self.checkpointer, state = open_checkpoints(self.spec, self.model_parts, self.host_model, self.optimizer,
+                                                    self._say)
+        if state is not None:
+            self.step = int(state["step"])
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+            restart_schedule(self.lr_scheduler)
+            self.train_loader.load_state_dict(state["data"])
+            set_rng_state(state["rng"])
+            self.health.load_state_dict(state)
+        self.params, self.opt_state = self._to_devices()
+
+    # ---------------------------------------------------------------- host <-> devices
+    def _to_devices(self) -> tuple[dict[str, Any], Any]:
+        """The host copy (weights, and AdamW's state where the optimizer has it) as sharded jax arrays."""
+        import jax
+
+        def put(name: str, tensors: list[torch.Tensor]) -> Any:
+            value = np.stack([t.detach().numpy() for t in tensors]) if len(tensors) > 1 else tensors[0].detach().numpy()
+            return jax.device_put(value, self.param_shardings[name])
+
+        host = {n: [self.host_model.get_parameter(h) for h in hosts] for n, hosts in self.names.items()}
+        params = {n: put(n, ts) for n, ts in host.items()}
+        opt_state = jax.device_put(self.tx.init(params), self.opt_shardings)
+        states = [self.optimizer.state.get(ts[0]) for ts in host.values()]
+        if all(s and "exp_avg" in s for s in states):  # resumed: torch AdamW's state becomes optax's
+            adam = opt_state[0]
+            mu = {n: put(n, [self.optimizer.state[p]["exp_avg"] for p in ts]) for n, ts in host.items()}
+            nu = {n: put(n, [self.optimizer.state[p]["exp_avg_sq"] for p in ts]) for n, ts in host.items()}
+            count = jax.device_put(np.asarray(int(float(states[0]["step"])), dtype=np.int32), self.opt_shardings[0].count)
+            opt_state = (adam._replace(count=count, mu=mu, nu=nu), *opt_state[1:])
+        return params, opt_state
+
+    def _to_host(self) -> None:
+        """The devices' weights and AdamW state copied into the host model and the torch optimizer (gathered
+        from every host's shards), which the checkpoint writes."""
+        from jax.experimental import multihost_utils
+
+        def gather(value: Any) -> np.ndarray:
+            return np.asarray(multihost_utils.process_allgather(value, tiled=True))
+
+        adam = self.opt_state[0]
+        step = float(gather(adam.count))
+        for name, hosts in self.names.items():
+            values = [gather(tree[name]) for tree in (self.params, adam.mu, adam.nu)]
+            for i, host_name in enumerate(hosts):
+                param = self.host_model.get_parameter(host_name)
+                weight, mu, nu = (torch.from_numpy(np.array(v[i] if len(hosts) > 1 else v)) for v in values)
+                with torch.no_grad():
+                    param.copy_(weight)
+                self.optimizer.state[param] = {"step": torch.tensor(step), "exp_avg": mu, "exp_avg_sq": nu}
+
+    def train_state(self) -> dict:
+        self._to_host()
+        return super().train_state()
+
+    # ---------------------------------------------------------------- one step
+    def _global(self, micro_batches: list[Batch]) -> tuple[Any, Any]:
+        """This host's rows of the micro-batches as global (micro-batches, B, T) jax arrays."""
+        import jax
+
+        inputs = np.stack([b[0].numpy() for b in micro_batches])
+        labels = np.stack([b[1].numpy() for b in micro_batches])
+        return (jax.make_array_from_process_local_data(self.batch_sharding, inputs),
+                jax.make_array_from_process_local_data(self.batch_sharding, labels))
+
+    def train_step(self, micro_batches: list[Batch]) -> tuple[float, float]:
+        inputs, labels = self._global(micro_batches)
+        lr = np.float32(self.optimizer.param_groups[0]["lr"])
+        self.params, self.opt_state, loss, norm, counts, aux = self.compiled.train(
+            self.params, self.opt_state, inputs, labels, lr)
+        loss, norm = float(loss), float(norm)
+        moes = self.host_model.moe_layers()
+        if moes:  # the step's load and router losses, for the MoE metrics (nn/moe.py's bookkeeping)
+            counts, aux = np.asarray(counts), np.asarray(aux)
+            for i, moe in enumerate(moes):
+                moe._step_loads = [torch.from_numpy(counts[i].astype(np.int64))]
+                moe.aux_loss, moe.z_loss = (torch.tensor(float(v)) for v in aux[i])
+            moe_lib.end_moe_step(self.host_model, 1)
+        self.lr_scheduler.step()
+        return loss, norm
+
+    def evaluate(self) -> Optional[float]:
+        if self.val_loader is None:
+            return None
+        self.val_loader.reset()
+        val_iter = iter(self.val_loader)
+        inputs, labels = self._global([next(val_iter) for _ in range(self.cfg.eval_batches * self.spec.grad_accum)])
+        return float(self.compiled.evaluate(self.params, inputs, labels))
+
+    def eval_tasks(self) -> dict[str, float]:
+        return {}  # eval.tasks is refused on this path (ember/xla/checks.py): `ember eval` the checkpoint
+
+    def all_sum(self, value: torch.Tensor) -> torch.Tensor:
+        return value  # the MoE metrics come back from the compiled step already global
+
+
+def _opt_shardings(tx: Any, param_shardings: dict[str, Any], replicated: Any) -> Any:
+    """optax's state tree with each moment sharded as its parameter and every scalar replicated."""
+    import jax
+
+    shapes = jax.eval_shape(tx.init, {n: jax.ShapeDtypeStruct((1,), np.float32) for n in param_shardings})
+    adam = shapes[0]
+    rest = jax.tree.map(lambda _: replicated, shapes[1:])
+    return (adam._replace(count=replicated, mu=dict(param_shardings), nu=dict(param_shardings)), *rest)
+
+
+def _peak(cfg: JobConfig, device_kind: str, dtype: torch.dtype) -> Any:
+    """The MFU peak: the TPU's datasheet peak (ember/hardware.py), or on jax's CPU backend this CPU's."""
+    from ember import hardware
+
+    if cfg.device == "tpu":
+        return hardware.tpu_peak_flops(device_kind, dtype, cfg.metrics.peak_tflops)
+    return hardware.peak_flops(torch.device("cpu"), dtype, cfg.metrics.peak_tflops)
+
+
+def run(cfg: JobConfig) -> dict:
+    """`ember train ... device=tpu|xla`."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return XlaTrainer(cfg).train()
