@@ -24,7 +24,6 @@ import torch
 
 from ember.constants import default_cache_dir
 from ember.device import cpu_runs_bf16_natively
-# Re-exported: train, run, eval, generate and plan import these from ember.hardware.
 
 
 @dataclass(frozen=True)
@@ -88,11 +87,14 @@ MI325X = DeviceSpec("AMD Instinct MI325X", 1307.4e12, 2614.9e12, 163.4e12, 653.7
 MI350X = DeviceSpec("AMD Instinct MI350X", 2306.9e12, 4613.7e12, 144.2e12, None, 288, "AMD MI350X datasheet")
 MI355X = DeviceSpec("AMD Instinct MI355X", 2516.6e12, 5033.2e12, 157.3e12, None, 288, "AMD MI355X datasheet")
 
-# --- Google TPU, per chip, from the Cloud TPU system-architecture pages ("TPU v5e", "TPU v5p",
-# "TPU v6e"): bf16 and int8 only (no fp8, no published fp32 matmul rate). int8 is 2x bf16 on each.
-TPU_V5E = DeviceSpec("TPU v5e", 197e12, None, None, None, 16, "Cloud TPU v5e docs (int8 394 TOPS)")
-TPU_V5P = DeviceSpec("TPU v5p", 459e12, None, None, None, 95, "Cloud TPU v5p docs (int8 918 TOPS)")
-TPU_V6E = DeviceSpec("TPU v6e", 918e12, None, None, None, 32, "Cloud TPU v6e docs (int8 1,836 TOPS)")
+# --- Google TPU, per chip: the Cloud TPU system-architecture pages (tpu/docs/v4, v5e, v5p, v6e, tpu7x), no fp32/TF32
+# rate; int8 in `source`. FP8: the TPU7x page's table gives TPU7x 4,614; v5p 459 and v6e 918 (no faster than bf16).
+TPU_V4 = DeviceSpec("TPU v4", 275e12, None, None, None, 32, "Cloud TPU v4 docs: 275 TFLOPs bf16 or int8, 32 GiB")
+TPU_V5E = DeviceSpec("TPU v5e", 197e12, None, None, None, 16, "Cloud TPU v5e docs: int8 393 TOPs")
+TPU_V5P = DeviceSpec("TPU v5p", 459e12, None, None, None, 95, "Cloud TPU v5p docs; int8 918 TOPs: v5p launch post")
+TPU_V6E = DeviceSpec("TPU v6e", 918e12, None, None, None, 32, "Cloud TPU v6e docs: int8 1,836 TOPs")
+TPU_7X = DeviceSpec("TPU7x (Ironwood)", 2307e12, 4614e12, None, None, 192, "Cloud TPU7x docs: no int8 figure")
+TPUS = (TPU_V4, TPU_V5E, TPU_V5P, TPU_V6E, TPU_7X)
 
 # Matched in order against the upper-cased device name; the first hit wins. Order matters where one
 # name contains another: GH200 and GB200 before H200/B200, NVL and PCIe before the plain H100.
@@ -116,6 +118,8 @@ _NAME_PATTERNS: list[tuple[str, DeviceSpec]] = [
     (r"V5E|V5 ?LITE", TPU_V5E),  # JAX/XLA device kind "TPU v5 lite"
     (r"V6E|V6 ?LITE|TRILLIUM", TPU_V6E),  # "TPU v6 lite"
     (r"V5P|TPU V5\b", TPU_V5P),  # "TPU v5"
+    (r"(^|TPU[ _-]?)V4\b(?! ?LITE)", TPU_V4),  # "TPU v4", not "TPU v4 lite" (v4i, never a Cloud TPU)
+    (r"TPU[ _-]?V?7X?\b|^V?7X\b|IRONWOOD", TPU_7X),  # "TPU7x"
 ]
 
 
@@ -138,9 +142,7 @@ class PeakFlops:
 
 def peak_flops(device: torch.device, dtype: torch.dtype, user_peak_tflops: Optional[float] = None) -> PeakFlops:
     """Peak dense FLOP/s of one device for matmuls in `dtype`; `metrics.peak_tflops` overrides all."""
-    if user_peak_tflops is not None:
-        return PeakFlops(user_peak_tflops * 1e12, "metrics.peak_tflops")
-    if device.type == "cpu":
+    if device.type == "cpu" and user_peak_tflops is None:
         # bf16 is measured only where the CPU has bf16 instructions: elsewhere a bf16 matmul runs at ~1 GFLOP/s
         # (emulated) and would not fit the time budget, so MFU is against fp32; the label says which rate.
         cpu_dtype = torch.bfloat16 if dtype == torch.bfloat16 and cpu_runs_bf16_natively() else torch.float32
@@ -149,7 +151,22 @@ def peak_flops(device: torch.device, dtype: torch.dtype, user_peak_tflops: Optio
         return PeakFlops(value, f"measured CPU {name} matmul, {threads} thread{'s' if threads != 1 else ''}, {where}",
                          measured=True, cpu_dtype=cpu_dtype)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    spec = match_device(name)
+    return _datasheet_peak(match_device(name), name, dtype, user_peak_tflops)
+
+
+def tpu_spec(device_kind: str) -> Optional[DeviceSpec]:
+    """A TPU chip's entry by jax's `device.device_kind` ("TPU v6 lite", "TPU7x") or a user's name ("tpu-v6e", "v5p")."""
+    return spec if (spec := match_device(device_kind.strip())) in TPUS else None
+
+
+def tpu_peak_flops(device_kind: str, dtype: torch.dtype, user_peak_tflops: Optional[float] = None) -> PeakFlops:
+    """peak_flops for one TPU chip named by jax's `device.device_kind`; `metrics.peak_tflops` overrides it."""
+    return _datasheet_peak(tpu_spec(device_kind), device_kind, dtype, user_peak_tflops)
+
+
+def _datasheet_peak(spec: Optional[DeviceSpec], name: str, dtype: torch.dtype, user: Optional[float]) -> PeakFlops:
+    if user is not None:
+        return PeakFlops(user * 1e12, "metrics.peak_tflops")
     if spec is None:
         return PeakFlops(None, f"unknown device '{name}': set metrics.peak_tflops")
     precision = _precision(dtype)

@@ -1,15 +1,19 @@
-"""`ember recipes`: the built-in recipes with their parameter counts."""
+"""`ember recipes`: the built-in recipes with their parameter counts, and where the TPU ones run."""
 
 from __future__ import annotations
 
 import argparse
+import math
 
+from ember import config as config_lib
+from ember.parallel.mesh_shape import AXES
 from ember.usage import ArgumentParser
 
 
 def parser() -> ArgumentParser:
     return ArgumentParser(prog="ember recipes", description="The built-in recipes with their parameter counts "
-                          "(total and active), sequence length and batch.")
+                          "(total and active), sequence length and batch, and the device (tpu x CHIPS: a TPU "
+                          "recipe's mesh, e.g. 2 x v6e-256 = 512 chips).")
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -21,16 +25,18 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from ember import config as config_lib
-
     from ember import run as run_lib
     from ember.models import MODELS, build_model_args
 
     table = Table(title="ember recipes")
-    for column in ("recipe", "family", "flavor", "parameters", "active", "seq_len", "global batch", "tokens/step"):
-        table.add_column(column, justify="left" if column in ("recipe", "family", "flavor") else "right", no_wrap=True)
+    left = ("recipe", "family", "flavor", "device")
+    for column in ("recipe", "family", "flavor", "parameters", "active", "seq_len", "global batch", "tokens/step",
+                   "device"):
+        table.add_column(column, justify="left" if column in left else "right", no_wrap=True)
     for name in config_lib.recipe_names():
-        cfg = run_lib.load_config(name)
+        cfg = config_lib.load(name)
+        if cfg.device not in config_lib.XLA_DEVICES:  # a TPU recipe's checks are the XLA path's, for its chip count
+            cfg = run_lib.load_config(name)
         spec = MODELS[cfg.model.family]
         model_args = build_model_args(cfg.model.family, cfg.model.flavor, config_lib.model_overrides(cfg.model))
         with torch.device("meta"):  # shapes only: 405B costs no memory here
@@ -48,8 +54,16 @@ def run(args: argparse.Namespace) -> int:
             str(cfg.seq_len),
             str(cfg.global_batch_size),
             f"{cfg.seq_len * cfg.global_batch_size:,}",
+            _device(cfg),
         )
     console = Console()
-    console.width = max(console.width, 130)  # pipes report 80 columns; never truncate the numbers
+    console.width = max(console.width, 150)  # pipes report 80 columns; never truncate the numbers
     console.print(table)
     return 0
+
+
+def _device(cfg: config_lib.JobConfig) -> str:
+    """The recipe's device; with the chip count its mesh fixes ("tpu x 512"), which a TPU recipe's name spells as its
+    slices ("2xv6e-256"). Recipes whose mesh fills whatever world they get (an axis of -1) show the device alone."""
+    degrees = [getattr(mesh, axis) for mesh in (cfg.ici_mesh, cfg.dcn_mesh) for axis in AXES]
+    return cfg.device if -1 in degrees else f"{cfg.device} x {math.prod(degrees)}"
