@@ -1,5 +1,6 @@
-"""`ember launch local|slurm|k8s|status|cancel|logs`: one job description, three places to run it (ember/launch;
-`launch local` is `ember train --nproc-per-node`, ember/commands/train.py)."""
+"""`ember launch local|slurm|k8s|xpk|tpu-vm|status|cancel|logs`: one job description, several places to run it
+(ember/launch; `launch local` is `ember train --nproc-per-node`, ember/commands/train.py; xpk and tpu-vm:
+ember/launch/tpu.py)."""
 
 from __future__ import annotations
 
@@ -14,18 +15,21 @@ from ember.errors import EmberError
 from ember.launch.local import LAUNCH_FLAGS, unknown_option
 from ember.usage import ArgumentParser
 
-DESCRIPTION = """Run a training job on this machine, a SLURM cluster or Kubernetes. Every launcher starts the same
-`torchrun --nnodes N --nproc-per-node G --rdzv-backend c10d ... -m ember train RECIPE key=value ...` on each node,
-with dcn_mesh.fsdp=N inferred from --nodes unless a dcn_mesh axis is given, and checks the config for N x G
-processes before anything is submitted.
+DESCRIPTION = """Run a training job on this machine, a SLURM cluster, Kubernetes or TPUs. local, slurm and k8s
+start the same `torchrun --nnodes N --nproc-per-node G --rdzv-backend c10d ... -m ember train RECIPE key=value ...`
+on each node, with dcn_mesh.fsdp=N inferred from --nodes unless a dcn_mesh axis is given, and checks the config
+for N x G processes before anything is submitted.
 
   ember launch local --nproc-per-node G [--nnodes M --node-rank R --rdzv-endpoint HOST:PORT] RECIPE [key=value ...]
   ember launch slurm RECIPE [key=value ...] --nodes N --gpus-per-node G [--partition P --time T ...] [--wait | --dry-run]
   ember launch k8s RECIPE [key=value ...] --nodes N --gpus-per-node G --image IMAGE [--namespace NS --pvc CLAIM] [--dry-run]
+  ember launch xpk --cluster C --tpu-type v6e-256 [--num-slices N] --docker-image IMAGE RECIPE [key=value ...] [--print]
+  ember launch tpu-vm --name TPU --zone Z [--workdir DIR] RECIPE [key=value ...] [--print]
   ember launch status|cancel|logs JOB          a SLURM job: its state, scancel, its log (and its first failing rank)
 
 --gpus-per-node G starts G processes per node and requests G GPUs per node; --nproc-per-node G starts G
 processes and requests no GPU unless the config says device=cuda. What is requested is printed.
+xpk and tpu-vm run one `ember train RECIPE device=tpu key=value ...` per TPU host (docs/tpu-launch.md).
 """
 
 
@@ -97,6 +101,7 @@ def parser() -> tuple[ArgumentParser, dict[str, ArgumentParser]]:
     k8s.add_argument("--backoff-limit", type=int, default=10, help="pod restarts before the job fails (default 10)")
     k8s.add_argument("--print", "--dry-run", dest="print_manifest", action="store_true",
                      help="also print the manifest (nothing is ever applied: `kubectl apply -f` is yours)")
+    _tpu_parsers(sub)
     for name, help_ in (("status", "a SLURM job's state"), ("cancel", "scancel a SLURM job"),
                         ("logs", "a SLURM job's log and, if it failed, its first failing rank")):
         cmd = sub.add_parser(name, help=help_)
@@ -104,6 +109,40 @@ def parser() -> tuple[ArgumentParser, dict[str, ArgumentParser]]:
         if name == "logs":
             cmd.add_argument("--follow", "-f", action="store_true", help="until the job ends")
     return parser, sub.choices
+
+
+def _tpu_parsers(sub: argparse._SubParsersAction) -> None:
+    """`launch xpk` and `launch tpu-vm`: their flags are XPK's and gcloud's, passed on (ember/launch/tpu.py)."""
+    from ember.launch.tpu import XPK_PRIORITIES
+
+    xpk = sub.add_parser("xpk", help="run on a GKE TPU cluster: `xpk workload create` (pip install xpk)",
+                         description="Check the job for the TPU's chips, then run `xpk workload create` with "
+                         "--command 'ember train RECIPE device=tpu key=value ...' (one process per TPU host).")
+    vm = sub.add_parser("tpu-vm", help="run on every worker of a TPU VM: `gcloud compute tpus tpu-vm ssh --worker=all`",
+                        description="Check the job, then run `ember train RECIPE device=tpu key=value ...` on every "
+                        "worker of the TPU VM through `gcloud compute tpus tpu-vm ssh --worker=all`.")
+    for cmd in (xpk, vm):
+        cmd.add_argument("recipe", help="a built-in recipe, or a YAML path (read here for the check, and at the "
+                         "same path on every TPU host)")
+        cmd.add_argument("overrides", nargs="*", default=[], metavar="key=value")
+        cmd.add_argument("--print", "--dry-run", dest="dry_run", action="store_true",
+                         help="print the command, run nothing")
+    xpk.add_argument("--cluster", required=True, help="the GKE cluster (made by `xpk cluster create`)")
+    xpk.add_argument("--tpu-type", required=True, metavar="TYPE", help="one slice's type: v6e-256, v5p-128, "
+                     "v5litepod-16, v4-8, or a topology such as v6e-4x4")
+    xpk.add_argument("--num-slices", type=int, default=1, metavar="N", help="slices (default 1); dcn_mesh spans them")
+    xpk.add_argument("--docker-image", required=True, metavar="IMAGE",
+                     help="an image with ember, jax and torchax installed")
+    xpk.add_argument("--workload", metavar="NAME", help="default: ember-RECIPE-DATE-TIME (at most 40 characters)")
+    xpk.add_argument("--project", help="default: gcloud's configured project")
+    xpk.add_argument("--zone", help="default: gcloud's configured zone")
+    xpk.add_argument("--priority", choices=XPK_PRIORITIES, help="XPK's (default medium)")
+    vm.add_argument("--name", required=True, metavar="TPU_NAME", help="the TPU VM")
+    vm.add_argument("--zone", required=True)
+    vm.add_argument("--project", help="default: gcloud's configured project")
+    vm.add_argument("--workdir", metavar="DIR", help="where each worker runs ember (default: the ssh user's home)")
+    vm.add_argument("--tpu-type", metavar="TYPE", help="the TPU's type (e.g. v6e-16): the mesh is checked for its "
+                    "chips; without it, the config's keys and types only")
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -145,6 +184,8 @@ def run(args: argparse.Namespace) -> int:
         return _slurm(args)
     if args.where == "k8s":
         return _k8s(args)
+    if args.where in ("xpk", "tpu-vm"):
+        return _tpu(args)
     return _job_command(args)
 
 
@@ -211,6 +252,21 @@ def _k8s(args: argparse.Namespace) -> int:
     else:
         print(f"wrote {path}; start it with: kubectl apply -f {path}")
     return 0
+
+
+def _tpu(args: argparse.Namespace) -> int:
+    from ember.launch import tpu
+
+    if args.where == "xpk":
+        job = tpu.XpkJob(cluster=args.cluster, tpu_type=args.tpu_type, docker_image=args.docker_image,
+                         workload=args.workload or tpu.default_workload(_default_name(args.recipe)),
+                         num_slices=args.num_slices, project=args.project, zone=args.zone, priority=args.priority)
+        argv = tpu.xpk_argv(job, args.recipe, list(args.overrides))
+    else:
+        vm = tpu.TpuVm(name=args.name, zone=args.zone, project=args.project, workdir=args.workdir,
+                       tpu_type=args.tpu_type)
+        argv = tpu.tpu_vm_argv(vm, args.recipe, list(args.overrides))
+    return tpu.print_or_run(argv, args.dry_run)
 
 
 def _print_written(text: str, note: str) -> None:
