@@ -160,3 +160,31 @@ def test_config_imports_nothing_of_ember_but_its_schema():
     assert ember_imports <= {"ember.config_schema", "ember.errors"}, ember_imports
     assert {m for m in _loaded_by({"ember.config"}) if m in MODULES} - {"ember"} <= {
         "ember.config", "ember.config_schema", "ember.errors"}
+
+
+JAX = ("jax", "jaxlib", "torchax", "optax")
+
+
+def _names_jax(imported: set[str]) -> set[str]:
+    return {m for m in imported if m.split(".")[0] in JAX}
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith(("ember.nn", "ember.models"))))
+def test_model_code_imports_no_jax(module: str):
+    """Models and nn/ are plain PyTorch on every path: the XLA path (ember/xla/) runs them unchanged."""
+    assert not _names_jax(_imports(module)), f"{module} imports jax"
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if not m.startswith("ember.xla")))
+def test_only_the_xla_package_imports_jax(module: str):
+    """jax, torchax and optax are the .[tpu] extra: outside ember/xla/ nothing imports them, and what imports
+    ember.xla does so inside a function, for device=tpu|xla only (ember.xla.checks and runtime excepted:
+    checks imports no jax, runtime only inside functions)."""
+    assert not _names_jax(_imports(module)), f"{module} imports jax"
+    top = _top_level_imports(module)
+    assert not {m for m in top if m.startswith("ember.xla")}, f"{module} imports ember.xla at import time"
+
+
+def test_the_xla_entry_points_import_jax_only_inside_functions():
+    for module in ("ember.xla.runtime", "ember.xla.checks", "ember.xla.mesh"):
+        assert not _names_jax(_top_level_imports(module)), f"{module} imports jax at import time"

@@ -25,6 +25,7 @@ def import_torchax() -> ModuleType:
     """torchax, imported once with its default environment built; a missing extra is one ConfigError."""
     try:
         import jax  # noqa: F401
+        import torch
         import torch._ops as ops
     except ImportError:
         raise ConfigError(f"device=tpu|xla needs jax and torchax, which are not installed: {EXTRA_HINT}") from None
@@ -55,7 +56,19 @@ def import_torchax() -> ModuleType:
     # stream and fails. ember never puts torch tensors on that device (jax arrays go through torchax.interop),
     # so torch's probes are told it is absent.
     torchax.device_module.is_available = lambda: False
+    torchax.default_env().override_op_definition(torch.ops.aten.bincount.default, _bincount_of_static_length)
     return torchax
+
+
+def _bincount_of_static_length(input: Any, weights: Any = None, minlength: int = 0) -> Any:
+    """aten.bincount under jit, whose output length must be known when tracing: `minlength` bins. torchax's
+    own lowering leaves the length to the values (max + 1), which only eager jax can know. The MoE router,
+    its one caller in ember, counts expert indices with minlength = the number of experts, their bound."""
+    import jax.numpy as jnp
+    from torchax import interop
+
+    length = minlength or None
+    return interop.call_jax(lambda x, w: jnp.bincount(x, w, length=length), input, weights)
 
 
 def start_distributed(device: str) -> None:

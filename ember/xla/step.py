@@ -132,8 +132,28 @@ def prepare_model(model: nn.Module, options: StepOptions, hidden: Any) -> tuple[
         for name, block in model.layers.items():
             if options.remat == "selective" and int(name) % options.remat_every:
                 continue
-            block.forward = interop.gradient_checkpoint(block.forward, kwargs={"policy": policy})
+            block.forward = _rematerialised(block, policy)
     return model, None
+
+
+def _rematerialised(block: nn.Module, policy: Any) -> Callable[..., torch.Tensor]:
+    """block.forward under jax.checkpoint. The block's weights go in as arguments, not through the closure:
+    jax.checkpoint must see them as inputs to recompute from (closed over, their tracers escape)."""
+    import jax
+    from torchax import interop
+
+    forward = block.forward
+
+    def run(params: dict[str, torch.Tensor], *args: Any) -> torch.Tensor:
+        with _reparametrize_module(block, params):
+            return forward(*args)
+
+    checkpointed = jax.checkpoint(interop.jax_view(run), policy=policy)
+
+    def rematerialised(*args: Any) -> torch.Tensor:
+        # the weights of this trace: the step's _reparametrize_module has put them on the block
+        return interop.call_jax(checkpointed, dict(block.named_parameters()), *args)
+    return rematerialised
 
 
 def adamw(options: StepOptions, decay: dict[str, bool]) -> Any:
@@ -195,16 +215,16 @@ def build_step(model: nn.Module, scanned: Optional[ScannedBlocks], options: Step
             counts.append(moe.tokens_per_expert)
             aux.append(torch.stack([moe.aux_loss, moe.z_loss]))
             moe._step_loads.clear()  # the trace's values: the step returns the load instead
-        objective = loss + router * options.router_weight_per_token
         stats = (torch.stack(counts) if counts else loss.new_zeros((0,)), torch.stack(aux) if aux else loss.new_zeros((0,)))
-        return objective, (loss, *stats)
+        return loss, router * options.router_weight_per_token, stats
 
     def micro_loss(params: Params, inputs: Any, labels: Any, scale: Any) -> tuple[Any, Any]:
         if low:  # fp32 master weights, the forward in the compute dtype: their gradients come back fp32
             params = {k: v.astype(jax_dtype) if jnp.issubdtype(v.dtype, jnp.floating) else v for k, v in params.items()}
         inputs = jax.lax.with_sharding_constraint(inputs, shardings["batch"])
-        objective, (loss, counts, aux) = interop.call_torch(torch_loss, {**params, **buffers}, inputs, labels)
-        return objective * scale, (loss * scale, counts, aux)
+        loss, router, (counts, aux) = interop.call_torch(torch_loss, {**params, **buffers}, inputs, labels)
+        # the router losses join the gradient at their own weight, not the token mean's (nn/moe.py)
+        return loss * scale + router, (loss * scale, counts, aux)
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
