@@ -74,6 +74,10 @@ def check(cfg: JobConfig, world_size: int) -> None:
     tasks.check(cfg)
     chat.check(cfg)
     shape = mesh_shape(cfg, world_size)
+    if cfg.device in config_lib.XLA_DEVICES:  # what that path does not run, before what would not fit it
+        from ember.xla import checks as xla_checks
+
+        xla_checks.check(cfg, shape)
     per_step = cfg.micro_batch_size * shape.dp
     if cfg.global_batch_size % per_step:
         raise ConfigError(
@@ -84,10 +88,6 @@ def check(cfg: JobConfig, world_size: int) -> None:
         raise ConfigError(f"seq_len={cfg.seq_len} exceeds the model's max_seq_len={args.max_seq_len} "
                           f"({cfg.model.family} {cfg.model.flavor}); lower seq_len or set model.max_seq_len")
     parallel_checks.check(cfg, shape, args)
-    if cfg.device in config_lib.XLA_DEVICES:
-        from ember.xla import checks as xla_checks
-
-        xla_checks.check(cfg, shape)
     if cfg.lora.rank:
         lora_lib.check_lora(cfg.lora, cfg.model.family, args, cfg.model.init_from)
 
