@@ -220,8 +220,7 @@ class Trainer:
         progress = progress_bar(self.console, enabled=self.is_main and cfg.metrics.console)
         stopped = False
         # The main rank prints the summary; every rank writes its trace.
-        profiler = StepProfiler(cfg.profile.enabled, cfg.profile.step, cfg.profile.steps, self.output_dir, self.rank,
-                                self.device, self._say)
+        profiler = self.profiler()
         profiler.plan(self.step, cfg.max_steps)  # says what max_steps or a resume cuts from the traced steps
         with progress, StopSignals(self.device, self.mesh is not None, self._say) as signals:
             task = progress.add_task("train", total=cfg.max_steps, loss="-", completed=self.step)
@@ -301,6 +300,12 @@ class Trainer:
                                f"{summary['final_loss_avg']:.3f} ({last}){val}; model saved to {step_dir}")
             self.console.print(f"see the run: ember report {self.output_dir}", markup=False, highlight=False)
         return summary
+
+    def profiler(self) -> StepProfiler:
+        """profile.*'s tracer of this run's steps (torch.profiler)."""
+        cfg = self.cfg
+        return StepProfiler(cfg.profile.enabled, cfg.profile.step, cfg.profile.steps, self.output_dir, self.rank,
+                            self.device, self._say)
 
     def all_sum(self, value: torch.Tensor) -> torch.Tensor:
         """A host tensor summed over every rank (the MoE metrics' one reduction)."""

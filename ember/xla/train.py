@@ -36,6 +36,7 @@ from ember.step import Batch
 from ember.train import Trainer
 from ember.xla import mesh as mesh_lib
 from ember.xla import runtime
+from ember.xla.profiling import JaxStepProfiler
 from ember.xla.sharding import param_specs
 from ember.xla.step import StepOptions, adamw, build_step, prepare_model
 
@@ -244,6 +245,11 @@ class XlaTrainer(Trainer):
         val_iter = iter(self.val_loader)
         inputs, labels = self._global([next(val_iter) for _ in range(self.cfg.eval_batches * self.spec.grad_accum)])
         return float(self.compiled.evaluate(self.params, inputs, labels))
+
+    def profiler(self) -> JaxStepProfiler:
+        cfg = self.cfg
+        return JaxStepProfiler(cfg.profile.enabled, cfg.profile.step, cfg.profile.steps, self.output_dir, self.rank,
+                               self.device, self._say)
 
     def eval_tasks(self) -> dict[str, float]:
         return {}  # eval.tasks is refused on this path (ember/xla/checks.py): `ember eval` the checkpoint

@@ -75,3 +75,19 @@ def test_the_header_and_run_record_name_the_xla_mesh(xla_env: dict, tmp_path: Pa
     assert "xla: 8 cpu device(s), jax mesh" in proc.stdout and "'fsdp': 4" in proc.stdout
     decisions = json.loads((out / "run.json").read_text())["decisions"]
     assert decisions["device"] == "xla" and decisions["mesh"] == "fsdp=4 x tensor=2"
+
+
+@pytest.mark.slow
+def test_profile_writes_a_jax_profiler_trace_of_the_asked_steps(xla_env: dict, tmp_path: Path):
+    import gzip
+
+    out = tmp_path / "run"
+    proc = run_ember("train", "debug", *COMMON, "max_steps=4", f"output_dir={out}", "device=xla", "ici_mesh.fsdp=8",
+                     "micro_batch_size=1", "profile.enabled=true", "profile.step=2", "profile.steps=2",
+                     env=xla_env, expect=0)
+    assert "profile: jax.profiler trace of steps 2-3" in proc.stdout
+    traces = list((out / "profile" / "host0").rglob("*.trace.json.gz"))
+    assert len(traces) == 1
+    events = json.loads(gzip.open(traces[0]).read())["traceEvents"]
+    steps = sorted({e["args"]["step_num"] for e in events if e.get("name") == "ember/step" and "args" in e})
+    assert steps == ["2", "3"]
