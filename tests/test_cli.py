@@ -62,7 +62,8 @@ def _readme_commands(*commands: str) -> list[list[str]]:
 
 def test_the_readme_plan_and_launch_examples_run_as_written(tmp_path, monkeypatch, capsys):
     """Each example as the README writes it; those that would submit or train stop at that point: slurm submission
-    with --dry-run added, `launch local` at the torchrun call, `launch logs` on a job scontrol describes."""
+    with --dry-run added, xpk and tpu-vm with --print, `launch local` at the torchrun call, `launch logs` on a job
+    scontrol describes."""
     import json
     from pathlib import Path
 
@@ -82,10 +83,14 @@ def test_the_readme_plan_and_launch_examples_run_as_written(tmp_path, monkeypatc
         "JobId": job_id, "JobState": "COMPLETED", "ExitCode": "0:0", "StdOut": str(log)})
     examples = _readme_commands("plan", "launch")
     kinds = {e[0] if e[0] == "plan" else " ".join(e[:2]) for e in examples}
-    assert kinds == {"plan", "launch local", "launch slurm", "launch k8s", "launch logs"}, examples
+    assert kinds == {"plan", "launch local", "launch slurm", "launch k8s", "launch xpk", "launch tpu-vm",
+                     "launch logs"}, examples
+    tpu_programs = {"xpk": "xpk workload create ", "tpu-vm": "gcloud compute tpus tpu-vm ssh "}
     for argv in examples:
         if argv[:2] == ["launch", "slurm"] and "--dry-run" not in argv:
             argv = [*argv, "--dry-run"]
+        if argv[0] == "launch" and argv[1] in tpu_programs and not {"--print", "--dry-run"} & set(argv):
+            argv = [*argv, "--print"]
         assert cli.main(argv) == 0, (argv, capsys.readouterr().err)
         out, err = capsys.readouterr()
         if argv[0] == "plan" and "--json" in argv:
@@ -96,6 +101,9 @@ def test_the_readme_plan_and_launch_examples_run_as_written(tmp_path, monkeypatc
             assert started[-1][:4] == ["--nproc-per-node", "2", "--nnodes", "1"]
         elif argv[:2] == ["launch", "logs"]:
             assert out == "ember: job 1234 started\n"
+        elif argv[0] == "launch" and argv[1] in tpu_programs:  # the one command line, printed and not run
+            assert out.startswith(tpu_programs[argv[1]]) and out.count("\n") == 1 and "device=tpu" in out, argv
+            assert err.startswith("not run (--print)"), (argv, err)
         else:
             assert err.startswith("requesting "), (argv, err)
     assert Path("outputs/llama3.1-8b/launch/ember-llama3-1-8b.yaml").is_file()

@@ -36,7 +36,8 @@ SUBCOMMANDS = _subcommands()
 
 
 def test_the_walk_finds_every_subcommand():
-    assert len(SUBCOMMANDS) == 18 and ["launch", "local"] in SUBCOMMANDS and ["launch", "k8s"] in SUBCOMMANDS
+    assert len(SUBCOMMANDS) == 20 and ["launch", "local"] in SUBCOMMANDS and ["launch", "k8s"] in SUBCOMMANDS
+    assert ["launch", "xpk"] in SUBCOMMANDS and ["launch", "tpu-vm"] in SUBCOMMANDS
     assert ["data", "tokenizer", "train"] in SUBCOMMANDS and ["train"] in SUBCOMMANDS and ["eval"] in SUBCOMMANDS
 
 
@@ -72,7 +73,7 @@ def test_usage_errors_name_the_argument_and_the_help(capsys: pytest.CaptureFixtu
             (["launch", "slurm", "debug", "--nodes", "x"],
              "argument --nodes: invalid int value: 'x' (see ember launch slurm --help)"),
             (["launch", "nowhere"], "argument COMMAND: invalid choice: 'nowhere' (choose from 'local', 'slurm', "
-             "'k8s', 'status', 'cancel', 'logs') (see ember launch --help)"),
+             "'k8s', 'xpk', 'tpu-vm', 'status', 'cancel', 'logs') (see ember launch --help)"),
             (["data", "prepare", "embedded", "out", "--vocab-size", "x"],
              "argument --vocab-size: invalid int value: 'x' (see ember data prepare --help)"),
             (["convert", "a", "b", "--to", "onnx"], "argument --to: invalid choice: 'onnx' (choose from 'hf', "
@@ -88,8 +89,8 @@ def test_usage_errors_name_the_argument_and_the_help(capsys: pytest.CaptureFixtu
 
 def test_without_what_they_need_commands_print_their_usage_on_stderr(capsys: pytest.CaptureFixture):
     for command in ([], ["eval"], ["eval", "--nproc-per-node", "2"], ["plan"], ["launch"], ["generate"], ["convert"],
-                    ["report"], ["data"], ["launch", "slurm"], ["launch", "k8s"], ["launch", "status"],
-                    ["data", "prepare"]):
+                    ["report"], ["data"], ["launch", "slurm"], ["launch", "k8s"], ["launch", "xpk"],
+                    ["launch", "tpu-vm"], ["launch", "status"], ["data", "prepare"]):
         assert cli.main(command) == 2, command
         out, err = capsys.readouterr()
         assert out == "" and "usage" in err.lower(), (command, out, err)

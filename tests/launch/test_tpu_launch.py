@@ -177,9 +177,9 @@ def test_the_command_line():
 
 
 def _doc_examples() -> list[list[str]]:
-    """The `ember launch xpk|tpu-vm` lines of docs/tpu-launch.md's sh blocks, continuations joined."""
+    """The `ember launch xpk|tpu-vm` lines of docs/tpu-launch.md's bash blocks, continuations joined."""
     page = Path(__file__).parents[2] / "docs" / "tpu-launch.md"
-    lines = [line for block in re.findall(r"```sh\n(.*?)```", page.read_text(), re.S)
+    lines = [line for block in re.findall(r"```bash\n(.*?)```", page.read_text(), re.S)
              for line in block.replace("\\\n", " ").splitlines()]
     return [shlex.split(line)[1:] for line in lines if line.startswith("ember launch")]
 
