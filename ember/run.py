@@ -47,15 +47,19 @@ def uses_fsdp_mixed_precision(cfg: JobConfig, shape: MeshShape, compute_dtype: t
     return shape.grad_sync > 1 and cfg.parallel.mixed_precision and compute_dtype != torch.float32
 
 
-def load_config(recipe: str = "debug", overrides: Optional[list[str]] = None, world_size: int = 1) -> JobConfig:
+def load_config(recipe: str = "debug", overrides: Optional[list[str]] = None,
+                world_size: Optional[int] = None) -> JobConfig:
     """Recipe + `key=value` overrides -> the JobConfig a command runs: merged and type-checked by ember.config,
-    the family taken from model.init_from's source, then every feature's checks (`check`), before any work."""
+    the family taken from model.init_from's source, then every feature's checks (`check`), before any work.
+    world_size: the devices the run spans; None: this machine's (one process, or with device=tpu|xla every jax
+    device of every host)."""
     overrides = list(overrides or [])
     cfg = config_lib.load(recipe, overrides)
-    if cfg.device in config_lib.XLA_DEVICES:  # the world is every jax device of every host, not WORLD_SIZE
+    if world_size is None and cfg.device in config_lib.XLA_DEVICES:
         from ember.xla import runtime
 
         world_size = runtime.device_count(cfg.device)
+    world_size = world_size or 1
     if cfg.model.init_from and not any(item.startswith("model.family=") for item in overrides):
         cfg.model.family = _init_from_family(cfg.model.family, cfg.model.init_from)
     check(cfg, world_size)

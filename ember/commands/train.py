@@ -41,7 +41,8 @@ def run(args: argparse.Namespace) -> int:
     if args.flags:
         return launch_local(args.flags, "train", args.argv,
                             lambda world: run_lib.load_config(args.recipe, args.overrides, world_size=world))
-    cfg = run_lib.load_config(args.recipe, args.overrides, world_size=world_size())
+    # None: this machine's world (with device=tpu|xla, jax's devices); under torchrun, the job's
+    cfg = run_lib.load_config(args.recipe, args.overrides, world_size=world_size() if "WORLD_SIZE" in os.environ else None)
     from ember.train import Trainer, TrainingStopped  # imported after validation so config errors come back at once
 
     if cfg.device in XLA_DEVICES:  # jax devices, one process per host (ember/xla/)

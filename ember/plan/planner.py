@@ -75,6 +75,9 @@ class Plan:
     searched: bool = False
     seconds: float = 0.0
     micro_batch_limit: Optional[int] = None  # the largest the batch allows (global_batch_size / data-parallel size)
+    # device=tpu|xla or --device tpu-*: the compiled XLA step's memory per device (ember/xla/plan.py), which
+    # then decides `fits`
+    xla_memory: Optional[dict[str, int]] = None
 
     def to_json(self) -> dict[str, Any]:
         """The plan.json contract scripts read: the layout as given, and with --search the feasible candidates
@@ -84,6 +87,8 @@ class Plan:
                     "ranks": [vars(r).copy() for r in self.ranks]}
         if self.searched:
             document["candidates"] = [dict(o) for o in self.options]
+        if self.xla_memory is not None:
+            document["xla_memory"] = dict(self.xla_memory)
         return document
 
 

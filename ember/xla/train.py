@@ -24,55 +24,19 @@ from rich.console import Console
 from ember import run as run_lib
 from ember.checkpoint import open_checkpoints, set_rng_state
 from ember.config import JobConfig
-from ember.constants import IGNORE_INDEX
 from ember.data.loader import build_loader
 from ember.data.tokenizer import build_tokenizer
 from ember.errors import DataError
 from ember.health import HealthGuard
 from ember.metrics import print_header
 from ember.nn import moe as moe_lib
-from ember.optim import build_lr_scheduler, build_optimizer, param_groups, restart_schedule
+from ember.optim import build_lr_scheduler, build_optimizer, restart_schedule
 from ember.step import Batch
 from ember.train import Trainer
 from ember.xla import mesh as mesh_lib
 from ember.xla import runtime
+from ember.xla.layout import build_layout, pick_compute_dtype
 from ember.xla.profiling import JaxStepProfiler
-from ember.xla.sharding import param_specs
-from ember.xla.step import StepOptions, adamw, build_step, prepare_model
-
-SCAN_PREFIX = "layers.scan.block."
-
-
-def pick_compute_dtype(precision: str, device: str) -> torch.dtype:
-    """precision on the XLA path: auto is bf16 on TPUs (their matmul units are bf16) and fp32 elsewhere."""
-    if precision in ("bf16", "fp8") or (precision == "auto" and device == "tpu"):
-        return torch.bfloat16
-    return torch.float32
-
-
-def device_names(model: torch.nn.Module, n_layers: int, scan: bool) -> dict[str, list[str]]:
-    """device-state name -> the host parameter names it holds: one each, or with scan_layers the layers'
-    names of a block stacked in layer order."""
-    names: dict[str, list[str]] = {}
-    for name, _ in model.named_parameters():
-        if scan and name.startswith("layers."):
-            _, layer, rest = name.split(".", 2)
-            names.setdefault(SCAN_PREFIX + rest, [None] * n_layers)[int(layer)] = name
-        else:
-            names[name] = [name]
-    return names
-
-
-def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
-    """alias -> parameter name, for the names under which one Parameter appears again (tied embeddings)."""
-    first: dict[int, str] = {}
-    aliases = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if id(param) in first:
-            aliases[name] = first[id(param)]
-        else:
-            first[id(param)] = name
-    return aliases
 
 
 class XlaTrainer(Trainer):
@@ -80,7 +44,6 @@ class XlaTrainer(Trainer):
 
     def __init__(self, cfg: JobConfig, console: Optional[Console] = None):
         import jax
-        from jax.sharding import NamedSharding, PartitionSpec as P
 
         self.cfg, self.console = cfg, console or Console(soft_wrap=True)
         devices = runtime.devices(cfg.device)
@@ -102,7 +65,6 @@ class XlaTrainer(Trainer):
         self.host_model = built.parts[0]
         self.model_parts, self.model = [self.host_model], self.host_model
         self.num_params = sum(p.numel() for p in built.whole.parameters())
-        n_moe = len(self.host_model.moe_layers())
         self.optimizer = build_optimizer(self.host_model, cfg.optim, "cpu")
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.schedule, cfg.max_steps)
         self.optimizer._opt_called = True  # the host optimizer never steps (the devices' does): no scheduler warning
@@ -110,34 +72,11 @@ class XlaTrainer(Trainer):
 
         # The traced model: another instance of the same architecture whose weights are the jax arrays.
         traced = run_lib.build_model(dataclasses.replace(spec, device=torch.device("cpu")), None).parts[0]
-        options = StepOptions(
-            max_grad_norm=cfg.optim.max_grad_norm, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
-            weight_decay=cfg.optim.weight_decay, remat=cfg.model.remat, remat_every=cfg.model.remat_every,
-            scan_layers=cfg.model.scan_layers, compute_dtype=compute_dtype,
-            eos_id=self.tokenizer.eos_id if cfg.data.document_mask and self.tokenizer else None,
-            router_coefs=(cfg.model.aux_loss_coef, cfg.model.z_loss_coef),
-            router_weight_per_token=1.0 / (cfg.global_batch_size * cfg.seq_len * max(n_moe, 1)))
-        self.names = device_names(self.host_model, spec.args.n_layers, cfg.model.scan_layers)
-        traced, scanned = prepare_model(traced, options, NamedSharding(self.jax_mesh, mesh_lib.hidden_spec(self.jax_mesh)))
-        specs = param_specs(self.host_model, spec.model.tp_plan, self.jax_mesh,
-                            [hosts[0] for hosts in self.names.values()])
-        self.param_shardings = {name: NamedSharding(self.jax_mesh, P(*((None,) * (len(hosts) > 1)), *specs[hosts[0]]))
-                                for name, hosts in self.names.items()}
-        decay = {id(p) for group in param_groups(self.host_model, cfg.optim.weight_decay) if group["weight_decay"]
-                 for p in group["params"]}
-        self.tx = adamw(options, {name: id(self.host_model.get_parameter(hosts[0])) in decay
-                                  for name, hosts in self.names.items()})
-        replicated = NamedSharding(self.jax_mesh, P())
-        self.opt_shardings = _opt_shardings(self.tx, self.param_shardings, replicated)
-        buffers = {name: jax.device_put(np.asarray(buf.numpy()), replicated)
-                   for name, buf in traced.named_buffers()}
-        stacked_batch = NamedSharding(self.jax_mesh, P(None, *mesh_lib.batch_spec(self.jax_mesh)))
-        self.batch_sharding = stacked_batch
-        self.compiled = build_step(traced, scanned, options, self.tx, buffers,
-                                   tied_aliases(traced) if not cfg.model.scan_layers else tied_aliases(self.host_model),
-                                   {"params": self.param_shardings, "opt_state": self.opt_shardings,
-                                    "batch": NamedSharding(self.jax_mesh, mesh_lib.batch_spec(self.jax_mesh)),
-                                    "replicated": replicated})
+        eos_id = self.tokenizer.eos_id if cfg.data.document_mask and self.tokenizer else None
+        self.layout = build_layout(spec, self.jax_mesh, self.host_model, traced, compute_dtype, eos_id)
+        self.names, self.tx, self.compiled = self.layout.names, self.layout.tx, self.layout.compiled
+        self.param_shardings, self.opt_shardings = self.layout.param_shardings, self.layout.opt_shardings
+        self.batch_sharding = self.layout.batch_sharding
 
         # Data: this host's rows of each global micro-batch (all of them on one host).
         hosts = jax.process_count()
@@ -256,16 +195,6 @@ class XlaTrainer(Trainer):
 
     def all_sum(self, value: torch.Tensor) -> torch.Tensor:
         return value  # the MoE metrics come back from the compiled step already global
-
-
-def _opt_shardings(tx: Any, param_shardings: dict[str, Any], replicated: Any) -> Any:
-    """optax's state tree with each moment sharded as its parameter and every scalar replicated."""
-    import jax
-
-    shapes = jax.eval_shape(tx.init, {n: jax.ShapeDtypeStruct((1,), np.float32) for n in param_shardings})
-    adam = shapes[0]
-    rest = jax.tree.map(lambda _: replicated, shapes[1:])
-    return (adam._replace(count=replicated, mu=dict(param_shardings), nu=dict(param_shardings)), *rest)
 
 
 def _peak(cfg: JobConfig, device_kind: str, dtype: torch.dtype) -> Any:

@@ -1,0 +1,134 @@
+"""A run's XLA layout: the jax Mesh's shardings of every weight, optimizer moment and batch, the optimizer, and
+the compiled step, built from the RunSpec and two instances of the model (the host copy, whose names and
+shapes the state follows, and the traced one). The trainer builds it over real devices; `ember plan` over
+jax's virtual CPU devices with abstract arrays, to read XLA's memory analysis of the same compiled step
+(`compiled_memory`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from ember.optim import param_groups
+from ember.run import RunSpec
+from ember.xla import mesh as mesh_lib
+from ember.xla.sharding import param_specs
+from ember.xla.step import CompiledStep, StepOptions, adamw, build_step, prepare_model
+
+SCAN_PREFIX = "layers.scan.block."
+
+
+def pick_compute_dtype(precision: str, device: str) -> torch.dtype:
+    """precision on the XLA path: auto is bf16 on TPUs (their matmul units are bf16) and fp32 elsewhere."""
+    if precision in ("bf16", "fp8") or (precision == "auto" and device == "tpu"):
+        return torch.bfloat16
+    return torch.float32
+
+
+def device_names(model: torch.nn.Module, n_layers: int, scan: bool) -> dict[str, list[str]]:
+    """device-state name -> the host parameter names it holds: one each, or with scan_layers the layers'
+    names of a block stacked in layer order."""
+    names: dict[str, list[str]] = {}
+    for name, _ in model.named_parameters():
+        if scan and name.startswith("layers."):
+            _, layer, rest = name.split(".", 2)
+            names.setdefault(SCAN_PREFIX + rest, [None] * n_layers)[int(layer)] = name
+        else:
+            names[name] = [name]
+    return names
+
+
+def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """alias -> parameter name, for the names under which one Parameter appears again (tied embeddings)."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            aliases[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return aliases
+
+
+def _opt_shardings(tx: Any, param_shardings: dict[str, Any], replicated: Any) -> Any:
+    """optax's state tree with each moment sharded as its parameter and every scalar replicated."""
+    import jax
+
+    shapes = jax.eval_shape(tx.init, {n: jax.ShapeDtypeStruct((1,), np.float32) for n in param_shardings})
+    adam = shapes[0]
+    rest = jax.tree.map(lambda _: replicated, shapes[1:])
+    return (adam._replace(count=replicated, mu=dict(param_shardings), nu=dict(param_shardings)), *rest)
+
+
+@dataclass
+class XlaLayout:
+    mesh: Any  # jax.sharding.Mesh
+    names: dict[str, list[str]]  # device-state name -> host parameter names (device_names)
+    param_shardings: dict[str, Any]
+    opt_shardings: Any
+    batch_sharding: Any  # (micro-batches, B, T)
+    tx: Any  # the optax transform
+    compiled: CompiledStep
+    shapes: dict[str, tuple[int, ...]]  # device-state name -> its global shape
+
+
+def build_layout(spec: RunSpec, mesh: Any, host_model: torch.nn.Module, traced: torch.nn.Module,
+                 compute_dtype: torch.dtype, eos_id: Optional[int]) -> XlaLayout:
+    """`spec`'s layout on `mesh`; `traced` is prepared in place (ember/xla/step.py: prepare_model). Either model
+    may be on the meta device except for the traced one's buffers (the RoPE tables), which go to the devices."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    cfg = spec.cfg
+    n_moe = len(host_model.moe_layers())
+    options = StepOptions(
+        max_grad_norm=cfg.optim.max_grad_norm, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
+        weight_decay=cfg.optim.weight_decay, remat=cfg.model.remat, remat_every=cfg.model.remat_every,
+        scan_layers=cfg.model.scan_layers, compute_dtype=compute_dtype, eos_id=eos_id,
+        router_coefs=(cfg.model.aux_loss_coef, cfg.model.z_loss_coef),
+        router_weight_per_token=1.0 / (cfg.global_batch_size * cfg.seq_len * max(n_moe, 1)))
+    names = device_names(host_model, spec.args.n_layers, cfg.model.scan_layers)
+    tied = tied_aliases(traced)
+    traced, scanned = prepare_model(traced, options, NamedSharding(mesh, mesh_lib.hidden_spec(mesh)))
+    specs = param_specs(host_model, spec.model.tp_plan, mesh, [hosts[0] for hosts in names.values()])
+    param_shardings = {name: NamedSharding(mesh, P(*((None,) * (len(hosts) > 1)), *specs[hosts[0]]))
+                       for name, hosts in names.items()}
+    shapes = {name: (*((len(hosts),) if len(hosts) > 1 else ()), *host_model.get_parameter(hosts[0]).shape)
+              for name, hosts in names.items()}
+    decay = {id(p) for group in param_groups(host_model, cfg.optim.weight_decay) if group["weight_decay"]
+             for p in group["params"]}
+    tx = adamw(options, {name: id(host_model.get_parameter(hosts[0])) in decay for name, hosts in names.items()})
+    replicated = NamedSharding(mesh, P())
+    opt_shardings = _opt_shardings(tx, param_shardings, replicated)
+    buffers = {name: jax.device_put(np.asarray(buf.numpy()), replicated) for name, buf in traced.named_buffers()}
+    compiled = build_step(traced, scanned, options, tx, buffers, tied,
+                          {"params": param_shardings, "opt_state": opt_shardings,
+                           "batch": NamedSharding(mesh, mesh_lib.batch_spec(mesh)), "replicated": replicated})
+    return XlaLayout(mesh, names, param_shardings, opt_shardings,
+                     NamedSharding(mesh, P(None, *mesh_lib.batch_spec(mesh))), tx, compiled, shapes)
+
+
+def compiled_memory(layout: XlaLayout, micro_batches: int, rows: int, seq_len: int,
+                    params: Any = None, opt_state: Any = None) -> dict[str, int]:
+    """XLA's memory analysis of the compiled train step, per device, in bytes: `arguments` (weights, optimizer
+    state, the batch), `temporaries` (activations, gradients, workspace), `outputs` and `aliased` (outputs
+    written over donated arguments), and `peak` = arguments + outputs - aliased + temporaries. `params` and
+    `opt_state`: the run's arrays; default abstract ones of the layout's shapes (nothing is allocated)."""
+    import jax
+
+    if params is None:
+        params = {n: jax.ShapeDtypeStruct(layout.shapes[n], np.float32, sharding=s)
+                  for n, s in layout.param_shardings.items()}
+        opt_state = jax.tree.map(lambda shape, sharding: jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=sharding),
+                                 jax.eval_shape(layout.tx.init, params), layout.opt_shardings)
+    batch = jax.ShapeDtypeStruct((micro_batches, rows, seq_len), np.int64 if jax.config.jax_enable_x64 else np.int32,
+                                 sharding=layout.batch_sharding)
+    lr = jax.ShapeDtypeStruct((), np.float32)
+    analysis = layout.compiled.train.lower(params, opt_state, batch, batch, lr).compile().memory_analysis()
+    figures = {"arguments": analysis.argument_size_in_bytes, "outputs": analysis.output_size_in_bytes,
+               "aliased": analysis.alias_size_in_bytes, "temporaries": analysis.temp_size_in_bytes}
+    figures["peak"] = figures["arguments"] + figures["outputs"] - figures["aliased"] + figures["temporaries"]
+    return figures

@@ -1,0 +1,50 @@
+"""`ember plan` on the XLA path: the compiled step's per-device memory (XLA's memory analysis of abstract arrays on
+virtual devices) against the same analysis of the step a real device=xla run compiled over its arrays."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import run_ember, tiny_model
+
+LAYOUT = ["device=xla", *tiny_model(2), "seq_len=64", "global_batch_size=8", "ici_mesh.fsdp=4", "ici_mesh.tensor=2",
+          "micro_batch_size=2", "metrics.console=false"]
+RUN_AND_MEASURE = """
+import json, sys
+from ember import run as run_lib
+from ember.xla.layout import compiled_memory
+from ember.xla.train import XlaTrainer
+cfg = run_lib.load_config("debug", sys.argv[1:])
+trainer = XlaTrainer(cfg)
+trainer.train()
+spec = trainer.spec
+print(json.dumps(compiled_memory(trainer.layout, spec.grad_accum, cfg.micro_batch_size * spec.shape.dp, cfg.seq_len,
+                                 params=trainer.params, opt_state=trainer.opt_state)))
+"""
+
+
+@pytest.mark.slow
+def test_the_plan_predicts_the_compiled_steps_memory(xla_env: dict, tmp_path: Path):
+    proc = subprocess.run([sys.executable, "-c", RUN_AND_MEASURE, *LAYOUT, "max_steps=2",
+                           f"output_dir={tmp_path / 'run'}"], capture_output=True, text=True, env=xla_env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    measured = json.loads(proc.stdout.strip().splitlines()[-1])
+    planned = json.loads(run_ember("plan", "debug", *LAYOUT, "--world", "8", "--device", "cpu", "--json",
+                                   env=xla_env, expect=0).stdout)
+    assert planned["xla_memory"]["peak"] == pytest.approx(measured["peak"], rel=0.10)
+    assert planned["xla_memory"]["arguments"] == pytest.approx(measured["arguments"], rel=0.10)
+    one = json.loads(run_ember("plan", "debug", *[o for o in LAYOUT if not o.startswith("ici_mesh")],
+                               "micro_batch_size=8", "--world", "1", "--device", "cpu", "--json",
+                               env=xla_env, expect=0).stdout)
+    # weights and AdamW moments sharded 8 ways: an eighth of one device's, to within the replicated scalars
+    assert planned["xla_memory"]["arguments"] == pytest.approx(one["xla_memory"]["arguments"] / 8, rel=0.02)
+
+
+@pytest.mark.slow
+def test_plan_for_a_tpu_device_reports_the_xla_path_and_its_verdict(xla_env: dict):
+    out = run_ember("plan", "debug", "device=xla", "ici_mesh.fsdp=8", "micro_batch_size=1", "--world", "8",
+                    "--device", "tpu-v6e", env=xla_env, expect=0).stdout
+    assert "XLA path (device=tpu|xla): the compiled step per device" in out and "verdict: fits" in out
