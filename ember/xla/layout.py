@@ -15,6 +15,7 @@ import torch
 from ember.optim import param_groups
 from ember.run import RunSpec
 from ember.xla import mesh as mesh_lib
+from ember.xla.attention import flash_attention, uses_flash
 from ember.xla.sharding import param_specs
 from ember.xla.step import CompiledStep, StepOptions, adamw, build_step, prepare_model
 
@@ -89,7 +90,8 @@ def build_layout(spec: RunSpec, mesh: Any, host_model: torch.nn.Module, traced: 
         weight_decay=cfg.optim.weight_decay, remat=cfg.model.remat, remat_every=cfg.model.remat_every,
         scan_layers=cfg.model.scan_layers, compute_dtype=compute_dtype, eos_id=eos_id,
         router_coefs=(cfg.model.aux_loss_coef, cfg.model.z_loss_coef),
-        router_weight_per_token=1.0 / (cfg.global_batch_size * cfg.seq_len * max(n_moe, 1)))
+        router_weight_per_token=1.0 / (cfg.global_batch_size * cfg.seq_len * max(n_moe, 1)),
+        attention_fn=flash_attention(mesh) if uses_flash(mesh.devices.flat[0].platform, mesh) else None)
     names = device_names(host_model, spec.args.n_layers, cfg.model.scan_layers)
     tied = tied_aliases(traced)
     traced, scanned = prepare_model(traced, options, NamedSharding(mesh, mesh_lib.hidden_spec(mesh)))

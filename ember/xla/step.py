@@ -46,6 +46,7 @@ class StepOptions:
     eos_id: Optional[int]  # document masking
     router_coefs: tuple[float, float]  # (aux, z): model.aux_loss_coef, model.z_loss_coef
     router_weight_per_token: float  # 1 / (tokens per step x MoE layers): nn/moe.set_router_loss's weight
+    attention_fn: Optional[Callable[..., torch.Tensor]] = None  # the TPU kernel (xla/attention.py); None: SDPA's
 
 
 def remat_policy(policy: str) -> Any:
@@ -109,7 +110,7 @@ class ScannedBlocks(nn.Module):
 def prepare_model(model: nn.Module, options: StepOptions, hidden: Any) -> tuple[nn.Module, Optional[ScannedBlocks]]:
     """`model` made ready for tracing, in place: MoE layers dispatch to ragged_dot and attach no autograd
     router loss (the step adds it); each block's output constrained to `hidden` (a NamedSharding of (B, T,
-    dim): sequence parallelism at block boundaries); blocks rematerialised by jax.checkpoint; with scan_layers
+    dim): sequence parallelism at block boundaries); options.attention_fn in each attention; blocks rematerialised by jax.checkpoint; with scan_layers
     the blocks replaced by one ScannedBlocks (returned) over layer 0's module."""
     import jax
     from torchax import interop
@@ -119,6 +120,10 @@ def prepare_model(model: nn.Module, options: StepOptions, hidden: Any) -> tuple[
 
     for block in model.layers.values():
         block.register_forward_hook(constrain)
+    if options.attention_fn is not None:
+        for module in model.modules():
+            if hasattr(module, "attention_fn"):
+                module.attention_fn = options.attention_fn
 
     for moe in model.moe_layers():
         moe.dispatch = lambda run, tokens, counts, experts=moe.experts: _xla_experts(experts, tokens, counts)

@@ -1,0 +1,58 @@
+"""Attention on TPUs: jax's Pallas flash-attention kernel for TPU (causal, grouped-query heads, packed documents as
+its segment ids) in place of SDPA's math, which XLA would lower to a materialised (T, T) score matrix per head.
+The kernel is per device, so it runs under shard_map: batch rows over the data-parallel axes, heads over tensor.
+Elsewhere (jax's CPU or GPU backends, a context-parallel sequence split, or a sequence the kernel's 128-token
+blocks do not tile) the model keeps nn/attention.causal_attention, the exact SDPA math."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional
+
+import torch
+
+from ember.nn.attention import causal_attention
+from ember.xla.mesh import BATCH_AXES, present
+
+BLOCK = 128  # the kernel's smallest block along the sequence
+
+
+def uses_flash(platform: str, mesh: Any) -> bool:
+    """The TPU kernel: on TPUs, without a context-parallel split of the sequence (each device would see only its
+    slice of the keys)."""
+    return platform == "tpu" and mesh.shape["context"] == 1
+
+
+def flash_attention(mesh: Any) -> Callable[..., torch.Tensor]:
+    """An Attention.attention_fn, (q, k, v, document_ids) over (B, heads, T, head_dim) -> (B, heads, T, head_dim),
+    running the TPU kernel on `mesh`."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.pallas.ops.tpu import flash_attention as pallas_flash
+    from jax.sharding import PartitionSpec as P
+    from torchax import interop
+
+    rows = present(mesh, BATCH_AXES) or None
+    heads = present(mesh, ("tensor",)) or None
+
+    def per_device(q: Any, k: Any, v: Any, segments: Optional[Any]) -> Any:
+        ids = pallas_flash.SegmentIds(q=segments, kv=segments) if segments is not None else None
+        return pallas_flash.flash_attention(q, k, v, segment_ids=ids, causal=True, sm_scale=1.0 / math.sqrt(q.shape[-1]))
+
+    def attend(q: Any, k: Any, v: Any, segments: Optional[Any]) -> Any:
+        group = q.shape[1] // k.shape[1]  # grouped-query heads: each K/V head serves `group` query heads
+        k, v = (jnp.repeat(t, group, axis=1) for t in (k, v))
+        qkv = P(rows, heads, None, None)
+        if segments is None:
+            return jax.shard_map(lambda a, b, c: per_device(a, b, c, None), mesh=mesh, in_specs=(qkv,) * 3,
+                                 out_specs=qkv, check_vma=False)(q, k, v)
+        return jax.shard_map(per_device, mesh=mesh, in_specs=(qkv, qkv, qkv, P(rows, None)), out_specs=qkv,
+                             check_vma=False)(q, k, v, segments.astype(jnp.int32))
+
+    def attention_fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if q.shape[2] % BLOCK:
+            return causal_attention(q, k, v, document_ids)
+        return interop.call_jax(attend, q, k, v, document_ids)
+
+    return attention_fn
