@@ -80,30 +80,50 @@ def _xla_experts(experts: nn.Module, x_sorted: torch.Tensor, counts: torch.Tenso
     return grouped(h, experts.w2)
 
 
+def take_moe_stats(module: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(aux_loss, z_loss, tokens_per_expert) of each MoE layer in `module` after its forward, and its step
+    loads cleared: values of the trace that produced them, which a jax.checkpoint or scan must return as
+    outputs (left on the module, they would escape their transformation)."""
+    stats = []
+    for moe in module.modules():
+        if isinstance(moe, MoE):
+            stats.append((moe.aux_loss, moe.z_loss, moe.tokens_per_expert))
+            moe._step_loads.clear()
+    return stats
+
+
+def put_moe_stats(module: nn.Module, stats: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+    for moe, (aux, z, counts) in zip((m for m in module.modules() if isinstance(m, MoE)), stats):
+        moe.aux_loss, moe.z_loss, moe.tokens_per_expert = aux, z, counts
+
+
 class ScannedBlocks(nn.Module):
     """The model's blocks as one module whose forward is a jax.lax.scan over their stacked weights: XLA
     compiles one block whatever the depth. Stands in for Decoder.layers' values (the Decoder calls it as it
-    calls a block); `stacked` holds the (n_layers, ...) weights while a traced forward runs."""
+    calls a block); `stacked` holds the (n_layers, ...) weights while a traced forward runs, and `moe_stats`
+    after it each MoE statistic stacked over the layers, (n_layers, ...)."""
 
     def __init__(self, block: nn.Module, policy: Any):
         super().__init__()
         self.block, self.policy = block, policy
         self.stacked: Optional[dict[str, torch.Tensor]] = None
+        self.moe_stats: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
     def forward(self, h: torch.Tensor, *rest: Any) -> torch.Tensor:
         import jax
         from torchax import interop
 
-        def body(carry: Any, layer: Any) -> tuple[Any, None]:
-            def run(x: torch.Tensor, params: dict[str, torch.Tensor]) -> torch.Tensor:
-                with _reparametrize_module(self.block, params):
-                    return self.block(x, *rest)
-            fn = interop.call_torch
-            step = (jax.checkpoint(functools.partial(fn, run), policy=self.policy) if self.policy is not None
-                    else functools.partial(fn, run))
-            return step(carry, layer), None
+        def run(x: torch.Tensor, params: dict[str, torch.Tensor]) -> tuple:
+            with _reparametrize_module(self.block, params):
+                out = self.block(x, *rest)
+            return out, take_moe_stats(self.block)
 
-        out, _ = jax.lax.scan(body, interop.jax_view(h), interop.jax_view(self.stacked))
+        step = functools.partial(interop.call_torch, run)
+        if self.policy is not None:
+            step = jax.checkpoint(step, policy=self.policy)
+        out, stats = jax.lax.scan(lambda carry, layer: step(carry, layer), interop.jax_view(h),
+                                  interop.jax_view(self.stacked))
+        self.moe_stats = interop.torch_view(stats)
         return interop.torch_view(out)
 
 
@@ -149,15 +169,18 @@ def _rematerialised(block: nn.Module, policy: Any) -> Callable[..., torch.Tensor
 
     forward = block.forward
 
-    def run(params: dict[str, torch.Tensor], *args: Any) -> torch.Tensor:
+    def run(params: dict[str, torch.Tensor], *args: Any) -> tuple:
         with _reparametrize_module(block, params):
-            return forward(*args)
+            out = forward(*args)
+        return out, take_moe_stats(block)
 
     checkpointed = jax.checkpoint(interop.jax_view(run), policy=policy)
 
     def rematerialised(*args: Any) -> torch.Tensor:
         # the weights of this trace: the step's _reparametrize_module has put them on the block
-        return interop.call_jax(checkpointed, dict(block.named_parameters()), *args)
+        out, stats = interop.call_jax(checkpointed, dict(block.named_parameters()), *args)
+        put_moe_stats(block, stats)
+        return out
     return rematerialised
 
 
@@ -191,7 +214,7 @@ def build_step(model: nn.Module, scanned: Optional[ScannedBlocks], options: Step
     import jax.numpy as jnp
     from torchax import interop
 
-    moes = model.moe_layers() if scanned is None else []
+    moes = model.moe_layers()
     low = options.compute_dtype != torch.float32
     jax_dtype = jnp.bfloat16 if options.compute_dtype == torch.bfloat16 else jnp.float16
     aux_coef, z_coef = options.router_coefs
@@ -212,16 +235,15 @@ def build_step(model: nn.Module, scanned: Optional[ScannedBlocks], options: Step
             scanned.stacked = None
         loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
                                reduction="sum")
-        routed = inputs.numel()
-        router = loss.new_zeros(())
-        counts, aux = [], []
-        for moe in moes:
-            router = router + (aux_coef * moe.aux_loss + z_coef * moe.z_loss) * routed
-            counts.append(moe.tokens_per_expert)
-            aux.append(torch.stack([moe.aux_loss, moe.z_loss]))
-            moe._step_loads.clear()  # the trace's values: the step returns the load instead
-        stats = (torch.stack(counts) if counts else loss.new_zeros((0,)), torch.stack(aux) if aux else loss.new_zeros((0,)))
-        return loss, router * options.router_weight_per_token, stats
+        # each MoE layer's router losses (L,), (L,) and load (L, E): the scan's stacked outputs, or the layers'
+        if scanned is not None and scanned.moe_stats:
+            aux, z, counts = scanned.moe_stats[0]
+        elif moes:
+            aux, z, counts = (torch.stack(column) for column in zip(*take_moe_stats(model)))
+        else:
+            return loss, loss.new_zeros(()), (loss.new_zeros((0,)), loss.new_zeros((0,)))
+        router = (aux_coef * aux + z_coef * z).sum() * inputs.numel()
+        return loss, router * options.router_weight_per_token, (counts, torch.stack([aux, z], dim=1))
 
     def micro_loss(params: Params, inputs: Any, labels: Any, scale: Any) -> tuple[Any, Any]:
         if low:  # fp32 master weights, the forward in the compute dtype: their gradients come back fp32

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import job_env, losses_by_step, run_ember, tiny_model
+from tests.helpers import job_env, losses_by_step, read_records, run_ember, tiny_model
 
 STEPS = 10
 COMMON = [*tiny_model(2), "seq_len=32", "global_batch_size=8", f"max_steps={STEPS}", "logging_steps=1",
@@ -41,7 +41,7 @@ def torch_reference(tmp_path_factory) -> dict[str, dict]:
     root = tmp_path_factory.mktemp("torch")
     env = job_env()
     return {"llama": train(root / "llama", env, "micro_batch_size=8"),
-            "mixtral": train(root / "mixtral", env, "micro_batch_size=8", *MIXTRAL)}
+            "mixtral": train(root / "mixtral", env, "micro_batch_size=8", *MIXTRAL), "mixtral_dir": root / "mixtral"}
 
 
 LAYOUTS = {
@@ -57,6 +57,9 @@ LAYOUTS = {
     # 4 data-parallel rows per micro-batch, 2 micro-batches accumulated inside the compiled step
     "grad_accum": ("llama", ["ici_mesh.fsdp=4", "ici_mesh.tensor=2", "micro_batch_size=1"]),
     "mixtral_expert2_fsdp4": ("mixtral", ["ici_mesh.expert=2", "ici_mesh.fsdp=4", "micro_batch_size=1", *MIXTRAL]),
+    "mixtral_remat_full": ("mixtral", ["ici_mesh.fsdp=8", "micro_batch_size=1", "model.remat=full", *MIXTRAL]),
+    "mixtral_scan_remat": ("mixtral", ["ici_mesh.expert=2", "ici_mesh.fsdp=4", "micro_batch_size=1",
+                                       "model.scan_layers=true", "model.remat=full", *MIXTRAL]),
 }
 
 
@@ -65,6 +68,13 @@ LAYOUTS = {
 def test_every_layout_equals_the_torch_run(layout: str, torch_reference: dict, xla_env: dict, tmp_path: Path):
     family, overrides = LAYOUTS[layout]
     assert_same_run(train(tmp_path / layout, xla_env, "device=xla", *overrides), torch_reference[family])
+    if family == "mixtral":  # the expert loads the compiled step returns, logged as the torch path logs them
+        last = lambda run: [r for r in read_records(run) if "loss" in r][-1]  # noqa: E731
+        loads = lambda run: {k: v for k, v in last(run).items() if k.startswith("moe/")}  # noqa: E731
+        xla, torch_run = loads(tmp_path / layout), loads(torch_reference["mixtral_dir"])
+        assert xla.keys() == torch_run.keys() and len(xla) == 4  # 2 layers: tokens_per_expert and imbalance
+        for key, value in torch_run.items():
+            assert xla[key] == pytest.approx(value, rel=1e-6), key
 
 
 @pytest.mark.slow
