@@ -75,8 +75,7 @@ class Plan:
     searched: bool = False
     seconds: float = 0.0
     micro_batch_limit: Optional[int] = None  # the largest the batch allows (global_batch_size / data-parallel size)
-    # device=tpu|xla or --device tpu-*: the compiled XLA step's memory per device (ember/xla/plan.py), which
-    # then decides `fits`
+    # device=tpu|xla: the compiled XLA step's memory per device on virtual CPU devices (ember/xla/plan.py)
     xla_memory: Optional[dict[str, int]] = None
 
     def to_json(self) -> dict[str, Any]:

@@ -19,8 +19,8 @@ def check(cfg: JobConfig, shape: MeshShape) -> None:
         (cfg.lora.rank > 0, "lora.rank", "lora.rank=0, or fine-tune with LoRA on cpu/cuda"),
         (bool(cfg.eval.tasks), "eval.tasks", "eval.tasks=[] and score the checkpoint with `ember eval`"),
         (fp8_enabled(cfg), "precision=fp8 (fp8.enabled)", "precision=bf16"),
-        (cfg.model.remat == "offload" and cfg.device != "tpu", "model.remat=offload",
-         "offload needs a TPU's pinned host memory; use model.remat=full on device=xla"),
+        (cfg.model.remat == "offload" and cfg.device != "tpu", "model.remat=offload (it needs a TPU's pinned "
+         "host memory)", "model.remat=full"),
     ]
     for refused_here, key, fix in refused:
         if refused_here:

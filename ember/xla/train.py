@@ -199,11 +199,20 @@ class XlaTrainer(Trainer):
 
 def _peak(cfg: JobConfig, device_kind: str, dtype: torch.dtype) -> Any:
     """The MFU peak: the TPU's datasheet peak (ember/hardware.py), or on jax's CPU backend this CPU's."""
+    import jax
+
     from ember import hardware
 
     if cfg.device == "tpu":
         return hardware.tpu_peak_flops(device_kind, dtype, cfg.metrics.peak_tflops)
-    return hardware.peak_flops(torch.device("cpu"), dtype, cfg.metrics.peak_tflops)
+    peak = hardware.peak_flops(torch.device("cpu"), dtype, cfg.metrics.peak_tflops)
+    local = jax.local_device_count()
+    if device_kind != "cpu" or local == 1 or peak.value_flops is None or cfg.metrics.peak_tflops is not None:
+        return peak
+    # jax's virtual CPU devices share this machine's cores: each device's peak is its share of the measured one
+    # (not raised by a run: the cache holds the whole machine's)
+    return dataclasses.replace(peak, value_flops=peak.value_flops / local, measured=False,
+                               source=f"{peak.source}, shared by {local} virtual jax CPU devices")
 
 
 def run(cfg: JobConfig) -> dict:

@@ -195,3 +195,13 @@ def test_the_docs_examples_run_as_written(capsys):
         outputs.append(capsys.readouterr().out)
     page = (Path(__file__).parents[2] / "docs" / "tpu-launch.md").read_text()
     assert outputs[1] in page  # the output the page shows is the second example's
+
+
+@pytest.mark.parametrize("override, says", [("ici_mesh.pipeline=2", "no pipeline parallelism"),
+                                            ("lora.rank=4", "lora.rank is not supported with device=tpu")])
+def test_what_the_tpu_hosts_would_refuse_is_refused_before_submitting(override: str, says: str):
+    for build in (lambda: tpu.xpk_argv(xpk_job(), "debug", [override]),
+                  lambda: tpu.tpu_vm_argv(tpu.TpuVm(name="t", zone="z"), "debug", [override]),
+                  lambda: tpu.tpu_vm_argv(tpu.TpuVm(name="t", zone="z", tpu_type="v6e-8"), "debug", [override])):
+        with pytest.raises(ConfigError, match=says):
+            build()
