@@ -85,7 +85,7 @@ def test_convert_to_hf_gives_transformers_the_same_logits(runs: dict, tmp_path: 
     (["device=tpu"], "not TPUs"),
     (["device=xla", "ici_mesh.fsdp=3"], "world size is 8"),
     (["device=xla", "ici_mesh.pipeline=2"], "no pipeline parallelism"),
-    (["device=xla", "model.remat=offload"], "model.remat=offload is not supported with device=xla"),
+    (["device=xla", "model.remat=offload"], "model.remat=offload (it needs a TPU's pinned host memory) is not supported with device=xla; use model.remat=full"),
     (["device=cpu", "model.scan_layers=true"], "model.scan_layers=true is the XLA path's"),
 ])
 def test_mistakes_are_one_line_with_exit_2(overrides: list, says: str, xla_env: dict, tmp_path: Path):
