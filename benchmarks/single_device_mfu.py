@@ -116,7 +116,9 @@ def suite(steps: int, warmup: int) -> None:
               f"{r['memory_gb']:>8.1f}")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     out = Path(__file__).parent / "results" / f"single_device_mfu-suite-{device}.json"
-    out.write_text(json.dumps({"date": date.today().isoformat(), "torch": torch.__version__, "rows": rows}, indent=2) + "\n")
+    machine = torch.cuda.get_device_name() if device == "cuda" else f"cpu ({platform.machine()})"
+    out.write_text(json.dumps({"benchmark": "single_device_mfu --suite", "date": date.today().isoformat(),
+                               "machine": machine, "torch": torch.__version__, "rows": rows}, indent=2) + "\n")
     print(f"wrote {out}")
 
 

@@ -6,11 +6,13 @@ XLA compile, and the eager side's warm-up). On CPU the XLA side runs on jax's CP
 (JAX_PLATFORMS=cpu, XLA_FLAGS=--xla_force_host_platform_device_count=N, ici_mesh.fsdp=N; N=1 by default, the
 same single-device work as the eager side, which runs device=cpu). On a TPU there is no eager torch to
 compare with: the eager side is skipped, and beside the measured figure the table shows `ember plan`'s
-prediction for that TPU where the plan can produce one.
+prediction for that TPU where the plan can produce one. On a GPU (`--device gpu`) the XLA side runs device=xla on
+jax's CUDA backend, beside ember's torch path on the same GPU, eager and compiled, all in bf16.
 
     python benchmarks/tpu_throughput.py --device xla --shape debug            # on this CPU, a few minutes
     python benchmarks/tpu_throughput.py --device tpu --shape llama3.1-8b      # on a v5e/v6e host
     python benchmarks/tpu_throughput.py --device tpu --shape llama3.2-1b --steps 30 --batch-per-device 2
+    python benchmarks/tpu_throughput.py --device gpu --shape llama3.2-1b      # one H100/H200, jax[cuda]
 
 The TPU figures are unmeasured until a TPU runs this script: only CPU results are in benchmarks/results/ so
 far. The target on a TPU is torchprime's published MFU for Llama 3 8B on v6e-256 (AI-Hypercomputer/torchprime,
@@ -130,17 +132,24 @@ def measure_shape(shape: str, args: argparse.Namespace, scratch: Path) -> list[d
         env |= {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={args.xla_devices}"}
         devices, kind = args.xla_devices, hardware.cpu_model()
     else:
+        env |= {"JAX_PLATFORMS": "cuda"} if args.device == "gpu" else {}
         devices, kind = jax_devices(env)
-    common = train_overrides(args, devices)
+    common = train_overrides(args, devices) + (["precision=bf16"] if args.device == "gpu" else [])
     model = TPU_MODEL_OVERRIDES if args.device == "tpu" and shape != "debug" else []
-    xla = run_side(recipe, [*common, *model, f"device={args.device}", f"ici_mesh.fsdp={devices}"], env,
-                   scratch / f"{shape}-xla")
+    xla = run_side(recipe, [*common, *model, "device=" + ("tpu" if args.device == "tpu" else "xla"),
+                            f"ici_mesh.fsdp={devices}"], env, scratch / f"{shape}-xla")
     rows = [{"shape": shape, "path": f"xla ({args.device}, {devices} device(s))", "device_kind": kind, **xla}]
-    if args.device == "xla":  # the eager torch side on the same CPU, one process, the same batch
-        eager = run_side(recipe, [*common, "device=cpu"], dict(os.environ, TOKENIZERS_PARALLELISM="false"),
-                         scratch / f"{shape}-eager")
-        rows.append({"shape": shape, "path": "eager torch (cpu)", "device_kind": kind, **eager})
-        rows[0]["ratio_xla_vs_eager"] = xla["tokens_per_s"] / eager["tokens_per_s"]
+    if args.device in ("xla", "gpu"):  # ember's torch path on the same device, one process, the same batch
+        torch_device = "cpu" if args.device == "xla" else "cuda"
+        for compiled in ([False] if args.device == "xla" else [False, True]):
+            name = f"{'compiled' if compiled else 'eager'} torch ({torch_device})"
+            side = run_side(recipe, [*common, f"device={torch_device}", f"compile={str(compiled).lower()}"],
+                            dict(os.environ, TOKENIZERS_PARALLELISM="false"),
+                            scratch / f"{shape}-{name.split()[0]}")
+            rows.append({"shape": shape, "path": name, "device_kind": kind, **side})
+        rows[0]["ratio_xla_vs_eager"] = xla["tokens_per_s"] / rows[1]["tokens_per_s"]
+        if len(rows) > 2:
+            rows[0]["ratio_xla_vs_compiled"] = xla["tokens_per_s"] / rows[2]["tokens_per_s"]
     else:
         rows[0] |= plan_prediction(recipe, [*common, *model, f"ici_mesh.fsdp={devices}"], devices, kind)
     return rows
@@ -154,14 +163,17 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         plan_tps = f"{r['plan_tokens_per_s']:,.0f}" if "plan_tokens_per_s" in r else ""
         plan_mfu = f"{r['plan_mfu']:.1%}" if r.get("plan_mfu") is not None else ""
         print(f"{r['shape']:<14}{r['path']:<30}{r['tokens_per_s']:>12,.0f}{mfu:>8}{ratio:>11}{plan_tps:>12}{plan_mfu:>10}")
+        if "ratio_xla_vs_compiled" in r:
+            print(f"{'':<14}XLA / compiled torch: {r['ratio_xla_vs_compiled']:.2f}x")
         if r.get("plan") == "no plan for this device":
             print(f"{'':<14}no plan for this device")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", choices=("xla", "tpu"), default="xla",
-                        help="xla: jax's CPU backend against eager torch on the CPU; tpu: the TPU host's chips")
+    parser.add_argument("--device", choices=("xla", "tpu", "gpu"), default="xla",
+                        help="xla: jax's CPU backend against eager torch on the CPU; tpu: the TPU host's chips; "
+                             "gpu: jax's CUDA backend against ember's torch path on the same GPU")
     parser.add_argument("--shape", default="debug",
                         help=f"comma-separated, from {', '.join(SHAPES)} (the large ones need a TPU)")
     parser.add_argument("--xla-devices", type=int, default=1, help="jax CPU devices on --device xla (ici_mesh.fsdp)")
@@ -178,8 +190,9 @@ def main() -> int:
     unknown = [s for s in shapes if s not in SHAPES]
     if unknown or (args.device == "xla" and any(s != "debug" for s in shapes)):
         parser.error(f"--shape {args.shape}: choose from {', '.join(SHAPES)}; only debug runs on --device xla (CPU)")
-    args.seq_len = args.seq_len or (8192 if args.device == "tpu" and shapes != ["debug"] else 256)
-    args.batch_per_device = args.batch_per_device or (8 if args.device == "xla" else 1)
+    large = shapes != ["debug"]
+    args.seq_len = args.seq_len or {"tpu": 8192 if large else 256, "gpu": 2048 if large else 256}.get(args.device, 256)
+    args.batch_per_device = args.batch_per_device or {"xla": 8, "gpu": 4}.get(args.device, 1)
 
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as scratch:

@@ -2,9 +2,8 @@
 
 Every number is the vendor's PEAK DENSE rate per device as torch sees it. NVIDIA datasheets print the
 tensor-core rates "with sparsity" (2:4 structured sparsity, which training does not use): the dense rate
-is half of the printed one, and that half is what the table holds. A device missing from the table has
-no peak (never a guess): the caller says so once and MFU is reported as null until the user sets
-`metrics.peak_tflops`.
+is half of the printed one, and that half is what the table holds. A device missing from the table has no
+peak (never a guess): the caller says so once and MFU is null until the user sets `metrics.peak_tflops`.
 """
 
 from __future__ import annotations
@@ -28,12 +27,8 @@ from ember.device import cpu_runs_bf16_natively
 
 @dataclass(frozen=True)
 class DeviceSpec:
-    """Dense peak FLOP/s per precision (None: the device has no such rate) and memory per device.
-
-    memory_gb is the HBM per device as the vendor prints it, for display next to the measured peak;
-    vendors' "GB" of HBM are GiB in practice (an H100's "80GB" is 80 GiB), the unit
-    `ember.metrics.peak_memory_gb` reports.
-    """
+    """Dense peak FLOP/s per precision (None: the device has no such rate) and HBM per device as printed
+    (vendors' "GB" are GiB in practice, the unit `ember.metrics.peak_memory_gb` reports)."""
 
     name: str
     bf16: Optional[float]  # also the fp16 rate: equal on every device below
@@ -162,6 +157,11 @@ def tpu_spec(device_kind: str) -> Optional[DeviceSpec]:
 def tpu_peak_flops(device_kind: str, dtype: torch.dtype, user_peak_tflops: Optional[float] = None) -> PeakFlops:
     """peak_flops for one TPU chip named by jax's `device.device_kind`; `metrics.peak_tflops` overrides it."""
     return _datasheet_peak(tpu_spec(device_kind), device_kind, dtype, user_peak_tflops)
+
+
+def named_peak_flops(name: str, dtype: torch.dtype, user_peak_tflops: Optional[float] = None) -> PeakFlops:
+    """peak_flops for an accelerator known only by name (jax's GPU `device_kind`, "NVIDIA H200")."""
+    return _datasheet_peak(match_device(name), name, dtype, user_peak_tflops)
 
 
 def _datasheet_peak(spec: Optional[DeviceSpec], name: str, dtype: torch.dtype, user: Optional[float]) -> PeakFlops:

@@ -198,13 +198,15 @@ class XlaTrainer(Trainer):
 
 
 def _peak(cfg: JobConfig, device_kind: str, dtype: torch.dtype) -> Any:
-    """The MFU peak: the TPU's datasheet peak (ember/hardware.py), or on jax's CPU backend this CPU's."""
+    """The MFU peak: a TPU's or GPU's datasheet peak (ember/hardware.py), or on jax's CPU backend this CPU's."""
     import jax
 
     from ember import hardware
 
     if cfg.device == "tpu":
         return hardware.tpu_peak_flops(device_kind, dtype, cfg.metrics.peak_tflops)
+    if jax.default_backend() == "gpu":  # device=xla on jax's CUDA/ROCm backend: the GPU's datasheet row
+        return hardware.named_peak_flops(device_kind, dtype, cfg.metrics.peak_tflops)
     peak = hardware.peak_flops(torch.device("cpu"), dtype, cfg.metrics.peak_tflops)
     local = jax.local_device_count()
     if device_kind != "cpu" or local == 1 or peak.value_flops is None or cfg.metrics.peak_tflops is not None:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from ember import hardware
-from ember.hardware import PeakFlops, tpu_peak_flops, tpu_spec
+from ember.hardware import PeakFlops, named_peak_flops, tpu_peak_flops, tpu_spec
 
 # (entry, bf16 TFLOP/s, fp8 TFLOP/s or None, HBM GiB): the Cloud TPU system-architecture pages' figures.
 TABLE = [
@@ -108,3 +108,11 @@ def test_metrics_peak_tflops_overrides_known_and_unknown_chips():
     assert tpu_peak_flops("TPU v3", torch.bfloat16, 123.0) == expected
     assert tpu_peak_flops("TPU v6 lite", torch.bfloat16, 123.0) == expected
     assert tpu_peak_flops("TPU v6 lite", torch.bfloat16) == tpu_peak_flops("TPU v6 lite", torch.bfloat16, None)
+
+
+def test_a_gpu_under_jax_is_found_by_the_name_jax_gives_it():
+    # device=xla on jax's CUDA backend: jax's device_kind is "NVIDIA H200", torch's name for the same card
+    assert named_peak_flops("NVIDIA H200", torch.bfloat16) == PeakFlops(
+        989.4e12, "NVIDIA H200 SXM bf16 dense (NVIDIA H200 datasheet)")
+    assert named_peak_flops("TPU v6 lite", torch.bfloat16) == tpu_peak_flops("TPU v6 lite", torch.bfloat16)
+    assert named_peak_flops("Some GPU", torch.bfloat16).value_flops is None
