@@ -90,13 +90,14 @@ def verify(step_dir: Path, template: dict[str, Any]) -> None:
             raise CheckpointError(f"checkpoint {step_dir}: shard file {name} is truncated "
                                   f"({path.stat().st_size} of at least {size} bytes)")
     for key, value in _flatten(template).items():
-        if not isinstance(value, torch.Tensor):
+        shape = getattr(value, "shape", None)  # a tensor, or a host's chunks of one (ember/xla/checkpoint.py)
+        if shape is None:
             continue  # lists and numbers (param_groups) are flattened by DCP its own way
         stored = metadata.state_dict_metadata.get(key)
         if stored is None:
             raise CheckpointError(f"checkpoint {step_dir} has no '{key}'; it was saved from another model or optimizer")
-        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else None
-        if shape is not None and isinstance(stored, TensorStorageMetadata) and tuple(stored.size) != shape:
+        shape = tuple(shape)
+        if isinstance(stored, TensorStorageMetadata) and tuple(stored.size) != shape:
             raise CheckpointError(f"checkpoint {step_dir}: '{key}' has shape {tuple(stored.size)} but this run's "
                                   f"model has {shape}; resume with the same model config or resume=none")
 
@@ -145,10 +146,16 @@ class CheckpointManager:
         self.meta, self.say = meta, say
         self._pending: Optional[tuple[Any, Path, Path]] = None  # async save in flight: (future, tmp, final)
         self._async_group = None
-        if _rank() == 0 and self.dir.is_dir():
+        if self.rank() == 0 and self.dir.is_dir():
             for leftover in self.dir.glob("step-*.tmp"):  # a save that a crash interrupted
                 shutil.rmtree(leftover, ignore_errors=True)
                 self.say(f"removed the incomplete checkpoint {leftover.name} left by an interrupted save")
+        self.barrier()
+
+    def rank(self) -> int:
+        return _rank()
+
+    def barrier(self) -> None:
         _barrier()
 
     # ------------------------------------------------------------------ state
@@ -166,27 +173,33 @@ class CheckpointManager:
         self.wait()  # one save in flight at a time
         final = self.dir / f"step-{step}"
         tmp = final.with_name(final.name + ".tmp")
-        if _rank() == 0:
+        if self.rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
-        _barrier()
-        torch.save(train_state, tmp / f"train-rank{_rank()}.pt")
-        state = self._state()
+        self.barrier()
+        torch.save(train_state, tmp / f"train-rank{self.rank()}.pt")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # DCP's notes on single-process use
-            if self.cfg.async_save and not blocking:
-                if self._async_group is None and dist.is_initialized():
-                    self._async_group = dist.new_group(backend="gloo")
-                future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._async_group)
-                self._pending = (future, tmp, final)
-                return
-            dcp.save(state, checkpoint_id=str(tmp))
+            future = self._write(tmp, blocking)
+        if future is not None:
+            self._pending = (future, tmp, final)
+            return
         self._commit(tmp, final)
-        _barrier()
+        self.barrier()
+
+    def _write(self, tmp: Path, blocking: bool) -> Optional[Any]:
+        """The weights and optimizer state into tmp; a future while an asynchronous save writes on."""
+        state = self._state()
+        if self.cfg.async_save and not blocking:
+            if self._async_group is None and dist.is_initialized():
+                self._async_group = dist.new_group(backend="gloo")
+            return dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._async_group)
+        dcp.save(state, checkpoint_id=str(tmp))
+        return None
 
     def _commit(self, tmp: Path, final: Path) -> None:
         """Rank 0, once every rank's shards and the metadata are written: marker, rename, prune."""
-        if _rank() != 0:
+        if self.rank() != 0:
             return
         if self.run_config is not None:
             (tmp / CHECKPOINT_CONFIG).write_text(yaml.safe_dump(self.run_config, sort_keys=False), encoding="utf-8")
@@ -265,7 +278,7 @@ class CheckpointManager:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)
                 try:
-                    dcp.load(state, checkpoint_id=str(step_dir))
+                    dcp.load(state, checkpoint_id=str(step_dir), planner=self._load_planner())
                 except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
                     raise CheckpointError(f"checkpoint {step_dir} cannot be loaded: {first_error_line(err)}") from None
         except CheckpointError as err:
@@ -276,9 +289,8 @@ class CheckpointManager:
                                  "falls back to the one before), or start over with resume=none (the old run is moved "
                                  "aside) or a new output_dir") from None
             raise
-        apply_group_settings(state["optim"]["param_groups"], settings)  # before loading: fused/foreach place state
-        set_optimizer_state_dict(self.optim_model, self.optimizer, state["optim"])
-        rank_file = step_dir / f"train-rank{_rank()}.pt"
+        self._restore(state, settings)
+        rank_file = step_dir / f"train-rank{self.rank()}.pt"
         if not rank_file.is_file():  # another world size: the global data position is the same on every rank
             rank_file = step_dir / "train-rank0.pt"
         try:
@@ -290,6 +302,14 @@ class CheckpointManager:
             self.say(describe_changes(found))
         self.resumed_from, self.changes = step_dir, found
         return train_state
+
+    def _load_planner(self) -> Any:
+        return None  # DCP's default
+
+    def _restore(self, state: dict[str, Any], settings: Any) -> None:
+        """The loaded state into the model (loaded in place) and the optimizer, under this run's optim.*."""
+        apply_group_settings(state["optim"]["param_groups"], settings)  # before loading: fused/foreach place state
+        set_optimizer_state_dict(self.optim_model, self.optimizer, state["optim"])
 
 
 def starts_over(resume: str, output_dir: Path) -> bool:
@@ -334,19 +354,21 @@ def archive_previous_run(output_dir: Path, say: Callable[[str], None], reason: s
 
 
 def open_checkpoints(spec: RunSpec, model_parts: list[nn.Module], model: nn.Module, optimizer: torch.optim.Optimizer,
-                     say: Callable[[str], None]) -> tuple["CheckpointManager", Optional[dict[str, Any]]]:
+                     say: Callable[[str], None], manager_type: Optional[Callable[..., "CheckpointManager"]] = None,
+                     ) -> tuple["CheckpointManager", Optional[dict[str, Any]]]:
     """The run's CheckpointManager and the training state resumed through it (None: from scratch). Its model.json
     names the model that was built and, for LoRA, the base the adapters sit on; for a full DPO run, the
     reference (model.init_from) that a resume rebuilds. A run that starts over (resume=none, or another run's
     checkpoint) moves the files of the run in its output_dir aside, once the checkpoint it names has been checked
-    and loaded and has steps left to train: a refused or finished resume leaves that run as it was."""
+    and loaded and has steps left to train: a refused or finished resume leaves that run as it was. manager_type:
+    another CheckpointManager (the XLA path's, over sharded device arrays), called with CheckpointManager's arguments."""
     cfg, output_dir = spec.cfg, Path(spec.cfg.output_dir)
     meta = meta_for(cfg.model.family, spec.flavor, spec.args)
     if cfg.lora.rank:  # a LoRA checkpoint holds the adapters and their optimizer state, and names its base
         meta.update(lora_meta(cfg.lora, cfg.model.init_from))
     elif cfg.task == "dpo" and cfg.model.init_from:
         meta.update(reference_meta(cfg.model.init_from))
-    manager = CheckpointManager(cfg.checkpoint, output_dir, model_parts, model, optimizer, meta, say=say,
+    manager = (manager_type or CheckpointManager)(cfg.checkpoint, output_dir, model_parts, model, optimizer, meta, say=say,
                                 adapters_only=bool(cfg.lora.rank), run_config=config_dict(cfg),
                                 allow_changes=cfg.resume_allow_changes)
     try:

@@ -3,16 +3,16 @@
 What it shares with the torch.distributed Trainer, unchanged: the run's decisions (run.resolve), the model
 (run.build_model, on the host: its seeded init is the torch path's, weight for weight), the loaders and their
 exact resume, the LR schedule (a torch LambdaLR whose value each step is an argument of the compiled step),
-health checks, metrics, run.json, and checkpoints. A checkpoint is ember's own (DCP through
-checkpoint.CheckpointManager, over a host copy of the weights and a torch AdamW's state gathered from the
-devices at save time): a TPU run's checkpoint is resumed, evaluated, generated from, converted to Hugging Face
-and fine-tuned anywhere ember runs, and a torch run's resumes on TPU. The cost is a full host copy of weights
-and optimizer state on each host while saving (fine to ~8B parameters per host; docs/tpu.md says the bound).
+health checks, metrics, run.json, and checkpoints in ember's own format, written and read shard by shard by
+each host (ember/xla/checkpoint.py): a TPU run's checkpoint is resumed, evaluated, generated from, converted to
+Hugging Face and fine-tuned anywhere ember runs, and a torch run's resumes on TPU. The host model is built once,
+for its seeded init; each host holds a full fp32 copy of the weights while the run starts (nothing else after).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from pathlib import Path
 from typing import Any, Optional
@@ -35,7 +35,8 @@ from ember.step import Batch
 from ember.train import Trainer
 from ember.xla import mesh as mesh_lib
 from ember.xla import runtime
-from ember.xla.layout import build_layout, pick_compute_dtype
+from ember.xla.checkpoint import DeviceState, RestoredState, XlaCheckpointManager
+from ember.xla.layout import build_layout, pick_compute_dtype, tied_aliases
 from ember.xla.profiling import JaxStepProfiler
 
 
@@ -71,7 +72,7 @@ class XlaTrainer(Trainer):
         self.forward_backward = None
 
         # The traced model: another instance of the same architecture whose weights are the jax arrays.
-        traced = run_lib.build_model(dataclasses.replace(spec, device=torch.device("cpu")), None).parts[0]
+        traced = _weightless(run_lib.build_model(dataclasses.replace(spec, device=torch.device("cpu")), None).parts[0])
         eos_id = self.tokenizer.eos_id if cfg.data.document_mask and self.tokenizer else None
         self.layout = build_layout(spec, self.jax_mesh, self.host_model, traced, compute_dtype, eos_id)
         self.names, self.tx, self.compiled = self.layout.names, self.layout.tx, self.layout.compiled
@@ -96,8 +97,12 @@ class XlaTrainer(Trainer):
 
         self.step = 0
         self.health = HealthGuard(cfg.max_skipped_steps, cfg.loss_spike_factor, self._say)
-        self.checkpointer, state = open_checkpoints(self.spec, self.model_parts, self.host_model, self.optimizer,
-                                                    self._say)
+        device_state = DeviceState(self.names, self.layout.shapes, self.param_shardings, self.opt_shardings,
+                                   tied_aliases(self.host_model), _param_groups(self.host_model, self.optimizer),
+                                   lambda: (self.params, self.opt_state))
+        self.checkpointer, state = open_checkpoints(
+            self.spec, self.model_parts, self.host_model, self.optimizer, self._say,
+            manager_type=functools.partial(XlaCheckpointManager, device_state=device_state))
         if state is not None:
             self.step = int(state["step"])
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
@@ -105,51 +110,28 @@ class XlaTrainer(Trainer):
             self.train_loader.load_state_dict(state["data"])
             set_rng_state(state["rng"])
             self.health.load_state_dict(state)
-        self.params, self.opt_state = self._to_devices()
+        self.params, self.opt_state = self._to_devices(self.checkpointer.restored)
+        _weightless(self.host_model, self.optimizer)  # the devices hold the weights now: a stale copy would mislead
 
     # ---------------------------------------------------------------- host <-> devices
-    def _to_devices(self) -> tuple[dict[str, Any], Any]:
-        """The host copy (weights, and AdamW's state where the optimizer has it) as sharded jax arrays."""
+    def _to_devices(self, restored: Optional[RestoredState]) -> tuple[dict[str, Any], Any]:
+        """The run's starting weights and optax state as sharded jax arrays: a resume's, or the host model's
+        seeded init with a fresh optimizer."""
         import jax
 
-        def put(name: str, tensors: list[torch.Tensor]) -> Any:
-            value = np.stack([t.detach().numpy() for t in tensors]) if len(tensors) > 1 else tensors[0].detach().numpy()
-            return jax.device_put(value, self.param_shardings[name])
-
-        host = {n: [self.host_model.get_parameter(h) for h in hosts] for n, hosts in self.names.items()}
-        params = {n: put(n, ts) for n, ts in host.items()}
+        if restored is not None:
+            params = restored.params
+        else:
+            params = {}
+            for name, hosts in self.names.items():
+                tensors = [self.host_model.get_parameter(h).detach().numpy() for h in hosts]
+                params[name] = jax.device_put(np.stack(tensors) if len(tensors) > 1 else tensors[0],
+                                              self.param_shardings[name])
         opt_state = jax.device_put(self.tx.init(params), self.opt_shardings)
-        states = [self.optimizer.state.get(ts[0]) for ts in host.values()]
-        if all(s and "exp_avg" in s for s in states):  # resumed: torch AdamW's state becomes optax's
-            adam = opt_state[0]
-            mu = {n: put(n, [self.optimizer.state[p]["exp_avg"] for p in ts]) for n, ts in host.items()}
-            nu = {n: put(n, [self.optimizer.state[p]["exp_avg_sq"] for p in ts]) for n, ts in host.items()}
-            count = jax.device_put(np.asarray(int(float(states[0]["step"])), dtype=np.int32), self.opt_shardings[0].count)
-            opt_state = (adam._replace(count=count, mu=mu, nu=nu), *opt_state[1:])
+        if restored is not None:  # torch AdamW's moments and step count become optax's
+            count = jax.device_put(np.asarray(restored.count, dtype=np.int32), self.opt_shardings[0].count)
+            opt_state = (opt_state[0]._replace(count=count, mu=restored.mu, nu=restored.nu), *opt_state[1:])
         return params, opt_state
-
-    def _to_host(self) -> None:
-        """The devices' weights and AdamW state copied into the host model and the torch optimizer (gathered
-        from every host's shards), which the checkpoint writes."""
-        from jax.experimental import multihost_utils
-
-        def gather(value: Any) -> np.ndarray:
-            return np.asarray(multihost_utils.process_allgather(value, tiled=True))
-
-        adam = self.opt_state[0]
-        step = float(gather(adam.count))
-        for name, hosts in self.names.items():
-            values = [gather(tree[name]) for tree in (self.params, adam.mu, adam.nu)]
-            for i, host_name in enumerate(hosts):
-                param = self.host_model.get_parameter(host_name)
-                weight, mu, nu = (torch.from_numpy(np.array(v[i] if len(hosts) > 1 else v)) for v in values)
-                with torch.no_grad():
-                    param.copy_(weight)
-                self.optimizer.state[param] = {"step": torch.tensor(step), "exp_avg": mu, "exp_avg_sq": nu}
-
-    def train_state(self) -> dict:
-        self._to_host()
-        return super().train_state()
 
     # ---------------------------------------------------------------- one step
     def _global(self, micro_batches: list[Batch]) -> tuple[Any, Any]:
@@ -221,3 +203,28 @@ def run(cfg: JobConfig) -> dict:
     """`ember train ... device=tpu|xla`."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     return XlaTrainer(cfg).train()
+
+
+def _param_groups(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """The optimizer's param groups as torch's optimizer state dict names them (hyper-parameters, fqns)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [{**{k: v for k, v in group.items() if k != "params"}, "params": [names[id(p)] for p in group["params"]]}
+            for group in optimizer.param_groups]
+
+
+def _weightless(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> torch.nn.Module:
+    """The model with its parameters on the meta device (names, shapes and ties kept; buffers kept), and the
+    optimizer's groups pointing at them, so that nothing holds the host weights."""
+    meta: dict[int, torch.nn.Parameter] = {}
+
+    def swap(param: torch.nn.Parameter) -> torch.nn.Parameter:
+        return meta.setdefault(id(param), torch.nn.Parameter(torch.empty_like(param, device="meta"),
+                                                             requires_grad=param.requires_grad))
+
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None:
+                module._parameters[name] = swap(param)
+    for group in optimizer.param_groups if optimizer is not None else []:
+        group["params"] = [swap(param) for param in group["params"]]
+    return model
