@@ -77,11 +77,13 @@ def check(cfg: JobConfig, world_size: int) -> None:
     sources.check(cfg)
     tasks.check(cfg)
     chat.check(cfg)
-    shape = mesh_shape(cfg, world_size)
     if cfg.device in config_lib.XLA_DEVICES:  # what that path does not run, before what would not fit it
         from ember.xla import checks as xla_checks
 
+        shape = xla_checks.mesh_shape(cfg, world_size)
         xla_checks.check(cfg, shape)
+    else:
+        shape = mesh_shape(cfg, world_size)
     per_step = cfg.micro_batch_size * shape.dp
     if cfg.global_batch_size % per_step:
         raise ConfigError(

@@ -39,6 +39,8 @@ TIMESTAMP = "%Y%m%d-%H%M%S"
 # chips have one TensorCore and their types count chips. Cloud TPU's "TPU versions" pages; XPK's
 # system_characteristics.py (tensorcores_per_chip) names the same types.
 CORES_PER_CHIP = {"v4": 2, "v5p": 2, "v5litepod": 1, "v6e": 1}
+# The slice sizes Cloud TPU offers for v5e and v6e (chips); larger jobs take several slices (--num-slices).
+SLICE_CHIPS = {"v5litepod": (1, 4, 8, 16, 32, 64, 128, 256), "v6e": (1, 4, 8, 16, 32, 64, 128, 256)}
 
 INSTALL_HINTS = {
     "xpk": "pip install xpk (it runs gcloud and kubectl, which it needs on PATH too)",
@@ -56,12 +58,18 @@ def tpu_chips(tpu_type: str) -> int:
                           f"{', '.join(f'{g}-N' for g in CORES_PER_CHIP)} (e.g. v6e-256, v5p-128; v5e is "
                           "v5litepod-N) or a topology such as v6e-4x4")
     if "x" in size:
-        return math.prod(int(side) for side in size.split("x"))
-    cores, per_chip = int(size), CORES_PER_CHIP[generation]
-    if cores % per_chip:
-        raise ConfigError(f"--tpu-type '{tpu_type}': a {generation} type counts TensorCores, {per_chip} per chip, so "
-                          f"its number is even (e.g. {generation}-{cores + 1})")
-    return cores // per_chip
+        chips = math.prod(int(side) for side in size.split("x"))
+    else:
+        cores, per_chip = int(size), CORES_PER_CHIP[generation]
+        if cores % per_chip:
+            raise ConfigError(f"--tpu-type '{tpu_type}': a {generation} type counts TensorCores, {per_chip} per chip, "
+                              f"so its number is even (e.g. {generation}-{cores + 1})")
+        chips = cores // per_chip
+    sizes = SLICE_CHIPS.get(generation)
+    if sizes and chips not in sizes:
+        raise ConfigError(f"--tpu-type '{tpu_type}': a {generation} slice has {', '.join(map(str, sizes[:-1]))} or "
+                          f"{sizes[-1]} chips; give one of those (more chips: several slices, --num-slices)")
+    return chips
 
 
 def check_workload(name: str) -> None:
@@ -136,9 +144,12 @@ def _slices_error(dcn: dict[str, int], launcher: str, num_slices: int) -> Config
     if launcher == "tpu-vm":
         return ConfigError(f"the dcn_mesh degrees ({degrees}) span slices, but a TPU VM is one slice; leave every "
                            "dcn_mesh degree 1 (ember launch xpk --num-slices N runs N slices)")
-    return ConfigError(f"the dcn_mesh degrees ({degrees}) multiply to {math.prod(dcn.values())}, but --num-slices is "
-                       f"{num_slices}; make them multiply to the slices (e.g. dcn_mesh.data={num_slices}) or change "
-                       "--num-slices")
+    product = math.prod(dcn.values())
+    ones = " ".join(f"dcn_mesh.{axis}=1" for axis, value in dcn.items() if value != 1)
+    other = (f"one, with {ones}" if num_slices == 1 else
+             f"{num_slices}, with degrees that multiply to {num_slices} (e.g. dcn_mesh.data={num_slices})")
+    return ConfigError(f"the dcn_mesh degrees ({degrees}) multiply to {product}, but --num-slices is {num_slices}; "
+                       f"run {product} slices (--num-slices {product}) or {other}")
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,18 @@ from ember.errors import ConfigError
 from ember.parallel.mesh_shape import MeshShape
 
 
+def mesh_shape(cfg: JobConfig, devices: int) -> MeshShape:
+    """The run's mesh over jax's devices, its error worded for them (and how to get more on a CPU)."""
+    from ember.run import mesh_shape as run_mesh_shape
+
+    try:
+        return run_mesh_shape(cfg, devices)
+    except ConfigError as err:
+        more = ("; on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N JAX_PLATFORMS=cpu makes N devices"
+                if cfg.device == "xla" else "")
+        raise ConfigError(str(err).replace("the number of processes", f"jax's {devices} device(s)") + more) from None
+
+
 def check(cfg: JobConfig, shape: MeshShape) -> None:
     where = f"device={cfg.device}"
     if shape.degree("pipeline") > 1:

@@ -31,6 +31,10 @@ def test_the_chips_of_a_tpu_type():
     with pytest.raises(ConfigError, match=r"^--tpu-type 'v5p-7': a v5p type counts TensorCores, 2 per chip, so its "
                        r"number is even \(e\.g\. v5p-8\)$"):
         tpu.tpu_chips("v5p-7")
+    for name in ("v6e-255", "v6e-2", "v5litepod-512", "v6e-3x3"):
+        with pytest.raises(ConfigError, match=rf"^--tpu-type '{name}': a v\w+ slice has 1, 4, 8, 16, 32, 64, 128 or "
+                           r"256 chips; give one of those \(more chips: several slices, --num-slices\)$"):
+            tpu.tpu_chips(name)
     for name in ("v5e-16", "h100-8", "v6e", "v6e-0", "V6E-8", "v6e-4x"):
         with pytest.raises(ConfigError, match=rf"^--tpu-type '{name}' is not a TPU type ember knows; give v4-N, "
                            r"v5p-N, v5litepod-N, v6e-N \(e\.g\. v6e-256, v5p-128; v5e is v5litepod-N\)"):
@@ -80,8 +84,11 @@ def test_the_tpu_vm_command():
 def test_the_mesh_is_checked_for_the_tpus_chips_and_slices():
     with pytest.raises(ConfigError) as err:
         tpu.xpk_argv(xpk_job(num_slices=2), "debug", ["dcn_mesh.data=3"])
-    assert str(err.value) == ("the dcn_mesh degrees (dcn_mesh.data=3) multiply to 3, but --num-slices is 2; make them "
-                              "multiply to the slices (e.g. dcn_mesh.data=2) or change --num-slices")
+    assert str(err.value) == ("the dcn_mesh degrees (dcn_mesh.data=3) multiply to 3, but --num-slices is 2; run 3 "
+                              "slices (--num-slices 3) or 2, with degrees that multiply to 2 (e.g. dcn_mesh.data=2)")
+    with pytest.raises(ConfigError) as err:  # the 405B recipe's two slices asked of one
+        tpu.xpk_argv(xpk_job(), "llama3.1-405b-2xv6e-256", [])
+    assert str(err.value).endswith("run 2 slices (--num-slices 2) or one, with dcn_mesh.fsdp=1")
     # A dcn_mesh axis of -1 takes what ici_mesh leaves: here 8 slices' worth of the 512 chips, not 2.
     with pytest.raises(ConfigError, match=r"^the dcn_mesh degrees \(dcn_mesh.data=8\) multiply to 8, but "):
         tpu.xpk_argv(xpk_job(num_slices=2), "debug", ["dcn_mesh.data=-1", "ici_mesh.fsdp=64"])
@@ -166,8 +173,8 @@ def test_the_command_line():
     # A mesh that does not multiply, a missing tool: one line, exit 2.
     proc = run_ember(*XPK, "--num-slices", "2", "debug", "dcn_mesh.data=3", "--print")
     assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr == ("error: the dcn_mesh degrees (dcn_mesh.data=3) multiply to 3, but --num-slices is 2; make "
-                           "them multiply to the slices (e.g. dcn_mesh.data=2) or change --num-slices\n")
+    assert proc.stderr == ("error: the dcn_mesh degrees (dcn_mesh.data=3) multiply to 3, but --num-slices is 2; run 3 "
+                           "slices (--num-slices 3) or 2, with degrees that multiply to 2 (e.g. dcn_mesh.data=2)\n")
     for argv, tool in ((XPK, "xpk"), (TPU_VM, "gcloud")):
         proc = run_ember(*argv, "debug", env=_no_tools_env())
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr

@@ -83,7 +83,8 @@ def test_convert_to_hf_gives_transformers_the_same_logits(runs: dict, tmp_path: 
 @pytest.mark.slow
 @pytest.mark.parametrize("overrides, says", [
     (["device=tpu"], "not TPUs"),
-    (["device=xla", "ici_mesh.fsdp=3"], "world size is 8"),
+    (["device=xla", "ici_mesh.fsdp=3"], "world size is 8; make the axes multiply to jax's 8 device(s) (or set one "
+                                        "axis to -1); on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N"),
     (["device=xla", "ici_mesh.pipeline=2"], "no pipeline parallelism"),
     (["device=xla", "model.remat=offload"], "model.remat=offload (it needs a TPU's pinned host memory) is not supported with device=xla; use model.remat=full"),
     (["device=cpu", "model.scan_layers=true"], "model.scan_layers=true is the XLA path's"),
