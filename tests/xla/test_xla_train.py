@@ -44,20 +44,18 @@ def torch_reference(tmp_path_factory) -> dict[str, dict]:
             "mixtral": train(root / "mixtral", env, "micro_batch_size=8", *MIXTRAL), "mixtral_dir": root / "mixtral"}
 
 
+# Each of the layouts and levers at least once, several per run (every run costs a jax start and compile):
+# remat op on fsdp=8; remat full with 2 micro-batches accumulated inside the compiled step (4 data-parallel
+# rows per micro-batch) on fsdp x tensor; scan with remat; Mixtral on the expert axis, and scanned with remat.
 LAYOUTS = {
-    "fsdp8": ("llama", ["ici_mesh.fsdp=8", "micro_batch_size=1"]),
-    "fsdp4_tensor2": ("llama", ["ici_mesh.fsdp=4", "ici_mesh.tensor=2", "micro_batch_size=2"]),
+    "fsdp8_remat_op": ("llama", ["ici_mesh.fsdp=8", "micro_batch_size=1", "model.remat=op"]),
+    "fsdp4_tensor2_accum_remat_full": ("llama", ["ici_mesh.fsdp=4", "ici_mesh.tensor=2", "micro_batch_size=1",
+                                                 "model.remat=full"]),
     "data2_fsdp4": ("llama", ["ici_mesh.data=2", "ici_mesh.fsdp=4", "micro_batch_size=1"]),
     "dcn_fsdp2_ici_fsdp4": ("llama", ["dcn_mesh.fsdp=2", "ici_mesh.fsdp=4", "micro_batch_size=1"]),
     "context2_fsdp4": ("llama", ["ici_mesh.context=2", "ici_mesh.fsdp=4", "micro_batch_size=2"]),
-    "remat_full": ("llama", ["ici_mesh.fsdp=8", "micro_batch_size=1", "model.remat=full"]),
-    "remat_op": ("llama", ["ici_mesh.fsdp=8", "micro_batch_size=1", "model.remat=op"]),
-    "scan": ("llama", ["ici_mesh.fsdp=8", "micro_batch_size=1", "model.scan_layers=true"]),
     "scan_remat": ("llama", ["ici_mesh.fsdp=8", "micro_batch_size=1", "model.scan_layers=true", "model.remat=full"]),
-    # 4 data-parallel rows per micro-batch, 2 micro-batches accumulated inside the compiled step
-    "grad_accum": ("llama", ["ici_mesh.fsdp=4", "ici_mesh.tensor=2", "micro_batch_size=1"]),
     "mixtral_expert2_fsdp4": ("mixtral", ["ici_mesh.expert=2", "ici_mesh.fsdp=4", "micro_batch_size=1", *MIXTRAL]),
-    "mixtral_remat_full": ("mixtral", ["ici_mesh.fsdp=8", "micro_batch_size=1", "model.remat=full", *MIXTRAL]),
     "mixtral_scan_remat": ("mixtral", ["ici_mesh.expert=2", "ici_mesh.fsdp=4", "micro_batch_size=1",
                                        "model.scan_layers=true", "model.remat=full", *MIXTRAL]),
 }
@@ -78,23 +76,16 @@ def test_every_layout_equals_the_torch_run(layout: str, torch_reference: dict, x
 
 
 @pytest.mark.slow
-def test_the_header_and_run_record_name_the_xla_mesh(xla_env: dict, tmp_path: Path):
-    out = tmp_path / "run"
-    proc = run_ember("train", "debug", *COMMON, "max_steps=2", "metrics.console=true", f"output_dir={out}",
-                     "device=xla", "ici_mesh.fsdp=4", "ici_mesh.tensor=2", "micro_batch_size=2", env=xla_env, expect=0)
-    assert "xla: 8 cpu device(s), jax mesh" in proc.stdout and "'fsdp': 4" in proc.stdout
-    decisions = json.loads((out / "run.json").read_text())["decisions"]
-    assert decisions["device"] == "xla" and decisions["mesh"] == "fsdp=4 x tensor=2"
-
-
-@pytest.mark.slow
-def test_profile_writes_a_jax_profiler_trace_of_the_asked_steps(xla_env: dict, tmp_path: Path):
+def test_the_header_run_record_and_profile_trace_of_an_xla_run(xla_env: dict, tmp_path: Path):
     import gzip
 
     out = tmp_path / "run"
-    proc = run_ember("train", "debug", *COMMON, "max_steps=4", f"output_dir={out}", "device=xla", "ici_mesh.fsdp=8",
-                     "micro_batch_size=1", "profile.enabled=true", "profile.step=2", "profile.steps=2",
-                     env=xla_env, expect=0)
+    proc = run_ember("train", "debug", *COMMON, "max_steps=4", "metrics.console=true", f"output_dir={out}",
+                     "device=xla", "ici_mesh.fsdp=4", "ici_mesh.tensor=2", "micro_batch_size=2",
+                     "profile.enabled=true", "profile.step=2", "profile.steps=2", env=xla_env, expect=0)
+    assert "xla: 8 cpu device(s), jax mesh" in proc.stdout and "'fsdp': 4" in proc.stdout
+    decisions = json.loads((out / "run.json").read_text())["decisions"]
+    assert decisions["device"] == "xla" and decisions["mesh"] == "fsdp=4 x tensor=2"
     assert "profile: jax.profiler trace of steps 2-3" in proc.stdout
     traces = list((out / "profile" / "host0").rglob("*.trace.json.gz"))
     assert len(traces) == 1
