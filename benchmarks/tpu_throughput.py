@@ -14,13 +14,14 @@ jax's CUDA backend, beside ember's torch path on the same GPU, eager and compile
     python benchmarks/tpu_throughput.py --device tpu --shape llama3.2-1b --steps 30 --batch-per-device 2
     python benchmarks/tpu_throughput.py --device gpu --shape llama3.2-1b      # one H100/H200, jax[cuda]
 
-The TPU figures are unmeasured until a TPU runs this script: only CPU results are in benchmarks/results/ so
-far. The target on a TPU is torchprime's published MFU for Llama 3 8B on v6e-256 (AI-Hypercomputer/torchprime,
-whose recipe llama3-8b-v6e-256 reproduces); its README's recipes list no MFU figure to quote here, so compare
-with the figure torchprime publishes alongside them.
+The TPU figures are unmeasured until a TPU runs this script: benchmarks/results/ holds the CPU's and one
+H200's (--device gpu). The target on a TPU is torchprime's MFU for Llama 3 8B on v6e-256 (the layout of the
+recipe llama3-8b-v6e-256); torchprime's README lists that recipe without an MFU figure, so no number is quoted
+here: compare with one torchprime publishes.
 
-Writes benchmarks/results/tpu_throughput-<cpu|TPU kind>.json: the machine (the CPU model, or jax's
-device_kind), the date, torch/jax/torchax versions, every command run, and the figures.
+Writes benchmarks/results/tpu_throughput-<cpu|device kind>.json (e.g. -cpu, -tpu-v6-lite, -nvidia-h200): the
+machine (the CPU model, or jax's device_kind), the date, torch/jax/torchax versions, every command run, and
+the figures.
 """
 
 from __future__ import annotations

@@ -84,11 +84,7 @@ def check(cfg: JobConfig, world_size: int) -> None:
         xla_checks.check(cfg, shape)
     else:
         shape = mesh_shape(cfg, world_size)
-    per_step = cfg.micro_batch_size * shape.dp
-    if cfg.global_batch_size % per_step:
-        raise ConfigError(
-            f"global_batch_size={cfg.global_batch_size} is not divisible by micro_batch_size x data-parallel size "
-            f"= {cfg.micro_batch_size} x {shape.dp} = {per_step}; change global_batch_size or micro_batch_size")
+    check_batch(cfg, shape)
     args = model_choice(cfg).args
     if cfg.seq_len > args.max_seq_len:
         raise ConfigError(f"seq_len={cfg.seq_len} exceeds the model's max_seq_len={args.max_seq_len} "
@@ -109,6 +105,15 @@ def _init_from_family(recipe_family: str, init_from: str) -> str:
         return source_family(recipe_family, init_from)
     except EmberError as err:
         raise ConfigError(str(err)) from None
+
+
+def check_batch(cfg: JobConfig, shape: MeshShape) -> None:
+    """global_batch_size against micro_batch_size x the mesh's data-parallel ranks (the accumulation is their ratio)."""
+    per_step = cfg.micro_batch_size * shape.dp
+    if cfg.global_batch_size % per_step:
+        raise ConfigError(
+            f"global_batch_size={cfg.global_batch_size} is not divisible by micro_batch_size x data-parallel size "
+            f"= {cfg.micro_batch_size} x {shape.dp} = {per_step}; change global_batch_size or micro_batch_size")
 
 
 def mesh_shape(cfg: JobConfig, world_size: int) -> MeshShape:

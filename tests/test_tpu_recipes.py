@@ -1,5 +1,6 @@
 """The TPU recipes (ember/recipes/*-v6e-256.yaml): each loads (the schema's checks only: the XLA path's own need
-jax), runs on device=tpu, and its mesh is the chips of its TPU slices, one micro-batch per step as torchprime's."""
+jax), runs on device=tpu, and its mesh is the chips of its TPU slices; its global batch is torchprime's, in the
+micro-batches `ember plan` fits on a chip."""
 
 import math
 
@@ -9,12 +10,13 @@ from ember import config as config_lib
 from ember.commands.recipes import _device
 from ember.parallel.mesh_shape import resolve_mesh
 
-# recipe: (TPU type, chips per slice, slices, global batch, remat, scan_layers), as each recipe's torchprime source.
+# recipe: (TPU type, chips per slice, slices, global batch, remat, scan_layers) as each recipe's torchprime source,
+# and the micro-batches accumulated per step (torchprime runs one: ember's XLA step holds a micro-batch's logits).
 TPU_RECIPES = {
-    "llama3-8b-v6e-256": ("v6e-256", 256, 1, 1024, "full", True),
-    "llama3.1-70b-v6e-256": ("v6e-256", 256, 1, 512, "offload", True),
-    "llama3.1-405b-2xv6e-256": ("v6e-256", 256, 2, 512, "offload", True),
-    "mixtral-8x7b-v6e-256": ("v6e-256", 256, 1, 512, "full", False),
+    "llama3-8b-v6e-256": ("v6e-256", 256, 1, 1024, "full", True, 4),
+    "llama3.1-70b-v6e-256": ("v6e-256", 256, 1, 512, "offload", True, 1),
+    "llama3.1-405b-2xv6e-256": ("v6e-256", 256, 2, 512, "offload", True, 1),
+    "mixtral-8x7b-v6e-256": ("v6e-256", 256, 1, 512, "full", False, 1),
 }
 
 
@@ -25,7 +27,7 @@ def test_every_tpu_recipe_is_listed_here():
 
 @pytest.mark.parametrize("name", sorted(TPU_RECIPES))
 def test_tpu_recipe_loads_and_its_mesh_is_its_slices(name: str):
-    tpu_type, chips, slices, batch, remat, scan = TPU_RECIPES[name]
+    tpu_type, chips, slices, batch, remat, scan, accumulated = TPU_RECIPES[name]
     cfg = config_lib.load(name, [])
     assert cfg.device == "tpu" and cfg.seq_len == 8192 and cfg.output_dir == f"outputs/{name}"
     assert (cfg.global_batch_size, cfg.model.remat, cfg.model.scan_layers) == (batch, remat, scan)
@@ -33,8 +35,7 @@ def test_tpu_recipe_loads_and_its_mesh_is_its_slices(name: str):
     assert shape.world_size == chips * slices
     # ICI within a slice, DCN across slices: each slice holds the whole ici mesh.
     assert math.prod(shape.ici.values()) == chips and math.prod(shape.dcn.values()) == slices
-    # The whole global batch in one micro-batch per data-parallel rank (no accumulation), as torchprime runs it.
-    assert cfg.micro_batch_size * shape.dp == cfg.global_batch_size
+    assert cfg.micro_batch_size * shape.dp * accumulated == cfg.global_batch_size
     assert _device(cfg) == f"tpu x {chips * slices}"
 
 

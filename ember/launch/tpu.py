@@ -137,6 +137,9 @@ def _check_mesh(cfg: JobConfig, launcher: str, num_slices: int, chips: Optional[
     if math.prod(shape.dcn.values()) != num_slices:  # a dcn_mesh axis of -1 took more than the slices
         raise _slices_error(shape.dcn, launcher, num_slices)
     xla_checks.check(cfg, shape)  # what `ember train device=tpu` refuses on the hosts, refused before submitting
+    from ember.run import check_batch
+
+    check_batch(cfg, shape)  # the batch against the mesh the slices make (the data is the hosts' to check)
 
 
 def _slices_error(dcn: dict[str, int], launcher: str, num_slices: int) -> ConfigError:

@@ -18,6 +18,7 @@ import dataclasses
 import math
 import pickle
 import time
+import warnings
 from collections import ChainMap
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -184,7 +185,9 @@ def assemble(targets: dict[str, HostChunks], sharding: Any, shape: tuple[int, ..
 def write_host(state: dict[str, Any], host_dir: Path) -> None:
     """One host's DCP files and metadata under host_dir (no collectives: each host plans alone)."""
     host_dir.mkdir(parents=True, exist_ok=True)
-    dcp.save(state, storage_writer=FileSystemWriter(str(host_dir)), planner=_HostSavePlanner(), no_dist=True)
+    with warnings.catch_warnings():  # DCP's note that it saves without torch.distributed: each host does, by design
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(state, storage_writer=FileSystemWriter(str(host_dir)), planner=_HostSavePlanner(), no_dist=True)
 
 
 def merge_hosts(step_dir: Path, hosts: int, timeout_s: float = 3600.0) -> None:

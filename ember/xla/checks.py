@@ -8,11 +8,16 @@ from ember.config_schema import JobConfig
 from ember.errors import ConfigError
 from ember.parallel.mesh_shape import MeshShape
 
+PIPELINE_REFUSED = ("{where} has no pipeline parallelism (XLA shards layers with fsdp/tensor instead); set "
+                    "ici_mesh.pipeline=1 and dcn_mesh.pipeline=1")
+
 
 def mesh_shape(cfg: JobConfig, devices: int) -> MeshShape:
     """The run's mesh over jax's devices, its error worded for them (and how to get more on a CPU)."""
     from ember.run import mesh_shape as run_mesh_shape
 
+    if cfg.ici_mesh.pipeline > 1 or cfg.dcn_mesh.pipeline > 1:  # refused first: it also changes the device count
+        raise ConfigError(PIPELINE_REFUSED.format(where=f"device={cfg.device}"))
     try:
         return run_mesh_shape(cfg, devices)
     except ConfigError as err:
@@ -24,8 +29,7 @@ def mesh_shape(cfg: JobConfig, devices: int) -> MeshShape:
 def check(cfg: JobConfig, shape: MeshShape) -> None:
     where = f"device={cfg.device}"
     if shape.degree("pipeline") > 1:
-        raise ConfigError(f"{where} has no pipeline parallelism (XLA shards layers with fsdp/tensor instead); "
-                          "set ici_mesh.pipeline=1 and dcn_mesh.pipeline=1")
+        raise ConfigError(PIPELINE_REFUSED.format(where=where))
     refused = [
         (cfg.task != "lm", f"task={cfg.task}", "task=lm, or train DPO on cpu/cuda"),
         (cfg.lora.rank > 0, "lora.rank", "lora.rank=0, or fine-tune with LoRA on cpu/cuda"),

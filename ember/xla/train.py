@@ -172,6 +172,19 @@ class XlaTrainer(Trainer):
         return JaxStepProfiler(cfg.profile.enabled, cfg.profile.step, cfg.profile.steps, self.output_dir, self.rank,
                                self.device, self._say)
 
+    def _metrics_record(self, loss: float, lr: float, grad_norm: float, window: dict) -> dict:
+        """The torch path's record; on TPUs and GPUs its memory_gb is the devices' (the busiest local device's peak,
+        from jax's allocator) and host_memory_gb the host process's. On jax's CPU backend both are host memory."""
+        import jax
+
+        record = super()._metrics_record(loss, lr, grad_norm, window)
+        stats = [d.memory_stats() or {} for d in jax.local_devices()]
+        peaks = [s["peak_bytes_in_use"] for s in stats if "peak_bytes_in_use" in s]
+        if peaks:
+            record["host_memory_gb"] = record["memory_gb"]
+            record["memory_gb"] = max(peaks) / 2**30
+        return record
+
     def eval_tasks(self) -> dict[str, float]:
         return {}  # eval.tasks is refused on this path (ember/xla/checks.py): `ember eval` the checkpoint
 

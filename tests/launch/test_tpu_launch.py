@@ -18,6 +18,10 @@ from tests.helpers import run_ember
 IMAGE = "gcr.io/my-project/ember:1"
 
 
+# debug's batch for up to 512 chips: the launchers check global_batch_size against the mesh the chips make
+FITS = ["global_batch_size=512", "micro_batch_size=1"]
+
+
 def xpk_job(**changes) -> tpu.XpkJob:
     fields = dict(cluster="c1", tpu_type="v6e-256", docker_image=IMAGE, workload="ember-debug-1")
     return tpu.XpkJob(**{**fields, **changes})
@@ -43,27 +47,34 @@ def test_the_chips_of_a_tpu_type():
 
 def test_the_xpk_command():
     argv = tpu.xpk_argv(xpk_job(num_slices=2, project="p1", zone="us-east5-b", priority="high"), "debug",
-                        ["max_steps=10", "device=tpu"])
+                        ["max_steps=10", "device=tpu", *FITS])
     assert argv == ["xpk", "workload", "create", "--cluster", "c1", "--workload", "ember-debug-1", "--tpu-type",
                     "v6e-256", "--num-slices", "2", "--docker-image", IMAGE, "--command",
                     # device=tpu once, first; the slices replicate (dcn_mesh.data) when no dcn_mesh axis is named
-                    "ember train debug device=tpu max_steps=10 dcn_mesh.data=2",
+                    "ember train debug device=tpu max_steps=10 global_batch_size=512 micro_batch_size=1 "
+                    "dcn_mesh.data=2",
                     "--project", "p1", "--zone", "us-east5-b", "--priority", "high"]
     # One slice, XPK's defaults for project, zone and priority; a dcn_mesh axis given is kept as given.
-    assert tpu.xpk_argv(xpk_job(tpu_type="v5p-128"), "debug", []) == [
+    assert tpu.xpk_argv(xpk_job(tpu_type="v5p-128"), "debug", FITS) == [
         "xpk", "workload", "create", "--cluster", "c1", "--workload", "ember-debug-1", "--tpu-type", "v5p-128",
-        "--num-slices", "1", "--docker-image", IMAGE, "--command", "ember train debug device=tpu"]
-    argv = tpu.xpk_argv(xpk_job(num_slices=4), "debug", ["dcn_mesh.fsdp=2", "dcn_mesh.data=2"])
-    assert argv[argv.index("--command") + 1] == "ember train debug device=tpu dcn_mesh.fsdp=2 dcn_mesh.data=2"
+        "--num-slices", "1", "--docker-image", IMAGE, "--command",
+        "ember train debug device=tpu global_batch_size=512 micro_batch_size=1"]
+    argv = tpu.xpk_argv(xpk_job(num_slices=4), "debug", ["dcn_mesh.fsdp=2", "dcn_mesh.data=2", "global_batch_size=1024",
+                                                         "micro_batch_size=1"])
+    assert argv[argv.index("--command") + 1] == ("ember train debug device=tpu dcn_mesh.fsdp=2 dcn_mesh.data=2 "
+                                                 "global_batch_size=1024 micro_batch_size=1")
+    with pytest.raises(ConfigError, match=r"^global_batch_size=8 is not divisible by micro_batch_size x data-parallel "
+                       r"size = 8 x 256 = 2048; change global_batch_size or micro_batch_size$"):
+        tpu.xpk_argv(xpk_job(), "debug", [])  # what every TPU host would refuse at start-up
 
 
 def test_a_value_with_spaces_stays_one_word():
-    argv = tpu.xpk_argv(xpk_job(), "debug", ["metrics.wandb_name=my run", "data.dataset=/data/it's.jsonl"])
+    argv = tpu.xpk_argv(xpk_job(), "debug", ["metrics.wandb_name=my run", "data.dataset=/data/it's.jsonl", *FITS])
     command = argv[argv.index("--command") + 1]
     assert command == ("ember train debug device=tpu 'metrics.wandb_name=my run' "
-                       "'data.dataset=/data/it'\"'\"'s.jsonl'")
+                       "'data.dataset=/data/it'\"'\"'s.jsonl' global_batch_size=512 micro_batch_size=1")
     assert shlex.split(command) == ["ember", "train", "debug", "device=tpu", "metrics.wandb_name=my run",
-                                    "data.dataset=/data/it's.jsonl"]
+                                    "data.dataset=/data/it's.jsonl", *FITS]
     vm = tpu.TpuVm(name="t1", zone="z", workdir="/opt/my runs")
     command = tpu.tpu_vm_argv(vm, "debug", ["metrics.wandb_name=my run"])[-1]
     assert command == "cd '/opt/my runs' && ember train debug device=tpu 'metrics.wandb_name=my run'"
@@ -71,9 +82,10 @@ def test_a_value_with_spaces_stays_one_word():
 
 def test_the_tpu_vm_command():
     vm = tpu.TpuVm(name="my-tpu", zone="us-east5-b", project="p1", workdir="~/ember", tpu_type="v6e-16")
-    assert tpu.tpu_vm_argv(vm, "debug", ["max_steps=10"]) == [
+    assert tpu.tpu_vm_argv(vm, "debug", ["max_steps=10", *FITS]) == [
         "gcloud", "compute", "tpus", "tpu-vm", "ssh", "my-tpu", "--zone", "us-east5-b", "--project", "p1",
-        "--worker=all", "--command", "cd ~/ember && ember train debug device=tpu max_steps=10"]
+        "--worker=all", "--command",
+        "cd ~/ember && ember train debug device=tpu max_steps=10 global_batch_size=512 micro_batch_size=1"]
     assert tpu.tpu_vm_argv(tpu.TpuVm(name="my-tpu", zone="z"), "debug", []) == [
         "gcloud", "compute", "tpus", "tpu-vm", "ssh", "my-tpu", "--zone", "z", "--worker=all", "--command",
         "ember train debug device=tpu"]
@@ -114,7 +126,7 @@ def test_the_config_and_flags_are_checked_before_anything_runs(tmp_path):
     with pytest.raises(ConfigError, match="--num-slices must be >= 1, got 0"):
         tpu.xpk_argv(xpk_job(num_slices=0), "debug", [])
     # output_dir and resume are the hosts' paths: a directory this machine cannot write is not a reason to refuse.
-    argv = tpu.xpk_argv(xpk_job(), "debug", ["output_dir=/proc/not-here", f"resume={tmp_path}/nowhere/step-5"])
+    argv = tpu.xpk_argv(xpk_job(), "debug", [*FITS, "output_dir=/proc/not-here", f"resume={tmp_path}/nowhere/step-5"])
     assert argv[argv.index("--command") + 1].endswith(f"output_dir=/proc/not-here resume={tmp_path}/nowhere/step-5")
 
 
@@ -158,14 +170,15 @@ def test_the_command_line():
         proc = run_ember(*argv)
         assert proc.returncode == 0 and proc.stdout.startswith(f"usage: ember {' '.join(argv[:2])}"), proc.stderr
     # --print: the command alone on stdout; overrides may come before or after the flags.
-    proc = run_ember(*XPK, "debug", "metrics.wandb_name=my run", "--num-slices", "2", "--print")
+    proc = run_ember(*XPK, "debug", "metrics.wandb_name=my run", *FITS, "--num-slices", "2", "--print")
     assert proc.returncode == 0, proc.stderr
     words = shlex.split(proc.stdout)
     workload = words[words.index("--workload") + 1]
     assert re.fullmatch(r"ember-debug-\d{8}-\d{6}", workload)
     assert words == ["xpk", "workload", "create", "--cluster", "c1", "--workload", workload, "--tpu-type", "v6e-256",
                      "--num-slices", "2", "--docker-image", IMAGE, "--command",
-                     "ember train debug device=tpu 'metrics.wandb_name=my run' dcn_mesh.data=2"]
+                     "ember train debug device=tpu 'metrics.wandb_name=my run' global_batch_size=512 "
+                     "micro_batch_size=1 dcn_mesh.data=2"]
     proc = run_ember(*TPU_VM, "--workdir", "~/ember", "debug", "max_steps=5", "--dry-run")
     assert (proc.returncode, proc.stdout) == (0, "gcloud compute tpus tpu-vm ssh my-tpu --zone us-east5-b "
                                               "--worker=all --command 'cd ~/ember && ember train debug device=tpu "
@@ -176,7 +189,7 @@ def test_the_command_line():
     assert proc.stderr == ("error: the dcn_mesh degrees (dcn_mesh.data=3) multiply to 3, but --num-slices is 2; run 3 "
                            "slices (--num-slices 3) or 2, with degrees that multiply to 2 (e.g. dcn_mesh.data=2)\n")
     for argv, tool in ((XPK, "xpk"), (TPU_VM, "gcloud")):
-        proc = run_ember(*argv, "debug", env=_no_tools_env())
+        proc = run_ember(*argv, "debug", *FITS, env=_no_tools_env())
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
         assert proc.stderr.startswith(f"error: `{tool}` is not on PATH: ")
     proc = run_ember(*XPK, "--workload", "Bad_Name", "debug", "--print")

@@ -8,7 +8,7 @@ from ember.errors import ConfigError
 
 
 @pytest.mark.parametrize("overrides, says", [
-    (["device=xla", "ici_mesh.pipeline=2", "ici_mesh.fsdp=4"],
+    (["device=xla", "ici_mesh.pipeline=2", "ici_mesh.fsdp=8"],  # 16 devices: the refusal comes first
      "device=xla has no pipeline parallelism (XLA shards layers with fsdp/tensor instead); set ici_mesh.pipeline=1 "
      "and dcn_mesh.pipeline=1"),
     (["device=xla", "lora.rank=8", "model.init_from=x"], "lora.rank is not supported with device=xla"),
