@@ -80,7 +80,11 @@ def check(cfg: JobConfig, world_size: int) -> None:
     if cfg.device in config_lib.XLA_DEVICES:  # what that path does not run, before what would not fit it
         from ember.xla import checks as xla_checks
 
-        shape = xla_checks.mesh_shape(cfg, world_size)
+        xla_checks.refuse_pipeline(cfg)
+        try:
+            shape = mesh_shape(cfg, world_size)
+        except ConfigError as err:
+            raise ConfigError(xla_checks.mesh_error(str(err), cfg.device, world_size)) from None
         xla_checks.check(cfg, shape)
     else:
         shape = mesh_shape(cfg, world_size)

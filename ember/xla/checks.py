@@ -12,18 +12,17 @@ PIPELINE_REFUSED = ("{where} has no pipeline parallelism (XLA shards layers with
                     "ici_mesh.pipeline=1 and dcn_mesh.pipeline=1")
 
 
-def mesh_shape(cfg: JobConfig, devices: int) -> MeshShape:
-    """The run's mesh over jax's devices, its error worded for them (and how to get more on a CPU)."""
-    from ember.run import mesh_shape as run_mesh_shape
-
-    if cfg.ici_mesh.pipeline > 1 or cfg.dcn_mesh.pipeline > 1:  # refused first: it also changes the device count
+def refuse_pipeline(cfg: JobConfig) -> None:
+    """Before the mesh is resolved: a pipeline degree also changes the device count the mesh error would name."""
+    if cfg.ici_mesh.pipeline > 1 or cfg.dcn_mesh.pipeline > 1:
         raise ConfigError(PIPELINE_REFUSED.format(where=f"device={cfg.device}"))
-    try:
-        return run_mesh_shape(cfg, devices)
-    except ConfigError as err:
-        more = ("; on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N JAX_PLATFORMS=cpu makes N devices"
-                if cfg.device == "xla" else "")
-        raise ConfigError(str(err).replace("the number of processes", f"jax's {devices} device(s)") + more) from None
+
+
+def mesh_error(message: str, device: str, devices: int) -> str:
+    """The torch path's mesh error worded for jax's devices (and how to get N of them on a CPU)."""
+    more = ("; on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N JAX_PLATFORMS=cpu makes N devices"
+            if device == "xla" else "")
+    return message.replace("the number of processes", f"jax's {devices} device(s)") + more
 
 
 def check(cfg: JobConfig, shape: MeshShape) -> None:
