@@ -137,6 +137,9 @@ def _tpu_parsers(sub: argparse._SubParsersAction) -> None:
     xpk.add_argument("--project", help="default: gcloud's configured project")
     xpk.add_argument("--zone", help="default: gcloud's configured zone")
     xpk.add_argument("--priority", choices=XPK_PRIORITIES, help="XPK's (default medium)")
+    xpk.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                     help="restart the workload up to N times after a failure or a preemption, each time resuming "
+                          "from the last checkpoint (default 0)")
     vm.add_argument("--name", required=True, metavar="TPU_NAME", help="the TPU VM")
     vm.add_argument("--zone", required=True)
     vm.add_argument("--project", help="default: gcloud's configured project")
@@ -260,7 +263,8 @@ def _tpu(args: argparse.Namespace) -> int:
     if args.where == "xpk":
         job = tpu.XpkJob(cluster=args.cluster, tpu_type=args.tpu_type, docker_image=args.docker_image,
                          workload=args.workload or tpu.default_workload(_default_name(args.recipe)),
-                         num_slices=args.num_slices, project=args.project, zone=args.zone, priority=args.priority)
+                         num_slices=args.num_slices, project=args.project, zone=args.zone, priority=args.priority,
+                         max_restarts=args.max_restarts)
         argv = tpu.xpk_argv(job, args.recipe, list(args.overrides))
     else:
         vm = tpu.TpuVm(name=args.name, zone=args.zone, project=args.project, workdir=args.workdir,

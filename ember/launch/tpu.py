@@ -25,6 +25,7 @@ from typing import Optional
 from ember import config as config_lib
 from ember.config_schema import JobConfig
 from ember.errors import ConfigError, EmberError
+from ember.launch.local import STOP_EXIT_ENV
 from ember.parallel.mesh_shape import AXES, MeshError, MeshShape, resolve_mesh
 
 XPK_PRIORITIES = ("very-low", "low", "medium", "high", "very-high")  # xpk workload create --priority's choices
@@ -38,6 +39,7 @@ TIMESTAMP = "%Y%m%d-%H%M%S"
 # chip's two TensorCores run as one device ("megacore"), so jax sees one device per chip; v5e (v5litepod-N) and v6e
 # chips have one TensorCore and their types count chips. Cloud TPU's "TPU versions" pages; XPK's
 # system_characteristics.py (tensorcores_per_chip) names the same types.
+STOP_EXIT_CODE = 75  # EX_TEMPFAIL: a run stopped and saved, to be resumed (as `ember launch k8s` sets it)
 CORES_PER_CHIP = {"v4": 2, "v5p": 2, "v5litepod": 1, "v6e": 1}
 # The slice sizes Cloud TPU offers for v5e and v6e (chips); larger jobs take several slices (--num-slices).
 SLICE_CHIPS = {"v5litepod": (1, 4, 8, 16, 32, 64, 128, 256), "v6e": (1, 4, 8, 16, 32, 64, 128, 256)}
@@ -167,6 +169,7 @@ class XpkJob:
     project: Optional[str] = None
     zone: Optional[str] = None
     priority: Optional[str] = None  # one of XPK_PRIORITIES; None: XPK's default (medium)
+    max_restarts: int = 0  # JobSet restarts after a failure or a preemption (each resumes: resume=auto)
 
 
 def xpk_argv(job: XpkJob, recipe: str, overrides: list[str]) -> list[str]:
@@ -174,6 +177,8 @@ def xpk_argv(job: XpkJob, recipe: str, overrides: list[str]) -> list[str]:
     check_workload(job.workload)
     if job.num_slices < 1:
         raise ConfigError(f"--num-slices must be >= 1, got {job.num_slices}")
+    if job.max_restarts < 0:
+        raise ConfigError(f"--max-restarts must be >= 0, got {job.max_restarts}")
     if job.priority is not None and job.priority not in XPK_PRIORITIES:
         raise ConfigError(f"--priority '{job.priority}' is not one of {', '.join(XPK_PRIORITIES)}")
     chips = tpu_chips(job.tpu_type)
@@ -185,6 +190,11 @@ def xpk_argv(job: XpkJob, recipe: str, overrides: list[str]) -> list[str]:
     for flag, value in (("--project", job.project), ("--zone", job.zone), ("--priority", job.priority)):
         if value:
             argv += [flag, value]
+    # A host stopped by SIGTERM (preempted, evicted) saves and exits 75, so the JobSet sees a failure, not a
+    # finished run: with --max-restarts it restarts and every host resumes from that checkpoint.
+    argv += ["--env", f"{STOP_EXIT_ENV}={STOP_EXIT_CODE}"]
+    if job.max_restarts:
+        argv += ["--max-restarts", str(job.max_restarts), "--restart-on-user-code-failure"]
     return argv
 
 

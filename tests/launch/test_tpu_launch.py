@@ -20,6 +20,7 @@ IMAGE = "gcr.io/my-project/ember:1"
 
 # debug's batch for up to 512 chips: the launchers check global_batch_size against the mesh the chips make
 FITS = ["global_batch_size=512", "micro_batch_size=1"]
+STOP_ENV = ["--env", "EMBER_EXIT_CODE_ON_STOP=75"]
 
 
 def xpk_job(**changes) -> tpu.XpkJob:
@@ -53,12 +54,17 @@ def test_the_xpk_command():
                     # device=tpu once, first; the slices replicate (dcn_mesh.data) when no dcn_mesh axis is named
                     "ember train debug device=tpu max_steps=10 global_batch_size=512 micro_batch_size=1 "
                     "dcn_mesh.data=2",
-                    "--project", "p1", "--zone", "us-east5-b", "--priority", "high"]
+                    "--project", "p1", "--zone", "us-east5-b", "--priority", "high", *STOP_ENV]
     # One slice, XPK's defaults for project, zone and priority; a dcn_mesh axis given is kept as given.
     assert tpu.xpk_argv(xpk_job(tpu_type="v5p-128"), "debug", FITS) == [
         "xpk", "workload", "create", "--cluster", "c1", "--workload", "ember-debug-1", "--tpu-type", "v5p-128",
         "--num-slices", "1", "--docker-image", IMAGE, "--command",
-        "ember train debug device=tpu global_batch_size=512 micro_batch_size=1"]
+        "ember train debug device=tpu global_batch_size=512 micro_batch_size=1", *STOP_ENV]
+    # Restarts after a failure or a preemption (a stopped host exits 75): each resumes from the last checkpoint.
+    argv = tpu.xpk_argv(xpk_job(max_restarts=3), "debug", FITS)
+    assert argv[-5:] == [*STOP_ENV, "--max-restarts", "3", "--restart-on-user-code-failure"]
+    with pytest.raises(ConfigError, match=r"^--max-restarts must be >= 0, got -1$"):
+        tpu.xpk_argv(xpk_job(max_restarts=-1), "debug", FITS)
     argv = tpu.xpk_argv(xpk_job(num_slices=4), "debug", ["dcn_mesh.fsdp=2", "dcn_mesh.data=2", "global_batch_size=1024",
                                                          "micro_batch_size=1"])
     assert argv[argv.index("--command") + 1] == ("ember train debug device=tpu dcn_mesh.fsdp=2 dcn_mesh.data=2 "
@@ -178,7 +184,7 @@ def test_the_command_line():
     assert words == ["xpk", "workload", "create", "--cluster", "c1", "--workload", workload, "--tpu-type", "v6e-256",
                      "--num-slices", "2", "--docker-image", IMAGE, "--command",
                      "ember train debug device=tpu 'metrics.wandb_name=my run' global_batch_size=512 "
-                     "micro_batch_size=1 dcn_mesh.data=2"]
+                     "micro_batch_size=1 dcn_mesh.data=2", *STOP_ENV]
     proc = run_ember(*TPU_VM, "--workdir", "~/ember", "debug", "max_steps=5", "--dry-run")
     assert (proc.returncode, proc.stdout) == (0, "gcloud compute tpus tpu-vm ssh my-tpu --zone us-east5-b "
                                               "--worker=all --command 'cd ~/ember && ember train debug device=tpu "
