@@ -127,11 +127,14 @@ class XlaTrainer(Trainer):
                 tensors = [self.host_model.get_parameter(h).detach().numpy() for h in hosts]
                 params[name] = jax.device_put(np.stack(tensors) if len(tensors) > 1 else tensors[0],
                                               self.param_shardings[name])
-        opt_state = jax.device_put(self.tx.init(params), self.opt_shardings)
-        if restored is not None:  # torch AdamW's moments and step count become optax's
-            count = jax.device_put(np.asarray(restored.count, dtype=np.int32), self.opt_shardings[0].count)
-            opt_state = (opt_state[0]._replace(count=count, mu=restored.mu, nu=restored.nu), *opt_state[1:])
-        return params, opt_state
+        if restored is None:
+            return params, jax.device_put(self.tx.init(params), self.opt_shardings)
+        # Resumed: torch AdamW's moments and step count become optax's, placed into optax's state without first
+        # allocating fresh moments (the rest of its state is the decay mask's and scale's: no arrays to speak of).
+        shapes = jax.eval_shape(self.tx.init, params)
+        rest = jax.device_put(jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes[1:]), self.opt_shardings[1:])
+        count = jax.device_put(np.asarray(restored.count, dtype=np.int32), self.opt_shardings[0].count)
+        return params, (shapes[0]._replace(count=count, mu=restored.mu, nu=restored.nu), *rest)
 
     # ---------------------------------------------------------------- one step
     def _global(self, micro_batches: list[Batch]) -> tuple[Any, Any]:
