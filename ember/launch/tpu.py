@@ -43,6 +43,8 @@ STOP_EXIT_CODE = 75  # EX_TEMPFAIL: a run stopped and saved, to be resumed (as `
 CORES_PER_CHIP = {"v4": 2, "v5p": 2, "v5litepod": 1, "v6e": 1}
 # The slice sizes Cloud TPU offers for v5e and v6e (chips); larger jobs take several slices (--num-slices).
 SLICE_CHIPS = {"v5litepod": (1, 4, 8, 16, 32, 64, 128, 256), "v6e": (1, 4, 8, 16, 32, 64, 128, 256)}
+# Their topologies (chips as a 2D grid), one per size.
+SLICE_TOPOLOGIES = ("1x1", "2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16")
 
 INSTALL_HINTS = {
     "xpk": "pip install xpk (it runs gcloud and kubectl, which it needs on PATH too)",
@@ -68,6 +70,9 @@ def tpu_chips(tpu_type: str) -> int:
                               f"so its number is even (e.g. {generation}-{cores + 1})")
         chips = cores // per_chip
     sizes = SLICE_CHIPS.get(generation)
+    if sizes and "x" in size and size not in SLICE_TOPOLOGIES:
+        raise ConfigError(f"--tpu-type '{tpu_type}': a {generation} slice's topology is one of "
+                          f"{', '.join(SLICE_TOPOLOGIES)}; give one of those or the chips (e.g. {generation}-256)")
     if sizes and chips not in sizes:
         raise ConfigError(f"--tpu-type '{tpu_type}': a {generation} slice has {', '.join(map(str, sizes[:-1]))} or "
                           f"{sizes[-1]} chips; give one of those (more chips: several slices, --num-slices)")

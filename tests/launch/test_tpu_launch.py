@@ -36,7 +36,11 @@ def test_the_chips_of_a_tpu_type():
     with pytest.raises(ConfigError, match=r"^--tpu-type 'v5p-7': a v5p type counts TensorCores, 2 per chip, so its "
                        r"number is even \(e\.g\. v5p-8\)$"):
         tpu.tpu_chips("v5p-7")
-    for name in ("v6e-255", "v6e-2", "v5litepod-512", "v6e-3x3"):
+    for name in ("v6e-3x3", "v6e-8x32", "v5litepod-4x2"):
+        with pytest.raises(ConfigError, match=rf"^--tpu-type '{name}': a v\w+ slice's topology is one of 1x1, 2x2, "
+                           r"2x4, 4x4, 4x8, 8x8, 8x16, 16x16; give one of those or the chips \(e\.g\. v\w+-256\)$"):
+            tpu.tpu_chips(name)
+    for name in ("v6e-255", "v6e-2", "v5litepod-512"):
         with pytest.raises(ConfigError, match=rf"^--tpu-type '{name}': a v\w+ slice has 1, 4, 8, 16, 32, 64, 128 or "
                            r"256 chips; give one of those \(more chips: several slices, --num-slices\)$"):
             tpu.tpu_chips(name)
