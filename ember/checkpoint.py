@@ -368,9 +368,9 @@ def open_checkpoints(spec: RunSpec, model_parts: list[nn.Module], model: nn.Modu
         meta.update(lora_meta(cfg.lora, cfg.model.init_from))
     elif cfg.task == "dpo" and cfg.model.init_from:
         meta.update(reference_meta(cfg.model.init_from))
-    manager = (manager_type or CheckpointManager)(cfg.checkpoint, output_dir, model_parts, model, optimizer, meta, say=say,
-                                adapters_only=bool(cfg.lora.rank), run_config=config_dict(cfg),
-                                allow_changes=cfg.resume_allow_changes)
+    manager = (manager_type or CheckpointManager)(
+        cfg.checkpoint, output_dir, model_parts, model, optimizer, meta, say=say, adapters_only=bool(cfg.lora.rank),
+        run_config=config_dict(cfg), allow_changes=cfg.resume_allow_changes)
     try:
         state = manager.resume(cfg.resume)
     except CheckpointError as err:

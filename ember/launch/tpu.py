@@ -128,6 +128,7 @@ def _schema_checked(recipe: str, overrides: list[str]) -> JobConfig:
 def _check_mesh(cfg: JobConfig, launcher: str, num_slices: int, chips: Optional[int]) -> None:
     from ember.xla import checks as xla_checks  # no jax: the XLA path's refusals, from the config alone
 
+    xla_checks.refuse_pipeline(cfg)  # before the degrees are multiplied: a pipeline degree changes them
     dcn = {axis: getattr(cfg.dcn_mesh, axis) for axis in AXES}
     if -1 not in dcn.values() and math.prod(dcn.values()) != num_slices:
         raise _slices_error(dcn, launcher, num_slices)

@@ -138,16 +138,15 @@ def save_chunks(array: Any, fqns: list[str], devices: Optional[set] = None) -> d
     several hosts with it)."""
     stacked = len(fqns) > 1
     shape = tuple(array.shape)
-    out = {fqn: HostChunks(shape[1:] if stacked else shape, torch.float32, {}) for fqn in fqns}
+    dtype = torch.from_numpy(np.zeros((), array.dtype)).dtype
+    out = {fqn: HostChunks(shape[1:] if stacked else shape, dtype, {}) for fqn in fqns}
     for shard, index in _device_slices(array, shape, replica0=True, devices=devices):
         values = torch.from_numpy(np.array(shard.data, copy=True))  # a copy: the next step donates the buffer
-        out[fqns[0]].dtype = values.dtype
         starts, sizes = _starts_sizes(index, shape)
         if not stacked:
             out[fqns[0]].chunks[starts] = values
             continue
         for i, layer in enumerate(range(starts[0], starts[0] + sizes[0])):
-            out[fqns[layer]].dtype = values.dtype
             out[fqns[layer]].chunks[starts[1:]] = values[i]
     return out
 

@@ -13,8 +13,9 @@ PIPELINE_REFUSED = ("{where} has no pipeline parallelism (XLA shards layers with
 
 
 def refuse_pipeline(cfg: JobConfig) -> None:
-    """Before the mesh is resolved: a pipeline degree also changes the device count the mesh error would name."""
-    if cfg.ici_mesh.pipeline > 1 or cfg.dcn_mesh.pipeline > 1:
+    """Callers run it before resolving the mesh too: a pipeline degree changes the device count a mesh error would
+    name (-1, fill the rest with pipeline stages, is refused as well)."""
+    if cfg.ici_mesh.pipeline != 1 or cfg.dcn_mesh.pipeline != 1:
         raise ConfigError(PIPELINE_REFUSED.format(where=f"device={cfg.device}"))
 
 
@@ -27,8 +28,7 @@ def mesh_error(message: str, device: str, devices: int) -> str:
 
 def check(cfg: JobConfig, shape: MeshShape) -> None:
     where = f"device={cfg.device}"
-    if shape.degree("pipeline") > 1:
-        raise ConfigError(PIPELINE_REFUSED.format(where=where))
+    refuse_pipeline(cfg)
     refused = [
         (cfg.task != "lm", f"task={cfg.task}", "task=lm, or train DPO on cpu/cuda"),
         (cfg.lora.rank > 0, "lora.rank", "lora.rank=0, or fine-tune with LoRA on cpu/cuda"),
