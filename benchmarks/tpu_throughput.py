@@ -13,6 +13,7 @@ jax's CUDA backend, beside ember's torch path on the same GPU, eager and compile
     python benchmarks/tpu_throughput.py --device tpu --shape llama3.1-8b      # on a v5e/v6e host
     python benchmarks/tpu_throughput.py --device tpu --shape llama3.2-1b --steps 30 --batch-per-device 2
     python benchmarks/tpu_throughput.py --device gpu --shape llama3.2-1b      # one H100/H200, jax[cuda]
+    python benchmarks/tpu_throughput.py --device gpu --shape llama3.2-1b --remat full,op,offload
 
 The TPU figures are unmeasured until a TPU runs this script: benchmarks/results/ holds the CPU's and one
 H200's (--device gpu). The target on a TPU is torchprime's MFU for Llama 3 8B on v6e-256 (the layout of the
@@ -95,10 +96,13 @@ def run_side(recipe: str, overrides: list[str], env: dict[str, str], output_dir:
     if not steady:
         raise SystemExit(f"`{shown}` logged {len(windows)} window(s): raise --steps above --logging-steps x 2")
     mfus = [r["mfu"] for r in steady if r.get("mfu") is not None]
+    memory = [r["memory_gb"] for r in windows if r.get("memory_gb") is not None]
     return {"command": shown, "wall_s": round(seconds, 1), "steps": windows[-1]["step"],
             "windows_used": len(steady), "first_window_tokens_per_s": windows[0]["tokens_per_s"],
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady),
-            "mfu": statistics.median(mfus) if mfus else None}
+            "mfu": statistics.median(mfus) if mfus else None,
+            "memory_gb": max(memory) if memory else None,  # the device's peak on TPUs/GPUs (host RSS on CPU)
+            "losses": [r["loss"] for r in records if "loss" in r and "tokens_per_s" in r]}
 
 
 def plan_prediction(recipe: str, overrides: list[str], world: int, device_kind: str) -> dict[str, Any]:
@@ -156,6 +160,36 @@ def measure_shape(shape: str, args: argparse.Namespace, scratch: Path) -> list[d
     return rows
 
 
+def measure_remat(shape: str, args: argparse.Namespace, scratch: Path) -> list[dict[str, Any]]:
+    """The XLA side once per --remat policy, the blocks one scan (as the TPU recipes run them): tokens/s, the
+    device's peak memory and the logged losses, which the policies must leave equal (they only choose what
+    the backward recomputes or fetches from host memory)."""
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+    env |= {"JAX_PLATFORMS": "cuda"} if args.device == "gpu" else {}
+    devices, kind = jax_devices(env)
+    common = train_overrides(args, devices) + (["precision=bf16"] if args.device == "gpu" else [])
+    rows = []
+    for policy in args.remat:
+        side = run_side(SHAPES[shape], [*common, f"model.remat={policy}", "model.scan_layers=true",
+                                        "device=" + ("tpu" if args.device == "tpu" else "xla"),
+                                        f"ici_mesh.fsdp={devices}"], env, scratch / f"{shape}-{policy}")
+        rows.append({"shape": shape, "path": f"xla ({args.device}, {devices} device(s))",
+                     "device_kind": kind, "remat": policy, **side})
+    for row in rows:
+        row["ratio_vs_first_policy"] = row["tokens_per_s"] / rows[0]["tokens_per_s"]
+        row["max_loss_difference_vs_first_policy"] = max(abs(a - b) for a, b in zip(row["losses"], rows[0]["losses"]))
+    return rows
+
+
+def print_remat_table(rows: list[dict[str, Any]]) -> None:
+    print(f"\n{'shape':<14}{'remat':<10}{'tok/s':>12}{'MFU':>8}{'vs first':>10}{'peak GiB':>10}{'max |dloss|':>13}")
+    for r in rows:
+        mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-"
+        memory = f"{r['memory_gb']:.2f}" if r.get("memory_gb") is not None else "-"
+        print(f"{r['shape']:<14}{r['remat']:<10}{r['tokens_per_s']:>12,.0f}{mfu:>8}{r['ratio_vs_first_policy']:>9.2f}x"
+              f"{memory:>10}{r['max_loss_difference_vs_first_policy']:>13.2e}")
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
     print(f"\n{'shape':<14}{'path':<30}{'tok/s':>12}{'MFU':>8}{'XLA/eager':>11}{'plan tok/s':>12}{'plan MFU':>10}")
     for r in rows:
@@ -184,6 +218,10 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=None, help="global batch (default: --batch-per-device x devices)")
     parser.add_argument("--batch-per-device", type=int, default=None, help="default: 8 on CPU, 1 on a TPU")
     parser.add_argument("--override", action="append", default=[], help="an extra key=value for both sides")
+    parser.add_argument("--remat", default=None,
+                        help="comma-separated model.remat policies (none, full, op, offload) to run the XLA side "
+                             "with instead, the blocks one scan: tokens/s, device peak memory and losses per policy "
+                             "(--device gpu|tpu; writes tpu_throughput-remat-<device>.json)")
     parser.add_argument("--notes", default="", help="a note stored with the results")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
@@ -194,12 +232,18 @@ def main() -> int:
     large = shapes != ["debug"]
     args.seq_len = args.seq_len or {"tpu": 8192 if large else 256, "gpu": 2048 if large else 256}.get(args.device, 256)
     args.batch_per_device = args.batch_per_device or {"xla": 8, "gpu": 4}.get(args.device, 1)
+    if args.remat is not None:
+        args.remat = [p.strip() for p in args.remat.split(",") if p.strip()]
+        wrong = [p for p in args.remat if p not in ("none", "full", "op", "offload")]
+        if wrong or args.device == "xla" or not args.remat:
+            parser.error(f"--remat {','.join(args.remat)}: choose from none, full, op, offload, with --device gpu "
+                         f"or tpu (jax's CPU compiler keeps offloaded activations on the device)")
 
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as scratch:
         for shape in shapes:
-            rows += measure_shape(shape, args, Path(scratch))
-    print_table(rows)
+            rows += (measure_remat if args.remat else measure_shape)(shape, args, Path(scratch))
+    (print_remat_table if args.remat else print_table)(rows)
 
     kind = rows[0]["device_kind"]
     machine = (f"{kind}, {torch.get_num_threads()} torch threads" if args.device == "xla"
@@ -209,7 +253,7 @@ def main() -> int:
               "torch": torch.__version__, "jax": version("jax"), "torchax": version("torchax"),
               "config": vars(args) | {"out": str(args.out)}, "commands": [r["command"] for r in rows], "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"tpu_throughput-{slug}.json"
+    path = args.out / f"tpu_throughput-{'remat-' if args.remat else ''}{slug}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {path}")
     return 0

@@ -9,8 +9,11 @@ Activations and the peak come from torch's memory trackers (`FSDPMemTracker`, `M
 storage alive at every op, by category) over one training step of fake tensors (`FakeTensorMode`: shapes
 and dtypes, no data, no FLOPs). Parallelizing inside fake mode fails (torch 2.13), so the model is
 parallelized on meta first and `to_empty` runs inside fake mode. The tracked model is the rank's stage cut
-to k and 2k layers: blocks are alike, so the peak is affine in the layer count and the two runs give it at
-the stage's real count (k a multiple of remat_every and moe_every, so both runs see whole periods).
+to 3k and 4k layers (and fewer where a stage holds fewer), k a multiple of remat_every and moe_every so every
+run sees whole periods. Blocks are alike, but the first few are not on one line: FSDP has up to three blocks'
+weights or gradients unsharded at once (the one computing, the next one's all-gather issued ahead, the last
+one's reduce-scatter in flight), so from three blocks on the peak is affine in the layer count, and a line
+through one and two blocks would count the gathered neighbour once per layer.
 Pipeline stages are tracked as torch's schedules run them: FSDP without gradient sync or resharding until the
 last backward (see track_step). Under fake tensors the MoE router's per-expert counts are data-dependent
 (`bincount` has no fake kernel with an unknown output size), so the plan routes every expert the same share of
@@ -349,15 +352,19 @@ def cut_stage(spec: RunSpec, mesh: Optional[ParallelMesh], kind: str, n_layers: 
 
 @dataclass(frozen=True)
 class StageModel:
-    """Tracked peak, static and activation bytes of a stage kind, affine in layers and micro-batch rows:
-    value(L, B) = a + b L + (c + d L)(B - B0) / B0, from runs at (k, B0), (2k, B0), (k, 2B0), (2k, 2B0)."""
+    """Tracked peak, static and activation bytes of a stage kind, piecewise affine in layers between the tracked
+    counts (extended past the largest from the last two) and affine in micro-batch rows:
+    value(L, B) = v(L, B0) + (v(L, 2 B0) - v(L, B0)) (B - B0) / B0."""
 
     runs: dict[tuple[int, int], Tracked]
     grad_ratio: dict[str, float]  # see state_bytes
 
     def at(self, n_layers: float, batch: float) -> Tracked:
-        k1, k2 = min(k for k, _ in self.runs), max(k for k, _ in self.runs)
+        counts = sorted({k for k, _ in self.runs})
         b_lo, b_hi = min(b for _, b in self.runs), max(b for _, b in self.runs)
+        # the segment n_layers lies on: the last one starting at or below it (the first below the smallest count)
+        i = max([j for j in range(len(counts) - 1) if counts[j] <= n_layers] or [0])
+        k1, k2 = counts[i], counts[i + 1]
 
         def affine(field: str) -> float:
             def in_layers(b: int) -> float:
@@ -370,13 +377,22 @@ class StageModel:
         return Tracked(*(round(affine(f)) for f in ("peak", "static", "activations")))
 
 
-def model_stage(spec: RunSpec, mesh: Optional[ParallelMesh], kind: str, batch: int, both_batches: bool) -> StageModel:
-    """The tracked runs of a stage kind: at k and 2k layers, and with `both_batches` at `batch` and 2 x `batch`
-    rows per forward (for other micro-batch sizes)."""
-    k = layer_period(spec)
+def tracked_layer_counts(period: int, fewest_layers: float) -> tuple[int, ...]:
+    """The layer counts a stage kind is tracked at: 3 and 4 periods, from which the peak is affine in the layer
+    count, and below them down to the period count of the kind's smallest stage (or virtual stage), which the
+    line from 3 and 4 would miss (see the module's docstring)."""
+    first = min(3, max(1, int(fewest_layers // period)))
+    return tuple(m * period for m in range(first, 5))
+
+
+def model_stage(spec: RunSpec, mesh: Optional[ParallelMesh], kind: str, batch: int, both_batches: bool,
+                fewest_layers: float) -> StageModel:
+    """The tracked runs of a stage kind (see tracked_layer_counts; `fewest_layers`: the fewest any stage of this
+    kind holds), and with `both_batches` at `batch` and 2 x `batch` rows per forward (for other micro-batch
+    sizes)."""
     runs, grad_ratio = {}, {}
     for rows in ((batch, 2 * batch) if both_batches else (batch,)):
-        for layers in (k, 2 * k):
+        for layers in tracked_layer_counts(layer_period(spec), fewest_layers):
             part = cut_stage(spec, mesh, kind, layers)
             runs[(layers, rows)] = track_step(spec, mesh, part, kind, rows, grad_ratio if not runs else None)
     return StageModel(runs, grad_ratio)

@@ -226,8 +226,10 @@ def make_plan(cfg: JobConfig, world: int, nodes: Optional[int] = None, device: s
                     warnings.append(note)
                 for remat in remats:
                     if (remat, role.kind) not in models:
+                        fewest = min(r.n_layers / len(r.stage_ids) for r in roles if r.kind == role.kind)
                         models[(remat, role.kind)] = model_stage(with_micro_batch(spec, cfg.micro_batch_size, remat),
-                                                                 mesh, role.kind, base_rows, both_batches=rows_vary)
+                                                                 mesh, role.kind, base_rows, both_batches=rows_vary,
+                                                                 fewest_layers=fewest)
                 grads = models[(cfg.model.remat, role.kind)].grad_ratio
                 role.state = state_bytes(named, grads, period)
         if not role.state.even and world <= EXACT_WORLD:

@@ -19,6 +19,14 @@ def refuse_pipeline(cfg: JobConfig) -> None:
         raise ConfigError(PIPELINE_REFUSED.format(where=f"device={cfg.device}"))
 
 
+def refuse_offload_without_host_memory(cfg: JobConfig, platform: str) -> None:
+    """remat=offload moves saved activations to the host's pinned memory, which XLA does on TPUs and GPUs; its CPU
+    compiler keeps them where they are, so on jax's cpu devices the policy would silently save nothing."""
+    if cfg.model.remat == "offload" and platform not in ("tpu", "gpu"):
+        raise ConfigError(f"model.remat=offload needs a TPU's or GPU's pinned host memory, and jax's devices are "
+                          f"{platform}; use model.remat=full")
+
+
 def mesh_error(message: str, device: str, devices: int) -> str:
     """The torch path's mesh error worded for jax's devices (and how to get N of them on a CPU)."""
     more = ("; on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N JAX_PLATFORMS=cpu makes N devices"
@@ -34,8 +42,6 @@ def check(cfg: JobConfig, shape: MeshShape) -> None:
         (cfg.lora.rank > 0, "lora.rank", "lora.rank=0, or fine-tune with LoRA on cpu/cuda"),
         (bool(cfg.eval.tasks), "eval.tasks", "eval.tasks=[] and score the checkpoint with `ember eval`"),
         (fp8_enabled(cfg), "precision=fp8 (fp8.enabled)", "precision=bf16"),
-        (cfg.model.remat == "offload" and cfg.device != "tpu", "model.remat=offload (it needs a TPU's pinned "
-         "host memory)", "model.remat=full"),
     ]
     for refused_here, key, fix in refused:
         if refused_here:

@@ -15,7 +15,9 @@ import os
 from types import ModuleType
 from typing import Any
 
+from ember.config_schema import JobConfig
 from ember.errors import ConfigError
+from ember.xla import checks
 
 EXTRA_HINT = "pip install -e '.[tpu]' torch==2.13.0 (on a TPU VM also: pip install 'jax[tpu]')"
 
@@ -95,6 +97,13 @@ def devices(device: str) -> list[Any]:
     if device == "tpu" and platform != "tpu":
         raise ConfigError(f"device=tpu but jax's devices are {platform} ({len(found)} of them), not TPUs; on a "
                           "TPU VM install jax[tpu], or use device=xla for jax's default backend")
+    return found
+
+
+def run_devices(cfg: JobConfig) -> list[Any]:
+    """`devices(cfg.device)`, refusing what the config asks of them that they cannot do."""
+    found = devices(cfg.device)
+    checks.refuse_offload_without_host_memory(cfg, found[0].platform)
     return found
 
 

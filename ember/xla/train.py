@@ -47,7 +47,7 @@ class XlaTrainer(Trainer):
         import jax
 
         self.cfg, self.console = cfg, console or Console(soft_wrap=True)
-        devices = runtime.devices(cfg.device)
+        devices = runtime.run_devices(cfg)
         self.rank, self.world_size = jax.process_index(), len(devices)
         self.is_main = self.rank == 0
         self.device = torch.device("cpu")  # the host: loaders, the host copy, signals

@@ -10,7 +10,8 @@ import torch
 from ember import run as run_lib
 from ember.cli import main
 from ember.parallel.mesh import ParallelMesh
-from ember.plan.memory import build_parts, fake_world, named_params, plan_spec, state_bytes
+from ember.plan.memory import (build_parts, cut_stage, fake_world, named_params, plan_spec, state_bytes,
+                               track_step)
 from ember.plan.planner import make_plan
 
 LLAMA_405B_1024 = ["ici_mesh.tensor=8", "ici_mesh.fsdp=1", "dcn_mesh.fsdp=16", "dcn_mesh.data=8", "model.remat=full"]
@@ -53,6 +54,23 @@ def test_mixtral_8x22b_with_expert_parallelism_matches_the_hand_computed_shards(
                                     "global_batch_size=64", "micro_batch_size=1"], 64)
     assert state.param == elements * 4 == 70_315_035_648
     assert state.optim == 2 * elements * 4 + 4 * (56 * 10 + 3)
+
+
+@pytest.mark.parametrize("layout", [["ici_mesh.fsdp=4"], ["ici_mesh.fsdp=2", "ici_mesh.tensor=2"]])
+def test_planned_peak_is_the_tracked_step_of_the_whole_depth(layout):
+    """The plan tracks a few layers and extends the line they give to the model's depth; that must equal
+    tracking every layer. A line through one and two layers counted, per layer, the next block's weights FSDP
+    gathers ahead (193 GiB planned for Llama 3.1 70B at fsdp=256 and 8K tokens instead of 17)."""
+    # remat=full and short sequences: the gathered weights, not the activations, make the peak
+    overrides = ["model.n_layers=8", "model.vocab_size=512", "model.remat=full", "data.dataset=synthetic",
+                 "seq_len=32", "micro_batch_size=1", "global_batch_size=4", *layout]
+    cfg = run_lib.load_config("debug", overrides, world_size=4)
+    plan = make_plan(cfg, 4, device="cpu")
+    spec = plan_spec(cfg, 4, "cpu", torch.float32)
+    with fake_world(0, 4):
+        mesh = ParallelMesh(spec.shape, "cpu")
+        whole = track_step(spec, mesh, cut_stage(spec, mesh, "whole", 8), "whole", 1)
+    assert plan.ranks[0].peak_bytes == pytest.approx(whole.peak, rel=0.01)
 
 
 @pytest.mark.slow

@@ -85,8 +85,8 @@ def test_convert_to_hf_gives_transformers_the_same_logits(runs: dict, tmp_path: 
     (["device=tpu"], "not TPUs"),
     (["device=xla", "ici_mesh.fsdp=3"], "world size is 8; make the axes multiply to jax's 8 device(s) (or set one "
                                         "axis to -1); on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N"),
-    (["device=xla", "model.remat=offload"], "model.remat=offload (it needs a TPU's pinned host memory) is not "
-                                            "supported with device=xla; use model.remat=full"),
+    (["device=xla", "model.remat=offload", "micro_batch_size=1"], "model.remat=offload needs a TPU's or GPU's pinned host memory, and "
+                                            "jax's devices are cpu; use model.remat=full"),
 ])
 def test_mistakes_are_one_line_with_exit_2(overrides: list, says: str, xla_env: dict, tmp_path: Path):
     proc = run_ember("train", "debug", *overrides, f"output_dir={tmp_path / 'run'}", env=xla_env, expect=2)

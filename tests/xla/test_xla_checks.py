@@ -5,6 +5,7 @@ import pytest
 
 from ember import run as run_lib
 from ember.errors import ConfigError
+from ember.xla.checks import refuse_offload_without_host_memory
 
 
 @pytest.mark.parametrize("overrides, says", [
@@ -23,10 +24,14 @@ def test_what_the_xla_path_refuses_is_one_line_naming_the_key(overrides: list, s
     assert says in str(err.value) and "\n" not in str(err.value)
 
 
-def test_offload_is_refused_off_tpus_and_scan_off_xla():
-    with pytest.raises(ConfigError, match=r"^model.remat=offload \(it needs a TPU's pinned host memory\) is not "
-                       r"supported with device=xla; use model.remat=full$"):
-        run_lib.load_config("debug", ["device=xla", "model.remat=offload", "ici_mesh.fsdp=8"], world_size=8)
-    run_lib.load_config("debug", ["device=tpu", "model.remat=offload", "ici_mesh.fsdp=8", "micro_batch_size=1"], world_size=8)
+def test_offload_is_refused_where_xla_keeps_activations_on_the_device_and_scan_off_xla():
+    cfg = run_lib.load_config("debug", ["device=xla", "model.remat=offload", "ici_mesh.fsdp=8", "micro_batch_size=1"],
+                              world_size=8)
+    with pytest.raises(ConfigError, match=r"^model.remat=offload needs a TPU's or GPU's pinned host memory, and "
+                       r"jax's devices are cpu; use model.remat=full$"):
+        refuse_offload_without_host_memory(cfg, "cpu")
+    for platform in ("tpu", "gpu"):  # XLA moves the saved activations to the host's pinned memory
+        refuse_offload_without_host_memory(cfg, platform)
+    refuse_offload_without_host_memory(run_lib.load_config("debug", ["device=xla"], world_size=1), "cpu")
     with pytest.raises(ConfigError, match=r"model.scan_layers=true is the XLA path's"):
         run_lib.load_config("debug", ["device=cpu", "model.scan_layers=true"], world_size=1)
