@@ -17,6 +17,7 @@ class ModelConfig:
     n_layers: Optional[int] = None
     n_heads: Optional[int] = None
     n_kv_heads: Optional[int] = None
+    head_dim: Optional[int] = None  # each attention head's width (llama, mixtral); default dim // n_heads
     vocab_size: Optional[int] = None
     multiple_of: Optional[int] = None
     ffn_dim_multiplier: Optional[float] = None

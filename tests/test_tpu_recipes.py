@@ -1,13 +1,16 @@
-"""The TPU recipes (ember/recipes/*-v6e-256.yaml): each loads (the schema's checks only: the XLA path's own need
-jax), runs on device=tpu, and its mesh is the chips of its TPU slices; its global batch is torchprime's, in the
-micro-batches `ember plan` fits on a chip."""
+"""The TPU recipes: torchprime's layouts (ember/recipes/*-v6e-256.yaml) and MaxText's v5e models
+(maxtext-*-v5e-256.yaml). Each loads (the schema's checks only: the XLA path's own need jax), runs on
+device=tpu, and its mesh is the chips of its TPU slices; its global batch is its source's, in the micro-batches
+`ember plan` fits on a chip; MaxText's models are the shapes its global_parameter_scale gives."""
 
 import math
 
 import pytest
+import torch
 
 from ember import config as config_lib
 from ember.commands.recipes import _device
+from ember.models import MODELS, build_model_args
 from ember.parallel.mesh_shape import resolve_mesh
 
 # recipe: (TPU type, chips per slice, slices, global batch, remat, scan_layers) as each recipe's torchprime source,
@@ -20,9 +23,48 @@ TPU_RECIPES = {
 }
 
 
+# MaxText's MaxText/configs/v5e/{16,32,64,128}b.sh on one v5e-256: (global_parameter_scale, per-device batch, remat,
+# ici mesh), and the size its README's table names.
+MAXTEXT_RECIPES = {
+    "maxtext-16b-v5e-256": (16, 6, "full", {"fsdp": 256}, 16e9),
+    "maxtext-32b-v5e-256": (32, 4, "full", {"fsdp": 256}, 32e9),
+    "maxtext-64b-v5e-256": (64, 2, "full", {"fsdp": 256}, 64e9),
+    "maxtext-128b-v5e-256": (128, 1, "offload", {"fsdp": 16, "tensor": 16}, 128e9),
+}
+
+
 def test_every_tpu_recipe_is_listed_here():
     on_tpu = {name for name in config_lib.recipe_names() if config_lib.load(name).device == "tpu"}
-    assert on_tpu == set(TPU_RECIPES)
+    assert on_tpu == set(TPU_RECIPES) | set(MAXTEXT_RECIPES)
+
+
+def _maxtext_shape(scale: int) -> dict[str, int]:
+    """MaxText's base.yml model (width 2048, 16 heads of 128, SwiGLU 7168, 16 layers) scaled as its
+    get_individual_scales does: doublings of heads and SwiGLU, then width, then depth, in turn."""
+    base_scale, rem = divmod(int(math.log2(scale)), 3)
+    heads = base_scale + int(rem > 0)
+    return {"dim": 2048 << (base_scale + int(rem > 1)), "n_heads": 16 << heads, "ffn_hidden_dim": 7168 << heads,
+            "n_layers": 16 << base_scale}
+
+
+@pytest.mark.parametrize("name", sorted(MAXTEXT_RECIPES))
+def test_maxtext_recipe_is_its_scaled_model_on_a_v5e_256(name: str):
+    scale, per_chip, remat, ici, size = MAXTEXT_RECIPES[name]
+    cfg = config_lib.load(name, [])
+    args = build_model_args(cfg.model.family, cfg.model.flavor, config_lib.model_overrides(cfg.model))
+    assert {k: getattr(args, k) for k in ("dim", "n_heads", "ffn_hidden_dim", "n_layers")} == _maxtext_shape(scale)
+    assert (args.head_dim, args.kv_heads, args.vocab_size, args.tie_embeddings) == (128, args.n_heads, 32000, False)
+    assert (args.n_heads * args.head_dim == args.dim) == (scale in (32, 64))  # 16B's and 128B's heads are wider
+    with torch.device("meta"):
+        params = sum(p.numel() for p in MODELS[cfg.model.family].model_cls(args).parameters())
+    assert abs(params / size - 1) < 0.03, params  # 15.8B, 31.7B, 62.8B, 125.1B
+    assert (cfg.device, cfg.seq_len, cfg.model.remat, cfg.model.scan_layers) == ("tpu", 2048, remat, True)
+    shape = resolve_mesh(cfg.ici_mesh, cfg.dcn_mesh, 256)
+    assert {k: v for k, v in shape.ici.items() if v > 1} == ici and math.prod(shape.dcn.values()) == 1
+    assert cfg.micro_batch_size == per_chip * ici.get("tensor", 1) and cfg.global_batch_size == per_chip * 256
+    assert cfg.micro_batch_size * shape.dp == cfg.global_batch_size
+    header = config_lib.resolve_recipe(name).read_text().split("\nseed:")[0]
+    assert f"MaxText/configs/v5e/{scale}b.sh" in header and "v5e-256" in header and "device=tpu" in header
 
 
 @pytest.mark.parametrize("name", sorted(TPU_RECIPES))

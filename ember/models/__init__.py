@@ -60,7 +60,11 @@ def build_model_args(family: str, flavor: str, overrides: dict[str, Any] | None 
         raise ConfigError(f"model.{unknown[0]} is not a hyper-parameter of {family} (fields: {', '.join(sorted(fields))})")
     overrides = {keys.get(k, k): v for k, v in overrides.items()}
     args = dataclasses.replace(spec.flavors[flavor], **overrides)
-    if args.dim % args.n_heads or args.n_heads % args.kv_heads or args.head_dim % 2:
-        raise ConfigError(f"model.dim={args.dim} must split into model.n_heads={args.n_heads} heads of even size, "
-                         f"and n_heads must be a multiple of model.n_kv_heads={args.kv_heads}")
+    explicit = getattr(args, "head_dim_override", None)
+    if explicit is not None and (explicit <= 0 or explicit % 2):
+        raise ConfigError(f"model.head_dim={explicit} must be a positive even number (RoPE rotates pairs of it)")
+    if (explicit is None and args.dim % args.n_heads) or args.n_heads % args.kv_heads or args.head_dim % 2:
+        raise ConfigError(f"model.dim={args.dim} must split into model.n_heads={args.n_heads} heads of even size "
+                          f"(or set model.head_dim), and n_heads must be a multiple of "
+                          f"model.n_kv_heads={args.kv_heads}")
     return args

@@ -25,7 +25,9 @@ from ember.nn.moe import MoE
 
 
 class HeadShape:
-    """Attention head sizes shared by every family's args dataclass (a base class with no fields)."""
+    """Attention head sizes shared by every family's args dataclass (a base class with no fields). A family whose
+    heads may be wider or narrower than dim / n_heads (Hugging Face's `head_dim`, MaxText's fixed 128) has a
+    `head_dim_override` field, set by `model.head_dim`."""
 
     @property
     def kv_heads(self) -> int:
@@ -34,7 +36,7 @@ class HeadShape:
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return getattr(self, "head_dim_override", None) or self.dim // self.n_heads
 
 
 def rope_cos_sin(args: Any, device: Optional[torch.device] = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,9 +9,11 @@ import torch
 import transformers  # the test extra installs it: parity is never skipped
 from safetensors.torch import load_file
 
+from ember.convert import save_hf
 from ember.load import load_model
 from ember.models import build_model_args
 from ember.models.llama import FLAVORS, LlamaArgs, hf
+from ember.models.mixtral import hf as mixtral_hf
 
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
@@ -19,11 +21,12 @@ SEQ = 100  # longer than the original 64-token window, so the llama3 scaling cha
 
 
 def _save_hf_model(directory: Path, *, kv_heads: int = 2, rope: dict | None = None, tied: bool = False,
-                   shard: bool = False):
+                   shard: bool = False, head_dim: int | None = None):
     config = transformers.LlamaConfig(
         hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=kv_heads, vocab_size=320, max_position_embeddings=256, rms_norm_eps=1e-5,
         tie_word_embeddings=tied, rope_parameters=rope or {"rope_type": "default", "rope_theta": 10000.0},
+        head_dim=head_dim,
     )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).eval()
@@ -39,6 +42,8 @@ CASES = {
     "mha-default-rope": dict(kv_heads=4),
     "gqa-llama3-rope-sharded": dict(rope=LLAMA3_ROPE, shard=True),
     "gqa-llama3-rope-tied": dict(rope=LLAMA3_ROPE, tied=True),
+    # heads wider than hidden_size / heads (MaxText's fixed 128; Qwen3's): q/k/v project to 4 x 32 = 128
+    "gqa-wide-heads": dict(head_dim=32),
 }
 
 
@@ -145,11 +150,42 @@ def test_llama31_8b_config_matches_the_release():
     assert {k: ours[k] for k in release} == release
 
 
+def test_wide_heads_export_loads_in_transformers_and_round_trips(tmp_path: Path):
+    reference = _save_hf_model(tmp_path / "hf", head_dim=32)
+    model = load_model(tmp_path / "hf")
+    assert (model.args.head_dim, model.layers["0"].attention.wq.weight.shape) == (32, (128, 64))
+    save_hf(model, model.args, tmp_path / "export")
+    assert json.loads((tmp_path / "export" / "config.json").read_text())["head_dim"] == 32
+    reloaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "export", torch_dtype=torch.float32).eval()
+    tokens = torch.randint(0, 320, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(tokens).logits, reference(tokens).logits, rtol=0, atol=0)
+    exported = load_file(str(tmp_path / "export" / "model.safetensors"))
+    original = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert exported.keys() == original.keys() and all(torch.equal(exported[k], original[k]) for k in original)
+
+
+def test_head_dim_is_a_model_key_and_its_mistakes_are_named():
+    args = build_model_args("llama2", "7B", {"dim": 4096, "n_heads": 64, "head_dim": 128})
+    assert (args.head_dim, args.head_dim_override, build_model_args("llama2", "7B").head_dim) == (128, 128, 128)
+    assert build_model_args("llama2", "7B", {"dim": 4096, "n_heads": 64}).head_dim == 64
+    with pytest.raises(ValueError, match=r"^model.head_dim=33 must be a positive even number"):
+        build_model_args("llama2", "7B", {"head_dim": 33})
+    with pytest.raises(ValueError, match=r"model.dim=4096 must split into model.n_heads=48 heads of even size "
+                                         r"\(or set model.head_dim\)"):
+        build_model_args("llama2", "7B", {"n_heads": 48})
+    assert build_model_args("llama2", "7B", {"n_heads": 48, "head_dim": 64}).head_dim == 64
+    mixtral = mixtral_hf.hf_config_from_args(build_model_args("mixtral", "debug"))
+    assert mixtral_hf.args_from_hf_config({**mixtral, "head_dim": 64}).head_dim == 64  # Mistral-Nemo's kind
+    assert mixtral_hf.args_from_hf_config(mixtral).head_dim_override is None
+    with pytest.raises(ValueError, match="model.head_dim is not a hyper-parameter of gpt"):
+        build_model_args("gpt", "126M", {"head_dim": 64})
+
+
 def test_unsupported_hf_configs_are_refused():
     base = hf.hf_config_from_args(FLAVORS["llama3"]["debug"])
     with pytest.raises(ValueError, match="RoPE type 'yarn' is not supported"):
         hf.args_from_hf_config({**base, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}})
     with pytest.raises(ValueError, match="attention_bias=true is not supported"):
         hf.args_from_hf_config({**base, "attention_bias": True})
-    with pytest.raises(ValueError, match="head_dim=64 differs"):
-        hf.args_from_hf_config({**base, "head_dim": 64})
+    assert hf.args_from_hf_config({**base, "head_dim": 64}).head_dim == 64  # wider heads: taken as stated

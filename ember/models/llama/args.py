@@ -21,6 +21,8 @@ class LlamaArgs(HeadShape):
     # The SwiGLU hidden size stated outright. Every Meta release is expressed by the formula in
     # `ffn_hidden_dim`; a Hugging Face config states `intermediate_size`, which is kept verbatim here.
     ffn_hidden_dim_override: Optional[int] = None  # set by `model.ffn_hidden_dim` (see CONFIG_KEYS)
+    # Each attention head's width where it is not dim / n_heads (the q/k/v projections are n_heads x head_dim wide).
+    head_dim_override: Optional[int] = None  # set by `model.head_dim` (see CONFIG_KEYS)
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     # Llama 3.1 RoPE frequency scaling (Meta's `apply_scaling`, HF rope_type "llama3"); factor None: off.
@@ -34,7 +36,8 @@ class LlamaArgs(HeadShape):
     # `model.<key>` -> field, where the field is not named as the key every family shares: Llama's hidden size
     # is derived by Meta's rule unless set, so the field holds only the user's choice and the property below
     # the value (the field's name is kept: checkpoints' model.json files store it).
-    CONFIG_KEYS: ClassVar[dict[str, str]] = {"ffn_hidden_dim": "ffn_hidden_dim_override"}
+    CONFIG_KEYS: ClassVar[dict[str, str]] = {"ffn_hidden_dim": "ffn_hidden_dim_override",
+                                             "head_dim": "head_dim_override"}
 
 
 

@@ -8,7 +8,7 @@ to match: Meta's convert_llama_weights_to_hf applies `permute` on export. `to_hf
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -112,14 +112,21 @@ def _rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
     return params
 
 
+def explicit_head_dim(config: dict[str, Any]) -> Optional[int]:
+    """config.json's head_dim where it is not hidden_size / num_attention_heads (None: the quotient)."""
+    head_dim = config.get("head_dim")
+    derived = config["hidden_size"] // config["num_attention_heads"]
+    if head_dim is None or (head_dim == derived and config["hidden_size"] % config["num_attention_heads"] == 0):
+        return None
+    return int(head_dim)
+
+
 def args_from_hf_config(config: dict[str, Any]) -> LlamaArgs:
     """LlamaArgs for a HF LlamaForCausalLM config.json; ValueError for what ember's Llama cannot express."""
     rope = _rope_parameters(config)
     if rope["rope_type"] not in ("default", "llama3"):
         raise ValueError(f"RoPE type '{rope['rope_type']}' is not supported (ember implements 'default' and 'llama3')")
     dim, n_heads = config["hidden_size"], config["num_attention_heads"]
-    if config.get("head_dim") not in (None, dim // n_heads):
-        raise ValueError(f"head_dim={config['head_dim']} differs from hidden_size / num_attention_heads = {dim // n_heads}")
     for flag in ("attention_bias", "mlp_bias"):
         if config.get(flag):
             raise ValueError(f"{flag}=true is not supported (ember's Llama has no biases)")
@@ -140,6 +147,7 @@ def args_from_hf_config(config: dict[str, Any]) -> LlamaArgs:
         n_kv_heads=config.get("num_key_value_heads") or n_heads,
         vocab_size=config["vocab_size"],
         ffn_hidden_dim_override=config["intermediate_size"],  # stated outright: no formula to invert
+        head_dim_override=explicit_head_dim(config),
         norm_eps=config.get("rms_norm_eps", 1e-6),  # LlamaConfig's default
         rope_theta=float(rope["rope_theta"]),
         max_seq_len=config.get("max_position_embeddings", 2048),

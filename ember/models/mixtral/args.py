@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import ClassVar, Optional
 
 from ember.nn.decoder import HeadShape
 
@@ -24,6 +24,9 @@ class MixtralArgs(HeadShape):
     tie_embeddings: bool = False
     # Present so that the Llama attention and RoPE code, which Mixtral shares, reads them: no scaling.
     rope_scaling_factor: Optional[float] = None
+    head_dim_override: Optional[int] = None  # each head's width where not dim / n_heads: `model.head_dim`
+
+    CONFIG_KEYS: ClassVar[dict[str, str]] = {"head_dim": "head_dim_override"}
 
 
 

@@ -30,6 +30,7 @@ def args_from_hf_config(config: dict[str, Any]) -> MixtralArgs:
         top_k=config["num_experts_per_tok"], norm_eps=config.get("rms_norm_eps", 1e-5),
         rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 1e6))),
         max_seq_len=config.get("max_position_embeddings", 32768),
+        head_dim_override=llama_hf.explicit_head_dim(config),
     )
 
 
