@@ -227,9 +227,11 @@ def _decide(cfg: JobConfig, world_size: int, device: torch.device, shape: MeshSh
     num_stages = pp * cfg.parallel.pp_stages_per_rank if pp > 1 else 1
     pp_microbatches = 1 if pp == 1 else (cfg.micro_batch_size if cfg.parallel.pp_microbatches == -1
                                          else cfg.parallel.pp_microbatches)
-    # Plain-tensor logits of the whole sequence (no tensor or pipeline split) are computed in chunks.
-    chunks = (output_chunks(cfg.micro_batch_size, cfg.seq_len // shape.degree("context"), args.vocab_size,
-                            device.type) if shape.degree("tensor") == 1 and pp == 1 else 1)
+    # Plain-tensor logits of the whole sequence (no tensor or pipeline split) are computed in chunks; the XLA path's
+    # loss is one traced function of the micro-batch's whole logits (ember/xla/step.py), which `ember plan` counts.
+    whole_logits = shape.degree("tensor") > 1 or pp > 1 or cfg.device in config_lib.XLA_DEVICES
+    chunks = 1 if whole_logits else output_chunks(cfg.micro_batch_size, cfg.seq_len // shape.degree("context"),
+                                                  args.vocab_size, device.type)
     return RunSpec(cfg=cfg, world_size=world_size, device=device, shape=shape, flavor=flavor, args=args,
                    architecture_from=architecture_from, compute_dtype=compute_dtype, fsdp_mixed=fsdp_mixed,
                    parallel=parallel, grad_accum=config_lib.grad_accum_steps(cfg, shape.dp), num_stages=num_stages,

@@ -14,9 +14,9 @@ from ember.models import MODELS, build_model_args
 from ember.parallel.mesh_shape import resolve_mesh
 
 # recipe: (TPU type, chips per slice, slices, global batch, remat, scan_layers) as each recipe's torchprime source,
-# and the micro-batches accumulated per step (torchprime runs one: ember's XLA step holds a micro-batch's logits).
+# and the micro-batches accumulated per step (torchprime runs one).
 TPU_RECIPES = {
-    "llama3-8b-v6e-256": ("v6e-256", 256, 1, 1024, "full", True, 4),
+    "llama3-8b-v6e-256": ("v6e-256", 256, 1, 1024, "full", True, 1),
     "llama3.1-70b-v6e-256": ("v6e-256", 256, 1, 512, "offload", True, 1),
     "llama3.1-405b-2xv6e-256": ("v6e-256", 256, 2, 512, "offload", True, 1),
     "mixtral-8x7b-v6e-256": ("v6e-256", 256, 1, 512, "full", False, 1),

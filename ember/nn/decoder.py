@@ -267,13 +267,21 @@ class Decoder(nn.Module):
         """Fill every parameter and buffer: after `to_empty`, a model built on meta gets real values."""
         self.init_rope(buffer_device)
         self.tie_weights()  # undone by to_empty
-        self.init_embeddings()
-        for layer in self.layers.values():
-            layer.init_weights()
+        for _, fill in self.init_steps():
+            fill()
+
+    def init_steps(self) -> list[tuple[list[nn.Module], Callable[[], None]]]:
+        """init_weights's fills in the order it runs them, each with the modules whose parameters it fills. Run in
+        this order after one torch.manual_seed they draw the same random numbers whether the model is real
+        whole or one piece at a time (the XLA path initialises a model too large for a host that way)."""
+        embeddings = [table for table in (self.tok_embeddings, self.pos_embeddings) if table is not None]
+        steps: list[tuple[list[nn.Module], Callable[[], None]]] = [(embeddings, self.init_embeddings)] if embeddings else []
+        steps += [([layer], layer.init_weights) for layer in self.layers.values()]
         if self.norm is not None:
-            self.norm.reset_parameters()
+            steps.append(([self.norm], self.norm.reset_parameters))
         if self.output is not None and not self.args.tie_embeddings:
-            self.init_output()
+            steps.append(([self.output], self.init_output))
+        return steps
 
     def init_embeddings(self) -> None:
         if self.tok_embeddings is not None:

@@ -377,6 +377,21 @@ class StageModel:
         return Tracked(*(round(affine(f)) for f in ("peak", "static", "activations")))
 
 
+def offloaded(model: StageModel) -> StageModel:
+    """`model` (tracked with remat=full) with each block's input in host memory, as remat=offload keeps it (the XLA
+    path's offload policy, torch's save_on_cpu): full remat's activations grow per layer by exactly those inputs,
+    so at every tracked count that growth is taken off the peak and the activations. The host memory they fill
+    is not planned."""
+    counts = sorted({k for k, _ in model.runs})
+    runs = {}
+    for (k, rows), tracked in model.runs.items():
+        k1, k2 = counts[-2], counts[-1]
+        per_layer = (model.runs[(k2, rows)].activations - model.runs[(k1, rows)].activations) / (k2 - k1)
+        runs[(k, rows)] = Tracked(round(tracked.peak - k * per_layer), tracked.static,
+                                  round(tracked.activations - k * per_layer))
+    return StageModel(runs, model.grad_ratio)
+
+
 def tracked_layer_counts(period: int, fewest_layers: float) -> tuple[int, ...]:
     """The layer counts a stage kind is tracked at: 3 and 4 periods, from which the peak is affine in the layer
     count, and below them down to the period count of the kind's smallest stage (or virtual stage), which the

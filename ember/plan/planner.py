@@ -22,12 +22,21 @@ from ember.parallel import pp as pp_lib
 from ember.parallel.mesh import AXES, ParallelMesh, rank_grid
 from ember.parallel.mesh_shape import MeshShape
 from ember.plan import cost
-from ember.plan.memory import (StageModel, StateBytes, build_parts, fake_world, layer_period, model_stage,
+from ember.plan.memory import (StageModel, StateBytes, build_parts, fake_world, layer_period, model_stage, offloaded,
                                named_params, plan_spec, state_bytes, with_micro_batch)
 from ember.run import RunSpec
 
 EXACT_WORLD = 64  # uneven shards: every rank built up to this world size
-SEARCH_POLICIES = ("none", "op", "selective", "full")  # offload keeps activations on the host: not a device-memory plan
+SEARCH_POLICIES = ("none", "op", "selective", "full")
+OFFLOAD_NOTE = ("remat=offload: planned as remat=full with each block's input in host memory instead of on the "
+                "device (what XLA's offload and torch's save_on_cpu move there); the host memory is not planned")
+
+
+def device_policy(remat: str) -> str:
+    """The remat policy whose tracked step `remat`'s device memory is derived from: under fake tensors a host copy is
+    indistinguishable from a device one, so offload is tracked as full remat and its block inputs taken off
+    (memory.offloaded)."""
+    return "full" if remat == "offload" else remat  # offload keeps activations on the host: not a device-memory plan
 
 
 @dataclass
@@ -207,6 +216,8 @@ def make_plan(cfg: JobConfig, world: int, nodes: Optional[int] = None, device: s
     # With pp_microbatches=-1 a pipeline micro-batch is one sequence whatever micro_batch_size is.
     rows_vary = spec.degree("pipeline") == 1 or cfg.parallel.pp_microbatches != -1
     ranges = pp_lib.stage_layer_ranges(spec.args.n_layers, spec.num_stages)
+    if cfg.model.remat == "offload":
+        warnings.append(OFFLOAD_NOTE)
     built: dict[tuple, Role] = {}  # roles alike (same pieces, same layer counts) hold the same shards
     for role in roles:
         signature = (role.kind, tuple(len(ranges[i]) for i in role.stage_ids))
@@ -227,9 +238,9 @@ def make_plan(cfg: JobConfig, world: int, nodes: Optional[int] = None, device: s
                 for remat in remats:
                     if (remat, role.kind) not in models:
                         fewest = min(r.n_layers / len(r.stage_ids) for r in roles if r.kind == role.kind)
-                        models[(remat, role.kind)] = model_stage(with_micro_batch(spec, cfg.micro_batch_size, remat),
-                                                                 mesh, role.kind, base_rows, both_batches=rows_vary,
-                                                                 fewest_layers=fewest)
+                        tracked = model_stage(with_micro_batch(spec, cfg.micro_batch_size, device_policy(remat)),
+                                              mesh, role.kind, base_rows, both_batches=rows_vary, fewest_layers=fewest)
+                        models[(remat, role.kind)] = offloaded(tracked) if remat == "offload" else tracked
                 grads = models[(cfg.model.remat, role.kind)].grad_ratio
                 role.state = state_bytes(named, grads, period)
         if not role.state.even and world <= EXACT_WORLD:

@@ -42,6 +42,49 @@ def device_names(model: torch.nn.Module, n_layers: int, scan: bool) -> dict[str,
     return names
 
 
+def init_on_devices(model: torch.nn.Module, seed: int, names: dict[str, list[str]],
+                    shardings: dict[str, Any]) -> dict[str, Any]:
+    """The torch path's seeded init of `model` (a Decoder built on meta) as sharded jax arrays, one piece at a
+    time (the embeddings, each block, the norm, the output: Decoder.init_steps, in its order after the same
+    torch.manual_seed, so the values are the one-process init's). Each piece is filled on the host, its
+    arrays put on the devices, and its host memory freed before the next: a host holds one piece, never the
+    model (405B in fp32 would need 1.6 TB). Every host draws the same numbers and sends only its own shards.
+    Stacked (scanned) weights go to the devices layer by layer and are stacked there. The model's parameters
+    stay the meta ones it was built with."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    slot = {host: (name, i) for name, hosts in names.items() for i, host in enumerate(hosts)}
+    qualified = {id(module): prefix for prefix, module in model.named_modules()}
+    params: dict[str, Any] = {}
+    layers: dict[str, list[Any]] = {name: [None] * len(hosts) for name, hosts in names.items() if len(hosts) > 1}
+    torch.manual_seed(seed)
+    for modules, fill in model.init_steps():
+        kept = [(sub, dict(sub._parameters), dict(sub._buffers)) for module in modules for sub in module.modules()]
+        for module in modules:
+            module.to_empty(device="cpu")
+        with torch.no_grad():
+            fill()
+        for module in modules:
+            prefix = qualified[id(module)]
+            for local, param in module.named_parameters():
+                name, layer = slot[f"{prefix}.{local}" if prefix else local]
+                values = param.detach().numpy()
+                if name in layers:  # one layer of a stack: its sharding without the leading layer axis
+                    sharding = shardings[name]
+                    layers[name][layer] = jax.device_put(values, NamedSharding(sharding.mesh, P(*sharding.spec[1:])))
+                else:
+                    params[name] = jax.device_put(values, shardings[name])
+        for sub, parameters, buffers in kept:  # the meta tensors back: the optimizer's groups and ties refer to them
+            sub._parameters.update(parameters)
+            sub._buffers.update(buffers)
+    for name, stack in layers.items():
+        params[name] = jax.jit(lambda xs: jnp.stack(xs), out_shardings=shardings[name])(stack)
+        stack.clear()
+    return {name: params[name] for name in names}
+
+
 def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
     """alias -> parameter name, for the names under which one Parameter appears again (tied embeddings)."""
     first: dict[int, str] = {}

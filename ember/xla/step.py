@@ -49,9 +49,14 @@ class StepOptions:
     attention_fn: Optional[Callable[..., torch.Tensor]] = None  # the TPU kernel (xla/attention.py); None: SDPA's
 
 
+BLOCK_INPUT = "block_input"  # the checkpoint_name of each block's input hidden state
+
+
 def remat_policy(policy: str) -> Any:
-    """model.remat's jax.checkpoint policy: full/selective save nothing inside a block, op saves the matmul
-    outputs (dots), offload saves them in host memory; None: no remat."""
+    """model.remat's jax.checkpoint policy: full/selective save nothing inside a block (its input stays on the
+    device for the backward), op saves the matmul outputs (dots), offload saves nothing inside a block and
+    moves its input to the host's pinned memory (torchprime's scan-offload and MaxText's offloaded
+    decoder_layer_input: no activation per layer stays on the device); None: no remat."""
     import jax
 
     cp = jax.checkpoint_policies
@@ -60,8 +65,18 @@ def remat_policy(policy: str) -> Any:
     if policy == "op":
         return cp.dots_saveable
     if policy == "offload":
-        return cp.offload_dot_with_no_batch_dims("device", "pinned_host")
+        return cp.save_and_offload_only_these_names(names_which_can_be_saved=[],
+                                                    names_which_can_be_offloaded=[BLOCK_INPUT],
+                                                    offload_src="device", offload_dst="pinned_host")
     return None
+
+
+def _named_input(h: torch.Tensor) -> torch.Tensor:
+    """h, named BLOCK_INPUT for the remat policy (a copy the policy may offload; the name alone changes nothing)."""
+    from jax.ad_checkpoint import checkpoint_name
+    from torchax import interop
+
+    return interop.call_jax(checkpoint_name, h, BLOCK_INPUT)
 
 
 def _xla_experts(experts: nn.Module, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -115,7 +130,7 @@ class ScannedBlocks(nn.Module):
 
         def run(x: torch.Tensor, params: dict[str, torch.Tensor]) -> tuple:
             with _reparametrize_module(self.block, params):
-                out = self.block(x, *rest)
+                out = self.block(_named_input(x), *rest)
             return out, take_moe_stats(self.block)
 
         step = functools.partial(interop.call_torch, run)
@@ -169,9 +184,9 @@ def _rematerialised(block: nn.Module, policy: Any) -> Callable[..., torch.Tensor
 
     forward = block.forward
 
-    def run(params: dict[str, torch.Tensor], *args: Any) -> tuple:
+    def run(params: dict[str, torch.Tensor], h: torch.Tensor, *rest: Any) -> tuple:
         with _reparametrize_module(block, params):
-            out = forward(*args)
+            out = forward(_named_input(h), *rest)
         return out, take_moe_stats(block)
 
     checkpointed = jax.checkpoint(interop.jax_view(run), policy=policy)
@@ -203,6 +218,7 @@ class CompiledStep:
     train: Callable[..., Any]
     evaluate: Callable[..., Any]
     loss_and_grads: Callable[..., Any]  # (params, inputs, labels, scale) -> ((loss, ...), grads): the tests'
+    micro_loss: Callable[..., Any]  # the same, unjitted and without gradients: what the tests ask jax about
 
 
 def build_step(model: nn.Module, scanned: Optional[ScannedBlocks], options: StepOptions, tx: Any,
@@ -294,4 +310,4 @@ def build_step(model: nn.Module, scanned: Optional[ScannedBlocks], options: Step
     return CompiledStep(
         train=jax.jit(train, out_shardings=(p, o, r, r, r, r), donate_argnums=(0, 1)),
         evaluate=jax.jit(evaluate, out_shardings=r),
-        loss_and_grads=jax.jit(grad_fn))
+        loss_and_grads=jax.jit(grad_fn), micro_loss=micro_loss)

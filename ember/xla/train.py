@@ -1,12 +1,13 @@
 """XlaTrainer: ember/train.py's loop, with the step compiled by XLA over sharded jax arrays (ember/xla/step.py).
 
 What it shares with the torch.distributed Trainer, unchanged: the run's decisions (run.resolve), the model
-(run.build_model, on the host: its seeded init is the torch path's, weight for weight), the loaders and their
+(run.build_model, on meta; its seeded init is the torch path's, weight for weight), the loaders and their
 exact resume, the LR schedule (a torch LambdaLR whose value each step is an argument of the compiled step),
 health checks, metrics, run.json, and checkpoints in ember's own format, written and read shard by shard by
 each host (ember/xla/checkpoint.py): a TPU run's checkpoint is resumed, evaluated, generated from, converted to
-Hugging Face and fine-tuned anywhere ember runs, and a torch run's resumes on TPU. The host model is built once,
-for its seeded init; each host holds a full fp32 copy of the weights while the run starts (nothing else after).
+Hugging Face and fine-tuned anywhere ember runs, and a torch run's resumes on TPU. The weights never sit whole
+in a host's memory: the init fills one block at a time and sends it to the devices (layout.init_on_devices),
+and a resume reads each host's chunks; only model.init_from's weights are loaded whole on each host first.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from ember.train import Trainer
 from ember.xla import mesh as mesh_lib
 from ember.xla import runtime
 from ember.xla.checkpoint import DeviceState, RestoredState, XlaCheckpointManager
-from ember.xla.layout import build_layout, pick_compute_dtype, tied_aliases
+from ember.xla.layout import build_layout, init_on_devices, pick_compute_dtype, tied_aliases
 from ember.xla.profiling import JaxStepProfiler
 
 
@@ -55,14 +56,17 @@ class XlaTrainer(Trainer):
         self.mesh = None  # no torch.distributed mesh: the jax Mesh is self.jax_mesh
         compute_dtype = pick_compute_dtype(cfg.precision, cfg.device)
         spec = run_lib.resolve(cfg, self.world_size, torch.device("cpu"), compute_dtype=compute_dtype)
-        self.spec = dataclasses.replace(spec, device=torch.device("xla"), output_chunks=1)
+        self.spec = dataclasses.replace(spec, device=torch.device("xla"))
         self.jax_mesh = mesh_lib.jax_mesh(spec.shape, devices)
         torch.manual_seed(cfg.seed)
         self.peak = _peak(cfg, devices[0].device_kind, compute_dtype)
         self.tokenizer = build_tokenizer(cfg.data, spec.args.vocab_size) if cfg.data.dataset != "synthetic" else None
 
-        # The host model: built and initialised as the torch path builds it (the same seed, the same weights).
-        built = run_lib.build_model(dataclasses.replace(spec, device=torch.device("cpu")), None)
+        # The host model: the torch path's architecture, on meta. Its seeded init goes to the devices a piece at a
+        # time (layout.init_on_devices: the torch path's values, never the whole model in host memory); only
+        # model.init_from's weights are loaded whole on the host first.
+        built = run_lib.build_model(dataclasses.replace(spec, device=torch.device("cpu")), None,
+                                    materialize=bool(cfg.model.init_from))
         self.host_model = built.parts[0]
         self.model_parts, self.model = [self.host_model], self.host_model
         self.num_params = sum(p.numel() for p in built.whole.parameters())
@@ -72,7 +76,10 @@ class XlaTrainer(Trainer):
         self.forward_backward = None
 
         # The traced model: another instance of the same architecture whose weights are the jax arrays.
-        traced = _weightless(run_lib.build_model(dataclasses.replace(spec, device=torch.device("cpu")), None).parts[0])
+        # Built on meta: only its RoPE tables are real (the step takes them as constants).
+        traced = run_lib.build_model(dataclasses.replace(spec, device=torch.device("cpu")), None,
+                                     materialize=False).parts[0]
+        traced.init_rope(torch.device("cpu"))
         eos_id = self.tokenizer.eos_id if cfg.data.document_mask and self.tokenizer else None
         self.layout = build_layout(spec, self.jax_mesh, self.host_model, traced, compute_dtype, eos_id)
         self.names, self.tx, self.compiled = self.layout.names, self.layout.tx, self.layout.compiled
@@ -121,6 +128,8 @@ class XlaTrainer(Trainer):
 
         if restored is not None:
             params = restored.params
+        elif not self.cfg.model.init_from:
+            params = init_on_devices(self.host_model, self.cfg.seed, self.names, self.param_shardings)
         else:
             params = {}
             for name, hosts in self.names.items():

@@ -73,6 +73,21 @@ def test_planned_peak_is_the_tracked_step_of_the_whole_depth(layout):
     assert plan.ranks[0].peak_bytes == pytest.approx(whole.peak, rel=0.01)
 
 
+def test_offload_is_planned_as_full_remat_without_the_block_inputs_and_says_so():
+    """Each block's input: 2 rows x 64 tokens x width 256 in fp32 = 131,072 bytes, 4 layers."""
+    base = ["data.dataset=synthetic", "seq_len=64", "micro_batch_size=2", "global_batch_size=4", "ici_mesh.fsdp=2"]
+    plans = {remat: make_plan(run_lib.load_config("debug", [*base, f"model.remat={remat}"], world_size=2), 2,
+                              device="cpu") for remat in ("offload", "full")}
+    inputs = 4 * 2 * 64 * 256 * 4
+    full, offload = plans["full"].ranks[0], plans["offload"].ranks[0]
+    assert full.peak_bytes - offload.peak_bytes == pytest.approx(inputs, rel=0.02)
+    assert full.activation_bytes - offload.activation_bytes == pytest.approx(inputs, rel=0.02)
+    assert (offload.param_bytes, offload.optim_bytes) == (full.param_bytes, full.optim_bytes)
+    assert any(w.startswith("remat=offload: planned as remat=full with each block's input in host memory")
+               for w in plans["offload"].warnings)
+    assert not any("remat=offload" in w for w in plans["full"].warnings)
+
+
 @pytest.mark.slow
 def test_plan_405b_at_1024_ranks_has_every_rank(tmp_path):
     # How long it takes is measured by benchmarks/plan_speed.py, not asserted here: this machine is shared.

@@ -3,13 +3,9 @@ Two hosts are stood in for by two halves of the 8 virtual devices, each writing 
 checkpoint loads whole through DCP as the torch path reads it, loads per device on another mesh, and a host's
 missing chunks fail the merge by name."""
 
-import json
-import subprocess
-import sys
-
 import pytest
 
-from tests.xla.conftest import XLA_ENV
+from tests.xla.conftest import run_xla_script
 
 SCRIPT = r"""
 import json, shutil, sys
@@ -77,13 +73,7 @@ print(json.dumps(out))
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory) -> dict:
-    from tests.helpers import job_env
-
-    root = tmp_path_factory.mktemp("sharded")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(root)], capture_output=True, text=True,
-                          env=job_env(**XLA_ENV), timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_xla_script(SCRIPT, str(tmp_path_factory.mktemp("sharded")))
 
 
 @pytest.mark.slow
