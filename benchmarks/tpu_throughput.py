@@ -66,7 +66,10 @@ def jax_devices(env: dict[str, str]) -> tuple[int, str]:
     probe = "import jax; d = jax.devices(); print(len(d)); print(d[0].device_kind)"
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env)
     if done.returncode != 0:
-        raise SystemExit(f"jax could not list its devices (is the .[tpu] extra installed?):\n{done.stderr[-2000:]}")
+        wanted = env.get("JAX_PLATFORMS") or "default"
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise SystemExit(f"jax has no {wanted} devices here ({last}); --device gpu needs a GPU and jax[cuda], "
+                         f"--device tpu a TPU host and jax[tpu]")
     count, kind = done.stdout.strip().splitlines()[-2:]
     return int(count), kind
 
@@ -235,9 +238,11 @@ def main() -> int:
     if args.remat is not None:
         args.remat = [p.strip() for p in args.remat.split(",") if p.strip()]
         wrong = [p for p in args.remat if p not in ("none", "full", "op", "offload")]
-        if wrong or args.device == "xla" or not args.remat:
-            parser.error(f"--remat {','.join(args.remat)}: choose from none, full, op, offload, with --device gpu "
-                         f"or tpu (jax's CPU compiler keeps offloaded activations on the device)")
+        if wrong or not args.remat:
+            parser.error(f"--remat: '{','.join(wrong)}' is not a policy; choose from none, full, op, offload")
+        if args.device == "xla":
+            parser.error("--remat needs --device gpu or tpu: jax's CPU compiler keeps offloaded activations on the "
+                         "device, so the policies' memory would not differ")
 
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as scratch:

@@ -15,6 +15,9 @@
     ember launch local|slurm|k8s RECIPE [key=value ...] --nodes N --nproc-per-node G ...
                                              the same job on this machine, a SLURM cluster (sbatch script, requeue
                                              on preemption) or Kubernetes (a PyTorchJob manifest); see --help
+    ember launch xpk|tpu-vm RECIPE [key=value ...] --tpu-type T ...
+                                             the same job on Cloud TPUs, by XPK (a GKE cluster) or on every worker
+                                             of a TPU VM (device=tpu); see docs/tpu-launch.md
     ember report RUN [RUN ...] [--output FILE.html] [--png DIR]
                                              an HTML page and PNGs of a run's curves, or of runs compared
     ember plan RECIPE [key=value ...] --world N [--nodes M] [--device h100|h200|b200|mi300x|tpu-v5p|...] [--search] [--json]

@@ -74,6 +74,11 @@ def run_record(spec: RunSpec, model_parts: list[nn.Module], num_params: int) -> 
             "compute": compute_description(spec, model_parts), "model": model, "decisions": spec.describe()}
 
 
+def _wide_heads(args: Any) -> str:
+    """The heads' shape where model.head_dim sets it apart from dim / n_heads (else nothing to say)."""
+    return f" ({args.n_heads} heads of {args.head_dim})" if getattr(args, "head_dim_override", None) else ""
+
+
 def print_header(console: Console, spec: RunSpec, model: nn.Module, num_params: int,
                  tokenizer: Optional[AnyTokenizer], peak: PeakFlops, data: str, notes: list[Optional[str]]) -> None:
     """The run's header: the model, device and compute, batch and mesh, the MFU peak, then one line each for
@@ -84,7 +89,7 @@ def print_header(console: Console, spec: RunSpec, model: nn.Module, num_params: 
     peak_text = f"{peak.value_flops / 1e12:.3f} TFLOP/s ({peak.source})" if peak.value_flops else "unknown"
     console.print(
         f"[bold]ember train[/bold] {model_label(spec)}: {num_params:,} params, {plural(args.n_layers, 'layer')}, "
-        f"dim {args.dim}, {tok} | {spec.device.type} {compute_description(spec, parts)} | "
+        f"dim {args.dim}{_wide_heads(args)}, {tok} | {spec.device.type} {compute_description(spec, parts)} | "
         f"global batch {cfg.global_batch_size} x seq {cfg.seq_len} "
         f"(micro {cfg.micro_batch_size} x accum {spec.grad_accum}) | mesh {spec.shape.describe()} | "
         f"peak {peak_text} | output {Path(cfg.output_dir)}"

@@ -72,7 +72,6 @@ def check(cfg: JobConfig, world_size: int) -> None:
     parallel layout against it, and LoRA. Each is one ConfigError naming the keys."""
     from ember.data import chat, sources
     from ember.eval import tasks
-    from ember.parallel import checks as parallel_checks
 
     sources.check(cfg)
     tasks.check(cfg)
@@ -89,6 +88,13 @@ def check(cfg: JobConfig, world_size: int) -> None:
     else:
         shape = mesh_shape(cfg, world_size)
     check_batch(cfg, shape)
+    check_model(cfg, shape)
+
+
+def check_model(cfg: JobConfig, shape: MeshShape) -> None:
+    """The model's hyper-parameters (model.init_from's architecture, read) against seq_len, the layout and LoRA."""
+    from ember.parallel import checks as parallel_checks
+
     args = model_choice(cfg).args
     if cfg.seq_len > args.max_seq_len:
         raise ConfigError(f"seq_len={cfg.seq_len} exceeds the model's max_seq_len={args.max_seq_len} "

@@ -18,18 +18,18 @@ from ember.parallel.mesh_shape import resolve_mesh
 TPU_RECIPES = {
     "llama3-8b-v6e-256": ("v6e-256", 256, 1, 1024, "full", True, 1),
     "llama3.1-70b-v6e-256": ("v6e-256", 256, 1, 512, "offload", True, 1),
-    "llama3.1-405b-2xv6e-256": ("v6e-256", 256, 2, 512, "offload", True, 1),
+    "llama3.1-405b-2xv6e-256": ("v6e-256", 256, 2, 512, "offload", True, 4),
     "mixtral-8x7b-v6e-256": ("v6e-256", 256, 1, 512, "full", False, 1),
 }
 
 
 # MaxText's MaxText/configs/v5e/{16,32,64,128}b.sh on one v5e-256: (global_parameter_scale, per-device batch, remat,
-# ici mesh), and the size its README's table names.
+# ici mesh), the size its README's table names, and the micro-batches accumulated per step (MaxText runs one).
 MAXTEXT_RECIPES = {
-    "maxtext-16b-v5e-256": (16, 6, "full", {"fsdp": 256}, 16e9),
-    "maxtext-32b-v5e-256": (32, 4, "full", {"fsdp": 256}, 32e9),
-    "maxtext-64b-v5e-256": (64, 2, "full", {"fsdp": 256}, 64e9),
-    "maxtext-128b-v5e-256": (128, 1, "offload", {"fsdp": 16, "tensor": 16}, 128e9),
+    "maxtext-16b-v5e-256": (16, 6, "full", {"fsdp": 256}, 16e9, 1),
+    "maxtext-32b-v5e-256": (32, 4, "full", {"fsdp": 256}, 32e9, 2),
+    "maxtext-64b-v5e-256": (64, 2, "full", {"fsdp": 256}, 64e9, 2),
+    "maxtext-128b-v5e-256": (128, 1, "offload", {"fsdp": 16, "tensor": 16}, 128e9, 1),
 }
 
 
@@ -49,7 +49,7 @@ def _maxtext_shape(scale: int) -> dict[str, int]:
 
 @pytest.mark.parametrize("name", sorted(MAXTEXT_RECIPES))
 def test_maxtext_recipe_is_its_scaled_model_on_a_v5e_256(name: str):
-    scale, per_chip, remat, ici, size = MAXTEXT_RECIPES[name]
+    scale, per_chip, remat, ici, size, accumulated = MAXTEXT_RECIPES[name]
     cfg = config_lib.load(name, [])
     args = build_model_args(cfg.model.family, cfg.model.flavor, config_lib.model_overrides(cfg.model))
     assert {k: getattr(args, k) for k in ("dim", "n_heads", "ffn_hidden_dim", "n_layers")} == _maxtext_shape(scale)
@@ -61,8 +61,8 @@ def test_maxtext_recipe_is_its_scaled_model_on_a_v5e_256(name: str):
     assert (cfg.device, cfg.seq_len, cfg.model.remat, cfg.model.scan_layers) == ("tpu", 2048, remat, True)
     shape = resolve_mesh(cfg.ici_mesh, cfg.dcn_mesh, 256)
     assert {k: v for k, v in shape.ici.items() if v > 1} == ici and math.prod(shape.dcn.values()) == 1
-    assert cfg.micro_batch_size == per_chip * ici.get("tensor", 1) and cfg.global_batch_size == per_chip * 256
-    assert cfg.micro_batch_size * shape.dp == cfg.global_batch_size
+    assert cfg.micro_batch_size * accumulated == per_chip * ici.get("tensor", 1)
+    assert cfg.global_batch_size == per_chip * 256 == cfg.micro_batch_size * shape.dp * accumulated
     header = config_lib.resolve_recipe(name).read_text().split("\nseed:")[0]
     assert f"MaxText/configs/v5e/{scale}b.sh" in header and "v5e-256" in header and "device=tpu" in header
 

@@ -132,6 +132,9 @@ def render(plan: Plan, console: Console, path: Optional[Path]) -> None:
         stage = role.kind if len(plan.roles) == 1 else f"{role.kind}, pp {role.pp_rank}, {layers}"
         for numbers, ranks in groups.items():
             table.add_row(_ranks(ranks), stage, *(_gib(n) for n in numbers))
+    table.caption = ("peak: the state and activations, plus what lives only during the step (gathered weights, "
+                     "unsharded gradients, logits, temporaries)")
+    table.caption_justify = "left"
     console.print(table)
     if any("expert" in r.coordinate for r in plan.ranks):
         console.print("expert ranks: each holds n_experts / expert of the experts (the same bytes where the rows "

@@ -10,6 +10,10 @@ from ember.parallel.mesh_shape import AXES
 from ember.usage import ArgumentParser
 
 
+SIZE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "ffn_hidden_dim", "multiple_of",
+             "ffn_dim_multiplier", "n_experts", "top_k", "moe_every")
+
+
 def parser() -> ArgumentParser:
     return ArgumentParser(prog="ember recipes", description="The built-in recipes with their parameter counts "
                           "(total and active), sequence length and batch, and the device (tpu x CHIPS: a TPU "
@@ -45,10 +49,12 @@ def run(args: argparse.Namespace) -> int:
             # Active: what one token passes through, as the family counts it (a mixture of experts uses
             # top_k of its n_experts, in the layers that have experts); a dense family uses every parameter.
             n_active = spec.active_params(model) if spec.active_params is not None else n_params
+        # a flavor whose sizes the recipe overrides (MaxText's models on a Llama 2 skeleton) is not that flavor
+        resized = any(key in SIZE_KEYS for key in config_lib.model_overrides(cfg.model))
         table.add_row(
             name,
             cfg.model.family,
-            cfg.model.flavor,
+            f"{cfg.model.flavor}, resized" if resized else cfg.model.flavor,
             f"{n_params:,}",
             f"{n_active:,}",
             str(cfg.seq_len),

@@ -91,7 +91,11 @@ def default_workload(base: str, now: Optional[datetime] = None) -> str:
     """BASE (a valid name, e.g. `ember-llama3-1-8b`) cut to fit, then the date and time: a new workload each
     launch, within XPK's 40 characters."""
     stamp = (now or datetime.now()).strftime(TIMESTAMP)
-    return f"{base[:WORKLOAD_MAX - len(stamp) - 1].rstrip('-')}-{stamp}"
+    room = WORKLOAD_MAX - len(stamp) - 1
+    cut = base[:room]
+    if len(base) > room and base[room] != "-" and cut.count("-") > 1:  # not mid-word: v5e-256 would read v5e-25
+        cut = cut.rsplit("-", 1)[0]
+    return f"{cut.rstrip('-')}-{stamp}"
 
 
 def host_command(recipe: str, overrides: list[str]) -> list[str]:
@@ -133,8 +137,9 @@ def _check_mesh(cfg: JobConfig, launcher: str, num_slices: int, chips: Optional[
     if -1 not in dcn.values() and math.prod(dcn.values()) != num_slices:
         raise _slices_error(dcn, launcher, num_slices)
     if chips is None:  # the degrees as given (an axis of -1 counted as 1): what the TPU path refuses, said here
-        xla_checks.check(cfg, MeshShape(ici={a: max(getattr(cfg.ici_mesh, a), 1) for a in AXES},
-                                        dcn={a: max(v, 1) for a, v in dcn.items()}))
+        given = MeshShape(ici={a: max(getattr(cfg.ici_mesh, a), 1) for a in AXES}, dcn={a: max(v, 1) for a, v in dcn.items()})
+        xla_checks.check(cfg, given)
+        _check_model(cfg, given)
         return
     world = chips * num_slices
     try:
@@ -148,6 +153,16 @@ def _check_mesh(cfg: JobConfig, launcher: str, num_slices: int, chips: Optional[
     from ember.run import check_batch
 
     check_batch(cfg, shape)  # the batch against the mesh the slices make (the data is the hosts' to check)
+    _check_model(cfg, shape)
+
+
+def _check_model(cfg: JobConfig, shape: MeshShape) -> None:
+    """model.* (remat, head_dim, ...) against the model and the layout, as the hosts would; a model.init_from is a
+    path on the hosts, read there."""
+    if not cfg.model.init_from:
+        from ember.run import check_model
+
+        check_model(cfg, shape)
 
 
 def _slices_error(dcn: dict[str, int], launcher: str, num_slices: int) -> ConfigError:

@@ -63,6 +63,8 @@ def build_model_args(family: str, flavor: str, overrides: dict[str, Any] | None 
     explicit = getattr(args, "head_dim_override", None)
     if explicit is not None and (explicit <= 0 or explicit % 2):
         raise ConfigError(f"model.head_dim={explicit} must be a positive even number (RoPE rotates pairs of it)")
+    if explicit is not None and explicit * args.n_heads == args.dim:  # the derived width, stated: one model, one form
+        args = dataclasses.replace(args, head_dim_override=None)
     if (explicit is None and args.dim % args.n_heads) or args.n_heads % args.kv_heads or args.head_dim % 2:
         raise ConfigError(f"model.dim={args.dim} must split into model.n_heads={args.n_heads} heads of even size "
                           f"(or set model.head_dim), and n_heads must be a multiple of "

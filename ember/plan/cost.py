@@ -83,14 +83,17 @@ def fabric(name: str) -> Fabric:
 
 def cpu_fabric(world_size: int, dtype: torch.dtype = torch.float32) -> Fabric:
     """This machine's CPU (the plan checked against real CPU runs): the measured matmul peak (bf16's too for a
-    bf16 plan, as ember.hardware.peak_flops measures it for a run), host memory, every rank on one node (gloo
-    over loopback; the bandwidth is a placeholder)."""
+    bf16 plan, as ember.hardware.peak_flops measures it for a run) shared by the ranks (gloo processes or jax's
+    virtual devices all run on these cores), host memory, every rank on one node (gloo over loopback; the
+    bandwidth is a placeholder)."""
+    ranks = max(world_size, 1)
     flops, _ = hardware.cpu_peak_flops()
+    flops /= ranks
     bf16 = hardware.peak_flops(torch.device("cpu"), dtype)
-    bf16_flops = bf16.value_flops if bf16.cpu_dtype == torch.bfloat16 else None
+    bf16_flops = bf16.value_flops / ranks if bf16.cpu_dtype == torch.bfloat16 else None
     memory_gb = hardware_memory_gb()
     spec = hardware.DeviceSpec("CPU", bf16_flops, None, flops, None, memory_gb, "measured matmul rate, host memory")
-    return Fabric(spec, max(world_size, 1), 5, 5, "gloo over loopback (placeholder bandwidth)")
+    return Fabric(spec, ranks, 5, 5, "gloo over loopback (placeholder bandwidth)")
 
 
 def hardware_memory_gb() -> float:
@@ -112,8 +115,10 @@ def peak_flops(fab: Fabric, dtype: torch.dtype, fp8: bool = False) -> float:
 def recompute_factor(remat: str, every: int) -> float:
     """Training FLOPs with activation checkpointing over those without: a block's forward is a third of its
     forward + backward, and `full` runs it twice (every block), `selective` on 1 / every of the blocks.
-    `op` recomputes only element-wise ops (no matmul FLOPs)."""
-    return {"full": 4 / 3, "selective": 1 + 1 / (3 * every)}.get(remat, 1.0)
+    `op` recomputes only element-wise ops (no matmul FLOPs). `offload` is priced as `full`: the XLA path's
+    offload recomputes every block as full does (its block inputs come back from host memory, a copy the
+    overlap hides), and the torch path's save_on_cpu, which recomputes nothing, pays host copies instead."""
+    return {"full": 4 / 3, "offload": 4 / 3, "selective": 1 + 1 / (3 * every)}.get(remat, 1.0)
 
 
 def bubble(schedule: str, pp: int, microbatches: int, stages_per_rank: int) -> float:

@@ -16,6 +16,7 @@ from typing import Any, Optional
 import torch
 
 from ember import device as device_lib
+from ember.config import XLA_DEVICES
 from ember.config_schema import JobConfig
 from ember.errors import ConfigError
 from ember.parallel import pp as pp_lib
@@ -302,9 +303,12 @@ def _layout_warnings(spec: RunSpec, traffic: list[cost.Traffic], step: cost.Step
                      peak: int, usable: float, device: str) -> list[str]:
     notes = []
     if not fits:
+        axes = "fsdp, tensor" if spec.cfg.device in XLA_DEVICES else "fsdp, tensor, pipeline"  # no XLA pipeline
+        remat = ("" if spec.cfg.model.remat in ("full", "offload") else
+                 f" or set model.remat (full or offload; now {spec.cfg.model.remat})")
         notes.append(f"does not fit: the peak of {peak / 2**30:.1f} GiB exceeds the {usable / 2**30:.1f} GiB usable on "
                      f"a {device} ({fab.spec.memory_gb:g} GiB less {cost.MEMORY_RESERVE:.0%} reserve); shard more "
-                     f"(fsdp, tensor, pipeline), lower micro_batch_size or set model.remat")
+                     f"({axes}), lower micro_batch_size (the global batch stays, accumulated){remat}")
     for t in traffic:
         if t.crosses_nodes and t.axes[0] in ("tensor", "context"):
             notes.append(f"the {t.axes[0]} axis ({t.size} ranks) crosses nodes: its per-layer collectives run at "

@@ -120,8 +120,11 @@ def test_the_mesh_is_checked_for_the_tpus_chips_and_slices():
     with pytest.raises(ConfigError, match=r"^the dcn_mesh degrees \(dcn_mesh.data=2\) span slices, but a TPU VM is "
                        "one slice"):
         tpu.tpu_vm_argv(tpu.TpuVm(name="t", zone="z"), "debug", ["dcn_mesh.data=2"])
-    # Without --tpu-type a TPU VM's chips are unknown: the config's keys and types are checked, not the ici mesh.
-    assert tpu.tpu_vm_argv(tpu.TpuVm(name="t", zone="z"), "debug", ["ici_mesh.tensor=3"])[-1].endswith("tensor=3")
+    # Without --tpu-type a TPU VM's chips are unknown: the degrees as given are checked against the model, not
+    # against a device count.
+    assert tpu.tpu_vm_argv(tpu.TpuVm(name="t", zone="z"), "debug", ["ici_mesh.tensor=2"])[-1].endswith("tensor=2")
+    with pytest.raises(ConfigError, match=r"^tensor-parallel degree 3 does not divide model.n_heads=8"):
+        tpu.tpu_vm_argv(tpu.TpuVm(name="t", zone="z"), "debug", ["ici_mesh.tensor=3"])
     with pytest.raises(ConfigError, match=r"^the world size 16 is not divisible .* \(here the devices are the TPU's "
                        r"chips: 16 x 1 slice = 16\)$"):
         tpu.tpu_vm_argv(tpu.TpuVm(name="t", zone="z", tpu_type="v6e-16"), "debug", ["ici_mesh.tensor=3"])
@@ -152,6 +155,7 @@ def test_workload_names():
     long = tpu.default_workload("ember-" + "a" * 17 + "-" + "b" * 20, now)
     assert long == "ember-" + "a" * 17 + "-20261125-213851" and len(long) == 39  # a '-' left at the cut goes
     assert len(tpu.default_workload("ember-" + "c" * 60, now)) == 40
+    assert tpu.default_workload("ember-maxtext-16b-v5e-256", now) == "ember-maxtext-16b-v5e-20261125-213851"
     tpu.check_workload(long)
 
 
@@ -228,10 +232,13 @@ def test_the_docs_examples_run_as_written(capsys):
 
 
 @pytest.mark.parametrize("override, says", [("ici_mesh.pipeline=2", "no pipeline parallelism"),
-                                            ("lora.rank=4", "lora.rank is not supported with device=tpu")])
+                                            ("lora.rank=4", "lora.rank is not supported with device=tpu"),
+                                            ("model.remat=bogus", "model.remat 'bogus' is not one of"),
+                                            ("model.head_dim=33", "model.head_dim=33 must be a positive even number"),
+                                            ("seq_len=8192", "seq_len=8192 exceeds the model's max_seq_len=2048")])
 def test_what_the_tpu_hosts_would_refuse_is_refused_before_submitting(override: str, says: str):
-    for build in (lambda: tpu.xpk_argv(xpk_job(), "debug", [override]),
-                  lambda: tpu.tpu_vm_argv(tpu.TpuVm(name="t", zone="z"), "debug", [override]),
-                  lambda: tpu.tpu_vm_argv(tpu.TpuVm(name="t", zone="z", tpu_type="v6e-8"), "debug", [override])):
+    for build in (lambda: tpu.xpk_argv(xpk_job(), "debug", [*FITS, override]),
+                  lambda: tpu.tpu_vm_argv(tpu.TpuVm(name="t", zone="z"), "debug", [*FITS, override]),
+                  lambda: tpu.tpu_vm_argv(tpu.TpuVm(name="t", zone="z", tpu_type="v6e-8"), "debug", [*FITS, override])):
         with pytest.raises(ConfigError, match=says):
             build()

@@ -169,6 +169,8 @@ def test_head_dim_is_a_model_key_and_its_mistakes_are_named():
     args = build_model_args("llama2", "7B", {"dim": 4096, "n_heads": 64, "head_dim": 128})
     assert (args.head_dim, args.head_dim_override, build_model_args("llama2", "7B").head_dim) == (128, 128, 128)
     assert build_model_args("llama2", "7B", {"dim": 4096, "n_heads": 64}).head_dim == 64
+    # dim / n_heads stated outright is the same model as left unset (a resume compares the two)
+    assert build_model_args("llama2", "7B", {"head_dim": 128}) == build_model_args("llama2", "7B")
     with pytest.raises(ValueError, match=r"^model.head_dim=33 must be a positive even number"):
         build_model_args("llama2", "7B", {"head_dim": 33})
     with pytest.raises(ValueError, match=r"model.dim=4096 must split into model.n_heads=48 heads of even size "

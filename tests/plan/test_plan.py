@@ -83,6 +83,7 @@ def test_offload_is_planned_as_full_remat_without_the_block_inputs_and_says_so()
     assert full.peak_bytes - offload.peak_bytes == pytest.approx(inputs, rel=0.02)
     assert full.activation_bytes - offload.activation_bytes == pytest.approx(inputs, rel=0.02)
     assert (offload.param_bytes, offload.optim_bytes) == (full.param_bytes, full.optim_bytes)
+    assert plans["offload"].step.compute_s == plans["full"].step.compute_s  # it recomputes every block as full does
     assert any(w.startswith("remat=offload: planned as remat=full with each block's input in host memory")
                for w in plans["offload"].warnings)
     assert not any("remat=offload" in w for w in plans["full"].warnings)
