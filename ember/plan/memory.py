@@ -8,12 +8,8 @@ DTensor shards this rank holds, exactly.
 Activations and the peak come from torch's memory trackers (`FSDPMemTracker`, `MemTracker`: every tensor
 storage alive at every op, by category) over one training step of fake tensors (`FakeTensorMode`: shapes
 and dtypes, no data, no FLOPs). Parallelizing inside fake mode fails (torch 2.13), so the model is
-parallelized on meta first and `to_empty` runs inside fake mode. The tracked model is the rank's stage cut
-to 3k and 4k layers (and fewer where a stage holds fewer), k a multiple of remat_every and moe_every so every
-run sees whole periods. Blocks are alike, but the first few are not on one line: FSDP has up to three blocks'
-weights or gradients unsharded at once (the one computing, the next one's all-gather issued ahead, the last
-one's reduce-scatter in flight), so from three blocks on the peak is affine in the layer count, and a line
-through one and two blocks would count the gathered neighbour once per layer.
+parallelized on meta first and `to_empty` runs inside fake mode. The tracked model is the rank's stage cut to a
+few layers, extended to its depth by ember/plan/stages.py.
 Pipeline stages are tracked as torch's schedules run them: FSDP without gradient sync or resharding until the
 last backward (see track_step). Under fake tensors the MoE router's per-expert counts are data-dependent
 (`bincount` has no fake kernel with an unknown output size), so the plan routes every expert the same share of
@@ -340,74 +336,3 @@ def layer_period(spec: RunSpec) -> int:
     """Layers after which the stack repeats: whole remat_every periods (selective) and MoE periods (GLaM)."""
     period = spec.cfg.model.remat_every if spec.cfg.model.remat == "selective" else 1
     return math.lcm(period, getattr(spec.args, "moe_every", 1) or 1)
-
-
-def cut_stage(spec: RunSpec, mesh: Optional[ParallelMesh], kind: str, n_layers: int) -> nn.Module:
-    """A stage of `kind` with `n_layers` layers: a model of 1, 2 or 3 such runs of layers, split as the
-    pipeline splits (so the first keeps the embedding, the last the norm and output)."""
-    runs, stage_id = {"whole": (1, 0), "first": (2, 0), "middle": (3, 1), "last": (2, 1)}[kind]
-    args = dataclasses.replace(spec.args, n_layers=n_layers * runs)
-    return build_parts(spec, mesh, [stage_id], args=args, num_stages=runs)[0]
-
-
-@dataclass(frozen=True)
-class StageModel:
-    """Tracked peak, static and activation bytes of a stage kind, piecewise affine in layers between the tracked
-    counts (extended past the largest from the last two) and affine in micro-batch rows:
-    value(L, B) = v(L, B0) + (v(L, 2 B0) - v(L, B0)) (B - B0) / B0."""
-
-    runs: dict[tuple[int, int], Tracked]
-    grad_ratio: dict[str, float]  # see state_bytes
-
-    def at(self, n_layers: float, batch: float) -> Tracked:
-        counts = sorted({k for k, _ in self.runs})
-        b_lo, b_hi = min(b for _, b in self.runs), max(b for _, b in self.runs)
-        # the segment n_layers lies on: the last one starting at or below it (the first below the smallest count)
-        i = max([j for j in range(len(counts) - 1) if counts[j] <= n_layers] or [0])
-        k1, k2 = counts[i], counts[i + 1]
-
-        def affine(field: str) -> float:
-            def in_layers(b: int) -> float:
-                lo, hi = getattr(self.runs[(k1, b)], field), getattr(self.runs[(k2, b)], field)
-                return lo + (n_layers - k1) * (hi - lo) / (k2 - k1)
-            if b_hi == b_lo:
-                return in_layers(b_lo)
-            lo, hi = in_layers(b_lo), in_layers(b_hi)
-            return lo + (batch - b_lo) * (hi - lo) / (b_hi - b_lo)
-        return Tracked(*(round(affine(f)) for f in ("peak", "static", "activations")))
-
-
-def offloaded(model: StageModel) -> StageModel:
-    """`model` (tracked with remat=full) with each block's input in host memory, as remat=offload keeps it (the XLA
-    path's offload policy, torch's save_on_cpu): full remat's activations grow per layer by exactly those inputs,
-    so at every tracked count that growth is taken off the peak and the activations. The host memory they fill
-    is not planned."""
-    counts = sorted({k for k, _ in model.runs})
-    runs = {}
-    for (k, rows), tracked in model.runs.items():
-        k1, k2 = counts[-2], counts[-1]
-        per_layer = (model.runs[(k2, rows)].activations - model.runs[(k1, rows)].activations) / (k2 - k1)
-        runs[(k, rows)] = Tracked(round(tracked.peak - k * per_layer), tracked.static,
-                                  round(tracked.activations - k * per_layer))
-    return StageModel(runs, model.grad_ratio)
-
-
-def tracked_layer_counts(period: int, fewest_layers: float) -> tuple[int, ...]:
-    """The layer counts a stage kind is tracked at: 3 and 4 periods, from which the peak is affine in the layer
-    count, and below them down to the period count of the kind's smallest stage (or virtual stage), which the
-    line from 3 and 4 would miss (see the module's docstring)."""
-    first = min(3, max(1, int(fewest_layers // period)))
-    return tuple(m * period for m in range(first, 5))
-
-
-def model_stage(spec: RunSpec, mesh: Optional[ParallelMesh], kind: str, batch: int, both_batches: bool,
-                fewest_layers: float) -> StageModel:
-    """The tracked runs of a stage kind (see tracked_layer_counts; `fewest_layers`: the fewest any stage of this
-    kind holds), and with `both_batches` at `batch` and 2 x `batch` rows per forward (for other micro-batch
-    sizes)."""
-    runs, grad_ratio = {}, {}
-    for rows in ((batch, 2 * batch) if both_batches else (batch,)):
-        for layers in tracked_layer_counts(layer_period(spec), fewest_layers):
-            part = cut_stage(spec, mesh, kind, layers)
-            runs[(layers, rows)] = track_step(spec, mesh, part, kind, rows, grad_ratio if not runs else None)
-    return StageModel(runs, grad_ratio)

@@ -23,8 +23,9 @@ from ember.parallel import pp as pp_lib
 from ember.parallel.mesh import AXES, ParallelMesh, rank_grid
 from ember.parallel.mesh_shape import MeshShape
 from ember.plan import cost
-from ember.plan.memory import (StageModel, StateBytes, build_parts, fake_world, layer_period, model_stage, offloaded,
-                               named_params, plan_spec, state_bytes, with_micro_batch)
+from ember.plan.memory import (StateBytes, build_parts, fake_world, layer_period, named_params, plan_spec, state_bytes,
+                               with_micro_batch)
+from ember.plan.stages import StageModel, model_stage, offloaded
 from ember.run import RunSpec
 
 EXACT_WORLD = 64  # uneven shards: every rank built up to this world size
@@ -36,7 +37,7 @@ OFFLOAD_NOTE = ("remat=offload: planned as remat=full with each block's input in
 def device_policy(remat: str) -> str:
     """The remat policy whose tracked step `remat`'s device memory is derived from: under fake tensors a host copy is
     indistinguishable from a device one, so offload is tracked as full remat and its block inputs taken off
-    (memory.offloaded)."""
+    (stages.offloaded)."""
     return "full" if remat == "offload" else remat  # offload keeps activations on the host: not a device-memory plan
 
 

@@ -10,8 +10,8 @@ import torch
 from ember import run as run_lib
 from ember.cli import main
 from ember.parallel.mesh import ParallelMesh
-from ember.plan.memory import (build_parts, cut_stage, fake_world, named_params, plan_spec, state_bytes,
-                               track_step)
+from ember.plan.memory import build_parts, fake_world, named_params, plan_spec, state_bytes, track_step
+from ember.plan.stages import cut_stage
 from ember.plan.planner import make_plan
 
 LLAMA_405B_1024 = ["ici_mesh.tensor=8", "ici_mesh.fsdp=1", "dcn_mesh.fsdp=16", "dcn_mesh.data=8", "model.remat=full"]
