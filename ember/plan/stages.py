@@ -62,10 +62,9 @@ def offloaded(model: StageModel) -> StageModel:
     path's offload policy, torch's save_on_cpu): full remat's activations grow per layer by exactly those inputs,
     so at every tracked count that growth is taken off the peak and the activations. The host memory they fill
     is not planned."""
-    counts = sorted({k for k, _ in model.runs})
+    k1, k2 = sorted({k for k, _ in model.runs})[-2:]  # the two deepest runs: past the first blocks' neighbours
     runs = {}
     for (k, rows), tracked in model.runs.items():
-        k1, k2 = counts[-2], counts[-1]
         per_layer = (model.runs[(k2, rows)].activations - model.runs[(k1, rows)].activations) / (k2 - k1)
         runs[(k, rows)] = Tracked(round(tracked.peak - k * per_layer), tracked.static,
                                   round(tracked.activations - k * per_layer))
