@@ -55,7 +55,11 @@ def open_safetensors(path: Path) -> Iterator[Any]:
                               "or another format was written over it; export or copy it again") from None
 
 
-HF_FAMILIES = {"llama": HF_FAMILY, "mixtral": "mixtral", "gpt2": "gpt"}  # config.json model_type -> ember family
+# config.json model_type -> (ember family, the one architecture ember loads for it)
+HF_FAMILIES = {"llama": (HF_FAMILY, "LlamaForCausalLM"), "mixtral": ("mixtral", "MixtralForCausalLM"),
+               "gpt2": ("gpt", "GPT2LMHeadModel"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+               "qwen3": ("qwen3", "Qwen3ForCausalLM"), "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+               "mistral": ("mistral", "MistralForCausalLM")}
 
 
 def hf_family(directory: Path) -> tuple[str, dict[str, Any]]:
@@ -66,13 +70,13 @@ def hf_family(directory: Path) -> tuple[str, dict[str, Any]]:
     model_type = config.get("model_type")
     if model_type not in HF_FAMILIES:
         raise CheckpointError(f"'{config_path}' describes model_type '{model_type}'; ember loads "
-                              f"{', '.join(HF_FAMILIES)} (LlamaForCausalLM, MixtralForCausalLM, GPT2LMHeadModel) models")
-    expected = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "gpt2": "GPT2LMHeadModel"}[model_type]
+                              f"{', '.join(HF_FAMILIES)} ({', '.join(a for _, a in HF_FAMILIES.values())}) models")
+    family, expected = HF_FAMILIES[model_type]
     architectures = config.get("architectures") or [expected]
     if architectures != [expected]:
         raise CheckpointError(f"'{config_path}' describes architectures {architectures}; ember loads {expected} "
                               f"for model_type '{model_type}'")
-    return HF_FAMILIES[model_type], config
+    return family, config
 
 
 def load_hf_model(directory: Path, device: Device, dtype: torch.dtype) -> nn.Module:

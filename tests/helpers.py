@@ -114,3 +114,14 @@ def wait_for_logged_step(proc: subprocess.Popen, metrics: Path, ceiling_s: float
         assert proc.poll() is None, proc.communicate()[1][-2000:]
         assert time.monotonic() < deadline, "the run logged no step"
         time.sleep(0.05)
+
+
+class IdTokenizer:
+    """Token ids as text, so tests need no trained tokenizer: "5 17 3" <-> [5, 17, 3]."""
+    eos_id = 1
+
+    def encode(self, text: str) -> list[int]:
+        return [int(t) for t in text.split()]
+
+    def decode(self, ids) -> str:
+        return "".join(f" {i}" for i in ids)

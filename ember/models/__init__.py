@@ -11,7 +11,7 @@ from typing import Any, Callable
 from torch import nn
 
 from ember.errors import ConfigError
-from ember.models import glam, gpt, llama, mixtral
+from ember.models import glam, gpt, llama, mistral, mixtral, qwen
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,14 @@ MODELS["gpt"] = ModelSpec("gpt", gpt.FLAVORS, gpt.Transformer, gpt.GPTArgs, gpt.
                           gpt.flops_per_token, gpt.hf)
 MODELS["glam"] = ModelSpec("glam", glam.FLAVORS, glam.Transformer, glam.GlamArgs, glam.tp_plan,
                            glam.flops_per_token, glam.hf, active_params=functools.partial(glam.num_params, active=True))
+
+MODELS["mistral"] = ModelSpec("mistral", mistral.FLAVORS, mistral.Transformer, mistral.MistralArgs, mistral.tp_plan,
+                              mistral.flops_per_token, mistral.hf)
+for family, flavors in qwen.FLAVORS.items():  # qwen2 (Qwen2/2.5), qwen3, qwen3_moe
+    MODELS[family] = ModelSpec(family, flavors, qwen.Transformer, qwen.QwenArgs,
+                               llama.tp_plan if family == "qwen2" else qwen.tp_plan,  # Qwen2 has no q/k norms
+                               qwen.flops_per_token, qwen.hf,
+                               active_params=functools.partial(qwen.num_params, active=True))
 
 
 def build_model_args(family: str, flavor: str, overrides: dict[str, Any] | None = None) -> Any:

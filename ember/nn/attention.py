@@ -1,17 +1,65 @@
-"""Attention kernels shared by the model families: causal, and causal within documents.
+"""Attention kernels shared by the model families: causal, causal within documents, and local spans.
 
 Every kernel takes q: (B, n_heads, T, head_dim), k and v: (B, n_kv_heads, T, head_dim), and optionally
 document_ids: (B, T), the index of the packed document each token belongs to; with them a token
 attends only to earlier tokens of its own document (block-causal), so packed documents do not see
-each other.
+each other. A layer with local attention also passes its `AttentionSpan` (a sliding window: Mistral,
+Gemma's local layers; or fixed chunks: Llama 4's RoPE layers), which every kernel, the KV cache and
+context parallelism's all-gathered form apply to true positions.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class AttentionSpan:
+    """Which earlier keys a query sees besides causality. window: only the last `window` positions, the
+    query's own included (Hugging Face's sliding_window: key k is seen from query q when q - window < k <= q).
+    chunk: only keys of its own block of `chunk` positions (Llama 4's attention_chunk_size: q // chunk ==
+    k // chunk). None: no limit of that kind."""
+
+    window: Optional[int] = None
+    chunk: Optional[int] = None
+
+    def mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        """Positions of queries and keys (broadcastable) -> bool, True where the key is seen (causal included)."""
+        seen = k_pos <= q_pos
+        if self.window is not None:
+            seen = seen & (q_pos - k_pos < self.window)
+        if self.chunk is not None:
+            seen = seen & (torch.div(q_pos, self.chunk, rounding_mode="floor")
+                           == torch.div(k_pos, self.chunk, rounding_mode="floor"))
+        return seen
+
+    def limits(self, length: int) -> bool:
+        """Whether the span hides any key from some query of a sequence of `length` positions (else: plain causal)."""
+        return (self.window is not None and self.window < length) or (self.chunk is not None and self.chunk < length)
+
+
+def scored_length(span: Optional[AttentionSpan], seq_len: int) -> float:
+    """The T of PaLM's 12 L H Q T attention FLOPs for a layer with this span: twice the mean number of keys
+    a query of a causal sequence sees (seq_len + 1 without a span: PaLM counts the whole T x T square, which
+    is twice the causal half), so a sliding-window or chunked layer counts the work its mask leaves."""
+    if span is None or not span.limits(seq_len):
+        return float(seq_len)
+
+    def seen_in(length: int) -> int:  # keys seen by the queries of one causal run of `length` positions
+        w = length if span.window is None else min(span.window, length)
+        return w * (w + 1) // 2 + (length - w) * w
+
+    chunk = span.chunk or seq_len
+    full, rest = divmod(seq_len, chunk)
+    return 2 * (full * seen_in(chunk) + seen_in(rest)) / seq_len
+
+
+def _limiting(span: Optional[AttentionSpan], length: int) -> Optional[AttentionSpan]:
+    return span if span is not None and span.limits(length) else None
 
 
 def document_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
@@ -23,15 +71,22 @@ def document_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """SDPA, causal; block-causal through an explicit mask when document_ids are given (the CPU path:
-    flex attention has no CPU backward in torch 2.13)."""
+                     document_ids: Optional[torch.Tensor] = None,
+                     span: Optional[AttentionSpan] = None) -> torch.Tensor:
+    """SDPA, causal; through an explicit mask when document_ids are given (block-causal) or the span limits
+    what a query sees (the exact path on every device: flex attention has no CPU backward in torch 2.13)."""
     # enable_gqa shares each K/V head with its group of query heads inside SDPA, rather than copying K/V
     # per query head (repeat_interleave): less memory traffic, and faster on CPU as on GPU.
     gqa = q.shape[1] != k.shape[1]
-    if document_ids is None:
+    span = _limiting(span, q.shape[2])
+    if document_ids is None and span is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=document_causal_mask(document_ids), enable_gqa=gqa)
+    mask = document_causal_mask(document_ids) if document_ids is not None else None
+    if span is not None:
+        positions = torch.arange(q.shape[2], device=q.device)
+        local = span.mask(positions[:, None], positions[None, :])  # (T, T)
+        mask = local if mask is None else mask & local
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
 class KVCache:
@@ -58,30 +113,38 @@ class KVCache:
         self.slots, self.pad = slots, pad
         self.end, self.padded = int(slots[-1]) + 1, bool(pad.any())
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               span: Optional[AttentionSpan] = None) -> torch.Tensor:
         """Write this step's k, v (B, n_kv_heads, T, head_dim) at `slots`, and attend q (B, n_heads, T, head_dim)
-        over every cached key at or before each query's slot, past the row's padding."""
+        over every cached key at or before each query's slot, past the row's padding, within the layer's span
+        (counted in each row's own positions: slot minus the row's padding)."""
         self.k.index_copy_(2, self.slots, k.to(self.k.dtype))
         self.v.index_copy_(2, self.slots, v.to(self.v.dtype))
         gqa = q.shape[1] != k.shape[1]
-        if not self.static and not self.padded and q.shape[2] == self.end:  # a prefill from empty: plain causal
+        span = _limiting(span, self.end)
+        if not self.static and not self.padded and span is None and q.shape[2] == self.end:  # prefill from empty
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        if not self.static and not self.padded and q.shape[2] == 1:  # one new token: every position so far
+        if not self.static and not self.padded and span is None and q.shape[2] == 1:  # one token: every position
             k_all, v_all = self.k[:, :, :self.end].to(q.dtype), self.v[:, :, :self.end].to(q.dtype)
             return F.scaled_dot_product_attention(q, k_all, v_all, enable_gqa=gqa)
         key = torch.arange(self.k.shape[2], device=q.device)  # (L,)
-        causal = key[None, :] <= self.slots[:, None]  # (T, L)
+        if span is None:
+            causal = (key[None, :] <= self.slots[:, None])[None]  # (1, T, L)
+        else:  # each row's positions: its slots less its left padding
+            causal = span.mask((self.slots[None, :] - self.pad[:, None])[:, :, None],
+                               (key[None, :] - self.pad[:, None])[:, None, :])  # (B, T, L)
         real = key[None, :] >= self.pad[:, None]  # (B, L): not left padding
         # A padding query may see itself, so its (discarded) row stays finite rather than NaN.
-        mask = (causal[None] & real[:, None, :]) | (key[None, :] == self.slots[:, None])[None]  # (B, T, L)
+        mask = (causal & real[:, None, :]) | (key[None, :] == self.slots[:, None])[None]  # (B, T, L)
         return F.scaled_dot_product_attention(q, self.k.to(q.dtype), self.v.to(q.dtype), attn_mask=mask[:, None],
                                               enable_gqa=gqa)
 
 
-class FlexDocumentAttention:
-    """Block-causal attention with flex attention's sparse BlockMask (CUDA): fully masked blocks are
-    skipped instead of computed and discarded. The mask is built once per batch and reused by every
-    layer (keyed by the document_ids tensor itself)."""
+class FlexAttention:
+    """Block-causal and local-span attention with flex attention's sparse BlockMask (CUDA): fully masked
+    blocks (other documents, keys past a sliding window or outside a chunk) are skipped instead of computed
+    and discarded. A mask is built once per batch and span and reused by every layer with that span (keyed
+    by the document_ids tensor itself)."""
 
     def __init__(self) -> None:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -89,23 +152,29 @@ class FlexDocumentAttention:
         self._create_block_mask = create_block_mask
         self._flex = torch.compile(flex_attention)  # flex attention is only fast compiled
         self._key: Optional[torch.Tensor] = None
-        self._mask = None
+        self._masks: dict[tuple[Optional[AttentionSpan], int], object] = {}
 
-    def _block_mask(self, document_ids: torch.Tensor):
+    def _block_mask(self, document_ids: Optional[torch.Tensor], span: Optional[AttentionSpan], length: int,
+                    device: torch.device):
         if self._key is not document_ids:
-            def same_document_causal(b, h, q_idx, kv_idx):
-                return (q_idx >= kv_idx) & (document_ids[b, q_idx] == document_ids[b, kv_idx])
+            self._masks, self._key = {}, document_ids
+        if (span, length) not in self._masks:
+            def visible(b, h, q_idx, kv_idx):
+                seen = span.mask(q_idx, kv_idx) if span is not None else q_idx >= kv_idx
+                return seen & (document_ids[b, q_idx] == document_ids[b, kv_idx]) if document_ids is not None else seen
 
-            B, T = document_ids.shape
-            self._mask = self._create_block_mask(same_document_causal, B, None, T, T, device=document_ids.device)
-            self._key = document_ids
-        return self._mask
+            batch = document_ids.shape[0] if document_ids is not None else None
+            self._masks[(span, length)] = self._create_block_mask(visible, batch, None, length, length,
+                                                                  device=device)
+        return self._masks[(span, length)]
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if document_ids is None:
+                 document_ids: Optional[torch.Tensor] = None, span: Optional[AttentionSpan] = None) -> torch.Tensor:
+        span = _limiting(span, q.shape[2])
+        if document_ids is None and span is None:
             return causal_attention(q, k, v)
-        return self._flex(q, k, v, block_mask=self._block_mask(document_ids), enable_gqa=q.shape[1] != k.shape[1])
+        block_mask = self._block_mask(document_ids, span, q.shape[2], q.device)
+        return self._flex(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
 def document_layout(tokens: torch.Tensor, eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:

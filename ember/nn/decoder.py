@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from ember.nn.attention import KVCache, causal_attention
+from ember.nn.attention import AttentionSpan, KVCache, causal_attention
 from ember.nn.moe import MoE
 
 
@@ -101,17 +101,25 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """Grouped-query attention with RoPE (Llama, Mixtral, GLaM): (B, T, dim) -> (B, T, dim)."""
+    """Grouped-query attention with RoPE (Llama, Mixtral, GLaM, Qwen, Mistral): (B, T, dim) -> (B, T, dim).
 
-    def __init__(self, args: Any):
+    Where a family needs them: qkv_bias, biases on the q/k/v projections (Qwen2); qk_norm, a norm over each
+    head's width applied to q and k before RoPE (Qwen3's RMSNorm); span, local attention (a sliding window or
+    chunks) that every attention kernel applies."""
+
+    def __init__(self, args: Any, *, qkv_bias: bool = False, qk_norm: Optional[Callable[[int], nn.Module]] = None,
+                 span: Optional[AttentionSpan] = None):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.kv_heads, args.head_dim
-        self.wq = nn.Linear(args.dim, self.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wq = nn.Linear(args.dim, self.n_heads * self.head_dim, bias=qkv_bias)
+        self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=qkv_bias)
+        self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=qkv_bias)
         self.wo = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=False)
-        # The attention kernel, (q, k, v, document_ids) -> out over (B, heads, T, head_dim). A plain attribute
-        # so that context parallelism or flex attention can swap in another form from outside.
+        self.q_norm: Optional[nn.Module] = qk_norm(self.head_dim) if qk_norm is not None else None
+        self.k_norm: Optional[nn.Module] = qk_norm(self.head_dim) if qk_norm is not None else None
+        self.span = span
+        # The attention kernel, (q, k, v, document_ids, span) -> out over (B, heads, T, head_dim). A plain
+        # attribute so that context parallelism or flex attention can swap in another form from outside.
         self.attention_fn: Callable[..., torch.Tensor] = causal_attention
         self.kv_cache: Optional[KVCache] = None  # set by ember.generate for incremental decoding
 
@@ -122,18 +130,25 @@ class Attention(nn.Module):
         q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, n_heads, head_dim)
         k = self.wk(x).view(B, T, -1, self.head_dim)  # (B, T, n_kv_heads, head_dim)
         v = self.wv(x).view(B, T, -1, self.head_dim)  # (B, T, n_kv_heads, head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, head_dim), the layout SDPA takes
         if self.kv_cache is not None:
-            out = self.kv_cache.attend(q, k, v)  # (B, n_heads, T, head_dim), over every cached position
+            out = self.kv_cache.attend(q, k, v, self.span)  # (B, n_heads, T, head_dim), over the cached positions
         else:
-            out = self.attention_fn(q, k, v, document_ids)  # (B, n_heads, T, head_dim)
+            out = self.attention_fn(q, k, v, document_ids, self.span)  # (B, n_heads, T, head_dim)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))  # (B, T, n_heads * head_dim) -> (B, T, dim)
 
     def init_weights(self, out_std: float) -> None:
         for linear in (self.wq, self.wk, self.wv):
             nn.init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
+            if linear.bias is not None:
+                nn.init.zeros_(linear.bias)
         nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=out_std)
+        for norm in (self.q_norm, self.k_norm):
+            if norm is not None:
+                norm.reset_parameters()
 
 
 def depth_scaled_std(layer_id: int) -> float:
@@ -146,9 +161,9 @@ class TransformerBlock(nn.Module):
     the family's: a dense `feed_forward`, or a `moe` layer (the other attribute is then None), so each
     family's parameter names, and its tensor-parallel plan entries, say which it is."""
 
-    def __init__(self, layer_id: int, args: Any, ffn: nn.Module):
+    def __init__(self, layer_id: int, args: Any, ffn: nn.Module, attention: Optional[nn.Module] = None):
         super().__init__()
-        self.attention = Attention(args)
+        self.attention = attention if attention is not None else Attention(args)
         self.feed_forward: Optional[nn.Module] = None if isinstance(ffn, MoE) else ffn
         self.moe: Optional[MoE] = ffn if isinstance(ffn, MoE) else None
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)

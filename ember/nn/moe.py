@@ -18,12 +18,13 @@ from torch import nn
 
 
 class Router(nn.Module):
-    """Linear scores over experts; top-k by softmax probability, renormalised over the chosen k (the
-    same as Mixtral's softmax over the selected experts' logits)."""
+    """Linear scores over experts; top-k by softmax probability, with norm_topk_prob renormalised over the
+    chosen k (the same as Mixtral's softmax over the selected experts' logits; Qwen3-MoE's norm_topk_prob),
+    without it the probabilities over all experts as they are (Qwen2-MoE)."""
 
-    def __init__(self, dim: int, n_experts: int, top_k: int):
+    def __init__(self, dim: int, n_experts: int, top_k: int, norm_topk_prob: bool = True):
         super().__init__()
-        self.top_k = top_k
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
         self.gate = nn.Linear(dim, n_experts, bias=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -31,7 +32,8 @@ class Router(nn.Module):
         logits = self.gate(x)
         probs = F.softmax(logits.float(), dim=-1)  # fp32 routing, as the reference
         weights, indices = torch.topk(probs, self.top_k, dim=-1)
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), indices, logits
 
 
@@ -147,10 +149,11 @@ class MoE(nn.Module):
     router losses to its output, so they join the gradient wherever backward reaches this layer."""
 
     def __init__(self, dim: int, hidden_dim: int, n_experts: int, top_k: int,
-                 activation: Callable[[torch.Tensor], torch.Tensor] = F.silu, gated: bool = True):
+                 activation: Callable[[torch.Tensor], torch.Tensor] = F.silu, gated: bool = True,
+                 norm_topk_prob: bool = True):
         super().__init__()
         self.n_experts, self.top_k = n_experts, top_k
-        self.router = Router(dim, n_experts, top_k)
+        self.router = Router(dim, n_experts, top_k, norm_topk_prob)
         self.experts = Experts(n_experts, dim, hidden_dim, activation, gated)
         self.aux_loss: Optional[torch.Tensor] = None
         self.z_loss: Optional[torch.Tensor] = None

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ember.nn.attention import AttentionSpan
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -40,33 +42,35 @@ def shard_sequence(x: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.T
 
 class AllGatherKVAttention:
     """Causal attention of local queries over the keys/values of the whole sequence, gathered from the
-    context-parallel group; the mask compares true positions, so the head-tail layout is exact."""
+    context-parallel group; the mask compares true positions, so the head-tail layout is exact, local spans
+    (sliding windows, chunks) included."""
 
     def __init__(self, cp_mesh: DeviceMesh):
         self.mesh = cp_mesh
         self.cp = cp_mesh.size()
         self.rank = cp_mesh.get_local_rank()
 
-    def _mask(self, local_len: int, device: torch.device) -> torch.Tensor:
+    def _mask(self, local_len: int, device: torch.device, span: Optional[AttentionSpan]) -> torch.Tensor:
         seq_len = local_len * self.cp
-        q_pos = headtail_positions(seq_len, self.cp, self.rank, device)  # (T / cp,)
-        k_pos = torch.cat([headtail_positions(seq_len, self.cp, r, device) for r in range(self.cp)])  # (T,), gather order
-        return q_pos[:, None] >= k_pos[None, :]  # (T / cp, T): True where the query may attend
+        q_pos = headtail_positions(seq_len, self.cp, self.rank, device)[:, None]  # (T / cp, 1)
+        k_pos = torch.cat([headtail_positions(seq_len, self.cp, r, device) for r in range(self.cp)])[None, :]  # gather order
+        return span.mask(q_pos, k_pos) if span is not None else q_pos >= k_pos  # (T / cp, T): True where seen
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 document_ids: Optional[torch.Tensor] = None, span: Optional[AttentionSpan] = None) -> torch.Tensor:
         from torch.distributed._functional_collectives import all_gather_tensor_autograd
 
         assert document_ids is None, "document masking with context parallelism is refused at config time"
         # (B, n_kv_heads, T / cp, head_dim) -> (B, n_kv_heads, T, head_dim), ranks' slices in rank order
         k_all = all_gather_tensor_autograd(k.contiguous(), gather_dim=2, group=self.mesh)
         v_all = all_gather_tensor_autograd(v.contiguous(), gather_dim=2, group=self.mesh)
-        mask = self._mask(q.shape[2], q.device)
+        mask = self._mask(q.shape[2], q.device, span)
         return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
 def _repeat_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                         document_ids: Optional[torch.Tensor] = None, span: Optional[AttentionSpan] = None) -> torch.Tensor:
+    assert span is None, "local attention spans with ring attention are refused at config time"
     # Ring attention shards SDPA's plain (B, H, T, D) form; GQA K/V heads are expanded first.
     groups = q.shape[1] // k.shape[1]
     if groups > 1:

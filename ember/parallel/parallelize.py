@@ -27,7 +27,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 
-from ember.nn.attention import FlexDocumentAttention
+from ember.nn.attention import FlexAttention
 from ember.nn.moe import MoE
 from ember.parallel.ac import apply_ac
 from ember.parallel.cp import apply_cp
@@ -126,7 +126,7 @@ def parallelize(model: nn.Module, mesh: Optional[ParallelMesh], tp_plan: TPPlan,
     if cp_mesh is not None:
         apply_cp(model, cp_mesh, options.cp_impl)
     if options.flex_attention:  # document masking on CUDA: one shared kernel, so layers reuse one BlockMask per batch
-        kernel = FlexDocumentAttention()
+        kernel = FlexAttention()
         for layer in model.layers.values():
             layer.attention.attention_fn = kernel
     apply_ac(model, options.remat, options.remat_every)

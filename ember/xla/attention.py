@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ember.nn.attention import causal_attention
+from ember.nn.attention import AttentionSpan, causal_attention
 from ember.xla.mesh import BATCH_AXES, present
 
 BLOCK = 128  # the kernel's smallest block along the sequence
@@ -50,9 +50,10 @@ def flash_attention(mesh: Any) -> Callable[..., torch.Tensor]:
                              check_vma=False)(q, k, v, segments.astype(jnp.int32))
 
     def attention_fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if q.shape[2] % BLOCK:
-            return causal_attention(q, k, v, document_ids)
+                     document_ids: Optional[torch.Tensor] = None, span: Optional[AttentionSpan] = None) -> torch.Tensor:
+        # A local span (sliding window, chunks) runs the exact masked SDPA: the kernel here takes no span.
+        if q.shape[2] % BLOCK or (span is not None and span.limits(q.shape[2])):
+            return causal_attention(q, k, v, document_ids, span)
         return interop.call_jax(attend, q, k, v, document_ids)
 
     return attention_fn

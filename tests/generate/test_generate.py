@@ -13,23 +13,12 @@ from ember.errors import ConfigError
 from ember.generate import attach_kv_caches, detach_kv_caches, generate
 from ember.convert import save_hf
 from ember.models import MODELS, build_model_args
-from tests.helpers import TINY_RUN, run_ember
+from tests.helpers import TINY_RUN, IdTokenizer, run_ember
 
 SMALL = {"n_layers": 2, "dim": 64, "n_heads": 4, "vocab_size": 256, "max_seq_len": 64}
 FAMILIES = {"llama3.1": {**SMALL, "n_kv_heads": 2}, "mixtral": {**SMALL, "n_kv_heads": 2, "ffn_hidden_dim": 96,
                                                                "n_experts": 4},
             "gpt": {**SMALL, "ffn_hidden_dim": 256}, "glam": {**SMALL, "ffn_hidden_dim": 96, "n_experts": 4}}
-
-
-class IdTokenizer:
-    """Token ids as text, so tests need no trained tokenizer: "5 17 3" <-> [5, 17, 3]."""
-    eos_id = 1
-
-    def encode(self, text: str) -> list[int]:
-        return [int(t) for t in text.split()]
-
-    def decode(self, ids) -> str:
-        return "".join(f" {i}" for i in ids)
 
 
 def _model(family: str) -> torch.nn.Module:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ember.models import MODELS, build_model_args
-from ember.nn.attention import FlexDocumentAttention, causal_attention
+from ember.nn.attention import FlexAttention, causal_attention
 from ember.nn.moe import MoE
 from ember.parallel.parallelize import ParallelOptions, parallelize
 
@@ -36,7 +36,7 @@ def test_document_masking_gets_flex_attention_in_every_family(family: str):
     parallelize(model, None, MODELS[family].tp_plan, ParallelOptions(flex_attention=True))
     kernels = {id(block.attention.attention_fn) for block in model.layers.values()}
     assert len(kernels) == 1  # one kernel for every layer: the BlockMask is built once per batch
-    assert isinstance(model.layers["0"].attention.attention_fn, FlexDocumentAttention)
+    assert isinstance(model.layers["0"].attention.attention_fn, FlexAttention)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -9,30 +9,9 @@ here: parallelize.py holds the tensor-parallel plan, hf.py maps Hugging Face wei
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
-from torch import nn
-
 from ember.models.llama.args import LlamaArgs
 from ember.nn.decoder import Decoder, RMSNorm, TransformerBlock, num_params
-
-
-class FeedForward(nn.Module):
-    """SwiGLU (Shazeer 2020): w2(silu(w1 x) * w3 x)."""
-
-    def __init__(self, dim: int, hidden_dim: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))  # (B, T, hidden) -> (B, T, dim)
-
-    def init_weights(self, out_std: float) -> None:
-        nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=0.02)
-        nn.init.trunc_normal_(self.w3.weight, mean=0.0, std=out_std)
-        nn.init.trunc_normal_(self.w2.weight, mean=0.0, std=out_std)
+from ember.nn.feed_forward import FeedForward
 
 
 class Transformer(Decoder):
