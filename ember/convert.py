@@ -21,18 +21,17 @@ from ember.errors import CheckpointError, UserFileNotFound, first_error_line
 from ember.finetune.base_fingerprint import check_lora_base, model_files
 from ember.finetune.lora import merge_lora
 from ember.finetune.peft_format import is_peft_dir, save_peft, save_safetensors
-from ember.load import (HF_FAMILY, _adapter_tensors, _barrier, _is_rank0, _load_torch_file, _quiet_dcp, load_model,
+from ember.load import (_adapter_tensors, _barrier, _is_rank0, _load_torch_file, _quiet_dcp, load_model,
                         model_state_dict)
 from ember.model_meta import MODEL_JSON, ember_step_dir, read_json, read_model_json
-from ember.models import MODELS
+from ember.models import MODELS, family_of
 from ember.staging import staged
 
 
 def save_hf(model: nn.Module, args: Any, out_dir: Union[str, Path], max_shard_bytes: int = 5 * 2**30) -> None:
     """Write `model` as a Hugging Face LlamaForCausalLM directory: config.json and safetensors shards
     (with an index when there is more than one), converting tensor by tensor."""
-    family = next(name for name, spec in MODELS.items() if isinstance(model, spec.model_cls))
-    hf = MODELS[family].hf
+    hf = MODELS[family_of(model)].hf
     out_dir = Path(out_dir)
     try:
         config = hf.hf_config_from_args(args)
@@ -98,9 +97,7 @@ def detect_format(path: Path) -> str:
 
 
 def _meta_of(model: nn.Module, flavor: str = "custom") -> dict[str, Any]:
-    family = HF_FAMILY if isinstance(model, MODELS[HF_FAMILY].model_cls) else \
-        next(name for name, spec in MODELS.items() if isinstance(model, spec.model_cls))
-    return {"family": family, "flavor": flavor, "args": dataclasses.asdict(model.args)}
+    return {"family": family_of(model), "flavor": flavor, "args": dataclasses.asdict(model.args)}
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",

@@ -27,10 +27,10 @@ from ember.errors import CheckpointError, ConfigError, UserFileNotFound, first_e
 from ember.finetune.base_fingerprint import check_lora_base
 from ember.finetune.lora import LoraLinear, apply_lora, is_adapter_key, merge_lora, trainable_names
 from ember.finetune.peft_format import check_adapter_config, is_peft_dir, merge_peft_adapter, peft_base
-from ember.hf_directory import HF_FAMILY, hf_family, hf_weight_files, load_hf_model, open_safetensors
+from ember.hf_directory import hf_family, hf_weight_files, load_hf_model, open_safetensors
 from ember.model_meta import (MODEL_JSON, build_on_meta, ember_step_dir, newest_step_dir, parse_model_meta, read_json,
                               read_model_json)
-from ember.models import MODELS
+from ember.models import MODELS, family_of
 
 MODEL_PATHS = (f"an ember run or checkpoint directory ({MODEL_JSON}, checkpoints/step-N), a HF model directory "
                "(config.json) or an `ember convert --to torch` file")
@@ -76,11 +76,11 @@ def load_hf_weights(model: Union[nn.Module, list[nn.Module]], directory: Path) -
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     family, config = hf_family(directory)
-    if family != HF_FAMILY:  # per-expert HF tensors are stacked on load; not streamed into shards yet
+    hf = MODELS[family].hf
+    args = hf.args_from_hf_config(config)
+    if getattr(args, "n_experts", 0):  # per-expert HF tensors are stacked on load; not streamed into shards yet
         raise CheckpointError(f"model.init_from: streaming a {family} Hugging Face directory into a sharded model is not "
                          f"supported yet; convert it first (`ember convert {directory} CKPT`) and use model.init_from=CKPT")
-    hf = MODELS[HF_FAMILY].hf
-    args = hf.args_from_hf_config(config)
     targets = base_state_dict(model)
     loaded: set[str] = set()
     for path in hf_weight_files(directory):
@@ -298,7 +298,7 @@ def _load_peft(adapter_dir: Path, device: Device, dtype: torch.dtype) -> nn.Modu
     config = read_json(adapter_dir / "adapter_config.json")
     model = load_model(_peft_base(adapter_dir), device, torch.float32)
     merge_lora(model)  # a base that is itself a LoRA run
-    family = next(name for name, spec in MODELS.items() if isinstance(model, spec.model_cls))
+    family = family_of(model)
     merge_peft_adapter(model, family, config, adapter_dir)
     model.to(dtype)
     model.init_rope(torch.device(device))  # the RoPE tables stay fp32

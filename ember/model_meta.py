@@ -63,15 +63,16 @@ def parse_model_meta(meta: Any, where: Union[str, Path]) -> tuple[str, str, Any]
         if not _fits(value, hints[name]):
             raise CheckpointError(f"'{where}': {family} hyper-parameter '{name}' = {value!r} is not "
                                   f"{_type_name(hints[name])}")
-        if isinstance(value, int) and not isinstance(value, bool) and _is_int(hints[name]) and value < 1:
-            raise CheckpointError(f"'{where}': {family} hyper-parameter '{name}' = {value} must be >= 1")
+        least = 0 if fields[name].default == 0 else 1  # a count whose default is none (experts of a dense model)
+        if isinstance(value, int) and not isinstance(value, bool) and _is_int(hints[name]) and value < least:
+            raise CheckpointError(f"'{where}': {family} hyper-parameter '{name}' = {value} must be >= {least}")
     required = [name for name, f in fields.items()
                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     missing = [name for name in required if name not in given]
     if missing:
         raise CheckpointError(f"'{where}': the {family} hyper-parameter '{missing[0]}' is missing")
-    try:
-        args = args_cls(**given)
+    try:  # JSON has lists where the dataclass holds tuples (a hashable, frozen value)
+        args = args_cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in given.items()})
         build_on_meta(family, args, torch.float32)  # shapes only, no storage: sizes that cannot build a model
     except (TypeError, ValueError, RuntimeError, AssertionError, ZeroDivisionError) as err:
         raise CheckpointError(f"'{where}': the {family} hyper-parameters do not fit together "
@@ -114,6 +115,9 @@ def _fits(value: Any, hint: Any) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if hint in (bool, str):
         return isinstance(value, hint)
+    if typing.get_origin(hint) is tuple:  # tuple[int, ...]: a JSON list of them
+        item = typing.get_args(hint)[0]
+        return isinstance(value, list) and all(_fits(v, item) for v in value)
     return value is None or isinstance(value, (bool, int, float, str))  # another annotation: any JSON scalar
 
 

@@ -27,6 +27,7 @@ from ember.finetune import base_fingerprint
 from ember.finetune import lora as lora_lib
 from ember.device import pick_compute_dtype
 from ember.models import MODELS, ModelSpec
+from ember.nn.decoder import has_local_attention
 from ember.nn.loss import output_chunks
 from ember.load import ModelChoice, resolve_model
 from ember.parallel.mesh import ParallelMesh
@@ -207,7 +208,7 @@ def resolve(cfg: JobConfig, world_size: int, device: torch.device,
     choice = model_choice(cfg)
     if compute_dtype is None:
         compute_dtype = pick_compute_dtype(cfg.precision, device, frozen_base=cfg.lora.rank > 0)
-        check_device_options(cfg, shape, device)
+        check_device_options(cfg, shape, device, choice.args)
     flops = lora_lib.run_flops_per_token(cfg, MODELS[cfg.model.family], choice.args, compute_dtype)
     return _decide(cfg, world_size, device, shape, choice.flavor, choice.args, choice.source, compute_dtype, flops)
 
@@ -226,8 +227,11 @@ def _decide(cfg: JobConfig, world_size: int, device: torch.device, shape: MeshSh
         compile=cfg.compile, remat=cfg.model.remat, remat_every=cfg.model.remat_every,
         param_dtype=compute_dtype if fsdp_mixed else None, reduce_dtype=torch.float32 if fsdp_mixed else None,
         reshard_after_forward=cfg.parallel.reshard_after_forward, cpu_offload=cfg.parallel.cpu_offload,
-        loss_parallel=uses_loss_parallel(cfg, shape), cp_impl=cp_implementation(cfg, device),
-        flex_attention=cfg.data.document_mask and device.type == "cuda",
+        loss_parallel=uses_loss_parallel(cfg, shape), cp_impl=cp_implementation(cfg, device, args),
+        # flex attention's block masks skip what documents and local spans hide; under context parallelism the
+        # all-gather form applies the spans (document masking is refused there)
+        flex_attention=(cfg.data.document_mask or has_local_attention(args)) and device.type == "cuda"
+        and shape.degree("context") == 1,
         fp8_recipe=cfg.fp8.recipe if config_lib.fp8_enabled(cfg) else None, fp8_emulate=cfg.fp8.emulate)
     pp = shape.degree("pipeline")
     num_stages = pp * cfg.parallel.pp_stages_per_rank if pp > 1 else 1
@@ -244,21 +248,26 @@ def _decide(cfg: JobConfig, world_size: int, device: torch.device, shape: MeshSh
                    pp_microbatches=pp_microbatches, output_chunks=chunks, flops_per_token=flops_per_token)
 
 
-def cp_implementation(cfg: JobConfig, device: torch.device) -> str:
-    """parallel.cp_impl, with auto meaning ring attention on CUDA and the all-gather form elsewhere."""
+def cp_implementation(cfg: JobConfig, device: torch.device, args: Any) -> str:
+    """parallel.cp_impl, with auto meaning ring attention on CUDA and the all-gather form elsewhere, and for a
+    model with sliding-window or chunked layers (ring attention runs SDPA's plain causal form)."""
     if cfg.parallel.cp_impl != "auto":
         return cfg.parallel.cp_impl
-    return "ring" if device.type == "cuda" else "allgather"
+    return "ring" if device.type == "cuda" and not has_local_attention(args) else "allgather"
 
 
-def check_device_options(cfg: JobConfig, shape: MeshShape, device: torch.device) -> None:
-    """The options that need a kind of device, against the one the run has."""
+def check_device_options(cfg: JobConfig, shape: MeshShape, device: torch.device, args: Any) -> None:
+    """The options that need a kind of device (or model), against the one the run has."""
     from ember.parallel import fp8 as fp8_lib
 
     if config_lib.fp8_enabled(cfg):
         fp8_lib.check_fp8_device(device, cfg.fp8.emulate)
-    if shape.degree("context") > 1 and cp_implementation(cfg, device) == "ring" and device.type != "cuda":
-        raise ConfigError("parallel.cp_impl=ring needs CUDA (SDPA's CPU kernel has no ring form); use allgather")
+    if shape.degree("context") > 1 and cp_implementation(cfg, device, args) == "ring":
+        if device.type != "cuda":
+            raise ConfigError("parallel.cp_impl=ring needs CUDA (SDPA's CPU kernel has no ring form); use allgather")
+        if has_local_attention(args):
+            raise ConfigError(f"parallel.cp_impl=ring runs plain causal attention, and {cfg.model.family} has "
+                              "sliding-window or chunked layers; use parallel.cp_impl=allgather (or auto)")
     if cfg.parallel.cpu_offload and (device.type != "cuda" or shape.grad_sync == 1):
         raise ConfigError("parallel.cpu_offload moves FSDP-sharded parameters and optimizer state from the GPU "
                           "to host memory; it needs device=cuda and a data/fsdp axis > 1 (on CPU they are already there)")

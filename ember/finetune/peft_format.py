@@ -39,13 +39,11 @@ def is_peft_dir(path: Path) -> bool:
 
 
 def _hf_style(family: str) -> str:
-    """'llama' (Llama and Mixtral attention: llama/hf.py's names) or 'gpt'; GLaM has no HF format."""
-    from ember.models import MODELS
-    from ember.models.llama import hf as llama_hf
-    from ember.models.mixtral import hf as mixtral_hf
+    """'llama' (the families whose linear layers carry llama/hf.py's names: Llama, Mixtral, Mistral, Qwen) or
+    'gpt'; GLaM has no HF format."""
+    from ember.models import MODELS, llama, mistral, mixtral, qwen
 
-    hf = MODELS[family].hf
-    if hf in (llama_hf, mixtral_hf):
+    if MODELS[family].hf in (llama.hf, mixtral.hf, mistral.hf, qwen.hf):
         return "llama"
     if family == "gpt":
         return "gpt"

@@ -52,6 +52,16 @@ for family, flavors in qwen.FLAVORS.items():  # qwen2 (Qwen2/2.5), qwen3, qwen3_
                                active_params=functools.partial(qwen.num_params, active=True))
 
 
+def family_of(model: nn.Module) -> str:
+    """The family of a model built by one of MODELS' classes. Where one class serves several families (Llama 2
+    and 3.x; Qwen2, Qwen3 and Qwen3-MoE) its hf module's `family_of(args)` names the one its hyper-parameters are."""
+    matches = [name for name, spec in MODELS.items() if type(model) is spec.model_cls]
+    if not matches:
+        raise TypeError(f"{type(model).__name__} is not a model class of ember's families")
+    hf = MODELS[matches[0]].hf
+    return hf.family_of(model.args) if len(matches) > 1 else matches[0]
+
+
 def build_model_args(family: str, flavor: str, overrides: dict[str, Any] | None = None) -> Any:
     """The flavor's hyper-parameters with the user's `model.<field>` overrides (None: keep) applied."""
     if family not in MODELS:

@@ -39,6 +39,13 @@ class HeadShape:
         return getattr(self, "head_dim_override", None) or self.dim // self.n_heads
 
 
+def has_local_attention(args: Any) -> bool:
+    """Whether any layer attends within a local span (a sliding window, chunks): a family's args say which by
+    `layer_span(layer_id)` (None: the whole causal context)."""
+    span_of = getattr(args, "layer_span", None)
+    return span_of is not None and any(span_of(i) is not None for i in range(args.n_layers))
+
+
 def rope_cos_sin(args: Any, device: Optional[torch.device] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the angle t * w_k for every position t < max_seq_len: two (max_seq_len, head_dim // 2).
     `args` needs head_dim, rope_theta, max_seq_len and rope_scaling_factor (None: no scaling)."""

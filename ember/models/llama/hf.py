@@ -35,6 +35,12 @@ _LAYER_KEYS_FROM_HF = {v: k for k, v in _LAYER_KEYS.items()}
 _TOP_KEYS_FROM_HF = {v: k for k, v in _TOP_KEYS.items()}
 
 
+def family_of(args: LlamaArgs) -> str:
+    """The family a LlamaArgs is saved under: Llama 2 and 3.x share one architecture, and llama3 reads them all
+    (config.json carries the differences)."""
+    return "llama3"
+
+
 def permute_to_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Rows of wq/wk from pair order (k, j), row 2k + j of each head, to half order (j, k), row j * D/2 + k."""
     rows, cols = w.shape

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import ClassVar, Optional
 
+from ember.nn.attention import AttentionSpan
 from ember.nn.decoder import HeadShape
 
 
@@ -26,6 +27,9 @@ class MistralArgs(HeadShape):
     rope_scaling_factor: Optional[float] = None  # read by the shared RoPE code: Mistral's RoPE has no scaling
 
     CONFIG_KEYS: ClassVar[dict[str, str]] = {"head_dim": "head_dim_override"}
+
+    def layer_span(self, layer_id: int) -> Optional[AttentionSpan]:
+        return AttentionSpan(window=self.sliding_window) if self.sliding_window is not None else None
 
 
 # From the config.json of each release on the Hugging Face hub (mistralai/*).

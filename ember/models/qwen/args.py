@@ -30,12 +30,12 @@ class QwenArgs(HeadShape):
     sliding_window: Optional[int] = None
     max_window_layers: int = 0
     # A mixture of experts (Qwen3-MoE): 0 experts is a dense model. Layer i has experts unless it is in
-    # dense_layers (mlp_only_layers) or (i + 1) is not a multiple of moe_every (decoder_sparse_step).
+    # dense_layers (mlp_only_layers) or (i + 1) is not a multiple of sparse_step (decoder_sparse_step).
     n_experts: int = 0
     top_k: int = 8
     moe_hidden_dim: int = 0  # each expert's SwiGLU hidden size (moe_intermediate_size)
     norm_topk_prob: bool = True  # the top-k routing weights renormalised to sum to 1
-    moe_every: int = 1
+    sparse_step: int = 1
     dense_layers: tuple[int, ...] = ()
     rope_scaling_factor: Optional[float] = None  # read by the shared RoPE code: Qwen's default RoPE has none
 
@@ -47,7 +47,7 @@ class QwenArgs(HeadShape):
         return AttentionSpan(window=self.sliding_window)
 
     def is_moe_layer(self, layer_id: int) -> bool:
-        return self.n_experts > 0 and layer_id not in self.dense_layers and (layer_id + 1) % self.moe_every == 0
+        return self.n_experts > 0 and layer_id not in self.dense_layers and (layer_id + 1) % self.sparse_step == 0
 
 
 # From the config.json of each release on the Hugging Face hub (Qwen/Qwen2.5-*, Qwen/Qwen3-*).

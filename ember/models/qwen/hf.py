@@ -38,12 +38,17 @@ _FUSED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_pro
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
+def family_of(args: QwenArgs) -> str:
+    """The family (and Hugging Face model_type) these hyper-parameters are closest to: experts make Qwen3-MoE,
+    q/k norms Qwen3, neither Qwen2."""
+    if args.n_experts:
+        return "qwen3_moe"
+    return "qwen3" if args.qk_norm else "qwen2"
+
+
 def model_type(args: QwenArgs) -> str:
     """The Hugging Face model_type these hyper-parameters are; ValueError where none of Qwen's is."""
-    if args.n_experts:
-        kind = "qwen3_moe"
-    else:
-        kind = "qwen3" if args.qk_norm else "qwen2"
+    kind = family_of(args)
     if kind == "qwen2" and not args.qkv_bias:
         raise ValueError("Qwen2 has biases on its q/k/v projections: model.qkv_bias=false has no Hugging Face form")
     if kind != "qwen2" and args.qkv_bias:
@@ -85,6 +90,11 @@ def tensor_to_hf(key: str, tensor: torch.Tensor, args: QwenArgs) -> torch.Tensor
 
 def tensor_from_hf(ember_key: str, tensor: torch.Tensor, args: QwenArgs) -> torch.Tensor:
     return _permuted(ember_key, tensor, args, to_hf=False)
+
+
+def skip_hf_key(key: str, args: QwenArgs) -> bool:
+    """Entries of a HF state dict with no ember counterpart of their own: a tied lm_head, old rotary buffers."""
+    return llama_hf.skip_hf_key(key, args)  # type: ignore[arg-type]
 
 
 def to_hf_state_dict(state: dict[str, torch.Tensor], args: QwenArgs) -> dict[str, torch.Tensor]:
@@ -158,7 +168,7 @@ def args_from_hf_config(config: dict[str, Any]) -> QwenArgs:
         # the hub's configs say num_experts, transformers 5 writes num_local_experts
         moe = dict(n_experts=config.get("num_experts", config.get("num_local_experts")), top_k=config["num_experts_per_tok"],
                    moe_hidden_dim=config["moe_intermediate_size"], norm_topk_prob=bool(config.get("norm_topk_prob", True)),
-                   moe_every=config.get("decoder_sparse_step", 1), dense_layers=tuple(config.get("mlp_only_layers") or ()))
+                   sparse_step=config.get("decoder_sparse_step", 1), dense_layers=tuple(config.get("mlp_only_layers") or ()))
     return QwenArgs(
         dim=config["hidden_size"], n_layers=config["num_hidden_layers"], n_heads=config["num_attention_heads"],
         n_kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
@@ -188,6 +198,6 @@ def hf_config_from_args(args: QwenArgs) -> dict[str, Any]:
         config["attention_bias"] = False
     if kind == "qwen3_moe":
         config.update(num_experts=args.n_experts, num_experts_per_tok=args.top_k, moe_intermediate_size=args.moe_hidden_dim,
-                      norm_topk_prob=args.norm_topk_prob, decoder_sparse_step=args.moe_every,
+                      norm_topk_prob=args.norm_topk_prob, decoder_sparse_step=args.sparse_step,
                       mlp_only_layers=list(args.dense_layers), output_router_logits=False)
     return config
