@@ -1,0 +1,65 @@
+"""The families on the shared decoder with pieces of their own (Qwen2's q/k/v biases, Qwen3's per-head q/k
+norms and wide heads, sliding windows, Qwen3-MoE's experts) train exactly like one process on the meshes that
+split those pieces: tensor (+ sequence) parallel splits the biases and the heads the norms run over, context
+parallelism cuts the sequence a window slides along, a pipeline stage holds some of the blocks, expert
+parallelism the experts. Tolerance rel 1e-5 in fp32, as tests/parallel/test_layouts.py."""
+
+import pytest
+
+from ember import run as run_lib
+from ember.train import Trainer
+from tests.helpers import read_records, run_layouts, tiny_model
+
+pytestmark = pytest.mark.slow  # torchrun jobs
+
+STEPS = 3
+REL = 1e-5
+COMMON = ["data.dataset=synthetic", *tiny_model(4), "model.vocab_size=512", "model.ffn_hidden_dim=96", "seq_len=32",
+          "global_batch_size=8", f"max_steps={STEPS}", "logging_steps=1", "eval_batches=1",
+          "schedule.warmup_steps=0", "optim.lr=1e-2", "model.flavor=debug"]
+FAMILIES = {
+    "qwen2": ["model.family=qwen2"],
+    # the debug flavor's heads of 64 from a width of 64 (wider than dim / n_heads); a window on layers 2-3
+    "qwen3": ["model.family=qwen3", "model.sliding_window=8", "model.max_window_layers=2"],
+    "qwen3_moe": ["model.family=qwen3_moe", "model.n_experts=4", "model.top_k=2", "model.moe_hidden_dim=32",
+                  "model.aux_loss_coef=0"],
+    "mistral": ["model.family=mistral", "model.sliding_window=8"],
+}
+SPLIT = ["micro_batch_size=4", "ici_mesh.fsdp=1"]
+LAYOUTS = {
+    "qwen2": {"fsdp=2": ["micro_batch_size=4"], "tensor=2": SPLIT + ["ici_mesh.tensor=2"]},
+    "qwen3": {"tensor=2": SPLIT + ["ici_mesh.tensor=2"], "context=2": SPLIT + ["ici_mesh.context=2"]},
+    # untied (a tied model cannot be cut into pipeline stages), with Qwen3's q/k norms
+    "qwen3_moe": {"expert=2": SPLIT + ["ici_mesh.expert=2"], "tensor=2": SPLIT + ["ici_mesh.tensor=2"],
+                  "fsdp=2": ["micro_batch_size=4"],
+                  "pipeline=2": SPLIT + ["ici_mesh.pipeline=2", "parallel.pp_schedule=1f1b"]},
+    "mistral": {"context=2": SPLIT + ["ici_mesh.context=2"], "tensor=2 x fsdp": ["micro_batch_size=4", "ici_mesh.tensor=2"]},
+}
+
+
+def _single_process(out, overrides: list[str]) -> dict:
+    cfg = run_lib.load_config("debug", [*COMMON, *overrides, "micro_batch_size=8", f"output_dir={out}",
+                                        "metrics.console=false"])
+    summary = Trainer(cfg).train()
+    steps = [r for r in read_records(out) if "loss" in r]
+    return {"loss": [r["loss"] for r in steps], "grad_norm": [r["grad_norm"] for r in steps],
+            "val_loss": summary["val_loss"]}
+
+
+def test_family_layouts_match_single_process(tmp_path):
+    cases = {f"{family} {name}": FAMILIES[family] + overrides
+             for family, layouts in LAYOUTS.items() for name, overrides in layouts.items()}
+    results = run_layouts(tmp_path, 2, cases, COMMON)
+    assert set(results) == set(cases)
+    for family in LAYOUTS:
+        expected = _single_process(tmp_path / f"reference-{family}", FAMILIES[family])
+        assert abs(expected["loss"][0] - expected["loss"][-1]) > 1e-3, family  # the steps move the weights
+        for name in LAYOUTS[family]:
+            got = results[f"{family} {name}"]
+            assert got["loss"] == pytest.approx(expected["loss"], rel=REL), (family, name)
+            # Qwen3's q/k norm weights get their gradient summed over the tensor ranks' heads (a reduction one
+            # process does not do in that order): measured 1.3e-5 apart at step 3 (a missing sum would leave each
+            # rank the gradient of its own heads only)
+            rel = 3e-5 if family.startswith("qwen3") and "tensor" in name else REL
+            assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=rel), (family, name)
+            assert got["val_loss"] == pytest.approx(expected["val_loss"], rel=REL), (family, name)
