@@ -40,7 +40,9 @@ def run(args: argparse.Namespace) -> int:
     for name in config_lib.recipe_names():
         cfg = config_lib.load(name)
         if cfg.device not in config_lib.XLA_DEVICES:  # a TPU recipe's checks are the XLA path's, for its chip count
-            cfg = run_lib.load_config(name)
+            # checked on the fewest ranks its fixed axes need (an expert axis of 8: 8), the -1 axis at 1
+            fixed = math.prod(max(getattr(mesh, axis), 1) for mesh in (cfg.ici_mesh, cfg.dcn_mesh) for axis in AXES)
+            cfg = run_lib.load_config(name, world_size=fixed)
         spec = MODELS[cfg.model.family]
         model_args = build_model_args(cfg.model.family, cfg.model.flavor, config_lib.model_overrides(cfg.model))
         with torch.device("meta"):  # shapes only: 405B costs no memory here

@@ -60,7 +60,8 @@ def measure(trainer: Trainer) -> dict:
 
 
 # The small layouts the plan is checked against, by world size: a debug Llama 3 (dim 256, 4 layers, vocab
-# 8192), Mixtral's debug flavor for experts, and GPT 126M (125M parameters) for a model of real width.
+# 8192), Mixtral's debug flavor for experts, GPT 126M (125M parameters) for a model of real width, and the debug
+# flavors of the families with pieces of their own (Qwen3, Qwen3-MoE, Mistral).
 RECIPE = "debug"
 BASE = ["data.dataset=synthetic", "seq_len=256", "micro_batch_size=4", "global_batch_size=8"]
 LAYOUTS: dict[int, dict[str, list[str]]] = {
@@ -76,6 +77,10 @@ LAYOUTS: dict[int, dict[str, list[str]]] = {
         "mixtral expert=2": ["model.family=mixtral", "model.flavor=debug", "ici_mesh.expert=2", "ici_mesh.fsdp=1"],
         "gpt-126m fsdp=2": ["model.family=gpt", "model.flavor=126M", "ici_mesh.fsdp=2", "seq_len=128",
                             "micro_batch_size=2", "global_batch_size=4"],
+        # Qwen3's q/k norms and wide heads split by tensor; Qwen3-MoE's 16 experts; Mistral's sliding window
+        "qwen3 tensor=2": ["model.family=qwen3", "model.flavor=debug", "ici_mesh.tensor=2", "ici_mesh.fsdp=1"],
+        "qwen3_moe expert=2": ["model.family=qwen3_moe", "model.flavor=debug", "ici_mesh.expert=2", "ici_mesh.fsdp=1"],
+        "mistral fsdp=2": ["model.family=mistral", "model.flavor=debug", "ici_mesh.fsdp=2"],
     },
     4: {"fsdp=4": ["ici_mesh.fsdp=4", "micro_batch_size=2"],
         "data=2 x fsdp=2": ["ici_mesh.data=2", "ici_mesh.fsdp=2", "micro_batch_size=2"],
