@@ -1,5 +1,6 @@
-"""Training tokens/s of the debug Mixtral: ember with its grouped and its looped expert path vs
-transformers' MixtralForCausalLM, same config, weights, batch, sequence and optimizer.
+"""Training tokens/s of a debug MoE (Mixtral's, or Qwen3-MoE's with `--model qwen3_moe`): ember with its grouped
+and its looped expert path vs transformers' own class (MixtralForCausalLM, Qwen3MoeForCausalLM), same config,
+weights, batch, sequence and optimizer.
 
 Every contestant runs a full training step (forward, loss, backward, clip, AdamW step) on the same random
 batch. ember runs its Trainer.train_step with every MoE layer's `experts.impl` forced to "grouped"
@@ -12,11 +13,12 @@ Rounds alternate between the contestants so that drift of the machine hits all a
 contestant is the median over rounds. CPU: fp32. CUDA: bf16 autocast on both sides (ember's default
 single-GPU precision), where ember's grouped path is the grouped GEMM kernel.
 
-    python benchmarks/moe_throughput.py            # 5 rounds of 4 steps, prints a table
-    python benchmarks/moe_throughput.py --quick    # 2 rounds of 1 step: checks that it runs; noise
+    python benchmarks/moe_throughput.py                      # 5 rounds of 4 steps, prints a table
+    python benchmarks/moe_throughput.py --model qwen3_moe    # Qwen3-MoE's debug flavor (16 experts, top 4)
+    python benchmarks/moe_throughput.py --quick              # 2 rounds of 1 step: checks that it runs; noise
 
-Writes benchmarks/results/moe_throughput-<cpu|cuda>.json (with --quick: moe_throughput-<...>-quick.json,
-so that a smoke run never replaces a measurement).
+Writes benchmarks/results/moe_throughput-<cpu|cuda>.json for Mixtral, moe_throughput-qwen3_moe-<cpu|cuda>.json
+for Qwen3-MoE (with --quick: ...-quick.json, so that a smoke run never replaces a measurement).
 """
 
 from __future__ import annotations
@@ -46,12 +48,12 @@ from ember.train import Trainer
 Step = Callable[[torch.Tensor, torch.Tensor], float]
 
 
-def build_ember(overrides: list[str], out: str) -> Trainer:
+def build_ember(family: str, overrides: list[str], out: str) -> Trainer:
     # Auxiliary losses off on both sides: transformers adds its load-balancing loss only with
     # output_router_logits=True (off in the exported config) and has no z-loss, so ember's coefficients
     # are zeroed to train on the language-model loss alone (its MoE layers still compute the two scalars).
     cfg = run_lib.load_config("debug", overrides + [
-        "model.family=mixtral", "model.flavor=debug", "model.aux_loss_coef=0", "model.z_loss_coef=0",
+        f"model.family={family}", "model.flavor=debug", "model.aux_loss_coef=0", "model.z_loss_coef=0",
         "data.dataset=synthetic", "metrics.console=false", f"output_dir={out}", "compile=false",
     ])
     return Trainer(cfg)
@@ -68,19 +70,20 @@ def ember_step(trainer: Trainer, impl: str) -> Step:
 
 
 def build_hf(trainer: Trainer, experts_impl: str | None, tmp: Path) -> tuple[torch.nn.Module, Step]:
-    from transformers import MixtralForCausalLM
+    from transformers import AutoModelForCausalLM
 
     # ember's weights through ember's HF export (per-expert hub layout, q/k permuted for HF's RoPE), read
     # back by transformers: same weights, so the same routing and expert loads on both sides.
     save_hf(copy.deepcopy(trainer.model).cpu(), trainer.spec.args, tmp / "hf")
     kwargs = {"experts_implementation": experts_impl} if experts_impl else {}
-    model = MixtralForCausalLM.from_pretrained(tmp / "hf", dtype=torch.float32, attn_implementation="sdpa", **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(tmp / "hf", dtype=torch.float32, attn_implementation="sdpa", **kwargs)
     model = model.to(trainer.device).train()
     cfg, args = model.config, trainer.spec.args
     # The same MoE as ember's: experts, top-k, expert width, no router jitter, no auxiliary loss.
-    assert (cfg.num_local_experts, cfg.num_experts_per_tok, cfg.intermediate_size) == (
-        args.n_experts, args.top_k, args.ffn_hidden_dim)
-    assert cfg.router_jitter_noise == 0.0 and not cfg.output_router_logits
+    expert_width = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
+    assert (cfg.num_local_experts, cfg.num_experts_per_tok) == (args.n_experts, args.top_k)
+    assert expert_width == (getattr(args, "moe_hidden_dim", None) or args.ffn_hidden_dim)
+    assert getattr(cfg, "router_jitter_noise", 0.0) == 0.0 and not cfg.output_router_logits
     # The same optimizer ember builds (implementation, groups and hyper-parameters), so that the comparison
     # is of the model code, not of an optimizer default.
     optimizer = build_optimizer(model, trainer.cfg.optim, trainer.device.type)
@@ -115,6 +118,8 @@ def machine(device: torch.device) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="mixtral", choices=["mixtral", "qwen3_moe"],
+                        help="the family whose debug flavor runs (default: mixtral)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=4, help="timed steps per contestant per round")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per contestant before the rounds")
@@ -130,7 +135,7 @@ def main() -> int:
 
     overrides = [f"seq_len={args.seq_len}", f"global_batch_size={args.batch}", f"micro_batch_size={args.batch}"]
     with tempfile.TemporaryDirectory() as tmp:
-        trainer = build_ember(overrides, tmp)
+        trainer = build_ember(args.model, overrides, tmp)
         device, margs = trainer.device, trainer.spec.args
         torch.manual_seed(0)
         inputs = torch.randint(0, margs.vocab_size, (args.batch, args.seq_len), device=device)
@@ -175,10 +180,11 @@ def main() -> int:
         "grouped_vs_looped": medians["ember looped"] / medians["ember grouped"],
     }
     precision = "fp32" if trainer.spec.compute_dtype == torch.float32 else f"{str(trainer.spec.compute_dtype)[6:]} autocast"
+    expert_width = getattr(margs, "moe_hidden_dim", None) or margs.ffn_hidden_dim
     config = {
-        "model": "mixtral debug", "dim": margs.dim, "n_layers": margs.n_layers, "n_heads": margs.n_heads,
+        "model": f"{args.model} debug", "dim": margs.dim, "n_layers": margs.n_layers, "n_heads": margs.n_heads,
         "n_kv_heads": margs.kv_heads, "n_experts": margs.n_experts, "top_k": margs.top_k,
-        "ffn_hidden_dim": margs.ffn_hidden_dim, "vocab_size": margs.vocab_size, "batch": args.batch,
+        "expert_hidden_dim": expert_width, "vocab_size": margs.vocab_size, "batch": args.batch,
         "seq_len": args.seq_len, "precision": precision, "aux_losses": "off on both sides",
         "optimizer": {"name": trainer.cfg.optim.name, "implementation": trainer.cfg.optim.implementation,
                       "fused": bool(trainer.optimizer.defaults.get("fused")), "lr": trainer.cfg.optim.lr,
@@ -187,7 +193,7 @@ def main() -> int:
         "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup, "quick": args.quick,
     }
 
-    print(f"\nMoE train throughput, {machine(device)}, torch {torch.__version__}; mixtral debug "
+    print(f"\nMoE train throughput, {machine(device)}, torch {torch.__version__}; {args.model} debug "
           f"(dim {margs.dim}, {margs.n_layers} layers, {margs.n_experts} experts top-{margs.top_k}, vocab "
           f"{margs.vocab_size}), batch {args.batch} x seq {args.seq_len}, {precision}"
           + (" -- quick run: noise, not a measurement" if args.quick else ""))
@@ -210,7 +216,8 @@ def main() -> int:
         "ratios": ratios,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"moe_throughput-{device.type}{'-quick' if args.quick else ''}.json"
+    model = "" if args.model == "mixtral" else f"{args.model}-"
+    path = args.out / f"moe_throughput-{model}{device.type}{'-quick' if args.quick else ''}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {path}")
     return 0

@@ -124,17 +124,15 @@ def plan_flops(cfg) -> float:
 
 
 @pytest.mark.slow
-def test_layout_warnings_and_search():
+def test_layout_warnings():
     # tensor=2 on nodes of one device spans two; a 4-stage pipeline fed one micro-batch of 4 sequences idles 43%.
+    # (--search's candidates: test_search_json_holds_the_candidates_the_table_lists.)
     cfg = run_lib.load_config("debug", ["ici_mesh.tensor=2", "ici_mesh.fsdp=1", "ici_mesh.pipeline=4",
                                     "micro_batch_size=4", "global_batch_size=8"], world_size=8)
-    plan = make_plan(cfg, 8, nodes=8, device="h100", search=True)
+    plan = make_plan(cfg, 8, nodes=8, device="h100")
     text = " ".join(plan.warnings)
     assert "tensor axis (2 ranks) crosses nodes" in text
     assert "pipeline bubble 43%" in text
-    assert plan.options and all(o["peak_bytes"] <= plan.usable_bytes for o in plan.options)
-    speeds = [o["tokens_per_s"] for o in plan.options]
-    assert speeds == sorted(speeds, reverse=True)
     # stages differ: the first holds the embedding, the last the output; each keeps its own in-flight count
     first, last = plan.ranks[0], plan.ranks[-1]
     assert first.coordinate["pipeline"] == 0 and last.coordinate["pipeline"] == 3
