@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 @dataclass
 class ModelConfig:
-    family: str = "llama3"  # llama2 | llama3 | llama3.1 | llama3.2 | mixtral | gpt | glam | mistral | qwen2 | qwen3 | qwen3_moe
+    family: str = "llama3"  # llama2 | llama3 | llama3.1 | llama3.2 | mixtral | gpt | glam | mistral | phi3 | qwen2 | qwen3 | qwen3_moe
     flavor: str = "debug"  # a key of the family's FLAVORS, e.g. 8B, 70B, 405B, debug
     # Optional fields that override the flavor's hyper-parameters (None keeps the flavor's value).
     dim: Optional[int] = None
@@ -33,7 +33,7 @@ class ModelConfig:
     norm_topk_prob: Optional[bool] = None  # Qwen3-MoE: renormalise the top-k routing weights to sum to 1
     qkv_bias: Optional[bool] = None  # Qwen: biases on the q/k/v projections (Qwen2's)
     qk_norm: Optional[bool] = None  # Qwen: RMSNorm over each head's width on q and k (Qwen3's)
-    # Sliding-window attention: each query sees the last sliding_window positions (Mistral; Qwen from layer
+    # Sliding-window attention: each query sees the last sliding_window positions (Mistral, Phi-3; Qwen from layer
     # max_window_layers on)
     sliding_window: Optional[int] = None
     max_window_layers: Optional[int] = None

@@ -47,6 +47,9 @@ def _hf_style(family: str) -> str:
         return "llama"
     if family == "gpt":
         return "gpt"
+    if family == "phi3":
+        raise CheckpointError("a peft adapter for Phi-3's fused qkv_proj and gate_up_proj is not supported yet; export "
+                              "the LoRA run merged into its base with --to hf")
     raise CheckpointError(f"the {family} family has no Hugging Face format, so no peft adapter either; keep the "
                           "ember checkpoint")
 

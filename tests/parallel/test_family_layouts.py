@@ -24,6 +24,7 @@ FAMILIES = {
     "qwen3_moe": ["model.family=qwen3_moe", "model.n_experts=4", "model.top_k=2", "model.moe_hidden_dim=32",
                   "model.aux_loss_coef=0"],
     "mistral": ["model.family=mistral", "model.sliding_window=8"],
+    "phi3": ["model.family=phi3", "model.sliding_window=8"],
 }
 SPLIT = ["micro_batch_size=4", "ici_mesh.fsdp=1"]
 LAYOUTS = {
@@ -34,6 +35,7 @@ LAYOUTS = {
                   "fsdp=2": ["micro_batch_size=4"],
                   "pipeline=2": SPLIT + ["ici_mesh.pipeline=2", "parallel.pp_schedule=1f1b"]},
     "mistral": {"context=2": SPLIT + ["ici_mesh.context=2"], "tensor=2 x fsdp": ["micro_batch_size=4", "ici_mesh.tensor=2"]},
+    "phi3": {"tensor=2": SPLIT + ["ici_mesh.tensor=2"]},
 }
 
 

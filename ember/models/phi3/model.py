@@ -1,0 +1,31 @@
+"""Phi-3 as plain single-device PyTorch: the Llama block (ember/nn/decoder.py: RoPE attention with grouped-query
+heads, RMSNorm, SwiGLU) with a sliding window on every layer (2,047 positions for the 4K models). Hugging Face
+stores q, k and v as one fused `qkv_proj` and the SwiGLU's gate and up as one `gate_up_proj`; ember keeps them
+apart (tensor parallelism splits each by heads or hidden units) and hf.py fuses them for export. No parallelism
+and no I/O here."""
+
+from __future__ import annotations
+
+from ember.models.phi3.args import Phi3Args
+from ember.nn.attention import scored_length
+from ember.nn.decoder import Attention, Decoder, RMSNorm, TransformerBlock, num_params
+from ember.nn.feed_forward import FeedForward
+
+__all__ = ["Transformer", "num_params", "flops_per_token"]
+
+
+class Transformer(Decoder):
+    """tokens (B, T) -> logits (B, T, vocab_size)."""
+
+    def __init__(self, args: Phi3Args):
+        super().__init__(args, lambda i: TransformerBlock(i, args, FeedForward(args.dim, args.ffn_hidden_dim),
+                                                          Attention(args, span=args.layer_span(i))),
+                         lambda: RMSNorm(args.dim, args.norm_eps))
+
+
+def flops_per_token(args: Phi3Args, seq_len: int) -> float:
+    """Training FLOPs per token: 6 N + 12 L H Q T (PaLM appendix B), T counted as the sliding window leaves it
+    (nn/attention.py's scored_length)."""
+    attn = args.dim * args.head_dim * (2 * args.n_heads + 2 * args.kv_heads)
+    n = args.n_layers * (attn + 3 * args.dim * args.ffn_hidden_dim + 2 * args.dim) + args.dim + args.vocab_size * args.dim
+    return 6 * n + 12 * args.n_layers * args.n_heads * args.head_dim * scored_length(args.layer_span(0), seq_len)
