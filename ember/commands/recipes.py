@@ -6,7 +6,7 @@ import argparse
 import math
 
 from ember import config as config_lib
-from ember.parallel.mesh_shape import AXES
+from ember.parallel.mesh_shape import AXES, fewest_ranks
 from ember.usage import ArgumentParser
 
 
@@ -41,8 +41,7 @@ def run(args: argparse.Namespace) -> int:
         cfg = config_lib.load(name)
         if cfg.device not in config_lib.XLA_DEVICES:  # a TPU recipe's checks are the XLA path's, for its chip count
             # checked on the fewest ranks its fixed axes need (an expert axis of 8: 8), the -1 axis at 1
-            fixed = math.prod(max(getattr(mesh, axis), 1) for mesh in (cfg.ici_mesh, cfg.dcn_mesh) for axis in AXES)
-            cfg = run_lib.load_config(name, world_size=fixed)
+            cfg = run_lib.load_config(name, world_size=fewest_ranks(cfg.ici_mesh, cfg.dcn_mesh))
         spec = MODELS[cfg.model.family]
         model_args = build_model_args(cfg.model.family, cfg.model.flavor, config_lib.model_overrides(cfg.model))
         with torch.device("meta"):  # shapes only: 405B costs no memory here

@@ -58,6 +58,12 @@ def _axes(section: Union[MeshConfig, SimpleNamespace]) -> dict[str, int]:
     return {axis: int(getattr(section, axis)) for axis in AXES}
 
 
+def fewest_ranks(ici_section: Union[MeshConfig, SimpleNamespace], dcn_section: Union[MeshConfig, SimpleNamespace]) -> int:
+    """The smallest world size the meshes' fixed degrees need (an axis of -1 filled with 1): a recipe with an
+    expert axis of 8 runs on 8 ranks or a multiple."""
+    return math.prod(max(degree, 1) for section in (ici_section, dcn_section) for degree in _axes(section).values())
+
+
 def resolve_mesh(ici_section: Union[MeshConfig, SimpleNamespace], dcn_section: Union[MeshConfig, SimpleNamespace],
                  world_size: int) -> MeshShape:
     """Fill in the one -1 axis and check that the axes multiply to the world size."""

@@ -11,6 +11,7 @@ from ember import config as config_lib
 
 from ember import run as run_lib
 from ember.config import ConfigError
+from ember.parallel.mesh_shape import fewest_ranks
 
 
 def test_debug_recipe_defaults():
@@ -27,8 +28,9 @@ def test_every_builtin_recipe_loads():
     for name in names:
         # device=tpu|xla recipes: the schema's load only, since load_config asks jax for the devices
         # (tests/test_tpu_recipes.py checks their meshes)
-        if config_lib.load(name).device not in config_lib.XLA_DEVICES:
-            run_lib.load_config(name)
+        cfg = config_lib.load(name)
+        if cfg.device not in config_lib.XLA_DEVICES:  # on the ranks its fixed axes need (an expert axis of 8: 8)
+            run_lib.load_config(name, world_size=fewest_ranks(cfg.ici_mesh, cfg.dcn_mesh))
     cfg = run_lib.load_config("llama3.1-8b")
     assert (cfg.seq_len, cfg.global_batch_size) == (8192, 1024)
 
