@@ -89,4 +89,15 @@ def build_model_args(family: str, flavor: str, overrides: dict[str, Any] | None 
         raise ConfigError(f"model.dim={args.dim} must split into model.n_heads={args.n_heads} heads of even size "
                           f"(or set model.head_dim), and n_heads must be a multiple of "
                           f"model.n_kv_heads={args.kv_heads}")
+    window = getattr(args, "sliding_window", None)
+    if window is not None and window < 1:
+        raise ConfigError(f"model.sliding_window={window} must be >= 1 (the positions each query sees, itself "
+                          "included); leave it unset for attention over the whole causal context")
+    if getattr(args, "max_window_layers", 0) < 0:
+        raise ConfigError(f"model.max_window_layers={args.max_window_layers} must be >= 0 (the first layer with the window)")
+    if spec.hf is qwen.hf and qwen.hf.family_of(args) != family and (family == "qwen3_moe" or args.n_experts):
+        raise ConfigError(f"model.n_experts={args.n_experts} does not fit model.family={family}: experts make "
+                          "qwen3_moe, and qwen2/qwen3 are dense; choose the family that has them")
+    if getattr(args, "n_experts", 0) and args.top_k > args.n_experts:
+        raise ConfigError(f"model.top_k={args.top_k} must be at most model.n_experts={args.n_experts}")
     return args

@@ -81,3 +81,18 @@ def test_qwen3_moe_matches_transformers(tmp_path: Path, norm_topk_prob: bool):
     ours = assert_parity(transformers.Qwen3MoeForCausalLM, config, tmp_path, "qwen3_moe")
     assert [ours.layers[str(i)].moe is not None for i in range(3)] == [True, False, True]
 
+
+
+@pytest.mark.parametrize("family, overrides, message", [
+    ("qwen3", {"n_experts": 4}, r"^model.n_experts=4 does not fit model.family=qwen3: experts make qwen3_moe"),
+    ("qwen3_moe", {"n_experts": 0}, r"^model.n_experts=0 does not fit model.family=qwen3_moe"),
+    ("qwen3_moe", {"top_k": 32}, r"^model.top_k=32 must be at most model.n_experts=16$"),
+    ("qwen3", {"sliding_window": 0}, r"^model.sliding_window=0 must be >= 1"),
+    ("qwen3", {"max_window_layers": -1}, r"^model.max_window_layers=-1 must be >= 0"),
+])
+def test_hyper_parameters_that_do_not_fit_the_family_are_one_line(family, overrides, message):
+    from ember.errors import ConfigError
+    from ember.models import build_model_args
+
+    with pytest.raises(ConfigError, match=message):
+        build_model_args(family, "debug", overrides)
