@@ -78,6 +78,10 @@ def build_model_args(family: str, flavor: str, overrides: dict[str, Any] | None 
     unknown = sorted(set(overrides) - fields)
     if unknown:
         raise ConfigError(f"model.{unknown[0]} is not a hyper-parameter of {family} (fields: {', '.join(sorted(fields))})")
+    moe_keys = sorted({"moe_hidden_dim", "norm_topk_prob", "sparse_step", "top_k"} & set(overrides))
+    if spec.hf is qwen.hf and family != "qwen3_moe" and moe_keys:
+        raise ConfigError(f"model.{moe_keys[0]} is a Qwen3-MoE hyper-parameter, and {family} has no experts; "
+                          "use model.family=qwen3_moe")
     overrides = {keys.get(k, k): v for k, v in overrides.items()}
     args = dataclasses.replace(spec.flavors[flavor], **overrides)
     explicit = getattr(args, "head_dim_override", None)
@@ -92,12 +96,17 @@ def build_model_args(family: str, flavor: str, overrides: dict[str, Any] | None 
     window = getattr(args, "sliding_window", None)
     if window is not None and window < 1:
         raise ConfigError(f"model.sliding_window={window} must be >= 1 (the positions each query sees, itself "
-                          "included); leave it unset for attention over the whole causal context")
-    if getattr(args, "max_window_layers", 0) < 0:
-        raise ConfigError(f"model.max_window_layers={args.max_window_layers} must be >= 0 (the first layer with the window)")
+                          "included; a window as long as seq_len hides nothing)")
+    first_windowed = getattr(args, "max_window_layers", 0)
+    if first_windowed < 0 or (first_windowed and window is None) or (window is not None and first_windowed >= args.n_layers):
+        raise ConfigError(f"model.max_window_layers={first_windowed} must be the first layer with the sliding window: "
+                          f">= 0, below model.n_layers={args.n_layers}, and with model.sliding_window set")
     if spec.hf is qwen.hf and qwen.hf.family_of(args) != family and (family == "qwen3_moe" or args.n_experts):
         raise ConfigError(f"model.n_experts={args.n_experts} does not fit model.family={family}: experts make "
                           "qwen3_moe, and qwen2/qwen3 are dense; choose the family that has them")
     if getattr(args, "n_experts", 0) and args.top_k > args.n_experts:
         raise ConfigError(f"model.top_k={args.top_k} must be at most model.n_experts={args.n_experts}")
+    if spec.hf is qwen.hf and args.n_experts and (args.sparse_step < 1 or not any(map(args.is_moe_layer, range(args.n_layers)))):
+        raise ConfigError(f"model.sparse_step={args.sparse_step} leaves none of the {args.n_layers} layers with experts "
+                          "(layer i has them when (i + 1) % sparse_step == 0); use 1 to n_layers")
     return args

@@ -121,7 +121,8 @@ class KVCache:
         self.k.index_copy_(2, self.slots, k.to(self.k.dtype))
         self.v.index_copy_(2, self.slots, v.to(self.v.dtype))
         gqa = q.shape[1] != k.shape[1]
-        span = _limiting(span, self.end)
+        # static: one set of shapes and guards for every step (the span's mask is applied whatever the length)
+        span = span if self.static else _limiting(span, self.end)
         if not self.static and not self.padded and span is None and q.shape[2] == self.end:  # prefill from empty
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         if not self.static and not self.padded and span is None and q.shape[2] == 1:  # one token: every position

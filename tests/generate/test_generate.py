@@ -18,7 +18,10 @@ from tests.helpers import TINY_RUN, IdTokenizer, run_ember
 SMALL = {"n_layers": 2, "dim": 64, "n_heads": 4, "vocab_size": 256, "max_seq_len": 64}
 FAMILIES = {"llama3.1": {**SMALL, "n_kv_heads": 2}, "mixtral": {**SMALL, "n_kv_heads": 2, "ffn_hidden_dim": 96,
                                                                "n_experts": 4},
-            "gpt": {**SMALL, "ffn_hidden_dim": 256}, "glam": {**SMALL, "ffn_hidden_dim": 96, "n_experts": 4}}
+            "gpt": {**SMALL, "ffn_hidden_dim": 256}, "glam": {**SMALL, "ffn_hidden_dim": 96, "n_experts": 4},
+            # a window shorter than the 20 positions decoded, on every layer and on Qwen3's upper layer
+            "mistral": {**SMALL, "n_kv_heads": 2, "ffn_hidden_dim": 96, "sliding_window": 6},
+            "qwen3": {**SMALL, "n_kv_heads": 2, "ffn_hidden_dim": 96, "sliding_window": 6, "max_window_layers": 1}}
 
 
 def _model(family: str) -> torch.nn.Module:
@@ -52,7 +55,7 @@ def model_step(model, caches, tokens, slots, pad):
     return model(tokens, (slots[None, :] - pad[:, None]).clamp_min(0))
 
 
-@pytest.mark.parametrize("family", ["llama3.1", "gpt"])
+@pytest.mark.parametrize("family", ["llama3.1", "gpt", "mistral"])
 def test_cached_logits_with_left_padding_equal_each_row_alone(family: str):
     # Right-aligned rows of a batch go through the masked path; each row's logits equal its unpadded forward.
     model = _model(family)
@@ -93,11 +96,16 @@ def test_greedy_equals_transformers_generate(tmp_path: Path, family: str):
 
 
 @pytest.mark.slow
-def test_a_compiled_decode_step_gives_the_same_tokens():
-    model = _model("llama3.1")
+@pytest.mark.parametrize("family", ["llama3.1", "mistral"])
+def test_a_compiled_decode_step_gives_the_same_tokens(family: str):
+    import torch._dynamo
+
+    model = _model(family)
     prompts = ["5 9 13 40", "7 3"]  # a padded batch: the static-shape masked path
     eager = generate(model, IdTokenizer(), prompts, max_new_tokens=8, stop_at_eos=False)
-    compiled = generate(model, IdTokenizer(), prompts, max_new_tokens=8, stop_at_eos=False, compile=True)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(error_on_recompile=True):  # one decode graph, not one per length (a window too)
+        compiled = generate(model, IdTokenizer(), prompts, max_new_tokens=8, stop_at_eos=False, compile=True)
     assert [g.token_ids for g in compiled] == [g.token_ids for g in eager]
 
 

@@ -88,7 +88,10 @@ def test_qwen3_moe_matches_transformers(tmp_path: Path, norm_topk_prob: bool):
     ("qwen3_moe", {"n_experts": 0}, r"^model.n_experts=0 does not fit model.family=qwen3_moe"),
     ("qwen3_moe", {"top_k": 32}, r"^model.top_k=32 must be at most model.n_experts=16$"),
     ("qwen3", {"sliding_window": 0}, r"^model.sliding_window=0 must be >= 1"),
-    ("qwen3", {"max_window_layers": -1}, r"^model.max_window_layers=-1 must be >= 0"),
+    ("qwen3", {"max_window_layers": -1}, r"^model.max_window_layers=-1 must be the first layer with the sliding window"),
+    ("qwen3", {"max_window_layers": 1}, r"with model.sliding_window set$"),
+    ("qwen3", {"moe_hidden_dim": 7}, r"^model.moe_hidden_dim is a Qwen3-MoE hyper-parameter, and qwen3 has no experts"),
+    ("qwen3_moe", {"sparse_step": 0}, r"^model.sparse_step=0 leaves none of the 4 layers with experts"),
 ])
 def test_hyper_parameters_that_do_not_fit_the_family_are_one_line(family, overrides, message):
     from ember.errors import ConfigError

@@ -60,4 +60,6 @@ def hf_config_from_args(args: MistralArgs) -> dict[str, Any]:
         "tie_word_embeddings": args.tie_embeddings, "hidden_act": "silu", "rope_theta": args.rope_theta,
         "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta},
         "sliding_window": args.sliding_window,
+        # MistralConfig's defaults name tokens 1 and 2; the tokenizer exported beside the weights names its own
+        "bos_token_id": None, "eos_token_id": None,
     }

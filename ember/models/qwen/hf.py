@@ -49,12 +49,12 @@ def family_of(args: QwenArgs) -> str:
 def model_type(args: QwenArgs) -> str:
     """The Hugging Face model_type these hyper-parameters are; ValueError where none of Qwen's is."""
     kind = family_of(args)
-    if kind == "qwen2" and not args.qkv_bias:
-        raise ValueError("Qwen2 has biases on its q/k/v projections: model.qkv_bias=false has no Hugging Face form")
-    if kind != "qwen2" and args.qkv_bias:
-        raise ValueError("Qwen3's attention_bias also biases o_proj: model.qkv_bias=true has no Hugging Face form")
-    if kind == "qwen3_moe" and not args.qk_norm:
-        raise ValueError("Qwen3-MoE normalises q and k: model.qk_norm=false has no Hugging Face form")
+    if args.qkv_bias == args.qk_norm:
+        # Qwen2 is biases without norms, Qwen3 and Qwen3-MoE norms without biases (transformers' Qwen3 biases o_proj
+        # too when it has biases); any other mix is no Qwen class
+        raise ValueError(f"model.qkv_bias={str(args.qkv_bias).lower()} with model.qk_norm={str(args.qk_norm).lower()} "
+                         "matches no Qwen class of transformers (Qwen2: biases, no q/k norms; Qwen3: q/k norms, no "
+                         "biases); export with --to torch")
     return kind
 
 
