@@ -15,6 +15,7 @@ models/*/hf.py map Hugging Face weights (whose pairs are k and k + head_dim/2) o
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 from typing import Any, Callable, Optional
 
 import torch
@@ -53,9 +54,21 @@ def rope_cos_sin(args: Any, device: Optional[torch.device] = None) -> tuple[torc
     inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
     if args.rope_scaling_factor is not None:
         inv_freq = _llama31_scaling(inv_freq, args)
+    if getattr(args, "rope_linear_factor", None) is not None:  # position interpolation (HF rope_type "linear")
+        inv_freq = inv_freq / args.rope_linear_factor
     positions = torch.arange(args.max_seq_len, device=device, dtype=torch.float32)
     angles = torch.outer(positions, inv_freq)  # (max_seq_len, head_dim // 2), fp32 even for long contexts
     return angles.cos(), angles.sin()
+
+
+def local_rope_args(args: Any) -> Any:
+    """The RoPE settings of a family's local layers where they have their own base (Gemma 3's sliding layers:
+    `local_rope_theta`, unscaled); None where every layer shares args' tables."""
+    theta = getattr(args, "local_rope_theta", None)
+    if theta is None:
+        return None
+    return SimpleNamespace(head_dim=args.head_dim, rope_theta=theta, max_seq_len=args.max_seq_len,
+                           rope_scaling_factor=None)
 
 
 def _llama31_scaling(inv_freq: torch.Tensor, args: Any) -> torch.Tensor:
@@ -215,6 +228,10 @@ class Decoder(nn.Module):
             cos, sin = rope_cos_sin(args)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
+        if rope and local_rope_args(args) is not None:  # a block with `local_rope = True` rotates by these
+            cos, sin = rope_cos_sin(local_rope_args(args))
+            self.register_buffer("rope_local_cos", cos, persistent=False)
+            self.register_buffer("rope_local_sin", sin, persistent=False)
 
     def embed(self, tokens: torch.Tensor, positions: Optional[torch.Tensor]) -> torch.Tensor:
         """tokens (B, T) -> hidden states (B, T, dim), plus the learned positions (default 0..T-1) where the
@@ -247,14 +264,10 @@ class Decoder(nn.Module):
         T = tokens.shape[1]
         if positions is None and T > self.args.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds max_seq_len={self.args.max_seq_len}")
-        rope: tuple[torch.Tensor, ...] = ()
-        if self.rope and positions is None:
-            rope = (self.rope_cos[:T], self.rope_sin[:T])  # (T, head_dim // 2) each
-        elif self.rope:
-            rope = (self.rope_cos[positions], self.rope_sin[positions])  # (T or B x T, head_dim // 2)
+        rope, local = self._rope_at(positions, T, ""), self._rope_at(positions, T, "_local")
         h = self.embed(tokens, positions)  # (B, T, dim)
         for layer in self.layers.values():
-            h = layer(h, *rope, document_ids)
+            h = layer(h, *(local if getattr(layer, "local_rope", False) else rope), document_ids)
         h = self.norm(h) if self.norm is not None else h
         if self.output is None:
             return h
@@ -267,6 +280,15 @@ class Decoder(nn.Module):
         if chunks > 1:
             return [self.output(chunk) for chunk in h.tensor_split(chunks, dim=1)]
         return self.output(h)  # (B, T, vocab_size)
+
+    def _rope_at(self, positions: Optional[torch.Tensor], T: int, which: str) -> tuple[torch.Tensor, ...]:
+        """The (cos, sin) rows of `positions` (default 0..T-1) from the tables rope{which}_cos/sin; () without them."""
+        if not self.rope or not hasattr(self, f"rope{which}_cos"):
+            return ()
+        cos, sin = getattr(self, f"rope{which}_cos"), getattr(self, f"rope{which}_sin")
+        if positions is None:
+            return cos[:T], sin[:T]  # (T, head_dim // 2) each
+        return cos[positions], sin[positions]  # (T or B x T, head_dim // 2)
 
     def moe_layers(self) -> list[MoE]:
         """The MoE layers of this model (or pipeline stage), in layer order; empty for a dense family."""
@@ -282,7 +304,10 @@ class Decoder(nn.Module):
     def init_rope(self, device: Optional[torch.device] = None) -> None:
         """Recompute the RoPE tables in fp32 on `device` (default: where they are now)."""
         if self.rope:
-            self.rope_cos, self.rope_sin = rope_cos_sin(self.args, device=device or self.rope_cos.device)
+            device = device or self.rope_cos.device
+            self.rope_cos, self.rope_sin = rope_cos_sin(self.args, device=device)
+        if self.rope and local_rope_args(self.args) is not None:
+            self.rope_local_cos, self.rope_local_sin = rope_cos_sin(local_rope_args(self.args), device=device)
 
     @torch.no_grad()
     def init_weights(self, buffer_device: Optional[torch.device] = None) -> None:
