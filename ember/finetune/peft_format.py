@@ -39,11 +39,11 @@ def is_peft_dir(path: Path) -> bool:
 
 
 def _hf_style(family: str) -> str:
-    """'llama' (the families whose linear layers carry llama/hf.py's names: Llama, Mixtral, Mistral, Qwen) or
+    """'llama' (the families whose linear layers carry llama/hf.py's names: Llama, Mixtral, Mistral, Qwen, Gemma) or
     'gpt'; GLaM has no HF format."""
-    from ember.models import MODELS, llama, mistral, mixtral, qwen
+    from ember.models import MODELS, gemma, llama, mistral, mixtral, qwen
 
-    if MODELS[family].hf in (llama.hf, mixtral.hf, mistral.hf, qwen.hf):
+    if MODELS[family].hf in (llama.hf, mixtral.hf, mistral.hf, qwen.hf, gemma.hf):
         return "llama"
     if family == "gpt":
         return "gpt"

@@ -11,7 +11,7 @@ from typing import Any, Callable
 from torch import nn
 
 from ember.errors import ConfigError
-from ember.models import glam, gpt, llama, mistral, mixtral, phi3, qwen
+from ember.models import gemma, glam, gpt, llama, mistral, mixtral, phi3, qwen
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,8 @@ MODELS["mistral"] = ModelSpec("mistral", mistral.FLAVORS, mistral.Transformer, m
                               mistral.flops_per_token, mistral.hf)
 MODELS["phi3"] = ModelSpec("phi3", phi3.FLAVORS, phi3.Transformer, phi3.Phi3Args, phi3.tp_plan, phi3.flops_per_token,
                            phi3.hf)
+MODELS["gemma3"] = ModelSpec("gemma3", gemma.FLAVORS, gemma.Transformer, gemma.GemmaArgs, gemma.tp_plan,
+                             gemma.flops_per_token, gemma.hf)
 for family, flavors in qwen.FLAVORS.items():  # qwen2 (Qwen2/2.5), qwen3, qwen3_moe
     MODELS[family] = ModelSpec(family, flavors, qwen.Transformer, qwen.QwenArgs,
                                llama.tp_plan if family == "qwen2" else qwen.tp_plan,  # Qwen2 has no q/k norms

@@ -125,10 +125,11 @@ class Attention(nn.Module):
 
     Where a family needs them: qkv_bias, biases on the q/k/v projections (Qwen2); qk_norm, a norm over each
     head's width applied to q and k before RoPE (Qwen3's RMSNorm); span, local attention (a sliding window or
-    chunks) that every attention kernel applies."""
+    chunks) that every attention kernel applies; score_scale, the scores' scale where it is not head_dim ** -0.5
+    (Gemma's query_pre_attn_scalar ** -0.5), applied to q after RoPE so every kernel keeps its default."""
 
     def __init__(self, args: Any, *, qkv_bias: bool = False, qk_norm: Optional[Callable[[int], nn.Module]] = None,
-                 span: Optional[AttentionSpan] = None):
+                 span: Optional[AttentionSpan] = None, score_scale: Optional[float] = None):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.kv_heads, args.head_dim
         self.wq = nn.Linear(args.dim, self.n_heads * self.head_dim, bias=qkv_bias)
@@ -138,6 +139,7 @@ class Attention(nn.Module):
         self.q_norm: Optional[nn.Module] = qk_norm(self.head_dim) if qk_norm is not None else None
         self.k_norm: Optional[nn.Module] = qk_norm(self.head_dim) if qk_norm is not None else None
         self.span = span
+        self.q_factor = score_scale * math.sqrt(self.head_dim) if score_scale is not None else None
         # The attention kernel, (q, k, v, document_ids, span) -> out over (B, heads, T, head_dim). A plain
         # attribute so that context parallelism or flex attention can swap in another form from outside.
         self.attention_fn: Callable[..., torch.Tensor] = causal_attention
@@ -153,6 +155,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.q_factor is not None:
+            q = q * self.q_factor
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, head_dim), the layout SDPA takes
         if self.kv_cache is not None:
             out = self.kv_cache.attend(q, k, v, self.span)  # (B, n_heads, T, head_dim), over the cached positions

@@ -20,6 +20,7 @@ FAMILIES = {
     "qwen3": ["model.ffn_hidden_dim=96"],  # the debug flavor's 64-wide heads: 4 x 64 from a width of 64
     "qwen3_moe": ["model.ffn_hidden_dim=96", "model.moe_hidden_dim=32", "model.n_experts=4", "model.top_k=2"],
     "mistral": ["model.ffn_hidden_dim=96", "model.sliding_window=8"],
+    "gemma3": ["model.ffn_hidden_dim=96", "model.sliding_window=8"],  # 2 local layers (global every 6th)
 }
 TARGETS = {"qwen3_moe": "lora.targets=attn"}  # experts are stacked weights, not nn.Linear: LoRA adapts attention
 

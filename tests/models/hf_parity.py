@@ -51,7 +51,9 @@ def assert_logits_and_gradients_equal(hf_model, directory: Path, family: str, se
     got_grads = {name: p.grad for name, p in ours.named_parameters()}
     assert set(got_grads) <= set(expected_grads) and all(g is not None for g in got_grads.values())
     for name, grad in got_grads.items():
-        torch.testing.assert_close(grad, expected_grads[name], rtol=1e-3, atol=1e-5, msg=name)
+        # fp32 sums in another order: elements near zero are compared at the scale of the tensor's largest
+        expected = expected_grads[name]
+        torch.testing.assert_close(grad, expected, rtol=1e-3, atol=1e-4 * float(expected.abs().max()) + 1e-7, msg=name)
     hf_model.zero_grad(), ours.zero_grad()
     return ours.eval()
 

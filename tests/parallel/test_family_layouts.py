@@ -25,6 +25,8 @@ FAMILIES = {
                   "model.aux_loss_coef=0"],
     "mistral": ["model.family=mistral", "model.sliding_window=8"],
     "phi3": ["model.family=phi3", "model.sliding_window=8"],
+    # 6 layers: 5 local (window 8, their own RoPE base) and 1 global; four (1 + w) norms per block, q/k norms
+    "gemma3": ["model.family=gemma3", "model.n_layers=6", "model.sliding_window=8"],
 }
 SPLIT = ["micro_batch_size=4", "ici_mesh.fsdp=1"]
 LAYOUTS = {
@@ -36,6 +38,7 @@ LAYOUTS = {
                   "pipeline=2": SPLIT + ["ici_mesh.pipeline=2", "parallel.pp_schedule=1f1b"]},
     "mistral": {"context=2": SPLIT + ["ici_mesh.context=2"], "tensor=2 x fsdp": ["micro_batch_size=4", "ici_mesh.tensor=2"]},
     "phi3": {"tensor=2": SPLIT + ["ici_mesh.tensor=2"]},
+    "gemma3": {"tensor=2": SPLIT + ["ici_mesh.tensor=2"], "context=2": SPLIT + ["ici_mesh.context=2"]},
 }
 
 
@@ -62,6 +65,6 @@ def test_family_layouts_match_single_process(tmp_path):
             # Qwen3's q/k norm weights get their gradient summed over the tensor ranks' heads (a reduction one
             # process does not do in that order): measured 1.3e-5 apart at step 3 (a missing sum would leave each
             # rank the gradient of its own heads only)
-            rel = 3e-5 if family.startswith("qwen3") and "tensor" in name else REL
+            rel = 3e-5 if family.startswith(("qwen3", "gemma3")) and "tensor" in name else REL
             assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=rel), (family, name)
             assert got["val_loss"] == pytest.approx(expected["val_loss"], rel=REL), (family, name)

@@ -1,0 +1,58 @@
+"""Gemma 3 (text) hyper-parameters and the published sizes (FLAVORS)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import ClassVar, Optional
+
+from ember.nn.attention import AttentionSpan
+from ember.nn.decoder import HeadShape
+
+
+@dataclass(frozen=True, kw_only=True)
+class GemmaArgs(HeadShape):
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: Optional[int] = None
+    vocab_size: int
+    ffn_hidden_dim: int  # the GeGLU's hidden size (config.json's intermediate_size)
+    head_dim_override: Optional[int] = None  # each head's width: 256 (1B-12B), 128 (27B): `model.head_dim`
+    norm_eps: float = 1e-6
+    # Attention scores are scaled by query_pre_attn_scalar ** -0.5 (not head_dim ** -0.5: the 27B's 168)
+    query_pre_attn_scalar: int = 256
+    # Local layers attend to the last sliding_window positions; every global_every-th layer (5 local : 1 global)
+    # attends to the whole causal context.
+    sliding_window: int = 1024
+    global_every: int = 6
+    rope_theta: float = 1_000_000.0  # the global layers' base
+    rope_linear_factor: Optional[float] = None  # the global layers' position interpolation (4B-27B: 8)
+    local_rope_theta: float = 10_000.0  # the local layers' base, unscaled
+    max_seq_len: int = 131072
+    tie_embeddings: bool = True
+    rope_scaling_factor: Optional[float] = None  # read by the shared RoPE code: Gemma has no Llama 3.1 scaling
+
+    CONFIG_KEYS: ClassVar[dict[str, str]] = {"head_dim": "head_dim_override"}
+
+    def is_global(self, layer_id: int) -> bool:
+        return (layer_id + 1) % self.global_every == 0
+
+    def layer_span(self, layer_id: int) -> Optional[AttentionSpan]:
+        return None if self.is_global(layer_id) else AttentionSpan(window=self.sliding_window)
+
+
+# From the config.json of each release on the Hugging Face hub (google/gemma-3-*-pt, text_config).
+_G4 = GemmaArgs(dim=2560, n_layers=34, n_heads=8, n_kv_heads=4, head_dim_override=256, vocab_size=262208,
+                ffn_hidden_dim=10240, rope_linear_factor=8.0)
+FLAVORS: dict[str, GemmaArgs] = {
+    # every feature of the family: wider heads than dim / n_heads, 5 local : 1 global, a window shorter than the
+    # default run's sequences
+    "debug": replace(_G4, dim=256, n_layers=6, n_heads=4, n_kv_heads=2, head_dim_override=128, vocab_size=8192,
+                     ffn_hidden_dim=704, query_pre_attn_scalar=128, sliding_window=64, max_seq_len=2048),
+    "1B": replace(_G4, dim=1152, n_layers=26, n_heads=4, n_kv_heads=1, vocab_size=262144, ffn_hidden_dim=6912,
+                  sliding_window=512, rope_linear_factor=None, max_seq_len=32768),
+    "4B": _G4,
+    "12B": replace(_G4, dim=3840, n_layers=48, n_heads=16, n_kv_heads=8, ffn_hidden_dim=15360),
+    "27B": replace(_G4, dim=5376, n_layers=62, n_heads=32, n_kv_heads=16, head_dim_override=128, ffn_hidden_dim=21504,
+                   query_pre_attn_scalar=168),
+}

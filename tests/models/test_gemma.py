@@ -1,0 +1,59 @@
+"""Gemma 3 (text): published sizes, and parity with transformers' Gemma3ForCausalLM (logits, gradients, greedy
+generation past the window, a bit-exact round trip): (1 + w) norms around attention and feed-forward, GeGLU, the
+sqrt(dim) embedding scale, q/k norms, query_pre_attn_scalar, 5 local : 1 global layers with their own RoPE."""
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from ember.models.gemma import FLAVORS, Transformer, flops_per_token, hf, num_params
+from tests.models.hf_parity import assert_counts_equal_transformers, assert_parity
+
+GLOBAL_ROPE = {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0}
+
+
+def _config(**overrides) -> transformers.Gemma3TextConfig:
+    settings = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=32, vocab_size=128, max_position_embeddings=64, sliding_window=5,
+                    query_pre_attn_scalar=24, pad_token_id=None, bos_token_id=None, eos_token_id=None,
+                    rope_parameters={"full_attention": GLOBAL_ROPE,
+                                     "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})
+    return transformers.Gemma3TextConfig(**{**settings, **overrides})
+
+
+def test_published_sizes_equal_transformers_counts():
+    assert_counts_equal_transformers("gemma3")
+    for flavor, billions in {"1B": 1.00, "4B": 3.88, "12B": 11.77, "27B": 27.01}.items():
+        with torch.device("meta"):
+            assert round(num_params(Transformer(FLAVORS[flavor])) / 1e9, 2) == billions, flavor
+
+
+def test_matches_transformers(tmp_path: Path):
+    ours = assert_parity(transformers.Gemma3ForCausalLM, _config(), tmp_path, "gemma3")
+    # layers 0-4 local (window 5, base 10,000), layer 5 global (whole context, base 1e6 / 8)
+    assert [block.local_rope for block in ours.layers.values()] == [True] * 5 + [False]
+    assert [block.attention.span is None for block in ours.layers.values()] == [False] * 5 + [True]
+    assert ours.args.rope_linear_factor == 8.0 and ours.args.query_pre_attn_scalar == 24
+
+
+def test_the_27b_layout_matches_transformers(tmp_path: Path):
+    # heads narrower than dim / n_heads, a scalar that is not head_dim, default RoPE on the global layers
+    config = _config(hidden_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                     query_pre_attn_scalar=21, rope_parameters=None)
+    assert_parity(transformers.Gemma3ForCausalLM, config, tmp_path, "gemma3")
+
+
+def test_flops_count_the_local_windows():
+    args = FLAVORS["27B"]
+    dense = 12 * args.n_layers * args.n_heads * args.head_dim * 8192
+    assert flops_per_token(args, 8192) < flops_per_token(args, 1024) * 8  # windows make attention sub-quadratic
+    assert flops_per_token(args, 1024) - flops_per_token(args, 8192) + dense > 0
+
+
+def test_gemma2_soft_capping_is_refused_naming_it():
+    config = hf.hf_config_from_args(FLAVORS["debug"])
+    config["attn_logit_softcapping"] = 50.0
+    with pytest.raises(ValueError, match=r"attn_logit_softcapping=50.0 \(Gemma 2's soft-capping\) is not supported yet"):
+        hf.args_from_hf_config(config)
