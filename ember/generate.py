@@ -190,7 +190,10 @@ def generate(model: nn.Module, tokenizer: AnyTokenizer, prompts: Sequence[Union[
     eos = getattr(tokenizer, "eos_id", None) if stop_at_eos else None
     try:
         slots = torch.arange(longest, device=device)  # prefill: every prompt slot at once
-        step_tokens = tokens
+        step_tokens = sequence = tokens
+        # A model whose RoPE tables change past some length (Phi-3's LongRoPE) recomputes every cached position
+        # when the sequence first reaches past it, as transformers' generate does
+        switch = getattr(model, "rope_switch_length", None)
         for _ in range(max_new_tokens):
             for cache in caches:
                 cache.set_positions(slots, pad)
@@ -219,6 +222,9 @@ def generate(model: nn.Module, tokenizer: AnyTokenizer, prompts: Sequence[Union[
                 break
             slots = slots[-1:] + 1  # decode: one new slot per row
             step_tokens = next_tokens[:, None]
+            sequence = torch.cat([sequence, step_tokens], dim=1)
+            if switch is not None and int(slots) == switch:
+                slots, step_tokens = torch.arange(switch + 1, device=device), sequence
     finally:
         detach_kv_caches(model)
         model.train(was_training)

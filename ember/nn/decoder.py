@@ -50,15 +50,18 @@ def has_local_attention(args: Any) -> bool:
 def rope_cos_sin(args: Any, device: Optional[torch.device] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the angle t * w_k for every position t < max_seq_len: two (max_seq_len, head_dim // 2).
     `args` needs head_dim, rope_theta, max_seq_len and rope_scaling_factor (None: no scaling)."""
-    dim = args.head_dim
+    dim = getattr(args, "rotary_dim", None) or args.head_dim  # a partial rotary embedding turns the first dims only
     inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
     if args.rope_scaling_factor is not None:
         inv_freq = _llama31_scaling(inv_freq, args)
     if getattr(args, "rope_linear_factor", None) is not None:  # position interpolation (HF rope_type "linear")
         inv_freq = inv_freq / args.rope_linear_factor
+    if getattr(args, "rope_ext_factors", None) is not None:  # LongRoPE: one factor per frequency
+        inv_freq = inv_freq / torch.tensor(args.rope_ext_factors, device=device, dtype=torch.float32)
     positions = torch.arange(args.max_seq_len, device=device, dtype=torch.float32)
-    angles = torch.outer(positions, inv_freq)  # (max_seq_len, head_dim // 2), fp32 even for long contexts
-    return angles.cos(), angles.sin()
+    angles = torch.outer(positions, inv_freq)  # (max_seq_len, rotary dims // 2), fp32 even for long contexts
+    scale = getattr(args, "rope_table_scale", None) or 1.0  # LongRoPE's attention factor: q and k both scaled by it
+    return angles.cos() * scale, angles.sin() * scale
 
 
 def local_rope_args(args: Any) -> Any:
@@ -86,7 +89,11 @@ def _llama31_scaling(inv_freq: torch.Tensor, args: Any) -> torch.Tensor:
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate each pair (x[..., 2k], x[..., 2k+1]) of x: (B, T, H, D) by the angles of cos, sin: (T, D // 2),
-    or (B, T, D // 2) when every sequence has its own positions. Rotated in fp32, like Meta's reference."""
+    or (B, T, D // 2) when every sequence has its own positions. Rotated in fp32, like Meta's reference. Tables
+    narrower than D // 2 (a partial rotary embedding: Phi-4-mini) turn the first dims and pass the rest."""
+    if cos.shape[-1] * 2 < x.shape[-1]:
+        turned = 2 * cos.shape[-1]
+        return torch.cat([apply_rope(x[..., :turned], cos, sin), x[..., turned:]], dim=-1)
     if cos.dim() == 2:
         cos, sin = cos[None], sin[None]  # (1, T, D/2): the same positions for every sequence
     # fp32 tables even where FSDP's mixed precision cast them with the block's inputs to bf16 (CPU has no

@@ -28,11 +28,26 @@ def test_matches_transformers(tmp_path: Path, window, kv_heads):
     assert ours.args.sliding_window == window
 
 
-def test_the_128k_models_longrope_is_refused_naming_it(tmp_path: Path):
-    from ember.models.phi3 import hf
+LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + 0.1 * i for i in range(8)],
+            "long_factor": [1.5 + 0.4 * i for i in range(8)], "original_max_position_embeddings": 16}
 
-    config = hf.hf_config_from_args(FLAVORS["debug"])
-    config["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 16,
-                                 "long_factor": [2.0] * 16}
-    with pytest.raises(ValueError, match="LongRoPE.*not supported yet"):
-        hf.args_from_hf_config(config)
+
+@pytest.mark.parametrize("partial", [1.0, 0.5])
+def test_longrope_and_partial_rotary_match_transformers(tmp_path: Path, partial: float):
+    """The 128K models' LongRoPE: short factors while the sequence stays within 16 positions, long ones past it
+    (the 24-token forward and the 30-token generation), q and k scaled by the attention factor; with 0.5, RoPE on
+    the first half of each head only (Phi-4-mini's partial rotary embedding, at 0.75 there)."""
+    rope = {**LONGROPE, "partial_rotary_factor": partial}
+    if partial != 1.0:
+        rope["short_factor"], rope["long_factor"] = rope["short_factor"][:4], rope["long_factor"][:4]
+    config = transformers.Phi3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, vocab_size=128, max_position_embeddings=64,
+                                     original_max_position_embeddings=16, rope_parameters=rope, pad_token_id=None,
+                                     bos_token_id=None, eos_token_id=None)
+    ours = assert_parity(transformers.Phi3ForCausalLM, config, tmp_path, "phi3")
+    assert ours.args.rotary_dim == int(16 * partial) and ours.args.rope_long_factor == tuple(rope["long_factor"])
+    # within the original window the short factors serve: a 12-token forward equals transformers' too
+    tokens = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(4))
+    reference = transformers.Phi3ForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), reference(tokens).logits, rtol=1e-4, atol=1e-4)

@@ -1,4 +1,4 @@
-"""The Phi-3 family: Phi-3-mini and Phi-3-medium (the 4K-context models)."""
+"""The Phi-3 family: Phi-3-mini and -medium, and from config.json the 128K models (LongRoPE) and Phi-4-mini."""
 
 from ember.models.phi3 import hf
 from ember.models.phi3.args import FLAVORS, Phi3Args

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import ClassVar, Optional
 
@@ -24,9 +25,35 @@ class Phi3Args(HeadShape):
     tie_embeddings: bool = False
     # Each query sees the last sliding_window positions, itself included (the 4K models: 2047); None: all.
     sliding_window: Optional[int] = None
-    rope_scaling_factor: Optional[float] = None  # read by the shared RoPE code: the 4K models have no scaling
+    rope_scaling_factor: Optional[float] = None  # read by the shared RoPE code: Phi-3 has no Llama 3.1 scaling
+    # A partial rotary embedding: RoPE turns the first partial_rotary_factor of each head (Phi-4-mini: 0.75)
+    partial_rotary_factor: float = 1.0
+    # LongRoPE (the 128K models): one factor per frequency, short ones while a sequence stays within
+    # rope_original_max_seq_len, long ones past it; q and k scaled by rope_attention_factor (default
+    # sqrt(1 + ln(max_seq_len / original) / ln(original))). None: plain RoPE.
+    rope_short_factor: Optional[tuple[float, ...]] = None
+    rope_long_factor: Optional[tuple[float, ...]] = None
+    rope_original_max_seq_len: int = 4096
+    rope_attention_factor: Optional[float] = None
 
     CONFIG_KEYS: ClassVar[dict[str, str]] = {"head_dim": "head_dim_override"}
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def rope_ext_factors(self) -> Optional[tuple[float, ...]]:
+        return self.rope_short_factor  # the default tables; long_rope_args gives the others
+
+    @property
+    def rope_table_scale(self) -> Optional[float]:
+        if self.rope_short_factor is None:
+            return None
+        if self.rope_attention_factor is not None:
+            return self.rope_attention_factor
+        factor = self.max_seq_len / self.rope_original_max_seq_len
+        return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(self.rope_original_max_seq_len))
 
     def layer_span(self, layer_id: int) -> Optional[AttentionSpan]:
         return AttentionSpan(window=self.sliding_window) if self.sliding_window is not None else None
