@@ -262,6 +262,9 @@ def check_device_options(cfg: JobConfig, shape: MeshShape, device: torch.device,
 
     if config_lib.fp8_enabled(cfg):
         fp8_lib.check_fp8_device(device, cfg.fp8.emulate)
+    if shape.degree("context") > 1 and getattr(args, "attn_softcap", None) is not None:
+        raise ConfigError(f"{cfg.model.family} soft-caps its attention scores, which context parallelism's kernels do "
+                          "not; use ici_mesh.context=1 (shard the sequence's work with fsdp or tensor instead)")
     if shape.degree("context") > 1 and cp_implementation(cfg, device, args) == "ring":
         if device.type != "cuda":
             raise ConfigError("parallel.cp_impl=ring needs CUDA (SDPA's CPU kernel has no ring form); use allgather")

@@ -49,6 +49,8 @@ MODELS["phi3"] = ModelSpec("phi3", phi3.FLAVORS, phi3.Transformer, phi3.Phi3Args
                            phi3.hf)
 MODELS["gemma3"] = ModelSpec("gemma3", gemma.FLAVORS, gemma.Transformer, gemma.GemmaArgs, gemma.tp_plan,
                              gemma.flops_per_token, gemma.hf)
+MODELS["gemma2"] = ModelSpec("gemma2", gemma.GEMMA2_FLAVORS, gemma.Transformer, gemma.GemmaArgs, gemma.gemma2_tp_plan,
+                             gemma.flops_per_token, gemma.hf)
 for family, flavors in qwen.FLAVORS.items():  # qwen2 (Qwen2/2.5), qwen3, qwen3_moe
     MODELS[family] = ModelSpec(family, flavors, qwen.Transformer, qwen.QwenArgs,
                                llama.tp_plan if family == "qwen2" else qwen.tp_plan,  # Qwen2 has no q/k norms

@@ -70,22 +70,41 @@ def document_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
     return (same & causal)[:, None]
 
 
+def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+                         softcap: float) -> torch.Tensor:
+    """Attention with Gemma 2's score soft-capping, scores = cap * tanh(q k^T / sqrt(head_dim) / cap) before the mask
+    and softmax: written out, since SDPA has no step between the scores and the softmax. mask: bool, broadcastable
+    to (B, heads, T, L), True where seen; None: causal."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5  # (B, heads, T, L)
+    scores = softcap * torch.tanh(scores / softcap)
+    if mask is None:
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(k.shape[2] - q.shape[2])
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      document_ids: Optional[torch.Tensor] = None,
-                     span: Optional[AttentionSpan] = None) -> torch.Tensor:
+                     span: Optional[AttentionSpan] = None, softcap: Optional[float] = None) -> torch.Tensor:
     """SDPA, causal; through an explicit mask when document_ids are given (block-causal) or the span limits
-    what a query sees (the exact path on every device: flex attention has no CPU backward in torch 2.13)."""
+    what a query sees (the exact path on every device: flex attention has no CPU backward in torch 2.13);
+    written out with softcap (softcapped_attention)."""
     # enable_gqa shares each K/V head with its group of query heads inside SDPA, rather than copying K/V
     # per query head (repeat_interleave): less memory traffic, and faster on CPU as on GPU.
     gqa = q.shape[1] != k.shape[1]
     span = _limiting(span, q.shape[2])
-    if document_ids is None and span is None:
+    if document_ids is None and span is None and softcap is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     mask = document_causal_mask(document_ids) if document_ids is not None else None
     if span is not None:
         positions = torch.arange(q.shape[2], device=q.device)
         local = span.mask(positions[:, None], positions[None, :])  # (T, T)
         mask = local if mask is None else mask & local
+    if softcap is not None:
+        return softcapped_attention(q, k, v, mask, softcap)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
@@ -114,7 +133,7 @@ class KVCache:
         self.end, self.padded = int(slots[-1]) + 1, bool(pad.any())
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               span: Optional[AttentionSpan] = None) -> torch.Tensor:
+               span: Optional[AttentionSpan] = None, softcap: Optional[float] = None) -> torch.Tensor:
         """Write this step's k, v (B, n_kv_heads, T, head_dim) at `slots`, and attend q (B, n_heads, T, head_dim)
         over every cached key at or before each query's slot, past the row's padding, within the layer's span
         (counted in each row's own positions: slot minus the row's padding)."""
@@ -123,9 +142,10 @@ class KVCache:
         gqa = q.shape[1] != k.shape[1]
         # static: one set of shapes and guards for every step (the span's mask is applied whatever the length)
         span = span if self.static else _limiting(span, self.end)
-        if not self.static and not self.padded and span is None and q.shape[2] == self.end:  # prefill from empty
+        plain = not self.static and not self.padded and span is None and softcap is None
+        if plain and q.shape[2] == self.end:  # a prefill from empty
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        if not self.static and not self.padded and span is None and q.shape[2] == 1:  # one token: every position
+        if plain and q.shape[2] == 1:  # one token: every position so far
             k_all, v_all = self.k[:, :, :self.end].to(q.dtype), self.v[:, :, :self.end].to(q.dtype)
             return F.scaled_dot_product_attention(q, k_all, v_all, enable_gqa=gqa)
         key = torch.arange(self.k.shape[2], device=q.device)  # (L,)
@@ -137,6 +157,8 @@ class KVCache:
         real = key[None, :] >= self.pad[:, None]  # (B, L): not left padding
         # A padding query may see itself, so its (discarded) row stays finite rather than NaN.
         mask = (causal & real[:, None, :]) | (key[None, :] == self.slots[:, None])[None]  # (B, T, L)
+        if softcap is not None:
+            return softcapped_attention(q, self.k.to(q.dtype), self.v.to(q.dtype), mask[:, None], softcap)
         return F.scaled_dot_product_attention(q, self.k.to(q.dtype), self.v.to(q.dtype), attn_mask=mask[:, None],
                                               enable_gqa=gqa)
 

@@ -133,10 +133,12 @@ class Attention(nn.Module):
     Where a family needs them: qkv_bias, biases on the q/k/v projections (Qwen2); qk_norm, a norm over each
     head's width applied to q and k before RoPE (Qwen3's RMSNorm); span, local attention (a sliding window or
     chunks) that every attention kernel applies; score_scale, the scores' scale where it is not head_dim ** -0.5
-    (Gemma's query_pre_attn_scalar ** -0.5), applied to q after RoPE so every kernel keeps its default."""
+    (Gemma's query_pre_attn_scalar ** -0.5), applied to q after RoPE so every kernel keeps its default; softcap,
+    Gemma 2's cap * tanh(score / cap) on the scores."""
 
     def __init__(self, args: Any, *, qkv_bias: bool = False, qk_norm: Optional[Callable[[int], nn.Module]] = None,
-                 span: Optional[AttentionSpan] = None, score_scale: Optional[float] = None):
+                 span: Optional[AttentionSpan] = None, score_scale: Optional[float] = None,
+                 softcap: Optional[float] = None):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.kv_heads, args.head_dim
         self.wq = nn.Linear(args.dim, self.n_heads * self.head_dim, bias=qkv_bias)
@@ -147,6 +149,7 @@ class Attention(nn.Module):
         self.k_norm: Optional[nn.Module] = qk_norm(self.head_dim) if qk_norm is not None else None
         self.span = span
         self.q_factor = score_scale * math.sqrt(self.head_dim) if score_scale is not None else None
+        self.softcap = softcap  # Gemma 2's score soft-capping: the written-out kernel, whatever attention_fn is
         # The attention kernel, (q, k, v, document_ids, span) -> out over (B, heads, T, head_dim). A plain
         # attribute so that context parallelism or flex attention can swap in another form from outside.
         self.attention_fn: Callable[..., torch.Tensor] = causal_attention
@@ -166,7 +169,9 @@ class Attention(nn.Module):
             q = q * self.q_factor
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, head_dim), the layout SDPA takes
         if self.kv_cache is not None:
-            out = self.kv_cache.attend(q, k, v, self.span)  # (B, n_heads, T, head_dim), over the cached positions
+            out = self.kv_cache.attend(q, k, v, self.span, self.softcap)  # (B, n_heads, T, head_dim), cached positions
+        elif self.softcap is not None:
+            out = causal_attention(q, k, v, document_ids, self.span, self.softcap)
         else:
             out = self.attention_fn(q, k, v, document_ids, self.span)  # (B, n_heads, T, head_dim)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))  # (B, T, n_heads * head_dim) -> (B, T, dim)
@@ -220,13 +225,13 @@ class Decoder(nn.Module):
     Positions are either RoPE (`rope=True`: blocks are called as block(h, cos, sin, document_ids)) or a
     learned table added to the token embeddings (`rope=False`, GPT: `pos_embeddings`, blocks are called as
     block(h, document_ids)). `logit_scale` multiplies the final hidden state before the output projection
-    (GLaM's shared-embedding softmax)."""
+    (GLaM's shared-embedding softmax); `logit_softcap` caps the logits at cap * tanh(logit / cap) (Gemma 2)."""
 
     def __init__(self, args: Any, make_block: Callable[[int], nn.Module], make_norm: Callable[[], nn.Module],
-                 *, rope: bool = True, logit_scale: Optional[float] = None):
+                 *, rope: bool = True, logit_scale: Optional[float] = None, logit_softcap: Optional[float] = None):
         super().__init__()
         self.args = args
-        self.rope, self.logit_scale = rope, logit_scale
+        self.rope, self.logit_scale, self.logit_softcap = rope, logit_scale, logit_softcap
         self.tok_embeddings: Optional[nn.Embedding] = nn.Embedding(args.vocab_size, args.dim)
         # The learned position table goes with the token embedding: a pipeline's first stage holds both.
         self.pos_embeddings: Optional[nn.Embedding] = None if rope else nn.Embedding(args.max_seq_len, args.dim)
@@ -289,8 +294,14 @@ class Decoder(nn.Module):
         if self.logit_scale is not None:
             h = h * self.logit_scale
         if chunks > 1:
-            return [self.output(chunk) for chunk in h.tensor_split(chunks, dim=1)]
-        return self.output(h)  # (B, T, vocab_size)
+            return [self._logits(chunk) for chunk in h.tensor_split(chunks, dim=1)]
+        return self._logits(h)  # (B, T, vocab_size)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        logits = self.output(h)
+        if self.logit_softcap is None:
+            return logits
+        return self.logit_softcap * torch.tanh(logits / self.logit_softcap)
 
     def _rope_at(self, positions: Optional[torch.Tensor], T: int, which: str) -> tuple[torch.Tensor, ...]:
         """The (cos, sin) rows of `positions` (default 0..T-1) from the tables rope{which}_cos/sin; () without them."""

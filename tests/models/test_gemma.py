@@ -52,8 +52,25 @@ def test_flops_count_the_local_windows():
     assert flops_per_token(args, 1024) - flops_per_token(args, 8192) + dense > 0
 
 
-def test_gemma2_soft_capping_is_refused_naming_it():
-    config = hf.hf_config_from_args(FLAVORS["debug"])
-    config["attn_logit_softcapping"] = 50.0
-    with pytest.raises(ValueError, match=r"attn_logit_softcapping=50.0 \(Gemma 2's soft-capping\) is not supported yet"):
-        hf.args_from_hf_config(config)
+def test_gemma2_published_sizes_equal_transformers_counts():
+    from ember.models.gemma import GEMMA2_FLAVORS
+
+    assert_counts_equal_transformers("gemma2")
+    for flavor, billions in {"2B": 2.61, "9B": 9.24, "27B": 27.23}.items():
+        with torch.device("meta"):
+            assert round(num_params(Transformer(GEMMA2_FLAVORS[flavor])) / 1e9, 2) == billions, flavor
+
+
+def test_gemma2_soft_capping_matches_transformers(tmp_path: Path):
+    """Gemma 2: alternating local/global layers on one RoPE base, no q/k norms, the attention scores capped at
+    50 tanh(s / 50) and the logits at 30 tanh(l / 30); caps low enough here (5, 3) that they bite."""
+    config = transformers.Gemma2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                                       num_key_value_heads=2, head_dim=32, vocab_size=128, max_position_embeddings=64,
+                                       sliding_window=5, query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
+                                       final_logit_softcapping=3.0, pad_token_id=None, bos_token_id=None,
+                                       eos_token_id=None)
+    ours = assert_parity(transformers.Gemma2ForCausalLM, config, tmp_path, "gemma2")
+    assert (ours.args.attn_softcap, ours.args.final_softcap, ours.args.qk_norm) == (5.0, 3.0, False)
+    tokens = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert ours(tokens).abs().max() < 3.0  # the logits' cap

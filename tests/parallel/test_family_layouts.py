@@ -27,6 +27,7 @@ FAMILIES = {
     "phi3": ["model.family=phi3", "model.sliding_window=8"],
     # 6 layers: 5 local (window 8, their own RoPE base) and 1 global; four (1 + w) norms per block, q/k norms
     "gemma3": ["model.family=gemma3", "model.n_layers=6", "model.sliding_window=8"],
+    "gemma2": ["model.family=gemma2", "model.sliding_window=8"],  # soft-capped scores and logits
 }
 SPLIT = ["micro_batch_size=4", "ici_mesh.fsdp=1"]
 LAYOUTS = {
@@ -39,6 +40,7 @@ LAYOUTS = {
     "mistral": {"context=2": SPLIT + ["ici_mesh.context=2"], "tensor=2 x fsdp": ["micro_batch_size=4", "ici_mesh.tensor=2"]},
     "phi3": {"tensor=2": SPLIT + ["ici_mesh.tensor=2"]},
     "gemma3": {"tensor=2": SPLIT + ["ici_mesh.tensor=2"], "context=2": SPLIT + ["ici_mesh.context=2"]},
+    "gemma2": {"tensor=2 x fsdp": ["micro_batch_size=4", "ici_mesh.tensor=2"]},
 }
 
 

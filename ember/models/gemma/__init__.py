@@ -1,8 +1,9 @@
-"""The Gemma 3 family (text): 1B, 4B, 12B, 27B."""
+"""The Gemma families: Gemma 3 (text: 1B, 4B, 12B, 27B) and Gemma 2 (2B, 9B, 27B), one model class."""
 
 from ember.models.gemma import hf
-from ember.models.gemma.args import FLAVORS, GemmaArgs
+from ember.models.gemma.args import FLAVORS, GEMMA2_FLAVORS, GemmaArgs
 from ember.models.gemma.model import Transformer, flops_per_token, num_params
-from ember.models.gemma.parallelize import tp_plan
+from ember.models.gemma.parallelize import gemma2_tp_plan, tp_plan
 
-__all__ = ["FLAVORS", "GemmaArgs", "Transformer", "flops_per_token", "hf", "num_params", "tp_plan"]
+__all__ = ["FLAVORS", "GEMMA2_FLAVORS", "GemmaArgs", "Transformer", "flops_per_token", "gemma2_tp_plan", "hf",
+           "num_params", "tp_plan"]

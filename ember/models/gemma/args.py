@@ -1,4 +1,4 @@
-"""Gemma 3 (text) hyper-parameters and the published sizes (FLAVORS)."""
+"""Gemma 3 (text) and Gemma 2 hyper-parameters and the published sizes (FLAVORS), by family."""
 
 from __future__ import annotations
 
@@ -27,7 +27,11 @@ class GemmaArgs(HeadShape):
     global_every: int = 6
     rope_theta: float = 1_000_000.0  # the global layers' base
     rope_linear_factor: Optional[float] = None  # the global layers' position interpolation (4B-27B: 8)
-    local_rope_theta: float = 10_000.0  # the local layers' base, unscaled
+    local_rope_theta: Optional[float] = 10_000.0  # the local layers' base, unscaled (None: the global layers' tables)
+    qk_norm: bool = True  # (1 + w) RMSNorm over each head on q and k (Gemma 3; Gemma 2 has none)
+    # Gemma 2's soft-capping, cap * tanh(x / cap): of the attention scores, and of the output logits
+    attn_softcap: Optional[float] = None
+    final_softcap: Optional[float] = None
     max_seq_len: int = 131072
     tie_embeddings: bool = True
     rope_scaling_factor: Optional[float] = None  # read by the shared RoPE code: Gemma has no Llama 3.1 scaling
@@ -55,4 +59,16 @@ FLAVORS: dict[str, GemmaArgs] = {
     "12B": replace(_G4, dim=3840, n_layers=48, n_heads=16, n_kv_heads=8, ffn_hidden_dim=15360),
     "27B": replace(_G4, dim=5376, n_layers=62, n_heads=32, n_kv_heads=16, head_dim_override=128, ffn_hidden_dim=21504,
                    query_pre_attn_scalar=168),
+}
+# Gemma 2 (google/gemma-2-*): local and global layers alternate, one RoPE base, no q/k norms, soft-capping.
+_G2 = GemmaArgs(dim=2304, n_layers=26, n_heads=8, n_kv_heads=4, head_dim_override=256, vocab_size=256000,
+                ffn_hidden_dim=9216, sliding_window=4096, global_every=2, rope_theta=10_000.0, local_rope_theta=None,
+                qk_norm=False, attn_softcap=50.0, final_softcap=30.0, max_seq_len=8192)
+GEMMA2_FLAVORS: dict[str, GemmaArgs] = {
+    "debug": replace(_G2, dim=256, n_layers=4, n_heads=4, n_kv_heads=2, head_dim_override=128, vocab_size=8192,
+                     ffn_hidden_dim=704, query_pre_attn_scalar=128, sliding_window=64, max_seq_len=2048),
+    "2B": _G2,
+    "9B": replace(_G2, dim=3584, n_layers=42, n_heads=16, n_kv_heads=8, ffn_hidden_dim=14336),
+    "27B": replace(_G2, dim=4608, n_layers=46, n_heads=32, n_kv_heads=16, head_dim_override=128, ffn_hidden_dim=36864,
+                   query_pre_attn_scalar=144),
 }

@@ -1,4 +1,5 @@
-"""Hugging Face Gemma3ForCausalLM (model_type gemma3_text) <-> ember: config fields and state-dict keys.
+"""Hugging Face Gemma3ForCausalLM (model_type gemma3_text) and Gemma2ForCausalLM <-> ember: config fields and
+state-dict keys.
 
 Names are Llama's (ember/models/llama/hf.py) for the projections, plus Gemma's four block norms and the q/k
 norms. The q/k rows are permuted between RoPE conventions as Llama's, and the q/k norm weights, which run over
@@ -25,6 +26,11 @@ _LAYER_KEYS = {  # ember key inside a layer -> HF key inside "model.layers.{i}."
     "ffn_norm.weight": "pre_feedforward_layernorm.weight", "post_ffn_norm.weight": "post_feedforward_layernorm.weight",
 }
 _LAYER_KEYS_FROM_HF = {v: k for k, v in _LAYER_KEYS.items()}
+
+
+def family_of(args: GemmaArgs) -> str:
+    """gemma3 (q/k norms) or gemma2 (none): the two families share the model class."""
+    return "gemma3" if args.qk_norm else "gemma2"
 
 
 def _permuted(key: str, tensor: torch.Tensor, args: GemmaArgs, to_hf: bool) -> torch.Tensor:
@@ -102,15 +108,16 @@ def args_from_hf_config(config: dict[str, Any]) -> GemmaArgs:
     if layer_types != ["full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(n)]:
         raise ValueError(f"layer_types {layer_types} are not one global layer every {every}, which is all ember's "
                          "Gemma 3 expresses")
-    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if config.get(key) is not None:
-            raise ValueError(f"{key}={config[key]} (Gemma 2's soft-capping) is not supported yet")
+    gemma2 = config.get("model_type") == "gemma2"
     if config.get("use_bidirectional_attention"):
         raise ValueError("use_bidirectional_attention=true is not a causal language model")
     if config.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
         raise ValueError(f"hidden_activation='{config['hidden_activation']}' is not supported (GeGLU with tanh GELU)")
-    global_rope = _rope(config, "full_attention", "rope_theta", 1_000_000.0)
-    local_rope = _rope(config, "sliding_attention", "rope_local_base_freq", 10_000.0)
+    if gemma2:  # one RoPE for every layer
+        global_rope = local_rope = llama_hf._rope_parameters(config)
+    else:
+        global_rope = _rope(config, "full_attention", "rope_theta", 1_000_000.0)
+        local_rope = _rope(config, "sliding_attention", "rope_local_base_freq", 10_000.0)
     if global_rope["rope_type"] not in ("default", "linear") or local_rope["rope_type"] != "default":
         raise ValueError(f"RoPE types {global_rope['rope_type']} (global) and {local_rope['rope_type']} (local) are not "
                          "supported (ember implements default and linear for the global layers, default for the local)")
@@ -122,27 +129,36 @@ def args_from_hf_config(config: dict[str, Any]) -> GemmaArgs:
         sliding_window=config.get("sliding_window", 4096), global_every=every,
         rope_theta=float(global_rope["rope_theta"]),
         rope_linear_factor=float(global_rope["factor"]) if global_rope["rope_type"] == "linear" else None,
-        local_rope_theta=float(local_rope["rope_theta"]), max_seq_len=config.get("max_position_embeddings", 131072),
-        tie_embeddings=bool(config.get("tie_word_embeddings", True)),
+        local_rope_theta=None if gemma2 else float(local_rope["rope_theta"]),
+        max_seq_len=config.get("max_position_embeddings", 131072),
+        tie_embeddings=bool(config.get("tie_word_embeddings", True)), qk_norm=not gemma2,
+        attn_softcap=config.get("attn_logit_softcapping"), final_softcap=config.get("final_logit_softcapping"),
     )
 
 
 def hf_config_from_args(args: GemmaArgs) -> dict[str, Any]:
-    """A config.json that transformers' Gemma3ForCausalLM loads as this model."""
+    """A config.json that transformers' Gemma3ForCausalLM (Gemma2ForCausalLM) loads as this model; ValueError for
+    a mix of the two that neither class has."""
     global_rope: dict[str, Any] = {"rope_type": "default", "rope_theta": args.rope_theta}
     if args.rope_linear_factor is not None:
         global_rope.update(rope_type="linear", factor=args.rope_linear_factor)
+    gemma2 = family_of(args) == "gemma2"
+    if gemma2 and (args.local_rope_theta is not None or args.rope_linear_factor is not None):
+        raise ValueError("Gemma 2 has one unscaled RoPE for every layer: a local base or linear scaling without q/k "
+                         "norms has no Hugging Face form")
+    rope_parameters = global_rope if gemma2 else {
+        "full_attention": global_rope, "sliding_attention": {"rope_type": "default", "rope_theta": args.local_rope_theta}}
     return {
-        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": args.dim,
+        "architectures": ["Gemma2ForCausalLM" if gemma2 else "Gemma3ForCausalLM"],
+        "model_type": "gemma2" if gemma2 else "gemma3_text", "hidden_size": args.dim,
         "intermediate_size": args.ffn_hidden_dim, "num_hidden_layers": args.n_layers,
         "num_attention_heads": args.n_heads, "num_key_value_heads": args.kv_heads, "head_dim": args.head_dim,
         "vocab_size": args.vocab_size, "rms_norm_eps": args.norm_eps, "max_position_embeddings": args.max_seq_len,
         "tie_word_embeddings": args.tie_embeddings, "hidden_activation": "gelu_pytorch_tanh",
         "query_pre_attn_scalar": args.query_pre_attn_scalar, "sliding_window": args.sliding_window,
         "layer_types": ["sliding_attention" if args.layer_span(i) else "full_attention" for i in range(args.n_layers)],
-        "rope_parameters": {"full_attention": global_rope,
-                            "sliding_attention": {"rope_type": "default", "rope_theta": args.local_rope_theta}},
-        "final_logit_softcapping": None, "attn_logit_softcapping": None,
+        "rope_parameters": rope_parameters,
+        "final_logit_softcapping": args.final_softcap, "attn_logit_softcapping": args.attn_softcap,
         # Gemma3TextConfig's defaults name tokens 0-2; the tokenizer exported beside the weights names its own
         "pad_token_id": None, "bos_token_id": None, "eos_token_id": None,
     }

@@ -14,3 +14,9 @@ from ember.models.qwen.parallelize import tp_plan as qk_norm_tp_plan
 def tp_plan(loss_parallel: bool) -> tuple[dict[str, Any], dict[str, Any]]:
     top, block = qk_norm_tp_plan(loss_parallel)
     return top, {**block, "post_attention_norm": SequenceParallel(), "post_ffn_norm": SequenceParallel()}
+
+
+def gemma2_tp_plan(loss_parallel: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Gemma 2's: Gemma 3's without the q/k norms it does not have."""
+    top, block = tp_plan(loss_parallel)
+    return top, {key: style for key, style in block.items() if key not in ("attention.q_norm", "attention.k_norm")}
