@@ -101,6 +101,10 @@ def check_model(cfg: JobConfig, shape: MeshShape) -> None:
         raise ConfigError(f"seq_len={cfg.seq_len} exceeds the model's max_seq_len={args.max_seq_len} "
                           f"({cfg.model.family} {cfg.model.flavor}); lower seq_len or set model.max_seq_len")
     parallel_checks.check(cfg, shape, args)
+    if cfg.device in config_lib.XLA_DEVICES:
+        from ember.xla import checks as xla_checks
+
+        xla_checks.check_scan(cfg, args)
     if cfg.lora.rank:
         lora_lib.check_lora(cfg.lora, cfg.model.family, args, cfg.model.init_from)
 

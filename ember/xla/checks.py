@@ -3,6 +3,8 @@ Imports no jax: ember.run.check calls it with the config."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from ember.config import fp8_enabled
 from ember.config_schema import JobConfig
 from ember.errors import ConfigError
@@ -52,21 +54,21 @@ def check(cfg: JobConfig, shape: MeshShape) -> None:
     if cfg.model.scan_layers and cfg.model.family == "glam":
         raise ConfigError("model.scan_layers=true needs every block alike, and glam alternates dense and MoE blocks; "
                           "drop model.scan_layers")
-    if cfg.model.scan_layers and not _blocks_alike(cfg):
-        raise ConfigError(f"model.scan_layers=true needs every block alike, and this {cfg.model.family} model's blocks "
-                          "differ (sliding-window and full-attention layers, or dense and MoE layers); drop "
-                          "model.scan_layers")
 
 
-def _blocks_alike(cfg: JobConfig) -> bool:
-    """Whether every block of the configured model is the same computation: one attention span, one RoPE table,
-    experts everywhere or nowhere (what one scanned block can stand for)."""
-    from ember.config import model_overrides
-    from ember.models import build_model_args
+
+def check_scan(cfg: JobConfig, args: Any) -> None:
+    """model.scan_layers against the model (model.init_from's architecture, read): one scanned block stands for
+    every block, so they must be the same computation: one attention span, one RoPE table, experts everywhere or
+    nowhere."""
     from ember.nn.decoder import local_rope_args
 
-    args = build_model_args(cfg.model.family, cfg.model.flavor, model_overrides(cfg.model))
+    if not cfg.model.scan_layers:
+        return
     span_of, moe_at = getattr(args, "layer_span", None), getattr(args, "is_moe_layer", None)
     spans = {span_of(i) for i in range(args.n_layers)} if span_of is not None else {None}
     experts = {moe_at(i) for i in range(args.n_layers)} if moe_at is not None else {False}
-    return len(spans) == 1 and len(experts) == 1 and local_rope_args(args) is None
+    if len(spans) > 1 or len(experts) > 1 or local_rope_args(args) is not None:
+        raise ConfigError(f"model.scan_layers=true needs every block alike, and this {cfg.model.family} model's blocks "
+                          "differ (sliding-window and full-attention layers, or dense and MoE layers); drop "
+                          "model.scan_layers")
