@@ -67,6 +67,13 @@ def test_family_layouts_match_single_process(tmp_path):
             # Qwen3's q/k norm weights get their gradient summed over the tensor ranks' heads (a reduction one
             # process does not do in that order): measured 1.3e-5 apart at step 3 (a missing sum would leave each
             # rank the gradient of its own heads only)
-            rel = 3e-5 if family.startswith(("qwen3", "gemma3")) and "tensor" in name else REL
+            rel = 3e-5 if family.startswith("qwen3") and "tensor" in name else REL
+            if family.startswith("gemma"):
+                # The first step's gradient equals one process's; then Adam's first updates (each weight moved by
+                # about lr whatever its gradient's size) turn the summation-order noise of near-zero gradients into
+                # weight differences of lr: Gemma 3 tensor=2 measured 1.0e-5 apart at step 2 and 2.4e-4 at step 3
+                # (context=2: 2.1e-4), while at lr 1e-9 all three grad norms agree to 1e-7 (the gradients are right)
+                assert got["grad_norm"][0] == pytest.approx(expected["grad_norm"][0], rel=REL), (family, name)
+                rel = 5e-4
             assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=rel), (family, name)
             assert got["val_loss"] == pytest.approx(expected["val_loss"], rel=REL), (family, name)
