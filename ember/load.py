@@ -79,7 +79,7 @@ def load_hf_weights(model: Union[nn.Module, list[nn.Module]], directory: Path) -
     hf = MODELS[family].hf
     args = hf.args_from_hf_config(config)
     if getattr(args, "n_experts", 0):  # per-expert HF tensors are stacked on load; not streamed into shards yet
-        raise CheckpointError(f"model.init_from: streaming a {family} Hugging Face directory into a sharded model is not "
+        raise CheckpointError(f"model.init_from: streaming a {family} Hugging Face directory (its experts stored one matrix each) is not "
                          f"supported yet; convert it first (`ember convert {directory} CKPT`) and use model.init_from=CKPT")
     targets = base_state_dict(model)
     loaded: set[str] = set()
