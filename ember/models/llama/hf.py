@@ -53,6 +53,18 @@ def permute_from_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
+def permute_rope_rows(key: str, tensor: torch.Tensor, args: Any, to_hf: bool) -> torch.Tensor:
+    """Everything laid out along wq's and wk's rows between RoPE conventions: their weights and biases (Qwen2),
+    and q/k norm weights, which run over one head's width before RoPE (Qwen3, Gemma 3: permuted as a single
+    head). Other tensors are returned as they are."""
+    permute = permute_to_hf if to_hf else permute_from_hf
+    heads = {"attention.wq": args.n_heads, "attention.wk": args.kv_heads, "attention.q_norm": 1, "attention.k_norm": 1}
+    for module, n_heads in heads.items():
+        if f".{module}." in key:
+            return permute(tensor, n_heads) if tensor.dim() == 2 else permute(tensor[:, None], n_heads)[:, 0]
+    return tensor
+
+
 def to_hf_key(key: str) -> str:
     if key in _TOP_KEYS:
         return _TOP_KEYS[key]

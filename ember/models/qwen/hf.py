@@ -58,15 +58,6 @@ def model_type(args: QwenArgs) -> str:
     return kind
 
 
-def _permuted(key: str, tensor: torch.Tensor, args: QwenArgs, to_hf: bool) -> torch.Tensor:
-    permute = llama_hf.permute_to_hf if to_hf else llama_hf.permute_from_hf
-    heads = {"attention.wq": args.n_heads, "attention.wk": args.kv_heads, "attention.q_norm": 1, "attention.k_norm": 1}
-    for module, n_heads in heads.items():
-        if f".{module}." in key:
-            return permute(tensor, n_heads) if tensor.dim() == 2 else permute(tensor[:, None], n_heads)[:, 0]
-    return tensor
-
-
 def to_hf_key(key: str) -> str:
     if key in llama_hf._TOP_KEYS:
         return llama_hf._TOP_KEYS[key]
@@ -85,11 +76,11 @@ def from_hf_key(key: str) -> str:
 
 
 def tensor_to_hf(key: str, tensor: torch.Tensor, args: QwenArgs) -> torch.Tensor:
-    return _permuted(key, tensor, args, to_hf=True)
+    return llama_hf.permute_rope_rows(key, tensor, args, to_hf=True)
 
 
 def tensor_from_hf(ember_key: str, tensor: torch.Tensor, args: QwenArgs) -> torch.Tensor:
-    return _permuted(ember_key, tensor, args, to_hf=False)
+    return llama_hf.permute_rope_rows(ember_key, tensor, args, to_hf=False)
 
 
 def skip_hf_key(key: str, args: QwenArgs) -> bool:
