@@ -65,14 +65,19 @@ def tokenizer_for(path: Union[str, Path], spec: Optional[str] = None) -> AnyToke
 
 
 def _attention_modules(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if hasattr(m, "kv_cache") and hasattr(m, "wk")]
+    return [m for m in model.modules() if hasattr(m, "kv_cache") and (hasattr(m, "wk") or hasattr(m, "make_kv_cache"))]
 
 
 def attach_kv_caches(model: nn.Module, batch: int, max_len: int) -> list[KVCache]:
-    """Give every attention module of `model` a cache for `batch` rows of up to `max_len` positions."""
+    """Give every attention module of `model` a cache for `batch` rows of up to `max_len` positions: its own
+    `make_kv_cache(batch, max_len, dtype, device)` where it has one, else a KVCache."""
     caches = []
     param = next(model.parameters())
     for attention in _attention_modules(model):
+        if hasattr(attention, "make_kv_cache"):  # a cache of its own form (MLA's latent: nn/mla.py)
+            attention.kv_cache = attention.make_kv_cache(batch, max_len, param.dtype, param.device)
+            caches.append(attention.kv_cache)
+            continue
         head_dim = attention.head_dim
         kv_heads = attention.wk.weight.shape[0] // head_dim
         # Under tensor parallelism (a sharded model, ember.eval.distributed) this rank computes only its share of

@@ -52,6 +52,9 @@ def rope_cos_sin(args: Any, device: Optional[torch.device] = None) -> tuple[torc
     `args` needs head_dim, rope_theta, max_seq_len and rope_scaling_factor (None: no scaling)."""
     dim = getattr(args, "rotary_dim", None) or args.head_dim  # a partial rotary embedding turns the first dims only
     inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
+    if getattr(args, "yarn_factor", None) is not None:  # YaRN (DeepSeek-V2/V3)
+        from ember.nn.yarn import yarn_inv_freq
+        inv_freq = yarn_inv_freq(args, dim, device)
     if args.rope_scaling_factor is not None:
         inv_freq = _llama31_scaling(inv_freq, args)
     if getattr(args, "rope_linear_factor", None) is not None:  # position interpolation (HF rope_type "linear")
