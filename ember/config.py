@@ -31,7 +31,8 @@ RECIPES_DIR = Path(__file__).parent / "recipes"
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp8")
 FP8_RECIPES = ("tensorwise", "rowwise")  # ember.parallel.fp8.RECIPES (config stays importable without torch)
-NOT_HYPERPARAMETERS = ("family", "flavor", "remat", "remat_every", "scan_layers", "init_from", "aux_loss_coef", "z_loss_coef")  # model.* keys that are not model args
+NOT_HYPERPARAMETERS = ("family", "flavor", "remat", "remat_every", "scan_layers", "init_from", "aux_loss_coef", "z_loss_coef",
+                       "bias_update_rate")  # model.* keys that are not model args
 CP_IMPLS = ("auto", "allgather", "ring")
 DEVICES = ("auto", "cpu", "cuda", "tpu", "xla")
 XLA_DEVICES = ("tpu", "xla")  # the jax path (ember/xla/), every other device the torch.distributed one
@@ -321,6 +322,10 @@ def validate(cfg: JobConfig) -> None:
                           "drop model.scan_layers or set device=xla")
     if cfg.model.remat_every < 1:
         raise ConfigError(f"model.remat_every must be >= 1, got {cfg.model.remat_every}")
+    for key in ("aux_loss_coef", "z_loss_coef", "bias_update_rate"):
+        value = getattr(cfg.model, key)
+        if not (value >= 0 and math.isfinite(value)):
+            raise ConfigError(f"model.{key}={value} must be a finite number >= 0 (0 turns it off)")
     for i, part in enumerate(cfg.data.mixture):
         if not (part.weight > 0 and math.isfinite(part.weight)):
             raise ConfigError(f"data.mixture[{i}] ({part.source}) has weight {part.weight}; weights must be positive")

@@ -41,6 +41,9 @@ class ModelConfig:
     # router z-loss (ST-MoE); 0 turns one off. Both are logged.
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 0.0
+    # DeepSeek-V3's auxiliary-loss-free balancing: after each step every router's per-expert score bias moves by
+    # this much toward balance (the paper's gamma); 0 freezes the biases. Only routers with a score bias use it.
+    bias_update_rate: float = 0.001
     # Activation checkpointing (rematerialisation), applied from outside the model (parallel/ac.py):
     # none | full (every block) | selective (every remat_every-th block) | op (save matmul outputs,
     # recompute the rest) | offload (keep activations in host memory)

@@ -91,6 +91,8 @@ class Trainer:
         for part in self.model_parts:
             moe_lib.set_router_loss(part, cfg.model.aux_loss_coef, cfg.model.z_loss_coef,
                                     cfg.global_batch_size * cfg.seq_len, max(n_moe_layers, 1))
+        # The whole model's, so every rank (a pipeline stage without such routers too) joins the update's all_sum.
+        self.score_bias_rate = cfg.model.bias_update_rate if moe_lib.has_score_bias([built.whole]) else 0.0
 
         # 4. Forward/backward (the pipeline schedule when pp > 1), optimizer, LR schedule.
         eos_id = self.tokenizer.eos_id if cfg.data.document_mask else None
@@ -163,6 +165,9 @@ class Trainer:
             # Both are global, so every rank takes the same decision: a non-finite step changes no weight.
             if is_finite_step(loss, grad_norm):
                 self.optimizer.step()
+                if self.score_bias_rate:
+                    moe_lib.update_score_bias(self.model_parts, self.score_bias_rate, self.spec.args.n_layers,
+                                              self.spec.args.n_experts, self.all_sum, self.device)
                 if self.fp8_after_step is not None:
                     self.fp8_after_step()
             self.optimizer.zero_grad(set_to_none=True)

@@ -18,23 +18,64 @@ from torch import nn
 
 
 class Router(nn.Module):
-    """Linear scores over experts; top-k by softmax probability, with norm_topk_prob renormalised over the
-    chosen k (the same as Mixtral's softmax over the selected experts' logits; Qwen3-MoE's norm_topk_prob),
-    without it the probabilities over all experts as they are (Qwen2-MoE)."""
+    """Linear scores over experts, and each token's top-k of them with their weights.
 
-    def __init__(self, dim: int, n_experts: int, top_k: int, norm_topk_prob: bool = True):
+    score_func="softmax" (Mixtral, Qwen3-MoE, DeepSeek-V2): probabilities over all experts; norm_topk_prob renormalises
+    the chosen k to sum to 1 (the same as Mixtral's softmax over the selected logits), without it they stay as they are.
+    score_func="sigmoid" (DeepSeek-V3, Llama 4): an independent score per expert; norm_topk_prob divides the chosen k
+    by their sum (DeepSeek-V3), without it they stay as they are (Llama 4's top-1).
+    score_bias: DeepSeek-V3's aux-loss-free balancing, a per-expert bias added to the scores only to choose experts
+    (not to weigh them), moved against each expert's load after every step (`update_score_bias`).
+    n_groups > 1: group-limited routing, experts chosen only from the topk_groups groups that score best: by the sum
+    of each group's two best sigmoid scores (DeepSeek-V3) or its best softmax probability (DeepSeek-V2).
+    route_scale multiplies the final weights (DeepSeek's routed_scaling_factor)."""
+
+    def __init__(self, dim: int, n_experts: int, top_k: int, norm_topk_prob: bool = True, *,
+                 score_func: str = "softmax", n_groups: int = 1, topk_groups: int = 1, route_scale: float = 1.0,
+                 score_bias: bool = False):
         super().__init__()
-        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        if score_func not in ("softmax", "sigmoid"):
+            raise ValueError(f"Router score_func must be 'softmax' or 'sigmoid', not {score_func!r}")
+        if n_experts % n_groups or not 1 <= topk_groups <= n_groups or top_k > topk_groups * (n_experts // n_groups):
+            raise ValueError(f"{n_experts} experts do not split into {n_groups} groups of which {topk_groups} hold "
+                             f"the top {top_k}")
+        self.n_experts, self.top_k, self.norm_topk_prob = n_experts, top_k, norm_topk_prob
+        self.score_func, self.n_groups, self.topk_groups, self.route_scale = score_func, n_groups, topk_groups, route_scale
         self.gate = nn.Linear(dim, n_experts, bias=False)
+        # A persistent buffer, not a parameter: the optimizer never sees it; checkpoints and HF exports carry it.
+        self.score_bias: Optional[torch.Tensor]
+        self.register_buffer("score_bias", torch.zeros(n_experts, dtype=torch.float32) if score_bias else None)
+
+    def scores(self, logits: torch.Tensor) -> torch.Tensor:
+        """Router logits (N, E) -> fp32 scores (N, E), as the reference routes in fp32."""
+        return F.softmax(logits.float(), dim=-1) if self.score_func == "softmax" else torch.sigmoid(logits.float())
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (N, dim) -> weights (N, k), expert indices (N, k), router logits (N, E)."""
         logits = self.gate(x)
-        probs = F.softmax(logits.float(), dim=-1)  # fp32 routing, as the reference
-        weights, indices = torch.topk(probs, self.top_k, dim=-1)
+        scores = self.scores(logits)
+        choice = scores if self.score_bias is None else scores + self.score_bias
+        if self.n_groups > 1:
+            grouped = choice.unflatten(-1, (self.n_groups, -1))  # (N, groups, experts per group)
+            group_score = (grouped.topk(2, dim=-1).values.sum(-1) if self.score_func == "sigmoid"
+                           else grouped.amax(dim=-1))  # (N, groups)
+            kept = torch.zeros_like(group_score, dtype=torch.bool).scatter_(
+                1, group_score.topk(self.topk_groups, dim=-1).indices, True)
+            choice = choice.masked_fill(~kept[..., None].expand_as(grouped).flatten(1), float("-inf"))
+        indices = torch.topk(choice, self.top_k, dim=-1).indices
+        weights = scores.gather(1, indices)
         if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+            # DeepSeek-V3 guards its sum of sigmoids against zero; a softmax's top-k sum is never zero
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if self.score_func == "sigmoid" else 0.0))
+        if self.route_scale != 1.0:
+            weights = weights * self.route_scale
         return weights.to(x.dtype), indices, logits
+
+    def balance_probabilities(self, logits: torch.Tensor) -> torch.Tensor:
+        """(N, E) -> each token's distribution over experts for the load-balancing loss: the softmax, or the
+        sigmoid scores normalised to sum to 1 (DeepSeek-V3's sequence-wise balance loss)."""
+        scores = self.scores(logits)
+        return scores if self.score_func == "softmax" else scores / scores.sum(dim=-1, keepdim=True)
 
 
 class Experts(nn.Module):
@@ -139,7 +180,10 @@ def _grouped_available(x: torch.Tensor) -> bool:
 
 
 class MoE(nn.Module):
-    """A top-k MoE feed-forward layer. After each forward, `aux_loss` holds the load-balancing loss
+    """A top-k MoE feed-forward layer: the routed experts' outputs, each weighted by its routing weight (with
+    scale_input, Llama 4's form, the weight scales the expert's input instead), plus where the family has one a
+    `shared_expert` every token passes through (DeepSeek, Llama 4). `router` is the family's Router (default: softmax
+    top-k with norm_topk_prob). After each forward, `aux_loss` holds the load-balancing loss
     (Switch Transformer / Mixtral: E * sum_e f_e * P_e, f_e the share of routed slots that went to
     expert e, P_e its mean router probability; 1.0 when perfectly balanced), `z_loss` the router
     z-loss (ST-MoE: mean squared log-sum-exp of the logits) and `tokens_per_expert` the load.
@@ -150,11 +194,13 @@ class MoE(nn.Module):
 
     def __init__(self, dim: int, hidden_dim: int, n_experts: int, top_k: int,
                  activation: Callable[[torch.Tensor], torch.Tensor] = F.silu, gated: bool = True,
-                 norm_topk_prob: bool = True):
+                 norm_topk_prob: bool = True, *, router: Optional[Router] = None,
+                 shared_expert: Optional[nn.Module] = None, scale_input: bool = False):
         super().__init__()
-        self.n_experts, self.top_k = n_experts, top_k
-        self.router = Router(dim, n_experts, top_k, norm_topk_prob)
+        self.n_experts, self.top_k, self.scale_input = n_experts, top_k, scale_input
+        self.router = router if router is not None else Router(dim, n_experts, top_k, norm_topk_prob)
         self.experts = Experts(n_experts, dim, hidden_dim, activation, gated)
+        self.shared_expert = shared_expert
         self.aux_loss: Optional[torch.Tensor] = None
         self.z_loss: Optional[torch.Tensor] = None
         self.tokens_per_expert: Optional[torch.Tensor] = None
@@ -166,6 +212,7 @@ class MoE(nn.Module):
         self.aux_loss_coef, self.z_loss_coef, self.loss_weight_per_token = 0.0, 0.0, 0.0
         self._step_loads: list[torch.Tensor] = []  # tokens per expert of each training forward of this step
         self.window_load: Optional[torch.Tensor] = None  # (E,) fp64, summed over steps until collected
+        self.step_load: Optional[torch.Tensor] = None  # (E,) fp64, the last step's (what update_score_bias reads)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, D = x.shape
@@ -177,13 +224,18 @@ class MoE(nn.Module):
         token_of_slot = order // self.top_k
         grouped = _grouped_available(flat)
         run_experts = lambda tokens, tokens_per_expert: self.experts(tokens, tokens_per_expert, grouped)  # noqa: E731
+        slot_weights = weights.flatten()[order, None]  # (N*k, 1)
+        tokens = flat[token_of_slot] * slot_weights if self.scale_input else flat[token_of_slot]
         if self.dispatch is None:
-            out_sorted = run_experts(flat[token_of_slot], counts)  # (N*k, dim)
+            out_sorted = run_experts(tokens, counts)  # (N*k, dim)
         else:
-            out_sorted = self.dispatch(run_experts, flat[token_of_slot], counts)
-        out_sorted = out_sorted * weights.flatten()[order, None]
+            out_sorted = self.dispatch(run_experts, tokens, counts)
+        if not self.scale_input:
+            out_sorted = out_sorted * slot_weights
         out = torch.zeros_like(flat).index_add_(0, token_of_slot, out_sorted)  # sum of each token's k experts
-        probs = F.softmax(logits.float(), dim=-1)
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(flat)
+        probs = self.router.balance_probabilities(logits)
         share = counts.float() / slots.numel()  # f_e
         self.aux_loss = self.n_experts * torch.sum(share.detach() * probs.mean(dim=0))
         self.z_loss = torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
@@ -201,7 +253,11 @@ class MoE(nn.Module):
 
     def init_weights(self, out_std: float) -> None:
         nn.init.trunc_normal_(self.router.gate.weight, mean=0.0, std=0.02)
+        if self.router.score_bias is not None:
+            self.router.score_bias.zero_()
         self.experts.init_weights(out_std)
+        if self.shared_expert is not None:
+            self.shared_expert.init_weights(out_std)
 
 
 def set_router_loss(model: nn.Module, aux_coef: float, z_coef: float, tokens_per_step: int,
@@ -223,8 +279,35 @@ def end_moe_step(model: nn.Module, forwards_per_layer: int) -> None:
     for moe in model.modules():
         if isinstance(moe, MoE) and moe._step_loads:
             step = torch.stack(moe._step_loads[-forwards_per_layer:]).sum(0).double()
+            moe.step_load = step
             moe.window_load = step if moe.window_load is None else moe.window_load + step
             moe._step_loads.clear()
+
+
+def has_score_bias(model_parts: list[nn.Module]) -> bool:
+    """Whether any router of these model parts balances by a score bias (DeepSeek-V3)."""
+    return any(isinstance(m, MoE) and m.router.score_bias is not None for part in model_parts for m in part.modules())
+
+
+@torch.no_grad()
+def update_score_bias(model_parts: list[nn.Module], rate: float, n_layers: int, n_experts: int,
+                      all_sum: Callable[[torch.Tensor], torch.Tensor], device: torch.device) -> None:
+    """DeepSeek-V3's auxiliary-loss-free balancing, after an optimizer step: each router's score bias moves by
+    `rate` for every expert, up where the expert got fewer tokens than the mean over experts this step, down where
+    it got more (sign(mean - load), the paper's rule). The load is summed over every rank first (one `all_sum`:
+    every rank calls it, a pipeline stage without such routers too), so all replicas keep one bias."""
+    load = torch.zeros(n_layers, n_experts, device=device, dtype=torch.float64)
+    routers = []
+    for part in model_parts:
+        for name, block in part.layers.items():
+            for moe in block.modules():
+                if isinstance(moe, MoE) and moe.router.score_bias is not None and moe.step_load is not None:
+                    load[int(name)] += moe.step_load
+                    routers.append((int(name), moe.router))
+    load = all_sum(load)
+    for layer, router in routers:
+        tokens = load[layer]
+        router.score_bias += (rate * torch.sign(tokens.mean() - tokens)).to(router.score_bias.dtype)
 
 
 def collect_moe_metrics(model_parts: list[nn.Module], n_layers: int, n_experts: int,
