@@ -60,7 +60,10 @@ HF_FAMILIES = {"llama": (HF_FAMILY, "LlamaForCausalLM"), "mixtral": ("mixtral", 
                "gpt2": ("gpt", "GPT2LMHeadModel"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
                "qwen3": ("qwen3", "Qwen3ForCausalLM"), "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
                "mistral": ("mistral", "MistralForCausalLM"), "phi3": ("phi3", "Phi3ForCausalLM"),
-               "gemma3_text": ("gemma3", "Gemma3ForCausalLM"), "gemma2": ("gemma2", "Gemma2ForCausalLM")}
+               "gemma3_text": ("gemma3", "Gemma3ForCausalLM"), "gemma2": ("gemma2", "Gemma2ForCausalLM"),
+               "llama4_text": ("llama4", "Llama4ForCausalLM"),
+               # the hub's Scout and Maverick: multimodal; ember reads the text model (models/llama4/hf.py)
+               "llama4": ("llama4", "Llama4ForConditionalGeneration")}
 
 
 def hf_family(directory: Path) -> tuple[str, dict[str, Any]]:

@@ -11,7 +11,7 @@ from typing import Any, Callable
 from torch import nn
 
 from ember.errors import ConfigError
-from ember.models import gemma, glam, gpt, llama, mistral, mixtral, phi3, qwen
+from ember.models import gemma, glam, gpt, llama, llama4, mistral, mixtral, phi3, qwen
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,9 @@ MODELS["mistral"] = ModelSpec("mistral", mistral.FLAVORS, mistral.Transformer, m
                               mistral.flops_per_token, mistral.hf)
 MODELS["phi3"] = ModelSpec("phi3", phi3.FLAVORS, phi3.Transformer, phi3.Phi3Args, phi3.tp_plan, phi3.flops_per_token,
                            phi3.hf)
+MODELS["llama4"] = ModelSpec("llama4", llama4.FLAVORS, llama4.Transformer, llama4.Llama4Args, llama4.tp_plan,
+                             llama4.flops_per_token, llama4.hf,
+                             active_params=functools.partial(llama4.num_params, active=True))
 MODELS["gemma3"] = ModelSpec("gemma3", gemma.FLAVORS, gemma.Transformer, gemma.GemmaArgs, gemma.tp_plan,
                              gemma.flops_per_token, gemma.hf)
 MODELS["gemma2"] = ModelSpec("gemma2", gemma.GEMMA2_FLAVORS, gemma.Transformer, gemma.GemmaArgs, gemma.gemma2_tp_plan,

@@ -137,12 +137,15 @@ class Attention(nn.Module):
     head's width applied to q and k before RoPE (Qwen3's RMSNorm); span, local attention (a sliding window or
     chunks) that every attention kernel applies; score_scale, the scores' scale where it is not head_dim ** -0.5
     (Gemma's query_pre_attn_scalar ** -0.5), applied to q after RoPE so every kernel keeps its default; softcap,
-    Gemma 2's cap * tanh(score / cap) on the scores."""
+    Gemma 2's cap * tanh(score / cap) on the scores; rope=False, no rotary embedding (Llama 4's NoPE layers): the
+    decoder then passes (q_scale, None) in place of (cos, sin), q_scale (T, 1) or (B, T, 1) a per-position factor on
+    q (Llama 4's attention temperature) or None."""
 
     def __init__(self, args: Any, *, qkv_bias: bool = False, qk_norm: Optional[Callable[[int], nn.Module]] = None,
                  span: Optional[AttentionSpan] = None, score_scale: Optional[float] = None,
-                 softcap: Optional[float] = None):
+                 softcap: Optional[float] = None, rope: bool = True):
         super().__init__()
+        self.rope = rope
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.kv_heads, args.head_dim
         self.wq = nn.Linear(args.dim, self.n_heads * self.head_dim, bias=qkv_bias)
         self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=qkv_bias)
@@ -167,7 +170,10 @@ class Attention(nn.Module):
         v = self.wv(x).view(B, T, -1, self.head_dim)  # (B, T, n_kv_heads, head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.rope:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        elif cos is not None:  # NoPE: cos is the per-position q scale
+            q = (q * cos[..., None]).to(q.dtype)  # (T, 1, 1) or (B, T, 1, 1) over (B, T, heads, head_dim)
         if self.q_factor is not None:
             q = q * self.q_factor
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, head_dim), the layout SDPA takes
@@ -247,7 +253,7 @@ class Decoder(nn.Module):
             cos, sin = rope_cos_sin(args)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
-        if rope and local_rope_args(args) is not None:  # a block with `local_rope = True` rotates by these
+        if rope and local_rope_args(args) is not None:  # a block with `rope_table = "_local"` rotates by these
             cos, sin = rope_cos_sin(local_rope_args(args))
             self.register_buffer("rope_local_cos", cos, persistent=False)
             self.register_buffer("rope_local_sin", sin, persistent=False)
@@ -283,10 +289,15 @@ class Decoder(nn.Module):
         T = tokens.shape[1]
         if positions is None and T > self.args.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds max_seq_len={self.args.max_seq_len}")
-        rope, local = self._rope_at(positions, T, ""), self._rope_at(positions, T, "_local")
+        # Each layer's `rope_table` names the position tables it takes: "" (default), "_local" (Gemma 3's local
+        # layers), or a family's own (`_rope_at` picks their rows once per forward).
+        tables: dict[str, tuple[Optional[torch.Tensor], ...]] = {}
         h = self.embed(tokens, positions)  # (B, T, dim)
         for layer in self.layers.values():
-            h = layer(h, *(local if getattr(layer, "local_rope", False) else rope), document_ids)
+            which = getattr(layer, "rope_table", "")
+            if which not in tables:
+                tables[which] = self._rope_at(positions, T, which)
+            h = layer(h, *tables[which], document_ids)
         h = self.norm(h) if self.norm is not None else h
         if self.output is None:
             return h

@@ -33,7 +33,7 @@ def test_published_sizes_equal_transformers_counts():
 def test_matches_transformers(tmp_path: Path):
     ours = assert_parity(transformers.Gemma3ForCausalLM, _config(), tmp_path, "gemma3")
     # layers 0-4 local (window 5, base 10,000), layer 5 global (whole context, base 1e6 / 8)
-    assert [block.local_rope for block in ours.layers.values()] == [True] * 5 + [False]
+    assert [block.rope_table for block in ours.layers.values()] == ["_local"] * 5 + [""]
     assert [block.attention.span is None for block in ours.layers.values()] == [False] * 5 + [True]
     assert ours.args.rope_linear_factor == 8.0 and ours.args.query_pre_attn_scalar == 24
 

@@ -40,7 +40,7 @@ class Block(nn.Module):
         self.attention_norm, self.post_attention_norm = norm(args.dim), norm(args.dim)
         self.ffn_norm, self.post_ffn_norm = norm(args.dim), norm(args.dim)
         # the Decoder passes the local layers' own RoPE tables (Gemma 3; Gemma 2's layers share one base)
-        self.local_rope = not args.is_global(layer_id) and args.local_rope_theta is not None
+        self.rope_table = "_local" if not args.is_global(layer_id) and args.local_rope_theta is not None else ""
         self.out_std = depth_scaled_std(layer_id)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

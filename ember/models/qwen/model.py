@@ -13,9 +13,9 @@ from __future__ import annotations
 from torch import nn
 
 from ember.models.qwen.args import QwenArgs
-from ember.nn.attention import scored_length
 from ember.nn.decoder import Attention, Decoder, RMSNorm, TransformerBlock, num_params
 from ember.nn.feed_forward import FeedForward
+from ember.nn.flops import decoder_flops_per_token
 from ember.nn.moe import MoE
 
 __all__ = ["Transformer", "num_params", "flops_per_token"]
@@ -46,13 +46,12 @@ def flops_per_token(args: QwenArgs, seq_len: int) -> float:
     the keys their window leaves (nn/attention.py's scored_length)."""
     attn = args.dim * args.head_dim * (2 * args.n_heads + 2 * args.kv_heads)
     attn += (args.n_heads + 2 * args.kv_heads) * args.head_dim * args.qkv_bias + 2 * args.head_dim * args.qk_norm
-    n = 0
-    for layer in range(args.n_layers):
+
+    def layer_weights(layer: int) -> int:
         if args.is_moe_layer(layer):
             ffn = args.top_k * 3 * args.dim * args.moe_hidden_dim + args.n_experts * args.dim
         else:
             ffn = 3 * args.dim * args.ffn_hidden_dim
-        n += attn + ffn + 2 * args.dim
-    n += args.dim + args.vocab_size * args.dim  # final norm, output projection
-    scored = sum(scored_length(args.layer_span(layer), seq_len) for layer in range(args.n_layers))
-    return 6 * n + 12 * args.n_heads * args.head_dim * scored
+        return attn + ffn + 2 * args.dim
+
+    return decoder_flops_per_token(args, seq_len, layer_weights)
