@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 @dataclass
 class ModelConfig:
-    family: str = "llama3"  # llama2 | llama3 | llama3.1 | llama3.2 | mixtral | gpt | glam | mistral | phi3 | gemma2 | gemma3 | qwen2 | qwen3 | qwen3_moe
+    family: str = "llama3"  # llama2 | llama3 | llama3.1 | llama3.2 | mixtral | gpt | glam | mistral | phi3 | gemma2 | gemma3 | qwen2 | qwen3 | qwen3_moe | deepseek_v3 | deepseek_v2
     flavor: str = "debug"  # a key of the family's FLAVORS, e.g. 8B, 70B, 405B, debug
     # Optional fields that override the flavor's hyper-parameters (None keeps the flavor's value).
     dim: Optional[int] = None

@@ -61,6 +61,8 @@ HF_FAMILIES = {"llama": (HF_FAMILY, "LlamaForCausalLM"), "mixtral": ("mixtral", 
                "qwen3": ("qwen3", "Qwen3ForCausalLM"), "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
                "mistral": ("mistral", "MistralForCausalLM"), "phi3": ("phi3", "Phi3ForCausalLM"),
                "gemma3_text": ("gemma3", "Gemma3ForCausalLM"), "gemma2": ("gemma2", "Gemma2ForCausalLM"),
+               "deepseek_v3": ("deepseek_v3", "DeepseekV3ForCausalLM"),
+               "deepseek_v2": ("deepseek_v2", "DeepseekV2ForCausalLM"),
                "llama4_text": ("llama4", "Llama4ForCausalLM"),
                # the hub's Scout and Maverick: multimodal; ember reads the text model (models/llama4/hf.py)
                "llama4": ("llama4", "Llama4ForConditionalGeneration")}

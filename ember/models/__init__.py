@@ -11,7 +11,7 @@ from typing import Any, Callable
 from torch import nn
 
 from ember.errors import ConfigError
-from ember.models import gemma, glam, gpt, llama, llama4, mistral, mixtral, phi3, qwen
+from ember.models import deepseek, gemma, glam, gpt, llama, llama4, mistral, mixtral, phi3, qwen
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,10 @@ for family, flavors in qwen.FLAVORS.items():  # qwen2 (Qwen2/2.5), qwen3, qwen3_
                                llama.tp_plan if family == "qwen2" else qwen.tp_plan,  # Qwen2 has no q/k norms
                                qwen.flops_per_token, qwen.hf,
                                active_params=functools.partial(qwen.num_params, active=True))
+for family, flavors in deepseek.FLAVORS.items():  # deepseek_v3, deepseek_v2 (V2-Lite)
+    MODELS[family] = ModelSpec(family, flavors, deepseek.Transformer, deepseek.DeepseekArgs, deepseek.tp_plan,
+                               deepseek.flops_per_token, deepseek.hf,
+                               active_params=functools.partial(deepseek.num_params, active=True))
 
 
 def family_of(model: nn.Module) -> str:

@@ -1,0 +1,117 @@
+"""DeepSeek-V3 and DeepSeek-V2(-Lite): published sizes, and parity with transformers' own classes (logits, gradients,
+greedy generation through the latent cache, a bit-exact round trip) on small random configs."""
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from ember.models import MODELS, build_model_args
+from ember.models.deepseek import FLAVORS, Transformer, flops_per_token, hf, num_params
+from ember.nn.mla import LatentKVCache
+from tests.models.hf_parity import assert_counts_equal_transformers, assert_parity
+
+YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=8.0, original_max_position_embeddings=16, beta_fast=32,
+            beta_slow=1, mscale=0.707, mscale_all_dim=0.707)
+SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+             vocab_size=128, max_position_embeddings=128, kv_lora_rank=24, qk_nope_head_dim=12, qk_rope_head_dim=8,
+             v_head_dim=10, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, first_k_dense_replace=1)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v2"])
+def test_published_sizes_equal_transformers_counts(family: str):
+    assert_counts_equal_transformers(family)
+
+
+def test_published_parameter_counts():
+    # DeepSeek-V3: 671B total, 37B activated per token; V2-Lite: 15.7B total, 2.4B activated. The activated counts
+    # leave out the embedding table (a lookup): 36.63B (the V3 report's "37B", rounded) and 2.45B (the V2 paper's
+    # "2.4B", cut to one decimal).
+    for family, flavor, total, active in (("deepseek_v3", "671B", 671.03, 36.63), ("deepseek_v2", "16B", 15.71, 2.45)):
+        args = FLAVORS[family][flavor]
+        with torch.device("meta"):
+            model = Transformer(args)
+        assert round(num_params(model) / 1e9, 2) == total, flavor
+        assert round((num_params(model, active=True) - args.vocab_size * args.dim) / 1e9, 2) == active, flavor
+
+
+def test_flops_count_active_experts_and_mla_widths():
+    args = FLAVORS["deepseek_v3"]["671B"]
+    with torch.device("meta"):
+        active = num_params(Transformer(args), active=True)
+    # scores over 192-wide q/k heads and outputs over 128-wide v heads: 6 L H T (192 + 128)
+    attention = 6 * args.n_layers * args.n_heads * (192 + 128) * 4096
+    assert flops_per_token(args, 4096) == 6 * (active - args.vocab_size * args.dim) + attention
+
+
+def test_v3_latent_q_groups_shared_expert_dense_layer_and_yarn_match_transformers(tmp_path: Path):
+    config = transformers.DeepseekV3Config(**SMALL, q_lora_rank=16, n_group=4, topk_group=2, n_shared_experts=1,
+                                           routed_scaling_factor=2.5, norm_topk_prob=True,
+                                           rope_parameters={**YARN, "mscale": 1.0, "mscale_all_dim": 1.0})
+    ours = assert_parity(transformers.DeepseekV3ForCausalLM, config, tmp_path, "deepseek_v3")
+    assert [ours.layers[str(i)].moe is not None for i in range(3)] == [False, True, True]
+    assert ours.layers["1"].moe.router.score_bias is not None and ours.args.yarn_factor == 8.0
+
+
+def test_v3_score_bias_changes_the_routing_and_is_read(tmp_path: Path):
+    config = transformers.DeepseekV3Config(**SMALL, q_lora_rank=16, n_group=2, topk_group=1, n_shared_experts=1,
+                                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    from tests.models.hf_parity import assert_logits_and_gradients_equal, random_hf_model
+    hf_model = random_hf_model(transformers.DeepseekV3ForCausalLM, config, tmp_path / "hf")
+    with torch.no_grad():  # a bias large enough to move experts in and out of the top k
+        for layer in hf_model.model.layers[1:]:
+            layer.mlp.gate.e_score_correction_bias.normal_(0, 0.5)
+    hf_model.save_pretrained(tmp_path / "hf")
+    ours = assert_logits_and_gradients_equal(hf_model, tmp_path / "hf", "deepseek_v3")
+    torch.testing.assert_close(ours.layers["2"].moe.router.score_bias,
+                               hf_model.model.layers[2].mlp.gate.e_score_correction_bias, rtol=0, atol=0)
+
+
+def test_v3_rope_interleave_false_permutes_the_rope_rows(tmp_path: Path):
+    config = transformers.DeepseekV3Config(**SMALL, q_lora_rank=None, n_group=1, topk_group=1, n_shared_experts=2,
+                                           rope_interleave=False, rope_parameters=YARN)
+    ours = assert_parity(transformers.DeepseekV3ForCausalLM, config, tmp_path, "deepseek_v3")
+    assert ours.args.rope_interleave is False and ours.layers["0"].attention.wq is not None
+
+
+@pytest.mark.parametrize("topk_method", ["greedy", "group_limited_greedy"])
+def test_v2_lite_plain_q_and_softmax_routing_match_transformers(tmp_path: Path, topk_method: str):
+    config = transformers.DeepseekV2Config(**SMALL, q_lora_rank=None, n_shared_experts=2, topk_method=topk_method,
+                                           n_group=4 if topk_method != "greedy" else None,
+                                           topk_group=2 if topk_method != "greedy" else None,
+                                           norm_topk_prob=True, rope_parameters=YARN)  # V2 ignores norm_topk_prob
+    ours = assert_parity(transformers.DeepseekV2ForCausalLM, config, tmp_path, "deepseek_v2")
+    assert ours.layers["0"].attention.wq is not None and ours.args.score_func == "softmax"
+    assert not ours.args.norm_topk_prob and ours.layers["1"].moe.router.score_bias is None
+
+
+def test_generation_caches_the_latent_only():
+    from ember.generate import attach_kv_caches, detach_kv_caches
+
+    args = build_model_args("deepseek_v3", "debug")
+    model = Transformer(args)
+    caches = attach_kv_caches(model, batch=2, max_len=40)
+    assert len(caches) == args.n_layers and all(isinstance(c, LatentKVCache) for c in caches)
+    assert {(c.c_kv.shape, c.k_rope.shape) for c in caches} == {((2, 40, args.kv_lora_rank), (2, 40, args.qk_rope_head_dim))}
+    detach_kv_caches(model)
+    assert all(m.attention.kv_cache is None for m in model.layers.values())
+
+
+@pytest.mark.parametrize("config, message", [
+    (dict(model_type="deepseek_v3", num_key_value_heads=2), r"num_key_value_heads=2 differs"),
+    (dict(model_type="deepseek_v2", topk_method="noaux_tc"), r"topk_method 'noaux_tc' is not one"),
+    (dict(model_type="deepseek_v3", attention_bias=True), r"attention_bias/mlp_bias=true are not supported"),
+    (dict(model_type="deepseek_v3", rope_parameters={"rope_type": "llama3", "rope_theta": 1.0}), r"RoPE type 'llama3'"),
+])
+def test_configs_ember_cannot_express_are_refused(config: dict, message: str):
+    base = hf.hf_config_from_args(FLAVORS["deepseek_v3"]["debug"])
+    with pytest.raises(ValueError, match=message):
+        hf.args_from_hf_config({**base, **config})
+
+
+def test_families_are_registered_and_round_trip_their_config():
+    for family, flavor in (("deepseek_v3", "671B"), ("deepseek_v2", "16B")):
+        args = FLAVORS[family][flavor]
+        assert MODELS[family].hf.family_of(args) == family
+        assert hf.args_from_hf_config(hf.hf_config_from_args(args)) == args
