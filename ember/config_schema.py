@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 @dataclass
 class ModelConfig:
-    family: str = "llama3"  # llama2 | llama3 | llama3.1 | llama3.2 | mixtral | gpt | glam | mistral | phi3 | gemma2 | gemma3 | qwen2 | qwen3 | qwen3_moe | deepseek_v3 | deepseek_v2
+    family: str = "llama3"  # llama2 | llama3 | llama3.1 | llama3.2 | mixtral | gpt | glam | mistral | phi3 | gemma2 | gemma3 | qwen2 | qwen3 | qwen3_moe | deepseek_v3 | deepseek_v2 | llama4
     flavor: str = "debug"  # a key of the family's FLAVORS, e.g. 8B, 70B, 405B, debug
     # Optional fields that override the flavor's hyper-parameters (None keeps the flavor's value).
     dim: Optional[int] = None
@@ -28,11 +28,19 @@ class ModelConfig:
     n_experts: Optional[int] = None
     top_k: Optional[int] = None
     moe_every: Optional[int] = None  # GLaM: layer i has experts when i % moe_every == 0 (2: every other layer)
-    moe_hidden_dim: Optional[int] = None  # Qwen3-MoE: each expert's SwiGLU hidden size (ffn_hidden_dim: dense layers')
-    sparse_step: Optional[int] = None  # Qwen3-MoE: layer i has experts when (i + 1) % sparse_step == 0
+    moe_hidden_dim: Optional[int] = None  # Qwen3-MoE, Llama 4: each expert's SwiGLU hidden size (ffn_hidden_dim: dense layers')
+    sparse_step: Optional[int] = None  # Qwen3-MoE, Llama 4: layer i has experts when (i + 1) % sparse_step == 0
     norm_topk_prob: Optional[bool] = None  # Qwen3-MoE: renormalise the top-k routing weights to sum to 1
     qkv_bias: Optional[bool] = None  # Qwen: biases on the q/k/v projections (Qwen2's)
-    qk_norm: Optional[bool] = None  # Qwen: RMSNorm over each head's width on q and k (Qwen3's)
+    qk_norm: Optional[bool] = None  # Qwen3: RMSNorm over each head's width on q and k; Llama 4: weightless, RoPE layers
+    # Llama 4's iRoPE: layer i has no RoPE when (i + 1) % nope_every == 0; the RoPE layers attend within chunks of
+    # attention_chunk positions; the NoPE layers scale q by log1p(floor((pos + 1) / floor_scale)) * attn_scale + 1
+    # (temperature_tuning)
+    nope_every: Optional[int] = None
+    attention_chunk: Optional[int] = None
+    temperature_tuning: Optional[bool] = None
+    floor_scale: Optional[int] = None
+    attn_scale: Optional[float] = None
     # Sliding-window attention: each query sees the last sliding_window positions (Mistral, Phi-3; Qwen from layer
     # max_window_layers on)
     sliding_window: Optional[int] = None

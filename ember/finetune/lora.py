@@ -154,8 +154,8 @@ def resolve_targets(model: nn.Module, targets: str | Sequence[str], rank: int, f
                 found.append(f"{prefix}.{name}")
                 used.update({entry: True for entry in hits})
         has_experts = any(name.endswith("experts") for name, _ in block.named_modules())
-        expert_hits = [e for e in entries if e in ("mlp", "w1", "w2", "w3", "feed_forward.w1", "feed_forward.w2",
-                                                   "feed_forward.w3", "gate_proj", "up_proj", "down_proj", "c_fc")]
+        # feed_forward.* names a dense layer's linears only, so it adapts the dense layers between MoE ones (Llama 4)
+        expert_hits = [e for e in entries if e in ("mlp", "w1", "w2", "w3", "gate_proj", "up_proj", "down_proj", "c_fc")]
         if has_experts and expert_hits:
             shown = "all" if targets == "all" else expert_hits[0]
             raise ConfigError(f"lora.targets={shown} reaches {family}'s MoE experts, which LoRA does not adapt "

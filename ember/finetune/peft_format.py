@@ -19,6 +19,7 @@ import json
 import math
 import os
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Union
 
 import torch
@@ -39,11 +40,11 @@ def is_peft_dir(path: Path) -> bool:
 
 
 def _hf_style(family: str) -> str:
-    """'llama' (the families whose linear layers carry llama/hf.py's names: Llama, Mixtral, Mistral, Qwen, Gemma) or
-    'gpt'; GLaM has no HF format."""
-    from ember.models import MODELS, gemma, llama, mistral, mixtral, qwen
+    """'llama' (the families whose linear layers carry llama/hf.py's names: Llama, Mixtral, Mistral, Qwen, Gemma,
+    Llama 4) or 'gpt'; GLaM has no HF format."""
+    from ember.models import MODELS, gemma, llama, llama4, mistral, mixtral, qwen
 
-    if MODELS[family].hf in (llama.hf, mixtral.hf, mistral.hf, qwen.hf, gemma.hf):
+    if MODELS[family].hf in (llama.hf, mixtral.hf, mistral.hf, qwen.hf, gemma.hf, llama4.hf):
         return "llama"
     if family == "gpt":
         return "gpt"
@@ -52,6 +53,15 @@ def _hf_style(family: str) -> str:
                               "the LoRA run merged into its base with --to hf")
     raise CheckpointError(f"the {family} family has no Hugging Face format, so no peft adapter either; keep the "
                           "ember checkpoint")
+
+
+def _key_mapping(family: str) -> ModuleType:
+    """The hf module whose to_hf_key/from_hf_key and RoPE row permutation name and lay out the family's linears: its
+    own, or Llama's where it has none of its own (Mixtral: the same attention names)."""
+    from ember.models import MODELS
+
+    hf = MODELS[family].hf
+    return hf if hasattr(hf, "to_hf_key") else MODELS["llama3"].hf
 
 
 # ---- export ---------------------------------------------------------------------------------------------
@@ -71,8 +81,6 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
 def save_peft(meta: dict[str, Any], args: Any, state: dict[str, torch.Tensor], out_dir: Union[str, Path]) -> None:
     """Write a LoRA checkpoint's adapters (`state`: ember name -> tensor; `meta`: its model.json) as a peft
     adapter directory."""
-    from ember.models import MODELS
-
     settings = meta["lora"]
     if settings.get("train_embeddings") or settings.get("train_norms"):
         raise CheckpointError("this LoRA run also trained embeddings or norms (lora.train_*), which a peft adapter "
@@ -82,7 +90,7 @@ def save_peft(meta: dict[str, Any], args: Any, state: dict[str, torch.Tensor], o
     tensors: dict[str, torch.Tensor] = {}
     config: dict[str, Any] = {}
     if style == "llama":
-        hf = MODELS["llama3"].hf
+        hf = _key_mapping(meta["family"])
         for name in names:
             module = hf.to_hf_key(f"{name}.weight").removesuffix(".weight")
             tensors[f"{PREFIX}{module}.lora_A.weight"] = state[f"{name}.lora_A.weight"]
@@ -167,15 +175,13 @@ def merge_peft_adapter(model: nn.Module, family: str, config: dict[str, Any], ad
     An adapter made for another base (a module it lacks, other shapes) is a one-line CheckpointError."""
     from safetensors.torch import load_file
 
-    from ember.models import MODELS
-
     check_adapter_config(config, adapter_dir)
     weights = adapter_dir / ADAPTER_WEIGHTS
     if not weights.is_file():
         raise UserFileNotFound(f"'{weights}' is missing (a peft adapter directory holds {ADAPTER_WEIGHTS})")
     state = load_file(str(weights))
     style = _hf_style(family)
-    hf = MODELS["llama3"].hf
+    hf = _key_mapping(family)
     modules = sorted({k.rsplit(".lora_", 1)[0] for k in state if ".lora_A." in k or ".lora_B." in k})
     if not modules:
         raise CheckpointError(f"'{weights}' holds no lora_A/lora_B tensors")

@@ -108,6 +108,10 @@ def build_model_args(family: str, flavor: str, overrides: dict[str, Any] | None 
     if window is not None and window < 1:
         raise ConfigError(f"model.sliding_window={window} must be >= 1 (the positions each query sees, itself "
                           "included; a window as long as seq_len hides nothing)")
+    for key in ("attention_chunk", "nope_every", "floor_scale"):  # Llama 4's; None (no chunks) where allowed
+        value = getattr(args, key, None)
+        if value is not None and value < 1:
+            raise ConfigError(f"model.{key}={value} must be >= 1 (a count of positions or layers)")
     first_windowed = getattr(args, "max_window_layers", 0)
     if first_windowed < 0 or (first_windowed and window is None) or (window is not None and first_windowed >= args.n_layers):
         raise ConfigError(f"model.max_window_layers={first_windowed} must be the first layer with the sliding window: "
@@ -117,7 +121,7 @@ def build_model_args(family: str, flavor: str, overrides: dict[str, Any] | None 
                           "qwen3_moe, and qwen2/qwen3 are dense; choose the family that has them")
     if getattr(args, "n_experts", 0) and args.top_k > args.n_experts:
         raise ConfigError(f"model.top_k={args.top_k} must be at most model.n_experts={args.n_experts}")
-    if spec.hf is qwen.hf and args.n_experts and (args.sparse_step < 1 or not any(map(args.is_moe_layer, range(args.n_layers)))):
+    if hasattr(args, "sparse_step") and args.n_experts and (args.sparse_step < 1 or not any(map(args.is_moe_layer, range(args.n_layers)))):
         raise ConfigError(f"model.sparse_step={args.sparse_step} leaves none of the {args.n_layers} layers with experts "
                           "(layer i has them when (i + 1) % sparse_step == 0); use 1 to n_layers")
     return args

@@ -1,5 +1,5 @@
 """LoRA on the families added on the shared decoder (Qwen2's biased projections, Qwen3's q/k norms and wide
-heads, Qwen3-MoE's attention, Mistral's sliding window): trained by ember, exported as a peft adapter that
+heads, Qwen3-MoE's attention, Mistral's sliding window, Llama 4's dense and shared-expert SwiGLUs): trained by ember, exported as a peft adapter that
 peft applies to transformers' own model with ember's logits, and folded back by ember."""
 
 import json
@@ -21,8 +21,13 @@ FAMILIES = {
     "qwen3_moe": ["model.ffn_hidden_dim=96", "model.moe_hidden_dim=32", "model.n_experts=4", "model.top_k=2"],
     "mistral": ["model.ffn_hidden_dim=96", "model.sliding_window=8"],
     "gemma3": ["model.ffn_hidden_dim=96", "model.sliding_window=8"],  # 2 local layers (global every 6th)
+    # layer 0 dense with chunked RoPE, layer 1 NoPE with experts and the shared expert
+    "llama4": ["model.ffn_hidden_dim=96", "model.moe_hidden_dim=32", "model.n_experts=4", "model.nope_every=2",
+               "model.attention_chunk=8", "model.floor_scale=4"],
 }
-TARGETS = {"qwen3_moe": "lora.targets=attn"}  # experts are stacked weights, not nn.Linear: LoRA adapts attention
+# experts are stacked weights, not nn.Linear: LoRA adapts attention, and Llama 4's dense layers between MoE ones
+TARGETS = {"qwen3_moe": "lora.targets=attn",
+           "llama4": "lora.targets=[attn,feed_forward.w1,feed_forward.w2,feed_forward.w3]"}
 
 
 @pytest.mark.slow

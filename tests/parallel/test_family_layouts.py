@@ -1,5 +1,5 @@
 """The families on the shared decoder with pieces of their own (Qwen2's q/k/v biases, Qwen3's per-head q/k
-norms and wide heads, sliding windows, Qwen3-MoE's experts) train exactly like one process on the meshes that
+norms and wide heads, sliding windows, Qwen3-MoE's experts, Llama 4's chunks, NoPE temperature and shared expert) train exactly like one process on the meshes that
 split those pieces: tensor (+ sequence) parallel splits the biases and the heads the norms run over, context
 parallelism cuts the sequence a window slides along, a pipeline stage holds some of the blocks, expert
 parallelism the experts. Tolerance rel 1e-5 in fp32, as tests/parallel/test_layouts.py."""
@@ -23,11 +23,19 @@ FAMILIES = {
     "qwen3": ["model.family=qwen3", "model.sliding_window=8", "model.max_window_layers=2"],
     "qwen3_moe": ["model.family=qwen3_moe", "model.n_experts=4", "model.top_k=2", "model.moe_hidden_dim=32",
                   "model.aux_loss_coef=0"],
+    # MLA (no K/V heads to set: n_kv_heads unset), a dense first layer, then 8 experts in the debug flavor's 4 groups
+    # with V3's score bias (moved by the summed load each step) and a shared expert
+    "deepseek_v3": ["model.family=deepseek_v3", "model.n_kv_heads=null", "model.n_experts=8", "model.top_k=2",
+                    "model.moe_hidden_dim=32", "model.aux_loss_coef=0"],
     "mistral": ["model.family=mistral", "model.sliding_window=8"],
     "phi3": ["model.family=phi3", "model.sliding_window=8"],
     # 6 layers: 5 local (window 8, their own RoPE base) and 1 global; four (1 + w) norms per block, q/k norms
     "gemma3": ["model.family=gemma3", "model.n_layers=6", "model.sliding_window=8"],
     "gemma2": ["model.family=gemma2", "model.sliding_window=8"],  # soft-capped scores and logits
+    # layers 1 and 3 with experts (a shared one, input-scaled sigmoid top-1), 0-2 chunked RoPE with weightless q/k
+    # norms, 3 NoPE with a temperature that changes inside the sequence
+    "llama4": ["model.family=llama4", "model.n_experts=4", "model.moe_hidden_dim=32", "model.attention_chunk=8",
+               "model.floor_scale=4", "model.attn_scale=0.5", "model.aux_loss_coef=0"],
 }
 SPLIT = ["micro_batch_size=4", "ici_mesh.fsdp=1"]
 LAYOUTS = {
@@ -37,10 +45,16 @@ LAYOUTS = {
     "qwen3_moe": {"expert=2": SPLIT + ["ici_mesh.expert=2"], "tensor=2": SPLIT + ["ici_mesh.tensor=2"],
                   "fsdp=2": ["micro_batch_size=4"],
                   "pipeline=2": SPLIT + ["ici_mesh.pipeline=2", "parallel.pp_schedule=1f1b"]},
+    "deepseek_v3": {"tensor=2": SPLIT + ["ici_mesh.tensor=2"], "expert=2": SPLIT + ["ici_mesh.expert=2"],
+                    "context=2": SPLIT + ["ici_mesh.context=2"], "fsdp=2": ["micro_batch_size=4"],
+                    "pipeline=2": SPLIT + ["ici_mesh.pipeline=2", "parallel.pp_schedule=1f1b"]},
     "mistral": {"context=2": SPLIT + ["ici_mesh.context=2"], "tensor=2 x fsdp": ["micro_batch_size=4", "ici_mesh.tensor=2"]},
     "phi3": {"tensor=2": SPLIT + ["ici_mesh.tensor=2"]},
     "gemma3": {"tensor=2": SPLIT + ["ici_mesh.tensor=2"], "context=2": SPLIT + ["ici_mesh.context=2"]},
     "gemma2": {"tensor=2 x fsdp": ["micro_batch_size=4", "ici_mesh.tensor=2"]},
+    "llama4": {"expert=2": SPLIT + ["ici_mesh.expert=2"], "tensor=2": SPLIT + ["ici_mesh.tensor=2"],
+               "context=2": SPLIT + ["ici_mesh.context=2"],
+               "pipeline=2": SPLIT + ["ici_mesh.pipeline=2", "parallel.pp_schedule=1f1b"]},
 }
 
 

@@ -20,11 +20,11 @@ class Llama4Args(HeadShape):
     ffn_hidden_dim: int  # the dense layers' SwiGLU hidden size (config.json's intermediate_size_mlp)
     # The mixture of experts: n_experts SwiGLU experts of moe_hidden_dim (intermediate_size), top_k of them chosen by
     # sigmoid scores that scale each expert's input, plus a shared expert of the same size every token passes through.
-    # Layer i has experts when (i + 1) % moe_every == 0 (interleave_moe_layer_step: Scout 1, Maverick 2).
+    # Layer i has experts when (i + 1) % sparse_step == 0 (interleave_moe_layer_step: Scout 1, Maverick 2; Qwen3-MoE's rule).
     n_experts: int = 16
     top_k: int = 1
     moe_hidden_dim: int
-    moe_every: int = 1
+    sparse_step: int = 1
     # iRoPE: layer i has no rotary embedding when (i + 1) % nope_every == 0 (no_rope_layer_interval); the RoPE layers
     # attend within chunks of attention_chunk positions (None: causal) and L2-normalise q and k (use_qk_norm).
     nope_every: int = 4
@@ -53,7 +53,7 @@ class Llama4Args(HeadShape):
         return (layer_id + 1) % self.nope_every != 0
 
     def is_moe_layer(self, layer_id: int) -> bool:
-        return self.n_experts > 0 and (layer_id + 1) % self.moe_every == 0
+        return self.n_experts > 0 and (layer_id + 1) % self.sparse_step == 0
 
     def layer_span(self, layer_id: int) -> Optional[AttentionSpan]:
         if self.attention_chunk is None or not self.uses_rope(layer_id):
@@ -68,8 +68,8 @@ FLAVORS: dict[str, Llama4Args] = {
     # every feature of the family at CPU size: MoE and dense layers interleaved, a NoPE layer in every four, chunks
     # shorter than the default run's sequences, temperature tuning that changes within them
     "debug": replace(_SCOUT, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim_override=None, vocab_size=8192,
-                     ffn_hidden_dim=704, n_experts=8, moe_hidden_dim=256, moe_every=2, attention_chunk=64,
+                     ffn_hidden_dim=704, n_experts=8, moe_hidden_dim=256, sparse_step=2, attention_chunk=64,
                      floor_scale=32, rope_scaling_factor=None, max_seq_len=2048),
     "Scout-17B-16E": _SCOUT,
-    "Maverick-17B-128E": replace(_SCOUT, n_experts=128, moe_every=2, qk_norm=False, rope_scaling_factor=None),
+    "Maverick-17B-128E": replace(_SCOUT, n_experts=128, sparse_step=2, qk_norm=False, rope_scaling_factor=None),
 }
