@@ -124,4 +124,6 @@ def build_model_args(family: str, flavor: str, overrides: dict[str, Any] | None 
     if hasattr(args, "sparse_step") and args.n_experts and (args.sparse_step < 1 or not any(map(args.is_moe_layer, range(args.n_layers)))):
         raise ConfigError(f"model.sparse_step={args.sparse_step} leaves none of the {args.n_layers} layers with experts "
                           "(layer i has them when (i + 1) % sparse_step == 0); use 1 to n_layers")
+    if spec.hf is deepseek.hf:
+        deepseek.check_args(args)
     return args

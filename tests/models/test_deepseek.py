@@ -115,3 +115,12 @@ def test_families_are_registered_and_round_trip_their_config():
         args = FLAVORS[family][flavor]
         assert MODELS[family].hf.family_of(args) == family
         assert hf.args_from_hf_config(hf.hf_config_from_args(args)) == args
+
+
+def test_experts_that_do_not_fit_the_router_groups_are_one_line():
+    from ember.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^model.n_experts=4 with model.top_k=4 does not fit the flavor's 4 router "
+                                          r"groups \(top 2\).*use a multiple of 8 experts$"):
+        build_model_args("deepseek_v3", "debug", {"n_experts": 4})
+    assert build_model_args("deepseek_v3", "debug", {"n_experts": 8, "top_k": 2}).n_experts == 8

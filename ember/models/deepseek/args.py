@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional
 
+from ember.errors import ConfigError
 from ember.nn.decoder import HeadShape
 from ember.nn.yarn import yarn_attention_factor, yarn_softmax_mscale
 
@@ -71,6 +72,18 @@ class DeepseekArgs(HeadShape):
 
     def is_moe_layer(self, layer_id: int) -> bool:
         return self.n_experts > 0 and layer_id >= self.n_dense_layers
+
+
+def check_args(args: DeepseekArgs) -> None:
+    """The router's groups against the experts (ConfigError, one line): every group holds at least two experts (V3's
+    group score sums each group's best two) and the chosen groups hold at least top_k."""
+    if not args.n_experts or args.n_groups == 1:
+        return
+    per_group = args.n_experts // args.n_groups
+    if args.n_experts % args.n_groups or per_group < 2 or args.top_k > args.topk_groups * per_group:
+        raise ConfigError(f"model.n_experts={args.n_experts} with model.top_k={args.top_k} does not fit the flavor's "
+                          f"{args.n_groups} router groups (top {args.topk_groups}): each group needs at least 2 experts "
+                          f"and the chosen groups top_k; use a multiple of {2 * args.n_groups} experts")
 
 
 # From config.json on the Hugging Face hub: deepseek-ai/DeepSeek-V3 (V3-0324, R1 share it) and DeepSeek-V2-Lite.

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
 from ember.models.llama.parallelize import tp_plan as llama_tp_plan
@@ -39,10 +39,11 @@ class _SumRopeGradient(torch.autograd.Function):
 
 
 class MLAInput(PrepareModuleInput):
-    """The attention's input gathered from sequence shards and handed over as a local tensor (the replicated latent
-    projections are plain nn.Linear; the column-wise ones take it as Replicate), and a hook on its wkv_a whose
-    output's last rope_dim columns, the rope key shared by every head, get their gradient summed over the ranks
-    (each computed it for its own heads only)."""
+    """MLA's input gathered from sequence shards and handed over as a local tensor (the column-wise layers take it as
+    Replicate), and its latent projections and norms (wq_a, q_norm, wkv_a, kv_norm) replicated: Replicate DTensor
+    weights (the optimizer and FSDP see one kind of parameter) running on local tensors in and out. wkv_a's last
+    rope_dim output columns, the rope key shared by every head, get their gradient summed over the ranks (each
+    computed it for its own heads only); its latent columns' gradient arrives summed through wkv_b."""
 
     def __init__(self) -> None:
         super().__init__(input_layouts=(Shard(1), None, None, None),
@@ -50,14 +51,26 @@ class MLAInput(PrepareModuleInput):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         group, width = device_mesh.get_group(), module.rope_dim
-        module.wkv_a.register_forward_hook(lambda _m, _i, out: _SumRopeGradient.apply(out, width, group))
+
+        def as_replicate(_m: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+            return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False) for x in inputs)
+
+        for name in ("wq_a", "q_norm", "wkv_a", "kv_norm"):
+            latent = getattr(module, name, None)
+            if latent is None:  # no q latent (V2-Lite)
+                continue
+            if name == "wkv_a":
+                local = lambda _m, out, _mesh: _SumRopeGradient.apply(out.to_local(), width, group)  # noqa: E731
+            else:
+                local = lambda _m, out, _mesh: out.to_local()  # noqa: E731
+            distribute_module(latent, device_mesh, input_fn=as_replicate, output_fn=local)
         return super()._apply(module, device_mesh)
 
 
 def tp_plan(loss_parallel: bool) -> tuple[dict[str, Any], dict[str, Any]]:
     """(model-level plan, per-block plan) for DeepSeek-V3 and V2."""
     top, llama_block = llama_tp_plan(loss_parallel)
-    block = {k: v for k, v in llama_block.items() if not k.startswith("attention")}
+    block = {k: v for k, v in llama_block.items() if k != "attention" and not k.startswith("attention.")}
     block.update({
         "attention": MLAInput(),
         "attention.wq": ColwiseParallel(),
