@@ -41,10 +41,10 @@ def is_peft_dir(path: Path) -> bool:
 
 def _hf_style(family: str) -> str:
     """'llama' (the families whose linear layers carry llama/hf.py's names: Llama, Mixtral, Mistral, Qwen, Gemma,
-    Llama 4) or 'gpt'; GLaM has no HF format."""
-    from ember.models import MODELS, gemma, llama, llama4, mistral, mixtral, qwen
+    Llama 4, DeepSeek) or 'gpt'; GLaM has no HF format."""
+    from ember.models import MODELS, deepseek, gemma, llama, llama4, mistral, mixtral, qwen
 
-    if MODELS[family].hf in (llama.hf, mixtral.hf, mistral.hf, qwen.hf, gemma.hf, llama4.hf):
+    if MODELS[family].hf in (llama.hf, mixtral.hf, mistral.hf, qwen.hf, gemma.hf, llama4.hf, deepseek.hf):
         return "llama"
     if family == "gpt":
         return "gpt"

@@ -1,5 +1,5 @@
 """LoRA on the families added on the shared decoder (Qwen2's biased projections, Qwen3's q/k norms and wide
-heads, Qwen3-MoE's attention, Mistral's sliding window, Llama 4's dense and shared-expert SwiGLUs): trained by ember, exported as a peft adapter that
+heads, Qwen3-MoE's attention, Mistral's sliding window, Llama 4's dense and shared-expert SwiGLUs, DeepSeek-V3's MLA projections): trained by ember, exported as a peft adapter that
 peft applies to transformers' own model with ember's logits, and folded back by ember."""
 
 import json
@@ -24,10 +24,18 @@ FAMILIES = {
     # layer 0 dense with chunked RoPE, layer 1 NoPE with experts and the shared expert
     "llama4": ["model.ffn_hidden_dim=96", "model.moe_hidden_dim=32", "model.n_experts=4", "model.nope_every=2",
                "model.attention_chunk=8", "model.floor_scale=4"],
+    # MLA's five projections (q through its latent); layer 0 dense, layer 1 with 8 grouped experts and the shared one
+    "deepseek_v3": ["model.n_kv_heads=null", "model.ffn_hidden_dim=96", "model.moe_hidden_dim=32", "model.n_experts=8",
+                    "model.top_k=2"],
 }
 # experts are stacked weights, not nn.Linear: LoRA adapts attention, and Llama 4's dense layers between MoE ones
 TARGETS = {"qwen3_moe": "lora.targets=attn",
-           "llama4": "lora.targets=[attn,feed_forward.w1,feed_forward.w2,feed_forward.w3]"}
+           "llama4": "lora.targets=[attn,feed_forward.w1,feed_forward.w2,feed_forward.w3]",
+           # attention only: peft 0.21 maps a deepseek_v3 adapter's gate_proj/up_proj/down_proj targets onto the fused
+           # experts' parameters (transformers_weight_conversion.py), so a dense layer's adapters would not load there
+           "deepseek_v3": "lora.targets=attn"}
+# the HF names of the attention projections the adapter targets
+ATTENTION = {"deepseek_v3": {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"}}
 
 
 @pytest.mark.slow
@@ -45,7 +53,7 @@ def test_peft_adapter_applies_in_peft_with_ember_logits(tmp_path, family):
                                                    f"output_dir={tmp_path / 'lora'}"])).train()
     convert(tmp_path / "lora", tmp_path / "adapter", "peft")
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
-    assert {"q_proj", "k_proj", "v_proj", "o_proj"} <= set(config["target_modules"])
+    assert ATTENTION.get(family, {"q_proj", "k_proj", "v_proj", "o_proj"}) <= set(config["target_modules"])
     hf_base = AutoModelForCausalLM.from_pretrained(tmp_path / "base_hf", dtype=torch.float32).eval()
     tokens = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
