@@ -99,13 +99,15 @@ def test_yarn_tables_and_scale_equal_transformers():
                softmax_scale_factor=yarn_softmax_mscale(args)).softmax_scale == pytest.approx(scale, rel=1e-12)
 
 
-def test_latent_cache_decodes_as_the_expanded_form_and_caches_only_the_latent():
+@pytest.mark.parametrize("static", [False, True])  # static: the whole preallocated length, masked, every step
+def test_latent_cache_decodes_as_the_expanded_form_and_caches_only_the_latent(static: bool):
     _, ours, _, args = _pair(3, 16, YARN)
     cos, sin = rope_cos_sin(args)
     T, pad = 12, torch.tensor([0, 3])  # the second row's prompt is 3 tokens shorter, left padded
     x = torch.randn(2, T, 64, generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         cache = ours.kv_cache = ours.make_kv_cache(2, T, torch.float32, torch.device("cpu"))
+        cache.static = static
         assert cache.c_kv.shape == (2, T, 24) and cache.k_rope.shape == (2, T, 8)
         assert not any(isinstance(v, torch.Tensor) and v.dim() == 4 for v in vars(cache).values())  # no k/v heads
         positions = (torch.arange(T)[None] - pad[:, None]).clamp_min(0)
