@@ -124,3 +124,46 @@ def test_experts_that_do_not_fit_the_router_groups_are_one_line():
                                           r"groups \(top 2\).*use a multiple of 8 experts$"):
         build_model_args("deepseek_v3", "debug", {"n_experts": 4})
     assert build_model_args("deepseek_v3", "debug", {"n_experts": 8, "top_k": 2}).n_experts == 8
+
+
+# config.json of deepseek-ai/DeepSeek-V3 and deepseek-ai/DeepSeek-V2-Lite on the hub (auto_map and token ids left out)
+HUB_V3 = {"architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+          "aux_loss_alpha": 0.001, "ep_size": 1, "first_k_dense_replace": 3, "hidden_act": "silu", "hidden_size": 7168,
+          "intermediate_size": 18432, "kv_lora_rank": 512, "max_position_embeddings": 163840, "model_type": "deepseek_v3",
+          "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256,
+          "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 128, "num_experts_per_tok": 8,
+          "num_hidden_layers": 61, "num_key_value_heads": 128, "num_nextn_predict_layers": 1, "q_lora_rank": 1536,
+          "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
+          "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                           "original_max_position_embeddings": 4096, "type": "yarn"},
+          "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "seq_aux": True,
+          "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc", "v_head_dim": 128, "vocab_size": 129280}
+HUB_V2_LITE = {"architectures": ["DeepseekV2ForCausalLM"], "attention_bias": False, "aux_loss_alpha": 0.001,
+               "first_k_dense_replace": 1, "hidden_act": "silu", "hidden_size": 2048, "intermediate_size": 10944,
+               "kv_lora_rank": 512, "max_position_embeddings": 163840, "model_type": "deepseek_v2",
+               "moe_intermediate_size": 1408, "moe_layer_freq": 1, "n_group": 1, "n_routed_experts": 64,
+               "n_shared_experts": 2, "norm_topk_prob": False, "num_attention_heads": 16, "num_experts_per_tok": 6,
+               "num_hidden_layers": 27, "num_key_value_heads": 16, "q_lora_rank": None, "qk_nope_head_dim": 128,
+               "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
+               "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707,
+                                "original_max_position_embeddings": 4096, "type": "yarn"},
+               "rope_theta": 10000, "routed_scaling_factor": 1.0, "scoring_func": "softmax", "seq_aux": True,
+               "tie_word_embeddings": False, "topk_group": 1, "topk_method": "greedy", "v_head_dim": 128,
+               "vocab_size": 102400}
+
+
+def test_the_hubs_configs_are_the_flavors_and_fp8_is_refused():
+    assert hf.args_from_hf_config(HUB_V3) == FLAVORS["deepseek_v3"]["671B"]
+    assert hf.args_from_hf_config(HUB_V2_LITE) == FLAVORS["deepseek_v2"]["16B"]
+    fp8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+    with pytest.raises(ValueError, match=r"^quantization_config \(fp8\) is not supported: .*fp8_cast_bf16.py\)$"):
+        hf.args_from_hf_config({**HUB_V3, "quantization_config": fp8})
+
+
+def test_multi_token_prediction_layers_are_skipped_on_import():
+    args = FLAVORS["deepseek_v3"]["debug"]
+    state = Transformer(args).state_dict()
+    hub = {**hf.to_hf_state_dict(state, args), "model.layers.4.eh_proj.weight": torch.zeros(2, 2),
+           "model.layers.4.mlp.experts.0.gate_proj.weight": torch.zeros(2, 2)}  # the hub's layer 61, here 4
+    assert hf.from_hf_state_dict(hub, args).keys() == state.keys()
+    assert hf.skip_hf_key("model.layers.4.enorm.weight", args) and not hf.skip_hf_key("model.layers.3.enorm.weight", args)

@@ -164,6 +164,10 @@ def args_from_hf_config(config: dict[str, Any]) -> DeepseekArgs:
         raise ValueError(f"hidden_act='{config['hidden_act']}' is not supported (DeepSeek's SwiGLU uses silu)")
     if config.get("attention_bias") or config.get("mlp_bias"):
         raise ValueError("attention_bias/mlp_bias=true are not supported (ember's DeepSeek has no biases)")
+    if config.get("quantization_config"):  # the hub's DeepSeek-V3: fp8 blocks with weight_scale_inv beside them
+        method = config["quantization_config"].get("quant_method", "?")
+        raise ValueError(f"quantization_config ({method}) is not supported: ember reads unquantized weights; convert "
+                         "the checkpoint to bf16 first (DeepSeek-V3's inference/fp8_cast_bf16.py)")
     if config.get("tie_word_embeddings"):
         raise ValueError("tie_word_embeddings=true is not supported for DeepSeek (no DeepSeek checkpoint ties them)")
     if (config.get("num_key_value_heads") or heads) != heads:
