@@ -1,5 +1,5 @@
 """The families on the shared decoder with pieces of their own (Qwen2's q/k/v biases, Qwen3's per-head q/k
-norms and wide heads, sliding windows, Qwen3-MoE's experts, Llama 4's chunks, NoPE temperature and shared expert) train exactly like one process on the meshes that
+norms and wide heads, sliding windows, Qwen3-MoE's experts, Llama 4's chunks, NoPE temperature and shared expert, DeepSeek's MLA with its shared rope key and grouped routing) train exactly like one process on the meshes that
 split those pieces: tensor (+ sequence) parallel splits the biases and the heads the norms run over, context
 parallelism cuts the sequence a window slides along, a pipeline stage holds some of the blocks, expert
 parallelism the experts. Tolerance rel 1e-5 in fp32, as tests/parallel/test_layouts.py."""
@@ -27,6 +27,9 @@ FAMILIES = {
     # with V3's score bias (moved by the summed load each step) and a shared expert
     "deepseek_v3": ["model.family=deepseek_v3", "model.n_kv_heads=null", "model.n_experts=8", "model.top_k=2",
                     "model.moe_hidden_dim=32", "model.aux_loss_coef=0"],
+    # V2-Lite's form: q straight from x (column-wise wq, no q latent), softmax routing without groups
+    "deepseek_v2": ["model.family=deepseek_v2", "model.n_kv_heads=null", "model.n_experts=8", "model.top_k=2",
+                    "model.moe_hidden_dim=32", "model.aux_loss_coef=0"],
     "mistral": ["model.family=mistral", "model.sliding_window=8"],
     "phi3": ["model.family=phi3", "model.sliding_window=8"],
     # 6 layers: 5 local (window 8, their own RoPE base) and 1 global; four (1 + w) norms per block, q/k norms
@@ -48,6 +51,7 @@ LAYOUTS = {
     "deepseek_v3": {"tensor=2": SPLIT + ["ici_mesh.tensor=2"], "expert=2": SPLIT + ["ici_mesh.expert=2"],
                     "context=2": SPLIT + ["ici_mesh.context=2"], "fsdp=2": ["micro_batch_size=4"],
                     "pipeline=2": SPLIT + ["ici_mesh.pipeline=2", "parallel.pp_schedule=1f1b"]},
+    "deepseek_v2": {"tensor=2": SPLIT + ["ici_mesh.tensor=2"]},
     "mistral": {"context=2": SPLIT + ["ici_mesh.context=2"], "tensor=2 x fsdp": ["micro_batch_size=4", "ici_mesh.tensor=2"]},
     "phi3": {"tensor=2": SPLIT + ["ici_mesh.tensor=2"]},
     "gemma3": {"tensor=2": SPLIT + ["ici_mesh.tensor=2"], "context=2": SPLIT + ["ici_mesh.context=2"]},
