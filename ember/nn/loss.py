@@ -14,7 +14,8 @@ fused kernels elsewhere (Liger, Apple's cut cross-entropy) are Triton/CUDA-only.
 
 from __future__ import annotations
 
-from typing import Union
+import contextlib
+from typing import Iterator, Optional, Union
 
 import torch
 
@@ -74,6 +75,20 @@ class _CrossEntropySum(torch.autograd.Function):
 # fp32 scratch per block of rows for low-precision logits: small enough to stay near the cache on a CPU (and
 # be reused rather than page-faulted), large enough that a GPU runs few, large kernels.
 BLOCK_BYTES = {"cpu": 8 << 20, "cuda": 512 << 20}
+# The device whose block size applies, where it is not the logits' own: `ember plan` tracks a GPU run's step with
+# fake CPU tensors, and the GPU's few large blocks are both what it must count and far fewer ops to trace.
+_blocks_for: Optional[str] = None
+
+
+@contextlib.contextmanager
+def blocks_sized_for(device_type: str) -> Iterator[None]:
+    """Inside: the blockwise loss uses `device_type`'s block size whatever device its logits are on."""
+    global _blocks_for
+    previous, _blocks_for = _blocks_for, device_type
+    try:
+        yield
+    finally:
+        _blocks_for = previous
 
 
 def _blockwise_in_place(x: torch.Tensor, valid: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -83,7 +98,7 @@ def _blockwise_in_place(x: torch.Tensor, valid: torch.Tensor, target: torch.Tens
     fp32 arithmetic as the whole-tensor path) and written back in x's dtype: no (N, V) fp32 tensor (4 bytes
     per logit, 4 GiB for 8K tokens of a 128K vocabulary) and no fresh buffer of that size per step."""
     n_rows, vocab = x.shape
-    rows = max(1, min(n_rows, BLOCK_BYTES.get(x.device.type, 512 << 20) // (4 * vocab)))
+    rows = max(1, min(n_rows, BLOCK_BYTES.get(_blocks_for or x.device.type, 512 << 20) // (4 * vocab)))
     scratch = torch.empty((rows, vocab), dtype=torch.float32, device=x.device)
     loss = torch.zeros((), dtype=torch.float32, device=x.device)
     for start in range(0, n_rows, rows):

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ember.config_schema import JobConfig
+from ember.nn.loss import blocks_sized_for
 from ember.optim import build_optimizer
 from ember.parallel.mesh import ParallelMesh
 from ember.run import RunSpec, build_model, resolve, respecify
@@ -254,7 +255,8 @@ def track_step(spec: RunSpec, mesh: Optional[ParallelMesh], part: nn.Module, kin
     T = cfg.seq_len
     forwards = min(2, spec.grad_accum * spec.pp_microbatches)
     tp_mesh = mesh.submesh("tensor") if mesh is not None else None
-    with FakeTensorMode(allow_non_fake_inputs=True), balanced_routing([part], spec.degree("expert"), spec.compute_dtype):
+    with FakeTensorMode(allow_non_fake_inputs=True), balanced_routing([part], spec.degree("expert"), spec.compute_dtype), \
+            blocks_sized_for(spec.device.type):
         part.to_empty(device="cpu")
         part.tie_weights()
         optimizer = build_optimizer(part, cfg.optim, spec.device.type)

@@ -241,3 +241,19 @@ def test_cli_output_is_never_a_file_of_the_users(tmp_path, capsys):
         assert capsys.readouterr() == ("", f"error: {target} exists and is not a plan.json ember wrote; move it aside "
                                            "or pass another --output\n")
     assert notes.read_text() == '{"text": "mine"}\n' and (tmp_path / "plan.json").read_text() == "not json"
+
+
+@pytest.mark.slow
+def test_llama4_maverick_with_expert_parallelism_matches_the_hand_computed_shards():
+    """expert=64 (8 within a node x 8 across nodes: 2 of the 128 experts per rank), data=8 across nodes on 512 ranks.
+    Dense parameters (attention, norms, router, the shared expert, the dense layers' SwiGLU) are sharded over the
+    expert axis, the routed experts stay whole. Every other layer has experts, starting at layer 1."""
+    dim, kv, hidden, dense_hidden, vocab, ep = 5120, 1024, 8192, 16384, 202048, 64
+    attention_and_norms = (2 * dim * dim + 2 * kv * dim + 2 * dim) // ep
+    dense_layer = attention_and_norms + 3 * dense_hidden * dim // ep
+    moe_layer = attention_and_norms + (128 * dim + 3 * hidden * dim) // ep + 2 * 3 * hidden * dim
+    elements = 24 * dense_layer + 24 * moe_layer + (2 * vocab * dim + dim) // ep
+    state = _state("llama4-maverick", ["ici_mesh.expert=8", "dcn_mesh.expert=8", "ici_mesh.fsdp=1", "dcn_mesh.data=8",
+                                       "global_batch_size=512", "micro_batch_size=1"], 512)
+    assert state.param == elements * 4 == 25_044_490_560
+    assert state.optim == 2 * elements * 4 + 4 * (24 * 9 + 24 * 13 + 3)
