@@ -105,6 +105,7 @@ def check_model(cfg: JobConfig, shape: MeshShape) -> None:
         from ember.xla import checks as xla_checks
 
         xla_checks.check_scan(cfg, args)
+        xla_checks.check_score_bias(cfg, args)
     if cfg.lora.rank:
         lora_lib.check_lora(cfg.lora, cfg.model.family, args, cfg.model.init_from)
 

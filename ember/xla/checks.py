@@ -57,6 +57,14 @@ def check(cfg: JobConfig, shape: MeshShape) -> None:
 
 
 
+def check_score_bias(cfg: JobConfig, args: Any) -> None:
+    """The compiled step holds the model's buffers as constants, so a router's score bias (DeepSeek-V3) would never
+    move: refused while model.bias_update_rate asks it to."""
+    if getattr(args, "score_bias", False) and getattr(args, "n_experts", 0) and cfg.model.bias_update_rate > 0:
+        raise ConfigError(f"device={cfg.device} does not update the routers' score biases (aux-loss-free balancing) "
+                          f"yet; set model.bias_update_rate=0 to train with them frozen, or use device=cpu/cuda")
+
+
 def check_scan(cfg: JobConfig, args: Any) -> None:
     """model.scan_layers against the model (model.init_from's architecture, read): one scanned block stands for
     every block, so they must be the same computation: one attention span, one RoPE table, experts everywhere or
