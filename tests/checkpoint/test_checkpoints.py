@@ -56,6 +56,24 @@ def test_killed_run_resumes_bit_for_bit(uninterrupted: Path, tmp_path: Path):
     assert _train_state(out, 6)["data"] == _train_state(uninterrupted, 6)["data"]  # the same data consumed
 
 
+def test_score_biases_resume_bit_for_bit(tmp_path: Path):
+    """DeepSeek-V3's router score biases move after every step (aux-loss-free balancing) and are model state: a
+    killed run resumes with them as they were, so every later step and the final biases equal an uninterrupted run's."""
+    from ember.load import load_model
+
+    # the debug flavor's MLA and grouped sigmoid routing, two layers (one dense, one MoE)
+    args = [a for a in TINY if not a.startswith("model.")] + ["model.family=deepseek_v3", "model.n_layers=2",
+                                                               "model.vocab_size=256", "model.bias_update_rate=0.01"]
+    for run, env, expect in (("A", _env(tmp_path), 0), ("B", _env(tmp_path, EMBER_KILL_AT_STEP="3"), -signal.SIGKILL),
+                             ("B", _env(tmp_path), 0)):
+        run_ember("train", *args, f"output_dir={tmp_path / run}", env=env, expect=expect)
+    assert losses_by_step(tmp_path / "B") == losses_by_step(tmp_path / "A")
+    biases = [{k: v for k, v in load_model(tmp_path / run).state_dict().items() if k.endswith("score_bias")}
+              for run in ("A", "B")]
+    assert biases[0] and all(torch.equal(biases[0][k], biases[1][k]) for k in biases[0])
+    assert any(bias.abs().sum() > 0 for bias in biases[0].values())  # six steps moved them
+
+
 def test_crash_in_the_middle_of_a_save_keeps_the_previous_checkpoint(uninterrupted: Path, tmp_path: Path):
     out = tmp_path / "C"
     _train(tmp_path, out, env=_env(tmp_path, EMBER_DIE_IN_SAVE_AT="4"), expect=1)
