@@ -167,3 +167,21 @@ def test_multi_token_prediction_layers_are_skipped_on_import():
            "model.layers.4.mlp.experts.0.gate_proj.weight": torch.zeros(2, 2)}  # the hub's layer 61, here 4
     assert hf.from_hf_state_dict(hub, args).keys() == state.keys()
     assert hf.skip_hf_key("model.layers.4.enorm.weight", args) and not hf.skip_hf_key("model.layers.3.enorm.weight", args)
+
+
+def test_state_dict_keys_are_unchanged():
+    # checkpoints, the TP plan and LoRA's targets name these; V2's plain wq stands where V3 has wq_a, q_norm, wq_b
+    attention = ["kv_norm.weight", "wkv_a.weight", "wkv_b.weight", "wo.weight"]
+    for family, q in (("deepseek_v3", ["q_norm.weight", "wq_a.weight", "wq_b.weight"]), ("deepseek_v2", ["wq.weight"])):
+        with torch.device("meta"):
+            model = Transformer(build_model_args(family, "debug"))
+        layer0 = [f"attention.{k}" for k in sorted(attention + q)] + ["attention_norm.weight", "feed_forward.w1.weight",
+                                                                       "feed_forward.w2.weight", "feed_forward.w3.weight",
+                                                                       "ffn_norm.weight"]
+        moe = ["moe.experts.w1", "moe.experts.w2", "moe.experts.w3", "moe.router.gate.weight",
+               *(["moe.router.score_bias"] if family == "deepseek_v3" else []),
+               "moe.shared_expert.w1.weight", "moe.shared_expert.w2.weight", "moe.shared_expert.w3.weight"]
+        layer1 = sorted(set(layer0) - {k for k in layer0 if k.startswith("feed_forward")} | set(moe))
+        keys = {k for k in model.state_dict() if not k.startswith("layers.") or k.split(".")[1] in ("0", "1")}
+        assert sorted(keys) == sorted([f"layers.0.{k}" for k in layer0] + [f"layers.1.{k}" for k in layer1]
+                                      + ["norm.weight", "output.weight", "tok_embeddings.weight"]), family
