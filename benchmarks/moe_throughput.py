@@ -1,6 +1,6 @@
-"""Training tokens/s of a debug MoE (Mixtral's, or Qwen3-MoE's with `--model qwen3_moe`): ember with its grouped
-and its looped expert path vs transformers' own class (MixtralForCausalLM, Qwen3MoeForCausalLM), same config,
-weights, batch, sequence and optimizer.
+"""Training tokens/s of a debug MoE (Mixtral's, Qwen3-MoE's with `--model qwen3_moe`, DeepSeek-V3's with `--model
+deepseek_v3`): ember with its grouped and its looped expert path vs transformers' own class (MixtralForCausalLM,
+Qwen3MoeForCausalLM, DeepseekV3ForCausalLM), same config, weights, batch, sequence and optimizer.
 
 Every contestant runs a full training step (forward, loss, backward, clip, AdamW step) on the same random
 batch. ember runs its Trainer.train_step with every MoE layer's `experts.impl` forced to "grouped"
@@ -15,10 +15,12 @@ single-GPU precision), where ember's grouped path is the grouped GEMM kernel.
 
     python benchmarks/moe_throughput.py                      # 5 rounds of 4 steps, prints a table
     python benchmarks/moe_throughput.py --model qwen3_moe    # Qwen3-MoE's debug flavor (16 experts, top 4)
+    python benchmarks/moe_throughput.py --model deepseek_v3  # DeepSeek-V3's (MLA, 16 experts in 4 groups, top 4,
+                                                             # a shared expert, a dense first layer)
     python benchmarks/moe_throughput.py --quick              # 2 rounds of 1 step: checks that it runs; noise
 
-Writes benchmarks/results/moe_throughput-<cpu|cuda>.json for Mixtral, moe_throughput-qwen3_moe-<cpu|cuda>.json
-for Qwen3-MoE (with --quick: ...-quick.json, so that a smoke run never replaces a measurement).
+Writes benchmarks/results/moe_throughput-<cpu|cuda>.json for Mixtral, moe_throughput-<model>-<cpu|cuda>.json
+for the others (with --quick: ...-quick.json, so that a smoke run never replaces a measurement).
 """
 
 from __future__ import annotations
@@ -118,7 +120,7 @@ def machine(device: torch.device) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="mixtral", choices=["mixtral", "qwen3_moe"],
+    parser.add_argument("--model", default="mixtral", choices=["mixtral", "qwen3_moe", "deepseek_v3"],
                         help="the family whose debug flavor runs (default: mixtral)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=4, help="timed steps per contestant per round")
