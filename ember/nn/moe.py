@@ -208,6 +208,7 @@ class MoE(nn.Module):
         self.aux_loss: Optional[torch.Tensor] = None
         self.z_loss: Optional[torch.Tensor] = None
         self.tokens_per_expert: Optional[torch.Tensor] = None
+        self.stats_with_graph = False  # aux_loss and z_loss kept differentiable (the XLA step's objective takes them)
         # None: every expert is here. Expert parallelism (ember/parallel/ep.py) sets a callable
         # (experts, tokens sorted by expert, counts (E,)) -> outputs that runs them on their own ranks.
         self.dispatch: Optional[Callable[..., torch.Tensor]] = None
@@ -241,8 +242,13 @@ class MoE(nn.Module):
             out = out + self.shared_expert(flat)
         probs = self.router.balance_probabilities(logits)
         share = counts.float() / slots.numel()  # f_e
-        self.aux_loss = self.n_experts * torch.sum(share.detach() * probs.mean(dim=0))
-        self.z_loss = torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
+        aux_loss = self.n_experts * torch.sum(share.detach() * probs.mean(dim=0))
+        z_loss = torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
+        # Values for the metrics: a graph left on the module would hold this forward's activations until the next
+        # forward (under activation checkpointing, every MoE block's recomputed ones, until the step ends). The XLA
+        # step adds the losses to its objective from these attributes, so it keeps them live (`stats_with_graph`).
+        self.aux_loss = aux_loss if self.stats_with_graph else aux_loss.detach()
+        self.z_loss = z_loss if self.stats_with_graph else z_loss.detach()
         self.tokens_per_expert = counts.detach()
         out = out.reshape(B, T, D)
         # Activation checkpointing recomputes this forward inside backward (a graph task is running then):
@@ -252,7 +258,7 @@ class MoE(nn.Module):
         self._step_loads.append(self.tokens_per_expert)
         if not (self.aux_loss_coef or self.z_loss_coef):
             return out
-        router_loss = self.aux_loss_coef * self.aux_loss + self.z_loss_coef * self.z_loss
+        router_loss = self.aux_loss_coef * aux_loss + self.z_loss_coef * z_loss
         return attach_router_loss(out, router_loss, flat.shape[0] * self.loss_weight_per_token)
 
     def init_weights(self, out_std: float) -> None:

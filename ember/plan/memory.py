@@ -335,6 +335,14 @@ def track_step(spec: RunSpec, mesh: Optional[ParallelMesh], part: nn.Module, kin
 
 
 def layer_period(spec: RunSpec) -> int:
-    """Layers after which the stack repeats: whole remat_every periods (selective) and MoE periods (GLaM)."""
+    """Layers after which the stack repeats: whole remat_every periods (selective) and MoE periods (GLaM's moe_every,
+    Qwen3-MoE's and Llama 4's sparse_step)."""
     period = spec.cfg.model.remat_every if spec.cfg.model.remat == "selective" else 1
-    return math.lcm(period, getattr(spec.args, "moe_every", 1) or 1)
+    moe_period = (getattr(spec.args, "moe_every", 1) or 1) if getattr(spec.args, "n_experts", 0) else 1
+    sparse_step = (getattr(spec.args, "sparse_step", 1) or 1) if getattr(spec.args, "n_experts", 0) else 1
+    return math.lcm(period, moe_period, sparse_step)
+
+
+def layer_prefix(spec: RunSpec) -> int:
+    """Layers at the model's start before the stack repeats: DeepSeek's dense layers ahead of the MoE ones."""
+    return getattr(spec.args, "n_dense_layers", 0) if getattr(spec.args, "n_experts", 0) else 0

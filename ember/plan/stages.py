@@ -2,8 +2,9 @@
 (`cut_stage`), tracked by memory.track_step at several layer counts and two row counts (`model_stage`), and
 read back piecewise-affinely (`StageModel.at`); remat=offload derived from full remat's runs (`offloaded`).
 
-The counts are 3k and 4k layers (and fewer where a stage holds fewer), k a multiple of remat_every and moe_every
-so every run sees whole periods. Blocks are alike, but the first few are not on one line: FSDP has up to three
+The counts are 3k and 4k layers (and fewer where a stage holds fewer), k a multiple of remat_every and of the MoE
+period (moe_every, sparse_step) so every run sees whole periods, after the model's non-repeating first layers where
+the stage holds them (DeepSeek's dense prefix). Blocks are alike, but the first few are not on one line: FSDP has up to three
 blocks' weights or gradients unsharded at once (the one computing, the next one's all-gather issued ahead, the
 last one's reduce-scatter in flight), so from three blocks on the peak is affine in the layer count, and a line
 through one and two blocks would count the gathered neighbour once per layer.
@@ -18,7 +19,7 @@ from typing import Optional
 from torch import nn
 
 from ember.parallel.mesh import ParallelMesh
-from ember.plan.memory import Tracked, build_parts, layer_period, track_step
+from ember.plan.memory import Tracked, build_parts, layer_period, layer_prefix, track_step
 from ember.run import RunSpec
 
 
@@ -85,8 +86,12 @@ def model_stage(spec: RunSpec, mesh: Optional[ParallelMesh], kind: str, batch: i
     kind holds), and with `both_batches` at `batch` and 2 x `batch` rows per forward (for other micro-batch
     sizes)."""
     runs, grad_ratio = {}, {}
+    # A stage holding the model's first layers tracks them whole (DeepSeek's dense prefix), so that the line through
+    # the counts adds periods of the repeating layers: a line from a dense-only cut to one with a first MoE layer
+    # would count that layer's one-off gathered experts once per layer.
+    prefix = layer_prefix(spec) if kind in ("whole", "first") else 0
     for rows in ((batch, 2 * batch) if both_batches else (batch,)):
-        for layers in tracked_layer_counts(layer_period(spec), fewest_layers):
+        for layers in (prefix + count for count in tracked_layer_counts(layer_period(spec), fewest_layers - prefix)):
             part = cut_stage(spec, mesh, kind, layers)
             runs[(layers, rows)] = track_step(spec, mesh, part, kind, rows, grad_ratio if not runs else None)
     return StageModel(runs, grad_ratio)

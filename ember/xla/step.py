@@ -163,6 +163,7 @@ def prepare_model(model: nn.Module, options: StepOptions, hidden: Any) -> tuple[
     for moe in model.moe_layers():
         moe.dispatch = lambda run, tokens, counts, experts=moe.experts: _xla_experts(experts, tokens, counts)
         moe.aux_loss_coef = moe.z_loss_coef = 0.0
+        moe.stats_with_graph = True  # the step adds the router losses to its objective from them
     policy = remat_policy(options.remat)
     if options.scan_layers:
         scanned = ScannedBlocks(model.layers["0"], policy)

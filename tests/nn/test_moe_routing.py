@@ -154,3 +154,19 @@ def test_score_bias_moves_by_the_rate_against_each_experts_load():
     assert summed[0].shape == (4, 4) and summed[0][3].tolist() == [8, 4, 2, 2]
     # the mean is 4: the overloaded expert goes down, the underloaded ones up, the balanced one stays
     assert moe.router.score_bias.tolist() == pytest.approx([-0.01, 0.0, 0.01, 0.01])
+
+
+def test_router_loss_metrics_hold_no_graph_unless_the_xla_step_asks():
+    """aux_loss and z_loss are left on the layer for the metrics: as values, since a graph there would keep the
+    forward's activations (under activation checkpointing, each MoE block's recomputed ones) until the next forward."""
+    moe = MoE(DIM, 24, E, 2)
+    moe.train()
+    moe.aux_loss_coef = 0.01  # the router loss still reaches the gradient, through the output
+    moe.loss_weight_per_token = 1.0
+    x = torch.randn(2, 8, DIM, requires_grad=True)
+    moe(x).sum().backward()
+    assert moe.aux_loss.grad_fn is None and moe.z_loss.grad_fn is None
+    assert moe.router.gate.weight.grad is not None
+    moe.stats_with_graph = True
+    moe(x)
+    assert moe.aux_loss.grad_fn is not None

@@ -208,7 +208,7 @@ def test_search_json_holds_the_candidates_the_table_lists(capsys):
 @pytest.mark.parametrize("argv, message", [
     (["plan", "debug", "--world", "3", "ici_mesh.fsdp=2"], "error: ici_mesh x dcn_mesh"),
     (["plan", "debug", "--world", "2", "ici_mesh.fsdp=2", "model.nope=1"],
-     "error: unknown config key 'model.nope' (did you mean 'model.top_k'?)"),
+     "error: unknown config key 'model.nope' (did you mean 'model.nope_every'?)"),
     (["plan", "debug", "--world", "16", "--nodes", "3", "global_batch_size=128"], "error: --nodes 3 does not divide --world 16"),
     (["plan", "debug", "--world", "2", "--device", "tpu-v9"], "error: argument --device: invalid choice: 'tpu-v9' "
      "(choose from 'a100', 'h100', 'h200', 'b200', 'gb200', 'mi300x', 'tpu-v5p', 'tpu-v5e', 'tpu-v6e', 'cpu') "
@@ -257,3 +257,14 @@ def test_llama4_maverick_with_expert_parallelism_matches_the_hand_computed_shard
                                        "global_batch_size=512", "micro_batch_size=1"], 512)
     assert state.param == elements * 4 == 25_044_490_560
     assert state.optim == 2 * elements * 4 + 4 * (24 * 9 + 24 * 13 + 3)
+
+
+def test_the_tracked_cut_repeats_the_model_past_its_first_layers():
+    """The plan's line through its tracked cuts adds whole periods of the repeating layers: Maverick's dense/MoE pairs,
+    and DeepSeek-V3's MoE layers after its three dense ones (a line from a dense-only cut to one with a first MoE layer
+    counted that layer's gathered experts once per layer: 600 GiB planned for 671B on 2,048 H100s)."""
+    from ember.plan.memory import layer_period, layer_prefix
+
+    for recipe, period, prefix in (("llama4-maverick", 2, 0), ("deepseek-v3-671b", 1, 3), ("qwen3-30b-a3b", 1, 0)):
+        spec = plan_spec(run_lib.load_config(recipe, [], world_size=8), 8, "cuda", torch.bfloat16)
+        assert (layer_period(spec), layer_prefix(spec)) == (period, prefix), recipe
