@@ -36,6 +36,19 @@ class ModelConfig:
     # Llama 4's iRoPE: layer i has no RoPE when (i + 1) % nope_every == 0; the RoPE layers attend within chunks of
     # attention_chunk positions; the NoPE layers scale q by log1p(floor((pos + 1) / floor_scale)) * attn_scale + 1
     # (temperature_tuning)
+    # DeepSeek: Multi-head Latent Attention's widths (q_lora_rank: the q latent; kv_lora_rank: the cached latent;
+    # qk_nope_head_dim + qk_rope_head_dim: each head's q/k; v_head_dim), the dense layers before the MoE ones, the
+    # shared experts, and group-limited routing (n_groups groups, the topk_groups best chosen from; route_scale)
+    q_lora_rank: Optional[int] = None
+    kv_lora_rank: Optional[int] = None
+    qk_nope_head_dim: Optional[int] = None
+    qk_rope_head_dim: Optional[int] = None
+    v_head_dim: Optional[int] = None
+    n_dense_layers: Optional[int] = None
+    n_shared_experts: Optional[int] = None
+    n_groups: Optional[int] = None
+    topk_groups: Optional[int] = None
+    route_scale: Optional[float] = None
     nope_every: Optional[int] = None
     attention_chunk: Optional[int] = None
     temperature_tuning: Optional[bool] = None

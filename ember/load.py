@@ -79,7 +79,7 @@ def load_hf_weights(model: Union[nn.Module, list[nn.Module]], directory: Path) -
     hf = MODELS[family].hf
     args = hf.args_from_hf_config(config)
     if getattr(args, "n_experts", 0):  # per-expert HF tensors are stacked on load; not streamed into shards yet
-        raise CheckpointError(f"model.init_from: streaming a {family} Hugging Face directory (its experts stored one matrix each) is not "
+        raise CheckpointError(f"model.init_from: streaming a {family} Hugging Face directory (its experts change layout on load) is not "
                          f"supported yet; convert it first (`ember convert {directory} CKPT`) and use model.init_from=CKPT")
     targets = base_state_dict(model)
     loaded: set[str] = set()
@@ -162,7 +162,7 @@ def resolve_model(family: str, flavor: str, overrides: dict[str, Any], init_from
     table, no weight. The family must be the source's (any Llama family for an HF Llama directory, which
     does not say which Llama it is; config.load puts the source's in place of a recipe's), and the flavor is
     a label: none of its sizes is built."""
-    from ember.models import build_model_args
+    from ember.models import build_model_args, not_a_hyperparameter
 
     if not init_from:
         return ModelChoice(family, flavor, build_model_args(family, flavor, overrides))  # also checks the keys
@@ -175,7 +175,7 @@ def resolve_model(family: str, flavor: str, overrides: dict[str, Any], init_from
     fields = {f.name for f in dataclasses.fields(src_args)} - set(keys.values()) | set(keys)
     unknown = sorted(set(overrides) - fields)
     if unknown:
-        raise ConfigError(f"model.{unknown[0]} is not a hyper-parameter of {family} (fields: {', '.join(sorted(fields))})")
+        raise ConfigError(not_a_hyperparameter(unknown[0], family, fields))
     for key, value in sorted(overrides.items()):
         if key == "max_seq_len" and getattr(src_args, "rope_theta", None) is not None:
             continue

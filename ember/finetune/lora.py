@@ -158,8 +158,8 @@ def resolve_targets(model: nn.Module, targets: str | Sequence[str], rank: int, f
         expert_hits = [e for e in entries if e in ("mlp", "w1", "w2", "w3", "gate_proj", "up_proj", "down_proj", "c_fc")]
         if has_experts and expert_hits:
             shown = "all" if targets == "all" else expert_hits[0]
-            raise ConfigError(f"lora.targets={shown} reaches {family}'s MoE experts, which LoRA does not adapt "
-                              "(their weights are stacked per expert, not nn.Linear); use lora.targets=attn")
+            raise ConfigError(f"lora.targets={shown} reaches {family}'s MoE experts, which LoRA does not adapt (stacked "
+                              "per expert, not nn.Linear); use lora.targets=attn, plus feed_forward.w1/w2/w3 for dense layers")
     unused = [entry for entry, hit in used.items() if not hit]
     if unused or not found:
         what = unused[0] if unused else targets

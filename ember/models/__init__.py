@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable
@@ -75,6 +76,14 @@ def family_of(model: nn.Module) -> str:
     return hf.family_of(model.args) if len(matches) > 1 else matches[0]
 
 
+def not_a_hyperparameter(key: str, family: str, fields: set[str]) -> str:
+    """The error for `model.<key>` that `family` has no field for, offering the fields a user can set (a config key)."""
+    from ember.config_schema import ModelConfig
+
+    settable = sorted(fields & {f.name for f in dataclasses.fields(ModelConfig)})
+    return f"model.{key} is not a hyper-parameter of {family} (its keys: {', '.join(settable)})"
+
+
 def build_model_args(family: str, flavor: str, overrides: dict[str, Any] | None = None) -> Any:
     """The flavor's hyper-parameters with the user's `model.<field>` overrides (None: keep) applied."""
     if family not in MODELS:
@@ -88,7 +97,7 @@ def build_model_args(family: str, flavor: str, overrides: dict[str, Any] | None 
     overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
     unknown = sorted(set(overrides) - fields)
     if unknown:
-        raise ConfigError(f"model.{unknown[0]} is not a hyper-parameter of {family} (fields: {', '.join(sorted(fields))})")
+        raise ConfigError(not_a_hyperparameter(unknown[0], family, fields))
     moe_keys = sorted({"moe_hidden_dim", "norm_topk_prob", "sparse_step", "top_k"} & set(overrides))
     if spec.hf is qwen.hf and family != "qwen3_moe" and moe_keys:
         raise ConfigError(f"model.{moe_keys[0]} is a Qwen3-MoE hyper-parameter, and {family} has no experts; "
@@ -112,6 +121,10 @@ def build_model_args(family: str, flavor: str, overrides: dict[str, Any] | None 
         value = getattr(args, key, None)
         if value is not None and value < 1:
             raise ConfigError(f"model.{key}={value} must be >= 1 (a count of positions or layers)")
+    for key in ("attn_scale", "route_scale"):  # Llama 4's temperature slope, DeepSeek's routed_scaling_factor
+        value = getattr(args, key, None)
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise ConfigError(f"model.{key}={value} must be a finite number >= 0")
     first_windowed = getattr(args, "max_window_layers", 0)
     if first_windowed < 0 or (first_windowed and window is None) or (window is not None and first_windowed >= args.n_layers):
         raise ConfigError(f"model.max_window_layers={first_windowed} must be the first layer with the sliding window: "

@@ -121,8 +121,9 @@ def test_experts_that_do_not_fit_the_router_groups_are_one_line():
     from ember.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"^model.n_experts=4 with model.top_k=4 does not fit the flavor's 4 router "
-                                          r"groups \(top 2\).*use a multiple of 8 experts$"):
+                                          r"groups \(top 2\).*use a multiple of 4 experts of at least 8$"):
         build_model_args("deepseek_v3", "debug", {"n_experts": 4})
+    build_model_args("deepseek_v3", "debug", {"n_experts": 12})  # a multiple of 4, at least 8: what the error asks
     assert build_model_args("deepseek_v3", "debug", {"n_experts": 8, "top_k": 2}).n_experts == 8
 
 

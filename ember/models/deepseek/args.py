@@ -83,7 +83,8 @@ def check_args(args: DeepseekArgs) -> None:
     if args.n_experts % args.n_groups or per_group < 2 or args.top_k > args.topk_groups * per_group:
         raise ConfigError(f"model.n_experts={args.n_experts} with model.top_k={args.top_k} does not fit the flavor's "
                           f"{args.n_groups} router groups (top {args.topk_groups}): each group needs at least 2 experts "
-                          f"and the chosen groups top_k; use a multiple of {2 * args.n_groups} experts")
+                          f"and the chosen groups top_k; use a multiple of {args.n_groups} experts of at least "
+                          f"{max(2 * args.n_groups, -(-args.top_k // args.topk_groups) * args.n_groups)}")
 
 
 # From config.json on the Hugging Face hub: deepseek-ai/DeepSeek-V3 (V3-0324, R1 share it) and DeepSeek-V2-Lite.
