@@ -230,7 +230,10 @@ class MoE(nn.Module):
         grouped = _grouped_available(flat)
         run_experts = lambda tokens, tokens_per_expert: self.experts(tokens, tokens_per_expert, grouped)  # noqa: E731
         slot_weights = weights.flatten()[order, None]  # (N*k, 1)
-        tokens = flat[token_of_slot] * slot_weights if self.scale_input else flat[token_of_slot]
+        # index_select, not flat[token_of_slot]: the indexing's backward (index_put_ accumulating repeated indices)
+        # sums in a thread-dependent order on CPU, so two identical steps differed in the last bit; index_add_ does not
+        routed = flat.index_select(0, token_of_slot)  # (N*k, dim)
+        tokens = routed * slot_weights if self.scale_input else routed
         if self.dispatch is None:
             out_sorted = run_experts(tokens, counts)  # (N*k, dim)
         else:
