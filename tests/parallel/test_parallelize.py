@@ -13,7 +13,8 @@ from ember.nn.attention import FlexAttention, causal_attention
 from ember.nn.moe import MoE
 from ember.parallel.parallelize import ParallelOptions, parallelize
 
-FAMILIES = ["llama3", "mixtral", "glam", "gpt", "deepseek_v3"]  # deepseek_v3: MLA, whose kernel is swapped alike
+FAMILIES = ["llama3", "mixtral", "glam", "gpt", "deepseek_v3", "llama4"]  # deepseek_v3: MLA, whose kernel is swapped alike;
+# llama4: NoPE and chunked layers
 
 
 def _model(family: str) -> torch.nn.Module:
