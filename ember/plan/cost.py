@@ -267,5 +267,6 @@ def granularity_warning(params: list[torch.nn.Parameter]) -> Optional[str]:
             worst = (size, rows)
     if worst is None:
         return None
-    return (f"the FSDP group of {worst[0]} ranks is larger than the {worst[1]} rows of some parameters: ranks beyond "
-            f"row {worst[1]} hold none of them and the shards are uneven; use fewer fsdp ranks (more data ranks, HSDP)")
+    return (f"the FSDP group of {worst[0]} ranks (fsdp x context x expert: the axes dense parameters are sharded over) "
+            f"is larger than the {worst[1]} rows of some parameters: ranks beyond row {worst[1]} hold none of them and "
+            "the shards are uneven; use fewer fsdp ranks (more data ranks, HSDP)")
