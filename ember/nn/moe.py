@@ -52,6 +52,10 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (N, dim) -> weights (N, k), expert indices (N, k), router logits (N, E)."""
+        return self.route(x)[:3]
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """forward's three, and the fp32 scores (N, E) they came from (the MoE layer's balance loss reads them)."""
         logits = self.gate(x)
         scores = self.scores(logits)
         choice = scores if self.score_bias is None else scores + self.score_bias
@@ -69,12 +73,11 @@ class Router(nn.Module):
             weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if self.score_func == "sigmoid" else 0.0))
         if self.route_scale != 1.0:
             weights = weights * self.route_scale
-        return weights.to(x.dtype), indices, logits
+        return weights.to(x.dtype), indices, logits, scores
 
-    def balance_probabilities(self, logits: torch.Tensor) -> torch.Tensor:
-        """(N, E) -> each token's distribution over experts for the load-balancing loss: the softmax, or the
-        sigmoid scores normalised to sum to 1 (DeepSeek-V3's sequence-wise balance loss)."""
-        scores = self.scores(logits)
+    def balance_probabilities(self, scores: torch.Tensor) -> torch.Tensor:
+        """route's scores (N, E) -> each token's distribution over experts for the load-balancing loss: the softmax,
+        or the sigmoid scores normalised to sum to 1 (DeepSeek-V3's sequence-wise balance loss)."""
         return scores if self.score_func == "softmax" else scores / scores.sum(dim=-1, keepdim=True)
 
 
@@ -222,7 +225,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, D = x.shape
         flat = x.reshape(-1, D)  # (N, dim)
-        weights, indices, logits = self.router(flat)  # (N, k), (N, k), (N, E)
+        weights, indices, logits, scores = self.router.route(flat)  # (N, k), (N, k), (N, E), (N, E)
         slots = indices.flatten()  # (N*k,): slot j is token j // k's (j % k)-th expert
         order = torch.argsort(slots, stable=True)
         counts = torch.bincount(slots, minlength=self.n_experts)  # (E,)
@@ -243,7 +246,7 @@ class MoE(nn.Module):
         out = torch.zeros_like(flat).index_add_(0, token_of_slot, out_sorted)  # sum of each token's k experts
         if self.shared_expert is not None:
             out = out + self.shared_expert(flat)
-        probs = self.router.balance_probabilities(logits)
+        probs = self.router.balance_probabilities(scores)
         share = counts.float() / slots.numel()  # f_e
         aux_loss = self.n_experts * torch.sum(share.detach() * probs.mean(dim=0))
         z_loss = torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
