@@ -150,14 +150,7 @@ def args_from_hf_config(config: dict[str, Any]) -> LlamaArgs:
             raise ValueError(f"{flag}=true is not supported (ember's Llama has no biases)")
     if config.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act='{config['hidden_act']}' is not supported (SwiGLU uses silu)")
-    scaling = {}
-    if rope["rope_type"] == "llama3":
-        scaling = dict(
-            rope_scaling_factor=float(rope["factor"]),
-            rope_low_freq_factor=float(rope["low_freq_factor"]),
-            rope_high_freq_factor=float(rope["high_freq_factor"]),
-            rope_original_max_seq_len=int(rope["original_max_position_embeddings"]),
-        )
+    scaling = llama31_scaling_fields(rope)
     return LlamaArgs(
         dim=dim,
         n_layers=config["num_hidden_layers"],
@@ -174,17 +167,29 @@ def args_from_hf_config(config: dict[str, Any]) -> LlamaArgs:
     )
 
 
-def hf_config_from_args(args: LlamaArgs) -> dict[str, Any]:
-    """A config.json for LlamaForCausalLM (also `transformers.LlamaConfig(**it)`)."""
+def llama31_scaling_fields(rope: dict[str, Any]) -> dict[str, Any]:
+    """The args fields of a config's Llama 3.1 RoPE scaling (rope_type "llama3"; Llama 3.1-3.2, Llama 4 Scout); {}
+    for any other type."""
+    if rope["rope_type"] != "llama3":
+        return {}
+    return dict(rope_scaling_factor=float(rope["factor"]), rope_low_freq_factor=float(rope["low_freq_factor"]),
+                rope_high_freq_factor=float(rope["high_freq_factor"]),
+                rope_original_max_seq_len=int(rope["original_max_position_embeddings"]))
+
+
+def rope_parameters(args: Any) -> dict[str, Any]:
+    """config.json's rope_parameters for args with rope_theta and, where set, Llama 3.1 scaling."""
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": args.rope_theta}
     if args.rope_scaling_factor is not None:
-        rope.update(
-            rope_type="llama3",
-            factor=args.rope_scaling_factor,
-            low_freq_factor=args.rope_low_freq_factor,
-            high_freq_factor=args.rope_high_freq_factor,
-            original_max_position_embeddings=args.rope_original_max_seq_len,
-        )
+        rope.update(rope_type="llama3", factor=args.rope_scaling_factor, low_freq_factor=args.rope_low_freq_factor,
+                    high_freq_factor=args.rope_high_freq_factor,
+                    original_max_position_embeddings=args.rope_original_max_seq_len)
+    return rope
+
+
+def hf_config_from_args(args: LlamaArgs) -> dict[str, Any]:
+    """A config.json for LlamaForCausalLM (also `transformers.LlamaConfig(**it)`)."""
+    rope = rope_parameters(args)
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",

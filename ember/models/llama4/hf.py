@@ -148,11 +148,7 @@ def args_from_hf_config(config: dict[str, Any]) -> Llama4Args:
     if config.get("layer_types") not in (None, expected):
         raise ValueError(f"layer_types {config['layer_types']} differ from no_rope_layers' chunked layers, which is all "
                          "ember's Llama 4 expresses")
-    scaling = {}
-    if rope["rope_type"] == "llama3":
-        scaling = dict(rope_scaling_factor=float(rope["factor"]), rope_low_freq_factor=float(rope["low_freq_factor"]),
-                       rope_high_freq_factor=float(rope["high_freq_factor"]),
-                       rope_original_max_seq_len=int(rope["original_max_position_embeddings"]))
+    scaling = llama_hf.llama31_scaling_fields(rope)
     return Llama4Args(
         dim=config["hidden_size"], n_layers=n, n_heads=config["num_attention_heads"],
         n_kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
@@ -170,11 +166,7 @@ def args_from_hf_config(config: dict[str, Any]) -> Llama4Args:
 
 def hf_config_from_args(args: Llama4Args) -> dict[str, Any]:
     """A config.json that transformers' Llama4ForCausalLM loads as this model."""
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": args.rope_theta}
-    if args.rope_scaling_factor is not None:
-        rope.update(rope_type="llama3", factor=args.rope_scaling_factor, low_freq_factor=args.rope_low_freq_factor,
-                    high_freq_factor=args.rope_high_freq_factor,
-                    original_max_position_embeddings=args.rope_original_max_seq_len)
+    rope = llama_hf.rope_parameters(args)
     n = args.n_layers
     return {
         "architectures": ["Llama4ForCausalLM"], "model_type": "llama4_text", "hidden_size": args.dim,
