@@ -53,13 +53,16 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, nargs="+", default=[256, 1024])
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="where both models decode, in fp32 (default: cuda when there is one)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     torch.manual_seed(0)
     hf_model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**CONFIG)).eval()
     with tempfile.TemporaryDirectory() as directory:
         hf_model.save_pretrained(directory)
-        ours = load_model(Path(directory)).eval()
+        ours = load_model(Path(directory)).eval().to(args.device)
+    hf_model.to(args.device)
 
     def run_hf(prompt: torch.Tensor, n: int) -> list[int]:
         with torch.no_grad():
@@ -73,7 +76,7 @@ def main() -> None:
 
     rows = []
     for length in args.prompts:
-        prompt = torch.randint(2, CONFIG["vocab_size"], (1, length), generator=torch.Generator().manual_seed(length))
+        prompt = torch.randint(2, CONFIG["vocab_size"], (1, length), generator=torch.Generator().manual_seed(length)).to(args.device)
         per_token: dict[str, list[float]] = {"transformers": [], "ember": []}
         for round_ in range(args.rounds):
             for name, run in (("transformers", run_hf), ("ember", run_ours)):

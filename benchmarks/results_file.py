@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 from datetime import date
 from pathlib import Path
@@ -15,9 +16,12 @@ import torch
 def write_results(name: str, rows: list[dict[str, Any]], args: argparse.Namespace, **versions: str) -> Path:
     """benchmarks/results/<name>-<cuda|cpu>.json (args.out: the folder) with the date, machine, torch version,
     the given library `versions`, the command-line config and the rows; prints and returns the path."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    result = {"benchmark": name, "date": date.today().isoformat(),
-              "machine": f"{platform.machine()} {device}, {torch.get_num_threads()} threads",
+    # where it ran: the benchmark's own --device when that names one, else the GPU when there is one
+    device = getattr(args, "device", None)
+    device = device if device in ("cuda", "cpu") else ("cuda" if torch.cuda.is_available() else "cpu")
+    machine = (f"{torch.cuda.get_device_name()}, {os.cpu_count()} CPU cores" if device == "cuda"
+               else f"{platform.machine()} cpu, {torch.get_num_threads()} threads")
+    result = {"benchmark": name, "date": date.today().isoformat(), "machine": machine,
               "torch": torch.__version__, **versions, "config": vars(args) | {"out": str(args.out)}, "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{name}-{device}.json"
