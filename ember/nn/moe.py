@@ -243,7 +243,9 @@ class MoE(nn.Module):
             out_sorted = self.dispatch(run_experts, tokens, counts)
         if not self.scale_input:
             out_sorted = out_sorted * slot_weights
-        out = torch.zeros_like(flat).index_add_(0, token_of_slot, out_sorted)  # sum of each token's k experts
+        # Summed in the stream's dtype: under autocast the experts return bf16, which the routing weights promote
+        # back unless they scaled the input (Llama 4) instead.
+        out = torch.zeros_like(flat).index_add_(0, token_of_slot, out_sorted.to(flat.dtype))  # each token's k experts
         if self.shared_expert is not None:
             out = out + self.shared_expert(flat)
         probs = self.router.balance_probabilities(scores)

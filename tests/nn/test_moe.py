@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from ember.nn.feed_forward import FeedForward
 from ember.nn.moe import MoE, Experts, _grouped_available
 
 # Only the grouped path needs the kernel; the loop and the references run on any torch.
@@ -133,6 +134,26 @@ def test_moe_layer_equals_per_token_reference(impl: str, batch: int, seq: int):
     with torch.no_grad():
         expected = _per_token_reference(moe, x)
     torch.testing.assert_close(out.detach(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", [GROUPED, "looped"])
+@pytest.mark.parametrize("scale_input", [False, True])  # True: Llama 4 weights the expert's input, not its output
+def test_moe_layer_under_bf16_autocast_follows_its_fp32_output(impl: str, scale_input: bool):
+    # bf16 training: an fp32 residual stream, bf16 expert products. Both weightings sum the k experts in the
+    # stream's dtype (an un-promoted bf16 sum once failed index_add_ for Llama 4 on a GPU).
+    torch.manual_seed(0)
+    moe = MoE(dim=32, hidden_dim=48, n_experts=8, top_k=2, scale_input=scale_input,
+              shared_expert=FeedForward(32, 48))
+    moe.init_weights(out_std=0.1)
+    moe.experts.impl = impl
+    x = torch.randn(2, 8, 32)
+    reference = moe(x).detach()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = moe(x)
+    out.float().sum().backward()
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.detach(), reference, rtol=5e-2, atol=5e-2)
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in moe.experts.parameters())
 
 
 @needs_grouped_mm
