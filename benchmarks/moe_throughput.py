@@ -18,6 +18,8 @@ single-GPU precision), where ember's grouped path is the grouped GEMM kernel.
     python benchmarks/moe_throughput.py --model deepseek_v3  # DeepSeek-V3's (MLA, 16 experts in 4 groups, top 4,
                                                              # a shared expert, a dense first layer)
     python benchmarks/moe_throughput.py --quick              # 2 rounds of 1 step: checks that it runs; noise
+    python benchmarks/moe_throughput.py --model qwen3_moe --override model.dim=1024 model.n_experts=64 \
+        model.moe_hidden_dim=512 --name wide                 # a wider model, where a GPU's time is in its kernels
 
 Writes benchmarks/results/moe_throughput-<cpu|cuda>.json for Mixtral, moe_throughput-<model>-<cpu|cuda>.json
 for the others (with --quick: ...-quick.json, so that a smoke run never replaces a measurement).
@@ -130,12 +132,19 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="2 rounds of 1 step, 1 warm-up: a smoke run")
     parser.add_argument("--hf-experts", default=None, choices=["eager", "grouped_mm", "batched_mm"],
                         help="transformers' experts implementation (default: the one it picks itself)")
+    parser.add_argument("--override", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="ember config overrides of the debug flavor (e.g. model.dim=1024 model.n_experts=64), "
+                             "exported to transformers' config alike")
+    parser.add_argument("--name", default="", help="a suffix for the JSON's name, for a run with --override")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
+    if args.override and not args.name:
+        parser.error("--override changes the model: name its results with --name (the JSON would replace the debug one)")
     if args.quick:
         args.rounds, args.steps, args.warmup = 2, 1, 1
 
-    overrides = [f"seq_len={args.seq_len}", f"global_batch_size={args.batch}", f"micro_batch_size={args.batch}"]
+    overrides = [f"seq_len={args.seq_len}", f"global_batch_size={args.batch}", f"micro_batch_size={args.batch}",
+                 *args.override]
     with tempfile.TemporaryDirectory() as tmp:
         trainer = build_ember(args.model, overrides, tmp)
         device, margs = trainer.device, trainer.spec.args
@@ -193,6 +202,7 @@ def main() -> int:
                       "max_grad_norm": trainer.cfg.optim.max_grad_norm},
         "transformers_experts_implementation": hf_experts,
         "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup, "quick": args.quick,
+        "overrides": args.override,
     }
 
     print(f"\nMoE train throughput, {machine(device)}, torch {torch.__version__}; {args.model} debug "
@@ -219,7 +229,8 @@ def main() -> int:
     }
     args.out.mkdir(parents=True, exist_ok=True)
     model = "" if args.model == "mixtral" else f"{args.model}-"
-    path = args.out / f"moe_throughput-{model}{device.type}{'-quick' if args.quick else ''}.json"
+    name = f"-{args.name}" if args.name else ""
+    path = args.out / f"moe_throughput-{model}{device.type}{name}{'-quick' if args.quick else ''}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {path}")
     return 0

@@ -193,6 +193,9 @@ def generate(model: nn.Module, tokenizer: AnyTokenizer, prompts: Sequence[Union[
     out_ids: list[list[int]] = [[] for _ in range(batch)]
     texts, reasons = [""] * batch, [""] * batch
     eos = getattr(tokenizer, "eos_id", None) if stop_at_eos else None
+    # The cache's end (slots[-1] + 1) and whether any row is left-padded, kept on the host: read back from the
+    # tensors they would cost every layer a device sync at every step.
+    end, padded = longest, any(len(row) < longest for row in ids)
     try:
         slots = torch.arange(longest, device=device)  # prefill: every prompt slot at once
         step_tokens = sequence = tokens
@@ -201,7 +204,7 @@ def generate(model: nn.Module, tokenizer: AnyTokenizer, prompts: Sequence[Union[
         switch = getattr(model, "rope_switch_length", None)
         for _ in range(max_new_tokens):
             for cache in caches:
-                cache.set_positions(slots, pad)
+                cache.set_positions(slots, pad, end=end, padded=padded)
             positions = (slots[None, :] - pad[:, None]).clamp_min(0)  # (B, T): each row counts from its first token
             step = decode_step if step_tokens.shape[1] == 1 else model  # the prefill runs eagerly
             logits = step(step_tokens, positions, last_only=True)[:, -1]  # (B, V): all that is sampled from
@@ -225,10 +228,10 @@ def generate(model: nn.Module, tokenizer: AnyTokenizer, prompts: Sequence[Union[
                 texts[row] = text
             if all(reasons):
                 break
-            slots = slots[-1:] + 1  # decode: one new slot per row
+            slots, end = slots[-1:] + 1, end + 1  # decode: one new slot per row
             step_tokens = next_tokens[:, None]
             sequence = torch.cat([sequence, step_tokens], dim=1)
-            if switch is not None and int(slots) == switch:
+            if switch is not None and end - 1 == switch:
                 slots, step_tokens = torch.arange(switch + 1, device=device), sequence
     finally:
         detach_kv_caches(model)

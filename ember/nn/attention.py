@@ -128,9 +128,13 @@ class KVCache:
         # shapes (a compiled decode step then compiles once instead of once per length).
         self.static = False
 
-    def set_positions(self, slots: torch.Tensor, pad: torch.Tensor) -> None:
+    def set_positions(self, slots: torch.Tensor, pad: torch.Tensor, end: Optional[int] = None,
+                      padded: Optional[bool] = None) -> None:
+        """end (slots[-1] + 1) and padded (pad.any()) as Python values where the caller keeps them: each read from
+        the tensors is a device sync per layer and step on a GPU."""
         self.slots, self.pad = slots, pad
-        self.end, self.padded = int(slots[-1]) + 1, bool(pad.any())
+        self.end = int(slots[-1]) + 1 if end is None else end
+        self.padded = bool(pad.any()) if padded is None else padded
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                span: Optional[AttentionSpan] = None, softcap: Optional[float] = None) -> torch.Tensor:

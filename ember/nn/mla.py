@@ -117,8 +117,10 @@ class LatentKVCache:
         self.end = 0  # slots[-1] + 1, as a Python int
         self.static = False
 
-    def set_positions(self, slots: torch.Tensor, pad: torch.Tensor) -> None:
-        self.slots, self.pad, self.end = slots, pad, int(slots[-1]) + 1
+    def set_positions(self, slots: torch.Tensor, pad: torch.Tensor, end: Optional[int] = None,
+                      padded: Optional[bool] = None) -> None:
+        self.slots, self.pad = slots, pad
+        self.end = int(slots[-1]) + 1 if end is None else end  # the caller's Python int saves a device sync
 
     def attend(self, q_nope: torch.Tensor, q_rope: torch.Tensor, c_kv: torch.Tensor, k_rope: torch.Tensor,
                kv_b: torch.Tensor, scale: float) -> torch.Tensor:

@@ -165,7 +165,9 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 def _grouped_available(x: torch.Tensor) -> bool:
     """Whether the experts take the grouped path for these tokens (N, dim):
-    - CUDA, bf16 compute (bf16 tokens, or fp32 ones under bf16 autocast): the grouped GEMM kernel;
+    - CUDA, bf16 compute (bf16 tokens, or fp32 ones under bf16 autocast): the grouped GEMM kernel; fp32 (eval,
+      fp32 decode): torch's GEMM per group inside the op, one op instead of E Python matmuls and the loop's
+      `counts.tolist()` at every layer;
     - CPU, fp32 or bf16 compute: torch's CPU grouped_mm (one GEMM per expert inside the op), level with
       the loop at few experts and ahead at many (the loop's Python and autograd cost grows with E), so
       CPU tests run the op GPUs run (benchmarks/moe_throughput.py times both paths). Padding every block
@@ -177,9 +179,7 @@ def _grouped_available(x: torch.Tensor) -> bool:
     dtype = _compute_dtype(x)
     if not hasattr(F, "grouped_mm"):
         return False
-    if x.is_cuda:
-        return dtype == torch.bfloat16
-    if x.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+    if x.device.type not in ("cuda", "cpu") or dtype not in (torch.float32, torch.bfloat16):
         return False
     if torch.compiler.is_compiling() and dtype != torch.bfloat16:
         return False

@@ -164,6 +164,34 @@ def test_a_prompt_beyond_the_context_is_one_line():
         generate(model, IdTokenizer(), [" ".join(["5"] * 60)], max_new_tokens=10)
 
 
+class _ScalarReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the tensor-to-Python reads (`int(t)`, `bool(t)`, `t.item()`): each is a device sync on a GPU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("family", ["mistral", "mixtral"])
+def test_decoding_reads_no_scalar_from_the_device_per_layer(family: str):
+    # The caches' end and padding come from generate's own Python counters, so the reads do not grow with the
+    # layers or the steps (a GPU would sync at each); the MoE takes the grouped path with no per-layer read.
+    reads = {}
+    for n_layers in (2, 4):
+        torch.manual_seed(0)
+        args = build_model_args(family, "debug", {**FAMILIES[family], "n_layers": n_layers})
+        model = MODELS[family].model_cls(args)
+        model.init_weights()
+        with _ScalarReads() as mode:
+            generate(model.eval(), IdTokenizer(), [[5, 6, 7], [8, 9]], max_new_tokens=6, stop_at_eos=False)
+        reads[n_layers] = mode.count
+    assert reads[2] == reads[4] == 0, reads
+
+
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("gen") / "run"
