@@ -11,7 +11,7 @@ context parallelism's all-gathered form apply to true positions.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -29,17 +29,21 @@ class AttentionSpan:
 
     def mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
         """Positions of queries and keys (broadcastable) -> bool, True where the key is seen (causal included)."""
-        seen = k_pos <= q_pos
-        if self.window is not None:
-            seen = seen & (q_pos - k_pos < self.window)
-        if self.chunk is not None:
-            seen = seen & (torch.div(q_pos, self.chunk, rounding_mode="floor")
-                           == torch.div(k_pos, self.chunk, rounding_mode="floor"))
-        return seen
+        return span_mask(q_pos, k_pos, self.window, self.chunk)
 
     def limits(self, length: int) -> bool:
         """Whether the span hides any key from some query of a sequence of `length` positions (else: plain causal)."""
         return (self.window is not None and self.window < length) or (self.chunk is not None and self.chunk < length)
+
+
+def span_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: Optional[int], chunk: Optional[int]) -> torch.Tensor:
+    """AttentionSpan.mask of a span given by its numbers."""
+    seen = k_pos <= q_pos
+    if window is not None:
+        seen = seen & (q_pos - k_pos < window)
+    if chunk is not None:
+        seen = seen & (torch.div(q_pos, chunk, rounding_mode="floor") == torch.div(k_pos, chunk, rounding_mode="floor"))
+    return seen
 
 
 def scored_length(span: Optional[AttentionSpan], seq_len: int) -> float:
@@ -170,38 +174,52 @@ class KVCache:
 class FlexAttention:
     """Block-causal and local-span attention with flex attention's sparse BlockMask (CUDA): fully masked
     blocks (other documents, keys past a sliding window or outside a chunk) are skipped instead of computed
-    and discarded. A mask is built once per batch and span and reused by every layer with that span (keyed
-    by the document_ids tensor itself)."""
+    and discarded. `prepare` builds one mask per span of the model's layers for a batch, eagerly, before the
+    blocks run (parallelize makes it the model's forward pre-hook): compiled blocks then only read the masks,
+    where a cache consulted inside them (keyed by the document_ids tensor) made each new batch a guard failure
+    and a recompilation."""
 
-    def __init__(self) -> None:
+    def __init__(self, spans: Iterable[Optional[AttentionSpan]]) -> None:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
         self._create_block_mask = create_block_mask
         self._flex = torch.compile(flex_attention)  # flex attention is only fast compiled
-        self._key: Optional[torch.Tensor] = None
-        self._masks: dict[tuple[Optional[AttentionSpan], int], object] = {}
+        self._spans = set(spans)
+        self._masks: dict[tuple[Optional[int], Optional[int]], object] = {}  # (window, chunk) -> BlockMask
 
-    def _block_mask(self, document_ids: Optional[torch.Tensor], span: Optional[AttentionSpan], length: int,
-                    device: torch.device):
-        if self._key is not document_ids:
-            self._masks, self._key = {}, document_ids
-        if (span, length) not in self._masks:
-            def visible(b, h, q_idx, kv_idx):
-                seen = span.mask(q_idx, kv_idx) if span is not None else q_idx >= kv_idx
-                return seen & (document_ids[b, q_idx] == document_ids[b, kv_idx]) if document_ids is not None else seen
-
+    def prepare(self, document_ids: Optional[torch.Tensor], length: int, device: torch.device) -> None:
+        """The masks of a batch of `length` positions (document_ids (B, T), or None: plain causal documents)."""
+        self._masks = {}
+        for span in self._spans:
+            span = _limiting(span, length)
+            if span is None and document_ids is None:
+                continue  # plain causal: SDPA's own
             batch = document_ids.shape[0] if document_ids is not None else None
-            self._masks[(span, length)] = self._create_block_mask(visible, batch, None, length, length,
-                                                                  device=device)
-        return self._masks[(span, length)]
+            self._masks[_span_key(span)] = self._create_block_mask(_mask_mod(document_ids, *_span_key(span)), batch,
+                                                                   None, length, length, device=device)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  document_ids: Optional[torch.Tensor] = None, span: Optional[AttentionSpan] = None) -> torch.Tensor:
         span = _limiting(span, q.shape[2])
         if document_ids is None and span is None:
             return causal_attention(q, k, v)
-        block_mask = self._block_mask(document_ids, span, q.shape[2], q.device)
+        block_mask = self._masks[_span_key(span)]
         return self._flex(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _span_key(span: Optional[AttentionSpan]) -> tuple[Optional[int], Optional[int]]:
+    return (span.window, span.chunk) if span is not None else (None, None)
+
+
+def _mask_mod(document_ids: Optional[torch.Tensor], window: Optional[int],
+              chunk: Optional[int]) -> Callable[..., torch.Tensor]:
+    """flex attention's mask_mod: whether query q_idx of row b sees key kv_idx (causal, span, same document). It
+    holds the span's numbers, not a layer's AttentionSpan: compiled blocks would guard on which object it was."""
+    def visible(b, h, q_idx, kv_idx):
+        seen = span_mask(q_idx, kv_idx, window, chunk)
+        return seen & (document_ids[b, q_idx] == document_ids[b, kv_idx]) if document_ids is not None else seen
+
+    return visible
 
 
 def document_layout(tokens: torch.Tensor, eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:

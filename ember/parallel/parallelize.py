@@ -20,6 +20,7 @@ matrices stay whole for the grouped GEMM.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
@@ -80,6 +81,13 @@ def settle_embedding_output(module: nn.Module, inputs: tuple[torch.Tensor, ...],
     return DTensor.from_local(local, output.device_mesh, output.placements, run_check=False)
 
 
+def _prepare_flex_masks(kernel: FlexAttention, model: nn.Module, args: tuple, kwargs: dict) -> None:
+    """The model's forward pre-hook under flex attention: this batch's block masks, built before any block runs.
+    The forward's (tokens or hidden states (B, T, ...), positions, document_ids), positional or by keyword."""
+    document_ids = kwargs.get("document_ids", args[2] if len(args) > 2 else None)
+    kernel.prepare(document_ids, args[0].shape[1], args[0].device)
+
+
 def apply_compile(model: nn.Module) -> None:
     """torch.compile per block rather than the whole model: the blocks share one graph, compiled once and
     reused, and FSDP can later wrap each compiled block on its own. Module.compile works in place, so
@@ -126,9 +134,10 @@ def parallelize(model: nn.Module, mesh: Optional[ParallelMesh], tp_plan: TPPlan,
     if cp_mesh is not None:
         apply_cp(model, cp_mesh, options.cp_impl)
     if options.flex_attention:  # document masking on CUDA: one shared kernel, so layers reuse one BlockMask per batch
-        kernel = FlexAttention()
+        kernel = FlexAttention(getattr(layer.attention, "span", None) for layer in model.layers.values())
         for layer in model.layers.values():
             layer.attention.attention_fn = kernel
+        model.register_forward_pre_hook(partial(_prepare_flex_masks, kernel), with_kwargs=True)
     apply_ac(model, options.remat, options.remat_every)
     if options.compile:
         if tp_mesh is not None:

@@ -54,3 +54,29 @@ def test_compile_and_remat_keep_names_and_leave_moe_layers_eager(family: str):
         assert block._compiled_call_impl is None
         assert all(m._compiled_call_impl is None for m in moe)
         assert block.attention._compiled_call_impl is not None and block.attention_norm._compiled_call_impl is not None
+
+
+@pytest.mark.parametrize("family", ["mistral", "llama4"])  # sliding windows; chunked and NoPE layers
+def test_flex_masks_are_built_before_compiled_blocks_so_new_batches_do_not_recompile(
+        family: str, monkeypatch: pytest.MonkeyPatch):
+    # Compiled blocks once read a mask cache keyed by the document_ids tensor: every batch failed a guard, and
+    # after 8 recompilations a fullgraph block raised (Qwen3-MoE on an H100). The masks now come from the model's
+    # forward pre-hook; a block compiles once per kind of layer, and later batches reuse them. CPU: flex
+    # attention runs forward only here, and the blocks compile with aot_eager (the guards are dynamo's either way).
+    compile_module = torch.nn.Module.compile
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: compile_module(self, backend="aot_eager", **kw))
+    torch.manual_seed(0)
+    model = MODELS[family].model_cls(build_model_args(family, "debug", {"n_layers": 4, "max_seq_len": 256}))
+    model.init_weights()
+    parallelize(model, None, MODELS[family].tp_plan, ParallelOptions(flex_attention=True, compile=True))
+    torch._dynamo.reset()
+    frames = []
+    with torch.no_grad():
+        for batch in range(3):
+            tokens = torch.randint(0, 256, (2, 160), generator=torch.Generator().manual_seed(batch))
+            document_ids = (torch.arange(160) >= 40 + 30 * batch).long().expand(2, -1)  # two documents
+            positions = torch.arange(160) - torch.where(document_ids[0] == 1, 40 + 30 * batch, 0)
+            out = model(tokens, positions.expand(2, -1), document_ids)
+            frames.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+            assert torch.isfinite(out).all() and isinstance(model.layers["0"].attention.attention_fn, FlexAttention)
+    assert frames[0] > 0 and frames[1] == frames[2] == frames[0], frames
