@@ -53,6 +53,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, nargs="+", default=[256, 1024])
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--compile", action="store_true",
+                        help="also time ember's compiled decode step (generate(compile=True), `ember generate --compile`)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="where both models decode, in fp32 (default: cuda when there is one)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
@@ -70,28 +72,43 @@ def main() -> None:
                                     pad_token_id=0)
         return out[0, prompt.shape[1]:].tolist()
 
-    def run_ours(prompt: torch.Tensor, n: int) -> list[int]:
-        (result,) = generate(ours, IdTokenizer(), [prompt[0].tolist()], max_new_tokens=n, stop_at_eos=False)
+    def run_ours(prompt: torch.Tensor, n: int, compile: bool = False) -> list[int]:
+        (result,) = generate(ours, IdTokenizer(), [prompt[0].tolist()], max_new_tokens=n, stop_at_eos=False,
+                             compile=compile)
         return result.token_ids
+
+    contestants = [("transformers", run_hf), ("ember", run_ours)]
+    if args.compile:
+        contestants.append(("ember compiled", lambda prompt, n: run_ours(prompt, n, compile=True)))
 
     rows = []
     for length in args.prompts:
         prompt = torch.randint(2, CONFIG["vocab_size"], (1, length), generator=torch.Generator().manual_seed(length)).to(args.device)
-        per_token: dict[str, list[float]] = {"transformers": [], "ember": []}
+        per_token: dict[str, list[float]] = {name: [] for name, _ in contestants}
+        if args.compile:  # compiled for both timed lengths (the static cache's size) outside the timing
+            run_ours(prompt, 1, compile=True), run_ours(prompt, args.new_tokens, compile=True)
         for round_ in range(args.rounds):
-            for name, run in (("transformers", run_hf), ("ember", run_ours)):
+            for name, run in contestants:
                 first, _ = _timed(lambda: run(prompt, 1))
                 total, tokens = _timed(lambda: run(prompt, args.new_tokens))
                 per_token[name].append((total - first) / (args.new_tokens - 1))
                 if round_ == 0:
                     per_token.setdefault(f"{name} tokens", tokens)  # type: ignore[arg-type]
-        assert per_token["transformers tokens"] == per_token["ember tokens"], "the two decodes differ"
+        for name, _ in contestants[1:]:
+            assert per_token["transformers tokens"] == per_token[f"{name} tokens"], f"{name}'s decode differs"
         hf_s, ours_s = statistics.median(per_token["transformers"]), statistics.median(per_token["ember"])
-        rows.append({"prompt": length, "new_tokens": args.new_tokens, "batch": 1,
-                     "transformers_ms_per_token": round(hf_s * 1e3, 2), "ember_ms_per_token": round(ours_s * 1e3, 2),
-                     "speedup": round(hf_s / ours_s, 2)})
-        print(f"prompt {length:5d}: transformers {hf_s * 1e3:8.2f} ms/token, ember {ours_s * 1e3:8.2f} ms/token, "
-              f"{hf_s / ours_s:.2f}x")
+        row = {"prompt": length, "new_tokens": args.new_tokens, "batch": 1,
+               "transformers_ms_per_token": round(hf_s * 1e3, 2), "ember_ms_per_token": round(ours_s * 1e3, 2),
+               "speedup": round(hf_s / ours_s, 2)}
+        line = (f"prompt {length:5d}: transformers {hf_s * 1e3:8.2f} ms/token, ember {ours_s * 1e3:8.2f} ms/token, "
+                f"{hf_s / ours_s:.2f}x")
+        if args.compile:
+            compiled_s = statistics.median(per_token["ember compiled"])
+            row |= {"ember_compiled_ms_per_token": round(compiled_s * 1e3, 2),
+                    "compiled_speedup": round(hf_s / compiled_s, 2)}
+            line += f"; compiled {compiled_s * 1e3:8.2f} ms/token, {hf_s / compiled_s:.2f}x"
+        rows.append(row)
+        print(line)
     write_results("mla_decode", rows, args, transformers=transformers.__version__)
 
 

@@ -1,4 +1,5 @@
-"""Mixture-of-experts pieces shared by the MoE families (Mixtral, GLaM-style): router, experts, layer.
+"""Mixture-of-experts pieces shared by the MoE families (Mixtral, GLaM, Qwen3-MoE, DeepSeek, Llama 4): experts,
+the layer, and its training bookkeeping (the router is nn/router.py).
 
 Dropless top-k routing: every token goes to its k experts, whatever their load (no capacity factor,
 no dropped tokens). Tokens are sorted by expert so each expert multiplies one contiguous block:
@@ -6,6 +7,8 @@ no dropped tokens). Tokens are sorted by expert so each expert multiplies one co
   one GEMM per expert inside the op);
 - looped: one matmul per expert from Python, which runs on every device and under torch.compile in fp32.
 Expert parallelism (ember/parallel/ep.py) sends each block to the rank that holds its expert.
+A forward of few tokens outside training (decoding) skips the sort: each token multiplies its k experts'
+weights, gathered (`Experts.gathered`).
 """
 
 from __future__ import annotations
@@ -16,69 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-class Router(nn.Module):
-    """Linear scores over experts, and each token's top-k of them with their weights.
-
-    score_func="softmax" (Mixtral, Qwen3-MoE, DeepSeek-V2): probabilities over all experts; norm_topk_prob renormalises
-    the chosen k to sum to 1 (the same as Mixtral's softmax over the selected logits), without it they stay as they are.
-    score_func="sigmoid" (DeepSeek-V3, Llama 4): an independent score per expert; norm_topk_prob divides the chosen k
-    by their sum (DeepSeek-V3), without it they stay as they are (Llama 4's top-1).
-    score_bias: DeepSeek-V3's aux-loss-free balancing, a per-expert bias added to the scores only to choose experts
-    (not to weigh them), moved against each expert's load after every step (`update_score_bias`).
-    n_groups > 1: group-limited routing, experts chosen only from the topk_groups groups that score best: by the sum
-    of each group's two best sigmoid scores (DeepSeek-V3) or its best softmax probability (DeepSeek-V2).
-    route_scale multiplies the final weights (DeepSeek's routed_scaling_factor)."""
-
-    def __init__(self, dim: int, n_experts: int, top_k: int, norm_topk_prob: bool = True, *,
-                 score_func: str = "softmax", n_groups: int = 1, topk_groups: int = 1, route_scale: float = 1.0,
-                 score_bias: bool = False):
-        super().__init__()
-        if score_func not in ("softmax", "sigmoid"):
-            raise ValueError(f"Router score_func must be 'softmax' or 'sigmoid', not {score_func!r}")
-        if n_experts % n_groups or not 1 <= topk_groups <= n_groups or top_k > topk_groups * (n_experts // n_groups):
-            raise ValueError(f"{n_experts} experts do not split into {n_groups} groups of which {topk_groups} hold "
-                             f"the top {top_k}")
-        self.n_experts, self.top_k, self.norm_topk_prob = n_experts, top_k, norm_topk_prob
-        self.score_func, self.n_groups, self.topk_groups, self.route_scale = score_func, n_groups, topk_groups, route_scale
-        self.gate = nn.Linear(dim, n_experts, bias=False)
-        # A persistent buffer, not a parameter: the optimizer never sees it; checkpoints and HF exports carry it.
-        self.score_bias: Optional[torch.Tensor]
-        self.register_buffer("score_bias", torch.zeros(n_experts, dtype=torch.float32) if score_bias else None)
-
-    def scores(self, logits: torch.Tensor) -> torch.Tensor:
-        """Router logits (N, E) -> fp32 scores (N, E), as the reference routes in fp32."""
-        return F.softmax(logits.float(), dim=-1) if self.score_func == "softmax" else torch.sigmoid(logits.float())
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x (N, dim) -> weights (N, k), expert indices (N, k), router logits (N, E)."""
-        return self.route(x)[:3]
-
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """forward's three, and the fp32 scores (N, E) they came from (the MoE layer's balance loss reads them)."""
-        logits = self.gate(x)
-        scores = self.scores(logits)
-        choice = scores if self.score_bias is None else scores + self.score_bias
-        if self.n_groups > 1:
-            grouped = choice.unflatten(-1, (self.n_groups, -1))  # (N, groups, experts per group)
-            group_score = (grouped.topk(2, dim=-1).values.sum(-1) if self.score_func == "sigmoid"
-                           else grouped.amax(dim=-1))  # (N, groups)
-            kept = torch.zeros_like(group_score, dtype=torch.bool).scatter_(
-                1, group_score.topk(self.topk_groups, dim=-1).indices, True)
-            choice = choice.masked_fill(~kept[..., None].expand_as(grouped).flatten(1), float("-inf"))
-        indices = torch.topk(choice, self.top_k, dim=-1).indices
-        weights = scores.gather(1, indices)
-        if self.norm_topk_prob:
-            # DeepSeek-V3 guards its sum of sigmoids against zero; a softmax's top-k sum is never zero
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if self.score_func == "sigmoid" else 0.0))
-        if self.route_scale != 1.0:
-            weights = weights * self.route_scale
-        return weights.to(x.dtype), indices, logits, scores
-
-    def balance_probabilities(self, scores: torch.Tensor) -> torch.Tensor:
-        """route's scores (N, E) -> each token's distribution over experts for the load-balancing loss: the softmax,
-        or the sigmoid scores normalised to sum to 1 (DeepSeek-V3's sequence-wise balance loss)."""
-        return scores if self.score_func == "softmax" else scores / scores.sum(dim=-1, keepdim=True)
+from ember.nn.router import Router
 
 
 class Experts(nn.Module):
@@ -143,6 +84,19 @@ class Experts(nn.Module):
             outputs.append(h @ w2_e.t())  # (n_e, dim)
         return torch.cat(outputs) if outputs else x_sorted.new_zeros(x_sorted.shape)
 
+    def gathered(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, scale_input: bool) -> torch.Tensor:
+        """x (N, dim) through each token's k experts `indices` (N, k), weighted by `weights` (N, k) on the output
+        (or the input, scale_input) and summed -> (N, dim). Reads each chosen expert's weights once per token:
+        for a few tokens (decoding) that is all the work, with static shapes and no host sync (gpt-fast's form)."""
+        w1, w2 = _local(self.w1)[indices], _local(self.w2)[indices]  # (N, k, hidden, dim), (N, k, dim, hidden)
+        weights = weights[..., None].to(x.dtype)  # (N, k, 1)
+        xk = x[:, None] * weights if scale_input else x[:, None].expand(-1, indices.shape[1], -1)  # (N, k, dim)
+        h = self.activation(torch.einsum("nkd,nkhd->nkh", xk, w1))
+        if self.gated:
+            h = h * torch.einsum("nkd,nkhd->nkh", xk, _local(self.w3)[indices])
+        out = torch.einsum("nkh,nkdh->nkd", h, w2)
+        return (out if scale_input else out * weights).sum(dim=1).to(x.dtype)
+
     def init_weights(self, out_std: float) -> None:
         nn.init.trunc_normal_(self.w1, mean=0.0, std=0.02)
         if self.gated:
@@ -165,9 +119,7 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 def _grouped_available(x: torch.Tensor) -> bool:
     """Whether the experts take the grouped path for these tokens (N, dim):
-    - CUDA, bf16 compute (bf16 tokens, or fp32 ones under bf16 autocast): the grouped GEMM kernel; fp32 (eval,
-      fp32 decode): torch's GEMM per group inside the op, one op instead of E Python matmuls and the loop's
-      `counts.tolist()` at every layer;
+    - CUDA, bf16 compute (bf16 tokens, or fp32 ones under bf16 autocast): the grouped GEMM kernel; 
     - CPU, fp32 or bf16 compute: torch's CPU grouped_mm (one GEMM per expert inside the op), level with
       the loop at few experts and ahead at many (the loop's Python and autograd cost grows with E), so
       CPU tests run the op GPUs run (benchmarks/moe_throughput.py times both paths). Padding every block
@@ -179,7 +131,9 @@ def _grouped_available(x: torch.Tensor) -> bool:
     dtype = _compute_dtype(x)
     if not hasattr(F, "grouped_mm"):
         return False
-    if x.device.type not in ("cuda", "cpu") or dtype not in (torch.float32, torch.bfloat16):
+    if x.is_cuda:
+        return dtype == torch.bfloat16
+    if x.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return False
     if torch.compiler.is_compiling() and dtype != torch.bfloat16:
         return False
@@ -227,25 +181,13 @@ class MoE(nn.Module):
         flat = x.reshape(-1, D)  # (N, dim)
         weights, indices, logits, scores = self.router.route(flat)  # (N, k), (N, k), (N, E), (N, E)
         slots = indices.flatten()  # (N*k,): slot j is token j // k's (j % k)-th expert
-        order = torch.argsort(slots, stable=True)
-        counts = torch.bincount(slots, minlength=self.n_experts)  # (E,)
-        token_of_slot = order // self.top_k
-        grouped = _grouped_available(flat)
-        run_experts = lambda tokens, tokens_per_expert: self.experts(tokens, tokens_per_expert, grouped)  # noqa: E731
-        slot_weights = weights.flatten()[order, None]  # (N*k, 1)
-        # index_select, not flat[token_of_slot]: the indexing's backward (index_put_ accumulating repeated indices)
-        # sums in a thread-dependent order on CPU, so two identical steps differed in the last bit; index_add_ does not
-        routed = flat.index_select(0, token_of_slot)  # (N*k, dim)
-        tokens = routed * slot_weights if self.scale_input else routed
-        if self.dispatch is None:
-            out_sorted = run_experts(tokens, counts)  # (N*k, dim)
+        # (E,) tokens per expert; bincount's output size would depend on the data, which torch.compile cannot trace
+        counts = torch.zeros(self.n_experts, dtype=torch.long, device=slots.device).scatter_add_(
+            0, slots, torch.ones_like(slots))
+        if not self.training and self.dispatch is None and slots.numel() <= self.n_experts:
+            out = self.experts.gathered(flat, indices, weights, self.scale_input)  # a few tokens: decoding
         else:
-            out_sorted = self.dispatch(run_experts, tokens, counts)
-        if not self.scale_input:
-            out_sorted = out_sorted * slot_weights
-        # Summed in the stream's dtype: under autocast the experts return bf16, which the routing weights promote
-        # back unless they scaled the input (Llama 4) instead.
-        out = torch.zeros_like(flat).index_add_(0, token_of_slot, out_sorted.to(flat.dtype))  # each token's k experts
+            out = self._sorted(flat, weights, slots, counts)
         if self.shared_expert is not None:
             out = out + self.shared_expert(flat)
         probs = self.router.balance_probabilities(scores)
@@ -268,6 +210,29 @@ class MoE(nn.Module):
             return out
         router_loss = self.aux_loss_coef * aux_loss + self.z_loss_coef * z_loss
         return attach_router_loss(out, router_loss, flat.shape[0] * self.loss_weight_per_token)
+
+    def _sorted(self, flat: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor,
+                counts: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum (N, dim) with the slots sorted by expert: one block per expert, run
+        grouped or looped here, or on the experts' own ranks (`dispatch`)."""
+        order = torch.argsort(slots, stable=True)
+        token_of_slot = order // self.top_k
+        grouped = _grouped_available(flat)
+        run_experts = lambda tokens, tokens_per_expert: self.experts(tokens, tokens_per_expert, grouped)  # noqa: E731
+        slot_weights = weights.flatten()[order, None]  # (N*k, 1)
+        # index_select, not flat[token_of_slot]: the indexing's backward (index_put_ accumulating repeated indices)
+        # sums in a thread-dependent order on CPU, so two identical steps differed in the last bit; index_add_ does not
+        routed = flat.index_select(0, token_of_slot)  # (N*k, dim)
+        tokens = routed * slot_weights if self.scale_input else routed
+        if self.dispatch is None:
+            out_sorted = run_experts(tokens, counts)  # (N*k, dim)
+        else:
+            out_sorted = self.dispatch(run_experts, tokens, counts)
+        if not self.scale_input:
+            out_sorted = out_sorted * slot_weights
+        # Summed in the stream's dtype: under autocast the experts return bf16, which the routing weights promote
+        # back unless they scaled the input (Llama 4) instead.
+        return torch.zeros_like(flat).index_add_(0, token_of_slot, out_sorted.to(flat.dtype))  # each token's k experts
 
     def init_weights(self, out_std: float) -> None:
         nn.init.trunc_normal_(self.router.gate.weight, mean=0.0, std=0.02)

@@ -156,6 +156,26 @@ def test_moe_layer_under_bf16_autocast_follows_its_fp32_output(impl: str, scale_
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in moe.experts.parameters())
 
 
+@pytest.mark.parametrize("scale_input", [False, True])
+@pytest.mark.parametrize("tokens", [1, 4])  # 4 tokens x top-2 = 8 slots = 8 experts: the most that gather
+def test_decoding_gathers_each_tokens_experts_with_the_sorted_paths_result(scale_input: bool, tokens: int):
+    torch.manual_seed(0)
+    moe = MoE(dim=32, hidden_dim=48, n_experts=8, top_k=2, scale_input=scale_input, shared_expert=FeedForward(32, 48))
+    moe.init_weights(out_std=0.1)
+    x = torch.randn(1, tokens, 32)
+    with torch.no_grad():
+        sorted_path = moe.train()(x)
+        calls = []
+        moe.experts.register_forward_hook(lambda *_: calls.append(1))  # the sorted path's only way to the experts
+        gathered = moe.eval()(x)
+    assert calls == []
+    torch.testing.assert_close(gathered, sorted_path, rtol=1e-5, atol=1e-6)
+    assert moe.tokens_per_expert.sum() == tokens * 2
+    with torch.no_grad():
+        moe(torch.randn(1, 5, 32))  # 10 slots, past the 8 experts: sorted again
+    assert calls == [1]
+
+
 @needs_grouped_mm
 def test_moe_layer_gradients_equal_across_paths():
     torch.manual_seed(0)

@@ -11,7 +11,8 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE, 
 from transformers.models.llama4.modeling_llama4 import Llama4TextMoe
 
 from ember.nn.feed_forward import FeedForward
-from ember.nn.moe import MoE, Router, end_moe_step, update_score_bias
+from ember.nn.moe import MoE, end_moe_step, update_score_bias
+from ember.nn.router import Router
 
 DIM, E = 32, 16
 

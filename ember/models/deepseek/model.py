@@ -13,7 +13,8 @@ from ember.models.deepseek.args import DeepseekArgs
 from ember.nn.decoder import Decoder, RMSNorm, TransformerBlock, num_params
 from ember.nn.feed_forward import FeedForward
 from ember.nn.mla import MLA
-from ember.nn.moe import MoE, Router
+from ember.nn.moe import MoE
+from ember.nn.router import Router
 
 __all__ = ["Transformer", "num_params", "flops_per_token"]
 

@@ -23,7 +23,8 @@ from ember.models.llama4.args import Llama4Args
 from ember.nn.decoder import Attention, Decoder, RMSNorm, TransformerBlock, num_params
 from ember.nn.feed_forward import FeedForward
 from ember.nn.flops import decoder_flops_per_token
-from ember.nn.moe import MoE, Router
+from ember.nn.moe import MoE
+from ember.nn.router import Router
 from ember.nn.norm import WeightlessRMSNorm
 
 __all__ = ["Transformer", "num_params", "flops_per_token"]
