@@ -107,7 +107,10 @@ def section(path: Path) -> list[str]:
     nested = {k: v for k, v in rest.items() if isinstance(v, dict) and v and all(isinstance(x, dict) for x in v.values())}
     for key, groups in nested.items():
         lines += [f"{key}:", ""] + table([{key: group} | values for group, values in groups.items()], key) + [""]
-    others = flatten({k: v for k, v in rest.items() if k not in nested})
+    listed = {k: v for k, v in rest.items() if isinstance(v, list) and v and all(isinstance(x, dict) for x in v)}
+    for key, rows in listed.items():  # tables of their own beside `rows` (a check's parts)
+        lines += [f"{key}:", ""] + table(rows) + [""]
+    others = flatten({k: v for k, v in rest.items() if k not in nested and k not in listed})
     cells = {k: v for k, v in others.items() if is_cell(v) or all(isinstance(x, (int, float)) for x in v)}
     if cells:
         lines += table([{"measure": k, "value": format_value(v) if not isinstance(v, list)
