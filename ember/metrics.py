@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from ember.config_schema import MetricsConfig
+from ember.device import cpu_runs_bf16_natively
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
@@ -80,15 +81,19 @@ def _wide_heads(args: Any) -> str:
 
 
 def print_header(console: Console, spec: RunSpec, model: nn.Module, num_params: int,
-                 tokenizer: Optional[AnyTokenizer], peak: PeakFlops, data: str, notes: list[Optional[str]]) -> None:
-    """The run's header: the model, device and compute, batch and mesh, the MFU peak, then one line each for
-    model.init_from, LoRA, the data and the given `notes` (those not None)."""
+                 tokenizer: Optional[AnyTokenizer], peak: PeakFlops, data: str, notes: list[Optional[str]],
+                 num_active: Optional[int] = None) -> None:
+    """The run's header: the model (with an MoE's `num_active` parameters per token), device and compute, batch and
+    mesh, the MFU peak, then one line each for model.init_from, LoRA, the data and the given `notes` (those not
+    None)."""
     cfg, args = spec.cfg, spec.args
     parts = list(model) if isinstance(model, nn.ModuleList) else [model]
     tok = f"tokenizer vocab {tokenizer.vocab_size}" if tokenizer else "synthetic tokens"
     peak_text = f"{peak.value_flops / 1e12:.3f} TFLOP/s ({peak.source})" if peak.value_flops else "unknown"
     console.print(
-        f"[bold]ember train[/bold] {model_label(spec)}: {num_params:,} params, {plural(args.n_layers, 'layer')}, "
+        f"[bold]ember train[/bold] {model_label(spec)}: {num_params:,} params"
+        f"{f' ({num_active:,} active)' if num_active is not None and num_active != num_params else ''}, "
+        f"{plural(args.n_layers, 'layer')}, "
         f"dim {args.dim}{_wide_heads(args)}, {tok} | {spec.device.type} {compute_description(spec, parts)} | "
         f"global batch {cfg.global_batch_size} x seq {cfg.seq_len} "
         f"(micro {cfg.micro_batch_size} x accum {spec.grad_accum}) | mesh {spec.shape.describe()} | "
@@ -102,6 +107,9 @@ def print_header(console: Console, spec: RunSpec, model: nn.Module, num_params: 
         lines.append(f"lora: rank {cfg.lora.rank}, alpha {cfg.lora.alpha:g}, targets {cfg.lora.targets}; "
                      f"{trainable:,} trainable parameters on this rank, the base frozen")
     lines += [f"data: {data}", *notes[1:]]
+    if spec.device.type == "cpu" and spec.compute_dtype == torch.bfloat16 and not cpu_runs_bf16_natively():
+        lines.append("note: precision=bf16 on a CPU without bf16 matmul instructions (AVX512-BF16, AMX): torch "
+                     "emulates them, many times slower than fp32; precision=fp32 (or auto) trains faster here")
     if cfg.schedule.warmup_steps >= cfg.max_steps:
         lines.append(f"note: schedule.warmup_steps={cfg.schedule.warmup_steps} >= max_steps={cfg.max_steps}: the "
                      f"learning rate is still warming up at the last step and never reaches optim.lr={cfg.optim.lr:g}")

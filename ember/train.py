@@ -37,6 +37,7 @@ from ember.health import HealthGuard, StopSignals, TrainingStopped
 from ember.metrics import (MetricsLogger, plural, print_header, progress_bar, raise_peak_if_beaten, run_record,
                            throughput_record)
 from ember.nn import moe as moe_lib
+from ember.nn.decoder import num_params
 from ember.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, restart_schedule
 from ember.parallel import fp8 as fp8_lib
 from ember.parallel.mesh import ParallelMesh, init_distributed
@@ -123,7 +124,8 @@ class Trainer:
         # The header, once the model and data are known: before what starting over, resuming or a tracker prints.
         if self.is_main and cfg.metrics.console:
             print_header(self.console, spec, self.model, self.num_params, self.tokenizer, self.peak,
-                         self.train_loader.describe(), [allocator_note and f"cpu: {allocator_note}", val_note])
+                         self.train_loader.describe(), [allocator_note and f"cpu: {allocator_note}", val_note],
+                         num_active=num_params(built.whole, active=True))
 
         # 6. Health, checkpoints: resume restores weights, optimizer, schedule, data position and RNG.
         self.step = 0

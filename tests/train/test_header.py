@@ -8,12 +8,15 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from rich.console import Console
 
+import ember.metrics
 from ember import config as config_lib
 
 from ember import run as run_lib
 from ember.config import ConfigError
+from ember.models import MODELS
 from ember.report import build_report
 from ember.train import Trainer
 from tests.helpers import tiny_model
@@ -88,3 +91,19 @@ def test_a_warmup_longer_than_the_run_is_said(tmp_path: Path):
     assert ("note: schedule.warmup_steps=5 >= max_steps=1: the learning rate is still warming up at the last step "
             "and never reaches optim.lr=") in printed
     assert "warming up" not in _run(tmp_path / "b", "schedule.warmup_steps=0")
+
+
+def test_an_moe_header_gives_active_parameters_and_emulated_bf16_is_said(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(ember.metrics, "cpu_runs_bf16_natively", lambda: False)  # this CPU's answer, fixed
+    printed = _run(tmp_path, "model.family=mixtral", "model.n_experts=4", "model.top_k=1", "precision=bf16")
+    info = json.loads((tmp_path / "run.json").read_text())
+
+    spec = run_lib.resolve(run_lib.load_config("debug", TINY + ["model.family=mixtral", "model.n_experts=4", "model.top_k=1"]), 1,
+                   torch.device("cpu"))
+    with torch.device("meta"):
+        active = MODELS["mixtral"].active_params(MODELS["mixtral"].model_cls(spec.args))
+    assert f": {info['params']:,} params ({active:,} active), 1 layer, " in printed.splitlines()[0]
+    assert active < info["params"]
+    assert ("\nnote: precision=bf16 on a CPU without bf16 matmul instructions (AVX512-BF16, AMX): torch emulates "
+            "them, many times slower than fp32; precision=fp32 (or auto) trains faster here\n") in printed
