@@ -18,7 +18,7 @@ from torch import nn
 
 from ember.config_schema import ModelConfig
 from ember.errors import CheckpointError, UserFileNotFound, first_error_line
-from ember.models import MODELS
+from ember.models import MODELS, checks
 
 MODEL_JSON = "model.json"
 
@@ -54,6 +54,7 @@ def parse_model_meta(meta: Any, where: Union[str, Path]) -> tuple[str, str, Any]
     args_cls = MODELS[family].args_cls
     fields = {f.name: f for f in dataclasses.fields(args_cls)}
     hints = typing.get_type_hints(args_cls)
+    floors = checks.int_floors(args_cls)  # the floors a run's config is held to (models/checks.py)
     given = meta["args"]
     unknown = sorted(set(given) - set(fields))
     if unknown:
@@ -63,9 +64,8 @@ def parse_model_meta(meta: Any, where: Union[str, Path]) -> tuple[str, str, Any]
         if not _fits(value, hints[name]):
             raise CheckpointError(f"'{where}': {family} hyper-parameter '{name}' = {value!r} is not "
                                   f"{_type_name(hints[name])}")
-        least = 0 if fields[name].default == 0 else 1  # a count whose default is none (experts of a dense model)
-        if isinstance(value, int) and not isinstance(value, bool) and _is_int(hints[name]) and value < least:
-            raise CheckpointError(f"'{where}': {family} hyper-parameter '{name}' = {value} must be >= {least}")
+        if isinstance(value, int) and not isinstance(value, bool) and name in floors and value < floors[name]:
+            raise CheckpointError(f"'{where}': {family} hyper-parameter '{name}' = {value} must be >= {floors[name]}")
     required = [name for name, f in fields.items()
                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     missing = [name for name in required if name not in given]
@@ -73,8 +73,9 @@ def parse_model_meta(meta: Any, where: Union[str, Path]) -> tuple[str, str, Any]
         raise CheckpointError(f"'{where}': the {family} hyper-parameter '{missing[0]}' is missing")
     try:  # JSON has lists where the dataclass holds tuples (a hashable, frozen value)
         args = args_cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in given.items()})
+        checks.check_args(args)  # the family's rules, as for a run's config
         build_on_meta(family, args, torch.float32)  # shapes only, no storage: sizes that cannot build a model
-    except (TypeError, ValueError, RuntimeError, AssertionError, ZeroDivisionError) as err:
+    except (TypeError, ValueError, RuntimeError, AssertionError, ZeroDivisionError) as err:  # ConfigError is a ValueError
         raise CheckpointError(f"'{where}': the {family} hyper-parameters do not fit together "
                               f"({first_error_line(err)})") from None
     return family, flavor, args
@@ -119,11 +120,6 @@ def _fits(value: Any, hint: Any) -> bool:
         item = typing.get_args(hint)[0]
         return isinstance(value, list) and all(_fits(v, item) for v in value)
     return value is None or isinstance(value, (bool, int, float, str))  # another annotation: any JSON scalar
-
-
-def _is_int(hint: Any) -> bool:
-    """An int (or Optional[int]) hyper-parameter: every one is a size or a count (dims, heads, layers, experts)."""
-    return hint is int or int in typing.get_args(hint)
 
 
 def _type_name(hint: Any) -> str:

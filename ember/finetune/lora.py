@@ -37,16 +37,9 @@ from torch import nn
 from ember.config_schema import JobConfig, LoraConfig
 from ember.errors import ConfigError
 from ember.finetune.base_fingerprint import FINGERPRINT_KEY, run_fingerprint
+from ember.finetune.lora_targets import linear, resolve_targets
 from ember.models import ModelSpec
 
-GROUPS = {"attn": ("attention",), "mlp": ("feed_forward", "moe")}  # block children each group covers
-# Hugging Face module names users know from peft's target_modules -> ember's names inside a block.
-HF_ALIASES = {
-    "q_proj": ("attention.wq",), "k_proj": ("attention.wk",), "v_proj": ("attention.wv",), "o_proj": ("attention.wo",),
-    "gate_proj": ("feed_forward.w1",), "up_proj": ("feed_forward.w3",), "down_proj": ("feed_forward.w2",),
-    "c_attn": ("attention.wq", "attention.wk", "attention.wv"), "c_fc": ("feed_forward.w1",),
-    "c_proj": ("attention.wo", "feed_forward.w2"),
-}
 ADAPTER_MARKERS = (".lora_A.", ".lora_B.")
 
 
@@ -116,67 +109,6 @@ def is_adapter_key(key: str) -> bool:
     return any(marker in key for marker in ADAPTER_MARKERS)
 
 
-def _blocks(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    layers = getattr(model, "layers", None)
-    for index, block in (layers.items() if layers is not None else []):
-        yield f"layers.{index}", block
-
-
-def _wanted(targets: Any) -> list[str]:
-    """lora.targets as a list of entries: a group name or a module name."""
-    if isinstance(targets, str):
-        return ["attn", "mlp"] if targets == "all" else [targets]
-    if isinstance(targets, (list, tuple)) and targets and all(isinstance(t, str) for t in targets):
-        return [t for entry in targets for t in (["attn", "mlp"] if entry == "all" else [entry])]
-    raise ConfigError(f"lora.targets={targets!r}: give all, attn, mlp, a module name (wq, feed_forward.w2, "
-                      "q_proj) or a list of them")
-
-
-def _matches(entry: str, name: str) -> bool:
-    """Whether the module at `name` (inside a block, e.g. attention.wq) is what `entry` names."""
-    if entry in GROUPS:
-        return name.split(".", 1)[0] in GROUPS[entry]
-    names = HF_ALIASES.get(entry, (entry,))
-    return any(name == n or name.endswith("." + n) or name.startswith(n + ".") for n in names)
-
-
-def resolve_targets(model: nn.Module, targets: str | Sequence[str], rank: int, family: str = "this model") -> list[str]:
-    """The qualified names of the nn.Linear modules `targets` selects in `model`'s blocks, checked: every
-    entry matches something, no entry reaches MoE experts, and `rank` fits every selected layer. Each
-    mistake is a one-line ConfigError naming lora.targets or lora.rank."""
-    entries = _wanted(targets)
-    found: list[str] = []
-    used = {entry: False for entry in entries}
-    for prefix, block in _blocks(model):
-        for name, module in block.named_modules():
-            hits = [entry for entry in entries if name and _matches(entry, name)]
-            if hits and isinstance(module, nn.Linear):
-                found.append(f"{prefix}.{name}")
-                used.update({entry: True for entry in hits})
-        has_experts = any(name.endswith("experts") for name, _ in block.named_modules())
-        # feed_forward.* names a dense layer's linears only, so it adapts the dense layers between MoE ones (Llama 4)
-        expert_hits = [e for e in entries if e in ("mlp", "w1", "w2", "w3", "gate_proj", "up_proj", "down_proj", "c_fc")]
-        if has_experts and expert_hits:
-            shown = "all" if targets == "all" else expert_hits[0]
-            raise ConfigError(f"lora.targets={shown} reaches {family}'s MoE experts, which LoRA does not adapt (stacked "
-                              "per expert, not nn.Linear); use lora.targets=attn, plus feed_forward.w1/w2/w3 for dense layers")
-    unused = [entry for entry, hit in used.items() if not hit]
-    if unused or not found:
-        what = unused[0] if unused else targets
-        raise ConfigError(f"lora.targets entry '{what}' matches no linear layer of {family}'s blocks; choose all, "
-                          "attn, mlp or module names such as wq, wk, wv, wo, w1, w2, w3 (or q_proj, ... as in HF)")
-    for name in found:
-        out_features, in_features = _linear(model, name).weight.shape
-        if rank > min(in_features, out_features):
-            raise ConfigError(f"lora.rank={rank} exceeds {name} ({out_features} x {in_features}): a rank above "
-                              f"min(in, out) = {min(in_features, out_features)} adds nothing; lower lora.rank")
-    return found
-
-
-def _linear(model: nn.Module, name: str) -> nn.Linear:
-    return model.get_submodule(name)  # type: ignore[return-value]
-
-
 def _adapter_layouts(weight: torch.Tensor) -> Optional[tuple[list[Any], list[Any]]]:
     """(A's placements, B's) for a tensor-parallel base weight (see the module docstring), None if plain."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -216,7 +148,7 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float = 0.0, 
     for param in model.parameters():
         param.requires_grad_(False)
     for name in names:
-        module = _linear(model, name)
+        module = linear(model, name)
         out_features, in_features = module.weight.shape  # global shapes, also for DTensors
         layouts = _adapter_layouts(module.weight)
         module.lora_A = _make_adapter(in_features, rank, module.weight, layouts and layouts[0])

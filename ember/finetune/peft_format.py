@@ -95,7 +95,8 @@ def save_peft(meta: dict[str, Any], args: Any, state: dict[str, torch.Tensor], o
             module = hf.to_hf_key(f"{name}.weight").removesuffix(".weight")
             tensors[f"{PREFIX}{module}.lora_A.weight"] = state[f"{name}.lora_A.weight"]
             tensors[f"{PREFIX}{module}.lora_B.weight"] = hf.tensor_to_hf(f"{name}.weight", state[f"{name}.lora_B.weight"], args)
-        targets = sorted({hf.to_hf_key(f"{n}.weight").removesuffix(".weight").rsplit(".", 1)[1] for n in names})
+        targets = _target_modules(meta["family"], args, hf, [hf.to_hf_key(f"{n}.weight").removesuffix(".weight")
+                                                             for n in names])
     else:
         targets, pattern = _gpt_adapters(names, state, settings, tensors)
         config.update(fan_in_fan_out=True, **pattern)
@@ -107,6 +108,27 @@ def save_peft(meta: dict[str, Any], args: Any, state: dict[str, torch.Tensor], o
     out_dir.mkdir(parents=True, exist_ok=True)
     save_safetensors({k: v.contiguous() for k, v in tensors.items()}, out_dir / ADAPTER_WEIGHTS)
     (out_dir / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _target_modules(family: str, args: Any, hf: ModuleType, adapted: list[str]) -> list[str]:
+    """peft's target_modules for the HF modules ember adapted: their last names (q_proj, ...) where those name
+    exactly them, else their full names. peft takes a module whose name ends in a target's, so Llama 4's gate_proj
+    would also wrap each MoE layer's shared_expert.gate_proj, which ember did not adapt (peft then warns of missing
+    adapter keys and runs that module with a random-A, zero-B adapter of its own)."""
+    from ember.models import MODELS
+
+    with torch.device("meta"):  # shapes only: the base's linear layers by name
+        model = MODELS[family].model_cls(args)
+    others = set()
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and name.startswith("layers."):
+            try:
+                others.add(hf.to_hf_key(f"{name}.weight").removesuffix(".weight"))
+            except KeyError:  # no HF name of its own (Mixtral's router): no peft target either
+                continue
+    leaves = {name.rsplit(".", 1)[1] for name in adapted}
+    exact = not any(other.rsplit(".", 1)[1] in leaves for other in others - set(adapted))
+    return sorted(leaves) if exact else sorted(adapted)
 
 
 def _gpt_adapters(names: list[str], state: dict[str, torch.Tensor], settings: dict[str, Any],

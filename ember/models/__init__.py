@@ -12,7 +12,7 @@ from typing import Any, Callable
 from torch import nn
 
 from ember.errors import ConfigError
-from ember.models import deepseek, gemma, glam, gpt, llama, llama4, mistral, mixtral, phi3, qwen
+from ember.models import checks, deepseek, gemma, glam, gpt, llama, llama4, mistral, mixtral, phi3, qwen
 
 
 @dataclass(frozen=True)
@@ -104,23 +104,21 @@ def build_model_args(family: str, flavor: str, overrides: dict[str, Any] | None 
                           "use model.family=qwen3_moe")
     overrides = {keys.get(k, k): v for k, v in overrides.items()}
     args = dataclasses.replace(spec.flavors[flavor], **overrides)
+    if spec.hf is qwen.hf and qwen.hf.family_of(args) != family and (family == "qwen3_moe" or args.n_experts):
+        raise ConfigError(f"model.n_experts={args.n_experts} does not fit model.family={family}: experts make "
+                          "qwen3_moe, and qwen2/qwen3 are dense; choose the family that has them")
+    checks.check_args(args, spec.flavors[flavor])  # the floors and the family's own rules, as the loader's
     explicit = getattr(args, "head_dim_override", None)
     if explicit is not None and (explicit <= 0 or explicit % 2):
         raise ConfigError(f"model.head_dim={explicit} must be a positive even number (RoPE rotates pairs of it)")
     if explicit is not None and explicit * args.n_heads == args.dim:  # the derived width, stated: one model, one form
         args = dataclasses.replace(args, head_dim_override=None)
-    if (explicit is None and args.dim % args.n_heads) or args.n_heads % args.kv_heads or args.head_dim % 2:
+    mla = spec.hf is deepseek.hf  # MLA's heads are sized by its own keys (DeepseekArgs.validate), not by dim
+    if not mla and ((explicit is None and args.dim % args.n_heads) or args.n_heads % args.kv_heads or args.head_dim % 2):
         raise ConfigError(f"model.dim={args.dim} must split into model.n_heads={args.n_heads} heads of even size "
                           f"(or set model.head_dim), and n_heads must be a multiple of "
                           f"model.n_kv_heads={args.kv_heads}")
-    window = getattr(args, "sliding_window", None)
-    if window is not None and window < 1:
-        raise ConfigError(f"model.sliding_window={window} must be >= 1 (the positions each query sees, itself "
-                          "included; a window as long as seq_len hides nothing)")
-    for key in ("attention_chunk", "nope_every", "floor_scale"):  # Llama 4's; None (no chunks) where allowed
-        value = getattr(args, key, None)
-        if value is not None and value < 1:
-            raise ConfigError(f"model.{key}={value} must be >= 1 (a count of positions or layers)")
+    window = getattr(args, "sliding_window", None)  # >= 1 where set, like every size (checks.int_floors)
     for key in ("attn_scale", "route_scale"):  # Llama 4's temperature slope, DeepSeek's routed_scaling_factor
         value = getattr(args, key, None)
         if value is not None and not (math.isfinite(value) and value >= 0):
@@ -129,14 +127,4 @@ def build_model_args(family: str, flavor: str, overrides: dict[str, Any] | None 
     if first_windowed < 0 or (first_windowed and window is None) or (window is not None and first_windowed >= args.n_layers):
         raise ConfigError(f"model.max_window_layers={first_windowed} must be the first layer with the sliding window: "
                           f">= 0, below model.n_layers={args.n_layers}, and with model.sliding_window set")
-    if spec.hf is qwen.hf and qwen.hf.family_of(args) != family and (family == "qwen3_moe" or args.n_experts):
-        raise ConfigError(f"model.n_experts={args.n_experts} does not fit model.family={family}: experts make "
-                          "qwen3_moe, and qwen2/qwen3 are dense; choose the family that has them")
-    if getattr(args, "n_experts", 0) and args.top_k > args.n_experts:
-        raise ConfigError(f"model.top_k={args.top_k} must be at most model.n_experts={args.n_experts}")
-    if hasattr(args, "sparse_step") and args.n_experts and (args.sparse_step < 1 or not any(map(args.is_moe_layer, range(args.n_layers)))):
-        raise ConfigError(f"model.sparse_step={args.sparse_step} leaves none of the {args.n_layers} layers with experts "
-                          "(layer i has them when (i + 1) % sparse_step == 0); use 1 to n_layers")
-    if spec.hf is deepseek.hf:
-        deepseek.check_args(args)
     return args

@@ -179,3 +179,22 @@ def test_init_from_gives_the_family_and_only_a_command_line_family_can_contradic
     assert str(info.value) == (f"model.family=llama3.2 but model.init_from {step_dir / 'model.json'} describes a "
                                "llama3 model; drop model.family (the architecture comes from model.init_from)")
     assert run_lib.load_config("llama3.2-1b", [*common, "model.family=llama3"]).model.family == "llama3"
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v2", "qwen3_moe", "llama4", "mixtral"])
+@pytest.mark.parametrize("command", ["train", "plan"])
+def test_hyper_parameters_the_loader_refuses_are_refused_before_any_work(tmp_path: Path, capsys, command, family):
+    # model.top_k=0 trained with every step skipped (grad norm nan), exit 0, into a checkpoint the loader refused:
+    # the loader's rules (ember/models/checks.py) now hold when a config is resolved, before output_dir is touched
+    from ember.commands import run_command
+    from ember.models import build_model_args
+
+    out = tmp_path / "run"
+    world = ["--world", "1"] if command == "plan" else []
+    code = run_command(command, ["debug", *world, f"model.family={family}", "model.flavor=debug", "model.top_k=0",
+                                 "max_steps=2", "seq_len=128", f"output_dir={out}"])
+    flavor_top_k = build_model_args(family, "debug").top_k
+    assert (code, capsys.readouterr().err) == (2, f"error: model.top_k=0 must be >= 1 (a size or a count); set "
+                                                  f"model.top_k to 1 or more, or drop model.top_k (the flavor's is "
+                                                  f"{flavor_top_k})\n")
+    assert not out.exists()

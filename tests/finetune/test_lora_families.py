@@ -3,6 +3,7 @@ heads, Qwen3-MoE's attention, Mistral's sliding window, Llama 4's dense and shar
 peft applies to transformers' own model with ember's logits, and folded back by ember."""
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -53,14 +54,107 @@ def test_peft_adapter_applies_in_peft_with_ember_logits(tmp_path, family):
                                                    f"output_dir={tmp_path / 'lora'}"])).train()
     convert(tmp_path / "lora", tmp_path / "adapter", "peft")
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
-    assert ATTENTION.get(family, {"q_proj", "k_proj", "v_proj", "o_proj"}) <= set(config["target_modules"])
+    leaves = {name.rsplit(".", 1)[-1] for name in config["target_modules"]}  # full module names where leaves would over-reach
+    assert ATTENTION.get(family, {"q_proj", "k_proj", "v_proj", "o_proj"}) <= leaves
     hf_base = AutoModelForCausalLM.from_pretrained(tmp_path / "base_hf", dtype=torch.float32).eval()
     tokens = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         base_logits = hf_base(tokens).logits
         torch.testing.assert_close(base_logits, load_model(tmp_path / "base")(tokens), rtol=1e-5, atol=1e-5)
-        got = peft.PeftModel.from_pretrained(hf_base, tmp_path / "adapter").eval()(tokens).logits
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            adapted = peft.PeftModel.from_pretrained(hf_base, tmp_path / "adapter").eval()
+        # peft adapts exactly what ember did: Llama 4's shared experts were wrapped too, their keys "missing"
+        assert not [w for w in caught if "missing adapter keys" in str(w.message)]
+        got = adapted(tokens).logits
         expected = load_model(tmp_path / "lora")(tokens)
         assert (expected - base_logits).abs().max() > 1e-3  # the adapter changed the model
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(load_model(tmp_path / "adapter")(tokens), expected, rtol=1e-5, atol=1e-5)
+
+
+def _lora_llama4(targets: list[str]):
+    """A small Llama 4 (layers 0 and 2 dense, 1 and 3 with experts and the shared expert) with adapters on `targets`,
+    its args and the adapters' state as a LoRA checkpoint holds them."""
+    from ember.finetune.lora import apply_lora, init_lora, trainable_state_dict
+    from ember.models import build_model_args
+    from ember.models.llama4 import Transformer
+
+    args = build_model_args("llama4", "debug", {"dim": 64, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 128,
+                                                "ffn_hidden_dim": 96, "moe_hidden_dim": 32, "n_experts": 4})
+    model = Transformer(args)
+    apply_lora(model, 4, 8.0, targets=targets, family="llama4")
+    init_lora([model], seed=0)
+    return args, {k: v.detach() for k, v in trainable_state_dict([model]).items()}
+
+
+def test_llama4_peft_targets_are_exactly_the_adapted_modules(tmp_path):
+    # bare gate_proj/up_proj/down_proj made peft wrap every MoE layer's feed_forward.shared_expert.* as well, and warn
+    # "Found missing adapter keys" for them
+    import peft
+    import transformers
+
+    from ember.finetune.peft_format import save_peft
+    from ember.models.llama4 import hf
+
+    args, state = _lora_llama4(["attn", "feed_forward.w1", "feed_forward.w2", "feed_forward.w3"])
+    settings = {"rank": 4, "alpha": 8.0, "dropout": 0.0, "train_embeddings": False, "train_norms": False}
+    save_peft({"family": "llama4", "lora": settings, "base": None}, args, state, tmp_path)
+    targets = json.loads((tmp_path / "adapter_config.json").read_text())["target_modules"]
+    attention = [f"model.layers.{i}.self_attn.{m}_proj" for i in range(4) for m in "kqov"]
+    dense = [f"model.layers.{i}.feed_forward.{m}_proj" for i in (0, 2) for m in ("down", "gate", "up")]
+    assert targets == sorted(attention + dense)
+    config = {k: v for k, v in hf.hf_config_from_args(args).items() if k not in ("architectures", "model_type")}
+    base = transformers.Llama4ForCausalLM(transformers.Llama4TextConfig(**config))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = peft.PeftModel.from_pretrained(base, tmp_path)
+    assert not [w for w in caught if "missing adapter keys" in str(w.message)]
+    wrapped = [n.removeprefix("base_model.model.") for n, m in model.named_modules()
+               if isinstance(m, peft.tuners.lora.LoraLayer)]
+    assert sorted(wrapped) == targets
+
+
+def test_llama4_attention_only_keeps_peft_s_short_names(tmp_path):
+    # q_proj ... o_proj name exactly the adapted modules: the adapter config stays as peft users write it
+    from ember.finetune.peft_format import save_peft
+
+    args, state = _lora_llama4(["attn"])
+    settings = {"rank": 4, "alpha": 8.0, "dropout": 0.0, "train_embeddings": False, "train_norms": False}
+    save_peft({"family": "llama4", "lora": settings, "base": None}, args, state, tmp_path)
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert config["target_modules"] == ["k_proj", "o_proj", "q_proj", "v_proj"]
+
+
+@pytest.mark.parametrize("family, targets, adapted", [
+    ("deepseek_v3", ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"],
+     ["wq_a", "wq_b", "wkv_a", "wkv_b", "wo"]),  # the names `ember convert --to peft` writes for MLA
+    ("deepseek_v2", ["q_proj", "kv_b_proj"], ["wq", "wkv_b"]),
+    ("deepseek_v3", ["wq_a", "attention.wkv_b"], ["wq_a", "wkv_b"]),
+])
+def test_deepseek_targets_take_ember_and_hf_names(family, targets, adapted):
+    from ember.finetune.lora_targets import resolve_targets
+    from ember.models import MODELS, build_model_args
+
+    with torch.device("meta"):
+        model = MODELS[family].model_cls(build_model_args(family, "debug"))
+    found = resolve_targets(model, targets, 4, family)
+    assert found == [f"layers.{i}.attention.{m}" for i in range(4) for m in adapted]
+
+
+def test_a_deepseek_target_it_lacks_lists_mla_s_own_names():
+    # the message used to recommend wq, wk, wv: MLA has none of them (V3 has no wq either: q goes through a latent)
+    from ember.errors import ConfigError
+    from ember.finetune.lora_targets import resolve_targets
+    from ember.models import MODELS, build_model_args
+
+    with torch.device("meta"):
+        model = MODELS["deepseek_v3"].model_cls(build_model_args("deepseek_v3", "debug"))
+    with pytest.raises(ConfigError) as info:
+        resolve_targets(model, ["wq"], 4, "deepseek_v3")
+    assert str(info.value) == (
+        "lora.targets entry 'wq' matches no linear layer of deepseek_v3's blocks; choose all, attn, mlp or module "
+        "names of its blocks: attention.wq_a, attention.wq_b, attention.wkv_a, attention.wkv_b, attention.wo, "
+        "feed_forward.w1, feed_forward.w2, feed_forward.w3, moe.router.gate, moe.shared_expert.w1, "
+        "moe.shared_expert.w2, moe.shared_expert.w3 (or as in HF: q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj, "
+        "o_proj)")

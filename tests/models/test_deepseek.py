@@ -120,11 +120,72 @@ def test_families_are_registered_and_round_trip_their_config():
 def test_experts_that_do_not_fit_the_router_groups_are_one_line():
     from ember.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=r"^model.n_experts=4 with model.top_k=4 does not fit the flavor's 4 router "
-                                          r"groups \(top 2\).*use a multiple of 4 experts of at least 8$"):
+    with pytest.raises(ConfigError, match=r"^model.n_groups=4 does not split model.n_experts=4 into groups of 2 or more "
+                                          r"experts; use model.n_groups=2, or model.n_experts a multiple of 4 of at "
+                                          r"least 8$"):
         build_model_args("deepseek_v3", "debug", {"n_experts": 4})
     build_model_args("deepseek_v3", "debug", {"n_experts": 12})  # a multiple of 4, at least 8: what the error asks
     assert build_model_args("deepseek_v3", "debug", {"n_experts": 8, "top_k": 2}).n_experts == 8
+    assert build_model_args("deepseek_v3", "debug", {"n_experts": 4, "n_groups": 2}).n_groups == 2  # the other fix
+
+
+# Each was a traceback from deep inside the model (ZeroDivisionError, the router's ValueError, a negative dimension),
+# a run whose every step was skipped, or a model trained silently without what its name says.
+REFUSED = [
+    ({"top_k": 0}, "model.top_k=0 must be >= 1 (a size or a count); set model.top_k to 1 or more, or drop model.top_k "
+                   "(the flavor's is 4)"),
+    ({"n_groups": 0}, "model.n_groups=0 must be >= 1 (a size or a count); set model.n_groups to 1 or more, or drop "
+                      "model.n_groups (the flavor's is 4)"),
+    ({"n_shared_experts": -1}, "model.n_shared_experts=-1 must be >= 0 (a size or a count); set model.n_shared_experts "
+                               "to 0 or more, or drop model.n_shared_experts (the flavor's is 1)"),
+    ({"kv_lora_rank": 0}, "model.kv_lora_rank=0 must be >= 1 (a size or a count); set model.kv_lora_rank to 1 or more, "
+                          "or drop model.kv_lora_rank (the flavor's is 64)"),
+    ({"q_lora_rank": -8}, "model.q_lora_rank=-8 must be >= 1 (a size or a count); set model.q_lora_rank to 1 or more, "
+                          "or drop model.q_lora_rank (the flavor's is 96)"),
+    ({"topk_groups": 5}, "model.topk_groups=5 must be at most model.n_groups=4 (the groups experts are chosen from); "
+                         "lower model.topk_groups or raise model.n_groups"),
+    ({"n_groups": 3}, "model.n_groups=3 does not split model.n_experts=16 into groups of 2 or more experts; use "
+                      "model.n_groups=2, 4 or 8, or model.n_experts a multiple of 3 of at least 6"),
+    ({"n_groups": 8, "top_k": 6}, "model.top_k=6 exceeds the 4 experts of the model.topk_groups=2 chosen groups (2 each); "
+                                  "use model.top_k <= 4 or raise model.topk_groups (up to model.n_groups=8)"),
+    ({"n_dense_layers": 10}, "model.n_dense_layers=10 leaves none of the 4 layers with experts (layers from "
+                             "n_dense_layers on have them); use 0 to 3, or raise model.n_layers"),
+    ({"qk_rope_head_dim": 3}, "model.qk_rope_head_dim=3 must be even (RoPE turns pairs of it); use 2 or 4"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", REFUSED)
+def test_hyper_parameters_that_cannot_make_the_model_are_one_line_naming_the_key(overrides: dict, message: str):
+    from ember.errors import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        build_model_args("deepseek_v3", "debug", overrides)
+    assert str(info.value) == message
+
+
+def test_counts_that_may_be_none_and_heads_mla_sizes_itself_are_accepted():
+    # no shared expert, no dense layer; MLA's heads are not dim / n_heads (7 heads of a 256 width)
+    args = build_model_args("deepseek_v3", "debug", {"n_shared_experts": 0, "n_dense_layers": 0, "n_heads": 7})
+    model = Transformer(args)
+    assert model.layers["0"].moe.shared_expert is None and model.layers["0"].attention.n_heads == 7
+    assert model(torch.randint(0, 100, (1, 8))).shape == (1, 8, args.vocab_size)
+
+
+def test_the_loader_and_a_runs_config_hold_the_same_rules(tmp_path: Path):
+    # top_k=0 used to be trained (every step skipped: grad norm nan) into a checkpoint the loader then refused
+    import dataclasses
+
+    from ember.errors import CheckpointError
+    from ember.model_meta import meta_for, parse_model_meta
+
+    args = FLAVORS["deepseek_v3"]["debug"]
+    assert parse_model_meta(meta_for("deepseek_v3", "debug", dataclasses.replace(args, n_dense_layers=0)), "m")[2] \
+        == build_model_args("deepseek_v3", "debug", {"n_dense_layers": 0})
+    with pytest.raises(CheckpointError, match=r"^'m': deepseek_v3 hyper-parameter 'top_k' = 0 must be >= 1$"):
+        parse_model_meta(meta_for("deepseek_v3", "debug", dataclasses.replace(args, top_k=0)), "m")
+    with pytest.raises(CheckpointError, match=r"^'m': the deepseek_v3 hyper-parameters do not fit together \(model."
+                                              r"n_groups=3 does not split model.n_experts=16"):
+        parse_model_meta(meta_for("deepseek_v3", "debug", dataclasses.replace(args, n_groups=3)), "m")
 
 
 # config.json of deepseek-ai/DeepSeek-V3 and deepseek-ai/DeepSeek-V2-Lite on the hub (auto_map and token ids left out)

@@ -104,3 +104,23 @@ def test_layer_lists_ember_cannot_express_are_refused():
         hf.args_from_hf_config({**config, "no_rope_layers": [0, 1, 1, 1]})
     with pytest.raises(ValueError, match="without text_config"):
         hf.args_from_hf_config({"model_type": "llama4"})
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"top_k": 0}, "model.top_k=0 must be >= 1 (a size or a count); set model.top_k to 1 or more, or drop model.top_k "
+                   "(the flavor's is 1)"),
+    ({"moe_hidden_dim": 0}, "model.moe_hidden_dim=0 must be >= 1 (a size or a count); set model.moe_hidden_dim to 1 or "
+                            "more, or drop model.moe_hidden_dim (the flavor's is 256)"),
+    ({"attention_chunk": 0}, "model.attention_chunk=0 must be >= 1 (a size or a count); set model.attention_chunk to 1 "
+                             "or more, or drop model.attention_chunk (the flavor's is 64)"),
+    ({"sparse_step": 9}, "model.sparse_step=9 leaves none of the 4 layers with experts (layer i has them when (i + 1) % "
+                         "sparse_step == 0); use 1 to n_layers"),
+    ({"top_k": 9}, "model.top_k=9 must be at most model.n_experts=8"),
+])
+def test_hyper_parameters_that_cannot_make_the_model_are_one_line(overrides: dict, message: str):
+    from ember.errors import ConfigError
+    from ember.models import build_model_args
+
+    with pytest.raises(ConfigError) as info:
+        build_model_args("llama4", "debug", overrides)
+    assert str(info.value) == message

@@ -88,10 +88,18 @@ def test_qwen3_moe_matches_transformers(tmp_path: Path, norm_topk_prob: bool):
     ("qwen3_moe", {"n_experts": 0}, r"^model.n_experts=0 does not fit model.family=qwen3_moe"),
     ("qwen3_moe", {"top_k": 32}, r"^model.top_k=32 must be at most model.n_experts=16$"),
     ("qwen3", {"sliding_window": 0}, r"^model.sliding_window=0 must be >= 1"),
-    ("qwen3", {"max_window_layers": -1}, r"^model.max_window_layers=-1 must be the first layer with the sliding window"),
+    ("qwen3", {"max_window_layers": -1}, r"^model.max_window_layers=-1 must be >= 0 \(a size or a count\)"),
+    ("qwen3", {"max_window_layers": 4, "sliding_window": 8}, r"^model.max_window_layers=4 must be the first layer with the sliding window"),
     ("qwen3", {"max_window_layers": 1}, r"with model.sliding_window set$"),
     ("qwen3", {"moe_hidden_dim": 7}, r"^model.moe_hidden_dim is a Qwen3-MoE hyper-parameter, and qwen3 has no experts"),
-    ("qwen3_moe", {"sparse_step": 0}, r"^model.sparse_step=0 leaves none of the 4 layers with experts"),
+    ("qwen3_moe", {"sparse_step": 0}, r"^model.sparse_step=0 must be >= 1 \(a size or a count\); set model.sparse_step "
+                                      r"to 1 or more, or drop model.sparse_step \(the flavor's is 1\)$"),
+    ("qwen3_moe", {"sparse_step": 5}, r"^model.sparse_step=5 leaves none of the 4 layers with experts \(layer i has them "
+                                      r"when \(i \+ 1\) % sparse_step == 0\); use 1 to n_layers$"),
+    ("qwen3_moe", {"top_k": 0}, r"^model.top_k=0 must be >= 1 \(a size or a count\); set model.top_k to 1 or more, or "
+                                r"drop model.top_k \(the flavor's is 4\)$"),
+    ("qwen3_moe", {"moe_hidden_dim": 0}, r"^model.moe_hidden_dim=0 must be >= 1 with model.n_experts=16 \(each expert's "
+                                         r"SwiGLU hidden size\); set model.moe_hidden_dim to 1 or more$"),
 ])
 def test_hyper_parameters_that_do_not_fit_the_family_are_one_line(family, overrides, message):
     from ember.errors import ConfigError
@@ -99,3 +107,15 @@ def test_hyper_parameters_that_do_not_fit_the_family_are_one_line(family, overri
 
     with pytest.raises(ConfigError, match=message):
         build_model_args(family, "debug", overrides)
+
+
+def test_a_refused_moe_width_writes_nothing_into_output_dir(tmp_path, capsys):
+    # model.moe_hidden_dim=0 crashed in grouped_mm after config.yaml and run.json were written
+    from ember.commands import run_command
+
+    out = tmp_path / "run"
+    assert run_command("train", ["debug", "model.family=qwen3_moe", "model.flavor=debug", "model.moe_hidden_dim=0",
+                                 "max_steps=2", "seq_len=128", f"output_dir={out}"]) == 2
+    assert capsys.readouterr().err == ("error: model.moe_hidden_dim=0 must be >= 1 with model.n_experts=16 (each "
+                                       "expert's SwiGLU hidden size); set model.moe_hidden_dim to 1 or more\n")
+    assert not out.exists()

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import ClassVar, Optional
 
 from ember.errors import ConfigError
+from ember.models.checks import require_expert_layers
 from ember.nn.decoder import HeadShape
 from ember.nn.yarn import yarn_attention_factor, yarn_softmax_mscale
 
@@ -53,6 +54,8 @@ class DeepseekArgs(HeadShape):
     yarn_truncate: bool = True
     rope_scaling_factor: Optional[float] = None  # read by the shared RoPE code (Llama 3.1's scaling): none here
 
+    AT_LEAST: ClassVar[dict[str, int]] = {"n_shared_experts": 0, "n_dense_layers": 0}  # counts that may be none
+
     @property
     def head_dim(self) -> int:
         """Each query and key head's width: the nope part and the rope part."""
@@ -73,18 +76,41 @@ class DeepseekArgs(HeadShape):
     def is_moe_layer(self, layer_id: int) -> bool:
         return self.n_experts > 0 and layer_id >= self.n_dense_layers
 
+    def validate(self) -> None:
+        """What must fit together, after the floors (models/checks.py): the rope part's pairs, a layer with experts,
+        and the router's groups (ConfigError naming the key and a fix)."""
+        rope = self.qk_rope_head_dim
+        if rope % 2:
+            raise ConfigError(f"model.qk_rope_head_dim={rope} must be even (RoPE turns pairs of it); use "
+                              f"{' or '.join(str(v) for v in (rope - 1, rope + 1) if v >= 2)}")
+        require_expert_layers(self, "n_dense_layers", "layers from n_dense_layers on have them",
+                              f"0 to {self.n_layers - 1}, or raise model.n_layers")
+        if self.n_experts:
+            _check_groups(self)
 
-def check_args(args: DeepseekArgs) -> None:
-    """The router's groups against the experts (ConfigError, one line): every group holds at least two experts (V3's
-    group score sums each group's best two) and the chosen groups hold at least top_k."""
-    if not args.n_experts or args.n_groups == 1:
+
+def _check_groups(args: DeepseekArgs) -> None:
+    """Group-limited routing (ember/nn/router.py): the topk_groups best of n_groups groups, each of at least two
+    experts (V3's group score sums each group's best two), holding at least top_k experts between them."""
+    groups, chosen, experts, top_k = args.n_groups, args.topk_groups, args.n_experts, args.top_k
+    if chosen > groups:
+        raise ConfigError(f"model.topk_groups={chosen} must be at most model.n_groups={groups} (the groups experts are "
+                          f"chosen from); lower model.topk_groups or raise model.n_groups")
+    if groups == 1:
         return
-    per_group = args.n_experts // args.n_groups
-    if args.n_experts % args.n_groups or per_group < 2 or args.top_k > args.topk_groups * per_group:
-        raise ConfigError(f"model.n_experts={args.n_experts} with model.top_k={args.top_k} does not fit the flavor's "
-                          f"{args.n_groups} router groups (top {args.topk_groups}): each group needs at least 2 experts "
-                          f"and the chosen groups top_k; use a multiple of {args.n_groups} experts of at least "
-                          f"{max(2 * args.n_groups, -(-args.top_k // args.topk_groups) * args.n_groups)}")
+    if experts % groups or experts // groups < 2:
+        fits = [g for g in range(chosen, experts // 2 + 1)  # 1 is no grouping, where one group is chosen
+                if experts % g == 0 and (g == 1 or top_k <= chosen * (experts // g))]
+        named = ", ".join(map(str, fits[:-1])) + " or " * (len(fits) > 1) + str(fits[-1]) if fits else ""
+        options = f"model.n_groups={named}, or " if fits else ""
+        least = max(2 * groups, -(-top_k // chosen) * groups)
+        raise ConfigError(f"model.n_groups={groups} does not split model.n_experts={experts} into groups of 2 or more "
+                          f"experts; use {options}model.n_experts a multiple of {groups} of at least {least}")
+    per_group = experts // groups
+    if top_k > chosen * per_group:
+        raise ConfigError(f"model.top_k={top_k} exceeds the {chosen * per_group} experts of the model.topk_groups={chosen} "
+                          f"chosen groups ({per_group} each); use model.top_k <= {chosen * per_group} or raise "
+                          f"model.topk_groups (up to model.n_groups={groups})")
 
 
 # From config.json on the Hugging Face hub: deepseek-ai/DeepSeek-V3 (V3-0324, R1 share it) and DeepSeek-V2-Lite.

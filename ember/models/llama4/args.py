@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import ClassVar, Optional
 
+from ember.models.checks import require_expert_layers
 from ember.nn.attention import AttentionSpan
 from ember.nn.decoder import HeadShape
 
@@ -54,6 +55,10 @@ class Llama4Args(HeadShape):
 
     def is_moe_layer(self, layer_id: int) -> bool:
         return self.n_experts > 0 and (layer_id + 1) % self.sparse_step == 0
+
+    def validate(self) -> None:
+        """What must fit together, after the floors (models/checks.py): some layer has experts."""
+        require_expert_layers(self, "sparse_step", "layer i has them when (i + 1) % sparse_step == 0", "1 to n_layers")
 
     def layer_span(self, layer_id: int) -> Optional[AttentionSpan]:
         if self.attention_chunk is None or not self.uses_rope(layer_id):

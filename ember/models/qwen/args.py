@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import ClassVar, Optional
 
+from ember.errors import ConfigError
+from ember.models.checks import require_expert_layers
 from ember.nn.attention import AttentionSpan
 from ember.nn.decoder import HeadShape
 
@@ -48,6 +50,13 @@ class QwenArgs(HeadShape):
 
     def is_moe_layer(self, layer_id: int) -> bool:
         return self.n_experts > 0 and layer_id not in self.dense_layers and (layer_id + 1) % self.sparse_step == 0
+
+    def validate(self) -> None:
+        """What must fit together, after the floors (models/checks.py): experts have a width and some layer has them."""
+        if self.n_experts and self.moe_hidden_dim < 1:
+            raise ConfigError(f"model.moe_hidden_dim={self.moe_hidden_dim} must be >= 1 with model.n_experts="
+                              f"{self.n_experts} (each expert's SwiGLU hidden size); set model.moe_hidden_dim to 1 or more")
+        require_expert_layers(self, "sparse_step", "layer i has them when (i + 1) % sparse_step == 0", "1 to n_layers")
 
 
 # From the config.json of each release on the Hugging Face hub (Qwen/Qwen2.5-*, Qwen/Qwen3-*).
