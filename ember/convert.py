@@ -21,6 +21,7 @@ from ember.errors import CheckpointError, UserFileNotFound, first_error_line
 from ember.finetune.base_fingerprint import check_lora_base, model_files
 from ember.finetune.lora import merge_lora
 from ember.finetune.peft_format import is_peft_dir, save_peft, save_safetensors
+from ember.hf_export import carry_into_export, keep_hf_source
 from ember.load import (_adapter_tensors, _barrier, _is_rank0, _load_torch_file, _quiet_dcp, load_model,
                         model_state_dict)
 from ember.model_meta import MODEL_JSON, ember_step_dir, read_json, read_model_json
@@ -188,6 +189,12 @@ def convert(src: Union[str, Path], dst: Union[str, Path], to: Optional[str] = No
             save_ember_checkpoint(model, meta["family"], meta["flavor"], model.args, stage)
         if target != "torch" and source != "torch":  # a torch file holds no tokenizer, nor knows its run
             export_tokenizer(src, stage, model.args.vocab_size)
+            # the token ids and generation_config.json: an HF source's (kept beside an ember checkpoint for a later
+            # export), else the tokenizer's
+            if target == "hf":
+                carry_into_export(src, stage)
+            else:
+                keep_hf_source(src, stage)
     return target
 
 

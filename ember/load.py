@@ -27,7 +27,7 @@ from ember.errors import CheckpointError, ConfigError, UserFileNotFound, first_e
 from ember.finetune.base_fingerprint import check_lora_base
 from ember.finetune.lora import LoraLinear, apply_lora, is_adapter_key, merge_lora, trainable_names
 from ember.finetune.peft_format import check_adapter_config, is_peft_dir, merge_peft_adapter, peft_base
-from ember.hf_directory import hf_family, hf_weight_files, load_hf_model, open_safetensors
+from ember.hf_directory import hf_family, hf_tensors, load_hf_model
 from ember.model_meta import (MODEL_JSON, build_on_meta, ember_step_dir, newest_step_dir, parse_model_meta, read_json,
                               read_model_json)
 from ember.models import MODELS, family_of
@@ -72,7 +72,9 @@ def base_state_dict(model: Union[nn.Module, list[nn.Module]]) -> dict[str, Any]:
 @torch.no_grad()
 def load_hf_weights(model: Union[nn.Module, list[nn.Module]], directory: Path) -> None:
     """Copy a Hugging Face directory's weights into `model` (maybe sharded: FSDP/TP DTensors, pipeline
-    stages), tensor by tensor: each is read, mapped to ember's layout, and only this rank's shard kept."""
+    stages), tensor by tensor: each is mapped to ember's layout by the family's from_hf_state_dict (the one
+    mapping load_hf_model uses; a fused tensor, Phi-3's qkv_proj, gives several), and only this rank's shard
+    kept. The mapping runs first on a meta tensor of the stored shape, so a tensor no stage here holds is not read."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     family, config = hf_family(directory)
@@ -83,28 +85,30 @@ def load_hf_weights(model: Union[nn.Module, list[nn.Module]], directory: Path) -
                          f"supported yet; convert it first (`ember convert {directory} CKPT`) and use model.init_from=CKPT")
     targets = base_state_dict(model)
     loaded: set[str] = set()
-    for path in hf_weight_files(directory):
-        with open_safetensors(path) as f:
-            for key in f.keys():
-                if hf.skip_hf_key(key, args):
-                    continue
-                ember_key = hf.from_hf_key(key)
-                names = [ember_key] + (["output.weight"] if args.tie_embeddings and ember_key == "tok_embeddings.weight" else [])
-                for name in names:
-                    target = targets.get(name)
-                    if target is None:
-                        continue  # another pipeline stage's weight
-                    full = hf.tensor_from_hf(ember_key, f.get_tensor(key), args)
-                    if tuple(full.shape) != tuple(target.shape):
-                        raise CheckpointError(f"'{path}': {key} has shape {tuple(full.shape)} but this run's model has "
-                                         f"{tuple(target.shape)} for {name}; match the model config to config.json")
-                    if isinstance(target, DTensor):
-                        shard = distribute_tensor(full.to(target.dtype), target.device_mesh, target.placements,
-                                                  src_data_rank=None)
-                        target.to_local().copy_(shard.to_local())
-                    else:
-                        target.copy_(full)
-                    loaded.add(name)
+    for stored in hf_tensors(directory):
+        try:
+            names = hf.from_hf_state_dict({stored.name: torch.empty(stored.shape, device="meta")}, args)
+        except KeyError as err:
+            raise CheckpointError(f"'{stored.file}': {err.args[0]}") from None
+        except (RuntimeError, ValueError) as err:  # a fused tensor that does not split as config.json says
+            raise CheckpointError(f"'{stored.file}': {stored.name} of shape {stored.shape} does not fit config.json "
+                                  f"({first_error_line(err)}); match the model config to config.json") from None
+        if not any(name in targets for name in names):
+            continue  # another pipeline stage's weights, or none of ember's (a tied lm_head)
+        for name, full in hf.from_hf_state_dict({stored.name: stored.read()}, args).items():
+            target = targets.get(name)
+            if target is None:
+                continue
+            if tuple(full.shape) != tuple(target.shape):
+                raise CheckpointError(f"'{stored.file}': {stored.name} has shape {tuple(full.shape)} but this run's "
+                                      f"model has {tuple(target.shape)} for {name}; match the model config to config.json")
+            if isinstance(target, DTensor):
+                shard = distribute_tensor(full.to(target.dtype), target.device_mesh, target.placements,
+                                          src_data_rank=None)
+                target.to_local().copy_(shard.to_local())
+            else:
+                target.copy_(full)
+            loaded.add(name)
     missing = sorted(set(targets) - loaded)
     if missing:
         raise CheckpointError(f"'{directory}' has no weight for {missing[0]} (and {len(missing) - 1} more)")

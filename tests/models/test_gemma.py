@@ -2,14 +2,18 @@
 generation past the window, a bit-exact round trip): (1 + w) norms around attention and feed-forward, GeGLU, the
 sqrt(dim) embedding scale, q/k norms, query_pre_attn_scalar, 5 local : 1 global layers with their own RoPE."""
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file, save_file
 
+from ember.hf_directory import load_hf_model
+from ember.load import load_hf_weights
 from ember.models.gemma import FLAVORS, Transformer, flops_per_token, hf, num_params
-from tests.models.hf_parity import assert_counts_equal_transformers, assert_parity
+from tests.models.hf_parity import assert_counts_equal_transformers, assert_parity, random_hf_model
 
 GLOBAL_ROPE = {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0}
 
@@ -74,3 +78,44 @@ def test_gemma2_soft_capping_matches_transformers(tmp_path: Path):
     tokens = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         assert ours(tokens).abs().max() < 3.0  # the logits' cap
+
+
+# The shape of the hub's gemma-3-4b config.json (written by transformers 4.50): a text_config holding only what differs
+# from Gemma3TextConfig's defaults, here as there 8 query heads, 4 K/V heads of 256 and a query scalar of 256.
+HUB_TEXT_CONFIG = {"model_type": "gemma3_text", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 6,
+                   "vocab_size": 256, "sliding_window": 8, "max_position_embeddings": 64,
+                   "rope_scaling": {"factor": 8.0, "rope_type": "linear"}}
+
+
+@pytest.mark.parametrize("naming", ["language_model.model.", "model.language_model."])
+def test_multimodal_checkpoint_loads_its_text_model(tmp_path: Path, naming: str):
+    """Gemma 3 4B-27B on the hub are Gemma3ForConditionalGeneration (model_type gemma3): the text hyper-parameters in
+    text_config, the text weights under language_model.model. (as save_pretrained writes them; transformers 5 names
+    them model.language_model. in memory, as other tools may write them), a vision tower and projector beside them.
+    ember reads the text model: its logits are the multimodal model's fed text only, loaded whole or streamed."""
+    text = _config(**{k: v for k, v in HUB_TEXT_CONFIG.items() if k not in ("model_type", "rope_scaling")},
+                   num_attention_heads=8, num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256)
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=28, patch_size=14)
+    config = transformers.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4)
+    random_hf_model(transformers.Gemma3ForConditionalGeneration, config, tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**written, "text_config": HUB_TEXT_CONFIG}))
+    weights = load_file(tmp_path / "model.safetensors")
+    assert any(k.startswith("language_model.model.layers.") for k in weights) and "lm_head.weight" not in weights
+    if naming == "model.language_model.":  # transformers 5's own names, which it reads as well
+        save_file({k.replace("language_model.model.", naming) if k.startswith("language_model.") else f"model.{k}": v
+                   for k, v in weights.items()}, tmp_path / "model.safetensors")
+    reference = transformers.Gemma3ForConditionalGeneration.from_pretrained(tmp_path, dtype=torch.float32).eval()
+
+    ours = load_hf_model(tmp_path, "cpu", torch.float32).eval()
+    assert ours.args == hf.args_from_hf_config(text.to_dict())  # the defaults text_config leaves out filled in
+    assert (ours.args.n_heads, ours.args.kv_heads, ours.args.head_dim, ours.args.rope_linear_factor) == (8, 4, 256, 8.0)
+    tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = reference(input_ids=tokens).logits
+        torch.testing.assert_close(ours(tokens), expected, rtol=1e-4, atol=1e-4)
+        streamed = Transformer(ours.args)  # model.init_from's path: tensor by tensor into a built model
+        load_hf_weights(streamed, tmp_path)
+        streamed.init_rope(torch.device("cpu"))
+        torch.testing.assert_close(streamed.eval()(tokens), expected, rtol=1e-4, atol=1e-4)

@@ -11,7 +11,8 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from ember.hf_directory import load_hf_model
+from ember.errors import CheckpointError
+from ember.hf_directory import hf_family, load_hf_model
 from ember.models.llama4 import FLAVORS, Transformer, flops_per_token, hf, num_params
 from tests.models.hf_parity import assert_counts_equal_transformers, assert_parity
 
@@ -102,8 +103,15 @@ def test_layer_lists_ember_cannot_express_are_refused():
         hf.args_from_hf_config({**config, "moe_layers": [0, 3]})
     with pytest.raises(ValueError, match="layers without RoPE"):
         hf.args_from_hf_config({**config, "no_rope_layers": [0, 1, 1, 1]})
-    with pytest.raises(ValueError, match="without text_config"):
-        hf.args_from_hf_config({"model_type": "llama4"})
+
+
+def test_a_multimodal_config_without_text_config_is_refused(tmp_path: Path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Llama4ForConditionalGeneration"],
+                                                      "model_type": "llama4"}))
+    with pytest.raises(CheckpointError) as err:
+        hf_family(tmp_path)
+    assert str(err.value) == (f"'{tmp_path / 'config.json'}' describes a multimodal llama4 model without text_config, "
+                              "where ember reads its text model's hyper-parameters; restore text_config from the original")
 
 
 @pytest.mark.parametrize("overrides, message", [

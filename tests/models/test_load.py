@@ -93,7 +93,7 @@ def test_hf_directory_errors(tmp_path: Path):
     with pytest.raises(ValueError, match="config.json' is not readable JSON"):
         load_model(tmp_path)
     config.write_text(json.dumps({"model_type": "bert", "architectures": ["BertForMaskedLM"]}))
-    with pytest.raises(ValueError, match=r"config.json' describes model_type 'bert'; ember loads llama, mixtral, gpt2, qwen2, qwen3, qwen3_moe, mistral, phi3, gemma3_text, gemma2, deepseek_v3, deepseek_v2, llama4_text, llama4 \(LlamaForCausalLM, MixtralForCausalLM, GPT2LMHeadModel, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, MistralForCausalLM, Phi3ForCausalLM, Gemma3ForCausalLM, Gemma2ForCausalLM, DeepseekV3ForCausalLM, DeepseekV2ForCausalLM, Llama4ForCausalLM, Llama4ForConditionalGeneration\) models"):
+    with pytest.raises(ValueError, match=r"config.json' describes model_type 'bert'; ember loads llama, mixtral, gpt2, qwen2, qwen3, qwen3_moe, mistral, phi3, gemma3_text, gemma2, deepseek_v3, deepseek_v2, llama4_text, llama4, gemma3 \(LlamaForCausalLM, MixtralForCausalLM, GPT2LMHeadModel, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, MistralForCausalLM, Phi3ForCausalLM, Gemma3ForCausalLM, Gemma2ForCausalLM, DeepseekV3ForCausalLM, DeepseekV2ForCausalLM, Llama4ForCausalLM, Llama4ForConditionalGeneration, Gemma3ForConditionalGeneration\) models"):
         load_model(tmp_path)
     llama = hf.hf_config_from_args(build_model_args("llama3", "debug"))
     config.write_text(json.dumps({**llama, "architectures": ["LlamaForSequenceClassification"]}))

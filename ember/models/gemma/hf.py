@@ -1,5 +1,6 @@
 """Hugging Face Gemma3ForCausalLM (model_type gemma3_text) and Gemma2ForCausalLM <-> ember: config fields and
-state-dict keys.
+state-dict keys. The hub's Gemma 3 4B-27B checkpoints (Gemma3ForConditionalGeneration, model_type gemma3) are read as
+their text model: ember/hf_directory.py hands this module their text_config and text weights.
 
 Names are Llama's (ember/models/llama/hf.py) for the projections, plus Gemma's four block norms and the q/k
 norms. The q/k rows are permuted between RoPE conventions as Llama's, and the q/k norm weights, which run over
@@ -26,6 +27,10 @@ _LAYER_KEYS = {  # ember key inside a layer -> HF key inside "model.layers.{i}."
     "ffn_norm.weight": "pre_feedforward_layernorm.weight", "post_ffn_norm.weight": "post_feedforward_layernorm.weight",
 }
 _LAYER_KEYS_FROM_HF = {v: k for k, v in _LAYER_KEYS.items()}
+# Gemma3TextConfig's defaults for what ember reads without a default of its own: the hub's multimodal configs were
+# written by transformers 4.x, whose text_config holds only what differs from them (4B's has no head count at all)
+_GEMMA3_TEXT_DEFAULTS = {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+                         "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256}
 
 
 def family_of(args: GemmaArgs) -> str:
@@ -57,10 +62,6 @@ def tensor_from_hf(ember_key: str, tensor: torch.Tensor, args: GemmaArgs) -> tor
     return llama_hf.permute_rope_rows(ember_key, tensor, args, to_hf=False)
 
 
-def skip_hf_key(key: str, args: GemmaArgs) -> bool:
-    return llama_hf.skip_hf_key(key, args)  # type: ignore[arg-type]
-
-
 def to_hf_state_dict(state: dict[str, torch.Tensor], args: GemmaArgs) -> dict[str, torch.Tensor]:
     return {to_hf_key(k): tensor_to_hf(k, t, args) for k, t in state.items()
             if not (args.tie_embeddings and k == "output.weight")}
@@ -69,7 +70,7 @@ def to_hf_state_dict(state: dict[str, torch.Tensor], args: GemmaArgs) -> dict[st
 def from_hf_state_dict(state: dict[str, torch.Tensor], args: GemmaArgs) -> dict[str, torch.Tensor]:
     out = {}
     for key, tensor in state.items():
-        if not skip_hf_key(key, args):
+        if not llama_hf.skip_hf_key(key, args):  # type: ignore[arg-type]
             ember_key = from_hf_key(key)
             out[ember_key] = tensor_from_hf(ember_key, tensor, args)
     if args.tie_embeddings and "tok_embeddings.weight" in out:
@@ -89,7 +90,10 @@ def _rope(config: dict[str, Any], layer_type: str, legacy_theta: str, default: f
 
 
 def args_from_hf_config(config: dict[str, Any]) -> GemmaArgs:
-    """GemmaArgs for a Gemma 3 text config.json; ValueError for what ember's Gemma 3 cannot express."""
+    """GemmaArgs for a Gemma 3 text config.json (a multimodal one's text_config) or a Gemma 2 one; ValueError for
+    what ember's Gemma cannot express."""
+    if config.get("model_type") == "gemma3_text":
+        config = {**_GEMMA3_TEXT_DEFAULTS, **config}
     n = config["num_hidden_layers"]
     every = config.get("sliding_window_pattern", 6)
     layer_types = config.get("layer_types") or [

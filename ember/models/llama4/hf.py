@@ -1,10 +1,10 @@
-"""Hugging Face Llama4ForCausalLM (model_type llama4_text) and the text half of Llama4ForConditionalGeneration
-(model_type llama4, the hub's Scout and Maverick checkpoints) <-> ember: config fields and state-dict keys.
+"""Hugging Face Llama4ForCausalLM (model_type llama4_text) <-> ember: config fields and state-dict keys. The hub's
+Scout and Maverick checkpoints (Llama4ForConditionalGeneration, model_type llama4) are read as their text model:
+ember/hf_directory.py hands this module their text_config and text weights, as for every multimodal family.
 
 No RoPE row permutation: HF's Llama 4 rotates consecutive pairs (complex multiplication), as ember does. The experts
 are stored fused and transposed against ember's: gate_up_proj (E, dim, 2 x hidden), gate columns first, and
-down_proj (E, hidden, dim). A multimodal checkpoint's text weights sit under `language_model.`; its vision tower and
-projector are left out, and its config's text_config is the model's.
+down_proj (E, hidden, dim).
 """
 
 from __future__ import annotations
@@ -27,21 +27,10 @@ _LAYER_KEYS = {  # ember key inside a layer -> HF key inside "model.layers.{i}."
     "moe.shared_expert.w2.weight": "feed_forward.shared_expert.down_proj.weight",
 }
 _LAYER_KEYS_FROM_HF = {v: k for k, v in _LAYER_KEYS.items()}
-_MULTIMODAL_PREFIX = "language_model."
-_OTHER_TOWERS = ("vision_model.", "multi_modal_projector.")  # a multimodal checkpoint's non-text weights
 
 
 def family_of(args: Llama4Args) -> str:
     return "llama4"
-
-
-def text_config(config: dict[str, Any]) -> dict[str, Any]:
-    """The text model's config: config.json itself (llama4_text), or a multimodal one's text_config (llama4)."""
-    if config.get("model_type") == "llama4":
-        if "text_config" not in config:
-            raise ValueError("a llama4 config.json without text_config: ember reads the text model's hyper-parameters there")
-        return {**config["text_config"], "model_type": "llama4_text"}
-    return config
 
 
 def to_hf_key(key: str) -> str:
@@ -54,9 +43,7 @@ def to_hf_key(key: str) -> str:
 
 
 def from_hf_key(key: str) -> str:
-    """The ember key of a HF weight name (a multimodal checkpoint's `language_model.` dropped); KeyError for a name
-    a Llama 4 text model does not have."""
-    key = key.removeprefix(_MULTIMODAL_PREFIX)
+    """The ember key of a HF weight name; KeyError for a name a Llama 4 text model does not have."""
     if key in llama_hf._TOP_KEYS_FROM_HF:
         return llama_hf._TOP_KEYS_FROM_HF[key]
     parts = key.split(".", 3)  # "model", "layers", "{i}", rest
@@ -72,11 +59,6 @@ def tensor_to_hf(key: str, tensor: torch.Tensor, args: Llama4Args) -> torch.Tens
 
 def tensor_from_hf(ember_key: str, tensor: torch.Tensor, args: Llama4Args) -> torch.Tensor:
     return tensor
-
-
-def skip_hf_key(key: str, args: Llama4Args) -> bool:
-    """Entries with no ember counterpart: a multimodal checkpoint's vision tower and projector, a tied lm_head."""
-    return key.startswith(_OTHER_TOWERS) or (args.tie_embeddings and key.endswith("lm_head.weight"))
 
 
 def to_hf_state_dict(state: dict[str, torch.Tensor], args: Llama4Args) -> dict[str, torch.Tensor]:
@@ -97,12 +79,11 @@ def to_hf_state_dict(state: dict[str, torch.Tensor], args: Llama4Args) -> dict[s
 
 
 def from_hf_state_dict(state: dict[str, torch.Tensor], args: Llama4Args) -> dict[str, torch.Tensor]:
-    """HF (Llama4ForCausalLM, or a multimodal checkpoint's text weights) -> ember."""
+    """HF (Llama4ForCausalLM) -> ember."""
     out: dict[str, torch.Tensor] = {}
-    for key, tensor in state.items():
-        if skip_hf_key(key, args) or key.endswith("rotary_emb.inv_freq"):
+    for name, tensor in state.items():
+        if llama_hf.skip_hf_key(name, args):  # type: ignore[arg-type]
             continue
-        name = key.removeprefix(_MULTIMODAL_PREFIX)
         if name.endswith("feed_forward.experts.gate_up_proj"):
             layer = name.split(".")[2]
             w1, w3 = tensor.transpose(1, 2).chunk(2, dim=1)  # (E, 2 x hidden, dim): gate rows first
@@ -127,9 +108,8 @@ def _every(flags: list[bool], what: str, key: str) -> int:
 
 
 def args_from_hf_config(config: dict[str, Any]) -> Llama4Args:
-    """Llama4Args for a llama4_text config.json or a llama4 one's text_config; ValueError for what ember's Llama 4
+    """Llama4Args for a llama4_text config.json (a llama4 one's text_config); ValueError for what ember's Llama 4
     cannot express."""
-    config = text_config(config)
     rope = llama_hf._rope_parameters(config)
     if rope["rope_type"] not in ("default", "llama3"):
         raise ValueError(f"RoPE type '{rope['rope_type']}' is not supported for llama4 (ember implements 'default' and 'llama3')")

@@ -13,10 +13,6 @@ from ember.models.mistral.args import MistralArgs
 from_hf_key, to_hf_key = llama_hf.from_hf_key, llama_hf.to_hf_key
 
 
-def skip_hf_key(key: str, args: MistralArgs) -> bool:
-    return llama_hf.skip_hf_key(key, args)  # type: ignore[arg-type]
-
-
 def tensor_to_hf(key: str, tensor: torch.Tensor, args: MistralArgs) -> torch.Tensor:
     return llama_hf.tensor_to_hf(key, tensor, args)  # type: ignore[arg-type]
 

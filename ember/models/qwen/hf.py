@@ -83,11 +83,6 @@ def tensor_from_hf(ember_key: str, tensor: torch.Tensor, args: QwenArgs) -> torc
     return llama_hf.permute_rope_rows(ember_key, tensor, args, to_hf=False)
 
 
-def skip_hf_key(key: str, args: QwenArgs) -> bool:
-    """Entries of a HF state dict with no ember counterpart of their own: a tied lm_head, old rotary buffers."""
-    return llama_hf.skip_hf_key(key, args)  # type: ignore[arg-type]
-
-
 def to_hf_state_dict(state: dict[str, torch.Tensor], args: QwenArgs) -> dict[str, torch.Tensor]:
     """ember -> HF, as the hub stores it: one matrix per expert, no tied lm_head."""
     out: dict[str, torch.Tensor] = {}
