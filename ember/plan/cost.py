@@ -253,8 +253,9 @@ def usable_bytes(fab: Fabric) -> float:
 
 def granularity_warning(params: list[torch.nn.Parameter]) -> Optional[str]:
     """An FSDP group larger than a sharded parameter's rows: some ranks hold none of it (FSDP shards dim 0, or dim
-    1 of stacked experts that dim 0 cannot split: ember.parallel.fsdp)."""
-    worst = None
+    1 of stacked experts that dim 0 cannot split: ember.parallel.fsdp). Said with the bytes at stake, most often a
+    few MiB of routers and norms, which cost nothing else (FSDP pads the empty shards)."""
+    worst, held = None, 0
     for p in params:
         if not hasattr(p, "placements"):
             continue
@@ -263,10 +264,13 @@ def granularity_warning(params: list[torch.nn.Parameter]) -> Optional[str]:
         size = math.prod(s for n, s, d in dims if n not in ("tensor", "expert") and d == 0)
         other = math.prod(s for n, s, d in dims if n in ("tensor", "expert") and d == 0)
         rows = p.shape[0] // max(other, 1)
-        if size > rows and (worst is None or rows < worst[1]):
-            worst = (size, rows)
+        if size > rows:
+            local = p.to_local()
+            held += local.numel() * local.element_size()
+            if worst is None or rows < worst[1]:
+                worst = (size, rows)
     if worst is None:
         return None
-    return (f"the FSDP group of {worst[0]} ranks (fsdp x context x expert: the axes dense parameters are sharded over) "
-            f"is larger than the {worst[1]} rows of some parameters: ranks beyond row {worst[1]} hold none of them and "
-            "the shards are uneven; use fewer fsdp ranks (more data ranks, HSDP)")
+    amount = f"{held / 2**20:.1f} MiB" if held >= 2**20 else f"{held / 2**10:.1f} KiB"
+    return (f"uneven shards: {worst[0]} FSDP ranks for parameters of {worst[1]} rows (ranks past row {worst[1]} hold "
+            f"none; {amount} per rank at most; figures are rank 0's): fewer fsdp, more data ranks (HSDP) even them")

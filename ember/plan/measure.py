@@ -5,7 +5,7 @@ benchmarks/plan_accuracy.py): `measure_layouts` launches
 
 For each layout every rank builds the real Trainer, takes one training step (the optimizer state exists
 from then on, as in every later step), then takes a second one under torch's MemTracker
-(ember.plan.memory.step_memory_tracker: it allows the root module several forwards per step). The peak is the
+(ember.plan.trackers.step_memory_tracker: it allows the root module several forwards per step). The peak is the
 tracker's: every tensor storage alive at each op of the real kernels, the real gloo collectives, FSDP's
 buffers (their storage resizes included) and the optimizer's update, counted at the torch level (a CPU has
 no allocator statistics like torch.cuda.max_memory_allocated; the process RSS mixes in Python, libraries and
@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 
 from ember import run as run_lib
-from ember.plan.memory import step_memory_tracker, total_bytes
+from ember.plan.trackers import step_memory_tracker, total_bytes
 from ember.train import Trainer
 
 
@@ -81,10 +81,10 @@ LAYOUTS: dict[int, dict[str, list[str]]] = {
         "qwen3 tensor=2": ["model.family=qwen3", "model.flavor=debug", "ici_mesh.tensor=2", "ici_mesh.fsdp=1"],
         "qwen3_moe expert=2": ["model.family=qwen3_moe", "model.flavor=debug", "ici_mesh.expert=2", "ici_mesh.fsdp=1"],
         "mistral fsdp=2": ["model.family=mistral", "model.flavor=debug", "ici_mesh.fsdp=2"],
-        # Llama 4's interleaved MoE layers with a shared expert (measured 1.5-1.8% under the peak)
+        # Llama 4's interleaved MoE layers with a shared expert (measured 1.5-1.9% under the peak)
         "llama4 expert=2": ["model.family=llama4", "model.flavor=debug", "ici_mesh.expert=2", "ici_mesh.fsdp=1"],
         # DeepSeek-V3: MLA (its latent projections replicated over tensor ranks), grouped experts with a shared one
-        # (measured 4.4% under and 6.3% over the peak)
+        # (measured 4.4-4.6% under the peak at expert=2, 0.05% under at tensor=2)
         "deepseek_v3 expert=2": ["model.family=deepseek_v3", "model.flavor=debug", "ici_mesh.expert=2", "ici_mesh.fsdp=1"],
         "deepseek_v3 tensor=2": ["model.family=deepseek_v3", "model.flavor=debug", "ici_mesh.tensor=2", "ici_mesh.fsdp=1"],
     },

@@ -6,13 +6,13 @@ collective returns at once, so any rank of any world size can be built alone): t
 DTensor shards this rank holds, exactly.
 
 Activations and the peak come from torch's memory trackers (`FSDPMemTracker`, `MemTracker`: every tensor
-storage alive at every op, by category) over one training step of fake tensors (`FakeTensorMode`: shapes
-and dtypes, no data, no FLOPs). Parallelizing inside fake mode fails (torch 2.13), so the model is
-parallelized on meta first and `to_empty` runs inside fake mode. The tracked model is the rank's stage cut to a
+storage alive at every op, by category; ember/plan/trackers.py) over one training step of fake tensors
+(`FakeTensorMode`: shapes and dtypes, no data, no FLOPs). Parallelizing inside fake mode fails (torch 2.13), so the
+model is parallelized on meta first and `to_empty` runs inside fake mode. The tracked model is the rank's stage cut to a
 few layers, extended to its depth by ember/plan/stages.py.
 Pipeline stages are tracked as torch's schedules run them: FSDP without gradient sync or resharding until the
-last backward (see track_step). Under fake tensors the MoE router's per-expert counts are data-dependent
-(`bincount` has no fake kernel with an unknown output size), so the plan routes every expert the same share of
+last backward (see track_step). Under fake tensors the MoE router's per-expert counts have no values (the
+looped experts split their tokens by them on the host), so the plan routes every expert the same share of
 tokens (balanced).
 """
 
@@ -33,6 +33,7 @@ from ember.config_schema import JobConfig
 from ember.nn.loss import blocks_sized_for
 from ember.optim import build_optimizer
 from ember.parallel.mesh import ParallelMesh
+from ember.plan.trackers import fsdp_step_tracker, step_memory_tracker, total_bytes, untracked_sharding_propagation
 from ember.run import RunSpec, build_model, resolve, respecify
 from ember.step import ForwardBackward, token_loss_sum
 
@@ -165,11 +166,13 @@ def state_bytes(params: list[tuple[str, nn.Parameter]], grad_ratio: Optional[dic
 @dataclass(frozen=True)
 class Tracked:
     """One tracked step of a (cut) stage: bytes at the peak, held before the forward (parameters, optimizer
-    state), and held for backward by one micro-batch's forward (activations)."""
+    state), held for backward by one micro-batch's forward (activations), and at the peak of each of the step's
+    regions (trackers.REGIONS; the peak is their largest)."""
 
     peak: int
     static: int
     activations: int
+    regions: tuple[int, ...] = ()
 
 
 @contextlib.contextmanager
@@ -181,16 +184,15 @@ def balanced_routing(parts: list[nn.Module], ep: int, dtype: torch.dtype) -> Ite
     trackers run) takes bf16 only (torch 2.13)."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    real_bincount = torch.bincount
-
     def balanced(n_tokens: int, n_experts: int) -> torch.Tensor:
         with unset_fake_temporarily():
             counts = torch.full((n_experts,), n_tokens // n_experts, dtype=torch.long)
             counts[: n_tokens % n_experts] += 1
         return counts
 
-    def bincount(x: torch.Tensor, weights: Optional[torch.Tensor] = None, minlength: int = 0) -> torch.Tensor:
-        return balanced(x.numel(), minlength)
+    def balanced_counts(experts: nn.Module, args: tuple) -> tuple:  # Experts(x_sorted, counts, grouped)
+        x_sorted, counts, *rest = args
+        return (x_sorted, balanced(x_sorted.shape[0], counts.numel()), *rest)
 
     def dispatch(run: Callable, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         received = x_sorted.clone()  # the all-to-all's receive buffer (as many tokens arrive as leave)
@@ -198,7 +200,7 @@ def balanced_routing(parts: list[nn.Module], ep: int, dtype: torch.dtype) -> Ite
 
     moes = [moe for part in parts for moe in part.moe_layers()]
     saved = [(moe, moe.dispatch, moe.experts.impl) for moe in moes]
-    torch.bincount = bincount
+    hooks = [moe.experts.register_forward_pre_hook(balanced_counts) for moe in moes]
     for moe in moes:
         moe.experts.impl = "grouped" if dtype == torch.bfloat16 else "looped"
         if moe.dispatch is not None:
@@ -206,38 +208,10 @@ def balanced_routing(parts: list[nn.Module], ep: int, dtype: torch.dtype) -> Ite
     try:
         yield
     finally:
-        torch.bincount = real_bincount
+        for hook in hooks:
+            hook.remove()
         for moe, dispatch_fn, impl in saved:
             moe.dispatch, moe.experts.impl = dispatch_fn, impl
-
-
-def step_memory_tracker() -> MemTracker:
-    """torch's MemTracker for a whole training step. It raises when the root module runs a second forward
-    (meant to catch a second iteration), which gradient accumulation and pipeline micro-batches do within
-    one step: a root module's stats start over at each of its forwards. The totals (what the plan uses) are
-    kept per storage and are not touched."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    class StepMemTracker(MemTracker):
-        def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
-            name = self._mod_tracker.get_known_fqn(module)
-            if (module in self.memory_tracking and not self._mod_tracker.is_bw
-                    and set(self._mod_tracker.parents) - {name} == {"Global"}):
-                del self.memory_tracking[module]
-            super()._pre_fw_hook(module, inputs)
-
-        def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True) -> tuple[int, int]:
-            # torch's tracker hooks every parameter's gradient, which raises on a frozen one (LoRA's base); the
-            # hooks only label gradient bytes as such, the totals are counted per storage either way
-            frozen = any(not p.requires_grad for p in module.parameters())
-            return super()._track_module_params_and_buffers(module, install_grad_hooks and not frozen)
-
-    return StepMemTracker()
-
-
-def total_bytes(snapshot: dict) -> int:
-    """A MemTracker snapshot's bytes over every device."""
-    return sum(dev.get("Total", 0) for dev in snapshot.values())
 
 
 def track_step(spec: RunSpec, mesh: Optional[ParallelMesh], part: nn.Module, kind: str, batch: int,
@@ -247,7 +221,6 @@ def track_step(spec: RunSpec, mesh: Optional[ParallelMesh], part: nn.Module, kin
     second sees the first's gradients, as accumulation does), then the optimizer step. The optimizer state
     exists before it, as after the first step of a run. `grad_ratio` (given): filled as state_bytes takes it."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor, Shard
 
@@ -256,7 +229,7 @@ def track_step(spec: RunSpec, mesh: Optional[ParallelMesh], part: nn.Module, kin
     forwards = min(2, spec.grad_accum * spec.pp_microbatches)
     tp_mesh = mesh.submesh("tensor") if mesh is not None else None
     with FakeTensorMode(allow_non_fake_inputs=True), balanced_routing([part], spec.degree("expert"), spec.compute_dtype), \
-            blocks_sized_for(spec.device.type):
+            blocks_sized_for(spec.device.type), untracked_sharding_propagation():
         part.to_empty(device="cpu")
         part.tie_weights()
         optimizer = build_optimizer(part, cfg.optim, spec.device.type)
@@ -315,10 +288,11 @@ def track_step(spec: RunSpec, mesh: Optional[ParallelMesh], part: nn.Module, kin
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if isinstance(part, FSDPModule):
-            tracker: MemTracker = FSDPMemTracker(part, optimizer)
+            tracker: MemTracker = fsdp_step_tracker(part, optimizer)
         else:
             tracker = step_memory_tracker()
             tracker.track_external(part, optimizer)
+        tracker.watch(int(index) for index in part.layers.keys())
         marks: dict[str, int] = {}
 
         def mark(name: str) -> Callable[..., None]:
@@ -331,7 +305,7 @@ def track_step(spec: RunSpec, mesh: Optional[ParallelMesh], part: nn.Module, kin
         for hook in hooks:
             hook.remove()
     peak = total_bytes(tracker.get_tracker_snapshot("peak"))
-    return Tracked(peak, marks["before"], marks["after"] - marks["before"])
+    return Tracked(peak, marks["before"], marks["after"] - marks["before"], tuple(tracker.region_peaks.values()))
 
 
 def layer_period(spec: RunSpec) -> int:

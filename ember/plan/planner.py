@@ -251,7 +251,7 @@ def make_plan(cfg: JobConfig, world: int, nodes: Optional[int] = None, device: s
                 with fake_world(rank, world):
                     parts = build_parts(spec, ParallelMesh(shape, "cpu"), role.stage_ids)
                     exact[rank] = state_bytes(named_params(parts), grads, period)
-        elif not role.state.even:
+        elif not role.state.even and cost.granularity_warning(role.params) is None:  # (that one says it)
             where = f" on pipeline rank {role.pp_rank}" if len(roles) > 1 else ""
             warnings.append(f"uneven shards{where}: ranks hold slightly different bytes; the figures are the first "
                             f"rank's, the largest")

@@ -1,6 +1,7 @@
 """A stage kind's tracked memory extended to any depth and micro-batch: the stage cut to a few layers
 (`cut_stage`), tracked by memory.track_step at several layer counts and two row counts (`model_stage`), and
-read back piecewise-affinely (`StageModel.at`); remat=offload derived from full remat's runs (`offloaded`).
+read back piecewise-affinely (`StageModel.at`), each region of the step on its own line (the peak is the largest:
+it moves from one region to another with depth); remat=offload derived from full remat's runs (`offloaded`).
 
 The counts are 3k and 4k layers (and fewer where a stage holds fewer), k a multiple of remat_every and of the MoE
 period (moe_every, sparse_step) so every run sees whole periods, after the model's non-repeating first layers where
@@ -14,12 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 from torch import nn
 
 from ember.parallel.mesh import ParallelMesh
 from ember.plan.memory import Tracked, build_parts, layer_period, layer_prefix, track_step
+from ember.plan.trackers import REGIONS
 from ember.run import RunSpec
 
 
@@ -41,34 +43,44 @@ class StageModel:
     grad_ratio: dict[str, float]  # see state_bytes
 
     def at(self, n_layers: float, batch: float) -> Tracked:
+        """The peak is the largest of the regions' (memory.Tracked), each extended on its own: the step's own peak
+        moves between regions with depth and rows, and a line through it would take one region's slope for all
+        (Llama 3.1 405B at tensor=8: the gradients at the backward's end make the peak of a few layers, where 126
+        layers peak on their activations; the line through the few let 8 sequences of 8192 tokens fit in 80 GB)."""
         counts = sorted({k for k, _ in self.runs})
         b_lo, b_hi = min(b for _, b in self.runs), max(b for _, b in self.runs)
         # the segment n_layers lies on: the last one starting at or below it (the first below the smallest count)
         i = max([j for j in range(len(counts) - 1) if counts[j] <= n_layers] or [0])
         k1, k2 = counts[i], counts[i + 1]
 
-        def affine(field: str) -> float:
+        def affine(value: Callable[[Tracked], int]) -> int:
             def in_layers(b: int) -> float:
-                lo, hi = getattr(self.runs[(k1, b)], field), getattr(self.runs[(k2, b)], field)
+                lo, hi = value(self.runs[(k1, b)]), value(self.runs[(k2, b)])
                 return lo + (n_layers - k1) * (hi - lo) / (k2 - k1)
             if b_hi == b_lo:
-                return in_layers(b_lo)
+                return round(in_layers(b_lo))
             lo, hi = in_layers(b_lo), in_layers(b_hi)
-            return lo + (batch - b_lo) * (hi - lo) / (b_hi - b_lo)
-        return Tracked(*(round(affine(f)) for f in ("peak", "static", "activations")))
+            return round(lo + (batch - b_lo) * (hi - lo) / (b_hi - b_lo))
+        regions = tuple(affine(lambda t, r=r: t.regions[r]) for r in range(len(self.runs[(k1, b_lo)].regions)))
+        peak = max(regions) if regions else affine(lambda t: t.peak)
+        return Tracked(peak, affine(lambda t: t.static), affine(lambda t: t.activations), regions)
 
 
 def offloaded(model: StageModel) -> StageModel:
     """`model` (tracked with remat=full) with each block's input in host memory, as remat=offload keeps it (the XLA
     path's offload policy, torch's save_on_cpu): full remat's activations grow per layer by exactly those inputs,
-    so at every tracked count that growth is taken off the peak and the activations. The host memory they fill
-    is not planned."""
+    so at every tracked count that growth is taken off the activations and off the peaks of the regions that hold
+    them all. The host memory they fill is not planned."""
     k1, k2 = sorted({k for k, _ in model.runs})[-2:]  # the two deepest runs: past the first blocks' neighbours
     runs = {}
     for (k, rows), tracked in model.runs.items():
         per_layer = (model.runs[(k2, rows)].activations - model.runs[(k1, rows)].activations) / (k2 - k1)
-        runs[(k, rows)] = Tracked(round(tracked.peak - k * per_layer), tracked.static,
-                                  round(tracked.activations - k * per_layer))
+        # the regions up to the backward's middle peak holding every block's input (at their start); the backward's
+        # bottom and the optimizer hold at most one (and the middle's end is the bottom's start)
+        regions = tuple(round(peak - k * per_layer) if REGIONS[r] in ("forward", "backward top", "backward middle")
+                        else peak for r, peak in enumerate(tracked.regions))
+        runs[(k, rows)] = Tracked(max(regions) if regions else round(tracked.peak - k * per_layer), tracked.static,
+                                  round(tracked.activations - k * per_layer), regions)
     return StageModel(runs, model.grad_ratio)
 
 
