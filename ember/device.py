@@ -4,6 +4,7 @@ what `precision` means on it, and whether this CPU runs bf16 matmuls natively.""
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
 
@@ -21,14 +22,13 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def pick_compute_dtype(precision: str, device: torch.device, frozen_base: bool = False) -> torch.dtype:
-    """The compute dtype `precision` means on `device`. auto: bf16 autocast where the device runs it fast (CUDA
-    with bf16 support); on CPU fp32, except for a frozen base (LoRA) on a CPU with native bf16 matmuls (see
-    `cpu_runs_bf16_natively`). Full training on CPU keeps fp32 by default: CPU runs are the debugging and
-    reference runs, whose losses the multi-process layouts must match exactly; a frozen base takes no updates,
-    so storing and multiplying it in bf16 costs no precision that training keeps (the adapters, their
-    gradients and AdamW's state stay fp32). fp8 computes in bf16 outside the float8 matmuls of its linears
-    (ember/parallel/fp8.py)."""
+def pick_compute_dtype(precision: str, device: torch.device) -> torch.dtype:
+    """The compute dtype `precision` means on `device`. auto: bf16 autocast where the device runs bf16 matmuls
+    natively (CUDA with bf16 support; a CPU with AVX512-BF16, AMX or ARM's BF16, see `cpu_runs_bf16_natively`),
+    fp32 elsewhere: without those instructions torch emulates bf16 on a CPU, far slower than fp32. Autocast keeps
+    the parameters, gradients and AdamW's state in fp32; the default run's losses under it stay within 1% of
+    fp32's (benchmarks/bf16_parity.py, tests/train/test_precision_auto.py). precision=fp32 opts out. fp8 computes
+    in bf16 outside the float8 matmuls of its linears (ember/parallel/fp8.py)."""
     precision = "bf16" if precision == "fp8" else precision
     if precision == "fp32":
         return torch.float32
@@ -38,13 +38,31 @@ def pick_compute_dtype(precision: str, device: torch.device, frozen_base: bool =
         return torch.bfloat16
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
-    return torch.bfloat16 if frozen_base and device.type == "cpu" and cpu_runs_bf16_natively() else torch.float32
+    return torch.bfloat16 if device.type == "cpu" and cpu_runs_bf16_natively() else torch.float32
+
+
+def precision_note(precision: str, device: torch.device, compute_dtype: torch.dtype) -> Optional[str]:
+    """The header's line on what precision=auto chose on a CPU, and why (None elsewhere: on a GPU auto is bf16
+    as everyone expects, and an explicit precision is what the user chose)."""
+    if precision != "auto" or device.type != "cpu":
+        return None
+    if compute_dtype == torch.bfloat16:
+        return ("precision: auto -> bf16 autocast (this CPU has bf16 matmul instructions, several times fp32's "
+                "rate; fp32 weights, gradients and optimizer state); precision=fp32 opts out")
+    return "precision: auto -> fp32 (this CPU has no bf16 matmul instructions: AVX512-BF16, AMX)"
 
 
 def cpu_runs_bf16_natively() -> bool:
     """Whether this CPU has bf16 matmul instructions (x86 AVX512-BF16 or AMX-BF16; ARM's BF16 extension),
     which oneDNN uses for bf16 matmuls several times faster than fp32. Without them torch emulates bf16,
-    slower than fp32."""
+    slower than fp32. EMBER_CPU_BF16=0 or 1 overrides what torch detects (a VM that hides or misreports its
+    CPU's flags; a test suite that must decide the same on every machine)."""
+    forced = os.environ.get("EMBER_CPU_BF16", "").strip()
+    if forced in ("0", "1"):
+        return forced == "1"
+    if forced:
+        raise ConfigError(f"EMBER_CPU_BF16={forced!r}: use 1 (this CPU has bf16 matmul instructions), 0 (it has "
+                          "none) or leave it unset to detect")
     capabilities = getattr(torch.cpu, "get_capabilities", None)  # torch >= 2.7
     if capabilities is None:
         return False

@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from ember.config_schema import MetricsConfig
-from ember.device import cpu_runs_bf16_natively
+from ember.device import cpu_runs_bf16_natively, precision_note
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
@@ -106,7 +106,7 @@ def print_header(console: Console, spec: RunSpec, model: nn.Module, num_params: 
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)  # this rank's shards
         lines.append(f"lora: rank {cfg.lora.rank}, alpha {cfg.lora.alpha:g}, targets {cfg.lora.targets}; "
                      f"{trainable:,} trainable parameters on this rank, the base frozen")
-    lines += [f"data: {data}", *notes[1:]]
+    lines += [precision_note(cfg.precision, spec.device, spec.compute_dtype), f"data: {data}", *notes[1:]]
     if spec.device.type == "cpu" and spec.compute_dtype == torch.bfloat16 and not cpu_runs_bf16_natively():
         lines.append("note: precision=bf16 on a CPU without bf16 matmul instructions (AVX512-BF16, AMX): torch "
                      "emulates them, many times slower than fp32; precision=fp32 (or auto) trains faster here")

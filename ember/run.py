@@ -212,7 +212,7 @@ def resolve(cfg: JobConfig, world_size: int, device: torch.device,
     shape = mesh_shape(cfg, world_size)
     choice = model_choice(cfg)
     if compute_dtype is None:
-        compute_dtype = pick_compute_dtype(cfg.precision, device, frozen_base=cfg.lora.rank > 0)
+        compute_dtype = pick_compute_dtype(cfg.precision, device)
         check_device_options(cfg, shape, device, choice.args)
     flops = lora_lib.run_flops_per_token(cfg, MODELS[cfg.model.family], choice.args, compute_dtype)
     return _decide(cfg, world_size, device, shape, choice.flavor, choice.args, choice.source, compute_dtype, flops)

@@ -39,12 +39,14 @@ def _is_dtensor(x: Any) -> bool:
     return isinstance(x, DTensor)
 
 
-def token_loss_sum(logits: Union[torch.Tensor, list[torch.Tensor]], labels: torch.Tensor) -> torch.Tensor:
-    """Summed token cross-entropy in fp32; logits (B, T, V), or the model's list of chunks of them."""
+def token_loss_sum(logits: Union[torch.Tensor, list[torch.Tensor]], labels: torch.Tensor,
+                   scale: float = 1.0) -> torch.Tensor:
+    """`scale` times the summed token cross-entropy, in fp32; logits (B, T, V), or the model's list of chunks
+    of them. Backpropagate the result itself: the gradient is scaled already (ember.nn.loss)."""
     if _is_dtensor(logits):  # vocabulary-sharded logits (loss parallel): DTensor's cross-entropy
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=IGNORE_INDEX,
-                               reduction="sum")
-    return cross_entropy_sum(logits, labels)
+                               reduction="sum") * scale
+    return cross_entropy_sum(logits, labels, scale)
 
 
 class ForwardBackward:
@@ -65,7 +67,7 @@ class ForwardBackward:
         self.tp, self.pp, self.cp = degree("tensor"), degree("pipeline"), degree("context")
         self.schedule: Optional[Union[PipelineScheduleSingle, PipelineScheduleMulti]] = None
         self.has_first_stage = self.has_last_stage = True
-        self._pp_tokens = 1.0
+        self._pp_scale = 1.0
 
     def build_pipeline(self, stages: list[tuple[int, nn.Module]], num_stages: int, schedule: str,
                        n_microbatches: int) -> None:
@@ -147,20 +149,20 @@ class ForwardBackward:
                 loss = loss * scale
                 self._dpo_stats += stats
             else:
-                loss = token_loss_sum(logits, labels) * scale
+                loss = token_loss_sum(logits, labels, scale)
             if backward:
                 with phase("backward"):
                     loss.backward()  # MoE router losses join in their layers (ember.nn.moe.attach_router_loss)
         return loss.full_tensor().detach() if _is_dtensor(loss) else loss.detach()
 
     def _pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return token_loss_sum(logits, labels) / self._pp_tokens
+        return token_loss_sum(logits, labels, self._pp_scale)
 
     def _pipeline_loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float,
                            backward: bool) -> torch.Tensor:
         """The same through the pipeline schedule: the last stage computes the loss per pipeline
         micro-batch; other stages report 0."""
-        self._pp_tokens = 1.0 / scale
+        self._pp_scale = scale
         args = (inputs.to(self.device),) if self.has_first_stage else ()
         losses: list[torch.Tensor] = []
         step = self.schedule.step if backward else self.schedule.eval

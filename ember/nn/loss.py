@@ -18,58 +18,46 @@ import contextlib
 from typing import Iterator, Optional, Union
 
 import torch
+from torch._subclasses.fake_tensor import is_fake  # `ember plan` runs the step on fake tensors
 
 from ember.constants import IGNORE_INDEX  # labels equal to it add nothing (SFT prompts, padding)
 
 
 class _CrossEntropySum(torch.autograd.Function):
-    """Forward: the summed loss and its gradient, softmax - onehot(target), built in one buffer with
-    one pass per step below. fp32 logits are turned into their gradient in place (marked dirty: nobody
-    reads logits after the loss, and the output projection's backward needs only its inputs), so the
-    loss allocates no (N, V) buffer at all; fresh buffers that size cost page faults on the CPU, as
-    much as the arithmetic here. torch.logsumexp is not used: it allocates two temporaries of its own."""
+    """Forward: `scale` times the summed loss, and its gradient, scale * (softmax - onehot(target)), built a
+    block of rows at a time (`_blockwise`). Logits that may be overwritten (not a view) become their gradient
+    in place (marked dirty: nobody reads logits after the loss, and the output projection's backward needs
+    only its inputs), so the loss allocates no (N, V) buffer; fresh buffers that size cost page faults on the
+    CPU. The trainer backpropagates the scaled sum itself, so backward receives exactly 1 and leaves the
+    gradient as it is: one pass over the logits fewer."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
         ctx.set_materialize_grads(False)
         # (B, T, V) -> (N, V): a view taken here, since autograd refuses a dirty input that is a view
         x, labels = logits.flatten(0, -2), labels.flatten()
         valid = labels != IGNORE_INDEX  # (N,)
         target = labels.clamp_min(0).unsqueeze(1)  # (N, 1); ignored rows read index 0, then are masked
-        # autograd allows a dirty input only if it is not a view (tensor-parallel logits gathered over
-        # the vocabulary are one); those get a buffer of their own
-        in_place = ctx.needs_input_grad[0] and not logits._is_view()
-        if in_place and logits.dtype != torch.float32:  # bf16 logits: fp32 arithmetic a block of rows at a time
-            loss = _blockwise_in_place(x, valid, target)
-            ctx.mark_dirty(logits)
-            ctx.save_for_backward(logits)
-            return loss, logits
-        # fp32 softmax (bf16 log-sum-exp loses the small probabilities)
-        x = x if in_place else x.float()
-        target_logit = x.gather(1, target).squeeze(1)  # (N,), read before x is overwritten
-        row_max = x.amax(dim=-1, keepdim=True)  # (N, 1)
-        probs = x.sub_(row_max) if in_place or x.dtype != logits.dtype else x.sub(row_max)
-        probs = probs.exp_()  # (N, V): exp(x - max)
-        row_sum = probs.sum(dim=-1, keepdim=True)  # (N, 1)
-        lse = (row_max + row_sum.log()).squeeze(1)  # log-sum-exp, stable
-        loss = ((lse - target_logit) * valid).sum()
         if not ctx.needs_input_grad[0]:
-            return loss, logits
-        grad = probs.mul_(valid.unsqueeze(1) / row_sum)  # softmax, zero on ignored rows
-        grad.scatter_add_(1, target, -valid.unsqueeze(1).to(grad.dtype))  # - onehot(target)
+            return _blockwise(x, None, valid, target, scale), logits
+        # autograd allows a dirty input only if it is not a view (tensor-parallel logits gathered over the
+        # vocabulary are one); those get a buffer of their own
+        in_place = not logits._is_view()
+        grad = logits if in_place else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        loss = _blockwise(x, x if in_place else grad.view(x.shape), valid, target, scale)
         if in_place:
             ctx.mark_dirty(logits)
-            grad = logits  # the same storage, (B, T, V)
-        else:
-            grad = grad.to(logits.dtype).view_as(logits)
         ctx.save_for_backward(grad)
         return loss, grad
 
     @staticmethod
-    def backward(ctx, grad_loss: torch.Tensor, _: None) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+    def backward(ctx, grad_loss: torch.Tensor, _: None) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
         (grad,) = ctx.saved_tensors
-        # In place: no fresh (N, V) buffer. The graph is backpropagated once per step (no retain_graph).
-        return grad.mul_(grad_loss), None  # a bf16 gradient scaled in fp32 (a 0-dim fp32 factor), then rounded once
+        # A factor of exactly 1 (the trainer's case; read without a device sync only on the CPU) leaves the
+        # gradient alone. Otherwise scale in place: no fresh (N, V) buffer; the graph is backpropagated once.
+        if grad_loss.device.type == "cpu" and not is_fake(grad_loss) and float(grad_loss) == 1.0:
+            return grad, None, None
+        return grad.mul_(grad_loss), None, None  # a bf16 gradient scaled in fp32 (a 0-dim fp32 factor), rounded once
 
 
 # fp32 scratch per block of rows for low-precision logits: small enough to stay near the cache on a CPU (and
@@ -91,38 +79,49 @@ def blocks_sized_for(device_type: str) -> Iterator[None]:
         _blocks_for = previous
 
 
-def _blockwise_in_place(x: torch.Tensor, valid: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """The summed loss of low-precision logits x (N, V), whose rows are overwritten with their gradient.
-
-    Each block of rows is copied into one reused fp32 scratch, turned into softmax - onehot there (the same
-    fp32 arithmetic as the whole-tensor path) and written back in x's dtype: no (N, V) fp32 tensor (4 bytes
-    per logit, 4 GiB for 8K tokens of a 128K vocabulary) and no fresh buffer of that size per step."""
+def _blockwise(x: torch.Tensor, grad: Optional[torch.Tensor], valid: torch.Tensor, target: torch.Tensor,
+               scale: float) -> torch.Tensor:
+    """`scale` times the summed loss of logits x (N, V); with `grad` (N, V) (x itself, or a buffer of x's
+    dtype), scale * (softmax - onehot) written there. A block of rows at a time: the block's passes (max,
+    subtract, exp, sum, scale) run while it is in the cache, so the logits stream from memory about once
+    rather than once per pass (over a whole 128K-vocabulary tensor each pass is memory-bound). fp32 rows are
+    worked on where the gradient goes; other dtypes in one reused fp32 scratch, written back in their dtype,
+    so no (N, V) fp32 tensor exists (4 GiB for 8K tokens of a 128K vocabulary). The arithmetic is fp32
+    whatever the dtype: a bf16 log-sum-exp loses the small probabilities."""
     n_rows, vocab = x.shape
     rows = max(1, min(n_rows, BLOCK_BYTES.get(_blocks_for or x.device.type, 512 << 20) // (4 * vocab)))
-    scratch = torch.empty((rows, vocab), dtype=torch.float32, device=x.device)
+    work_in_grad = grad is not None and grad.dtype == torch.float32
+    scratch = None if work_in_grad else torch.empty((rows, vocab), dtype=torch.float32, device=x.device)
     loss = torch.zeros((), dtype=torch.float32, device=x.device)
     for start in range(0, n_rows, rows):
         end = min(n_rows, start + rows)
-        block, ok, tgt = scratch[: end - start], valid[start:end], target[start:end]
-        block.copy_(x[start:end])
-        target_logit = block.gather(1, tgt).squeeze(1)
+        ok, tgt = valid[start:end].unsqueeze(1), target[start:end]
+        block = grad[start:end] if work_in_grad else scratch[: end - start]
+        if not (work_in_grad and grad is x):  # fp32 logits turning into their gradient are worked on where they are
+            block.copy_(x[start:end])
+        target_logit = block.gather(1, tgt)
         row_max = block.amax(dim=-1, keepdim=True)
         row_sum = block.sub_(row_max).exp_().sum(dim=-1, keepdim=True)
-        loss += ((row_max + row_sum.log()).squeeze(1) - target_logit).mul(ok).sum()
-        block.mul_(ok.unsqueeze(1) / row_sum).scatter_add_(1, tgt, -ok.unsqueeze(1).to(block.dtype))
-        x[start:end].copy_(block)
-    return loss
+        loss += (row_max + row_sum.log() - target_logit).mul_(ok).sum()
+        if grad is None:
+            continue
+        weight = ok * scale  # (rows, 1): zero on ignored rows
+        block.mul_(weight / row_sum).scatter_add_(1, tgt, -weight)
+        if not work_in_grad:
+            grad[start:end].copy_(block)
+    return loss * scale
 
 
-def cross_entropy_sum(logits: Union[torch.Tensor, list[torch.Tensor]], labels: torch.Tensor) -> torch.Tensor:
-    """The summed token cross-entropy of logits (B, T, V) against labels (B, T) (IGNORE_INDEX skipped),
-    in fp32. `logits` may also be the list of sequence chunks that `Transformer(output_chunks > 1)`
+def cross_entropy_sum(logits: Union[torch.Tensor, list[torch.Tensor]], labels: torch.Tensor,
+                      scale: float = 1.0) -> torch.Tensor:
+    """`scale` times the summed token cross-entropy of logits (B, T, V) against labels (B, T) (IGNORE_INDEX
+    skipped), in fp32. Scaling here rather than after saves backward a pass over the logits. `logits` may also be the list of sequence chunks that `Transformer(output_chunks > 1)`
     returns; labels are split the same way (`tensor_split` along T)."""
     chunks = logits if isinstance(logits, (list, tuple)) else [logits]
     label_chunks = labels.tensor_split(len(chunks), dim=1) if len(chunks) > 1 else [labels]
     total = torch.zeros((), device=labels.device, dtype=torch.float32)
     for chunk, chunk_labels in zip(chunks, label_chunks):
-        loss, _ = _CrossEntropySum.apply(chunk, chunk_labels)
+        loss, _ = _CrossEntropySum.apply(chunk, chunk_labels, scale)
         total = total + loss
     return total
 

@@ -102,11 +102,11 @@ class Plan:
         return document
 
 
-def compute_dtype(precision: str, device: str, frozen_base: bool = False) -> torch.dtype:
+def compute_dtype(precision: str, device: str) -> torch.dtype:
     """The trainer's choice (ember.device.pick_compute_dtype): on `--device cpu` this machine's CPU decides
-    (a LoRA base runs bf16 where it has bf16 matmuls); accelerators in the table all run bf16."""
+    (bf16 where it has bf16 matmuls); accelerators in the table all run bf16."""
     if device == "cpu":
-        return device_lib.pick_compute_dtype(precision, torch.device("cpu"), frozen_base=frozen_base)
+        return device_lib.pick_compute_dtype(precision, torch.device("cpu"))
     return torch.float32 if precision == "fp32" else torch.bfloat16
 
 
@@ -199,7 +199,7 @@ def make_plan(cfg: JobConfig, world: int, nodes: Optional[int] = None, device: s
               search: bool = False) -> Plan:
     """Plan `cfg` (a loaded JobConfig) on `world` devices of type `device` over `nodes` nodes."""
     start = time.perf_counter()
-    dtype = compute_dtype(cfg.precision, device, cfg.lora.rank > 0)
+    dtype = compute_dtype(cfg.precision, device)
     fab = cost.cpu_fabric(world, dtype) if device == "cpu" else cost.fabric(device)
     per_node = fab.per_node or world
     nodes = nodes or max(1, math.ceil(world / per_node))

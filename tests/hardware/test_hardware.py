@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from ember import device, hardware
+from ember.errors import ConfigError
 from ember.hardware import match_device, peak_flops
 
 
@@ -289,16 +290,31 @@ def test_device_spec_is_frozen():
 
 
 @pytest.mark.parametrize("native", [True, False])
-def test_auto_precision_on_cpu_is_bf16_only_for_a_frozen_base_on_a_bf16_cpu(native: bool, monkeypatch):
+def test_auto_precision_on_cpu_is_bf16_where_the_cpu_has_bf16_matmuls(native: bool, monkeypatch):
     monkeypatch.setattr(device, "cpu_runs_bf16_natively", lambda: native)
     cpu = torch.device("cpu")
-    assert device.pick_compute_dtype("auto", cpu) == torch.float32  # full training: fp32 on any CPU
-    assert device.pick_compute_dtype("auto", cpu, frozen_base=True) == (torch.bfloat16 if native else torch.float32)
-    assert device.pick_compute_dtype("fp32", cpu, frozen_base=True) == torch.float32  # asked for: kept
+    assert device.pick_compute_dtype("auto", cpu) == (torch.bfloat16 if native else torch.float32)
+    assert device.pick_compute_dtype("fp32", cpu) == torch.float32  # asked for: kept
     assert device.pick_compute_dtype("bf16", cpu) == torch.bfloat16
+    note = device.precision_note("auto", cpu, device.pick_compute_dtype("auto", cpu))
+    assert note == ("precision: auto -> bf16 autocast (this CPU has bf16 matmul instructions, several times fp32's "
+                    "rate; fp32 weights, gradients and optimizer state); precision=fp32 opts out" if native else
+                    "precision: auto -> fp32 (this CPU has no bf16 matmul instructions: AVX512-BF16, AMX)")
+    assert device.precision_note("fp32", cpu, torch.float32) is None  # the user's own choice needs no reason
+
+
+def test_ember_cpu_bf16_overrides_the_detection(monkeypatch):
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx512_bf16": True}, raising=False)
+    for value, expected in (("0", False), ("1", True), ("", True)):
+        monkeypatch.setenv("EMBER_CPU_BF16", value)
+        assert device.cpu_runs_bf16_natively() is expected
+    monkeypatch.setenv("EMBER_CPU_BF16", "yes")
+    with pytest.raises(ConfigError, match="EMBER_CPU_BF16='yes': use 1"):
+        device.cpu_runs_bf16_natively()
 
 
 def test_cpu_bf16_detection_reads_torchs_capabilities(monkeypatch):
+    monkeypatch.delenv("EMBER_CPU_BF16", raising=False)
     for flags, expected in (({"avx512_bf16": True}, True), ({"amx_bf16": True, "avx512_bf16": False}, True),
                             ({"avx512_bf16": False, "avx2": True}, False), ({}, False)):
         monkeypatch.setattr(torch.cpu, "get_capabilities", lambda flags=flags: flags, raising=False)

@@ -118,3 +118,27 @@ def test_bf16_logits_take_their_gradient_in_place_a_block_of_rows_at_a_time(bloc
     # within bf16's rounding of the exact gradient
     torch.testing.assert_close(leaf.grad.float(), reference_leaf.grad, rtol=2**-7, atol=1e-6)
     assert leaf.grad[1, :3].abs().sum() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("upstream", [1.0, 3.0])
+def test_scale_folds_into_the_loss_and_its_gradient(dtype, upstream, monkeypatch):
+    """`scale` times the sum, with the gradient scaled in the forward: backpropagating the result (upstream 1,
+    the trainer's case) or a multiple of it gives the reference gradient; several blocks of rows."""
+    import ember.nn.loss as loss_lib
+
+    vocab = 29
+    monkeypatch.setitem(loss_lib.BLOCK_BYTES, "cpu", 3 * 4 * vocab)
+    g = torch.Generator().manual_seed(1)
+    leaf = (torch.randn(2, 7, vocab, generator=g) * 3).to(dtype).requires_grad_()
+    labels = torch.randint(0, vocab, (2, 7), generator=g)
+    labels[0, 2] = IGNORE_INDEX
+    ours = cross_entropy_sum(leaf * 1, labels, scale=1 / 13)
+    (ours * upstream).backward()
+    reference_leaf = leaf.detach().float().requires_grad_()
+    expected = F.cross_entropy(reference_leaf.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
+                               reduction="sum") / 13
+    (expected * upstream).backward()
+    torch.testing.assert_close(ours, expected, rtol=1e-6, atol=1e-6)
+    tol = 2**-7 if dtype == torch.bfloat16 else 1e-6
+    torch.testing.assert_close(leaf.grad.float(), reference_leaf.grad, rtol=tol, atol=1e-6)

@@ -23,8 +23,8 @@ def _trainer(tmp_path: Path, *overrides: str) -> Trainer:
 def _poison(monkeypatch: pytest.MonkeyPatch, trainer: Trainer, steps: set[int], factor: float) -> None:
     original = step_lib.token_loss_sum
 
-    def scaled(logits, labels):
-        loss = original(logits, labels)
+    def scaled(logits, labels, scale=1.0):
+        loss = original(logits, labels, scale)
         return loss * factor if trainer.step + 1 in steps else loss
 
     monkeypatch.setattr(step_lib, "token_loss_sum", scaled)
