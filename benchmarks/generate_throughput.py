@@ -9,6 +9,8 @@ tokens (so the comparison is of equal work).
     python benchmarks/generate_throughput.py                      # debug Llama and a ~100M Llama, batch 1 and 8
     (ember runs eager and with its decode step compiled: generate(..., compile=True))
     python benchmarks/generate_throughput.py --models debug --batch 1 --rounds 3
+    python benchmarks/generate_throughput.py --ember-precision auto  # `ember generate`'s default dtype (bf16
+        weights on a CPU with bf16 matmuls) against transformers' default (fp32 on CPU): tokens may then differ
 
 Writes benchmarks/results/generate_throughput-<device>.json.
 """
@@ -26,6 +28,7 @@ from pathlib import Path
 import torch
 from results_file import write_results
 
+from ember.device import pick_compute_dtype
 from ember.generate import generate
 from ember.convert import save_hf
 from ember.models import MODELS, build_model_args
@@ -51,12 +54,15 @@ def main() -> int:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--ember-precision", default="same", choices=("same", "auto", "fp32", "bf16"),
+                        help="ember's weights: same (transformers' dtype), or as `ember generate --precision`")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     import transformers
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    ember_dtype = dtype if args.ember_precision == "same" else pick_compute_dtype(args.ember_precision, device)
     rows = []
     for name in args.models.split(","):
         margs = build_model_args("llama3", "debug", MODELS_TO_RUN[name])
@@ -66,7 +72,7 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as tmp:
             save_hf(model, margs, tmp)
             hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, torch_dtype=dtype).to(device).eval()
-        model = model.to(device=device, dtype=dtype).eval()
+        model = model.to(device=device, dtype=ember_dtype).eval()
         model.init_rope(device)
         for batch in (int(b) for b in args.batch.split(",")):
             prompt = torch.randint(0, margs.vocab_size, (batch, args.prompt_len), generator=torch.Generator().manual_seed(1))
@@ -111,7 +117,8 @@ def main() -> int:
                              / result["transformers"]["prefill_tokens_per_s"],
                              "same_tokens": same})
     print(f"\ngeneration, {platform.machine()} {device.type}, torch {torch.__version__}, {torch.get_num_threads()} "
-          f"threads; prompt {args.prompt_len}, {args.new_tokens} new tokens, greedy")
+          f"threads; prompt {args.prompt_len}, {args.new_tokens} new tokens, greedy; weights: ember {ember_dtype}, "
+          f"transformers {dtype}")
     print(f"{'model':<8}{'batch':>6}  {'contestant':<16}{'prefill tok/s':>14}{'decode tok/s':>14}{'decode vs HF':>14}"
           f"{'same tokens':>13}")
     for r in rows:

@@ -31,6 +31,9 @@ def parser() -> ArgumentParser:
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--json", action="store_true", help="one JSON object per prompt: prompt, completion, token_ids")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step (for long outputs)")
+    p.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16"),
+                   help="the weights' dtype. auto: bf16 on a GPU and on a CPU with bf16 matmul instructions "
+                   "(decoding reads every weight per token: half the bytes), else fp32")
     return p
 
 
@@ -48,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from ember.generate import check_max_new_tokens, generate, prompt_ids, sampling_temperature, tokenizer_for
-    from ember.device import pick_device
+    from ember.device import cpu_runs_bf16_natively, pick_compute_dtype, pick_device
     from ember.load import load_model
 
     # Every argument is checked before anything is printed: a streamed prompt followed by an error would run
@@ -64,7 +67,11 @@ def run(args: argparse.Namespace) -> int:
     if args.prompt_file:
         prompts += _read_prompts(Path(args.prompt_file))
     device = pick_device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+    dtype = pick_compute_dtype(args.precision, device)
+    if device.type == "cpu" and dtype == torch.bfloat16:
+        print("note: bf16 weights on the CPU (--precision fp32 for fp32)" if cpu_runs_bf16_natively() else
+              "note: --precision bf16 on a CPU without bf16 matmul instructions (AVX512-BF16, AMX): torch emulates "
+              "them, many times slower than fp32", file=sys.stderr)
     model = load_model(args.path, device=device, dtype=dtype)
     tokenizer = tokenizer_for(args.path, args.tokenizer)
     prompt_ids(model, tokenizer, prompts, args.max_new_tokens)  # each prompt fits max_seq_len with the new tokens

@@ -237,6 +237,29 @@ def test_cli_json_output_and_errors(trained_run: Path, tmp_path: Path):
 
 
 @pytest.mark.slow
+def test_cli_precision_auto_decodes_with_bf16_weights_on_a_bf16_cpu(trained_run: Path):
+    """precision auto on a CPU with bf16 matmuls (EMBER_CPU_BF16=1): the weights load in bf16 (half the bytes
+    every decoded token reads), and the tokens are the Python API's on bf16 weights; --precision fp32 opts out."""
+    import json
+    import os
+
+    from ember import load_model
+    from ember.generate import tokenizer_for
+
+    env = dict(os.environ, EMBER_CPU_BF16="1")
+    args = ("generate", str(trained_run), "--prompt", "def f(", "--max-new-tokens", "4", "--json")
+    proc = run_ember(*args, env=env, expect=0)
+    assert proc.stderr == "note: bf16 weights on the CPU (--precision fp32 for fp32)\n"
+    expected = generate(load_model(trained_run, dtype=torch.bfloat16), tokenizer_for(trained_run), ["def f("],
+                        max_new_tokens=4)
+    assert json.loads(proc.stdout)["token_ids"] == expected[0].token_ids
+    proc = run_ember(*args, "--precision", "fp32", env=env, expect=0)
+    assert proc.stderr == ""
+    fp32 = generate(load_model(trained_run), tokenizer_for(trained_run), ["def f("], max_new_tokens=4)
+    assert json.loads(proc.stdout)["token_ids"] == fp32[0].token_ids
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("flags, message", [
     (["--top-p", "1.5"], "error: top_p=1.5 must be in (0, 1]"),
     (["--top-k", "-1"], "error: top_k=-1 must be >= 1"),
