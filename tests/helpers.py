@@ -2,15 +2,26 @@
 subprocess, the metrics.jsonl reader, the tiny model's overrides, the environment of a training subprocess
 and the fault injection it can carry."""
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
 from typing import Optional
 
 LAYOUTS_WORKER = Path(__file__).parent / "parallel" / "layouts_worker.py"
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """benchmarks/NAME.py as a module (benchmarks/ is a folder of scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def run_ember(*args: str, timeout: float = 600, env: Optional[dict[str, str]] = None, cwd: Optional[Path] = None,

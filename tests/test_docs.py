@@ -4,9 +4,10 @@ renders from benchmarks/results/*.json now, and every relative link in README.md
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from pathlib import Path
+
+from tests.helpers import load_benchmark
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -17,10 +18,7 @@ CODE_SPAN = re.compile(r"`[^`\n]*`")
 
 
 def load_renderer():
-    spec = importlib.util.spec_from_file_location("render_performance", ROOT / "benchmarks" / "render_performance.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("render_performance")
 
 
 def slug(heading: str) -> str:

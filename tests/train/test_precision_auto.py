@@ -2,26 +2,14 @@
 the default run's losses under it stay within 1% of fp32's at every logged step (benchmarks/bf16_parity.py,
 whose bf16 matmuls are computed as a bf16 CPU computes them where this one has no bf16 instructions)."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
 from ember import run as run_lib
-from tests.helpers import TINY_RUN, run_ember
+from tests.helpers import TINY_RUN, load_benchmark, run_ember
 
 # the tiny run with its console on: the header is what is asserted
 TINY_CONSOLE = [o for o in TINY_RUN if o != "metrics.console=false"]
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _parity_module():
-    spec = importlib.util.spec_from_file_location("bf16_parity", ROOT / "benchmarks" / "bf16_parity.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.parametrize("native", ["1", "0"])
@@ -50,7 +38,7 @@ def test_the_header_says_which_precision_runs_and_why(tmp_path):
 
 def test_the_emulated_bf16_matmul_is_the_bf16_products_summed_in_fp32():
     """The emulation the parity run uses on this CPU: bf16 operands, fp32 sums, a bf16 result."""
-    parity = _parity_module()
+    parity = load_benchmark("bf16_parity")
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(8, 64, generator=g).bfloat16(), torch.randn(64, 16, generator=g).bfloat16()
     with parity.NativeBf16Matmuls():
@@ -63,7 +51,7 @@ def test_the_emulated_bf16_matmul_is_the_bf16_products_summed_in_fp32():
 def test_default_run_losses_under_auto_bf16_stay_within_one_percent_of_fp32():
     """The debug recipe, its whole schedule compressed into 60 steps (warm-up 20, then the cosine decay), once in
     fp32 and once under precision=auto on a bf16 CPU: every logged loss and the validation loss within 1%."""
-    parity = _parity_module()
+    parity = load_benchmark("bf16_parity")
     result = parity.parity(60, emulate=True)
     assert (result["fp32"]["compute_dtype"], result["bf16"]["compute_dtype"]) == ("float32", "bfloat16")
     assert sorted(result["per_step_rel"]) == [10, 20, 30, 40, 50, 60]
