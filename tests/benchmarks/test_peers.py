@@ -1,0 +1,158 @@
+"""benchmarks/peers.py's reading of each framework's own output (lines captured from real runs of the tiny shape
+on this repository's CPU), its checks (equal parameter counts, steps left after warmup), the bf16 skip and the
+missing-environment error. Nothing here starts a framework: the peers' environment is not needed."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from ember.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _peers_module():
+    spec = importlib.util.spec_from_file_location("peers", ROOT / "benchmarks" / "peers.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+peers = _peers_module()
+
+# `ember train debug ... logging_steps=1`'s metrics.jsonl: one record per step, then the final validation's.
+EMBER_METRICS = """\
+{"step": 1, "loss": 6.630095481872559, "loss_avg": 6.630095481872559, "lr": 0.002, "grad_norm": 0.7299246788024902, "tokens_per_s": 7874.442506116272, "tokens_per_s_per_device": 7874.442506116272, "step_time_s": 0.016255119000561535, "tflops_per_device": 0.00698192169470303, "mfu": 0.05348246533000974, "memory_gb": 0.3253517150878906, "tokens_seen": 128, "data_wait_frac": 0.14244608153371519}
+{"step": 2, "loss": 6.658548831939697, "loss_avg": 6.658548831939697, "lr": 0.002, "grad_norm": 0.7266488075256348, "tokens_per_s": 14443.85026664115, "tokens_per_s_per_device": 14443.85026664115, "step_time_s": 0.00886190299934242, "tflops_per_device": 0.012806726502018974, "mfu": 0.09810125866275271, "memory_gb": 0.3268165588378906, "tokens_seen": 256, "data_wait_frac": 0.010321823232995181}
+{"step": 3, "loss": 6.643980026245117, "loss_avg": 6.643980026245117, "lr": 0.002, "grad_norm": 0.730373203754425, "tokens_per_s": 16877.456868083143, "tokens_per_s_per_device": 16877.456868083143, "step_time_s": 0.0075840810022782534, "tflops_per_device": 0.014964498396827128, "mfu": 0.11463008347637088, "memory_gb": 0.3269386291503906, "tokens_seen": 384, "data_wait_frac": 0.012881191301306431}
+{"step": 3, "val_loss": 6.693024635314941}
+"""
+
+# litgpt pretrain.py's output (fabric.print), from its parameter count to its per-iteration lines.
+LITGPT_LOG = """\
+Seed set to 0
+Time to instantiate model: 0.01 seconds.
+Total parameters: 164,160
+Verifying settings ...
+Measured TFLOPs: 0.00
+Epoch 1 | iter 1 step 1 | loss train: 6.390, val: n/a | iter time: 21295.49 ms (step) remaining time: 0:01:46
+Epoch 1 | iter 2 step 2 | loss train: 6.377, val: n/a | iter time: 1058.10 ms (step) remaining time: 0:00:44
+Epoch 1 | iter 3 step 3 | loss train: 6.476, val: n/a | iter time: 579.80 ms (step) remaining time: 0:00:22
+Saving checkpoint to '/tmp/lit/final/lit_model.pth'
+"""
+
+# torchtitan's logger: the model size line, then one metrics line per step (log_freq=1).
+TITAN_LOG = """\
+[titan] 2026-11-26 18:29:02,367 - root - INFO - Model llama3 debugmodel size: 164,160 total parameters
+[titan] 2026-11-26 18:29:03,836 - root - INFO - step:  1  loss:  6.64856  grad_norm:  0.7329  memory: -0.00GiB(-0.00%)  tps: 87  tflops: 0.00  mfu: 0.00%
+[titan] 2026-11-26 18:29:03,836 - root - INFO - Synchronizing and adjusting timeout for all ProcessGroups to 0:01:40
+[titan] 2026-11-26 18:29:05,108 - root - INFO - step:  2  loss:  6.80090  grad_norm:  0.7333  memory: -0.00GiB(-0.00%)  tps: 101  tflops: 0.00  mfu: 0.00%
+"""
+
+# the debug shape's (batch 8 x 256): tps over a thousand is printed with a thousands separator
+TITAN_DEBUG_LOG = """\
+[titan] 2026-11-26 18:40:09,316 - root - INFO - Model llama3 debugmodel size: 7,145,728 total parameters
+[titan] 2026-11-26 18:40:10,426 - root - INFO - step:  1  loss:  9.48473  grad_norm:  0.3656  memory: -0.00GiB(-0.00%)  tps: 1,845  tflops: 0.06  mfu: 0.02%
+[titan] 2026-11-26 18:40:11,063 - root - INFO - step:  2  loss:  9.44852  grad_norm:  0.3638  memory: -0.00GiB(-0.00%)  tps: 3,214  tflops: 0.11  mfu: 0.03%
+"""
+
+
+def test_ember_step_times_come_from_its_training_records():
+    assert peers.parse_ember_metrics(EMBER_METRICS) == [0.016255119000561535, 0.00886190299934242,
+                                                        0.0075840810022782534]
+
+
+def test_litgpt_iter_times_and_parameter_count():
+    times, params = peers.parse_litgpt_log(LITGPT_LOG)
+    assert times == pytest.approx([21.29549, 1.0581, 0.5798], rel=1e-12)
+    assert params == 164_160
+
+
+def test_torchtitan_step_times_are_tokens_over_its_logged_tps():
+    times, params = peers.parse_torchtitan_log(TITAN_LOG, tokens_per_step=2 * 64)
+    assert times == [128 / 87, 128 / 101]
+    assert params == 164_160
+    assert peers.parse_torchtitan_log(TITAN_DEBUG_LOG, tokens_per_step=8 * 256) == ([2048 / 1845, 2048 / 3214],
+                                                                                     7_145_728)
+
+
+def test_steady_state_drops_the_warmup_steps():
+    times = [21.3, 1.06, 0.58, 0.11, 1.05, 1.04]
+    assert peers.steady_step_time(times, warmup=2) == pytest.approx((0.58 + 1.04) / 2)
+    assert peers.steady_step_time(times, warmup=5) == 1.04
+    with pytest.raises(ValueError, match="6 step times, none left after dropping 6 warmup steps"):
+        peers.steady_step_time(times, warmup=6)
+
+
+def test_unequal_parameter_counts_are_refused():
+    peers.check_param_counts("debug", {"ember": 6_030_592, "litgpt": 6_030_592, "torchtitan": 6_030_592})
+    with pytest.raises(ConfigError, match="shape debug: ember builds 6,030,592 parameters but torchtitan "
+                                          "6,031,104: not the same model"):
+        peers.check_param_counts("debug", {"ember": 6_030_592, "litgpt": 6_030_592, "torchtitan": 6_031_104})
+
+
+def test_bf16_is_skipped_only_on_a_cpu_without_bf16_instructions():
+    reason = peers.bf16_skip_reason("cpu", force=False, native=False)
+    assert reason.startswith("this CPU has no bf16 matmul instructions") and "--force-bf16" in reason
+    assert peers.bf16_skip_reason("cpu", force=True, native=False) is None
+    assert peers.bf16_skip_reason("cpu", force=False, native=True) is None
+    assert peers.bf16_skip_reason("cuda", force=False, native=False) is None
+
+
+def test_skipped_rows_are_in_the_table_with_their_reason(capsys):
+    reason = peers.bf16_skip_reason("cpu", force=False, native=False)
+    peers.print_table([peers.not_run("debug", "bf16", "eager", "ember", "skipped", reason),
+                       peers.not_run("debug", "fp32", "eager", "litgpt", "n/a", peers.LITGPT_EAGER)])
+    out = capsys.readouterr().out
+    assert f"debug  bf16      eager     ember       skipped: {reason}" in out
+    assert "debug  fp32      eager     litgpt      n/a: n/a (litgpt pretrain always compiles)" in out
+
+
+def test_eager_ember_meets_each_peer_in_its_default_mode_compiled_meets_compiled():
+    rows = [{"shape": "debug", "precision": "fp32", "mode": mode, "framework": framework, "tokens_per_s": tps}
+            for mode, framework, tps in [("eager", "ember", 4000.0), ("eager", "torchtitan", 3000.0),
+                                         ("eager", "litgpt", None), ("compiled", "ember", 6000.0),
+                                         ("compiled", "litgpt", 5000.0), ("compiled", "torchtitan", 4500.0)]]
+    assert peers.summary_lines(rows) == [
+        "debug fp32 eager: ember 4,000 tok/s vs fastest peer litgpt (compiled) 5,000 tok/s: 0.80x",
+        "debug fp32 compiled: ember 6,000 tok/s vs fastest peer litgpt (compiled) 5,000 tok/s: 1.20x"]
+
+
+def test_a_missing_peers_environment_names_the_setup_commands(tmp_path):
+    with pytest.raises(ConfigError) as raised:
+        peers.find_peers_python(None, {}, repo=tmp_path)
+    assert str(raised.value) == (
+        f"no peers environment: {tmp_path}/.venv-peers/bin/python does not exist; set one up with `python -m venv "
+        ".venv-peers && .venv-peers/bin/pip install torch==2.13.0 && .venv-peers/bin/pip install torch==2.13.0 -r "
+        "benchmarks/requirements-peers.txt` (or point --peers-python or EMBER_PEERS_PYTHON at a python that has "
+        "litgpt and torchtitan)")
+    python = tmp_path / "python"
+    python.touch()
+    assert peers.find_peers_python(None, {"EMBER_PEERS_PYTHON": str(python)}, repo=tmp_path) == python
+    assert peers.find_peers_python(str(python), {"EMBER_PEERS_PYTHON": "/nowhere"}, repo=tmp_path) == python
+
+
+def test_the_peers_are_given_embers_ffn_width_and_recipe_settings():
+    args = peers.parse_args(["--shapes", "debug", "--modes", "eager"])
+    cmd = peers.command("torchtitan", peers.SHAPES["debug"], "fp32", "eager", args, Path("/out"), Path("/py"))
+    flag = lambda name: cmd[cmd.index(name) + 1]  # noqa: E731
+    assert (flag("--ffn-hidden"), flag("--rope-theta"), flag("--lr"), flag("--weight-decay")) == (
+        "704", "500000.0", "0.002", "0.1")
+    assert cmd[cmd.index("--betas") + 1:cmd.index("--betas") + 3] == ["0.9", "0.95"]
+
+
+def test_steps_must_outlast_the_warmup():
+    with pytest.raises(ConfigError, match="--steps 5 leaves no step after the 5 warmup steps"):
+        peers.parse_args(["--steps", "5"])
+
+
+@pytest.mark.slow
+def test_a_childs_peak_rss_is_its_own_and_a_hung_child_is_killed(tmp_path):
+    touch_300_mib = "data = b'x' * (300 * 2**20); print('done'); raise SystemExit(3)"
+    code, rss_kib, output = peers.run_child([sys.executable, "-c", touch_300_mib], tmp_path / "a.log", timeout_s=60)
+    assert (code, output) == (3, "done\n")
+    assert 300 * 1024 <= rss_kib < 400 * 1024  # ru_maxrss of the child alone, in KiB
+    code, _, _ = peers.run_child([sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "b.log", 1)
+    assert code == -9
