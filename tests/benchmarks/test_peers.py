@@ -2,25 +2,15 @@
 on this repository's CPU), its checks (equal parameter counts, steps left after warmup), the bf16 skip and the
 missing-environment error. Nothing here starts a framework: the peers' environment is not needed."""
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
 
 from ember.errors import ConfigError
+from tests.helpers import load_benchmark
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _peers_module():
-    spec = importlib.util.spec_from_file_location("peers", ROOT / "benchmarks" / "peers.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-peers = _peers_module()
+peers = load_benchmark("peers")
 
 # `ember train debug ... logging_steps=1`'s metrics.jsonl: one record per step, then the final validation's.
 EMBER_METRICS = """\
