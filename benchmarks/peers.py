@@ -18,8 +18,10 @@ logged `iter time` (forward, backward, clipping, optimizer step and a loss sync;
 torchtitan's logged tps (the time between two log lines: all of a step; tps is printed as an integer).
 The first `--warmup` steps are dropped (compiled runs: `--warmup-compiled`), the median of the rest gives
 tokens/s; each round is a fresh process per framework, the order rotated each round, the figure per framework
-the median over rounds. `ember/this` is ember's tokens/s over the row's. Peak RSS is the child process's own
-ru_maxrss (compile workers it starts are not in it). The parameter counts each framework prints must agree.
+the median over rounds. `ember/this` is ember's tokens/s over the row's. Train RSS is the child's peak resident
+memory (VmHWM) once it has logged all but its last step: the memory training needs, without what a framework
+does after it (ember's final evaluation and checkpoint, litgpt's checkpoint); peak RSS is the whole process's
+ru_maxrss. Compile workers a child starts are in neither. The parameter counts each framework prints must agree.
 Run it on an otherwise idle machine: on a small CPU another busy process slows the small ops of a step many
 times over (torch's threads wait for each other), and not every framework alike.
 
@@ -37,9 +39,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
+import time
 from pathlib import Path
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
@@ -157,20 +159,42 @@ def tagged(text: str, kind: str) -> list[str]:
     return list(dict.fromkeys(found))
 
 
-def run_child(cmd: list[str], log: Path, timeout_s: float) -> tuple[int, int, str]:
-    """(exit code, the child's own peak RSS in KiB from wait4's rusage, its output). A child still running
-    after `timeout_s` is killed (exit code -9)."""
+def vm_hwm_kib(pid: int) -> Optional[int]:
+    """A live process's peak resident memory so far (VmHWM in /proc/PID/status, KiB); None where unreadable."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    found = re.search(r"^VmHWM:\s+(\d+) kB", status, re.M)
+    return int(found.group(1)) if found else None
+
+
+def run_child(cmd: list[str], log: Path, timeout_s: float, steps_done: Optional[Callable[[str], int]] = None,
+              train_steps: int = 0) -> tuple[int, int, str, Optional[int]]:
+    """(exit code, the child's own peak RSS in KiB from wait4's rusage, its output, its peak RSS in KiB once
+    `steps_done(output)` first reaches `train_steps`: the training steps' memory, without what a framework
+    does after them, such as ember's final evaluation and checkpoint). A child still running after `timeout_s`
+    is killed (exit code -9)."""
     with log.open("w") as sink:
         child = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, cwd=REPO,
                                  env=os.environ | {"PYTHONUNBUFFERED": "1"})
-        timer = threading.Timer(timeout_s, child.kill)
-        timer.start()
+        deadline, train_kib = time.monotonic() + timeout_s, None
         try:
-            _, status, usage = os.wait4(child.pid, 0)
-        finally:
-            timer.cancel()
+            while True:
+                pid, status, usage = os.wait4(child.pid, os.WNOHANG)
+                if pid:
+                    break
+                if time.monotonic() > deadline:
+                    child.kill()
+                if steps_done is not None and train_kib is None:
+                    if steps_done(log.read_text(errors="replace")) >= train_steps:
+                        train_kib = vm_hwm_kib(child.pid)
+                time.sleep(0.02)
+        except BaseException:
+            child.kill()
+            raise
         child.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait again
-    return child.returncode, usage.ru_maxrss, log.read_text(errors="replace")
+    return child.returncode, usage.ru_maxrss, log.read_text(errors="replace"), train_kib
 
 
 def command(framework: str, shape: Shape, precision: str, mode: str, args: argparse.Namespace,
@@ -206,8 +230,14 @@ def measure(framework: str, shape_name: str, precision: str, mode: str, args: ar
         out = Path(tmp) / "run"
         cmd = command(framework, shape, precision, mode, args, out, peers_python)
         print(f"  {framework:<11} {shape_name} {precision} {mode} ...", flush=True)
-        code, rss_kib, text = run_child(cmd, Path(tmp) / "output.log", args.timeout)
         metrics = out / "metrics.jsonl"
+        tokens = shape.batch * shape.seq
+        # training steps logged so far: ember's in its metrics.jsonl (its console is off), the peers' in their output
+        counters = {"ember": lambda _: len(parse_ember_metrics(metrics.read_text())) if metrics.is_file() else 0,
+                    "litgpt": lambda text: len(parse_litgpt_log(text)[0]),
+                    "torchtitan": lambda text: len(parse_torchtitan_log(text, tokens)[0])}
+        code, rss_kib, text, train_kib = run_child(cmd, Path(tmp) / "output.log", args.timeout,
+                                                   counters[framework], args.steps - 1)
         if framework == "ember":
             times = parse_ember_metrics(metrics.read_text()) if metrics.is_file() else []
             run_json = out / "run.json"
@@ -217,7 +247,7 @@ def measure(framework: str, shape_name: str, precision: str, mode: str, args: ar
         else:
             times, params = parse_torchtitan_log(text, shape.batch * shape.seq)
     warmup = args.warmup_compiled if mode == "compiled" else args.warmup
-    result = {"params": params, "peak_rss_kib": rss_kib, "step_times_s": times,
+    result = {"params": params, "peak_rss_kib": rss_kib, "train_rss_kib": train_kib, "step_times_s": times,
               "patches": tagged(text, "patch"), "versions": tagged(text, "version")}
     reason = (f"killed (SIGKILL: the {args.timeout:.0f} s --timeout, or out of memory)" if code == -9
               else f"exit code {code}" if code != 0
@@ -237,7 +267,7 @@ def summarize(shape: str, precision: str, mode: str, framework: str, rounds: lis
     ok = [r for r in rounds if r["status"] == "ok"]
     row: dict[str, Any] = {"shape": shape, "precision": precision, "mode": mode, "framework": framework,
                            "status": "ok" if ok else "failed", "tokens_per_s": None, "step_ms": None,
-                           "peak_rss_mib": None, "ember_ratio": None,
+                           "train_rss_mib": None, "peak_rss_mib": None, "ember_ratio": None,
                            "params": next((r["params"] for r in rounds if r["params"]), None),
                            "reason": "; ".join(f"round {i + 1}: {r['reason']}" for i, r in enumerate(rounds)
                                                if r["status"] != "ok") or None}
@@ -245,13 +275,17 @@ def summarize(shape: str, precision: str, mode: str, framework: str, rounds: lis
         tokens_per_s = statistics.median(r["tokens_per_s"] for r in ok)
         row |= {"tokens_per_s": tokens_per_s, "step_ms": SHAPES[shape].batch * SHAPES[shape].seq / tokens_per_s * 1e3,
                 "peak_rss_mib": statistics.median(r["peak_rss_kib"] for r in ok) / 1024}
-    row["rounds"] = [{k: r.get(k) for k in ("status", "tokens_per_s", "peak_rss_kib", "step_times_s")} for r in rounds]
+        train = [r["train_rss_kib"] for r in ok if r.get("train_rss_kib")]
+        row["train_rss_mib"] = statistics.median(train) / 1024 if train else None
+    row["rounds"] = [{k: r.get(k) for k in ("status", "tokens_per_s", "train_rss_kib", "peak_rss_kib", "step_times_s")}
+                     for r in rounds]
     return row
 
 
 def not_run(shape: str, precision: str, mode: str, framework: str, status: str, reason: str) -> dict[str, Any]:
     return {"shape": shape, "precision": precision, "mode": mode, "framework": framework, "status": status,
-            "tokens_per_s": None, "step_ms": None, "peak_rss_mib": None, "ember_ratio": None, "params": None,
+            "tokens_per_s": None, "step_ms": None, "train_rss_mib": None, "peak_rss_mib": None, "ember_ratio": None,
+            "params": None,
             "reason": reason}
 
 
@@ -316,19 +350,25 @@ def summary_lines(rows: list[dict[str, Any]]) -> list[str]:
             lines.append(f"{shape} {precision} {mode}: ember {ember['tokens_per_s']:,.0f} tok/s vs fastest peer "
                          f"{fastest['framework']} ({peer_mode}) {fastest['tokens_per_s']:,.0f} tok/s: "
                          f"{ember['tokens_per_s'] / fastest['tokens_per_s']:.2f}x")
+            memories = [(p["train_rss_mib"], p["framework"]) for p, _ in peers if p["train_rss_mib"]]
+            if memories and ember["train_rss_mib"]:
+                lowest, name = min(memories)
+                lines.append(f"{shape} {precision} {mode}: training RSS ember {ember['train_rss_mib']:,.0f} MiB vs "
+                             f"lowest peer {name} {lowest:,.0f} MiB: {ember['train_rss_mib'] / lowest:.2f}x")
     return lines
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     print(f"\n{'shape':<7}{'precision':<10}{'mode':<10}{'framework':<12}{'params':>12}{'tokens/s':>11}"
-          f"{'step ms':>10}{'peak RSS MiB':>14}{'ember/this':>12}")
+          f"{'step ms':>10}{'train RSS MiB':>15}{'peak RSS MiB':>14}{'ember/this':>12}")
     for r in rows:
         head = f"{r['shape']:<7}{r['precision']:<10}{r['mode']:<10}{r['framework']:<12}"
         if r["tokens_per_s"] is None:
             print(f"{head}{r['status']}: {r['reason']}")
             continue
         ratio = f"{r['ember_ratio']:.2f}x" if r["ember_ratio"] else ""
-        print(f"{head}{r['params']:>12,}{r['tokens_per_s']:>11,.0f}{r['step_ms']:>10.1f}{r['peak_rss_mib']:>14,.0f}"
+        train = f"{r['train_rss_mib']:,.0f}" if r["train_rss_mib"] else "n/a"
+        print(f"{head}{r['params']:>12,}{r['tokens_per_s']:>11,.0f}{r['step_ms']:>10.1f}{train:>15}{r['peak_rss_mib']:>14,.0f}"
               f"{ratio:>12}" + (f"  ({r['reason']})" if r["reason"] else ""))
 
 

@@ -101,13 +101,17 @@ def test_skipped_rows_are_in_the_table_with_their_reason(capsys):
 
 
 def test_eager_ember_meets_each_peer_in_its_default_mode_compiled_meets_compiled():
-    rows = [{"shape": "debug", "precision": "fp32", "mode": mode, "framework": framework, "tokens_per_s": tps}
-            for mode, framework, tps in [("eager", "ember", 4000.0), ("eager", "torchtitan", 3000.0),
-                                         ("eager", "litgpt", None), ("compiled", "ember", 6000.0),
-                                         ("compiled", "litgpt", 5000.0), ("compiled", "torchtitan", 4500.0)]]
+    rows = [{"shape": "debug", "precision": "fp32", "mode": mode, "framework": framework, "tokens_per_s": tps,
+             "train_rss_mib": rss}
+            for mode, framework, tps, rss in [("eager", "ember", 4000.0, 700.0), ("eager", "torchtitan", 3000.0, 900.0),
+                                              ("eager", "litgpt", None, None), ("compiled", "ember", 6000.0, 800.0),
+                                              ("compiled", "litgpt", 5000.0, 1000.0),
+                                              ("compiled", "torchtitan", 4500.0, None)]]
     assert peers.summary_lines(rows) == [
         "debug fp32 eager: ember 4,000 tok/s vs fastest peer litgpt (compiled) 5,000 tok/s: 0.80x",
-        "debug fp32 compiled: ember 6,000 tok/s vs fastest peer litgpt (compiled) 5,000 tok/s: 1.20x"]
+        "debug fp32 eager: training RSS ember 700 MiB vs lowest peer torchtitan 900 MiB: 0.78x",
+        "debug fp32 compiled: ember 6,000 tok/s vs fastest peer litgpt (compiled) 5,000 tok/s: 1.20x",
+        "debug fp32 compiled: training RSS ember 800 MiB vs lowest peer litgpt 1,000 MiB: 0.80x"]
 
 
 def test_a_missing_peers_environment_names_the_setup_commands(tmp_path):
@@ -141,8 +145,14 @@ def test_steps_must_outlast_the_warmup():
 @pytest.mark.slow
 def test_a_childs_peak_rss_is_its_own_and_a_hung_child_is_killed(tmp_path):
     touch_300_mib = "data = b'x' * (300 * 2**20); print('done'); raise SystemExit(3)"
-    code, rss_kib, output = peers.run_child([sys.executable, "-c", touch_300_mib], tmp_path / "a.log", timeout_s=60)
+    code, rss_kib, output, _ = peers.run_child([sys.executable, "-c", touch_300_mib], tmp_path / "a.log", timeout_s=60)
     assert (code, output) == (3, "done\n")
     assert 300 * 1024 <= rss_kib < 400 * 1024  # ru_maxrss of the child alone, in KiB
-    code, _, _ = peers.run_child([sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "b.log", 1)
+    # The peak up to a point the output marks (the training steps), not what the process does after it.
+    script = ("import sys, time; print('step', flush=True); time.sleep(1); data = b'x' * (300 * 2**20); "
+              "print('step', flush=True)")
+    code, rss_kib, output, train_kib = peers.run_child([sys.executable, "-c", script], tmp_path / "c.log", 60,
+                                                      lambda text: text.count("step"), 1)
+    assert code == 0 and train_kib < 100 * 1024 and rss_kib >= 300 * 1024
+    code, _, _, _ = peers.run_child([sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "b.log", 1)
     assert code == -9
