@@ -1,7 +1,7 @@
 """Training tokens/s and peak memory: ember beside litgpt and torchtitan, the same Llama trained by each
 framework's own trainer in a fresh process, with the same batch, AdamW settings, clipping and precision.
 
-    python benchmarks/peers.py                                      # debug, 56m, 128k; fp32; eager + compiled
+    python benchmarks/peers.py                                      # debug, 56m, 128k; fp32, bf16; eager + compiled
     python benchmarks/peers.py --shapes tiny --rounds 1 --steps 6 --warmup 2
     python benchmarks/peers.py --shapes debug --modes eager --frameworks ember,torchtitan --device cuda
 
@@ -35,6 +35,7 @@ import dataclasses
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -176,7 +177,8 @@ def run_child(cmd: list[str], log: Path, timeout_s: float, steps_done: Optional[
     does after them, such as ember's final evaluation and checkpoint). A child still running after `timeout_s`
     is killed (exit code -9)."""
     with log.open("w") as sink:
-        child = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, cwd=REPO,
+        # its own process group, so that stopping it also stops what it started (compile workers)
+        child = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
                                  env=os.environ | {"PYTHONUNBUFFERED": "1"})
         deadline, train_kib = time.monotonic() + timeout_s, None
         try:
@@ -185,13 +187,14 @@ def run_child(cmd: list[str], log: Path, timeout_s: float, steps_done: Optional[
                 if pid:
                     break
                 if time.monotonic() > deadline:
-                    child.kill()
+                    os.killpg(child.pid, signal.SIGKILL)
                 if steps_done is not None and train_kib is None:
                     if steps_done(log.read_text(errors="replace")) >= train_steps:
                         train_kib = vm_hwm_kib(child.pid)
                 time.sleep(0.02)
-        except BaseException:
-            child.kill()
+        except BaseException:  # Ctrl-C, SIGTERM (main turns it into SystemExit): the child goes too
+            os.killpg(child.pid, signal.SIGKILL)
+            os.waitpid(child.pid, 0)
             raise
         child.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait again
     return child.returncode, usage.ru_maxrss, log.read_text(errors="replace"), train_kib
@@ -255,7 +258,14 @@ def measure(framework: str, shape_name: str, precision: str, mode: str, args: ar
               else "no parameter count in its output" if params is None else None)
     if reason is None:
         step = steady_step_time(times, warmup)
-        return result | {"status": "ok", "step_s": step, "tokens_per_s": shape.batch * shape.seq / step}
+        kept = times[warmup:]
+        noisy = max(kept) / min(kept) > 1.5  # still warming up, recompiling, or a busy machine
+        if noisy:
+            print(f"  warning: {framework}'s kept step times vary {max(kept) / min(kept):.1f}x "
+                  f"({min(kept) * 1e3:.0f}-{max(kept) * 1e3:.0f} ms): raise --steps/--warmup, or idle the machine",
+                  flush=True)
+        return result | {"status": "ok", "step_s": step, "tokens_per_s": shape.batch * shape.seq / step,
+                         "noisy": noisy}
     tail = text.strip().splitlines()[-30:]
     print(f"  {framework} failed ({reason}): {' '.join(cmd)}\n" + ("\n".join(tail) or "(no output)"),
           file=sys.stderr, flush=True)
@@ -409,7 +419,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return args
 
 
+def _stop(signum: int, _frame: Any) -> None:
+    raise SystemExit(f"peers.py: stopped by signal {signal.Signals(signum).name}; no results written")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
+    signal.signal(signal.SIGTERM, _stop)  # unwinds like Ctrl-C: the running child killed, its folder removed
     try:
         args = parse_args(argv)
         peers = [f for f in args.frameworks if f != "ember"]
@@ -419,6 +434,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     except EmberError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("peers.py: interrupted; no results written", file=sys.stderr)
+        return 130
     print_table(rows)
     summary = summary_lines(rows)
     print("\nember vs fastest peer (eager ember against litgpt compiled and torchtitan eager, their defaults):")
