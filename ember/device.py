@@ -46,10 +46,14 @@ def precision_note(precision: str, device: torch.device, compute_dtype: torch.dt
     as everyone expects, and an explicit precision is what the user chose)."""
     if precision != "auto" or device.type != "cpu":
         return None
+    forced = os.environ.get("EMBER_CPU_BF16", "").strip()
     if compute_dtype == torch.bfloat16:
-        return ("precision: auto -> bf16 autocast (this CPU has bf16 matmul instructions, several times fp32's "
-                "rate; fp32 weights, gradients and optimizer state); precision=fp32 opts out")
-    return "precision: auto -> fp32 (this CPU has no bf16 matmul instructions: AVX512-BF16, AMX)"
+        why = ("EMBER_CPU_BF16=1 declares bf16 matmul instructions, not detected" if forced == "1" else
+               "this CPU has bf16 matmul instructions, several times fp32's rate")
+        return f"precision: auto -> bf16 autocast ({why}; fp32 weights, gradients and optimizer state); precision=fp32 opts out"
+    why = ("EMBER_CPU_BF16=0 declares no bf16 matmul instructions, not detected" if forced == "0" else
+           "this CPU has no bf16 matmul instructions: AVX512-BF16, AMX")
+    return f"precision: auto -> fp32 ({why})"
 
 
 def cpu_runs_bf16_natively() -> bool:

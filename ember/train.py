@@ -34,8 +34,8 @@ from ember.cpu_allocator import keep_freed_cpu_memory
 from ember.device import pick_device
 from ember.hardware import peak_flops
 from ember.health import HealthGuard, StopSignals, TrainingStopped
-from ember.metrics import (MetricsLogger, plural, print_header, progress_bar, raise_peak_if_beaten, run_record,
-                           throughput_record)
+from ember.metrics import (MetricsLogger, compute_description, plural, print_header, progress_bar,
+                           raise_peak_if_beaten, run_record, throughput_record)
 from ember.nn import moe as moe_lib
 from ember.nn.decoder import num_params
 from ember.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, restart_schedule
@@ -132,6 +132,7 @@ class Trainer:
         self.health = HealthGuard(cfg.max_skipped_steps, cfg.loss_spike_factor, self._say)
         self.checkpointer, state = open_checkpoints(spec, self.model_parts, self.model, self.optimizer, self._say)
         if state is not None:
+            run_history.check_resumed_compute(self.output_dir, cfg.precision, compute_description(spec, self.model_parts))
             self.step = int(state["step"])
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
             restart_schedule(self.lr_scheduler)  # this run's optim.lr and schedule, from the resumed step on

@@ -4,6 +4,7 @@ ember/generate.py)."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -69,7 +70,8 @@ def run(args: argparse.Namespace) -> int:
     device = pick_device(args.device)
     dtype = pick_compute_dtype(args.precision, device)
     if device.type == "cpu" and dtype == torch.bfloat16:
-        print("note: bf16 weights on the CPU (--precision fp32 for fp32)" if cpu_runs_bf16_natively() else
+        forced = " (EMBER_CPU_BF16=1)" if os.environ.get("EMBER_CPU_BF16", "").strip() == "1" else ""
+        print(f"note: bf16 weights on the CPU{forced} (--precision fp32 for fp32)" if cpu_runs_bf16_natively() else
               "note: --precision bf16 on a CPU without bf16 matmul instructions (AVX512-BF16, AMX): torch emulates "
               "them, many times slower than fp32", file=sys.stderr)
     model = load_model(args.path, device=device, dtype=dtype)

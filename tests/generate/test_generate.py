@@ -249,7 +249,7 @@ def test_cli_precision_auto_decodes_with_bf16_weights_on_a_bf16_cpu(trained_run:
     env = dict(os.environ, EMBER_CPU_BF16="1")
     args = ("generate", str(trained_run), "--prompt", "def f(", "--max-new-tokens", "4", "--json")
     proc = run_ember(*args, env=env, expect=0)
-    assert proc.stderr == "note: bf16 weights on the CPU (--precision fp32 for fp32)\n"
+    assert proc.stderr == "note: bf16 weights on the CPU (EMBER_CPU_BF16=1) (--precision fp32 for fp32)\n"
     expected = generate(load_model(trained_run, dtype=torch.bfloat16), tokenizer_for(trained_run), ["def f("],
                         max_new_tokens=4)
     assert json.loads(proc.stdout)["token_ids"] == expected[0].token_ids

@@ -291,6 +291,7 @@ def test_device_spec_is_frozen():
 
 @pytest.mark.parametrize("native", [True, False])
 def test_auto_precision_on_cpu_is_bf16_where_the_cpu_has_bf16_matmuls(native: bool, monkeypatch):
+    monkeypatch.delenv("EMBER_CPU_BF16", raising=False)  # what the CPU has, detected
     monkeypatch.setattr(device, "cpu_runs_bf16_natively", lambda: native)
     cpu = torch.device("cpu")
     assert device.pick_compute_dtype("auto", cpu) == (torch.bfloat16 if native else torch.float32)
@@ -301,6 +302,10 @@ def test_auto_precision_on_cpu_is_bf16_where_the_cpu_has_bf16_matmuls(native: bo
                     "rate; fp32 weights, gradients and optimizer state); precision=fp32 opts out" if native else
                     "precision: auto -> fp32 (this CPU has no bf16 matmul instructions: AVX512-BF16, AMX)")
     assert device.precision_note("fp32", cpu, torch.float32) is None  # the user's own choice needs no reason
+    monkeypatch.setenv("EMBER_CPU_BF16", "1" if native else "0")  # declared, not detected: the header says so
+    note = device.precision_note("auto", cpu, device.pick_compute_dtype("auto", cpu))
+    assert ("EMBER_CPU_BF16=1 declares bf16 matmul instructions, not detected" if native else
+            "EMBER_CPU_BF16=0 declares no bf16 matmul instructions, not detected") in note
 
 
 def test_ember_cpu_bf16_overrides_the_detection(monkeypatch):

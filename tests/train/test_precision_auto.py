@@ -29,7 +29,7 @@ def test_the_header_says_which_precision_runs_and_why(tmp_path):
     env = dict(os.environ, EMBER_CPU_BF16="1")
     proc = run_ember("train", *TINY_CONSOLE, "max_steps=1", f"output_dir={tmp_path / 'run'}", env=env, expect=0)
     assert "| cpu bfloat16 |" in proc.stdout
-    assert ("precision: auto -> bf16 autocast (this CPU has bf16 matmul instructions, several times fp32's rate; "
+    assert ("precision: auto -> bf16 autocast (EMBER_CPU_BF16=1 declares bf16 matmul instructions, not detected; "
             "fp32 weights, gradients and optimizer state); precision=fp32 opts out") in proc.stdout
     proc = run_ember("train", *TINY_CONSOLE, "max_steps=1", "precision=fp32", f"output_dir={tmp_path / 'fp32'}",
                      env=env, expect=0)
@@ -58,3 +58,24 @@ def test_default_run_losses_under_auto_bf16_stay_within_one_percent_of_fp32():
     assert result["max_step_rel"] <= 0.01, result["per_step_rel"]
     assert result["val_rel"] <= 0.01
     assert result["fp32"]["losses"][60] < result["fp32"]["losses"][10] - 1  # a run that learned, not a flat line
+
+
+@pytest.mark.slow
+def test_a_resume_where_auto_resolves_to_another_dtype_is_refused(tmp_path):
+    """Trained in fp32, resumed where auto means bf16 (another machine; here EMBER_CPU_BF16): one line naming both
+    dtypes and the fix, the run left as it was; an explicit precision resumes."""
+    import os
+
+    out = tmp_path / "run"
+    run_ember("train", *TINY_RUN, "max_steps=2", f"output_dir={out}", env=dict(os.environ, EMBER_CPU_BF16="0"),
+              expect=0)
+    before = (out / "metrics.jsonl").read_text()
+    proc = run_ember("train", *TINY_RUN, "max_steps=3", f"output_dir={out}", env=dict(os.environ, EMBER_CPU_BF16="1"),
+                     expect=2)
+    assert proc.stderr.strip().splitlines()[-1].endswith(
+        "resume would switch this run from float32 to bfloat16: precision=auto resolves differently here (this "
+        "device, or EMBER_CPU_BF16); resume with precision=fp32 as it trained, or precision=bf16 to change it on "
+        "purpose")
+    assert (out / "metrics.jsonl").read_text() == before
+    run_ember("train", *TINY_RUN, "max_steps=3", "precision=fp32", f"output_dir={out}",
+              env=dict(os.environ, EMBER_CPU_BF16="1"), expect=0)
