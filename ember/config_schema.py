@@ -274,7 +274,7 @@ class JobConfig:
     seq_len: int = 256
     output_dir: str = "outputs/debug"
     compile: bool = False
-    precision: str = "auto"  # auto (bf16 where the device has bf16 matmuls: CUDA, AVX512-BF16/AMX CPUs; else fp32) | fp32 | bf16 | fp8 (bf16 + fp8.enabled)
+    precision: str = "auto"  # auto (bf16 with bf16 matmuls: CUDA, AVX512-BF16/AMX CPUs; else fp32) | fp32 | bf16 | fp8 (bf16 + fp8.enabled)
     device: str = "auto"  # auto | cpu | cuda | tpu | xla (tpu, or any jax backend: ember/xla/, the .[tpu] extra)
     resume: str = "auto"  # auto (the newest complete checkpoint in output_dir, if any) | none | a checkpoint path
     # Keys of what the run is (model.*, data.*, seed, task, seq_len, global_batch_size, lora.*, dpo.*, optim.name;

@@ -46,27 +46,35 @@ def precision_note(precision: str, device: torch.device, compute_dtype: torch.dt
     as everyone expects, and an explicit precision is what the user chose)."""
     if precision != "auto" or device.type != "cpu":
         return None
-    forced = os.environ.get("EMBER_CPU_BF16", "").strip()
+    declared = cpu_bf16_declared()
     if compute_dtype == torch.bfloat16:
-        why = ("EMBER_CPU_BF16=1 declares bf16 matmul instructions, not detected" if forced == "1" else
+        why = ("EMBER_CPU_BF16=1 declares bf16 matmul instructions, not detected" if declared else
                "this CPU has bf16 matmul instructions, several times fp32's rate")
         return f"precision: auto -> bf16 autocast ({why}; fp32 weights, gradients and optimizer state); precision=fp32 opts out"
-    why = ("EMBER_CPU_BF16=0 declares no bf16 matmul instructions, not detected" if forced == "0" else
+    why = ("EMBER_CPU_BF16=0 declares no bf16 matmul instructions, not detected" if declared is False else
            "this CPU has no bf16 matmul instructions: AVX512-BF16, AMX")
     return f"precision: auto -> fp32 ({why})"
 
 
-def cpu_runs_bf16_natively() -> bool:
-    """Whether this CPU has bf16 matmul instructions (x86 AVX512-BF16 or AMX-BF16; ARM's BF16 extension),
-    which oneDNN uses for bf16 matmuls several times faster than fp32. Without them torch emulates bf16,
-    slower than fp32. EMBER_CPU_BF16=0 or 1 overrides what torch detects (a VM that hides or misreports its
-    CPU's flags; a test suite that must decide the same on every machine)."""
+def cpu_bf16_declared() -> Optional[bool]:
+    """EMBER_CPU_BF16's answer (1: this CPU has bf16 matmul instructions, 0: it has none), None where unset: a VM
+    that hides or misreports its CPU's flags, a test suite that must decide the same on every machine."""
     forced = os.environ.get("EMBER_CPU_BF16", "").strip()
     if forced in ("0", "1"):
         return forced == "1"
     if forced:
         raise ConfigError(f"EMBER_CPU_BF16={forced!r}: use 1 (this CPU has bf16 matmul instructions), 0 (it has "
                           "none) or leave it unset to detect")
+    return None
+
+
+def cpu_runs_bf16_natively() -> bool:
+    """Whether this CPU has bf16 matmul instructions (x86 AVX512-BF16 or AMX-BF16; ARM's BF16 extension),
+    which oneDNN uses for bf16 matmuls several times faster than fp32. Without them torch emulates bf16,
+    slower than fp32. EMBER_CPU_BF16 overrides what torch detects (`cpu_bf16_declared`)."""
+    declared = cpu_bf16_declared()
+    if declared is not None:
+        return declared
     capabilities = getattr(torch.cpu, "get_capabilities", None)  # torch >= 2.7
     if capabilities is None:
         return False

@@ -4,7 +4,6 @@ ember/generate.py)."""
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -52,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from ember.generate import check_max_new_tokens, generate, prompt_ids, sampling_temperature, tokenizer_for
-    from ember.device import cpu_runs_bf16_natively, pick_compute_dtype, pick_device
+    from ember.device import cpu_bf16_declared, cpu_runs_bf16_natively, pick_compute_dtype, pick_device
     from ember.load import load_model
 
     # Every argument is checked before anything is printed: a streamed prompt followed by an error would run
@@ -70,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     device = pick_device(args.device)
     dtype = pick_compute_dtype(args.precision, device)
     if device.type == "cpu" and dtype == torch.bfloat16:
-        forced = " (EMBER_CPU_BF16=1)" if os.environ.get("EMBER_CPU_BF16", "").strip() == "1" else ""
+        forced = " (EMBER_CPU_BF16=1)" if cpu_bf16_declared() else ""
         print(f"note: bf16 weights on the CPU{forced} (--precision fp32 for fp32)" if cpu_runs_bf16_natively() else
               "note: --precision bf16 on a CPU without bf16 matmul instructions (AVX512-BF16, AMX): torch emulates "
               "them, many times slower than fp32", file=sys.stderr)

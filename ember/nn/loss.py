@@ -115,8 +115,9 @@ def _blockwise(x: torch.Tensor, grad: Optional[torch.Tensor], valid: torch.Tenso
 def cross_entropy_sum(logits: Union[torch.Tensor, list[torch.Tensor]], labels: torch.Tensor,
                       scale: float = 1.0) -> torch.Tensor:
     """`scale` times the summed token cross-entropy of logits (B, T, V) against labels (B, T) (IGNORE_INDEX
-    skipped), in fp32. Scaling here rather than after saves backward a pass over the logits. `logits` may also be the list of sequence chunks that `Transformer(output_chunks > 1)`
-    returns; labels are split the same way (`tensor_split` along T)."""
+    skipped), in fp32. Scaling here rather than after saves backward a pass over the logits. `logits` may also
+    be the list of sequence chunks that `Transformer(output_chunks > 1)` returns; labels are split the same way
+    (`tensor_split` along T)."""
     chunks = logits if isinstance(logits, (list, tuple)) else [logits]
     label_chunks = labels.tensor_split(len(chunks), dim=1) if len(chunks) > 1 else [labels]
     total = torch.zeros((), device=labels.device, dtype=torch.float32)
