@@ -172,10 +172,15 @@ def vm_hwm_kib(pid: int) -> Optional[int]:
 
 def run_child(cmd: list[str], log: Path, timeout_s: float, steps_done: Optional[Callable[[str], int]] = None,
               train_steps: int = 0) -> tuple[int, int, str, Optional[int]]:
-    """(exit code, the child's own peak RSS in KiB from wait4's rusage, its output, its peak RSS in KiB once
-    `steps_done(output)` first reaches `train_steps`: the training steps' memory, without what a framework
-    does after them, such as ember's final evaluation and checkpoint). A child still running after `timeout_s`
-    is killed (exit code -9)."""
+    """(exit code, the child's own peak RSS in KiB, its output, its peak RSS in KiB once `steps_done(output)`
+    first reaches `train_steps`: the training steps' memory, without what a framework does after them, such as
+    ember's final evaluation and checkpoint). A child still running after `timeout_s` is killed (exit code -9).
+
+    wait4's ru_maxrss also counts the launching process's own peak (Linux carries the memory high-water mark
+    of the forked copy across exec), so it is the child's peak only where it exceeds this process's peak at
+    launch; otherwise the child's VmHWM, polled while it runs, is reported."""
+    launcher_kib = vm_hwm_kib(os.getpid()) or 0
+    polled_kib = 0
     with log.open("w") as sink:
         # its own process group, so that stopping it also stops what it started (compile workers)
         child = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
@@ -186,6 +191,7 @@ def run_child(cmd: list[str], log: Path, timeout_s: float, steps_done: Optional[
                 pid, status, usage = os.wait4(child.pid, os.WNOHANG)
                 if pid:
                     break
+                polled_kib = max(polled_kib, vm_hwm_kib(child.pid) or 0)
                 if time.monotonic() > deadline:
                     os.killpg(child.pid, signal.SIGKILL)
                 if steps_done is not None and train_kib is None:
@@ -197,7 +203,8 @@ def run_child(cmd: list[str], log: Path, timeout_s: float, steps_done: Optional[
             os.waitpid(child.pid, 0)
             raise
         child.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait again
-    return child.returncode, usage.ru_maxrss, log.read_text(errors="replace"), train_kib
+    peak_kib = usage.ru_maxrss if usage.ru_maxrss > launcher_kib else polled_kib
+    return child.returncode, peak_kib, log.read_text(errors="replace"), train_kib
 
 
 def command(framework: str, shape: Shape, precision: str, mode: str, args: argparse.Namespace,

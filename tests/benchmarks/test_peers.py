@@ -2,6 +2,7 @@
 on this repository's CPU), its checks (equal parameter counts, steps left after warmup), the bf16 skip and the
 missing-environment error. Nothing here starts a framework: the peers' environment is not needed."""
 
+import os
 import sys
 from pathlib import Path
 
@@ -144,10 +145,15 @@ def test_steps_must_outlast_the_warmup():
 
 @pytest.mark.slow
 def test_a_childs_peak_rss_is_its_own_and_a_hung_child_is_killed(tmp_path):
-    touch_300_mib = "data = b'x' * (300 * 2**20); print('done'); raise SystemExit(3)"
+    touch_300_mib = "import time; data = b'x' * (300 * 2**20); print('done'); time.sleep(0.5); raise SystemExit(3)"
     code, rss_kib, output, _ = peers.run_child([sys.executable, "-c", touch_300_mib], tmp_path / "a.log", timeout_s=60)
     assert (code, output) == (3, "done\n")
-    assert 300 * 1024 <= rss_kib < 400 * 1024  # ru_maxrss of the child alone, in KiB
+    assert 300 * 1024 <= rss_kib < 400 * 1024  # the child's own peak, in KiB
+    # A launcher with a larger peak than the child's: wait4 would report the launcher's, the child's is kept.
+    ballast = bytearray(os.urandom(1)) * (700 * 2**20)
+    code, rss_kib, _, _ = peers.run_child([sys.executable, "-c", touch_300_mib], tmp_path / "a2.log", timeout_s=60)
+    assert code == 3 and 300 * 1024 <= rss_kib < 400 * 1024 and len(ballast) == 700 * 2**20
+    del ballast
     # The peak up to a point the output marks (the training steps), not what the process does after it.
     script = ("import sys, time; print('step', flush=True); time.sleep(1); data = b'x' * (300 * 2**20); "
               "print('step', flush=True)")
