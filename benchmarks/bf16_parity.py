@@ -14,7 +14,7 @@ products, fp32 accumulation, a bf16 result), up to the order of the sums, at fp3
 says which of the two ran.
 
     python benchmarks/bf16_parity.py                    # the default run: 200 steps, both precisions
-    python benchmarks/bf16_parity.py --max-steps 60     # what tests/train/test_precision_auto.py runs
+    python benchmarks/bf16_parity.py --max-steps 40     # what tests/train/test_precision_auto.py runs
 
 Prints the losses side by side and writes benchmarks/results/bf16_parity-cpu.json.
 """

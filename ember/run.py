@@ -171,6 +171,10 @@ class RunSpec:
     num_stages: int  # pipeline stages over all ranks (1 without a pipeline)
     pp_microbatches: int  # pipeline micro-batches per micro-batch (1 without a pipeline)
     output_chunks: int  # the forward's logits in this many sequence chunks (whole-sequence logits only)
+    # The loss fused with the output projection, `output_chunks` row chunks at a time, so a micro-batch's logits
+    # are never all in memory (ember.nn.loss.linear_cross_entropy_sum): on one process (FSDP's head unit
+    # expects its output projection's own forward to run), whole-sequence logits, not DPO (which reads logits).
+    fused_output: bool
     flops_per_token: float  # training FLOPs per token as MFU counts them (LoRA, DPO included)
 
     @property
@@ -201,7 +205,8 @@ class RunSpec:
                 "compute_dtype": str(self.compute_dtype).replace("torch.", ""), "fsdp_mixed_precision": self.fsdp_mixed,
                 "loss_parallel": par.loss_parallel, "cp_impl": par.cp_impl, "fp8": par.fp8_recipe,
                 "grad_accum": self.grad_accum, "pipeline_stages": self.num_stages,
-                "pp_microbatches": self.pp_microbatches, "flops_per_token": self.flops_per_token}
+                "pp_microbatches": self.pp_microbatches, "flops_per_token": self.flops_per_token,
+                "fused_output_loss": self.fused_output, "output_chunks": self.output_chunks}
 
 
 def resolve(cfg: JobConfig, world_size: int, device: torch.device,
@@ -245,12 +250,14 @@ def _decide(cfg: JobConfig, world_size: int, device: torch.device, shape: MeshSh
     # Plain-tensor logits of the whole sequence (no tensor or pipeline split) are computed in chunks; the XLA path's
     # loss is one traced function of the micro-batch's whole logits (ember/xla/step.py), which `ember plan` counts.
     whole_logits = shape.degree("tensor") > 1 or pp > 1 or cfg.device in config_lib.XLA_DEVICES
+    fused_output = not whole_logits and world_size == 1 and cfg.task != "dpo"
     chunks = 1 if whole_logits else output_chunks(cfg.micro_batch_size, cfg.seq_len // shape.degree("context"),
-                                                  args.vocab_size, device.type)
+                                                  args.vocab_size, device.type, fused=fused_output)
     return RunSpec(cfg=cfg, world_size=world_size, device=device, shape=shape, flavor=flavor, args=args,
                    architecture_from=architecture_from, compute_dtype=compute_dtype, fsdp_mixed=fsdp_mixed,
                    parallel=parallel, grad_accum=config_lib.grad_accum_steps(cfg, shape.dp), num_stages=num_stages,
-                   pp_microbatches=pp_microbatches, output_chunks=chunks, flops_per_token=flops_per_token)
+                   pp_microbatches=pp_microbatches, output_chunks=chunks, flops_per_token=flops_per_token,
+                   fused_output=fused_output)
 
 
 def cp_implementation(cfg: JobConfig, device: torch.device, args: Any) -> str:

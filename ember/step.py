@@ -10,6 +10,7 @@ weigh correctly, gradient accumulation needs no extra scaling, and data-parallel
 from __future__ import annotations
 
 import contextlib
+from functools import partial
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
@@ -19,7 +20,7 @@ from torch import nn
 
 from ember.constants import IGNORE_INDEX
 from ember.nn.attention import document_layout
-from ember.nn.loss import cross_entropy_sum
+from ember.nn.loss import cross_entropy_sum, linear_cross_entropy_sum
 from ember.parallel import cp as cp_lib
 from ember.parallel import pp as pp_lib
 from ember.parallel.mesh import ParallelMesh
@@ -49,20 +50,32 @@ def token_loss_sum(logits: Union[torch.Tensor, list[torch.Tensor]], labels: torc
     return cross_entropy_sum(logits, labels, scale)
 
 
+def _fused_loss(h: torch.Tensor, weight: torch.Tensor, softcap: Optional[float], *, labels: torch.Tensor,
+                scale: float, chunks: int) -> torch.Tensor:
+    """The model's output_fn for the fused path: its final hidden states and output matrix to the loss."""
+    return linear_cross_entropy_sum(h, weight, labels, scale, chunks, softcap)
+
+
 class ForwardBackward:
     """Runs this rank's share of micro-batches through the model (or its pipeline stages)."""
 
     def __init__(self, model: nn.Module, mesh: Optional[ParallelMesh], device: torch.device, *,
                  autocast_dtype: Optional[torch.dtype], loss_parallel: bool, cp_impl: str,
-                 eos_id: Optional[int] = None, output_chunks: int = 1, dpo: Optional[DPOObjective] = None):
+                 eos_id: Optional[int] = None, output_chunks: int = 1, fused_output: bool = False,
+                 dpo: Optional[DPOObjective] = None):
         """autocast_dtype: None for no autocast (fp32, or FSDP's mixed precision casting instead);
         eos_id: set for document masking (attention within packed documents, positions restart);
         output_chunks: the logits in this many sequence chunks (ember.nn.loss.output_chunks; whole-sequence logits);
+        fused_output: the loss fused with the output projection in that many row chunks (RunSpec.fused_output),
+        where the model's output projection is a plain linear map (LoRA on it, FP8 or TP keep the logits);
         dpo: an ember.finetune.dpo.DPOObjective for task=dpo: micro-batches are preference pairs and the loss is
         the mean DPO loss over the global batch's pairs instead of the mean token loss."""
         self.model, self.mesh, self.device, self.dpo = model, mesh, device, dpo
         self.autocast_dtype, self.loss_parallel, self.cp_impl, self.eos_id = autocast_dtype, loss_parallel, cp_impl, eos_id
         self.output_chunks = output_chunks
+        output = getattr(model, "output", None)
+        self.fused_output = fused_output and dpo is None and output is not None and (
+            type(output).forward is nn.Linear.forward and not _is_dtensor(output.weight))
         degree = (lambda axis: mesh.shape.degree(axis)) if mesh is not None else (lambda axis: 1)
         self.tp, self.pp, self.cp = degree("tensor"), degree("pipeline"), degree("context")
         self.schedule: Optional[Union[PipelineScheduleSingle, PipelineScheduleMulti]] = None
@@ -142,6 +155,14 @@ class ForwardBackward:
                 ring = cp_lib.ring_context(self.mesh.submesh("context"), [inputs, labels, positions], [1, 1, 0],
                                            {inputs, labels})
         with ring, self._loss_context():
+            if self.fused_output:  # the loss and both of the projection's gradients come out of the forward
+                fused = partial(_fused_loss, labels=labels, scale=scale, chunks=self.output_chunks)
+                with self._autocast(), phase("forward"):
+                    loss = self.model(inputs, positions, document_ids, output_fn=fused)
+                if backward:
+                    with phase("backward"):
+                        loss.backward()
+                return loss.detach()
             with self._autocast(), phase("forward"):
                 logits = self.model(inputs, positions, document_ids, chunks=self.output_chunks)  # (B, T, V)
             if self.dpo is not None:

@@ -100,7 +100,8 @@ class Trainer:
         dpo = dpo_lib.dpo_objective(spec, self.mesh, self.model) if cfg.task == "dpo" else None
         self.forward_backward = ForwardBackward(self.model, self.mesh, self.device, autocast_dtype=spec.autocast_dtype,
                                                 loss_parallel=spec.parallel.loss_parallel, cp_impl=spec.parallel.cp_impl,
-                                                eos_id=eos_id, output_chunks=spec.output_chunks, dpo=dpo)
+                                                eos_id=eos_id, output_chunks=spec.output_chunks,
+                                                fused_output=spec.fused_output, dpo=dpo)
         if spec.num_stages > 1:
             self.forward_backward.build_pipeline(built.stages, spec.num_stages, cfg.parallel.pp_schedule,
                                                  spec.pp_microbatches)

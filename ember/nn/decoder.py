@@ -24,6 +24,10 @@ from torch import nn
 from ember.nn.attention import AttentionSpan, KVCache, causal_attention
 from ember.nn.moe import MoE
 
+# What a caller may apply in place of the output projection: (final hidden states (B, T, dim), the output
+# matrix (vocab_size, dim), the logit soft cap or None) -> its result (Decoder.forward's output_fn).
+OutputFn = Callable[[torch.Tensor, torch.Tensor, Optional[float]], torch.Tensor]
+
 
 class HeadShape:
     """Attention head sizes shared by every family's args dataclass (a base class with no fields). A family whose
@@ -275,7 +279,7 @@ class Decoder(nn.Module):
     def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None,
                 document_ids: Optional[torch.Tensor] = None,
                 logits_at: Optional[torch.Tensor] = None, *, last_only: bool = False,
-                chunks: int = 1) -> torch.Tensor | list[torch.Tensor]:
+                chunks: int = 1, output_fn: Optional[OutputFn] = None) -> torch.Tensor | list[torch.Tensor]:
         """positions: (T,) or (B, T), the position of each token, default 0..T-1 (context parallelism
         passes its slice's; document masking restarts them per document). document_ids: (B, T), the
         packed document of each token, so attention stays within documents; default: plain causal.
@@ -285,6 +289,9 @@ class Decoder(nn.Module):
         states only. last_only: the last position's logits only, (B, 1, vocab_size): what generation samples from.
         chunks > 1: the logits as a list of `chunks` (B, T_i, vocab_size) pieces along T, so the loss can consume
         each before the next exists in full (torchtune's chunked output).
+        output_fn: called as output_fn(h, output.weight, logit_softcap) in place of the output projection, its
+        result returned: the step's loss fused with the projection (ember.nn.loss.linear_cross_entropy_sum),
+        so no whole logits exist. Only where `output` is a plain linear map (no adapters, not sharded).
         A pipeline stage without the output projection returns its hidden states (B, T, dim)."""
         T = tokens.shape[1]
         if positions is None and T > self.args.max_seq_len:
@@ -307,6 +314,8 @@ class Decoder(nn.Module):
             h = h.gather(1, logits_at[..., None].expand(-1, -1, h.shape[-1]))  # (B, K, dim)
         if self.logit_scale is not None:
             h = h * self.logit_scale
+        if output_fn is not None:
+            return output_fn(h, self.output.weight, self.logit_softcap)
         if chunks > 1:
             return [self._logits(chunk) for chunk in h.tensor_split(chunks, dim=1)]
         return self._logits(h)  # (B, T, vocab_size)

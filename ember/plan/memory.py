@@ -235,7 +235,7 @@ def track_step(spec: RunSpec, mesh: Optional[ParallelMesh], part: nn.Module, kin
         optimizer = build_optimizer(part, cfg.optim, spec.device.type)
         fb = ForwardBackward(part, mesh, torch.device("cpu"), autocast_dtype=spec.autocast_dtype,
                              loss_parallel=spec.parallel.loss_parallel, cp_impl="allgather",
-                             output_chunks=spec.output_chunks)
+                             output_chunks=spec.output_chunks, fused_output=spec.fused_output)
         tokens = torch.zeros(batch, T, dtype=torch.long)
 
         def hidden() -> torch.Tensor:  # a stage's input from the previous one (requires grad, like a received one)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from ember.constants import IGNORE_INDEX
 from ember.models import build_model_args
 from ember.models.llama import Transformer
-from ember.nn.loss import cross_entropy_sum, output_chunks
+from ember.nn.loss import cross_entropy_sum, linear_cross_entropy_sum, output_chunks
 
 
 def _reference(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -39,6 +39,57 @@ def test_loss_and_gradients_equal_cross_entropy(dtype, tol, chunks):
     torch.testing.assert_close(got_h.float(), h.grad.float(), rtol=tol, atol=tol)
     torch.testing.assert_close(got_w.float(), w.grad.float(), rtol=tol, atol=tol)
     assert got_h[0, :4].abs().sum() == 0  # ignored positions get no gradient
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("chunks, softcap", [(1, None), (4, None), (3, 7.5)])
+def test_linear_cross_entropy_equals_projection_then_cross_entropy(dtype, tol, chunks, softcap):
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(2, 9, 16, generator=g).to(dtype).requires_grad_()
+    w = torch.randn(50, 16, generator=g).to(dtype).requires_grad_()
+    labels = torch.randint(0, 50, (2, 9), generator=g)
+    labels[1, :5] = IGNORE_INDEX
+    ours = linear_cross_entropy_sum(h, w, labels, scale=0.25, chunks=chunks, softcap=softcap)
+    (ours * 2.0).backward()  # a factor other than 1 reaches backward
+    got_h, got_w = h.grad.clone(), w.grad.clone()
+    h.grad = w.grad = None
+    logits = (h @ w.t()).float()
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    expected = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum") * 0.25
+    (expected * 2.0).backward()
+    assert ours.dtype == torch.float32 and got_h.dtype == dtype and got_w.dtype == dtype
+    torch.testing.assert_close(ours, expected, rtol=tol, atol=tol)
+    torch.testing.assert_close(got_h.float(), h.grad.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(got_w.float(), w.grad.float(), rtol=tol, atol=tol)
+    assert got_h[1, :5].abs().sum() == 0
+
+
+def test_linear_cross_entropy_under_autocast_and_without_gradients():
+    g = torch.Generator().manual_seed(2)
+    h = torch.randn(3, 8, 16, generator=g).requires_grad_()
+    w = torch.randn(40, 16, generator=g).requires_grad_()
+    labels = torch.randint(0, 40, (3, 8), generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = linear_cross_entropy_sum(h, w, labels, chunks=2)
+        expected = cross_entropy_sum(F.linear(h, w), labels)  # the unfused path under the same autocast
+    ours.backward()
+    got_h, got_w = h.grad.clone(), w.grad.clone()
+    h.grad = w.grad = None
+    expected.backward()
+    assert got_h.dtype == got_w.dtype == torch.float32
+    torch.testing.assert_close(ours, expected, rtol=1e-2, atol=1e-2)
+    # bf16 products: the fused weight gradient rounds per chunk, the unfused one once
+    torch.testing.assert_close(got_h, h.grad, rtol=2e-2, atol=1e-2)
+    torch.testing.assert_close(got_w, w.grad, rtol=2e-2, atol=1e-2)
+    # A frozen output matrix (LoRA without train_embeddings) gets no gradient; without grad, only the loss.
+    w_frozen = w.detach()
+    h.grad = None
+    linear_cross_entropy_sum(h, w_frozen, labels, chunks=3).backward()
+    torch.testing.assert_close(h.grad, torch.autograd.grad(cross_entropy_sum(F.linear(h, w_frozen), labels), h)[0])
+    with torch.no_grad():
+        value = linear_cross_entropy_sum(h, w, labels, chunks=5)
+    assert float(value) == pytest.approx(float(cross_entropy_sum(F.linear(h, w), labels)), rel=1e-5)
 
 
 def test_no_grad_leaves_logits_untouched_and_grad_reuses_them():
@@ -79,6 +130,12 @@ def test_output_chunks_target_sizes():
     assert output_chunks(2, 4096, 8192, "cpu") == 16
     assert output_chunks(256, 4, 8192, "cpu") == 2  # 1,024 tokens
     assert output_chunks(1024, 4, 8192, "cpu") == 4  # 4,096 tokens, but never more chunks than positions
+    # Fused with the projection: a chunk's logits are transient, ~64M of them (256 MiB fp32) per CPU chunk.
+    assert output_chunks(8, 256, 8192, "cpu", fused=True) == 1
+    assert output_chunks(8, 256, 128256, "cpu", fused=True) == 4
+    assert output_chunks(8, 512, 32000, "cpu", fused=True) == 2
+    assert output_chunks(1024, 4, 128256, "cpu", fused=True) == 8  # rows, not positions, bound the count
+    assert output_chunks(1, 8192, 128256, "cuda", fused=True) == 4
 
 
 def test_a_view_of_logits_is_not_modified_in_place():

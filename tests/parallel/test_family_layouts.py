@@ -90,8 +90,9 @@ def test_family_layouts_match_single_process(tmp_path):
                 # The first step's gradient equals one process's; then Adam's first updates (each weight moved by
                 # about lr whatever its gradient's size) turn the summation-order noise of near-zero gradients into
                 # weight differences of lr: Gemma 3 tensor=2 measured 1.0e-5 apart at step 2 and 2.4e-4 at step 3
-                # (context=2: 2.1e-4), while at lr 1e-9 all three grad norms agree to 1e-7 (the gradients are right)
+                # (context=2: 2.1e-4; one suite run 8.0e-4 at tensor=2), while at lr 1e-9 all three grad norms agree
+                # to 1e-7 (the gradients are right)
                 assert got["grad_norm"][0] == pytest.approx(expected["grad_norm"][0], rel=REL), (family, name)
-                rel = 5e-4
+                rel = 2e-3
             assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=rel), (family, name)
             assert got["val_loss"] == pytest.approx(expected["val_loss"], rel=REL), (family, name)

@@ -49,15 +49,15 @@ def test_the_emulated_bf16_matmul_is_the_bf16_products_summed_in_fp32():
 
 @pytest.mark.slow
 def test_default_run_losses_under_auto_bf16_stay_within_one_percent_of_fp32():
-    """The debug recipe, its whole schedule compressed into 60 steps (warm-up 20, then the cosine decay), once in
+    """The debug recipe, its whole schedule compressed into 40 steps (warm-up 20, then the cosine decay), once in
     fp32 and once under precision=auto on a bf16 CPU: every logged loss and the validation loss within 1%."""
     parity = load_benchmark("bf16_parity")
-    result = parity.parity(60, emulate=True)
+    result = parity.parity(40, emulate=True)
     assert (result["fp32"]["compute_dtype"], result["bf16"]["compute_dtype"]) == ("float32", "bfloat16")
-    assert sorted(result["per_step_rel"]) == [10, 20, 30, 40, 50, 60]
+    assert sorted(result["per_step_rel"]) == [10, 20, 30, 40]
     assert result["max_step_rel"] <= 0.01, result["per_step_rel"]
     assert result["val_rel"] <= 0.01
-    assert result["fp32"]["losses"][60] < result["fp32"]["losses"][10] - 1  # a run that learned, not a flat line
+    assert result["fp32"]["losses"][40] < result["fp32"]["losses"][10] - 1  # a run that learned, not a flat line
 
 
 @pytest.mark.slow
