@@ -21,13 +21,16 @@ def _trainer(tmp_path: Path, *overrides: str) -> Trainer:
 
 
 def _poison(monkeypatch: pytest.MonkeyPatch, trainer: Trainer, steps: set[int], factor: float) -> None:
-    original = step_lib.token_loss_sum
+    """The loss times `factor` at `steps`, whether the step computes it from logits or fused with the output
+    projection (one process: the fused path)."""
+    for name in ("token_loss_sum", "linear_cross_entropy_sum"):
+        original = getattr(step_lib, name)
 
-    def scaled(logits, labels, scale=1.0):
-        loss = original(logits, labels, scale)
-        return loss * factor if trainer.step + 1 in steps else loss
+        def scaled(*args, original=original, **kwargs):
+            loss = original(*args, **kwargs)
+            return loss * factor if trainer.step + 1 in steps else loss
 
-    monkeypatch.setattr(step_lib, "token_loss_sum", scaled)
+        monkeypatch.setattr(step_lib, name, scaled)
 
 
 def test_non_finite_steps_are_skipped_without_touching_the_weights(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
