@@ -419,6 +419,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         if unknown or not getattr(args, key):
             raise ConfigError(f"--{key} {','.join(unknown) or '(empty)'}: choose from {','.join(allowed)}")
     warmup = max(args.warmup_compiled if "compiled" in args.modes else 0, args.warmup)
+    for key in ("rounds", "timeout", "warmup", "warmup_compiled"):
+        value = getattr(args, key)
+        if value is not None and (value < 0 or (value == 0 and key in ("rounds", "timeout"))):
+            raise ConfigError(f"--{key.replace('_', '-')} {value:g}: must be {'positive' if key in ('rounds', 'timeout') else '>= 0'}")
     if args.steps <= warmup:
         raise ConfigError(f"--steps {args.steps} leaves no step after the {warmup} warmup steps: raise --steps")
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -138,6 +138,12 @@ def test_the_peers_are_given_embers_ffn_width_and_recipe_settings():
     assert cmd[cmd.index("--betas") + 1:cmd.index("--betas") + 3] == ["0.9", "0.95"]
 
 
+@pytest.mark.parametrize("flag, value", [("--rounds", "0"), ("--timeout", "0"), ("--warmup", "-2")])
+def test_counts_and_the_timeout_are_refused_when_they_leave_nothing_to_measure(flag, value):
+    with pytest.raises(ConfigError, match=f"{flag} {value}: must be"):
+        peers.parse_args([flag, value])
+
+
 def test_steps_must_outlast_the_warmup():
     with pytest.raises(ConfigError, match="--steps 5 leaves no step after the 5 warmup steps"):
         peers.parse_args(["--steps", "5"])
