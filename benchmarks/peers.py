@@ -423,6 +423,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         value = getattr(args, key)
         if value is not None and (value < 0 or (value == 0 and key in ("rounds", "timeout"))):
             raise ConfigError(f"--{key.replace('_', '-')} {value:g}: must be {'positive' if key in ('rounds', 'timeout') else '>= 0'}")
+    if args.out.exists() and not args.out.is_dir():
+        raise ConfigError(f"--out {args.out}: a file, not a folder; name the folder the results file goes in")
     if args.steps <= warmup:
         raise ConfigError(f"--steps {args.steps} leaves no step after the {warmup} warmup steps: raise --steps")
     if args.device == "cuda" and not torch.cuda.is_available():

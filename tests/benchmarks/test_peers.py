@@ -144,6 +144,12 @@ def test_counts_and_the_timeout_are_refused_when_they_leave_nothing_to_measure(f
         peers.parse_args([flag, value])
 
 
+def test_an_out_that_is_a_file_is_refused_before_any_work(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(ConfigError, match="a file, not a folder"):
+        peers.parse_args(["--out", str(tmp_path / "f")])
+
+
 def test_steps_must_outlast_the_warmup():
     with pytest.raises(ConfigError, match="--steps 5 leaves no step after the 5 warmup steps"):
         peers.parse_args(["--steps", "5"])
