@@ -66,16 +66,18 @@ class ForwardBackward:
         """autocast_dtype: None for no autocast (fp32, or FSDP's mixed precision casting instead);
         eos_id: set for document masking (attention within packed documents, positions restart);
         output_chunks: the logits in this many sequence chunks (ember.nn.loss.output_chunks; whole-sequence logits);
-        fused_output: the loss fused with the output projection in that many row chunks (RunSpec.fused_output),
-        where the model's output projection is a plain linear map (LoRA on it, FP8 or TP keep the logits);
+        fused_output: the loss fused with the output projection in that many row chunks (RunSpec.fused_output);
         dpo: an ember.finetune.dpo.DPOObjective for task=dpo: micro-batches are preference pairs and the loss is
         the mean DPO loss over the global batch's pairs instead of the mean token loss."""
         self.model, self.mesh, self.device, self.dpo = model, mesh, device, dpo
         self.autocast_dtype, self.loss_parallel, self.cp_impl, self.eos_id = autocast_dtype, loss_parallel, cp_impl, eos_id
         self.output_chunks = output_chunks
+        self.fused_output = fused_output
         output = getattr(model, "output", None)
-        self.fused_output = fused_output and dpo is None and output is not None and (
-            type(output).forward is nn.Linear.forward and not _is_dtensor(output.weight))
+        if fused_output and (output is None or getattr(output.forward, "__func__", None) is not nn.Linear.forward or dpo is not None):
+            # RunSpec.fused_output holds only where nothing replaces the projection (LoRA adapts blocks only, FP8
+            # keeps the output high precision, TP and DPO are excluded): a change there must not fall back silently
+            raise ValueError("fused_output needs a plain nn.Linear output projection and no DPO objective")
         degree = (lambda axis: mesh.shape.degree(axis)) if mesh is not None else (lambda axis: 1)
         self.tp, self.pp, self.cp = degree("tensor"), degree("pipeline"), degree("context")
         self.schedule: Optional[Union[PipelineScheduleSingle, PipelineScheduleMulti]] = None

@@ -35,3 +35,12 @@ def test_fused_output_loss_equals_the_unfused_step(family, autocast):
     assert grads.keys() == expected.keys()
     for name in grads:
         torch.testing.assert_close(grads[name], expected[name], rtol=tol, atol=tol * 1e-1, msg=name)
+
+
+def test_a_fused_step_refuses_an_output_projection_it_would_bypass():
+    args = build_model_args("llama3", "debug", {"n_layers": 1, "dim": 64, "n_heads": 4, "n_kv_heads": 2})
+    model = MODELS["llama3"].model_cls(args)
+    model.output.forward = lambda x: x  # anything but nn.Linear's own forward (an adapter, a float8 linear)
+    with pytest.raises(ValueError, match="plain nn.Linear output projection"):
+        ForwardBackward(model, None, torch.device("cpu"), autocast_dtype=None, loss_parallel=False,
+                        cp_impl="allgather", output_chunks=1, fused_output=True)

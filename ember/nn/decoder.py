@@ -24,8 +24,7 @@ from torch import nn
 from ember.nn.attention import AttentionSpan, KVCache, causal_attention
 from ember.nn.moe import MoE
 
-# What a caller may apply in place of the output projection: (final hidden states (B, T, dim), the output
-# matrix (vocab_size, dim), the logit soft cap or None) -> its result (Decoder.forward's output_fn).
+# Decoder.forward's output_fn: (final hidden states (B, T, dim), output matrix (vocab_size, dim), soft cap) -> result
 OutputFn = Callable[[torch.Tensor, torch.Tensor, Optional[float]], torch.Tensor]
 
 
@@ -289,9 +288,8 @@ class Decoder(nn.Module):
         states only. last_only: the last position's logits only, (B, 1, vocab_size): what generation samples from.
         chunks > 1: the logits as a list of `chunks` (B, T_i, vocab_size) pieces along T, so the loss can consume
         each before the next exists in full (torchtune's chunked output).
-        output_fn: called as output_fn(h, output.weight, logit_softcap) in place of the output projection, its
-        result returned: the step's loss fused with the projection (ember.nn.loss.linear_cross_entropy_sum),
-        so no whole logits exist. Only where `output` is a plain linear map (no adapters, not sharded).
+        output_fn: output_fn(h, output.weight, logit_softcap)'s result in place of the logits: the step's loss
+        fused with the projection (ember.nn.loss.linear_cross_entropy_sum), so no whole logits exist.
         A pipeline stage without the output projection returns its hidden states (B, T, dim)."""
         T = tokens.shape[1]
         if positions is None and T > self.args.max_seq_len:
