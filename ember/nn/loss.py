@@ -146,11 +146,15 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         grad_x = torch.empty_like(x) if want_x else None
         grad_w: Optional[torch.Tensor] = None  # accumulated over the chunks in fp32 (or in W's own dtype if it is fp32)
         loss = torch.zeros((), dtype=torch.float32, device=x.device)  # `scale` times the sum: _blockwise scales
-        w_compute: Optional[torch.Tensor] = None
+        # The products in autocast's dtype where it is on, as the unfused path's linear; cast here once rather
+        # than by autocast per chunk and again for the backward products (the output matrix is vocabulary-sized)
+        device_type = x.device.type
+        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+        x_compute, w_compute = x.to(dtype), weight.to(dtype)
         for rows in _row_slices(x.shape[0], chunks):
-            x_rows = x[rows]
-            logits = F.linear(x_rows, weight)  # (n, V), in autocast's dtype where it is on, as the unfused path
-            with torch.autocast(x.device.type, enabled=False):  # the rest in the dtypes chosen here
+            with torch.autocast(device_type, enabled=False):  # the rest in the dtypes chosen here
+                x_rows = x_compute[rows]
+                logits = F.linear(x_rows, w_compute)  # (n, V)
                 cap_slope = None
                 if softcap is not None:  # cap * tanh(z / cap): its slope 1 - tanh^2 scales the gradient
                     tanh = logits.div_(softcap).tanh_()
@@ -163,18 +167,15 @@ class _LinearCrossEntropySum(torch.autograd.Function):
                     continue
                 loss += _blockwise(logits, logits, valid, target, scale)
                 grad = logits if cap_slope is None else logits.mul_(cap_slope)  # d (scale * loss) / d (h @ W^T)
-                if w_compute is None:
-                    w_compute = weight if weight.dtype == grad.dtype else weight.to(grad.dtype)
                 if want_x:
                     grad_x[rows] = torch.mm(grad, w_compute)
                 if want_w:
-                    product_x = x_rows if x_rows.dtype == grad.dtype else x_rows.to(grad.dtype)
                     if grad_w is None:
-                        grad_w = torch.mm(grad.t(), product_x).float()
+                        grad_w = torch.mm(grad.t(), x_rows).float()
                     elif grad.dtype == torch.float32:
-                        grad_w.addmm_(grad.t(), product_x)
+                        grad_w.addmm_(grad.t(), x_rows)
                     else:
-                        grad_w += torch.mm(grad.t(), product_x)
+                        grad_w += torch.mm(grad.t(), x_rows)
             del logits, grad
         if grad_w is not None:
             grad_w = grad_w.to(weight.dtype)
