@@ -12,7 +12,8 @@ tokens (so the comparison is of equal work).
     python benchmarks/generate_throughput.py --ember-precision auto  # `ember generate`'s default dtype (bf16
         weights on a CPU with bf16 matmuls) against transformers' default (fp32 on CPU): tokens may then differ
 
-Writes benchmarks/results/generate_throughput-<device>.json.
+Writes benchmarks/results/generate_throughput-<device>.json; with --ember-precision other than same,
+generate_throughput-ember-<precision>-<device>.json.
 """
 
 from __future__ import annotations
@@ -124,7 +125,9 @@ def main() -> int:
     for r in rows:
         print(f"{r['model']:<8}{r['batch']:>6}  {r['contestant']:<16}{r['prefill_tokens_per_s']:>14.0f}"
               f"{r['decode_tokens_per_s']:>14.1f}{r['decode_vs_transformers']:>13.2f}x{str(r['same_tokens']):>13}")
-    write_results("generate_throughput", rows, args, transformers=transformers.__version__)
+    # A run with ember in another dtype than transformers is a comparison of its own, in a file of its own
+    variant = "" if args.ember_precision == "same" else f"-ember-{args.ember_precision}"
+    write_results(f"generate_throughput{variant}", rows, args, transformers=transformers.__version__)
     return 0
 
 

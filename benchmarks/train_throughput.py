@@ -7,46 +7,45 @@ load) hits both alike; the figure per contestant is the median over rounds.
 
     python benchmarks/train_throughput.py                 # eager and compiled, prints a table
     python benchmarks/train_throughput.py --no-compile --rounds 3 --steps 3 --vocab 8192
+    python benchmarks/train_throughput.py --precision bf16   # bf16 autocast on both sides (HF: torch.autocast)
 
 The model is the debug Llama 3 (dim 256, 4 layers) at each vocabulary size asked for: the debug
 recipe's 8K, Llama 2's 32K and Llama 3's 128K. The output projection and loss are a third of the step
 at 8K and most of it at 128K, so the sizes show the trunk and the head apart.
 
-For ember's eager step the benchmark also prints the **floor ratio**: the step time divided by the time
-of its matrix products and attention kernels alone (self time of aten::mm/addmm/bmm and SDPA's kernels,
-forward and backward, from torch.profiler over five steps), with the step time taken over the five steps
+For ember's step, eager and compiled, the benchmark also prints the **floor ratio**: the step time divided
+by the time of its matrix products and attention kernels alone (self time of aten::mm/addmm/bmm and SDPA's
+kernels, forward and backward, from torch.profiler over five steps; a compiled step calls the same aten
+kernels for them, so its figure is measured the same way), with the step time taken over the five steps
 just before them, without the profiler. 1.00x would mean the step is nothing but
 those kernels: the distance to this machine's limit for the same FLOPs. The largest other ops are listed
 under it, so the remaining time has names.
 
-Writes benchmarks/results/train_throughput-<device>.json.
+Writes benchmarks/results/train_throughput-<device>.json (--precision bf16: train_throughput-bf16-<device>.json).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
 import tempfile
 import time
-from datetime import date
 from pathlib import Path
 from typing import Callable
 
 import torch
-
+from results_file import write_results
 
 from ember import run as run_lib
 from ember.models.llama.hf import hf_config_from_args
 from ember.train import Trainer
 
 
-def build_ember(overrides: list[str], compile_model: bool, out: str) -> tuple[Trainer, Callable]:
-    cfg = run_lib.load_config(
-        "debug", overrides + ["data.dataset=synthetic", "metrics.console=false", f"output_dir={out}", f"compile={compile_model}"]
-    )
+def build_ember(overrides: list[str], compile_model: bool, out: str, precision: str) -> tuple[Trainer, Callable]:
+    cfg = run_lib.load_config("debug", overrides + ["data.dataset=synthetic", "metrics.console=false", f"output_dir={out}",
+                                                    f"compile={compile_model}", f"precision={precision}"])
     trainer = Trainer(cfg)
 
     def step(inputs: torch.Tensor, labels: torch.Tensor) -> float:
@@ -56,7 +55,7 @@ def build_ember(overrides: list[str], compile_model: bool, out: str) -> tuple[Tr
     return trainer, step
 
 
-def build_hf(trainer: Trainer, compile_model: bool) -> Callable:
+def build_hf(trainer: Trainer, compile_model: bool, precision: str) -> Callable:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     hf_config = LlamaConfig(**hf_config_from_args(trainer.spec.args))
@@ -76,7 +75,8 @@ def build_hf(trainer: Trainer, compile_model: bool) -> Callable:
     def step(inputs: torch.Tensor, labels: torch.Tensor) -> float:
         # transformers' own loss path (ForCausalLMLoss); `shift_labels` hands it targets already
         # aligned with the inputs, so both sides predict the same seq_len tokens.
-        loss = model(input_ids=inputs, labels=labels, shift_labels=labels).loss
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):  # what ember's bf16 runs
+            loss = model(input_ids=inputs, labels=labels, shift_labels=labels).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         optimizer.step()
@@ -136,6 +136,8 @@ def main() -> int:
     parser.add_argument("--vocab", type=lambda v: [int(x) for x in v.split(",")], default=[8192, 32000, 128256],
                         help="vocabulary sizes, comma-separated")
     parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                        help="both sides: fp32, or bf16 autocast (ember precision=bf16)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
 
@@ -149,8 +151,8 @@ def main() -> int:
             inputs = torch.randint(0, vocab, (args.batch, args.seq_len))
             labels = torch.randint(0, vocab, (args.batch, args.seq_len))
             for compiled in modes:
-                trainer, ember_step = build_ember(overrides, compiled, tmp)
-                contestants = {"ember": ember_step, "transformers": build_hf(trainer, compiled)}
+                trainer, ember_step = build_ember(overrides, compiled, tmp, args.precision)
+                contestants = {"ember": ember_step, "transformers": build_hf(trainer, compiled, args.precision)}
                 for step in contestants.values():  # warm-up (and compilation) outside the timing
                     for _ in range(2):
                         step(inputs, labels)
@@ -166,39 +168,27 @@ def main() -> int:
                 for name, t in medians.items():
                     rows.append({"contestant": name, "vocab": vocab, "compiled": compiled, "step_time_s": t,
                                  "tokens_per_s": tokens / t, "ratio_vs_transformers": medians["transformers"] / t})
-                if not compiled:  # the floor of ember's eager step (compiled kernels are fused, not comparable)
-                    wall_s, floor_s, others = kernel_floor(ember_step, inputs, labels)
-                    rows[-2].update({"floor_step_s": wall_s, "floor_s": floor_s, "floor_ratio": wall_s / floor_s,
-                                     "largest_other_ops_s": others})
+                wall_s, floor_s, others = kernel_floor(ember_step, inputs, labels)
+                rows[-2].update({"floor_step_s": wall_s, "floor_s": floor_s, "floor_ratio": wall_s / floor_s,
+                                 "largest_other_ops_s": others})
                 del trainer, contestants
 
     print(f"\ntrain throughput, {platform.processor() or platform.machine()}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; llama3 debug, batch {args.batch} x seq {args.seq_len}")
+          f"{torch.get_num_threads()} threads; llama3 debug, batch {args.batch} x seq {args.seq_len}, {args.precision}")
     print(f"{'contestant':<14}{'vocab':>8}{'compiled':>10}{'step s':>10}{'tokens/s':>12}{'vs HF':>8}")
     for r in rows:
         print(f"{r['contestant']:<14}{r['vocab']:>8}{str(r['compiled']):>10}{r['step_time_s']:>10.4f}"
               f"{r['tokens_per_s']:>12.0f}{r['ratio_vs_transformers']:>7.2f}x")
     for r in rows:
         if "floor_ratio" in r:
-            print(f"\nember eager, vocab {r['vocab']}: floor ratio {r['floor_ratio']:.2f}x (step "
+            print(f"\nember {'compiled' if r['compiled'] else 'eager'}, vocab {r['vocab']}: floor ratio {r['floor_ratio']:.2f}x (step "
                   f"{r['floor_step_s']:.4f} s, matmul + attention kernels {r['floor_s']:.4f} s); largest other ops:")
             for name, seconds in r["largest_other_ops_s"]:
                 print(f"    {name:<56}{seconds * 1e3:>8.1f} ms/step")
     import transformers
 
-    result = {
-        "benchmark": "train_throughput",
-        "date": date.today().isoformat(),
-        "machine": f"{platform.machine()} CPU, {torch.get_num_threads()} threads",
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "config": vars(args) | {"out": str(args.out)},
-        "rows": rows,
-    }
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"train_throughput-{'cuda' if torch.cuda.is_available() else 'cpu'}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {path}")
+    write_results("train_throughput" + ("-bf16" if args.precision == "bf16" else ""), rows, args,
+                  transformers=transformers.__version__)
     return 0
 
 
