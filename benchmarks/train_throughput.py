@@ -87,8 +87,9 @@ def build_hf(trainer: Trainer, compile_model: bool, precision: str) -> Callable:
 
 
 # The kernels a training step cannot do without at equal FLOPs: matrix products and attention, forward and
-# backward (matmul backward is aten::mm too). Looked up by name: attention kernels differ between builds.
-FLOOR_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_grouped_mm",
+# backward (matmul backward is aten::mm too; the fused loss accumulates its fp32 output-matrix gradient with
+# addmm_). Looked up by name: attention kernels differ between builds.
+FLOOR_OPS = ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::_grouped_mm",
              "aten::_scaled_dot_product_flash_attention_for_cpu",
              "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
              "aten::_scaled_dot_product_flash_attention", "aten::_scaled_dot_product_flash_attention_backward",
