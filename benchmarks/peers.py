@@ -410,7 +410,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--peers-python", default=None, help="the peers' python (default: $EMBER_PEERS_PYTHON, "
                         "else .venv-peers/bin/python)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds before a child is killed")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results",
+                        help="the folder the results file peers-<device>.json is written to (default: "
+                             "benchmarks/results, beside this script); created if missing")
     args = parser.parse_args(argv)
     args.warmup_compiled = args.warmup + 2 if args.warmup_compiled is None else args.warmup_compiled
     for key, allowed in (("shapes", SHAPES), ("precisions", ("fp32", "bf16")), ("modes", ("eager", "compiled")),

@@ -174,3 +174,12 @@ def test_a_childs_peak_rss_is_its_own_and_a_hung_child_is_killed(tmp_path):
     assert code == 0 and train_kib < 100 * 1024 and rss_kib >= 300 * 1024
     code, _, _, _ = peers.run_child([sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "b.log", 1)
     assert code == -9
+
+
+def test_the_out_option_says_what_it_is(capsys):
+    with pytest.raises(SystemExit):
+        peers.parse_args(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert ("--out OUT the folder the results file peers-<device>.json is written to (default: benchmarks/results, "
+            "beside this script); created if missing") in help_text
+
