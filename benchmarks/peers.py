@@ -352,6 +352,16 @@ def run_all(args: argparse.Namespace, peers_python: Optional[Path],
     return rows, [t.split(" ", 1)[1] for t in tags if t.startswith("patch ")], versions
 
 
+def summary_heading(rows: list[dict[str, Any]]) -> str:
+    """The summary's first line, naming each peer that has a measured row in its default mode, and only those."""
+    ran = [f"{peer} {mode}" for peer, mode in DEFAULT_MODE.items()
+           if any(r["framework"] == peer and r["tokens_per_s"] for r in rows)]
+    if not ran:
+        return "ember vs fastest peer:"
+    defaults = "their defaults" if len(ran) > 1 else "its default"
+    return f"ember vs fastest peer (eager ember against {' and '.join(ran)}, {defaults}):"
+
+
 def summary_lines(rows: list[dict[str, Any]]) -> list[str]:
     """`ember vs fastest peer` per (shape, precision, mode): eager ember against each peer's default mode
     (litgpt compiled, torchtitan eager), compiled ember against the compiled peers."""
@@ -454,7 +464,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 130
     print_table(rows)
     summary = summary_lines(rows)
-    print("\nember vs fastest peer (eager ember against litgpt compiled and torchtitan eager, their defaults):")
+    print(f"\n{summary_heading(rows)}")
     print("\n".join(f"  {line}" for line in summary) or "  (no row where ember and a peer both ran)")
     if patches:
         print("\ntorchtitan's run-time patches:\n" + "\n".join(f"  {p}" for p in patches))

@@ -2,6 +2,7 @@
 on this repository's CPU), its checks (equal parameter counts, steps left after warmup), the bf16 skip and the
 missing-environment error. Nothing here starts a framework: the peers' environment is not needed."""
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -182,4 +183,44 @@ def test_the_out_option_says_what_it_is(capsys):
     help_text = " ".join(capsys.readouterr().out.split())
     assert ("--out OUT the folder the results file peers-<device>.json is written to (default: benchmarks/results, "
             "beside this script); created if missing") in help_text
+
+
+def _fake_measure(interrupt_at: int = 0, warn: bool = False):
+    """peers.measure without a child: every run ok at 1,000 tok/s; the `interrupt_at`-th call (1-based) is a
+    Ctrl-C. torchtitan's runs print their version, as its runner does."""
+    calls = []
+
+    def measure(framework, shape, precision, mode, args, peers_python):
+        calls.append(framework)
+        if len(calls) == interrupt_at:
+            raise KeyboardInterrupt
+        warning = f"{framework}'s kept step times vary 1.6x (10-16 ms): raise --steps/--warmup" if warn else None
+        return {"params": 1000, "peak_rss_kib": 2048, "train_rss_kib": 1024, "step_times_s": [0.01] * 6,
+                "patches": [], "versions": ["torchtitan 0.3.0"] if framework == "torchtitan" else [],
+                "status": "ok", "step_s": 0.128, "tokens_per_s": 1000.0, "noisy": warn, "warning": warning}
+
+    return measure
+
+
+def _main(tmp_path: Path, monkeypatch, measure, *argv: str) -> int:
+    """peers.main on two tiny shapes, eager fp32, one round, its peers' python a script that prints 0.5.13."""
+    python = tmp_path / "peers-python"
+    python.write_text("#!/bin/sh\necho 0.5.13\n")
+    python.chmod(0o755)
+    monkeypatch.setattr(peers, "measure", measure)
+    return peers.main(["--shapes", "tiny,debug", "--precisions", "fp32", "--modes", "eager", "--rounds", "1",
+                       "--steps", "6", "--warmup", "2", "--peers-python", str(python), "--out", str(tmp_path / "out"),
+                       *argv])
+
+
+def test_the_summary_heading_names_only_the_peers_that_ran(tmp_path, monkeypatch, capsys):
+    assert _main(tmp_path, monkeypatch, _fake_measure(), "--frameworks", "ember,torchtitan") == 0
+    out = capsys.readouterr().out
+    assert "\nember vs fastest peer (eager ember against torchtitan eager, its default):\n" in out
+    assert "litgpt" not in out
+    rows = [{"framework": framework, "tokens_per_s": tps} for framework, tps in
+            [("ember", 1.0), ("litgpt", 2.0), ("torchtitan", 3.0)]]
+    assert peers.summary_heading(rows) == ("ember vs fastest peer (eager ember against litgpt compiled and torchtitan "
+                                           "eager, their defaults):")
+    assert peers.summary_heading(rows[:1]) == "ember vs fastest peer:"
 
