@@ -25,7 +25,8 @@ ru_maxrss. Compile workers a child starts are in neither. The parameter counts e
 Run it on an otherwise idle machine: on a small CPU another busy process slows the small ops of a step many
 times over (torch's threads wait for each other), and not every framework alike.
 
-Writes benchmarks/results/peers-<device>.json.
+Writes benchmarks/results/peers-<device>.json (--out: another folder).
+Ctrl-C writes the rows finished so far there, marked `"interrupted": true`, and exits with 130.
 """
 
 from __future__ import annotations
@@ -331,25 +332,32 @@ def run_group(shape: str, precision: str, mode: str, args: argparse.Namespace, p
     return rows + [summarize(shape, precision, mode, framework, rounds[framework]) for framework in runnable], tags
 
 
-def run_all(args: argparse.Namespace, peers_python: Optional[Path],
-            bf16_skip: Optional[str]) -> tuple[list[dict[str, Any]], list[str], dict[str, str]]:
-    """Every (shape, precision, mode, framework) row with its ratio to ember, torchtitan's run-time patches, and
-    the peers' versions ({"litgpt": "0.5.13", ...})."""
-    rows, tags, counts = [], [], {}
+def run_all(args: argparse.Namespace, peers_python: Optional[Path], bf16_skip: Optional[str],
+            rows: list[dict[str, Any]], tags: list[str]) -> None:
+    """Every (shape, precision, mode, framework) row, appended to `rows` as its group finishes, and the `PEERS`
+    lines of its runs to `tags`: what a Ctrl-C leaves there has finished."""
+    counts: dict[str, dict[str, int]] = {}
     for shape in args.shapes:
         for precision in args.precisions:
             for mode in args.modes:
                 group, printed = run_group(shape, precision, mode, args, peers_python, bf16_skip,
                                            counts.setdefault(shape, {}))
-                rows, tags = rows + group, tags + printed
+                rows += group
+                tags += printed
+
+
+def add_ember_ratios(rows: list[dict[str, Any]]) -> None:
+    """Each peer row's `ember_ratio`: ember's tokens/s over the row's, where both ran."""
     by_key = {(r["shape"], r["precision"], r["mode"], r["framework"]): r for r in rows}
     for row in rows:
         ember = by_key.get((row["shape"], row["precision"], row["mode"], "ember"))
         if row["framework"] != "ember" and row["tokens_per_s"] and ember and ember["tokens_per_s"]:
             row["ember_ratio"] = ember["tokens_per_s"] / row["tokens_per_s"]
-    tags = list(dict.fromkeys(tags))
-    versions = dict(t.split(" ", 2)[1:] for t in tags if t.startswith("version "))
-    return rows, [t.split(" ", 1)[1] for t in tags if t.startswith("patch ")], versions
+
+
+def tagged_as(tags: list[str], kind: str) -> list[str]:
+    """The texts of run_all's `kind` tags (`patch`, `version`), in order, each once."""
+    return list(dict.fromkeys(t.split(" ", 1)[1] for t in tags if t.startswith(f"{kind} ")))
 
 
 def summary_heading(rows: list[dict[str, Any]]) -> str:
@@ -448,29 +456,47 @@ def _stop(signum: int, _frame: Any) -> None:
     raise SystemExit(f"peers.py: stopped by signal {signal.Signals(signum).name}; no results written")
 
 
+def report(rows: list[dict[str, Any]], tags: list[str], args: argparse.Namespace, peers_python: Optional[Path],
+           interrupted: bool) -> Path:
+    """Prints the table, the summary and torchtitan's patches; writes the results file (for a run stopped by
+    Ctrl-C with `"interrupted": true`) and returns its path."""
+    add_ember_ratios(rows)
+    print_table(rows)
+    summary, patches = summary_lines(rows), tagged_as(tags, "patch")
+    print(f"\n{summary_heading(rows)}")
+    print("\n".join(f"  {line}" for line in summary) or "  (no row where ember and a peer both ran)")
+    if patches:
+        print("\ntorchtitan's run-time patches:\n" + "\n".join(f"  {p}" for p in patches))
+    versions = dict(text.split(" ", 1) for text in tagged_as(tags, "version"))
+    args.peers_python = str(peers_python) if peers_python else None
+    extra = {"summary": "; ".join(summary), "torchtitan_patches": "; ".join(patches), "notes": NOTES}
+    return write_results("peers", rows, args, **versions, **{key: value for key, value in extra.items() if value},
+                         **({"interrupted": True} if interrupted else {}))
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     signal.signal(signal.SIGTERM, _stop)  # unwinds like Ctrl-C: the running child killed, its folder removed
+    rows: list[dict[str, Any]] = []  # filled as each group finishes, so that a Ctrl-C keeps the finished ones
+    tags: list[str] = []
+    peers_python: Optional[Path] = None
     try:
         args = parse_args(argv)
         peers = [f for f in args.frameworks if f != "ember"]
         peers_python = find_peers_python(args.peers_python, dict(os.environ)) if peers else None
         native = args.device == "cuda" or cpu_runs_bf16_natively()
-        rows, patches, versions = run_all(args, peers_python, bf16_skip_reason(args.device, args.force_bf16, native))
+        run_all(args, peers_python, bf16_skip_reason(args.device, args.force_bf16, native), rows, tags)
     except EmberError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("peers.py: interrupted; no results written", file=sys.stderr)
+        if not any(r.get("rounds") for r in rows):  # nothing measured yet (skipped and n/a rows alone say nothing)
+            print("peers.py: interrupted before any row finished; no results written", file=sys.stderr)
+            return 130
+        path = report(rows, tags, args, peers_python, interrupted=True)
+        print(f"peers.py: interrupted; the {len(rows)} rows that finished are in {path} (marked \"interrupted\": "
+              "true)", file=sys.stderr)
         return 130
-    print_table(rows)
-    summary = summary_lines(rows)
-    print(f"\n{summary_heading(rows)}")
-    print("\n".join(f"  {line}" for line in summary) or "  (no row where ember and a peer both ran)")
-    if patches:
-        print("\ntorchtitan's run-time patches:\n" + "\n".join(f"  {p}" for p in patches))
-    args.peers_python = str(peers_python) if peers_python else None
-    extra = {"summary": "; ".join(summary), "torchtitan_patches": "; ".join(patches), "notes": NOTES}
-    write_results("peers", rows, args, **versions, **{key: value for key, value in extra.items() if value})
+    report(rows, tags, args, peers_python, interrupted=False)
     failed = [r for r in rows if r["status"] == "failed" or any(x["status"] != "ok" for x in r.get("rounds", []))]
     return 1 if failed else 0
 

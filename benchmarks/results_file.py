@@ -20,9 +20,10 @@ def cpu_bf16_words() -> str:
     return "bf16 matmul instructions" if cpu_runs_bf16_natively() else "no bf16 matmul instructions"
 
 
-def write_results(name: str, rows: list[dict[str, Any]], args: argparse.Namespace, **versions: str) -> Path:
+def write_results(name: str, rows: list[dict[str, Any]], args: argparse.Namespace, **versions: Any) -> Path:
     """benchmarks/results/<name>-<cuda|cpu>.json (args.out: the folder) with the date, machine, torch version,
-    the given library `versions`, the command-line config and the rows; prints and returns the path."""
+    the given library `versions` (and any other top-level fields, such as peers.py's `interrupted`), the
+    command-line config and the rows; prints and returns the path."""
     # where it ran: the benchmark's own --device when that names one, else the GPU when there is one
     device = getattr(args, "device", None)
     device = device if device in ("cuda", "cpu") else ("cuda" if torch.cuda.is_available() else "cpu")

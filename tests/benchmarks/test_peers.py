@@ -224,3 +224,22 @@ def test_the_summary_heading_names_only_the_peers_that_ran(tmp_path, monkeypatch
                                            "eager, their defaults):")
     assert peers.summary_heading(rows[:1]) == "ember vs fastest peer:"
 
+
+def test_a_ctrl_c_writes_the_finished_rows_marked_interrupted(tmp_path, monkeypatch, capsys):
+    # ember and torchtitan finish the tiny shape; the third run (the debug shape's first) is interrupted
+    code = _main(tmp_path, monkeypatch, _fake_measure(interrupt_at=3), "--frameworks", "ember,torchtitan")
+    path = tmp_path / "out" / "peers-cpu.json"
+    assert code == 130 and path.is_file()
+    result = json.loads(path.read_text())
+    assert result["interrupted"] is True
+    assert [(r["shape"], r["framework"], r["status"]) for r in result["rows"]] == [("tiny", "ember", "ok"),
+                                                                                  ("tiny", "torchtitan", "ok")]
+    assert capsys.readouterr().err == (f'peers.py: interrupted; the 2 rows that finished are in {path} (marked '
+                                       '"interrupted": true)\n')
+
+
+def test_a_ctrl_c_before_any_row_finished_writes_nothing(tmp_path, monkeypatch, capsys):
+    code = _main(tmp_path, monkeypatch, _fake_measure(interrupt_at=2), "--frameworks", "ember,torchtitan")
+    assert code == 130 and not (tmp_path / "out").exists()
+    assert capsys.readouterr().err == "peers.py: interrupted before any row finished; no results written\n"
+
