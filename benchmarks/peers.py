@@ -25,7 +25,7 @@ ru_maxrss. Compile workers a child starts are in neither. The parameter counts e
 Run it on an otherwise idle machine: on a small CPU another busy process slows the small ops of a step many
 times over (torch's threads wait for each other), and not every framework alike.
 
-Writes benchmarks/results/peers-<device>.json (--out: another folder).
+Writes benchmarks/results/peers-<device>.json (--out: another folder), with the warnings printed on the way.
 Ctrl-C writes the rows finished so far there, marked `"interrupted": true`, and exits with 130.
 """
 
@@ -268,12 +268,12 @@ def measure(framework: str, shape_name: str, precision: str, mode: str, args: ar
         step = steady_step_time(times, warmup)
         kept = times[warmup:]
         noisy = max(kept) / min(kept) > 1.5  # still warming up, recompiling, or a busy machine
-        if noisy:
-            print(f"  warning: {framework}'s kept step times vary {max(kept) / min(kept):.1f}x "
-                  f"({min(kept) * 1e3:.0f}-{max(kept) * 1e3:.0f} ms): raise --steps/--warmup, or idle the machine",
-                  flush=True)
+        warning = (f"{framework}'s kept step times vary {max(kept) / min(kept):.1f}x ({min(kept) * 1e3:.0f}-"
+                   f"{max(kept) * 1e3:.0f} ms): raise --steps/--warmup, or idle the machine") if noisy else None
+        if warning:
+            print(f"  warning: {warning}", flush=True)
         return result | {"status": "ok", "step_s": step, "tokens_per_s": shape.batch * shape.seq / step,
-                         "noisy": noisy}
+                         "noisy": noisy, "warning": warning}
     tail = text.strip().splitlines()[-30:]
     print(f"  {framework} failed ({reason}): {' '.join(cmd)}\n" + ("\n".join(tail) or "(no output)"),
           file=sys.stderr, flush=True)
@@ -310,8 +310,9 @@ def not_run(shape: str, precision: str, mode: str, framework: str, status: str, 
 def run_group(shape: str, precision: str, mode: str, args: argparse.Namespace, peers_python: Optional[Path],
               bf16_skip: Optional[str], counts: dict[str, int]) -> tuple[list[dict[str, Any]], list[str]]:
     """One (shape, precision, mode)'s rows, and the `PEERS` lines its runs printed (torchtitan's patches, the
-    peers' versions). Each round starts every framework afresh, the order rotated each round so that drift of
-    the machine does not favour one; `counts` (framework -> parameters, this shape's) must stay equal."""
+    peers' versions) with the warnings printed about them (`warning TEXT`). Each round starts every framework
+    afresh, the order rotated each round so that drift of the machine does not favour one; `counts`
+    (framework -> parameters, this shape's) must stay equal."""
     rows, runnable, tags = [], [], []
     for framework in args.frameworks:
         if precision == "bf16" and bf16_skip:
@@ -326,6 +327,8 @@ def run_group(shape: str, precision: str, mode: str, args: argparse.Namespace, p
             result = measure(framework, shape, precision, mode, args, peers_python)
             rounds[framework].append(result)
             tags += [f"patch {p}" for p in result["patches"]] + [f"version {v}" for v in result["versions"]]
+            if result.get("warning"):
+                tags.append(f"warning {shape} {precision} {mode} round {index + 1}: {result['warning']}")
             if result["params"] is not None:
                 check_param_counts(shape, counts | {framework: result["params"]})
                 counts.setdefault(framework, result["params"])
@@ -335,7 +338,7 @@ def run_group(shape: str, precision: str, mode: str, args: argparse.Namespace, p
 def run_all(args: argparse.Namespace, peers_python: Optional[Path], bf16_skip: Optional[str],
             rows: list[dict[str, Any]], tags: list[str]) -> None:
     """Every (shape, precision, mode, framework) row, appended to `rows` as its group finishes, and the `PEERS`
-    lines of its runs to `tags`: what a Ctrl-C leaves there has finished."""
+    lines and warnings of its runs to `tags`: what a Ctrl-C leaves there has finished."""
     counts: dict[str, dict[str, int]] = {}
     for shape in args.shapes:
         for precision in args.precisions:
@@ -356,8 +359,25 @@ def add_ember_ratios(rows: list[dict[str, Any]]) -> None:
 
 
 def tagged_as(tags: list[str], kind: str) -> list[str]:
-    """The texts of run_all's `kind` tags (`patch`, `version`), in order, each once."""
+    """The texts of run_all's `kind` tags (`patch`, `version`, `warning`), in order, each once."""
     return list(dict.fromkeys(t.split(" ", 1)[1] for t in tags if t.startswith(f"{kind} ")))
+
+
+def peer_versions(tags: list[str], frameworks: list[str], peers_python: Optional[Path]) -> dict[str, str]:
+    """{"litgpt": "0.5.13", ...}: each peer's version as its runs printed it, else (no run of it printed one:
+    litgpt's rows are all eager, say) as the peers' environment's package metadata gives it."""
+    versions = dict(text.split(" ", 1) for text in tagged_as(tags, "version"))
+    for peer in frameworks:
+        if peer in versions or peer == "ember" or peers_python is None:
+            continue
+        probe = f"from importlib.metadata import version; print(version({peer!r}))"  # as litgpt_run.py says it
+        try:
+            found = subprocess.run([str(peers_python), "-c", probe], capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            continue  # no version is better than a wrong one; the rows are worth more than it
+        if found.returncode == 0 and found.stdout.strip():
+            versions[peer] = found.stdout.strip()
+    return versions
 
 
 def summary_heading(rows: list[dict[str, Any]]) -> str:
@@ -458,8 +478,8 @@ def _stop(signum: int, _frame: Any) -> None:
 
 def report(rows: list[dict[str, Any]], tags: list[str], args: argparse.Namespace, peers_python: Optional[Path],
            interrupted: bool) -> Path:
-    """Prints the table, the summary and torchtitan's patches; writes the results file (for a run stopped by
-    Ctrl-C with `"interrupted": true`) and returns its path."""
+    """Prints the table, the summary and torchtitan's patches; writes the results file (with the versions, the
+    warnings printed on the way and, for a run stopped by Ctrl-C, `"interrupted": true`) and returns its path."""
     add_ember_ratios(rows)
     print_table(rows)
     summary, patches = summary_lines(rows), tagged_as(tags, "patch")
@@ -467,9 +487,10 @@ def report(rows: list[dict[str, Any]], tags: list[str], args: argparse.Namespace
     print("\n".join(f"  {line}" for line in summary) or "  (no row where ember and a peer both ran)")
     if patches:
         print("\ntorchtitan's run-time patches:\n" + "\n".join(f"  {p}" for p in patches))
-    versions = dict(text.split(" ", 1) for text in tagged_as(tags, "version"))
+    versions = peer_versions(tags, args.frameworks, peers_python)
     args.peers_python = str(peers_python) if peers_python else None
-    extra = {"summary": "; ".join(summary), "torchtitan_patches": "; ".join(patches), "notes": NOTES}
+    extra = {"summary": "; ".join(summary), "torchtitan_patches": "; ".join(patches),
+             "warnings": "; ".join(tagged_as(tags, "warning")), "notes": NOTES}
     return write_results("peers", rows, args, **versions, **{key: value for key, value in extra.items() if value},
                          **({"interrupted": True} if interrupted else {}))
 

@@ -243,3 +243,13 @@ def test_a_ctrl_c_before_any_row_finished_writes_nothing(tmp_path, monkeypatch, 
     assert code == 130 and not (tmp_path / "out").exists()
     assert capsys.readouterr().err == "peers.py: interrupted before any row finished; no results written\n"
 
+
+def test_the_results_keep_every_peers_version_and_the_printed_warnings(tmp_path, monkeypatch, capsys):
+    # eager only: litgpt runs nowhere (its pretraining always compiles), so its version comes from its environment
+    assert _main(tmp_path, monkeypatch, _fake_measure(warn=True)) == 0
+    result = json.loads((tmp_path / "out" / "peers-cpu.json").read_text())
+    assert (result["litgpt"], result["torchtitan"]) == ("0.5.13", "0.3.0")
+    assert "interrupted" not in result
+    warning = "kept step times vary 1.6x (10-16 ms): raise --steps/--warmup"
+    assert result["warnings"].split("; ") == [f"{shape} fp32 eager round 1: {framework}'s {warning}"
+                                              for shape in ("tiny", "debug") for framework in ("ember", "torchtitan")]
