@@ -107,6 +107,10 @@ def print_header(console: Console, spec: RunSpec, model: nn.Module, num_params: 
         lines.append(f"lora: rank {cfg.lora.rank}, alpha {cfg.lora.alpha:g}, targets {cfg.lora.targets}; "
                      f"{trainable:,} trainable parameters on this rank, the base frozen")
     lines += [precision_note(cfg.precision, spec.device, spec.compute_dtype), f"data: {data}", *notes[1:]]
+    if tokenizer is not None:
+        from ember.data.tokenizer import embedded_bpe_note  # here: tokenizers' import only where there is one
+
+        lines.append(embedded_bpe_note(cfg.data, tokenizer, args.vocab_size))
     if spec.device.type == "cpu" and spec.compute_dtype == torch.bfloat16 and not cpu_runs_bf16_natively():
         lines.append("note: precision=bf16 on a CPU without bf16 matmul instructions (AVX512-BF16, AMX): torch "
                      "emulates them, many times slower than fp32; precision=fp32 (or auto) trains faster here")

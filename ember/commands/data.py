@@ -122,7 +122,7 @@ def _prepare(args: argparse.Namespace) -> int:
 
 def _train_tokenizer(args: argparse.Namespace) -> int:
     from ember.data import sources
-    from ember.data.tokenizer import train_bpe
+    from ember.data.tokenizer import fewer_tokens_note, train_bpe
 
     if args.vocab_size < 260:
         raise ConfigError(f"--vocab-size must be at least 260 (256 bytes + specials), got {args.vocab_size}")
@@ -135,9 +135,9 @@ def _train_tokenizer(args: argparse.Namespace) -> int:
     sources.atomic_write(out, lambda f: f.write(tok.to_str().encode()))  # written beside, renamed into place
     print(f"trained a byte-level BPE of {tok.get_vocab_size():,} tokens on {len(docs.texts):,} documents "
           f"of {docs.name}: {out}")
-    if tok.get_vocab_size() < args.vocab_size:
-        print(f"note: {tok.get_vocab_size():,} tokens, fewer than --vocab-size {args.vocab_size:,}: the corpus had no "
-              "more merges to learn (more text gives more)")
+    short = fewer_tokens_note(tok.get_vocab_size(), args.vocab_size, f"--vocab-size {args.vocab_size:,}")
+    if short:
+        print(f"note: {short}")
     return 0
 
 

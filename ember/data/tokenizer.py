@@ -104,6 +104,26 @@ def train_bpe(texts: list[str], vocab_size: int) -> tokenizers.Tokenizer:
     return tok
 
 
+def fewer_tokens_note(size: int, asked: int, asked_as: str) -> Optional[str]:
+    """Why a BPE trained to `asked` entries has `size`, fewer: its training stops when no pair of tokens in the
+    corpus is left to merge. None when it has them all; `asked_as`: how the user asked (`--vocab-size 500`)."""
+    if size >= asked:
+        return None
+    return f"{size:,} tokens, fewer than {asked_as}: the corpus had no more merges to learn (more text gives more)"
+
+
+def embedded_bpe_note(data_cfg: DataConfig, tok: AnyTokenizer, model_vocab: int) -> Optional[str]:
+    """The run header's note for an embedded BPE smaller than model.vocab_size, which the model keeps: the
+    embedding rows past the BPE's are no token's. None when it has them all or the tokenizer is the user's (a
+    model's vocabulary padded past its tokenizer's is a choice there)."""
+    if data_cfg.tokenizer is not None:
+        return None
+    short = fewer_tokens_note(tok.vocab_size, model_vocab, f"model.vocab_size={model_vocab:,}")
+    return short and (f"note: the embedded BPE has {short}; the model keeps {model_vocab:,} embedding rows, "
+                      f"{model_vocab - tok.vocab_size:,} of them no token's (model.vocab_size={tok.vocab_size} "
+                      "drops them)")
+
+
 def embedded_tokenizer(vocab_size: int, val_fraction: float, cache_dir: Optional[Path] = None) -> Tokenizer:
     """The BPE trained on the embedded corpus's train split, from the cache when it is there.
 

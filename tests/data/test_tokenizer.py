@@ -97,3 +97,17 @@ def test_missing_or_invalid_tokenizer_file(tmp_path: Path):
     with pytest.raises(ValueError, match=r"data\.tokenizer '.*tokenizer\.json' is not a valid HF tokenizer\.json") as err:
         build_tokenizer(DataCfg(tokenizer=str(bad)), 1000)
     assert "\n" not in str(err.value)
+
+
+def test_an_embedded_bpe_smaller_than_the_model_vocab_is_noted(small_corpus: Path):
+    tok = build_tokenizer(DataCfg(), 100_000)  # the small corpus runs out of merges long before
+    size = tok.vocab_size
+    assert SMALL_VOCAB < size < 100_000
+    assert tokenizer_lib.embedded_bpe_note(DataCfg(), tok, 100_000) == (
+        f"note: the embedded BPE has {size:,} tokens, fewer than model.vocab_size=100,000: the corpus had no more "
+        f"merges to learn (more text gives more); the model keeps 100,000 embedding rows, {100_000 - size:,} of them "
+        f"no token's (model.vocab_size={size} drops them)")
+    # As many as asked, or the user's own tokenizer (a padded embedding is a choice there): nothing to say.
+    assert tokenizer_lib.embedded_bpe_note(DataCfg(), tok, size) is None
+    assert tokenizer_lib.embedded_bpe_note(DataCfg(tokenizer="tokenizer.json"), tok, 100_000) is None
+    assert build_tokenizer(DataCfg(), size).vocab_size == size  # what the note advises gives a BPE of that size

@@ -121,3 +121,19 @@ def test_format_line_skips_missing_and_nonfinite():
 def test_format_line_shows_the_eval_tasks_results():
     line = format_line(4, {"val_loss": 3.5, "eval/lambada/acc": 0.25, "eval/lambada/ppl": 120.5, "eval/lambada/n": 3})
     assert line.endswith("eval/lambada/acc 0.2500  eval/lambada/ppl 120.5000  eval/lambada/n 3")
+
+
+def test_the_header_says_when_the_embedded_bpe_is_smaller_than_the_model_vocab(tmp_path):
+    from ember import run as run_lib
+    from ember.hardware import PeakFlops
+    from tests.helpers import tiny_model
+
+    cfg = run_lib.load_config("debug", [*tiny_model(), "model.vocab_size=1000", f"output_dir={tmp_path}"])
+    spec = run_lib.resolve(cfg, 1, torch.device("cpu"))
+    out = io.StringIO()
+    bpe = type("Bpe", (), {"vocab_size": 900})()  # what the embedded corpus gave for 1,000 asked
+    metrics.print_header(Console(file=out, width=400), spec, torch.nn.Linear(2, 2), 10, bpe, PeakFlops(1e12, "test"),
+                         "the embedded corpus", [None])
+    assert ("note: the embedded BPE has 900 tokens, fewer than model.vocab_size=1,000: the corpus had no more merges "
+            "to learn (more text gives more); the model keeps 1,000 embedding rows, 100 of them no token's "
+            "(model.vocab_size=900 drops them)") in out.getvalue().splitlines()
