@@ -205,7 +205,8 @@ class RunSpec:
                 "compute_dtype": str(self.compute_dtype).replace("torch.", ""), "fsdp_mixed_precision": self.fsdp_mixed,
                 "loss_parallel": par.loss_parallel, "cp_impl": par.cp_impl, "fp8": par.fp8_recipe,
                 "grad_accum": self.grad_accum, "pipeline_stages": self.num_stages,
-                "pp_microbatches": self.pp_microbatches, "flops_per_token": self.flops_per_token,
+                # a count of FLOPs: an int whatever the family (a local span's mean key count makes a float)
+                "pp_microbatches": self.pp_microbatches, "flops_per_token": round(self.flops_per_token),
                 "fused_output_loss": self.fused_output, "output_chunks": self.output_chunks}
 
 

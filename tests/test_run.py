@@ -102,3 +102,12 @@ def test_resolve_decides_from_the_config_and_the_device(tmp_path: Path):
     with pytest.raises(config_lib.ConfigError, match="cp_impl=ring needs CUDA"):
         run_lib.resolve(_tiny(tmp_path, "ici_mesh.context=2", "ici_mesh.fsdp=1", "parallel.cp_impl=ring", world=2),
                         2, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("family", ["llama3", "gemma3", "qwen3", "mistral"])
+def test_run_json_counts_flops_per_token_as_an_int_for_every_family(family: str):
+    # gemma3, qwen3 and mistral count attention through a mean span (a float); llama3 through whole ints
+    cfg = config_lib.load("debug", [f"model.family={family}", "model.flavor=debug"])
+    spec = run_lib.resolve(cfg, 1, torch.device("cpu"))
+    recorded = spec.describe()["flops_per_token"]
+    assert type(recorded) is int and recorded == round(spec.flops_per_token)
