@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from ember.hardware import PeakFlops
     from ember.run import RunSpec
 
-GIB = 2**30  # "GB" in ember's metrics is GiB: the unit of the vendors' "80GB" of HBM (ember.hardware)
+GIB = 2**30  # memory_gb is in GiB (the console says so): the unit of the vendors' "80GB" of HBM (ember.hardware)
 
 
 def plural(count: int, noun: str) -> str:
@@ -200,13 +200,13 @@ _CONSOLE_FIELDS = [
     ("time", "step_time_s", ".3f", 1, "s"),
     ("TFLOP/s/dev", "tflops_per_device", ".3g", 1, ""),  # 3 significant digits: 0.0213 on a CPU, 412 on a GPU
     ("MFU", "mfu", ".1f", 100, "%"),
-    ("mem", "memory_gb", ".2f", 1, "GB"),
+    ("mem", "memory_gb", ".2f", 1, "GiB"),
     ("val loss", "val_loss", ".4f", 1, ""),
 ]
 
 
 def format_line(step: int, values: dict[str, Any]) -> str:
-    """One compact console line, e.g. `step    10  loss 7.1234  lr 3.00e-04  ...  MFU 12.3%  mem 1.20GB`."""
+    """One compact console line, e.g. `step    10  loss 7.1234  lr 3.00e-04  ...  MFU 12.3%  mem 1.20GiB`."""
     parts = [f"step {step:>6}"]
     for label, key, spec, scale, suffix in _CONSOLE_FIELDS:
         text = _fmt(values.get(key), spec, scale, suffix)

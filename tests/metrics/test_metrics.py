@@ -63,7 +63,7 @@ def test_jsonl_lines_parse_with_the_keys_given(tmp_path):
     console_lines = out.getvalue().splitlines()
     assert console_lines[0] == (
         "step     10  loss 7.2500  lr 3.00e-04  gnorm 1.500  tok/s 16,000  tok/s/dev 4,000  time 0.250s  "
-        "TFLOP/s/dev 220  MFU 22.2%  mem 61.20GB"  # one line, even on an 80-column console
+        "TFLOP/s/dev 220  MFU 22.2%  mem 61.20GiB"  # one line, even on an 80-column console; memory_gb is GiB
     )
     assert "MFU" not in console_lines[1]  # an unknown MFU is left out, not printed as 0
     assert console_lines[2] == "step     20  val loss 6.5000"
