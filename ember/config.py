@@ -10,7 +10,6 @@ ember.run.load_config runs them, before any work.
 
 from __future__ import annotations
 
-import difflib
 import math
 import os
 import typing
@@ -25,7 +24,7 @@ from ember.config_schema import (  # noqa: F401  the sections (ember/config_sche
     ModelConfig, MeshConfig, ParallelConfig, OptimConfig, ScheduleConfig, MixtureSource, DataConfig, EvalTask,
     EvalConfig, MetricsConfig, CheckpointConfig, LoraConfig, Fp8Config, ProfileConfig, DPOConfig, JobConfig,
 )
-from ember.errors import ConfigError, first_error_line
+from ember.errors import ConfigError, did_you_mean, first_error_line
 
 RECIPES_DIR = Path(__file__).parent / "recipes"
 
@@ -53,11 +52,8 @@ def resolve_recipe(recipe: str) -> Path:
         return path
     if recipe.endswith((".yaml", ".yml")) or "/" in recipe:
         raise ConfigError(f"recipe file '{recipe}' not found (give an existing YAML path or a built-in recipe name)")
-    hint = difflib.get_close_matches(recipe, recipe_names(), n=1)
-    did_you_mean = f" (did you mean '{hint[0]}'?)" if hint else ""
-    raise ConfigError(
-        f"unknown recipe '{recipe}'{did_you_mean}; built-in recipes: {', '.join(recipe_names())} (see `ember recipes`)"
-    )
+    raise ConfigError(f"unknown recipe '{recipe}'{did_you_mean(recipe, recipe_names())}; built-in recipes: "
+                      f"{', '.join(recipe_names())} (see `ember recipes`)")
 
 
 def _all_keys(node: Any, prefix: str = "") -> list[str]:
@@ -78,13 +74,13 @@ def _explain(err: OmegaConfBaseException, schema: DictConfig, origin: str) -> Co
         if key in EVAL_COMMAND_KEYS:  # ppl's window: a key of `ember eval`, where it means something
             return ConfigError(f"'{key}' is a key of `ember eval` (the ppl window), not of training{where}; "
                                "training's eval section has eval.tasks, eval.limit and eval.batch_size")
-        hint = difflib.get_close_matches(key, _all_keys(schema), n=1, cutoff=0.6)
-        suffix = f" (did you mean '{hint[0]}'?)" if hint else ""
-        return ConfigError(f"unknown config key '{key}'{suffix}{where}")
+        return ConfigError(f"unknown config key '{key}'{did_you_mean(key, _all_keys(schema))}{where}")
     if isinstance(err, ValidationError):
-        detail = first_error_line(err)
-        if "is not a ListConfig" in detail:  # OmegaConf's node classes mean nothing to a user
-            detail = f"got {getattr(err, 'value', None)!r}, not a list (write {key}=[A,B])"
+        # OmegaConf's own words name its classes ("converted to Integer", "ListConfig"), not the schema's types:
+        # the value as read and the key's declared type say it in the user's terms.
+        detail = f"got {err.value!r}" if hasattr(err, "value") else first_error_line(err)
+        if "is not a ListConfig" in first_error_line(err):
+            detail += f", not a list (write {key}=[A,B])"
         return ConfigError(f"bad value for config key '{key}'{where}: {detail} (expected {_type_name(key)})")
     return ConfigError(f"invalid config{where}: {first_error_line(err)}")
 
@@ -94,8 +90,11 @@ def _type_name(key: str) -> str:
     section: Any = JobConfig
     try:
         for part in key.split("."):
-            section = typing.get_type_hints(section)[part]
-    except (KeyError, TypeError):
+            name, index, _ = part.partition("[")
+            section = typing.get_type_hints(section)[name]
+            if index:  # a list's element (optim.betas[0]): the list's item type
+                section = typing.get_args(section)[0]
+    except (KeyError, TypeError, IndexError):
         return "the declared type"
     args = [a for a in typing.get_args(section) if a is not type(None)]
     if typing.get_origin(section) is typing.Union and len(args) == 1:
@@ -278,9 +277,8 @@ def _check_resume_allow_changes(names: list[str]) -> None:
     known = _all_keys(OmegaConf.structured(JobConfig))
     for name in names:
         if name not in known:
-            hint = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-            suffix = f" (did you mean '{hint[0]}'?)" if hint else ""
-            raise ConfigError(f"resume_allow_changes: '{name}' is not a config key or section{suffix}; "
+            raise ConfigError(f"resume_allow_changes: '{name}' is not a config key or section"
+                              f"{did_you_mean(name, known)}; "
                               "name keys as overrides do, e.g. [data.dataset,seed]")
 
 

@@ -7,6 +7,9 @@ built-in a caller would catch for it (ValueError, FileNotFoundError).
 
 from __future__ import annotations
 
+import difflib
+from typing import Iterable
+
 
 class EmberError(Exception):
     """A user-facing error: one line, naming the problem and the fix."""
@@ -26,6 +29,12 @@ class CheckpointError(EmberError, ValueError):
 
 class UserFileNotFound(EmberError, FileNotFoundError):
     """A path the user gave does not exist or holds nothing ember can read."""
+
+
+def did_you_mean(name: str, choices: Iterable[str], cutoff: float = 0.6) -> str:
+    """` (did you mean 'X'?)` for the choice closest to a mistyped `name`, or "" when none is close enough."""
+    hint = difflib.get_close_matches(name, list(choices), n=1, cutoff=cutoff)
+    return f" (did you mean '{hint[0]}'?)" if hint else ""
 
 
 def first_error_line(err: BaseException) -> str:

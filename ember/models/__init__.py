@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from torch import nn
 
-from ember.errors import ConfigError
+from ember.errors import ConfigError, did_you_mean
 from ember.models import checks, deepseek, gemma, glam, gpt, llama, llama4, mistral, mixtral, phi3, qwen
 
 
@@ -87,7 +87,8 @@ def not_a_hyperparameter(key: str, family: str, fields: set[str]) -> str:
 def build_model_args(family: str, flavor: str, overrides: dict[str, Any] | None = None) -> Any:
     """The flavor's hyper-parameters with the user's `model.<field>` overrides (None: keep) applied."""
     if family not in MODELS:
-        raise ConfigError(f"unknown model.family '{family}' (choose from {', '.join(MODELS)})")
+        raise ConfigError(f"unknown model.family '{family}'{did_you_mean(family, MODELS)}; choose from "
+                          f"{', '.join(MODELS)}")
     spec = MODELS[family]
     if flavor not in spec.flavors:
         raise ConfigError(f"unknown model.flavor '{flavor}' for family '{family}' "

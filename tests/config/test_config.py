@@ -88,6 +88,29 @@ def test_wrong_type_names_value_and_expected_type():
     assert "expected int or null" in str(info.value)
 
 
+
+@pytest.mark.parametrize("override, message", [
+    ("model.vocab_size=abc", "bad value for config key 'model.vocab_size': got 'abc' (expected int or null)"),
+    ("max_steps=1.5", "bad value for config key 'max_steps': got 1.5 (expected int)"),
+    ("compile=maybe", "bad value for config key 'compile': got 'maybe' (expected bool)"),
+    ("optim.betas=[a,b]", "bad value for config key 'optim.betas[0]': got 'a' (expected float)"),  # the item's type
+])
+def test_a_wrong_type_is_said_in_the_schemas_words_not_omegaconfs(override, message):
+    # OmegaConf's text ("Value 'abc' of type 'str' could not be converted to Integer") names its own classes
+    with pytest.raises(ConfigError) as info:
+        run_lib.load_config("debug", [override])
+    assert str(info.value) == message
+
+
+def test_an_unknown_family_offers_the_closest_one():
+    with pytest.raises(ConfigError) as info:
+        run_lib.load_config("debug", ["model.family=gemma"])
+    assert str(info.value).startswith("unknown model.family 'gemma' (did you mean 'gemma3'?); choose from llama2, ")
+    with pytest.raises(ConfigError) as info:
+        run_lib.load_config("debug", ["model.family=xyz"])
+    assert str(info.value).startswith("unknown model.family 'xyz'; choose from llama2, ")
+
+
 def test_recipe_errors(tmp_path: Path):
     with pytest.raises(ConfigError, match="unknown recipe 'llama3.1-8B'.*did you mean 'llama3.1-8b'"):
         run_lib.load_config("llama3.1-8B")

@@ -189,8 +189,8 @@ def test_build_model_args_overrides_and_errors():
     assert FLAVORS["llama3.1"]["8B"].n_layers == 32  # the flavor itself is untouched
     with pytest.raises(ValueError, match=r"^unknown model.flavor '9B' for family 'llama3.1' \(choose from debug, 8B, 70B, 405B\)$"):
         build_model_args("llama3.1", "9B")
-    with pytest.raises(ValueError, match=r"^unknown model.family 'llama9' \(choose from llama2, llama3, llama3.1, llama3.2, mixtral, gpt, glam, mistral, phi3, llama4, gemma3, gemma2, "
-                       r"qwen2, qwen3, qwen3_moe[a-z_0-9, ]*\)$"):
+    with pytest.raises(ValueError, match=r"^unknown model.family 'llama9' \(did you mean 'llama4'\?\); choose from llama2, llama3, llama3.1, llama3.2, mixtral, gpt, glam, mistral, phi3, llama4, gemma3, gemma2, "
+                       r"qwen2, qwen3, qwen3_moe[a-z_0-9, ]*$"):
         build_model_args("llama9", "8B")
     with pytest.raises(ValueError, match="model.n_expert is not a hyper-parameter of llama3"):
         build_model_args("llama3", "debug", {"n_expert": 8})
