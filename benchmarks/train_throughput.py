@@ -8,10 +8,11 @@ load) hits both alike; the figure per contestant is the median over rounds.
     python benchmarks/train_throughput.py                 # eager and compiled, prints a table
     python benchmarks/train_throughput.py --no-compile --rounds 3 --steps 3 --vocab 8192
     python benchmarks/train_throughput.py --precision bf16   # bf16 autocast on both sides (HF: torch.autocast)
+    python benchmarks/train_throughput.py --dim 512 --n-layers 8 --seq-len 512 --vocab 32000  # peers.py's 56m
 
-The model is the debug Llama 3 (dim 256, 4 layers) at each vocabulary size asked for: the debug
-recipe's 8K, Llama 2's 32K and Llama 3's 128K. The output projection and loss are a third of the step
-at 8K and most of it at 128K, so the sizes show the trunk and the head apart.
+The model is the debug Llama 3 (dim 256, 4 layers; --dim and --n-layers widen and deepen it) at each
+vocabulary size asked for: the debug recipe's 8K, Llama 2's 32K and Llama 3's 128K. The output projection
+and loss are a third of the step at 8K and most of it at 128K, so the sizes show the trunk and the head apart.
 
 For ember's step, eager and compiled, the benchmark also prints the **floor ratio**: the step time divided
 by the time of its matrix products and attention kernels alone (self time of aten::mm/addmm/bmm and SDPA's
@@ -21,7 +22,8 @@ just before them, without the profiler. 1.00x would mean the step is nothing but
 those kernels: the distance to this machine's limit for the same FLOPs. The largest other ops are listed
 under it, so the remaining time has names.
 
-Writes benchmarks/results/train_throughput-<device>.json (--precision bf16: train_throughput-bf16-<device>.json).
+Writes benchmarks/results/train_throughput-<device>.json (--precision bf16: train_throughput-bf16-<device>.json;
+another --dim or --n-layers adds -dim<D>x<L> before the device).
 """
 
 from __future__ import annotations
@@ -136,6 +138,8 @@ def main() -> int:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--vocab", type=lambda v: [int(x) for x in v.split(",")], default=[8192, 32000, 128256],
                         help="vocabulary sizes, comma-separated")
+    parser.add_argument("--dim", type=int, default=256, help="the model's width (debug flavor: 256)")
+    parser.add_argument("--n-layers", type=int, default=4, help="the model's depth (debug flavor: 4)")
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                         help="both sides: fp32, or bf16 autocast (ember precision=bf16)")
@@ -147,7 +151,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for vocab in args.vocab:
             overrides = [f"seq_len={args.seq_len}", f"global_batch_size={args.batch}",
-                         f"micro_batch_size={args.batch}", f"model.vocab_size={vocab}"]
+                         f"micro_batch_size={args.batch}", f"model.vocab_size={vocab}", f"model.dim={args.dim}",
+                         f"model.n_layers={args.n_layers}"]
             torch.manual_seed(0)
             inputs = torch.randint(0, vocab, (args.batch, args.seq_len))
             labels = torch.randint(0, vocab, (args.batch, args.seq_len))
@@ -175,7 +180,7 @@ def main() -> int:
                 del trainer, contestants
 
     print(f"\ntrain throughput, {platform.processor() or platform.machine()}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; llama3 debug, batch {args.batch} x seq {args.seq_len}, {args.precision}")
+          f"{torch.get_num_threads()} threads; llama3 debug dim {args.dim} x {args.n_layers} layers, batch {args.batch} x seq {args.seq_len}, {args.precision}")
     print(f"{'contestant':<14}{'vocab':>8}{'compiled':>10}{'step s':>10}{'tokens/s':>12}{'vs HF':>8}")
     for r in rows:
         print(f"{r['contestant']:<14}{r['vocab']:>8}{str(r['compiled']):>10}{r['step_time_s']:>10.4f}"
@@ -188,7 +193,8 @@ def main() -> int:
                 print(f"    {name:<56}{seconds * 1e3:>8.1f} ms/step")
     import transformers
 
-    write_results("train_throughput" + ("-bf16" if args.precision == "bf16" else ""), rows, args,
+    shape = "" if (args.dim, args.n_layers) == (256, 4) else f"-dim{args.dim}x{args.n_layers}"
+    write_results("train_throughput" + ("-bf16" if args.precision == "bf16" else "") + shape, rows, args,
                   transformers=transformers.__version__)
     return 0
 
