@@ -59,6 +59,12 @@ def main() -> int:
                         help="ember's weights: same (transformers' dtype), or as `ember generate --precision`")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
+    # decode tokens/s is over the tokens after the first (the prefill's): it needs two
+    if args.new_tokens < 2 or args.rounds < 1 or args.prompt_len < 1:
+        parser.error("--new-tokens must be >= 2, --rounds and --prompt-len >= 1")
+    unknown = [m for m in args.models.split(",") if m not in MODELS_TO_RUN]
+    if unknown:
+        parser.error(f"--models {','.join(unknown)}: choose from {', '.join(MODELS_TO_RUN)}")
     import transformers
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -107,13 +113,15 @@ def main() -> int:
                         times[n][key].append(time.perf_counter() - t0)
             result = {}
             for n in contestants:
-                prefill, total = statistics.median(times[n]["prefill"]), statistics.median(times[n]["total"])
-                result[n] = {"prefill_tokens_per_s": batch * args.prompt_len / prefill,
-                             "decode_tokens_per_s": batch * (args.new_tokens - 1) / max(total - prefill, 1e-9)}
+                # each round's decode time is its whole run less its own prefill; where the machine made a
+                # prefill outlast its whole run, no decode rate can be read from that round
+                decode = statistics.median(t - p for t, p in zip(times[n]["total"], times[n]["prefill"]))
+                result[n] = {"prefill_tokens_per_s": batch * args.prompt_len / statistics.median(times[n]["prefill"]),
+                             "decode_tokens_per_s": batch * (args.new_tokens - 1) / decode if decode > 0 else None}
             for n in contestants:
+                decode, reference_decode = result[n]["decode_tokens_per_s"], result["transformers"]["decode_tokens_per_s"]
                 rows.append({"model": name, "batch": batch, "contestant": n, **result[n],
-                             "decode_vs_transformers": result[n]["decode_tokens_per_s"]
-                             / result["transformers"]["decode_tokens_per_s"],
+                             "decode_vs_transformers": decode / reference_decode if decode and reference_decode else None,
                              "prefill_vs_transformers": result[n]["prefill_tokens_per_s"]
                              / result["transformers"]["prefill_tokens_per_s"],
                              "same_tokens": same})
@@ -123,11 +131,16 @@ def main() -> int:
     print(f"{'model':<8}{'batch':>6}  {'contestant':<16}{'prefill tok/s':>14}{'decode tok/s':>14}{'decode vs HF':>14}"
           f"{'same tokens':>13}")
     for r in rows:
+        decode = f"{r['decode_tokens_per_s']:>14.1f}" if r["decode_tokens_per_s"] else f"{'n/a':>14}"
+        ratio = f"{r['decode_vs_transformers']:>13.2f}x" if r["decode_vs_transformers"] else f"{'n/a':>14}"
         print(f"{r['model']:<8}{r['batch']:>6}  {r['contestant']:<16}{r['prefill_tokens_per_s']:>14.0f}"
-              f"{r['decode_tokens_per_s']:>14.1f}{r['decode_vs_transformers']:>13.2f}x{str(r['same_tokens']):>13}")
+              f"{decode}{ratio}{str(r['same_tokens']):>13}")
+    if any(r["decode_tokens_per_s"] is None for r in rows):
+        print("n/a: the prefill alone took as long as the whole run (a busy machine, or too few --new-tokens)")
     # A run with ember in another dtype than transformers is a comparison of its own, in a file of its own
     variant = "" if args.ember_precision == "same" else f"-ember-{args.ember_precision}"
-    write_results(f"generate_throughput{variant}", rows, args, transformers=transformers.__version__)
+    write_results(f"generate_throughput{variant}", rows, args, transformers=transformers.__version__,
+                  ember_weights=str(ember_dtype).removeprefix("torch."), transformers_weights=str(dtype).removeprefix("torch."))
     return 0
 
 

@@ -83,7 +83,7 @@ def build_hf(trainer: Trainer, compile_model: bool, precision: str) -> Callable:
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return float(loss)
+        return loss.item()
 
     return step
 
@@ -145,6 +145,8 @@ def main() -> int:
                         help="both sides: fp32, or bf16 autocast (ember precision=bf16)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
+    if min(args.rounds, args.steps, args.batch, args.seq_len, args.dim, args.n_layers, *args.vocab) < 1:
+        parser.error("--rounds, --steps, --batch, --seq-len, --dim, --n-layers and --vocab must be >= 1")
 
     modes = [False] if args.no_compile else [False, True]
     rows = []
@@ -191,6 +193,10 @@ def main() -> int:
                   f"{r['floor_step_s']:.4f} s, matmul + attention kernels {r['floor_s']:.4f} s); largest other ops:")
             for name, seconds in r["largest_other_ops_s"]:
                 print(f"    {name:<56}{seconds * 1e3:>8.1f} ms/step")
+    if any("floor_ratio" in r for r in rows):
+        print("\n(floor: the step timed without the profiler over 5 steps, then 5 more steps' kernel self times under "
+              "it; the table's step is the median over rounds. The profiler adds its own cost to every op, most to "
+              "the small ones: on a busy machine the listed ops can add up to more than the step.)")
     import transformers
 
     shape = "" if (args.dim, args.n_layers) == (256, 4) else f"-dim{args.dim}x{args.n_layers}"
