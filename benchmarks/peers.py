@@ -25,14 +25,17 @@ ru_maxrss. Compile workers a child starts are in neither. The parameter counts e
 Run it on an otherwise idle machine: on a small CPU another busy process slows the small ops of a step many
 times over (torch's threads wait for each other), and not every framework alike.
 
-Writes benchmarks/results/peers-<device>.json (--out: another folder), with the warnings printed on the way.
-Ctrl-C writes the rows finished so far there, marked `"interrupted": true`, and exits with 130.
+Writes benchmarks/results/peers-<device>.json (--out: another folder), with ember's version and commit and the
+warnings printed on the way; a row whose kept step times vary over 1.5x in a round is marked noisy (`"noisy":
+true` and its `step_spread`, in the table and the summary too). Ctrl-C (exit 130) or SIGTERM (exit 143) writes
+the rows finished so far there, marked `"interrupted": true`.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.metadata
 import json
 import os
 import re
@@ -61,6 +64,8 @@ FRAMEWORKS = ("ember", "litgpt", "torchtitan")
 # The mode each peer's users get by default: what eager ember is held against in the summary.
 DEFAULT_MODE = {"litgpt": "compiled", "torchtitan": "eager"}
 LITGPT_EAGER = "n/a (litgpt pretrain always compiles)"
+# A round whose kept step times (slowest over fastest) vary more than this is noisy: warned of, its row marked.
+NOISY_SPREAD = 1.5
 NOTES = ("step times are each framework's own: ember's step_time_s (data wait included), litgpt's iter time "
          "(no data fetch), torchtitan's tps (all of a step); litgpt's pretraining always compiles")
 SETUP = ("python -m venv .venv-peers && .venv-peers/bin/pip install torch==2.13.0 && "
@@ -199,7 +204,7 @@ def run_child(cmd: list[str], log: Path, timeout_s: float, steps_done: Optional[
                     if steps_done(log.read_text(errors="replace")) >= train_steps:
                         train_kib = vm_hwm_kib(child.pid)
                 time.sleep(0.02)
-        except BaseException:  # Ctrl-C, SIGTERM (main turns it into SystemExit): the child goes too
+        except BaseException:  # Ctrl-C, SIGTERM (main's handler raises Stopped): the child goes too
             os.killpg(child.pid, signal.SIGKILL)
             os.waitpid(child.pid, 0)
             raise
@@ -267,13 +272,14 @@ def measure(framework: str, shape_name: str, precision: str, mode: str, args: ar
     if reason is None:
         step = steady_step_time(times, warmup)
         kept = times[warmup:]
-        noisy = max(kept) / min(kept) > 1.5  # still warming up, recompiling, or a busy machine
-        warning = (f"{framework}'s kept step times vary {max(kept) / min(kept):.1f}x ({min(kept) * 1e3:.0f}-"
+        spread = max(kept) / min(kept)
+        noisy = spread > NOISY_SPREAD  # still warming up, recompiling, or a busy machine
+        warning = (f"{framework}'s kept step times vary {spread:.1f}x ({min(kept) * 1e3:.0f}-"
                    f"{max(kept) * 1e3:.0f} ms): raise --steps/--warmup, or idle the machine") if noisy else None
         if warning:
             print(f"  warning: {warning}", flush=True)
         return result | {"status": "ok", "step_s": step, "tokens_per_s": shape.batch * shape.seq / step,
-                         "noisy": noisy, "warning": warning}
+                         "step_spread": spread, "noisy": noisy, "warning": warning}
     tail = text.strip().splitlines()[-30:]
     print(f"  {framework} failed ({reason}): {' '.join(cmd)}\n" + ("\n".join(tail) or "(no output)"),
           file=sys.stderr, flush=True)
@@ -285,8 +291,8 @@ def summarize(shape: str, precision: str, mode: str, framework: str, rounds: lis
     ok = [r for r in rounds if r["status"] == "ok"]
     row: dict[str, Any] = {"shape": shape, "precision": precision, "mode": mode, "framework": framework,
                            "status": "ok" if ok else "failed", "tokens_per_s": None, "step_ms": None,
-                           "train_rss_mib": None, "peak_rss_mib": None, "ember_ratio": None,
-                           "params": next((r["params"] for r in rounds if r["params"]), None),
+                           "train_rss_mib": None, "peak_rss_mib": None, "ember_ratio": None, "noisy": None,
+                           "step_spread": None, "params": next((r["params"] for r in rounds if r["params"]), None),
                            "reason": "; ".join(f"round {i + 1}: {r['reason']}" for i, r in enumerate(rounds)
                                                if r["status"] != "ok") or None}
     if ok:
@@ -295,6 +301,8 @@ def summarize(shape: str, precision: str, mode: str, framework: str, rounds: lis
                 "peak_rss_mib": statistics.median(r["peak_rss_kib"] for r in ok) / 1024}
         train = [r["train_rss_kib"] for r in ok if r.get("train_rss_kib")]
         row["train_rss_mib"] = statistics.median(train) / 1024 if train else None
+        # the widest round: one noisy round is enough to doubt the median, as its warning said
+        row |= {"noisy": any(r["noisy"] for r in ok), "step_spread": max(r["step_spread"] for r in ok)}
     row["rounds"] = [{k: r.get(k) for k in ("status", "tokens_per_s", "train_rss_kib", "peak_rss_kib", "step_times_s")}
                      for r in rounds]
     return row
@@ -303,8 +311,7 @@ def summarize(shape: str, precision: str, mode: str, framework: str, rounds: lis
 def not_run(shape: str, precision: str, mode: str, framework: str, status: str, reason: str) -> dict[str, Any]:
     return {"shape": shape, "precision": precision, "mode": mode, "framework": framework, "status": status,
             "tokens_per_s": None, "step_ms": None, "train_rss_mib": None, "peak_rss_mib": None, "ember_ratio": None,
-            "params": None,
-            "reason": reason}
+            "noisy": None, "step_spread": None, "params": None, "reason": reason}
 
 
 def run_group(shape: str, precision: str, mode: str, args: argparse.Namespace, peers_python: Optional[Path],
@@ -380,36 +387,56 @@ def peer_versions(tags: list[str], frameworks: list[str], peers_python: Optional
     return versions
 
 
-def summary_heading(rows: list[dict[str, Any]]) -> str:
-    """The summary's first line, naming each peer that has a measured row in its default mode, and only those."""
-    ran = [f"{peer} {mode}" for peer, mode in DEFAULT_MODE.items()
-           if any(r["framework"] == peer and r["tokens_per_s"] for r in rows)]
-    if not ran:
-        return "ember vs fastest peer:"
-    defaults = "their defaults" if len(ran) > 1 else "its default"
-    return f"ember vs fastest peer (eager ember against {' and '.join(ran)}, {defaults}):"
-
-
-def summary_lines(rows: list[dict[str, Any]]) -> list[str]:
-    """`ember vs fastest peer` per (shape, precision, mode): eager ember against each peer's default mode
-    (litgpt compiled, torchtitan eager), compiled ember against the compiled peers."""
+def summary_pairs(rows: list[dict[str, Any]]) -> list[tuple[dict[str, Any], list[tuple[dict[str, Any], str]]]]:
+    """(ember's measured row, [(each measured peer row it is held against, that row's mode)]) per (shape,
+    precision, mode) where ember and a peer both ran: eager ember against each peer's default mode (litgpt
+    compiled, torchtitan eager), compiled ember against the compiled peers."""
     by_key = {(r["shape"], r["precision"], r["mode"], r["framework"]): r for r in rows if r["tokens_per_s"]}
-    lines = []
+    pairs = []
     for (shape, precision, mode, framework), ember in by_key.items():
         if framework != "ember":
             continue
         peers = [(by_key[key], key[2]) for peer in DEFAULT_MODE
                  if (key := (shape, precision, DEFAULT_MODE[peer] if mode == "eager" else "compiled", peer)) in by_key]
         if peers:
-            fastest, peer_mode = max(peers, key=lambda p: p[0]["tokens_per_s"])
-            lines.append(f"{shape} {precision} {mode}: ember {ember['tokens_per_s']:,.0f} tok/s vs fastest peer "
-                         f"{fastest['framework']} ({peer_mode}) {fastest['tokens_per_s']:,.0f} tok/s: "
-                         f"{ember['tokens_per_s'] / fastest['tokens_per_s']:.2f}x")
-            memories = [(p["train_rss_mib"], p["framework"]) for p, _ in peers if p["train_rss_mib"]]
-            if memories and ember["train_rss_mib"]:
-                lowest, name = min(memories)
-                lines.append(f"{shape} {precision} {mode}: training RSS ember {ember['train_rss_mib']:,.0f} MiB vs "
-                             f"lowest peer {name} {lowest:,.0f} MiB: {ember['train_rss_mib'] / lowest:.2f}x")
+            pairs.append((ember, peers))
+    return pairs
+
+
+def summary_heading(rows: list[dict[str, Any]]) -> str:
+    """The summary's first line: for each mode of ember that was held against a peer, the peers (and their
+    modes) it was held against, and nothing about a mode or a peer that did not run."""
+    pairs = summary_pairs(rows)
+    eager = {peer["framework"] for ember, peers in pairs if ember["mode"] == "eager" for peer, _ in peers}
+    compiled = {peer["framework"] for ember, peers in pairs if ember["mode"] == "compiled" for peer, _ in peers}
+    parts = []
+    if eager:
+        ran = [f"{peer} {mode}" for peer, mode in DEFAULT_MODE.items() if peer in eager]
+        defaults = "their defaults" if len(ran) > 1 else "its default"
+        parts.append(f"eager ember against {' and '.join(ran)}, {defaults}")
+    if compiled:
+        parts.append(f"compiled ember against compiled {' and '.join(p for p in DEFAULT_MODE if p in compiled)}")
+    return f"ember vs fastest peer ({'; '.join(parts)}):" if parts else "ember vs fastest peer:"
+
+
+def summary_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """`ember vs fastest peer` per (shape, precision, mode) (see summary_pairs), a noisy side's step-time spread
+    after it, and the training RSS beside the lowest peer's."""
+    lines = []
+    for ember, peers in summary_pairs(rows):
+        shape, precision, mode = ember["shape"], ember["precision"], ember["mode"]
+        fastest, peer_mode = max(peers, key=lambda p: p[0]["tokens_per_s"])
+        # a noisy median is said where the figure is read, not only in the warnings above the table
+        noisy = [f"{r['framework']} step times vary {r['step_spread']:.1f}x" for r in (ember, fastest) if r["noisy"]]
+        lines.append(f"{shape} {precision} {mode}: ember {ember['tokens_per_s']:,.0f} tok/s vs fastest peer "
+                     f"{fastest['framework']} ({peer_mode}) {fastest['tokens_per_s']:,.0f} tok/s: "
+                     f"{ember['tokens_per_s'] / fastest['tokens_per_s']:.2f}x"
+                     + (f" (noisy: {', '.join(noisy)})" if noisy else ""))
+        memories = [(p["train_rss_mib"], p["framework"]) for p, _ in peers if p["train_rss_mib"]]
+        if memories and ember["train_rss_mib"]:
+            lowest, name = min(memories)
+            lines.append(f"{shape} {precision} {mode}: training RSS ember {ember['train_rss_mib']:,.0f} MiB vs "
+                         f"lowest peer {name} {lowest:,.0f} MiB: {ember['train_rss_mib'] / lowest:.2f}x")
     return lines
 
 
@@ -424,7 +451,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         ratio = f"{r['ember_ratio']:.2f}x" if r["ember_ratio"] else ""
         train = f"{r['train_rss_mib']:,.0f}" if r["train_rss_mib"] else "n/a"
         print(f"{head}{r['params']:>12,}{r['tokens_per_s']:>11,.0f}{r['step_ms']:>10.1f}{train:>15}{r['peak_rss_mib']:>14,.0f}"
-              f"{ratio:>12}" + (f"  ({r['reason']})" if r["reason"] else ""))
+              f"{ratio:>12}" + (f"  ({r['reason']})" if r["reason"] else "")
+              + (f"  (noisy: step times vary {r['step_spread']:.1f}x)" if r["noisy"] else ""))
 
 
 def comma_list(text: str) -> list[str]:
@@ -433,53 +461,108 @@ def comma_list(text: str) -> list[str]:
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", type=comma_list, default=["debug", "56m", "128k"],
-                        help=f"comma-separated, of {', '.join(SHAPES)}")
-    parser.add_argument("--precisions", type=comma_list, default=["fp32", "bf16"], help="fp32,bf16")
-    parser.add_argument("--modes", type=comma_list, default=["eager", "compiled"], help="eager,compiled")
-    parser.add_argument("--frameworks", type=comma_list, default=list(FRAMEWORKS), help=",".join(FRAMEWORKS))
-    parser.add_argument("--rounds", type=int, default=3, help="fresh processes per framework and row")
-    parser.add_argument("--steps", type=int, default=15, help="training steps per process")
-    parser.add_argument("--warmup", type=int, default=3, help="first steps dropped from an eager run's median")
+    # every help says its default (the lists' defaults are strings that argparse passes through comma_list,
+    # so that --help shows them as they are typed) and, where there are any, the choices
+    parser.add_argument("--shapes", type=comma_list, default="debug,56m,128k",
+                        help=f"comma-separated, of {', '.join(SHAPES)} (default: %(default)s)")
+    parser.add_argument("--precisions", type=comma_list, default="fp32,bf16",
+                        help="comma-separated, of fp32, bf16 (default: %(default)s; bf16 is skipped on a CPU without "
+                             "bf16 instructions, see --force-bf16)")
+    parser.add_argument("--modes", type=comma_list, default="eager,compiled",
+                        help="comma-separated, of eager, compiled (default: %(default)s)")
+    parser.add_argument("--frameworks", type=comma_list, default=",".join(FRAMEWORKS),
+                        help=f"comma-separated, of {', '.join(FRAMEWORKS)} (default: %(default)s)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="fresh processes per framework and row (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=15, help="training steps per process (default: %(default)s)")
+    parser.add_argument("--warmup", type=int, default=3,
+                        help="first steps dropped from an eager run's median (default: %(default)s)")
     parser.add_argument("--warmup-compiled", type=int, default=None,
                         help="first steps dropped from a compiled run's median (default: --warmup + 2)")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--force-bf16", action="store_true", help="run bf16 on a CPU without bf16 instructions")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where every framework trains, cpu or cuda (default: %(default)s)")
+    parser.add_argument("--force-bf16", action="store_true",
+                        help="run bf16 on a CPU without bf16 instructions (default: off: such a CPU skips bf16)")
     parser.add_argument("--peers-python", default=None, help="the peers' python (default: $EMBER_PEERS_PYTHON, "
                         "else .venv-peers/bin/python)")
-    parser.add_argument("--timeout", type=float, default=1800, help="seconds before a child is killed")
+    parser.add_argument("--timeout", type=float, default=1800,
+                        help="seconds before a child is killed (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results",
                         help="the folder the results file peers-<device>.json is written to (default: "
                              "benchmarks/results, beside this script); created if missing")
     args = parser.parse_args(argv)
-    args.warmup_compiled = args.warmup + 2 if args.warmup_compiled is None else args.warmup_compiled
+    warmup_compiled_given = args.warmup_compiled is not None
+    args.warmup_compiled = args.warmup_compiled if warmup_compiled_given else args.warmup + 2
     for key, allowed in (("shapes", SHAPES), ("precisions", ("fp32", "bf16")), ("modes", ("eager", "compiled")),
                          ("frameworks", FRAMEWORKS)):
         unknown = [v for v in getattr(args, key) if v not in allowed]
         if unknown or not getattr(args, key):
             raise ConfigError(f"--{key} {','.join(unknown) or '(empty)'}: choose from {','.join(allowed)}")
-    warmup = max(args.warmup_compiled if "compiled" in args.modes else 0, args.warmup)
     for key in ("rounds", "timeout", "warmup", "warmup_compiled"):
         value = getattr(args, key)
         if value is not None and (value < 0 or (value == 0 and key in ("rounds", "timeout"))):
             raise ConfigError(f"--{key.replace('_', '-')} {value:g}: must be {'positive' if key in ('rounds', 'timeout') else '>= 0'}")
     if args.out.exists() and not args.out.is_dir():
         raise ConfigError(f"--out {args.out}: a file, not a folder; name the folder the results file goes in")
-    if args.steps <= warmup:
-        raise ConfigError(f"--steps {args.steps} leaves no step after the {warmup} warmup steps: raise --steps")
+    # only the modes that run drop warmup steps; the error names the option that drops the most
+    eager_warmup = args.warmup if "eager" in args.modes else 0
+    compiled_warmup = args.warmup_compiled if "compiled" in args.modes else 0
+    if args.steps <= max(eager_warmup, compiled_warmup):
+        if compiled_warmup >= eager_warmup:
+            option, warmup, other_mode, other_warmup = "--warmup-compiled", compiled_warmup, "eager", args.warmup
+        else:
+            option, warmup, other_mode, other_warmup = "--warmup", eager_warmup, "compiled", args.warmup_compiled
+        origin = " (its default: --warmup + 2)" if option == "--warmup-compiled" and not warmup_compiled_given else ""
+        # the other mode alone is a way out only where its own warmup leaves a step
+        fixes = ["raise --steps", f"lower {option}"] + ([f"run --modes {other_mode}"] if args.steps > other_warmup
+                                                          else [])
+        raise ConfigError(f"--steps {args.steps} leaves no step after the {warmup} warmup steps of {option}{origin}: "
+                          f"{', '.join(fixes[:-1])}, or {fixes[-1]}")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: torch sees no CUDA device here; use --device cpu")
     return args
 
 
+def ember_version() -> Optional[str]:
+    """ember's installed version (its package metadata), or None where it is not installed as a package."""
+    try:
+        return importlib.metadata.version("ember")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def git_commit(repo: Path) -> Optional[str]:
+    """`repo`'s HEAD commit, "-dirty" after it where `git status --porcelain` lists anything (the code that ran
+    is not the commit's alone); None where git is missing or `repo` is no git checkout."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, timeout=60)
+        status = subprocess.run(["git", "status", "--porcelain"], cwd=repo, capture_output=True, text=True,
+                                timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if head.returncode != 0 or status.returncode != 0:
+        return None
+    return head.stdout.strip() + ("-dirty" if status.stdout.strip() else "")
+
+
+class Stopped(BaseException):
+    """A SIGTERM, raised in the main thread as Ctrl-C raises KeyboardInterrupt, so that both unwind alike (the
+    running child killed, the finished rows written); a BaseException, so that no `except Exception` keeps it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
 def _stop(signum: int, _frame: Any) -> None:
-    raise SystemExit(f"peers.py: stopped by signal {signal.Signals(signum).name}; no results written")
+    raise Stopped(signum)
 
 
 def report(rows: list[dict[str, Any]], tags: list[str], args: argparse.Namespace, peers_python: Optional[Path],
-           interrupted: bool) -> Path:
-    """Prints the table, the summary and torchtitan's patches; writes the results file (with the versions, the
-    warnings printed on the way and, for a run stopped by Ctrl-C, `"interrupted": true`) and returns its path."""
+           source: dict[str, Optional[str]], interrupted: bool) -> Path:
+    """Prints the table, the summary and torchtitan's patches; writes the results file (with ember's `source`,
+    the versions, the warnings printed on the way and, for a run stopped by Ctrl-C or SIGTERM, `"interrupted":
+    true`) and returns its path."""
     add_ember_ratios(rows)
     print_table(rows)
     summary, patches = summary_lines(rows), tagged_as(tags, "patch")
@@ -491,7 +574,8 @@ def report(rows: list[dict[str, Any]], tags: list[str], args: argparse.Namespace
     args.peers_python = str(peers_python) if peers_python else None
     extra = {"summary": "; ".join(summary), "torchtitan_patches": "; ".join(patches),
              "warnings": "; ".join(tagged_as(tags, "warning")), "notes": NOTES}
-    return write_results("peers", rows, args, **versions, **{key: value for key, value in extra.items() if value},
+    return write_results("peers", rows, args, **source, **versions,
+                         **{key: value for key, value in extra.items() if value},
                          **({"interrupted": True} if interrupted else {}))
 
 
@@ -500,8 +584,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     rows: list[dict[str, Any]] = []  # filled as each group finishes, so that a Ctrl-C keeps the finished ones
     tags: list[str] = []
     peers_python: Optional[Path] = None
+    source: dict[str, Optional[str]] = {}
     try:
         args = parse_args(argv)
+        # the code that runs, taken before it runs: an edit or a commit during a long run does not change it
+        source = {"ember": ember_version(), "ember_commit": git_commit(REPO)}
         peers = [f for f in args.frameworks if f != "ember"]
         peers_python = find_peers_python(args.peers_python, dict(os.environ)) if peers else None
         native = args.device == "cuda" or cpu_runs_bf16_natively()
@@ -509,15 +596,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     except EmberError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        if not any(r.get("rounds") for r in rows):  # nothing measured yet (skipped and n/a rows alone say nothing)
-            print("peers.py: interrupted before any row finished; no results written", file=sys.stderr)
-            return 130
-        path = report(rows, tags, args, peers_python, interrupted=True)
-        print(f"peers.py: interrupted; the {len(rows)} rows that finished are in {path} (marked \"interrupted\": "
-              "true)", file=sys.stderr)
-        return 130
-    report(rows, tags, args, peers_python, interrupted=False)
+    except (KeyboardInterrupt, Stopped) as stop:
+        signum = stop.signum if isinstance(stop, Stopped) else signal.SIGINT
+        how = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+        measured = [r for r in rows if r.get("rounds")]  # skipped and n/a rows were never run: they say nothing
+        if not measured:
+            print(f"peers.py: {how} before any row finished; no results written", file=sys.stderr)
+            return 128 + signum  # the shell's status for a death by that signal: 130 for Ctrl-C, 143 for SIGTERM
+        path = report(rows, tags, args, peers_python, source, interrupted=True)
+        finished = f"the {len(measured)} rows that finished are" if len(measured) > 1 else "the row that finished is"
+        print(f"peers.py: {how}; {finished} in {path} (marked \"interrupted\": true)", file=sys.stderr)
+        return 128 + signum
+    report(rows, tags, args, peers_python, source, interrupted=False)
     failed = [r for r in rows if r["status"] == "failed" or any(x["status"] != "ok" for x in r.get("rounds", []))]
     return 1 if failed else 0
 

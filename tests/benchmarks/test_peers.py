@@ -4,7 +4,12 @@ missing-environment error. Nothing here starts a framework: the peers' environme
 
 import json
 import os
+import re
+import signal
+import subprocess
 import sys
+import time
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
@@ -13,6 +18,14 @@ from ember.errors import ConfigError
 from tests.helpers import load_benchmark
 
 peers = load_benchmark("peers")
+
+
+@pytest.fixture(autouse=True)
+def _keep_the_sigterm_handler():
+    """peers.main installs its SIGTERM handler in this process: pytest's own is put back after each test."""
+    handler = signal.getsignal(signal.SIGTERM)
+    yield
+    signal.signal(signal.SIGTERM, handler)
 
 # `ember train debug ... logging_steps=1`'s metrics.jsonl: one record per step, then the final validation's.
 EMBER_METRICS = """\
@@ -104,7 +117,7 @@ def test_skipped_rows_are_in_the_table_with_their_reason(capsys):
 
 def test_eager_ember_meets_each_peer_in_its_default_mode_compiled_meets_compiled():
     rows = [{"shape": "debug", "precision": "fp32", "mode": mode, "framework": framework, "tokens_per_s": tps,
-             "train_rss_mib": rss}
+             "train_rss_mib": rss, "noisy": False, "step_spread": 1.1}
             for mode, framework, tps, rss in [("eager", "ember", 4000.0, 700.0), ("eager", "torchtitan", 3000.0, 900.0),
                                               ("eager", "litgpt", None, None), ("compiled", "ember", 6000.0, 800.0),
                                               ("compiled", "litgpt", 5000.0, 1000.0),
@@ -156,6 +169,30 @@ def test_steps_must_outlast_the_warmup():
         peers.parse_args(["--steps", "5"])
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--steps", "3", "--warmup", "2"], "--steps 3 leaves no step after the 4 warmup steps of --warmup-compiled (its "
+                                        "default: --warmup + 2): raise --steps, lower --warmup-compiled, or run "
+                                        "--modes eager"),
+    (["--steps", "3", "--warmup", "1", "--warmup-compiled", "3"],
+     "--steps 3 leaves no step after the 3 warmup steps of --warmup-compiled: raise --steps, lower "
+     "--warmup-compiled, or run --modes eager"),
+    (["--steps", "3", "--warmup", "3", "--modes", "eager"],
+     "--steps 3 leaves no step after the 3 warmup steps of --warmup: raise --steps, or lower --warmup"),
+    (["--steps", "3", "--warmup", "3", "--warmup-compiled", "1"],
+     "--steps 3 leaves no step after the 3 warmup steps of --warmup: raise --steps, lower --warmup, or run "
+     "--modes compiled")])
+def test_too_few_steps_name_the_warmup_option_that_takes_them_and_the_ways_out(argv, message):
+    with pytest.raises(ConfigError) as raised:
+        peers.parse_args(argv)
+    assert str(raised.value) == message
+
+
+def test_only_the_modes_that_run_drop_warmup_steps():
+    # compiled alone: --warmup (an eager run's) takes nothing from it
+    args = peers.parse_args(["--modes", "compiled", "--steps", "6", "--warmup", "8", "--warmup-compiled", "2"])
+    assert (args.steps, args.warmup_compiled) == (6, 2)
+
+
 @pytest.mark.slow
 def test_a_childs_peak_rss_is_its_own_and_a_hung_child_is_killed(tmp_path):
     touch_300_mib = "import time; data = b'x' * (300 * 2**20); print('done'); time.sleep(0.5); raise SystemExit(3)"
@@ -185,19 +222,27 @@ def test_the_out_option_says_what_it_is(capsys):
             "beside this script); created if missing") in help_text
 
 
-def _fake_measure(interrupt_at: int = 0, warn: bool = False):
+def _fake_measure(interrupt_at: int = 0, warn: bool = False, noisy: tuple[str, ...] = (), spread: float = 1.6,
+                  signum: int = signal.SIGINT):
     """peers.measure without a child: every run ok at 1,000 tok/s; the `interrupt_at`-th call (1-based) is a
-    Ctrl-C. torchtitan's runs print their version, as its runner does."""
+    Ctrl-C (`signum` SIGTERM: that signal, raised in this process). The frameworks in `noisy` (every one with
+    `warn`) have kept step times `spread` apart and warn of it; the others' spread is 1.1x. torchtitan's runs
+    print their version, as its runner does."""
     calls = []
 
     def measure(framework, shape, precision, mode, args, peers_python):
         calls.append(framework)
-        if len(calls) == interrupt_at:
+        if len(calls) == interrupt_at and signum == signal.SIGINT:
             raise KeyboardInterrupt
-        warning = f"{framework}'s kept step times vary 1.6x (10-16 ms): raise --steps/--warmup" if warn else None
+        if len(calls) == interrupt_at:
+            signal.raise_signal(signum)
+        is_noisy = warn or framework in noisy
+        warning = (f"{framework}'s kept step times vary {spread:.1f}x (10-16 ms): raise --steps/--warmup"
+                   if is_noisy else None)
         return {"params": 1000, "peak_rss_kib": 2048, "train_rss_kib": 1024, "step_times_s": [0.01] * 6,
                 "patches": [], "versions": ["torchtitan 0.3.0"] if framework == "torchtitan" else [],
-                "status": "ok", "step_s": 0.128, "tokens_per_s": 1000.0, "noisy": warn, "warning": warning}
+                "status": "ok", "step_s": 0.128, "tokens_per_s": 1000.0, "step_spread": spread if is_noisy else 1.1,
+                "noisy": is_noisy, "warning": warning}
 
     return measure
 
@@ -218,23 +263,95 @@ def test_the_summary_heading_names_only_the_peers_that_ran(tmp_path, monkeypatch
     out = capsys.readouterr().out
     assert "\nember vs fastest peer (eager ember against torchtitan eager, its default):\n" in out
     assert "litgpt" not in out
-    rows = [{"framework": framework, "tokens_per_s": tps} for framework, tps in
-            [("ember", 1.0), ("litgpt", 2.0), ("torchtitan", 3.0)]]
+    rows = [{"shape": "debug", "precision": "fp32", "mode": mode, "framework": framework, "tokens_per_s": 1.0}
+            for mode, framework in [("eager", "ember"), ("compiled", "litgpt"), ("eager", "torchtitan")]]
     assert peers.summary_heading(rows) == ("ember vs fastest peer (eager ember against litgpt compiled and torchtitan "
                                            "eager, their defaults):")
     assert peers.summary_heading(rows[:1]) == "ember vs fastest peer:"
 
 
-def test_a_ctrl_c_writes_the_finished_rows_marked_interrupted(tmp_path, monkeypatch, capsys):
-    # ember and torchtitan finish the tiny shape; the third run (the debug shape's first) is interrupted
-    code = _main(tmp_path, monkeypatch, _fake_measure(interrupt_at=3), "--frameworks", "ember,torchtitan")
+def test_the_summary_heading_names_only_the_modes_that_ran(tmp_path, monkeypatch, capsys):
+    assert _main(tmp_path, monkeypatch, _fake_measure(), "--frameworks", "ember,torchtitan", "--modes", "compiled") == 0
+    heading = capsys.readouterr().out.split("\n\nember vs fastest peer")[1].splitlines()[0]
+    assert heading == " (compiled ember against compiled torchtitan):"
+    rows = [{"shape": "debug", "precision": "fp32", "mode": mode, "framework": framework, "tokens_per_s": 1.0}
+            for mode in ("eager", "compiled") for framework in ("ember", "litgpt", "torchtitan")]
+    assert peers.summary_heading(rows) == ("ember vs fastest peer (eager ember against litgpt compiled and torchtitan "
+                                           "eager, their defaults; compiled ember against compiled litgpt and "
+                                           "torchtitan):")
+
+
+def test_a_noisy_row_is_marked_in_the_results_the_table_and_the_summary(tmp_path, monkeypatch, capsys):
+    measure = _fake_measure(noisy=("torchtitan",), spread=5.9)
+    assert _main(tmp_path, monkeypatch, measure, "--frameworks", "ember,torchtitan", "--shapes", "tiny") == 0
+    out = capsys.readouterr().out
+    result = json.loads((tmp_path / "out" / "peers-cpu.json").read_text())
+    assert [(r["framework"], r["noisy"], r["step_spread"]) for r in result["rows"]] == [("ember", False, 1.1),
+                                                                                       ("torchtitan", True, 5.9)]
+    assert "tiny   fp32      eager     torchtitan" in out
+    table_row = next(line for line in out.splitlines() if line.startswith("tiny   fp32      eager     torchtitan"))
+    assert table_row.endswith("1.00x  (noisy: step times vary 5.9x)")
+    assert ("  tiny fp32 eager: ember 1,000 tok/s vs fastest peer torchtitan (eager) 1,000 tok/s: 1.00x (noisy: "
+            "torchtitan step times vary 5.9x)\n") in out
+    assert result["summary"].startswith("tiny fp32 eager: ember 1,000 tok/s vs fastest peer torchtitan (eager) "
+                                        "1,000 tok/s: 1.00x (noisy: torchtitan step times vary 5.9x)")
+
+
+@pytest.mark.parametrize("signum, code, how", [(signal.SIGINT, 130, "interrupted"),
+                                               (signal.SIGTERM, 143, "stopped by SIGTERM")], ids=["ctrl-c", "sigterm"])
+def test_a_ctrl_c_or_a_sigterm_writes_the_finished_rows_marked_interrupted(tmp_path, monkeypatch, capsys, signum,
+                                                                           code, how):
+    # ember and torchtitan finish the tiny shape; the third run (the debug shape's first) is stopped, as by
+    # Ctrl-C or `timeout -s TERM`
+    assert _main(tmp_path, monkeypatch, _fake_measure(interrupt_at=3, signum=signum), "--frameworks",
+                 "ember,torchtitan") == code
     path = tmp_path / "out" / "peers-cpu.json"
-    assert code == 130 and path.is_file()
     result = json.loads(path.read_text())
     assert result["interrupted"] is True
     assert [(r["shape"], r["framework"], r["status"]) for r in result["rows"]] == [("tiny", "ember", "ok"),
                                                                                   ("tiny", "torchtitan", "ok")]
+    assert capsys.readouterr().err == (f'peers.py: {how}; the 2 rows that finished are in {path} (marked '
+                                       '"interrupted": true)\n')
+
+
+def test_a_sigterm_kills_the_running_child_and_what_it_started(tmp_path):
+    signal.signal(signal.SIGTERM, peers._stop)
+    started = "sleep 60 & echo $! $$; wait"  # a grandchild, as a compile worker is
+    pids: list[int] = []
+
+    def steps_done(text: str) -> int:  # the signal arrives while run_child polls, once both pids are printed
+        if text.strip() and not pids:
+            pids.extend(int(pid) for pid in text.split())
+            signal.raise_signal(signal.SIGTERM)
+        return 0
+
+    with pytest.raises(peers.Stopped):
+        peers.run_child(["sh", "-c", started], tmp_path / "a.log", 60, steps_done, 1)
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(pids) == 2 and not any(_alive(pid) for pid in pids)
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie waiting to be reaped does not)."""
+    try:
+        return " Z " not in Path(f"/proc/{pid}/stat").read_text().split(")", 1)[1][:3]
+    except OSError:
+        return False
+
+
+def test_the_interrupted_message_counts_only_measured_rows(tmp_path, monkeypatch, capsys):
+    # litgpt's eager rows are n/a placeholders: in the file, not counted as finished
+    code = _main(tmp_path, monkeypatch, _fake_measure(interrupt_at=3), "--frameworks", "ember,litgpt,torchtitan")
+    path = tmp_path / "out" / "peers-cpu.json"
+    assert code == 130
+    assert [r["status"] for r in json.loads(path.read_text())["rows"]] == ["n/a", "ok", "ok"]
     assert capsys.readouterr().err == (f'peers.py: interrupted; the 2 rows that finished are in {path} (marked '
+                                       '"interrupted": true)\n')
+    code = _main(tmp_path, monkeypatch, _fake_measure(interrupt_at=2), "--frameworks", "ember,litgpt")
+    assert code == 130
+    assert capsys.readouterr().err == (f'peers.py: interrupted; the row that finished is in {path} (marked '
                                        '"interrupted": true)\n')
 
 
@@ -253,3 +370,43 @@ def test_the_results_keep_every_peers_version_and_the_printed_warnings(tmp_path,
     warning = "kept step times vary 1.6x (10-16 ms): raise --steps/--warmup"
     assert result["warnings"].split("; ") == [f"{shape} fp32 eager round 1: {framework}'s {warning}"
                                               for shape in ("tiny", "debug") for framework in ("ember", "torchtitan")]
+
+
+def test_the_results_record_embers_version_and_commit(tmp_path, monkeypatch):
+    monkeypatch.setattr(peers, "git_commit", lambda repo: f"0123abc-dirty {repo}")
+    assert _main(tmp_path, monkeypatch, _fake_measure(), "--frameworks", "ember") == 0
+    result = json.loads((tmp_path / "out" / "peers-cpu.json").read_text())
+    assert (result["ember"], result["ember_commit"]) == (version("ember"), f"0123abc-dirty {peers.REPO}")
+
+
+def test_the_commit_is_heads_marked_dirty_by_any_change_and_none_without_git(tmp_path, monkeypatch):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(git + ["init", "-q"], check=True)
+    (repo / "a.py").write_text("a = 1\n")
+    subprocess.run(git + ["add", "a.py"], check=True)
+    subprocess.run(git + ["commit", "-q", "-m", "a"], check=True)
+    head = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    assert peers.git_commit(repo) == head
+    (repo / "b.py").write_text("b = 1\n")  # untracked: the code that runs is not the commit's alone
+    assert peers.git_commit(repo) == f"{head}-dirty"
+    not_a_checkout = tmp_path / "plain"
+    not_a_checkout.mkdir()
+    assert peers.git_commit(not_a_checkout) is None
+    monkeypatch.setenv("PATH", str(not_a_checkout))  # no git to run
+    assert peers.git_commit(repo) is None
+
+
+def test_every_option_says_its_default_and_choices(capsys):
+    with pytest.raises(SystemExit):
+        peers.parse_args(["--help"])
+    options = capsys.readouterr().out.split("\noptions:\n")[1]
+    blocks = [" ".join(block.split()) for block in re.split(r"\n(?=  -)", options) if "--help" not in block]
+    assert len(blocks) == 13 and all("(default: " in block for block in blocks), blocks
+    assert "--precisions PRECISIONS comma-separated, of fp32, bf16 (default: fp32,bf16;" in blocks[1]
+    assert blocks[8] == "--device {cpu,cuda} where every framework trains, cpu or cuda (default: cpu)"
+    # the string defaults still arrive as lists
+    args = peers.parse_args([])
+    assert (args.shapes, args.precisions, args.modes, args.frameworks) == (
+        ["debug", "56m", "128k"], ["fp32", "bf16"], ["eager", "compiled"], ["ember", "litgpt", "torchtitan"])
