@@ -88,12 +88,15 @@ class Plan:
     micro_batch_limit: Optional[int] = None  # the largest the batch allows (global_batch_size / data-parallel size)
     # device=tpu|xla: the compiled XLA step's memory per device on virtual CPU devices (ember/xla/plan.py)
     xla_memory: Optional[dict[str, int]] = None
+    precision: str = "fp32"  # what the step's matmuls run in: fp32 | bf16 | fp8 (precision=auto resolved)
+    peak_flops: float = 0.0  # the device's dense peak at that precision, FLOP/s: what compute time and MFU divide by
 
     def to_json(self) -> dict[str, Any]:
         """The plan.json contract scripts read: the layout as given, and with --search the feasible candidates
         the table lists, best (most tokens/s) first."""
         document = {"world_size": self.world_size, "device": self.device, "fits": self.fits,
-                    "step_time_s": self.step.step_s, "mfu": self.step.mfu,
+                    "step_time_s": self.step.step_s, "mfu": self.step.mfu, "precision": self.precision,
+                    "peak_flops": self.peak_flops,
                     "ranks": [vars(r).copy() for r in self.ranks]}
         if self.searched:
             document["candidates"] = [dict(o) for o in self.options]
@@ -297,7 +300,15 @@ def make_plan(cfg: JobConfig, world: int, nodes: Optional[int] = None, device: s
     warnings += _layout_warnings(spec, traffic, step, fab, fits, max(r.peak_bytes for r in ranks), usable, device)
     return Plan(world, device, nodes, shape.describe(), fits, usable, step, ranks, roles, traffic, warnings,
                 cfg.micro_batch_size, cfg.model.remat, max_mb, options, search, time.perf_counter() - start,
-                max(_micro_batch_choices(spec), default=None))
+                max(_micro_batch_choices(spec), default=None), precision=_precision_name(cfg.precision, fab, dtype),
+                peak_flops=cost.peak_flops(fab, dtype, fp8=cfg.precision == "fp8"))
+
+
+def _precision_name(precision: str, fab: cost.Fabric, dtype: torch.dtype) -> str:
+    """What the step's matmuls run in, as the trainer would pick it (precision=auto resolved)."""
+    if precision == "fp8" and fab.spec.fp8:
+        return "fp8"
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
 
 
 def _layout_warnings(spec: RunSpec, traffic: list[cost.Traffic], step: cost.StepTime, fab: cost.Fabric, fits: bool,

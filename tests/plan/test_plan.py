@@ -176,7 +176,8 @@ def test_plan_405b_at_1024_ranks_has_every_rank(tmp_path):
     cfg = run_lib.load_config("llama3.1-405b", LLAMA_405B_1024, world_size=1024)
     plan = make_plan(cfg, 1024, device="h100")
     doc = plan.to_json()
-    assert list(doc) == ["world_size", "device", "fits", "step_time_s", "mfu", "ranks"]
+    assert list(doc) == ["world_size", "device", "fits", "step_time_s", "mfu", "precision", "peak_flops", "ranks"]
+    assert doc["precision"] == "bf16" and doc["peak_flops"] == pytest.approx(989.4e12, rel=1e-3)
     assert doc["world_size"] == 1024 and doc["device"] == "h100" and len(doc["ranks"]) == 1024
     assert list(doc["ranks"][5]) == ["rank", "coordinate", "param_bytes", "grad_bytes", "optim_bytes",
                                      "activation_bytes", "peak_bytes"]
@@ -354,3 +355,16 @@ def test_the_tracked_cut_repeats_the_model_past_its_first_layers():
     for recipe, period, prefix in (("llama4-maverick", 2, 0), ("deepseek-v3-671b", 1, 3), ("qwen3-30b-a3b", 1, 0)):
         spec = plan_spec(run_lib.load_config(recipe, [], world_size=8), 8, "cuda", torch.bfloat16)
         assert (layer_period(spec), layer_prefix(spec)) == (period, prefix), recipe
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_plan_says_the_precision_and_peak_it_prices_the_step_at(precision, capsys):
+    # A CPU plan's step time depends on it (a bf16 CPU peak is several times the fp32 one), so it is on screen
+    cfg = run_lib.load_config("debug", ["model.n_layers=1", f"precision={precision}"])
+    plan = make_plan(cfg, 1, device="h100")
+    assert plan.precision == precision
+    assert plan.peak_flops == pytest.approx(989.4e12 if precision == "bf16" else 494.7e12, rel=1e-3)
+    assert plan.step.mfu == pytest.approx(plan.step.flops / plan.step.step_s / plan.peak_flops, rel=1e-6)
+    main(["plan", "debug", "model.n_layers=1", f"precision={precision}", "--world", "1", "--device", "h100"])
+    title = capsys.readouterr().out.splitlines()[0]
+    assert f"{precision} matmuls at {plan.peak_flops / 1e12:,.3g} TFLOP/s peak" in title
