@@ -33,8 +33,9 @@ class UserFileNotFound(EmberError, FileNotFoundError):
 
 def did_you_mean(name: str, choices: Iterable[str], cutoff: float = 0.6) -> str:
     """` (did you mean 'X'?)` for the choice closest to a mistyped `name`, or "" when none is close enough."""
-    hint = difflib.get_close_matches(name, list(choices), n=1, cutoff=cutoff)
-    return f" (did you mean '{hint[0]}'?)" if hint else ""
+    by_lower = {choice.lower(): choice for choice in choices}  # case is a typo too: BF16 for bf16
+    hint = difflib.get_close_matches(name.lower(), list(by_lower), n=1, cutoff=cutoff)
+    return f" (did you mean '{by_lower[hint[0]]}'?)" if hint else ""
 
 
 def first_error_line(err: BaseException) -> str:

@@ -88,7 +88,7 @@ def print_header(console: Console, spec: RunSpec, model: nn.Module, num_params: 
     None)."""
     cfg, args = spec.cfg, spec.args
     parts = list(model) if isinstance(model, nn.ModuleList) else [model]
-    tok = f"tokenizer vocab {tokenizer.vocab_size}" if tokenizer else "synthetic tokens"
+    tok = f"tokenizer vocab {tokenizer.vocab_size:,}" if tokenizer else "synthetic tokens"
     peak_text = f"{peak.value_flops / 1e12:.3f} TFLOP/s ({peak.source})" if peak.value_flops else "unknown"
     console.print(
         f"[bold]ember train[/bold] {model_label(spec)}: {num_params:,} params"

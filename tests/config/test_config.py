@@ -53,8 +53,10 @@ def test_overrides_reach_nested_sections_and_cast_types():
     [
         (["optim.lrr=3e-4"], "unknown config key 'optim.lrr' (did you mean 'optim.lr'?)"),
         (["max_step=10"], "unknown config key 'max_step' (did you mean 'max_steps'?)"),
-        (["optim.betas=abc"], "bad value for config key 'optim.betas': got 'abc', not a list (write "
-                              "optim.betas=[A,B]) (expected list[float])"),
+        (["optim.betas=abc"], "bad value for config key 'optim.betas': got 'abc' (expected list[float]: write "
+                              "optim.betas=[A,B])"),
+        (["precision=BF16"], "precision 'BF16' is not one of auto, fp32, bf16, fp8 (did you mean 'bf16'?)"),
+        (["device=CPU"], "device 'CPU' is not one of auto, cpu, cuda, tpu, xla (did you mean 'cpu'?)"),
         (["eval.split=all"], "'eval.split' is a key of `ember eval` (the ppl window), not of training; training's "
                              "eval section has eval.tasks, eval.limit and eval.batch_size"),
         (["optim.lr=fast"], "config key 'optim.lr'"),
