@@ -62,6 +62,8 @@ def main() -> int:
     # decode tokens/s is over the tokens after the first (the prefill's): it needs two
     if args.new_tokens < 2 or args.rounds < 1 or args.prompt_len < 1:
         parser.error("--new-tokens must be >= 2, --rounds and --prompt-len >= 1")
+    if not all(b.isdigit() and int(b) > 0 for b in args.batch.split(",")):
+        parser.error(f"--batch {args.batch}: comma-separated batch sizes, each >= 1")
     unknown = [m for m in args.models.split(",") if m not in MODELS_TO_RUN]
     if unknown:
         parser.error(f"--models {','.join(unknown)}: choose from {', '.join(MODELS_TO_RUN)}")

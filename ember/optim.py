@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ember.config import ConfigError
+from ember.errors import did_you_mean
 from ember.config_schema import OptimConfig, ScheduleConfig
 
 if TYPE_CHECKING:
@@ -56,9 +57,12 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
 def build_optimizer(model: nn.Module, cfg: OptimConfig, device_type: str) -> torch.optim.AdamW:
     """AdamW over `model`'s trainable parameters, from the `optim` config section."""
     if cfg.name not in OPTIMIZERS:
-        raise ConfigError(f"unknown optim.name '{cfg.name}'; choices: {', '.join(OPTIMIZERS)}")
+        raise ConfigError(f"unknown optim.name '{cfg.name}'{did_you_mean(cfg.name, OPTIMIZERS)}; "
+                          f"choices: {', '.join(OPTIMIZERS)}")
     if cfg.implementation not in IMPLEMENTATIONS:
-        raise ConfigError(f"unknown optim.implementation '{cfg.implementation}'; choices: {', '.join(IMPLEMENTATIONS)}")
+        hint = did_you_mean(cfg.implementation, IMPLEMENTATIONS)
+        raise ConfigError(f"unknown optim.implementation '{cfg.implementation}'{hint}; "
+                          f"choices: {', '.join(IMPLEMENTATIONS)}")
     implementation = cfg.implementation
     if implementation == "auto":
         implementation = "fused" if device_type in FUSED_DEVICE_TYPES else "foreach"
@@ -98,7 +102,8 @@ def lr_multiplier(step: int, cfg: ScheduleConfig, max_steps: int) -> float:
     elif cfg.name == "wsd":
         decay_steps = min(round(cfg.decay_fraction * max_steps), max_steps - warmup)
     else:
-        raise ConfigError(f"unknown schedule.name '{cfg.name}'; choices: {', '.join(SCHEDULES)}")
+        raise ConfigError(f"unknown schedule.name '{cfg.name}'{did_you_mean(cfg.name, SCHEDULES)}; "
+                          f"choices: {', '.join(SCHEDULES)}")
     decay_start = max_steps - decay_steps
     progress = 1.0 if decay_steps <= 0 else min(max((n - decay_start) / decay_steps, 0.0), 1.0)
     if cfg.name == "cosine":
@@ -111,7 +116,8 @@ def build_lr_scheduler(
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """LambdaLR over `lr_multiplier`; call .step() once after each optimizer.step()."""
     if cfg.name not in SCHEDULES:  # fail at build time, not at the first step past warmup
-        raise ConfigError(f"unknown schedule.name '{cfg.name}'; choices: {', '.join(SCHEDULES)}")
+        raise ConfigError(f"unknown schedule.name '{cfg.name}'{did_you_mean(cfg.name, SCHEDULES)}; "
+                          f"choices: {', '.join(SCHEDULES)}")
     # A partial, not a lambda: LambdaLR.state_dict() saves callable objects' state and skips lambdas.
     return torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(lr_multiplier, cfg=cfg, max_steps=max_steps))
 

@@ -109,7 +109,9 @@ def peak_flops(fab: Fabric, dtype: torch.dtype, fp8: bool = False) -> float:
         return spec.fp8
     if dtype in (torch.bfloat16, torch.float16) and spec.bf16:
         return spec.bf16
-    return spec.tf32 or spec.fp32 or spec.bf16
+    # fp32 as the trainer runs it (ember leaves TF32 off, as ember.hardware's MFU assumes); a TPU, which lists
+    # no fp32 rate, runs fp32 matmuls in bf16 passes
+    return spec.fp32 or spec.tf32 or spec.bf16
 
 
 def recompute_factor(remat: str, every: int) -> float:

@@ -308,7 +308,10 @@ def _precision_name(precision: str, fab: cost.Fabric, dtype: torch.dtype) -> str
     """What the step's matmuls run in, as the trainer would pick it (precision=auto resolved)."""
     if precision == "fp8" and fab.spec.fp8:
         return "fp8"
-    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
+    name = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
+    if name == "fp32" and not fab.spec.fp32:  # priced at what cost.peak_flops falls back to
+        return "fp32 (at the tf32 peak)" if fab.spec.tf32 else "fp32 (at the bf16 peak)"
+    return name
 
 
 def _layout_warnings(spec: RunSpec, traffic: list[cost.Traffic], step: cost.StepTime, fab: cost.Fabric, fits: bool,

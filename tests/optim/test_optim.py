@@ -129,3 +129,15 @@ def test_clip_grad_norm():
     assert norm.item() == pytest.approx(5.0)  # the norm before clipping, as torch returns it
     clipped = math.sqrt(sum(float(p.grad.square().sum()) for p in params[:2]))
     assert clipped == pytest.approx(1.0, rel=1e-4)
+
+
+def test_a_misspelled_optimizer_or_schedule_gets_the_closest_choice():
+    from ember import run as run_lib
+    from ember.config import ConfigError
+    from ember.optim import build_optimizer, lr_multiplier
+
+    cfg = run_lib.load_config("debug", ["optim.implementation=fusd", "schedule.name=Cosine"])
+    with pytest.raises(ConfigError, match=r"unknown optim.implementation 'fusd' \(did you mean 'fused'\?\)"):
+        build_optimizer(torch.nn.Linear(2, 2), cfg.optim, "cpu")
+    with pytest.raises(ConfigError, match=r"unknown schedule.name 'Cosine' \(did you mean 'cosine'\?\); choices"):
+        lr_multiplier(50, cfg.schedule, 100)
