@@ -24,7 +24,7 @@ from ember.config_schema import (  # noqa: F401  the sections (ember/config_sche
     ModelConfig, MeshConfig, ParallelConfig, OptimConfig, ScheduleConfig, MixtureSource, DataConfig, EvalTask,
     EvalConfig, MetricsConfig, CheckpointConfig, LoraConfig, Fp8Config, ProfileConfig, DPOConfig, JobConfig,
 )
-from ember.errors import ConfigError, did_you_mean, first_error_line
+from ember.errors import ConfigError, did_you_mean, first_error_line, not_one_of
 
 RECIPES_DIR = Path(__file__).parent / "recipes"
 
@@ -246,8 +246,7 @@ def _check_fp8(cfg: JobConfig) -> None:
                               "precision=fp8 (or fp8.enabled=true), or drop fp8.emulate")
         return
     if cfg.fp8.recipe not in FP8_RECIPES:
-        raise ConfigError(f"fp8.recipe '{cfg.fp8.recipe}' is not one of {', '.join(FP8_RECIPES)}"
-                          f"{did_you_mean(cfg.fp8.recipe, FP8_RECIPES)}")
+        raise not_one_of("fp8.recipe", cfg.fp8.recipe, FP8_RECIPES)
     if cfg.lora.rank:
         raise ConfigError("fp8 training converts the linears LoRA adapts; use precision=bf16 with lora.rank")
     import importlib.util
@@ -259,8 +258,7 @@ def _check_fp8(cfg: JobConfig) -> None:
 
 def _check_dpo(cfg: JobConfig) -> None:
     if cfg.task not in TASKS:
-        raise ConfigError(f"task '{cfg.task}' is not one of {', '.join(TASKS)}"
-                          f"{did_you_mean(cfg.task, TASKS)}")
+        raise not_one_of("task", cfg.task, TASKS)
     if cfg.task != "dpo":
         return
     if not (cfg.dpo.beta > 0 and math.isfinite(cfg.dpo.beta)):
@@ -293,12 +291,10 @@ def validate(cfg: JobConfig) -> None:
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"{key} must be positive, got {getattr(cfg, key)}")
     if cfg.precision not in PRECISIONS:
-        raise ConfigError(f"precision '{cfg.precision}' is not one of {', '.join(PRECISIONS)}"
-                          f"{did_you_mean(cfg.precision, PRECISIONS)}")
+        raise not_one_of("precision", cfg.precision, PRECISIONS)
     _check_fp8(cfg)
     if cfg.device not in DEVICES:
-        raise ConfigError(f"device '{cfg.device}' is not one of {', '.join(DEVICES)}"
-                          f"{did_you_mean(cfg.device, DEVICES)}")
+        raise not_one_of("device", cfg.device, DEVICES)
     if cfg.optim.lr <= 0 or not math.isfinite(cfg.optim.lr):
         raise ConfigError(f"optim.lr must be a positive number, got {cfg.optim.lr}")
     if len(cfg.optim.betas) != 2 or not all(0 <= b < 1 for b in cfg.optim.betas):
@@ -352,8 +348,7 @@ def validate(cfg: JobConfig) -> None:
     if cfg.lora.rank < 0:
         raise ConfigError(f"lora.rank must be >= 0 (0: LoRA off), got {cfg.lora.rank}")
     if cfg.parallel.cp_impl not in CP_IMPLS:
-        raise ConfigError(f"parallel.cp_impl '{cfg.parallel.cp_impl}' is not one of {', '.join(CP_IMPLS)}"
-                          f"{did_you_mean(cfg.parallel.cp_impl, CP_IMPLS)}")
+        raise not_one_of("parallel.cp_impl", cfg.parallel.cp_impl, CP_IMPLS)
 
 
 def model_overrides(model: ModelConfig) -> dict[str, Any]:

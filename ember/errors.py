@@ -38,6 +38,12 @@ def did_you_mean(name: str, choices: Iterable[str], cutoff: float = 0.6) -> str:
     return f" (did you mean '{by_lower[hint[0]]}'?)" if hint else ""
 
 
+def not_one_of(key: str, value: str, choices: Iterable[str]) -> ConfigError:
+    """`key 'value' is not one of a, b, c (did you mean 'b'?)`: a config value outside its choices."""
+    choices = list(choices)
+    return ConfigError(f"{key} '{value}' is not one of {', '.join(choices)}{did_you_mean(value, choices)}")
+
+
 def first_error_line(err: BaseException) -> str:
     """The gist of an exception for a one-line error: its first non-empty line, stripped, or its type's name
     when its text is empty. A first line that only introduces what follows (ends with ':', as torch's

@@ -74,7 +74,8 @@ class ForwardBackward:
         self.output_chunks = output_chunks
         self.fused_output = fused_output
         output = getattr(model, "output", None)
-        if fused_output and (output is None or getattr(output.forward, "__func__", None) is not nn.Linear.forward or dpo is not None):
+        plain_projection = output is not None and getattr(output.forward, "__func__", None) is nn.Linear.forward
+        if fused_output and (not plain_projection or dpo is not None):
             # RunSpec.fused_output holds only where nothing replaces the projection (LoRA adapts blocks only, FP8
             # keeps the output high precision, TP and DPO are excluded): a change there must not fall back silently
             raise ValueError("fused_output needs a plain nn.Linear output projection and no DPO objective")

@@ -118,8 +118,7 @@ def render(plan: Plan, console: Console, path: Optional[Path]) -> None:
     """The per-role memory table, the step, the traffic, the verdict and the warnings."""
     title = (f"ember plan: {plan.mesh} on {plan.world_size} x {plan.device} ({plural(plan.nodes, 'node')}), "
              f"micro-batch {plan.micro_batch_size}, remat={plan.remat}, {plan.precision} matmuls at "
-             f"{plan.peak_flops / 1e12:,.{0 if plan.peak_flops >= 1e14 else 3}{'f' if plan.peak_flops >= 1e14 else 'g'}} "
-             "TFLOP/s peak")
+             f"{plan.peak_flops / 1e12:,.4g} TFLOP/s peak")
     table = Table(title=title, title_justify="left", min_width=100)
     for column in ("ranks", "stage", "params GiB", "grads GiB", "optim GiB", "activations GiB", "peak GiB"):
         table.add_column(column, justify="left" if column in ("ranks", "stage") else "right")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from ember.config_schema import JobConfig
-from ember.errors import ConfigError, did_you_mean
+from ember.errors import ConfigError, not_one_of
 from ember.parallel.ac import POLICIES as REMAT_POLICIES
 from ember.parallel.mesh_shape import MeshShape
 from ember.parallel.pp import SCHEDULES as PP_SCHEDULES
@@ -16,8 +16,7 @@ def check(cfg: JobConfig, shape: MeshShape, args: Any) -> None:
     """The mesh and the parallel.* keys against the model (`args`, its hyper-parameters) and the rest of the
     config: each refusal names the keys to change (ember.run.load_config calls this, before any work)."""
     if cfg.model.remat not in REMAT_POLICIES:
-        raise ConfigError(f"model.remat '{cfg.model.remat}' is not one of {', '.join(REMAT_POLICIES)}"
-                          f"{did_you_mean(cfg.model.remat, REMAT_POLICIES)}")
+        raise not_one_of("model.remat", cfg.model.remat, REMAT_POLICIES)
     if cfg.eval.tasks and any(shape.degree(a) > 1 for a in ("tensor", "pipeline", "context")):
         raise ConfigError("eval.tasks run the whole model on every rank: they work with the data, fsdp and expert "
                           "axes; use `ember eval` on the checkpoint for tensor, pipeline or context layouts")
@@ -46,8 +45,7 @@ def check(cfg: JobConfig, shape: MeshShape, args: Any) -> None:
             f"head-tail chunks), got seq_len={cfg.seq_len}"
         )
     if par.pp_schedule not in PP_SCHEDULES:
-        raise ConfigError(f"parallel.pp_schedule '{par.pp_schedule}' is not one of {', '.join(PP_SCHEDULES)}"
-                          f"{did_you_mean(par.pp_schedule, PP_SCHEDULES)}")
+        raise not_one_of("parallel.pp_schedule", par.pp_schedule, PP_SCHEDULES)
     if pp > 1:
         stages = pp * par.pp_stages_per_rank
         if par.pp_schedule == "interleaved_1f1b" and par.pp_stages_per_rank < 2:

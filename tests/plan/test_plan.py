@@ -368,4 +368,4 @@ def test_the_plan_says_the_precision_and_peak_it_prices_the_step_at(precision, c
     assert plan.step.mfu == pytest.approx(plan.step.flops / plan.step.step_s / plan.peak_flops, rel=1e-6)
     main(["plan", "debug", "model.n_layers=1", f"precision={precision}", "--world", "1", "--device", "h100"])
     title = capsys.readouterr().out.splitlines()[0]
-    assert f"{precision} matmuls at {'989' if precision == 'bf16' else '66.9'} TFLOP/s peak" in title
+    assert f"{precision} matmuls at {'989.4' if precision == 'bf16' else '66.9'} TFLOP/s peak" in title
