@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 from results_file import write_results
 
-from ember.device import pick_compute_dtype
+from ember.cpu_rates import model_gemms
+from ember.device import choose_compute_dtype
 from ember.generate import generate
 from ember.convert import save_hf
 from ember.models import MODELS, build_model_args
@@ -71,13 +72,16 @@ def main() -> int:
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    ember_dtype = dtype if args.ember_precision == "same" else pick_compute_dtype(args.ember_precision, device)
     rows = []
     for name in args.models.split(","):
         margs = build_model_args("llama3", "debug", MODELS_TO_RUN[name])
         torch.manual_seed(0)
         model = MODELS["llama3"].model_cls(margs)
         model.init_weights()
+        # ember generate's own choice at this model's decode shapes (the first batch size's rows)
+        first_batch = int(args.batch.split(",")[0])
+        ember_dtype = dtype if args.ember_precision == "same" else choose_compute_dtype(
+            args.ember_precision, device, lambda: model_gemms(model, first_batch), training=False).dtype
         with tempfile.TemporaryDirectory() as tmp:
             save_hf(model, margs, tmp)
             hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, torch_dtype=dtype).to(device).eval()

@@ -43,7 +43,7 @@ from typing import Any, Optional
 
 import torch
 
-from ember import hardware
+from ember import cpu_rates, hardware
 
 ROOT = Path(__file__).resolve().parent.parent
 # --shape -> the recipe whose model it is; the batch and sequence come from the command line (short runs).
@@ -138,7 +138,7 @@ def measure_shape(shape: str, args: argparse.Namespace, scratch: Path) -> list[d
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
     if args.device == "xla":
         env |= {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={args.xla_devices}"}
-        devices, kind = args.xla_devices, hardware.cpu_model()
+        devices, kind = args.xla_devices, cpu_rates.cpu_model()
     else:
         env |= {"JAX_PLATFORMS": "cuda"} if args.device == "gpu" else {}
         devices, kind = jax_devices(env)

@@ -42,8 +42,8 @@ from ember.finetune.lora import lora_meta, trainable_state_dict
 from ember.load import model_state_dict
 from ember.model_meta import MODEL_JSON, ArchitectureMismatch, check_architecture, meta_for
 from ember.optim import apply_group_settings, group_settings
-from ember.run_history import (CHECKPOINT_CONFIG, HISTORY_DIR, Change, RunChanged, config_dict, describe_changes,
-                               resume_changes)
+from ember.run_history import (CHECKPOINT_CONFIG, HISTORY_DIR, Change, RunChanged, check_resumed_compute, config_dict,
+                               describe_changes, resume_changes)
 
 if TYPE_CHECKING:
     from ember.run import RunSpec
@@ -298,8 +298,7 @@ class CheckpointManager:
         except Exception as err:
             raise CheckpointError(f"checkpoint {step_dir}: {rank_file.name} is unreadable ({first_error_line(err)})") from None
         self.say(f"resumed from {step_dir} (step {train_state['step']})")
-        if found:
-            self.say(describe_changes(found))
+        # the changes are said by open_checkpoints, once every check of the resumed run has passed
         self.resumed_from, self.changes = step_dir, found
         return train_state
 
@@ -355,13 +354,16 @@ def archive_previous_run(output_dir: Path, say: Callable[[str], None], reason: s
 
 def open_checkpoints(spec: RunSpec, model_parts: list[nn.Module], model: nn.Module, optimizer: torch.optim.Optimizer,
                      say: Callable[[str], None], manager_type: Optional[Callable[..., "CheckpointManager"]] = None,
-                     ) -> tuple["CheckpointManager", Optional[dict[str, Any]]]:
+                     compute: Optional[str] = None) -> tuple["CheckpointManager", Optional[dict[str, Any]]]:
     """The run's CheckpointManager and the training state resumed through it (None: from scratch). Its model.json
     names the model that was built and, for LoRA, the base the adapters sit on; for a full DPO run, the
     reference (model.init_from) that a resume rebuilds. A run that starts over (resume=none, or another run's
     checkpoint) moves the files of the run in its output_dir aside, once the checkpoint it names has been checked
     and loaded and has steps left to train: a refused or finished resume leaves that run as it was. manager_type:
-    another CheckpointManager (the XLA path's, over sharded device arrays), called with CheckpointManager's arguments."""
+    another CheckpointManager (the XLA path's, over sharded device arrays), called with CheckpointManager's arguments.
+    compute: what the steps compute in (run.json's `compute`), which a resume under precision=auto must not switch
+    (run_history.check_resumed_compute); the config's changes are said only once that has passed, so a refused
+    resume never claims to have recorded them."""
     cfg, output_dir = spec.cfg, Path(spec.cfg.output_dir)
     meta = meta_for(cfg.model.family, spec.flavor, spec.args)
     if cfg.lora.rank:  # a LoRA checkpoint holds the adapters and their optimizer state, and names its base
@@ -375,6 +377,10 @@ def open_checkpoints(spec: RunSpec, model_parts: list[nn.Module], model: nn.Modu
         state = manager.resume(cfg.resume)
     except CheckpointError as err:
         raise ConfigError(str(err)) from None
+    if state is not None and compute is not None:
+        check_resumed_compute(output_dir, cfg.precision, compute)
+    if manager.changes:
+        say(describe_changes(manager.changes))
     # A checkpoint already at max_steps trains nothing and writes nothing: the run there stays where it is.
     if starts_over(cfg.resume, output_dir) and (state is None or int(state["step"]) < cfg.max_steps):
         archive_previous_run(output_dir, say, f"resume={cfg.resume}")

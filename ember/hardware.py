@@ -8,20 +8,13 @@ peak (never a guess): the caller says so once and MFU is null until the user set
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import json
-import os
-import platform
 import re
-import time
-from dataclasses import asdict, dataclass, replace
-from pathlib import Path
-from typing import Iterator, Optional
+from dataclasses import dataclass, replace
+from typing import Any, Optional
 
 import torch
 
-from ember.constants import default_cache_dir
+from ember import cpu_rates
 from ember.device import cpu_runs_bf16_natively
 
 
@@ -133,6 +126,14 @@ class PeakFlops:
     source: str  # where the number comes from, or why there is none
     measured: bool = False  # a CPU measurement: raised if a run ever goes faster (see raise_measured_peak)
     cpu_dtype: torch.dtype = torch.float32  # a CPU measurement: the dtype its matmuls ran in (its cache entry)
+    provisional: bool = False  # a CPU measurement made while other processes were busy (measured again if beaten)
+    run_rate: bool = False  # raised to this process's own training rate: MFU against it reads 1 by construction
+
+    def describe(self) -> dict[str, Any]:
+        """run.json's `mfu_peak`: what MFU divides by, and whether that figure can be trusted yet."""
+        return {"tflops": None if self.value_flops is None else self.value_flops / 1e12, "source": self.source,
+                "dtype": cpu_rates.dtype_name(self.cpu_dtype) if self.measured else None,
+                "provisional": self.provisional or self.run_rate}
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype, user_peak_tflops: Optional[float] = None) -> PeakFlops:
@@ -141,12 +142,15 @@ def peak_flops(device: torch.device, dtype: torch.dtype, user_peak_tflops: Optio
         # bf16 is measured only where the CPU has bf16 instructions: elsewhere a bf16 matmul runs at ~1 GFLOP/s
         # (emulated) and would not fit the time budget, so MFU is against fp32; the label says which rate.
         cpu_dtype = torch.bfloat16 if dtype == torch.bfloat16 and cpu_runs_bf16_natively() else torch.float32
-        value, where = cpu_peak_flops(cpu_dtype)
-        name, threads = ("bf16" if cpu_dtype == torch.bfloat16 else "fp32"), torch.get_num_threads()
-        return PeakFlops(value, f"measured CPU {name} matmul, {threads} thread{'s' if threads != 1 else ''}, {where}",
-                         measured=True, cpu_dtype=cpu_dtype)
+        return _cpu_peak(cpu_dtype, cpu_rates.cpu_peak_flops(cpu_dtype))
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     return _datasheet_peak(match_device(name), name, dtype, user_peak_tflops)
+
+
+def _cpu_peak(dtype: torch.dtype, measured: cpu_rates.Rates) -> PeakFlops:
+    name, threads = cpu_rates.dtype_name(dtype), torch.get_num_threads()
+    return PeakFlops(measured.rates[name], f"measured CPU {name} matmul, {threads} thread{'s' if threads != 1 else ''}, "
+                     f"{measured.where}", measured=True, cpu_dtype=dtype, provisional=not measured.quiet)
 
 
 def tpu_spec(device_kind: str) -> Optional[DeviceSpec]:
@@ -200,201 +204,20 @@ def _tf32_allowed() -> bool:
     return precision == "tf32"
 
 
-MATMUL_SIZES = (512, 1024, 2048)  # beyond the cache-resident sizes that measure higher than any layer gets
-
-
-def measure_cpu_matmul_flops(seconds: float = 0.6, sizes: tuple[int, ...] = MATMUL_SIZES,
-                             dtype: torch.dtype = torch.float32) -> float:
-    """The best FLOP/s of n x n `dtype` matmuls on all of torch's CPU threads, over `sizes`, ~`seconds` each.
-
-    The best run, not the mean: the peak is what the machine can do, and other processes on a shared host
-    only ever make a run slower. Several sizes because BLAS kernels peak at different shapes on different
-    CPUs; each gets a warm-up (thread pool start, first touch of the output) outside the timing.
-    """
-    best = 0.0
-    for n in sizes:
-        a, b, out = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype), torch.empty(n, n, dtype=dtype)
-        torch.mm(a, b, out=out)
-        deadline = time.perf_counter() + seconds
-        while True:
-            start = time.perf_counter()
-            torch.mm(a, b, out=out)
-            end = time.perf_counter()
-            best = max(best, 2 * n**3 / (end - start))  # a multiply and an add per inner-product term
-            if end >= deadline:
-                break
-    return best
-
-
-def cpu_model() -> str:
-    """The CPU's model, part of the peak cache's key: /proc/cpuinfo's model name with its family, model and
-    stepping numbers (virtual machines often show only "AMD EPYC" or "Intel Xeon Processor", the same name
-    for generations that differ in peak several-fold), else what `platform` knows."""
-    try:
-        first = Path("/proc/cpuinfo").read_text().split("\n\n", 1)[0]  # the first processor's block
-    except OSError:
-        first = ""
-    info = {key.strip(): value.strip() for key, _, value in (line.partition(":") for line in first.splitlines())}
-    name = info.get("model name") or platform.processor() or platform.machine()
-    ids = [f"{key} {info[key]}" for key in ("cpu family", "model", "stepping", "CPU implementer", "CPU part")
-           if info.get(key)]  # x86 numbers; ARM's implementer and part (Neoverse V1, V2, ...)
-    return f"{name} ({', '.join(ids)})" if ids else name
-
-
-def _cpu_peak_key(dtype: torch.dtype = torch.float32) -> str:
-    key = f"{cpu_model()} | {torch.get_num_threads()} threads | torch {torch.__version__}"
-    return key if dtype == torch.float32 else f"{key} | {str(dtype).removeprefix('torch.')}"
-
-
-def _cpu_peak_path() -> Path:
-    return default_cache_dir() / "hardware" / "cpu-peak.json"
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    """An exclusive lock beside `path`: the ranks of a node that start together measure once, one at a time."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
-@dataclass(frozen=True)
-class CpuPeak:
-    """One cache entry. quiet: no other process took cores from the measurement (see `_busy_elsewhere`);
-    job: the job that measured (`_job_id`), whose other ranks use its figure even when it is not quiet."""
-
-    flops: float
-    quiet: bool = True
-    job: str = ""
-
-
-def _read_peaks(path: Path) -> dict[str, CpuPeak]:
-    try:
-        raw = json.loads(path.read_text())
-        peaks = {}
-        for key, entry in raw.items():
-            if isinstance(entry, dict):  # {"flops", "quiet", "job"}
-                peaks[key] = CpuPeak(float(entry["flops"]), bool(entry.get("quiet", True)), str(entry.get("job", "")))
-            else:  # a bare number: a figure with no contention check, so measured again once
-                peaks[key] = CpuPeak(float(entry), quiet=False)
-        return peaks
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
-        return {}  # missing or damaged: measured again, never fatal
-
-
-def _write_peaks(path: Path, peaks: dict[str, CpuPeak]) -> None:
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({k: asdict(v) for k, v in peaks.items()}, indent=2) + "\n")
-    os.replace(tmp, path)  # atomic: a reader sees the old file or the new one
-
-
-def _cpu_seconds() -> Optional[tuple[float, float]]:
-    """(busy CPU-seconds of the cores this process may run on, from /proc/stat; this process's CPU-seconds),
-    or None where there is no /proc/stat. Busy includes steal: a hypervisor's other guests compete too."""
-    try:
-        cpus, busy = _usable_cpus(), 0
-        with open("/proc/stat") as stat:
-            for line in stat:
-                name, *ticks = line.split()
-                if name[3:].isdigit() and name.startswith("cpu") and int(name[3:]) in cpus:
-                    user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, ticks[:8])
-                    busy += user + nice + system + irq + softirq + steal
-    except (OSError, ValueError, AttributeError):
-        return None
-    own = os.times()
-    return busy / os.sysconf("SC_CLK_TCK"), own.user + own.system
-
-
-def _usable_cpus() -> set[int]:
-    return os.sched_getaffinity(0)  # Linux; elsewhere AttributeError, and no contention check
-
-
-def _busy_elsewhere(before: Optional[tuple[float, float]], wall_s: float) -> Optional[float]:
-    """How many of this process's cores other processes kept busy since `before` (a mean over `wall_s`), beyond
-    the cores torch's threads leave free; None where it cannot be read."""
-    after = _cpu_seconds()
-    if before is None or after is None or wall_s <= 0:
-        return None
-    others = ((after[0] - before[0]) - (after[1] - before[1])) / wall_s
-    spare = len(_usable_cpus()) - torch.get_num_threads()
-    return max(0.0, others - max(spare, 0))
-
-
-def _job_id() -> str:
-    """The ranks of one torchrun job on a node share their launcher (the parent process); a plain run is its own."""
-    launched = "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
-    return f"{platform.node()}:{os.getppid() if launched else os.getpid()}"
-
-
-# Other processes may keep this much of a core busy during the measurement (daemons, a shell) and it still
-# counts as quiet: the best-of-many timing rides out short interruptions, not a competitor that never stops.
-QUIET_CORES = 0.5
-
-_PEAK_IN_PROCESS: dict[str, CpuPeak] = {}
-
-
-def cpu_peak_flops(dtype: torch.dtype = torch.float32) -> tuple[float, str]:
-    """This machine's CPU matmul peak in `dtype` for this process's thread count, and where it is kept (for
-    the label).
-
-    Measured once per (CPU model, threads, torch version) and kept in the ember cache, so every run and
-    every rank of a node divides by the same number: a peak measured at each start, while other threads
-    or processes compete, comes out low and makes MFU exceed 100%. A measurement during which other
-    processes kept cores busy is kept as provisional: the ranks of the job that made it use it (one figure
-    per job), the next job measures again and keeps the higher figure, until a quiet measurement settles it.
-    Where the cache cannot be written, the process measures for itself."""
-    path, key = _cpu_peak_path(), _cpu_peak_key(dtype)
-    where = f"cached in {path}"
-    entry = _PEAK_IN_PROCESS.get(key)
-    if entry is None:
-        try:
-            with _locked(path):
-                peaks = _read_peaks(path)
-                entry = peaks.get(key)
-                if entry is None or not (entry.quiet or entry.job == _job_id()):
-                    peaks[key] = entry = _measure(entry, dtype)
-                    _write_peaks(path, peaks)
-        except OSError as err:  # an unwritable cache (read-only home, full disk): this process's figure only
-            entry = entry or _measure(None, dtype)
-            where = f"not cached ({err.strerror or err}: {path})"
-        _PEAK_IN_PROCESS[key] = entry
-    if not entry.quiet:
-        where = f"measured while other processes were busy: provisional, {where}"
-    return entry.flops, where
-
-
-def _measure(previous: Optional[CpuPeak], dtype: torch.dtype = torch.float32) -> CpuPeak:
-    """A new measurement, kept with the previous figure if that was higher (contention only lowers a rate)."""
-    before, start = _cpu_seconds(), time.perf_counter()
-    flops = measure_cpu_matmul_flops(dtype=dtype)
-    elsewhere = _busy_elsewhere(before, time.perf_counter() - start)
-    quiet = elsewhere is None or elsewhere <= QUIET_CORES
-    return CpuPeak(max(flops, previous.flops if previous else 0.0), quiet, _job_id())
-
-
 def raise_measured_peak(peak: PeakFlops, achieved_flops: float) -> PeakFlops:
-    """A measured CPU peak that a run beat was measured too low (a model's FLOPs are matmul FLOPs: it
-    cannot outrun the matmul rate): the best rate seen becomes the peak, in the cache too, so MFU stays a
-    fraction of what this machine has shown it can do. Other peaks (datasheets, metrics.peak_tflops) are
-    returned as they are."""
+    """A measured CPU peak that a run beat was measured too low (a model's FLOPs are matmul FLOPs: it cannot
+    outrun the matmul rate). A provisional one (measured while other processes were busy) is measured again now;
+    where the run still beats the peak, the run's rate becomes the peak, in the cache too, and the PeakFlops says
+    so (`run_rate`: MFU against it is 1 by construction, and the console marks it). Other peaks (datasheets,
+    metrics.peak_tflops) are returned as they are."""
     if not peak.measured or peak.value_flops is None or achieved_flops <= peak.value_flops:
         return peak
-    path, key = _cpu_peak_path(), _cpu_peak_key(peak.cpu_dtype)
-    entry = _PEAK_IN_PROCESS.get(key, CpuPeak(peak.value_flops))
-    entry = replace(entry, flops=max(entry.flops, achieved_flops))
-    try:
-        with _locked(path):
-            peaks = _read_peaks(path)
-            if key in peaks:
-                entry = replace(entry, flops=max(entry.flops, peaks[key].flops))
-            peaks[key] = entry
-            _write_peaks(path, peaks)
-    except OSError:
-        pass  # an unwritable cache: this run still divides by the raised figure
-    _PEAK_IN_PROCESS[key] = entry
-    return PeakFlops(entry.flops, peak.source.replace("matmul", "matmul, raised to a training run's rate", 1), True,
-                     peak.cpu_dtype)
+    if peak.provisional:
+        again = cpu_rates.cpu_peak_flops(peak.cpu_dtype, again=True)
+        remeasured = _cpu_peak(peak.cpu_dtype, again)
+        if achieved_flops <= remeasured.value_flops:
+            return remeasured
+        peak = remeasured
+    flops = cpu_rates.raise_cached_peak(peak.cpu_dtype, achieved_flops)
+    return replace(peak, value_flops=flops, run_rate=True,
+                   source=peak.source.replace("matmul", "matmul, raised to a training run's rate", 1))

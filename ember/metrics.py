@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from ember.config_schema import MetricsConfig
-from ember.device import cpu_runs_bf16_natively, precision_note
+from ember.device import cpu_runs_bf16_natively
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
@@ -64,15 +64,17 @@ def compute_description(spec: RunSpec, model_parts: list[nn.Module]) -> str:
     return str(spec.compute_dtype).replace("torch.", "")
 
 
-def run_record(spec: RunSpec, model_parts: list[nn.Module], num_params: int) -> dict[str, Any]:
+def run_record(spec: RunSpec, model_parts: list[nn.Module], num_params: int, peak: PeakFlops) -> dict[str, Any]:
     """run.json's facts about the run: the device, mesh and compute, the model that was built (model.json's
-    fields) with where its architecture came from, and every decision ember.run.resolve made."""
+    fields) with where its architecture came from, every decision ember.run.resolve made, and the peak MFU is
+    divided by (`mfu_peak`; a record's `mfu_peak_tflops` says when a run raised it)."""
     from ember.model_meta import meta_for
 
     model = {**meta_for(spec.family, spec.flavor, spec.args), "init_from": spec.cfg.model.init_from,
              "architecture_from": spec.architecture_from}
     return {"device": spec.device, "mesh": spec.shape.describe(), "world_size": spec.world_size, "params": num_params,
-            "compute": compute_description(spec, model_parts), "model": model, "decisions": spec.describe()}
+            "compute": compute_description(spec, model_parts), "model": model, "decisions": spec.describe(),
+            "mfu_peak": peak.describe()}
 
 
 def _wide_heads(args: Any) -> str:
@@ -90,6 +92,8 @@ def print_header(console: Console, spec: RunSpec, model: nn.Module, num_params: 
     parts = list(model) if isinstance(model, nn.ModuleList) else [model]
     tok = f"tokenizer vocab {tokenizer.vocab_size:,}" if tokenizer else "synthetic tokens"
     peak_text = f"{peak.value_flops / 1e12:.3f} TFLOP/s ({peak.source})" if peak.value_flops else "unknown"
+    if peak.provisional:
+        peak_text += "; MFU marked ? until a quiet measurement settles it"
     console.print(
         f"[bold]ember train[/bold] {model_label(spec)}: {num_params:,} params"
         f"{f' ({num_active:,} active)' if num_active is not None and num_active != num_params else ''}, "
@@ -97,7 +101,7 @@ def print_header(console: Console, spec: RunSpec, model: nn.Module, num_params: 
         f"dim {args.dim}{_wide_heads(args)}, {tok} | {spec.device.type} {compute_description(spec, parts)} | "
         f"global batch {cfg.global_batch_size} x seq {cfg.seq_len} "
         f"(micro {cfg.micro_batch_size} x accum {spec.grad_accum}) | mesh {spec.shape.describe()} | "
-        f"peak {peak_text} | output {Path(cfg.output_dir)}"
+        f"MFU peak {peak_text} | output {Path(cfg.output_dir)}"
     )
     lines = notes[:1]
     if cfg.model.init_from:
@@ -106,7 +110,7 @@ def print_header(console: Console, spec: RunSpec, model: nn.Module, num_params: 
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)  # this rank's shards
         lines.append(f"lora: rank {cfg.lora.rank}, alpha {cfg.lora.alpha:g}, targets {cfg.lora.targets}; "
                      f"{trainable:,} trainable parameters on this rank, the base frozen")
-    lines += [precision_note(cfg.precision, spec.device, spec.compute_dtype), f"data: {data}", *notes[1:]]
+    lines += [spec.precision_note, f"data: {data}", *notes[1:]]
     if tokenizer is not None:
         from ember.data.tokenizer import embedded_bpe_note  # here: tokenizers' import only where there is one
 
@@ -132,9 +136,13 @@ def raise_peak_if_beaten(peak: PeakFlops, spec: RunSpec, window: dict[str, float
 
     achieved = spec.tokens_per_step * window["steps"] / window["time"] / spec.world_size * spec.flops_per_token
     raised = raise_measured_peak(peak, achieved)
-    if raised != peak:
-        say(f"note: this run beat the measured CPU matmul peak; MFU is now against "
-            f"{raised.value_flops / 1e12:.3f} TFLOP/s, the best rate seen ({raised.source})")
+    if raised.value_flops != peak.value_flops and raised.run_rate:
+        say(f"note: this run beat the measured CPU matmul peak{' (measured again now)' if peak.provisional else ''}; "
+            f"MFU is now against {raised.value_flops / 1e12:.3f} TFLOP/s, this run's own rate, and marked ? "
+            f"({raised.source})")
+    elif raised.value_flops != peak.value_flops:
+        say(f"note: this run beat a provisional CPU matmul peak, measured again now: MFU is against "
+            f"{raised.value_flops / 1e12:.3f} TFLOP/s ({raised.source})")
     return raised
 
 
@@ -147,9 +155,11 @@ def progress_bar(console: Console, enabled: bool) -> Progress:
 
 def throughput_record(*, step: int, loss: float, lr: float, grad_norm: float, window_time: float, window_steps: int,
                       window_loss: float, window_data_wait: float, tokens_per_step: int, world_size: int,
-                      flops_per_token: float, peak_flops: Optional[float], device: torch.device) -> dict[str, Any]:
+                      flops_per_token: float, peak: PeakFlops, device: torch.device) -> dict[str, Any]:
     """The metrics.jsonl record of a logging step: the `window_*` sums cover the good steps since the last
-    record (their wall time, count, summed loss, and time spent waiting for data)."""
+    record (their wall time, count, summed loss, and time spent waiting for data). `mfu_peak_tflops` is what
+    `mfu` divides by; `mfu_provisional` marks an MFU against a provisional CPU peak or against this run's own
+    rate (the console prints it with a ?)."""
     tokens_per_s = tokens_per_step * window_steps / window_time
     per_device = tokens_per_s / world_size
     return {
@@ -162,7 +172,9 @@ def throughput_record(*, step: int, loss: float, lr: float, grad_norm: float, wi
         "tokens_per_s_per_device": per_device,
         "step_time_s": window_time / window_steps,
         "tflops_per_device": per_device * flops_per_token / 1e12,
-        "mfu": mfu(per_device, flops_per_token, peak_flops),
+        "mfu": mfu(per_device, flops_per_token, peak.value_flops),
+        "mfu_peak_tflops": None if peak.value_flops is None else peak.value_flops / 1e12,
+        "mfu_provisional": peak.provisional or peak.run_rate,
         "memory_gb": peak_memory_gb(device),
         "tokens_seen": step * tokens_per_step,
         "data_wait_frac": window_data_wait / window_time,  # share of step time spent waiting for data
@@ -210,6 +222,8 @@ def format_line(step: int, values: dict[str, Any]) -> str:
     parts = [f"step {step:>6}"]
     for label, key, spec, scale, suffix in _CONSOLE_FIELDS:
         text = _fmt(values.get(key), spec, scale, suffix)
+        if text is not None and key == "mfu" and values.get("mfu_provisional"):
+            text += "?"  # against a provisional peak or this run's own rate (the header or a note says which)
         if text is not None:
             parts.append(f"{label} {text}")
     # eval.tasks' results (eval/<task>/<metric>), as the records name them
@@ -310,7 +324,7 @@ def _run_info(info: dict[str, Any]) -> dict[str, Any]:
     info = dict(info)
     device = info.get("device")
     if isinstance(device, torch.device):
-        from ember.hardware import cpu_model
+        from ember.cpu_rates import cpu_model
 
         info["device"] = device.type
         info["device_name"] = torch.cuda.get_device_name(device) if device.type == "cuda" else (

@@ -13,7 +13,7 @@ each caller drifted within a day).
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -25,7 +25,8 @@ from ember.config_schema import JobConfig
 from ember.errors import ConfigError, EmberError
 from ember.finetune import base_fingerprint
 from ember.finetune import lora as lora_lib
-from ember.device import pick_compute_dtype
+from ember import cpu_rates
+from ember.device import PrecisionChoice, choose_compute_dtype
 from ember.models import MODELS, ModelSpec
 from ember.nn.decoder import has_local_attention
 from ember.nn.loss import output_chunks
@@ -176,6 +177,8 @@ class RunSpec:
     # expects its output projection's own forward to run), whole-sequence logits, not DPO (which reads logits).
     fused_output: bool
     flops_per_token: float  # training FLOPs per token as MFU counts them (LoRA, DPO included)
+    # why precision=auto chose the compute dtype on a CPU (the header's line): words about a decision, not one
+    precision_note: Optional[str] = field(default=None, compare=False)
 
     @property
     def family(self) -> str:
@@ -217,22 +220,37 @@ def resolve(cfg: JobConfig, world_size: int, device: torch.device,
     which the options that need a kind of device are checked (one line each, before any work)."""
     shape = mesh_shape(cfg, world_size)
     choice = model_choice(cfg)
+    note = None
     if compute_dtype is None:
-        compute_dtype = pick_compute_dtype(cfg.precision, device)
+        precision = choose_precision(cfg, device, choice.args)
+        compute_dtype, note = precision.dtype, precision.training_note()
         check_device_options(cfg, shape, device, choice.args)
     flops = lora_lib.run_flops_per_token(cfg, MODELS[cfg.model.family], choice.args, compute_dtype)
-    return _decide(cfg, world_size, device, shape, choice.flavor, choice.args, choice.source, compute_dtype, flops)
+    return _decide(cfg, world_size, device, shape, choice.flavor, choice.args, choice.source, compute_dtype, flops,
+                   note)
+
+
+def choose_precision(cfg: JobConfig, device: torch.device, args: Any) -> PrecisionChoice:
+    """What cfg.precision means on `device` for the model of `args` (ember.device.choose_compute_dtype): on a
+    CPU with bf16 instructions, measured at this model's training GEMMs on a micro-batch's tokens."""
+    def gemms() -> list[cpu_rates.Gemm]:
+        with torch.device("meta"):
+            model = MODELS[cfg.model.family].model_cls(args)
+        return cpu_rates.model_gemms(model, cfg.micro_batch_size * cfg.seq_len)
+
+    return choose_compute_dtype(cfg.precision, device, gemms)
 
 
 def respecify(spec: RunSpec, cfg: JobConfig) -> RunSpec:
     """`spec`'s decisions for `cfg`, a variant of spec.cfg with the same model, mesh and FLOPs per token (the
     planner's trials of micro-batch sizes and remat policies)."""
     return _decide(cfg, spec.world_size, spec.device, spec.shape, spec.flavor, spec.args, spec.architecture_from,
-                   spec.compute_dtype, spec.flops_per_token)
+                   spec.compute_dtype, spec.flops_per_token, spec.precision_note)
 
 
 def _decide(cfg: JobConfig, world_size: int, device: torch.device, shape: MeshShape, flavor: str, args: Any,
-            architecture_from: Optional[str], compute_dtype: torch.dtype, flops_per_token: float) -> RunSpec:
+            architecture_from: Optional[str], compute_dtype: torch.dtype, flops_per_token: float,
+            precision_note: Optional[str]) -> RunSpec:
     fsdp_mixed = uses_fsdp_mixed_precision(cfg, shape, compute_dtype)
     parallel = ParallelOptions(
         compile=cfg.compile, remat=cfg.model.remat, remat_every=cfg.model.remat_every,
@@ -258,7 +276,7 @@ def _decide(cfg: JobConfig, world_size: int, device: torch.device, shape: MeshSh
                    architecture_from=architecture_from, compute_dtype=compute_dtype, fsdp_mixed=fsdp_mixed,
                    parallel=parallel, grad_accum=config_lib.grad_accum_steps(cfg, shape.dp), num_stages=num_stages,
                    pp_microbatches=pp_microbatches, output_chunks=chunks, flops_per_token=flops_per_token,
-                   fused_output=fused_output)
+                   fused_output=fused_output, precision_note=precision_note)
 
 
 def cp_implementation(cfg: JobConfig, device: torch.device, args: Any) -> str:

@@ -131,9 +131,9 @@ class Trainer:
         # 6. Health, checkpoints: resume restores weights, optimizer, schedule, data position and RNG.
         self.step = 0
         self.health = HealthGuard(cfg.max_skipped_steps, cfg.loss_spike_factor, self._say)
-        self.checkpointer, state = open_checkpoints(spec, self.model_parts, self.model, self.optimizer, self._say)
+        self.checkpointer, state = open_checkpoints(spec, self.model_parts, self.model, self.optimizer, self._say,
+                                                    compute=compute_description(spec, self.model_parts))
         if state is not None:
-            run_history.check_resumed_compute(self.output_dir, cfg.precision, compute_description(spec, self.model_parts))
             self.step = int(state["step"])
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
             restart_schedule(self.lr_scheduler)  # this run's optim.lr and schedule, from the resumed step on
@@ -216,8 +216,9 @@ class Trainer:
         segment = (run_history.SegmentStart(self.output_dir, cfg, self.step, self.checkpointer.resumed_from,
                                             self.checkpointer.changes) if self.is_main else None)
         try:
+            run_info = run_record(self.spec, self.model_parts, self.num_params, self.peak)
             logger = MetricsLogger(self.output_dir, cfg.metrics, enabled=self.is_main, console=self.console,
-                                   start_step=self.step, run_info=run_record(self.spec, self.model_parts, self.num_params))
+                                   start_step=self.step, run_info=run_info)
         except BaseException:
             if segment is not None:
                 segment.undo()
@@ -335,7 +336,7 @@ class Trainer:
             step=self.step, loss=loss, lr=lr, grad_norm=grad_norm, window_time=window["time"],
             window_steps=window["steps"], window_loss=window["loss"], window_data_wait=window["data"],
             tokens_per_step=self.spec.tokens_per_step, world_size=self.world_size,
-            flops_per_token=self.spec.flops_per_token, peak_flops=self.peak.value_flops, device=self.device)
+            flops_per_token=self.spec.flops_per_token, peak=self.peak, device=self.device)
         n_experts = getattr(self.spec.args, "n_experts", 0)
         if n_experts:  # MoE: router losses, and the load of every expert of every layer over the window
             record.update(moe_lib.collect_moe_metrics(self.model_parts, self.spec.args.n_layers, n_experts,

@@ -32,8 +32,8 @@ def parser() -> ArgumentParser:
     p.add_argument("--json", action="store_true", help="one JSON object per prompt: prompt, completion, token_ids")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step (for long outputs)")
     p.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16"),
-                   help="the weights' dtype. auto: bf16 on a GPU and on a CPU with bf16 matmul instructions "
-                   "(decoding reads every weight per token: half the bytes), else fp32")
+                   help="the weights' dtype. auto: bf16 on a GPU, and on a CPU where bf16 matmuls measured at "
+                   "least 1.2x fp32's at this model's decode shapes (measured once per machine), else fp32")
     return p
 
 
@@ -51,7 +51,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from ember.generate import check_max_new_tokens, generate, prompt_ids, sampling_temperature, tokenizer_for
-    from ember.device import cpu_bf16_declared, cpu_runs_bf16_natively, pick_compute_dtype, pick_device
+    from ember.cpu_rates import model_gemms
+    from ember.device import choose_compute_dtype, cpu_runs_bf16_natively, pick_compute_dtype, pick_device
     from ember.load import load_model
 
     # Every argument is checked before anything is printed: a streamed prompt followed by an error would run
@@ -67,15 +68,22 @@ def run(args: argparse.Namespace) -> int:
     if args.prompt_file:
         prompts += _read_prompts(Path(args.prompt_file))
     device = pick_device(args.device)
-    dtype = pick_compute_dtype(args.precision, device)
-    if device.type == "cpu" and dtype == torch.bfloat16:
-        forced = " (EMBER_CPU_BF16=1)" if cpu_bf16_declared() else ""
-        print(f"note: bf16 weights on the CPU{forced} (--precision fp32 for fp32)" if cpu_runs_bf16_natively() else
-              "note: --precision bf16 on a CPU without bf16 matmul instructions (AVX512-BF16, AMX): torch emulates "
-              "them, many times slower than fp32", file=sys.stderr)
-    model = load_model(args.path, device=device, dtype=dtype)
+    # On a CPU, auto is measured at this model's decode matmuls (a batch of rows each step), so the weights load
+    # in fp32 first and are cast once the model's shapes are known; elsewhere they load in the chosen dtype.
+    measure = args.precision == "auto" and device.type == "cpu"
+    model = load_model(args.path, device=device, dtype=torch.float32 if measure else
+                       pick_compute_dtype(args.precision, device))
     tokenizer = tokenizer_for(args.path, args.tokenizer)
     prompt_ids(model, tokenizer, prompts, args.max_new_tokens)  # each prompt fits max_seq_len with the new tokens
+    # Said after every check that can fail: a refused command prints its one-line error and nothing before it.
+    if measure:
+        choice = choose_compute_dtype("auto", device, lambda: model_gemms(model, len(prompts)), training=False)
+        model = model.to(choice.dtype)
+        if choice.dtype == torch.bfloat16:
+            print(f"note: bf16 weights on the CPU ({choice.reason}) (--precision fp32 for fp32)", file=sys.stderr)
+    elif device.type == "cpu" and args.precision == "bf16" and not cpu_runs_bf16_natively():
+        print("note: --precision bf16 on a CPU without bf16 matmul instructions (AVX512-BF16, AMX): torch emulates "
+              "them, many times slower than fp32", file=sys.stderr)
     if args.temperature is None and temperature > 0:
         print(f"note: sampling at temperature {temperature} (--top-k/--top-p/--seed sample; --temperature sets it)",
               file=sys.stderr)

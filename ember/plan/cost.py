@@ -87,8 +87,7 @@ def cpu_fabric(world_size: int, dtype: torch.dtype = torch.float32) -> Fabric:
     virtual devices all run on these cores), host memory, every rank on one node (gloo over loopback; the
     bandwidth is a placeholder)."""
     ranks = max(world_size, 1)
-    flops, _ = hardware.cpu_peak_flops()
-    flops /= ranks
+    flops = hardware.peak_flops(torch.device("cpu"), torch.float32).value_flops / ranks
     bf16 = hardware.peak_flops(torch.device("cpu"), dtype)
     bf16_flops = bf16.value_flops / ranks if bf16.cpu_dtype == torch.bfloat16 else None
     memory_gb = hardware_memory_gb()

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import torch
 
-from ember import device as device_lib
+from ember import run as run_lib
 from ember.config import XLA_DEVICES
 from ember.config_schema import JobConfig
 from ember.errors import ConfigError
@@ -105,12 +105,12 @@ class Plan:
         return document
 
 
-def compute_dtype(precision: str, device: str) -> torch.dtype:
-    """The trainer's choice (ember.device.pick_compute_dtype): on `--device cpu` this machine's CPU decides
-    (bf16 where it has bf16 matmuls); accelerators in the table all run bf16."""
+def compute_dtype(cfg: JobConfig, device: str) -> torch.dtype:
+    """The trainer's choice (ember.run.choose_precision): on `--device cpu` this machine's CPU decides (bf16 where
+    its bf16 matmuls measured faster at the model's shapes); accelerators in the table all run bf16."""
     if device == "cpu":
-        return device_lib.pick_compute_dtype(precision, torch.device("cpu"))
-    return torch.float32 if precision == "fp32" else torch.bfloat16
+        return run_lib.choose_precision(cfg, torch.device("cpu"), run_lib.model_choice(cfg).args).dtype
+    return torch.float32 if cfg.precision == "fp32" else torch.bfloat16
 
 
 def _coordinates(shape: MeshShape) -> list[dict[str, int]]:
@@ -202,7 +202,7 @@ def make_plan(cfg: JobConfig, world: int, nodes: Optional[int] = None, device: s
               search: bool = False) -> Plan:
     """Plan `cfg` (a loaded JobConfig) on `world` devices of type `device` over `nodes` nodes."""
     start = time.perf_counter()
-    dtype = compute_dtype(cfg.precision, device)
+    dtype = compute_dtype(cfg, device)
     fab = cost.cpu_fabric(world, dtype) if device == "cpu" else cost.fabric(device)
     per_node = fab.per_node or world
     nodes = nodes or max(1, math.ceil(world / per_node))

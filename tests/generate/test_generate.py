@@ -249,7 +249,8 @@ def test_cli_precision_auto_decodes_with_bf16_weights_on_a_bf16_cpu(trained_run:
     env = dict(os.environ, EMBER_CPU_BF16="1")
     args = ("generate", str(trained_run), "--prompt", "def f(", "--max-new-tokens", "4", "--json")
     proc = run_ember(*args, env=env, expect=0)
-    assert proc.stderr == "note: bf16 weights on the CPU (EMBER_CPU_BF16=1) (--precision fp32 for fp32)\n"
+    assert proc.stderr == ("note: bf16 weights on the CPU (EMBER_CPU_BF16=1 declares bf16 matmul instructions, not "
+                           "measured) (--precision fp32 for fp32)\n")
     expected = generate(load_model(trained_run, dtype=torch.bfloat16), tokenizer_for(trained_run), ["def f("],
                         max_new_tokens=4)
     assert json.loads(proc.stdout)["token_ids"] == expected[0].token_ids
@@ -257,6 +258,51 @@ def test_cli_precision_auto_decodes_with_bf16_weights_on_a_bf16_cpu(trained_run:
     assert proc.stderr == ""
     fp32 = generate(load_model(trained_run), tokenizer_for(trained_run), ["def f("], max_new_tokens=4)
     assert json.loads(proc.stdout)["token_ids"] == fp32[0].token_ids
+    # A refused command prints its error alone: no bf16 note before it.
+    proc = run_ember("generate", str(trained_run), "--prompt", "x " * 3000, env=env, expect=2)
+    assert proc.stderr.count("\n") == 1 and "exceeds the model's max_seq_len" in proc.stderr, proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fp32, bf16, dtype", [(3e11, 1.6e11, torch.float32), (2e11, 6e11, torch.bfloat16)])
+def test_cli_precision_auto_measures_the_models_decode_matmuls(trained_run: Path, tmp_path: Path, monkeypatch,
+                                                               capsys, fp32, bf16, dtype):
+    """On a CPU with bf16 instructions, auto is measured at this model's forward GEMMs on a decode step's rows (one
+    per prompt): an AVX512-BF16 Xeon without AMX (bf16 at 0.53x) keeps fp32 weights, an AMX CPU takes bf16."""
+    from ember import cpu_rates, device
+    from ember.commands import generate as generate_command
+
+    monkeypatch.delenv("EMBER_CPU_BF16", raising=False)
+    monkeypatch.setenv("EMBER_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(cpu_rates, "_IN_PROCESS", {})
+    monkeypatch.setattr(device, "cpu_runs_bf16_natively", lambda: True)
+    measured, loaded = [], []
+
+    def fake(gemms, dtypes, training=True):
+        measured.append((gemms, training))
+        return {torch.float32: fp32, torch.bfloat16: bf16}
+
+    monkeypatch.setattr(cpu_rates, "measure_gemm_rates", fake)
+    import ember.generate as generate_lib
+
+    real = generate_lib.generate
+
+    def spy(model, *args, **kwargs):  # the dtype the command decodes in
+        loaded.append(next(model.parameters()).dtype)
+        return real(model, *args, **kwargs)
+
+    monkeypatch.setattr(generate_lib, "generate", spy)
+    args = generate_command.parse([str(trained_run), "--prompt", "def f(", "--prompt", "x", "--max-new-tokens", "2",
+                                   "--device", "cpu"])
+    assert generate_command.run(args) == 0
+    ((gemms, training),) = measured
+    assert not training and {g.tokens for g in gemms} == {2}  # two prompts: a decode step's two rows
+    assert loaded == [dtype]
+    err = capsys.readouterr().err
+    if dtype == torch.bfloat16:
+        assert err.startswith("note: bf16 weights on the CPU (bf16 matmuls ran 3.00x fp32's at this model's shapes")
+    else:
+        assert "bf16" not in err
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ember import device, hardware
+from ember import cpu_rates, device, hardware
 from ember.errors import ConfigError
 from ember.hardware import match_device, peak_flops
 
@@ -118,16 +118,16 @@ def test_user_peak_overrides_everything(cuda_named, monkeypatch):
     def no_measuring(*args, **kwargs):
         raise AssertionError("the CPU must not be measured when the user gives a peak")
 
-    monkeypatch.setattr(hardware, "measure_cpu_matmul_flops", no_measuring)
+    monkeypatch.setattr(cpu_rates, "measure_cpu_matmul_flops", no_measuring)
     assert peak_flops(torch.device("cpu"), torch.float32, 0.5).value_flops == 0.5e12
 
 
 @pytest.fixture
 def fresh_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("EMBER_CACHE", str(tmp_path))
-    monkeypatch.setattr(hardware, "_PEAK_IN_PROCESS", {})
-    monkeypatch.setattr(hardware, "_busy_elsewhere", lambda before, wall_s: 0.0)  # a quiet machine
-    return tmp_path / "hardware" / "cpu-peak.json"
+    monkeypatch.setattr(cpu_rates, "_IN_PROCESS", {})
+    monkeypatch.setattr(cpu_rates, "busy_elsewhere", lambda before, wall_s: 0.0)  # a quiet machine
+    return tmp_path / "hardware" / "cpu-rates.json"
 
 
 def _cached(path: Path) -> dict:
@@ -136,33 +136,33 @@ def _cached(path: Path) -> dict:
 
 def test_cpu_peak_is_measured_once_per_machine_and_cached(fresh_cache: Path, monkeypatch: pytest.MonkeyPatch):
     calls = []
-    monkeypatch.setattr(hardware, "measure_cpu_matmul_flops", lambda dtype=None: calls.append(1) or 1.5e11)
+    monkeypatch.setattr(cpu_rates, "measure_cpu_matmul_flops", lambda dtype=None: calls.append(1) or 1.5e11)
     peak = peak_flops(torch.device("cpu"), torch.float32, None)
     assert peak.value_flops == 1.5e11 and peak.measured and calls == [1]
     assert peak.source.startswith("measured CPU fp32 matmul") and f"cached in {fresh_cache}" in peak.source
-    key = f"{hardware.cpu_model()} | {torch.get_num_threads()} threads | torch {torch.__version__}"
+    key = f"{cpu_rates.cpu_model()} | {torch.get_num_threads()} threads | torch {torch.__version__} | peak fp32"
     (entry,) = _cached(fresh_cache).values()
     assert list(_cached(fresh_cache)) == [key]  # keyed by the CPU model, threads, torch
-    assert entry["flops"] == 1.5e11 and entry["quiet"] is True
-    monkeypatch.setattr(hardware, "_PEAK_IN_PROCESS", {})  # a new process: reads the file, measures nothing
+    assert entry["rates"] == {"fp32": 1.5e11} and entry["quiet"] is True
+    monkeypatch.setattr(cpu_rates, "_IN_PROCESS", {})  # a new process: reads the file, measures nothing
     assert peak_flops(torch.device("cpu"), torch.float32, None).value_flops == 1.5e11 and calls == [1]
 
 
 def test_the_key_names_the_cpu_model(fresh_cache: Path, monkeypatch: pytest.MonkeyPatch):
     # Two machines sharing one home directory (an NFS cache) keep one figure each.
-    monkeypatch.setattr(hardware, "measure_cpu_matmul_flops", lambda dtype=None: 1e11)
-    monkeypatch.setattr(hardware, "cpu_model", lambda: "CPU A")
-    hardware.cpu_peak_flops()
-    monkeypatch.setattr(hardware, "_PEAK_IN_PROCESS", {})
-    monkeypatch.setattr(hardware, "cpu_model", lambda: "CPU B")
-    monkeypatch.setattr(hardware, "measure_cpu_matmul_flops", lambda dtype=None: 3e11)
-    assert hardware.cpu_peak_flops()[0] == 3e11
+    monkeypatch.setattr(cpu_rates, "measure_cpu_matmul_flops", lambda dtype=None: 1e11)
+    monkeypatch.setattr(cpu_rates, "cpu_model", lambda: "CPU A")
+    cpu_rates.cpu_peak_flops()
+    monkeypatch.setattr(cpu_rates, "_IN_PROCESS", {})
+    monkeypatch.setattr(cpu_rates, "cpu_model", lambda: "CPU B")
+    monkeypatch.setattr(cpu_rates, "measure_cpu_matmul_flops", lambda dtype=None: 3e11)
+    assert cpu_rates.cpu_peak_flops().rates['fp32'] == 3e11
     assert sorted(k.split(" | ")[0] for k in _cached(fresh_cache)) == ["CPU A", "CPU B"]
 
 
 def test_cpu_model_carries_the_family_numbers():
     # VMs often name only "AMD EPYC": the family/model numbers of /proc/cpuinfo tell generations apart.
-    name = hardware.cpu_model()
+    name = cpu_rates.cpu_model()
     assert name
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.is_file() and "cpu family" in cpuinfo.read_text():
@@ -170,43 +170,43 @@ def test_cpu_model_carries_the_family_numbers():
 
 
 def test_a_damaged_cache_is_measured_again(fresh_cache: Path, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(hardware, "measure_cpu_matmul_flops", lambda dtype=None: 2e11)
+    monkeypatch.setattr(cpu_rates, "measure_cpu_matmul_flops", lambda dtype=None: 2e11)
     fresh_cache.parent.mkdir(parents=True)
     for damaged in ("{not json", "[1, 2]", '{"k": {"no flops": 1}}', '{"k": "fast"}'):
         fresh_cache.write_text(damaged)
-        monkeypatch.setattr(hardware, "_PEAK_IN_PROCESS", {})
-        assert hardware.cpu_peak_flops()[0] == 2e11
-        assert [e["flops"] for e in _cached(fresh_cache).values()] == [2e11]
+        monkeypatch.setattr(cpu_rates, "_IN_PROCESS", {})
+        assert cpu_rates.cpu_peak_flops().rates['fp32'] == 2e11
+        assert [e["rates"] for e in _cached(fresh_cache).values()] == [{"fp32": 2e11}]
 
 
 def test_a_measurement_under_load_is_provisional(fresh_cache: Path, monkeypatch: pytest.MonkeyPatch):
     # Other processes kept cores busy while it measured: this job uses the figure; the next job measures again
     # and keeps the higher one; a quiet measurement settles it and nothing measures after that.
     rates, busy, job = iter([1e11, 2.5e11, 2e11]), iter([1.5, 0.0]), ["job-1"]
-    monkeypatch.setattr(hardware, "measure_cpu_matmul_flops", lambda dtype=None: next(rates))
-    monkeypatch.setattr(hardware, "_busy_elsewhere", lambda before, wall_s: next(busy))
-    monkeypatch.setattr(hardware, "_job_id", lambda: job[0])
+    monkeypatch.setattr(cpu_rates, "measure_cpu_matmul_flops", lambda dtype=None: next(rates))
+    monkeypatch.setattr(cpu_rates, "busy_elsewhere", lambda before, wall_s: next(busy))
+    monkeypatch.setattr(cpu_rates, "job_id", lambda: job[0])
     peak = peak_flops(torch.device("cpu"), torch.float32, None)
     assert peak.value_flops == 1e11 and "provisional" in peak.source
-    monkeypatch.setattr(hardware, "_PEAK_IN_PROCESS", {})  # another rank of the same job: the same figure
-    assert hardware.cpu_peak_flops()[0] == 1e11
+    monkeypatch.setattr(cpu_rates, "_IN_PROCESS", {})  # another rank of the same job: the same figure
+    assert cpu_rates.cpu_peak_flops().rates['fp32'] == 1e11
     job[0] = "job-2"
-    monkeypatch.setattr(hardware, "_PEAK_IN_PROCESS", {})  # the next job: measured again, quietly
-    value, where = hardware.cpu_peak_flops()
-    assert value == 2.5e11 and "provisional" not in where
-    monkeypatch.setattr(hardware, "_PEAK_IN_PROCESS", {})
+    monkeypatch.setattr(cpu_rates, "_IN_PROCESS", {})  # the next job: measured again, quietly
+    measured = cpu_rates.cpu_peak_flops()
+    assert measured.rates["fp32"] == 2.5e11 and "provisional" not in measured.where
+    monkeypatch.setattr(cpu_rates, "_IN_PROCESS", {})
     job[0] = "job-3"
-    assert hardware.cpu_peak_flops()[0] == 2.5e11  # settled: the third rate is never measured
+    assert cpu_rates.cpu_peak_flops().rates['fp32'] == 2.5e11  # settled: the third rate is never measured
     (entry,) = _cached(fresh_cache).values()
-    assert entry["flops"] == 2.5e11 and entry["quiet"] is True
+    assert entry["rates"] == {"fp32": 2.5e11} and entry["quiet"] is True
 
 
 def test_an_unwritable_cache_measures_without_failing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     (tmp_path / "file").write_text("")
     monkeypatch.setenv("EMBER_CACHE", str(tmp_path / "file"))  # a file where the directory should be
-    monkeypatch.setattr(hardware, "_PEAK_IN_PROCESS", {})
-    monkeypatch.setattr(hardware, "_busy_elsewhere", lambda before, wall_s: 0.0)
-    monkeypatch.setattr(hardware, "measure_cpu_matmul_flops", lambda dtype=None: 1e11)
+    monkeypatch.setattr(cpu_rates, "_IN_PROCESS", {})
+    monkeypatch.setattr(cpu_rates, "busy_elsewhere", lambda before, wall_s: 0.0)
+    monkeypatch.setattr(cpu_rates, "measure_cpu_matmul_flops", lambda dtype=None: 1e11)
     peak = peak_flops(torch.device("cpu"), torch.float32, None)
     assert peak.value_flops == 1e11 and "not cached" in peak.source
 
@@ -219,7 +219,7 @@ def test_ranks_starting_together_measure_once(tmp_path: Path):
     # holds the lock until every rank has said it is about to ask for the peak (a marker file each), so the
     # others meet the lock however slowly this machine starts them; the ceiling only bounds a hang.
     counter = tmp_path / "measured"
-    code = ("import os, pathlib, time, ember.hardware as h\n"
+    code = ("import os, pathlib, time, ember.cpu_rates as h\n"
             f"here = pathlib.Path({str(tmp_path)!r})\n"
             "def slow(dtype=None):\n"
             "    (here / 'measured').open('a').write('x')\n"
@@ -229,7 +229,7 @@ def test_ranks_starting_together_measure_once(tmp_path: Path):
             "    return 3e11\n"
             "h.measure_cpu_matmul_flops = slow\n"
             "(here / f\"ready-{os.environ['LOCAL_RANK']}\").touch()\n"
-            "print(h.cpu_peak_flops()[0])\n")
+            "print(h.cpu_peak_flops().rates['fp32'])\n")
     procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
                               env={**os.environ, "EMBER_CACHE": str(tmp_path), "LOCAL_RANK": str(rank)})
              for rank in range(3)]
@@ -239,12 +239,12 @@ def test_ranks_starting_together_measure_once(tmp_path: Path):
 
 
 def test_a_measured_peak_that_a_run_beats_is_raised(fresh_cache: Path, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(hardware, "measure_cpu_matmul_flops", lambda dtype=None: 1e11)
+    monkeypatch.setattr(cpu_rates, "measure_cpu_matmul_flops", lambda dtype=None: 1e11)
     peak = peak_flops(torch.device("cpu"), torch.float32, None)
     assert hardware.raise_measured_peak(peak, 0.9e11) is peak  # slower than the peak: unchanged
     raised = hardware.raise_measured_peak(peak, 1.2e11)
     assert raised.value_flops == 1.2e11 and "raised to a training run's rate" in raised.source
-    assert [e["flops"] for e in _cached(fresh_cache).values()] == [1.2e11]  # the next run starts from it
+    assert [e["rates"] for e in _cached(fresh_cache).values()] == [{"fp32": 1.2e11}]  # the next run starts from it
     given = hardware.PeakFlops(1e11, "metrics.peak_tflops")
     assert hardware.raise_measured_peak(given, 5e11) is given  # the user's number is the user's
 
@@ -259,12 +259,12 @@ def _cpu_seconds_of(pid: int) -> float:
 def test_a_busy_competitor_is_seen(monkeypatch: pytest.MonkeyPatch):
     # One process spinning on this process's cores, with torch's threads on every usable core (none spare):
     # every CPU-second it spends inside the window is counted as busy elsewhere, however loaded the machine is.
-    monkeypatch.setattr(torch, "get_num_threads", lambda: len(hardware._usable_cpus()))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: len(cpu_rates.usable_cpus()))
     spin = subprocess.Popen([sys.executable, "-c", "print('spinning', flush=True)\nwhile True: pass"],
                             stdout=subprocess.PIPE, text=True)
     try:
         assert spin.stdout.readline() == "spinning\n"
-        before, start, spun_before = hardware._cpu_seconds(), time.perf_counter(), _cpu_seconds_of(spin.pid)
+        before, start, spun_before = cpu_rates.cpu_seconds(), time.perf_counter(), _cpu_seconds_of(spin.pid)
         deadline = time.monotonic() + 300  # bounds a hang only: the window ends when it has spun half a second
         while _cpu_seconds_of(spin.pid) - spun_before < 0.5:
             assert time.monotonic() < deadline, "the competitor never ran"
@@ -273,39 +273,20 @@ def test_a_busy_competitor_is_seen(monkeypatch: pytest.MonkeyPatch):
         spun = _cpu_seconds_of(spin.pid) - spun_before
         # cores x seconds seen busy elsewhere cover the competitor's CPU-seconds, less the kernel's tick sampling
         # (/proc/stat counts ticks, /proc/<pid>/stat the exact run time): a check that missed it would see ~0
-        assert hardware._busy_elsewhere(before, wall_s) * wall_s >= 0.8 * spun, (wall_s, spun)
+        assert cpu_rates.busy_elsewhere(before, wall_s) * wall_s >= 0.8 * spun, (wall_s, spun)
     finally:
         spin.kill()
         spin.wait()
 
 
 def test_real_cpu_measurement_is_plausible():
-    rate = hardware.measure_cpu_matmul_flops(seconds=0.05, sizes=(256,))
+    rate = cpu_rates.measure_cpu_matmul_flops(seconds=0.05, sizes=(256,))
     assert 1e9 < rate < 1e15  # above a GFLOP/s, below any CPU that exists
 
 
 def test_device_spec_is_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         hardware.H100_SXM.bf16 = 1.0
-
-
-@pytest.mark.parametrize("native", [True, False])
-def test_auto_precision_on_cpu_is_bf16_where_the_cpu_has_bf16_matmuls(native: bool, monkeypatch):
-    monkeypatch.delenv("EMBER_CPU_BF16", raising=False)  # what the CPU has, detected
-    monkeypatch.setattr(device, "cpu_runs_bf16_natively", lambda: native)
-    cpu = torch.device("cpu")
-    assert device.pick_compute_dtype("auto", cpu) == (torch.bfloat16 if native else torch.float32)
-    assert device.pick_compute_dtype("fp32", cpu) == torch.float32  # asked for: kept
-    assert device.pick_compute_dtype("bf16", cpu) == torch.bfloat16
-    note = device.precision_note("auto", cpu, device.pick_compute_dtype("auto", cpu))
-    assert note == ("precision: auto -> bf16 autocast (this CPU has bf16 matmul instructions, several times fp32's "
-                    "rate; fp32 weights, gradients and optimizer state); precision=fp32 opts out" if native else
-                    "precision: auto -> fp32 (this CPU has no bf16 matmul instructions: AVX512-BF16, AMX)")
-    assert device.precision_note("fp32", cpu, torch.float32) is None  # the user's own choice needs no reason
-    monkeypatch.setenv("EMBER_CPU_BF16", "1" if native else "0")  # declared, not detected: the header says so
-    note = device.precision_note("auto", cpu, device.pick_compute_dtype("auto", cpu))
-    assert ("EMBER_CPU_BF16=1 declares bf16 matmul instructions, not detected" if native else
-            "EMBER_CPU_BF16=0 declares no bf16 matmul instructions, not detected") in note
 
 
 def test_ember_cpu_bf16_overrides_the_detection(monkeypatch):
@@ -330,23 +311,23 @@ def test_a_bf16_cpu_peak_is_its_own_entry_and_raising_it_leaves_fp32_alone(fresh
     """A bf16 run (LoRA's frozen base) beating the fp32 peak must not raise the fp32 figure that full
     training's MFU divides by: each dtype is measured, cached and raised under its own key."""
     monkeypatch.setattr(hardware, "cpu_runs_bf16_natively", lambda: True)
-    monkeypatch.setattr(hardware, "measure_cpu_matmul_flops",
+    monkeypatch.setattr(cpu_rates, "measure_cpu_matmul_flops",
                         lambda dtype=torch.float32: 4e11 if dtype == torch.bfloat16 else 1e11)
     fp32 = peak_flops(torch.device("cpu"), torch.float32, None)
     bf16 = peak_flops(torch.device("cpu"), torch.bfloat16, None)
     assert (fp32.value_flops, bf16.value_flops) == (1e11, 4e11)
     assert "bf16 matmul" in bf16.source and "fp32 matmul" in fp32.source
     hardware.raise_measured_peak(bf16, 5e11)
-    flops = {key.rsplit("| ", 1)[-1]: entry["flops"] for key, entry in _cached(fresh_cache).items()}
-    assert sorted(flops.values()) == [1e11, 5e11] and flops["bfloat16"] == 5e11
+    flops = {key.rsplit("| ", 1)[-1]: entry["rates"] for key, entry in _cached(fresh_cache).items()}
+    assert flops == {"peak fp32": {"fp32": 1e11}, "peak bf16": {"bf16": 5e11}}
     # Without bf16 instructions a bf16 run's MFU is against the fp32 peak (an emulated bf16 rate means nothing).
     monkeypatch.setattr(hardware, "cpu_runs_bf16_natively", lambda: False)
-    monkeypatch.setattr(hardware, "_PEAK_IN_PROCESS", {})
+    monkeypatch.setattr(cpu_rates, "_IN_PROCESS", {})
     assert peak_flops(torch.device("cpu"), torch.bfloat16, None).value_flops == 1e11
 
 
 def test_the_measured_peak_counts_its_threads_in_words(monkeypatch):
-    monkeypatch.setattr(hardware, "cpu_peak_flops", lambda dtype: (1e11, "measured now"))
+    monkeypatch.setattr(cpu_rates, "cpu_peak_flops", lambda dtype: cpu_rates.Rates({"fp32": 1e11}, True, "measured now"))
     for threads, words in ((1, "1 thread,"), (4, "4 threads,")):
         monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
         assert f"fp32 matmul, {words} measured now" in hardware.peak_flops(torch.device("cpu"), torch.float32, None).source

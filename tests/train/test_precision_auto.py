@@ -1,4 +1,5 @@
-"""precision=auto trains in bf16 autocast on a CPU with bf16 matmul instructions, says so in the header, and
+"""precision=auto trains in bf16 autocast on a CPU whose bf16 matmuls measured faster (EMBER_CPU_BF16=1 here, which
+declares it; tests/hardware/test_cpu_precision.py fakes the measurements), says so in the header, and
 the default run's losses under it stay within 1% of fp32's at every logged step (benchmarks/bf16_parity.py,
 whose bf16 matmuls are computed as a bf16 CPU computes them where this one has no bf16 instructions)."""
 
@@ -29,7 +30,7 @@ def test_the_header_says_which_precision_runs_and_why(tmp_path):
     env = dict(os.environ, EMBER_CPU_BF16="1")
     proc = run_ember("train", *TINY_CONSOLE, "max_steps=1", f"output_dir={tmp_path / 'run'}", env=env, expect=0)
     assert "| cpu bfloat16 |" in proc.stdout
-    assert ("precision: auto -> bf16 autocast (EMBER_CPU_BF16=1 declares bf16 matmul instructions, not detected; "
+    assert ("precision: auto -> bf16 autocast (EMBER_CPU_BF16=1 declares bf16 matmul instructions, not measured; "
             "fp32 weights, gradients and optimizer state); precision=fp32 opts out") in proc.stdout
     proc = run_ember("train", *TINY_CONSOLE, "max_steps=1", "precision=fp32", f"output_dir={tmp_path / 'fp32'}",
                      env=env, expect=0)
@@ -62,16 +63,18 @@ def test_default_run_losses_under_auto_bf16_stay_within_one_percent_of_fp32():
 
 @pytest.mark.slow
 def test_a_resume_where_auto_resolves_to_another_dtype_is_refused(tmp_path):
-    """Trained in fp32, resumed where auto means bf16 (another machine; here EMBER_CPU_BF16): one line naming both
-    dtypes and the fix, the run left as it was; an explicit precision resumes."""
+    """Trained in fp32 (precision=fp32), resumed with precision=auto where auto means bf16 (another machine; here
+    EMBER_CPU_BF16): one line naming both dtypes and the fix, the run left as it was, and no claim that the
+    precision change was recorded (it was not: the resume is refused); an explicit precision resumes."""
     import os
 
     out = tmp_path / "run"
-    run_ember("train", *TINY_RUN, "max_steps=2", f"output_dir={out}", env=dict(os.environ, EMBER_CPU_BF16="0"),
-              expect=0)
+    run_ember("train", *TINY_RUN, "max_steps=2", "precision=fp32", f"output_dir={out}",
+              env=dict(os.environ, EMBER_CPU_BF16="0"), expect=0)
     before = (out / "metrics.jsonl").read_text()
     proc = run_ember("train", *TINY_RUN, "max_steps=3", f"output_dir={out}", env=dict(os.environ, EMBER_CPU_BF16="1"),
                      expect=2)
+    assert "changed on resume" not in proc.stdout + proc.stderr
     assert proc.stderr.strip().splitlines()[-1].endswith(
         "resume would switch this run from float32 to bfloat16: precision=auto resolves differently here (this "
         "device, or EMBER_CPU_BF16); resume with precision=fp32 as it trained, or precision=bf16 to change it on "
