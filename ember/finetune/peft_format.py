@@ -6,7 +6,9 @@ CAUSAL_LM, r, lora_alpha, target_modules, lora_dropout and bias "none". The HF m
 family's hf.py, and so do the row permutations: Llama's q/k rows are reordered between RoPE conventions
 (W_hf = P W), and P (B A) = (P B) A, so B's rows are permuted exactly like the base weight's and A is kept.
 GPT-2 fuses q, k and v into one `c_attn` (a Conv1D, hence fan_in_fan_out): the three adapters become one of
-rank 3r, A stacked and B block-diagonal, with rank_pattern/alpha_pattern keeping the scaling alpha/r.
+rank 3r, A stacked and B block-diagonal, with rank_pattern/alpha_pattern keeping the scaling alpha/r. In the MoE
+families whose experts transformers 5 fuses, the layers whose names peft re-aims at those experts are targeted by
+their weights (`target_parameters`), the same keys holding their adapters (_PEFT_EXPERT_NAMES).
 
 A peft adapter directory is also a model to ember (load_model, model.init_from): its base
 (`base_model_name_or_path`, a local HF or ember directory; a relative path is read from the adapter's
@@ -33,6 +35,15 @@ PREFIX = "base_model.model."
 # ember module inside a GPT block -> GPT-2's (c_attn is the fused q, k, v and is handled apart)
 _GPT_MODULES = {"attention.wo": "attn.c_proj", "feed_forward.w1": "mlp.c_fc", "feed_forward.w2": "mlp.c_proj"}
 _QKV = ("attention.wq", "attention.wk", "attention.wv")
+# The target names peft (0.21, with transformers 5) re-aims at the fused experts of these model types, whose experts
+# transformers 5 stacks into `mlp.experts.gate_up_proj` / `down_proj` parameters (peft/utils/
+# transformers_weight_conversion.py, _MOE_TARGET_MODULE_MAPPING): a target_modules entry ending in one, even a full
+# module name, adapts every MoE layer's experts or router and leaves the dense layer or shared expert of that name
+# without its adapter. Those layers are named by their weight in target_parameters instead, which peft applies to
+# exactly that parameter (W + alpha/r B A, as a target module would).
+_QWEN2_MOE_NAMES = ("gate", "gate_proj", "up_proj", "down_proj")
+_PEFT_EXPERT_NAMES = {"mixtral": ("gate", "w1", "w2", "w3"), "qwen3_moe": _QWEN2_MOE_NAMES,
+                      "deepseek_v2": _QWEN2_MOE_NAMES, "deepseek_v3": _QWEN2_MOE_NAMES}
 
 
 def is_peft_dir(path: Path) -> bool:
@@ -91,12 +102,17 @@ def save_peft(meta: dict[str, Any], args: Any, state: dict[str, torch.Tensor], o
     config: dict[str, Any] = {}
     if style == "llama":
         hf = _key_mapping(meta["family"])
-        for name in names:
-            module = hf.to_hf_key(f"{name}.weight").removesuffix(".weight")
+        modules = [_hf_module(hf, name) for name in names]
+        for name, module in zip(names, modules):
             tensors[f"{PREFIX}{module}.lora_A.weight"] = state[f"{name}.lora_A.weight"]
             tensors[f"{PREFIX}{module}.lora_B.weight"] = hf.tensor_to_hf(f"{name}.weight", state[f"{name}.lora_B.weight"], args)
-        targets = _target_modules(meta["family"], args, hf, [hf.to_hf_key(f"{n}.weight").removesuffix(".weight")
-                                                             for n in names])
+        claimed = _PEFT_EXPERT_NAMES.get(meta["family"], ())
+        by_weight = sorted(m for m in modules if m.rsplit(".", 1)[1] in claimed)
+        targets = _target_modules(meta["family"], args, hf, [m for m in modules if m not in by_weight])
+        if by_weight:
+            # peft's ParamWrapper (what target_parameters makes) refuses dropout; dropout acts only in training, so the
+            # adapter's function is the same without it
+            config.update(target_parameters=[f"{m}.weight" for m in by_weight], lora_dropout=0.0)
     else:
         targets, pattern = _gpt_adapters(names, state, settings, tensors)
         config.update(fan_in_fan_out=True, **pattern)
@@ -108,6 +124,15 @@ def save_peft(meta: dict[str, Any], args: Any, state: dict[str, torch.Tensor], o
     out_dir.mkdir(parents=True, exist_ok=True)
     save_safetensors({k: v.contiguous() for k, v in tensors.items()}, out_dir / ADAPTER_WEIGHTS)
     (out_dir / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _hf_module(hf: ModuleType, name: str) -> str:
+    """The HF module name of the ember linear `name` (layers.0.attention.wq -> model.layers.0.self_attn.q_proj)."""
+    try:
+        return hf.to_hf_key(f"{name}.weight").removesuffix(".weight")
+    except KeyError:  # Mixtral's router: its HF name is not one ember's peft mapping writes or reads
+        raise CheckpointError(f"the adapter on {name} has no Hugging Face module name that ember writes for peft; "
+                              "export the LoRA run merged into its base with --merge") from None
 
 
 def _target_modules(family: str, args: Any, hf: ModuleType, adapted: list[str]) -> list[str]:
