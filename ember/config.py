@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import typing
 from pathlib import Path
 from typing import Any, Optional
@@ -121,15 +122,28 @@ def _load_yaml(path: Path) -> dict:
     return data
 
 
+# A key of an inline mapping written without the space after its colon (`{name:choice,data:/f.jsonl}`): YAML and
+# OmegaConf read `name:choice` as one key with no value, so the space is put in (a value's own colons, as in
+# `data:s3://b/f`, follow no `{` or `,` and are left alone).
+_TIGHT_MAPPING_KEY = re.compile(r"((?<!\$)\{\s*|,\s*)([A-Za-z_][\w.]*):(?=[^\s])")
+
+
 def _parse_overrides(overrides: list[str]) -> DictConfig:
     for item in overrides:
         key, sep, _ = item.partition("=")
         if not sep or not key or key.strip() != key:
             raise ConfigError(f"override '{item}' is not of the form key=value (e.g. optim.lr=3e-4)")
+    overrides = [_spaced_mapping_keys(item) for item in overrides]
     try:
         return OmegaConf.from_dotlist(overrides)
     except OmegaConfBaseException as err:
         raise ConfigError(f"cannot parse overrides: {first_error_line(err)}") from None
+
+
+def _spaced_mapping_keys(item: str) -> str:
+    key, _, value = item.partition("=")
+    # an interpolation (`${oc.env:X}`) is OmegaConf's, left as written
+    return key + "=" + _TIGHT_MAPPING_KEY.sub(r"\1\2: ", value) if "{" in value and "${" not in value else item
 
 
 def _reject_env_interpolation(node: Any, origin: str) -> None:

@@ -267,7 +267,9 @@ class Trainer:
                     window = {"time": 0.0, "steps": 0, "loss": 0.0, "data": 0.0}
                 # Validation on its own cadence, outside the timed window of the step it follows.
                 if cfg.eval_interval and self.step % cfg.eval_interval == 0 and self.step < cfg.max_steps:
-                    logger.log(self.step, {"step": self.step, "val_loss": self.evaluate(), **self.eval_tasks()})
+                    evaluated = {"val_loss": self.evaluate(), **self.eval_tasks()}
+                    if any(value is not None for value in evaluated.values()):  # no split, no tasks: no line
+                        logger.log(self.step, {"step": self.step, **evaluated})
                 self.checkpointer.poll()
                 if signals.agree_to_stop():
                     self._say(f"{signals.describe()}: saving a checkpoint at step {self.step} and exiting")

@@ -15,7 +15,7 @@ from ember.data.loader import build_loader
 from ember.data.prepare import MANIFEST
 from ember.data.tokenizer import build_tokenizer, load_tokenizer, train_bpe
 from ember.errors import DataError
-from tests.helpers import TINY_RUN, job_env, run_ember, write_jsonl
+from tests.helpers import TINY_RUN, job_env, read_records, run_ember, write_jsonl
 
 
 @pytest.fixture
@@ -216,10 +216,14 @@ def test_a_run_on_shards_prepared_with_val_fraction_0_trains_without_validation(
     shards = tmp_path / "shards"
     run_ember("data", "prepare", str(corpus), str(shards), "--tokenizer", str(tokenizer_json), "--val-fraction", "0",
               expect=0)
-    proc = run_ember("train", "debug", *TINY_RUN, "max_steps=2", "metrics.console=true",
+    proc = run_ember("train", "debug", *TINY_RUN, "max_steps=3", "logging_steps=1", "metrics.console=true", "eval_interval=1",
                      f"output_dir={tmp_path / 'run'}", f"data.dataset={shards}", f"data.tokenizer={tokenizer_json}",
                      "data.val_fraction=0",
                      env=job_env(EMBER_CACHE=str(tmp_path / "cache")), expect=0)
     assert (f"no validation: '{shards}' holds no val split (prepared with --val-fraction 0); prepare it with a "
             "--val-fraction above 0 to validate on it") in proc.stdout
-    assert "done: 2 steps" in proc.stdout
+    assert "done: 3 steps" in proc.stdout
+    # eval_interval with nothing to evaluate: no bare `step 1` line, no record of nulls
+    assert not [line for line in proc.stdout.splitlines() if line.strip().split() in (["step", "1"], ["step", "2"])]
+    records = read_records(tmp_path / "run")
+    assert [r["step"] for r in records] == [1, 2, 3] and all("loss" in r for r in records)

@@ -286,8 +286,12 @@ def test_in_loop_eval_config_errors(tmp_path: Path):
     from ember import run as run_lib
     from ember.config import ConfigError
 
-    with pytest.raises(ConfigError, match=r"eval.tasks\[0\].name 'mmlu' is not one of lambada, boolq, choice"):
-        run_lib.load_config("debug", ["eval.tasks=[{name: mmlu, data: x.jsonl}]"])
+    for tasks in ("[{name: mmlu, data: x.jsonl}]", "[{name:mmlu,data:x.jsonl}]", "[{name:mmlu, data:x.jsonl}]"):
+        # YAML's spaced `key: value` and the tight `key:value` a shell user types read the same
+        with pytest.raises(ConfigError, match=r"eval.tasks\[0\].name 'mmlu' is not one of lambada, boolq, choice"):
+            run_lib.load_config("debug", [f"eval.tasks={tasks}"])
+    with pytest.raises(ConfigError, match=r"eval.tasks\[0\].data 's3://b/x.jsonl' is not a file"):  # a value's colons kept
+        run_lib.load_config("debug", ["eval.tasks=[{name:boolq,data:s3://b/x.jsonl}]"])
     with pytest.raises(ConfigError, match=r"eval.tasks\[0\].data '.*nope.jsonl' is not a file"):
         run_lib.load_config("debug", [f"eval.tasks=[{{name: boolq, data: {tmp_path / 'nope.jsonl'}}}]"])
     bad = write_jsonl(tmp_path / "b.jsonl", [{"passage": "p", "question": "q", "answer": "maybe"}])
