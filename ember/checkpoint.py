@@ -38,7 +38,8 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 from ember.config_schema import CheckpointConfig
 from ember.errors import CheckpointError, ConfigError, first_error_line
 from ember.finetune.base_fingerprint import check_resume_base, reference_meta
-from ember.finetune.lora import lora_meta, trainable_state_dict
+from ember.finetune.lora import lora_meta
+from ember.finetune.lora_state import START, buffer_names, lora_state_dict, start_buffers, unsaved_buffers
 from ember.load import model_state_dict
 from ember.model_meta import MODEL_JSON, ArchitectureMismatch, check_architecture, meta_for
 from ember.optim import apply_group_settings, group_settings
@@ -140,8 +141,10 @@ class CheckpointManager:
         self.run_config, self.allow_changes = run_config, tuple(allow_changes)
         self.resumed_from: Optional[Path] = None  # the checkpoint resume() loaded
         self.changes: list[Change] = []  # what this run changed against it
-        # LoRA: the frozen base is model.init_from's (meta["base"]), so only the trainable tensors are saved.
+        # LoRA: the frozen base is model.init_from's (meta["base"]), so only the trainable tensors and the buffers are
+        # saved, with the buffers' values at the start (finetune/lora_state.py)
         self.adapters_only = adapters_only
+        self.start_buffers = start_buffers(model_parts) if adapters_only else {}
         self.model_parts, self.optim_model, self.optimizer = model_parts, optim_model, optimizer
         self.meta, self.say = meta, say
         self._pending: Optional[tuple[Any, Path, Path]] = None  # async save in flight: (future, tmp, final)
@@ -160,9 +163,9 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ state
     def _state(self) -> dict[str, Any]:
-        model = trainable_state_dict(self.model_parts) if self.adapters_only else model_state_dict(self.model_parts)
-        return {"model": model,
-                "optim": get_optimizer_state_dict(self.optim_model, self.optimizer)}
+        model = lora_state_dict(self.model_parts) if self.adapters_only else model_state_dict(self.model_parts)
+        state = {"model": model, "optim": get_optimizer_state_dict(self.optim_model, self.optimizer)}
+        return {**state, START: self.start_buffers} if self.start_buffers else state
 
     # ------------------------------------------------------------------ save
     def due(self, step: int) -> bool:
@@ -272,6 +275,10 @@ class CheckpointManager:
         found = resume_changes(step_dir, self.run_config, self.allow_changes, self.say) if self.run_config else []
         check_resume_base(step_dir, self.meta)  # a LoRA run's base overwritten since: a ConfigError, no fallback
         state = self._state()
+        unsaved = unsaved_buffers(step_dir, state, buffer_names(self.model_parts)) if self.adapters_only else []
+        if unsaved:
+            self.say(f"note: {step_dir} holds no {', '.join(unsaved)} (saved before LoRA checkpoints kept buffers): "
+                     "the run goes on from the base's")
         settings = group_settings(self.optimizer)  # this run's optim.* (the checkpoint's replace them in `state`)
         try:
             verify(step_dir, state)

@@ -166,7 +166,12 @@ def convert(src: Union[str, Path], dst: Union[str, Path], to: Optional[str] = No
             raise CheckpointError(f"--to peft writes a LoRA run's adapters; '{src}' is not one (trained without "
                                   "lora.rank)" if not merge else "--merge folds the adapters into the base: use --to hf")
         check_lora_base(step_dir, meta)  # the adapter names that base: on other weights it would mean another model
-        args, state = _adapter_tensors(step_dir, meta)
+        args, state, moved = _adapter_tensors(step_dir, meta)
+        if moved:
+            more = f" (and {len(moved) - 1} more)" if len(moved) > 1 else ""
+            raise CheckpointError(f"'{src}': training moved {moved[0]}{more}, a buffer a peft adapter cannot hold (it "
+                                  "holds lora_A and lora_B only); export the run merged into its base with --merge, or "
+                                  "train with those buffers frozen (model.bias_update_rate=0 for score biases)")
         with staged(dst, "convert") as stage:
             save_peft(meta, args, state, stage)
         return target

@@ -26,6 +26,7 @@ from torch import nn
 from ember.errors import CheckpointError, ConfigError, UserFileNotFound, first_error_line
 from ember.finetune.base_fingerprint import check_lora_base
 from ember.finetune.lora import LoraLinear, apply_lora, is_adapter_key, merge_lora, trainable_names
+from ember.finetune.lora_state import START, buffer_names, lora_state_dict, moved_buffers, unsaved_buffers
 from ember.finetune.peft_format import check_adapter_config, is_peft_dir, merge_peft_adapter, peft_base
 from ember.hf_directory import hf_family, hf_tensors, load_hf_model
 from ember.model_meta import (MODEL_JSON, build_on_meta, ember_step_dir, newest_step_dir, parse_model_meta, read_json,
@@ -270,27 +271,34 @@ def _load_lora_checkpoint(step_dir: Path, meta: dict[str, Any], device: Device, 
     for module in model.modules():
         if isinstance(module, LoraLinear):
             module.lora_A.to(device, dtype), module.lora_B.to(device, dtype)
-    names = trainable_names([model])
-    state = {k: v for k, v in model.state_dict().items() if k in names}
+    state = {"model": lora_state_dict([model])}  # the adapters, and the buffers training moved (router score biases)
+    unsaved_buffers(step_dir, state, buffer_names([model]))  # a checkpoint from before they were kept: the base's
     try:
-        _quiet_dcp(dcp.load, {"model": state}, checkpoint_id=str(step_dir))
+        _quiet_dcp(dcp.load, state, checkpoint_id=str(step_dir))
     except (RuntimeError, ValueError, OSError, CheckpointException) as err:
         raise CheckpointError(f"'{step_dir}': its adapters do not fit its base '{base}' ({first_error_line(err)})") from None
     return model
 
 
-def _adapter_tensors(step_dir: Path, meta: dict[str, Any]) -> tuple[Any, dict[str, torch.Tensor]]:
-    """(args, {name: tensor}) of a LoRA checkpoint's trainable tensors, read without loading the base."""
+def _adapter_tensors(step_dir: Path, meta: dict[str, Any]) -> tuple[Any, dict[str, torch.Tensor], list[str]]:
+    """(args, {name: tensor} of a LoRA checkpoint's trainable tensors, the buffers its training moved), read without
+    loading the base."""
     family, _, args = read_model_json(step_dir / MODEL_JSON)
     model = build_on_meta(family, args, torch.float32)
     apply_lora(model, family=family, **meta["lora"])
-    shapes = dict(model.named_parameters(remove_duplicate=False))
-    state = {name: torch.empty(shapes[name].shape) for name in sorted(trainable_names([model]))}
+    names, buffers = sorted(trainable_names([model])), buffer_names([model])
+    shapes = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers())}
+    state = {"model": {name: torch.empty(shapes[name].shape) for name in [*names, *buffers]}}
+    if buffers:  # and their values when the run started, which tell whether training moved them
+        state[START] = {name: torch.empty(shapes[name].shape) for name in buffers}
+    unsaved_buffers(step_dir, state, buffers)
     try:
-        _quiet_dcp(dcp.load, {"model": state}, checkpoint_id=str(step_dir))
+        _quiet_dcp(dcp.load, state, checkpoint_id=str(step_dir))
     except (RuntimeError, ValueError, OSError, CheckpointException) as err:
         raise CheckpointError(f"'{step_dir}': its adapters do not fit its {MODEL_JSON} ({first_error_line(err)})") from None
-    return args, state
+    moved = moved_buffers({name: state["model"].pop(name) for name in buffers if name in state["model"]},
+                          state.get(START, {}))
+    return args, state["model"], moved
 
 
 def _peft_base(adapter_dir: Path) -> Path:
