@@ -44,6 +44,8 @@ def check(cfg: JobConfig, shape: MeshShape) -> None:
         (cfg.lora.rank > 0, "lora.rank", "lora.rank=0, or fine-tune with LoRA on cpu/cuda"),
         (bool(cfg.eval.tasks), "eval.tasks", "eval.tasks=[] and score the checkpoint with `ember eval`"),
         (fp8_enabled(cfg), "precision=fp8 (fp8.enabled)", "precision=bf16"),
+        # torch.compile compiles torch's own kernels; this path traces the whole step into one jax.jit already
+        (cfg.compile, "compile=true", "compile=false (the whole step is compiled by XLA already)"),
     ]
     for refused_here, key, fix in refused:
         if refused_here:
@@ -76,7 +78,22 @@ def check_scan(cfg: JobConfig, args: Any) -> None:
     span_of, moe_at = getattr(args, "layer_span", None), getattr(args, "is_moe_layer", None)
     spans = {span_of(i) for i in range(args.n_layers)} if span_of is not None else {None}
     experts = {moe_at(i) for i in range(args.n_layers)} if moe_at is not None else {False}
-    if len(spans) > 1 or len(experts) > 1 or local_rope_args(args) is not None:
+    rope_at = getattr(args, "uses_rope", None)
+    ropes = {rope_at(i) for i in range(args.n_layers)} if rope_at is not None else {True}
+    differences = [what for differ, what in (
+        (len(spans) > 1, " and ".join(sorted({_span_words(span) for span in spans}))),
+        (len(ropes) > 1, "RoPE and NoPE layers"),
+        (local_rope_args(args) is not None and len(spans) > 1, "local layers with their own RoPE base"),
+        (len(experts) > 1, "dense and MoE layers"),
+    ) if differ]
+    if differences:
         raise ConfigError(f"model.scan_layers=true needs every block alike, and this {cfg.model.family} model's blocks "
-                          "differ (sliding-window and full-attention layers, or dense and MoE layers); drop "
-                          "model.scan_layers")
+                          f"differ ({'; '.join(differences)}); drop model.scan_layers")
+
+
+def _span_words(span: Any) -> str:
+    if span is None:
+        return "full-attention layers"
+    if getattr(span, "chunk", None):
+        return f"chunked-attention layers ({span.chunk}-token chunks)"
+    return f"sliding-window layers ({span.window}-token window)"

@@ -148,12 +148,23 @@ def build_layout(spec: RunSpec, mesh: Any, host_model: torch.nn.Module, traced: 
     tx = adamw(options, {name: id(host_model.get_parameter(hosts[0])) in decay for name, hosts in names.items()})
     replicated = NamedSharding(mesh, P())
     opt_shardings = _opt_shardings(tx, param_shardings, replicated)
-    buffers = {name: jax.device_put(np.asarray(buf.numpy()), replicated) for name, buf in traced.named_buffers()}
+    buffers = {name: jax.device_put(np.asarray(_initial_buffer(name, buf, host_model).numpy()), replicated)
+               for name, buf in traced.named_buffers()}
     compiled = build_step(traced, scanned, options, tx, buffers, tied,
                           {"params": param_shardings, "opt_state": opt_shardings,
                            "batch": NamedSharding(mesh, mesh_lib.batch_spec(mesh)), "replicated": replicated})
     return XlaLayout(mesh, names, param_shardings, opt_shardings,
                      NamedSharding(mesh, P(None, *mesh_lib.batch_spec(mesh))), tx, compiled, shapes)
+
+
+def _initial_buffer(name: str, buffer: torch.Tensor, host_model: torch.nn.Module) -> torch.Tensor:
+    """A buffer's value for the compiled step: the traced model's own (its RoPE tables), else the host model's where
+    it was loaded (model.init_from: DeepSeek-V3's score biases), else zeros, what the family's init_weights gives
+    every buffer that init_rope does not fill (the score biases; tests/xla pins it for every family)."""
+    if not buffer.is_meta:
+        return buffer
+    host = host_model.get_buffer(name)
+    return host.detach() if not host.is_meta else torch.zeros(buffer.shape, dtype=buffer.dtype)
 
 
 def compiled_memory(layout: XlaLayout, micro_batches: int, rows: int, seq_len: int,
