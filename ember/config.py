@@ -133,11 +133,15 @@ def _parse_overrides(overrides: list[str]) -> DictConfig:
         key, sep, _ = item.partition("=")
         if not sep or not key or key.strip() != key:
             raise ConfigError(f"override '{item}' is not of the form key=value (e.g. optim.lr=3e-4)")
-    overrides = [_spaced_mapping_keys(item) for item in overrides]
     try:
-        return OmegaConf.from_dotlist(overrides)
+        return OmegaConf.from_dotlist([_spaced_mapping_keys(item) for item in overrides])
     except OmegaConfBaseException as err:
         raise ConfigError(f"cannot parse overrides: {first_error_line(err)}") from None
+    except yaml.YAMLError as err:  # a value OmegaConf hands to YAML: an unclosed [ or {
+        bad = next((item for item in overrides if item.count("[") != item.count("]") or item.count("{") != item.count("}")),
+                   overrides[-1])
+        raise ConfigError(f"cannot parse override '{bad}': {str(err).splitlines()[0]}; close every [ and {{ "
+                          "(quote the whole key=value for the shell)") from None
 
 
 def _spaced_mapping_keys(item: str) -> str:
@@ -218,6 +222,11 @@ def load(recipe: str = "debug", overrides: Optional[list[str]] = None) -> JobCon
         cfg: JobConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as err:
         raise _explain(err, schema, "") from None
+    except TypeError:  # OmegaConf's merge of a mapping into a list, or the reverse
+        key = next(item.partition("=")[0] for item in overrides if "{" in item or "[" in item)
+        raise ConfigError(f"override '{key}=...' has the wrong shape: a list is [a, b], a list of mappings "
+                          f"[{{name: x, data: y}}], a mapping {{key: value}}; see the key's type in "
+                          f"docs/training-and-config.md") from None
     validate(cfg)
     return cfg
 
@@ -325,6 +334,10 @@ def validate(cfg: JobConfig) -> None:
     _check_output_dir(cfg.output_dir)
     if cfg.eval.batch_size < 1:
         raise ConfigError(f"eval.batch_size must be >= 1, got {cfg.eval.batch_size}")
+    peak = cfg.metrics.peak_tflops
+    if peak is not None and not (math.isfinite(peak) and peak > 0):
+        raise ConfigError(f"metrics.peak_tflops={peak}: a device's peak TFLOP/s is a finite number > 0 (null: the "
+                          "table's, or on a CPU a measured one)")
     if cfg.eval.limit is not None and cfg.eval.limit < 1:
         raise ConfigError(f"eval.limit must be >= 1 (null: every row), got {cfg.eval.limit}")
     if cfg.resume not in ("auto", "none") and not Path(cfg.resume).expanduser().exists():

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import math
 import os
 import platform
 import time
@@ -91,7 +92,7 @@ def model_gemms(model: nn.Module, tokens: int) -> list[Gemm]:
 
 
 def measure_gemm_rates(gemms: list[Gemm], dtypes: tuple[torch.dtype, ...], training: bool = True,
-                       seconds: float = 0.04, repeats: int = 3) -> dict[torch.dtype, float]:
+                       seconds: float = 0.06, repeats: int = 5) -> dict[torch.dtype, float]:
     """FLOP/s of the matmuls over `gemms` in each dtype: each GEMM's forward product and, `training`, the two of
     its backward ((tokens, out) x (out, in) for the input's gradient, (in, tokens) x (tokens, out) for the
     weight's), the best of at least `repeats` timings within ~`seconds` each, summed over the GEMMs by count.
@@ -106,14 +107,22 @@ def measure_gemm_rates(gemms: list[Gemm], dtypes: tuple[torch.dtype, ...], train
     return {dtype: flops / seconds_taken for dtype, seconds_taken in total.items()}
 
 
+# One timing covers at least this long: a decode step's (1, dim) x (dim, hidden) product takes microseconds, where
+# one call's timing is mostly the timer's and the thread pool's wake-up, so such products are timed in batches.
+MIN_TIMING_S = 2e-3
+
+
 def _best_seconds(m: int, k: int, n: int, dtype: torch.dtype, seconds: float, repeats: int) -> float:
     a, b, out = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype), torch.empty(m, n, dtype=dtype)
+    start = time.perf_counter()
     torch.mm(a, b, out=out)  # warm-up: oneDNN's kernel choice and the output's first touch
+    calls = max(1, min(10_000, int(MIN_TIMING_S / max(time.perf_counter() - start, 1e-7))))
     best, deadline, done = float("inf"), time.perf_counter() + seconds, 0
     while done < repeats or time.perf_counter() < deadline:
         start = time.perf_counter()
-        torch.mm(a, b, out=out)
-        best, done = min(best, time.perf_counter() - start), done + 1
+        for _ in range(calls):
+            torch.mm(a, b, out=out)
+        best, done = min(best, (time.perf_counter() - start) / calls), done + 1
     return best
 
 
@@ -183,9 +192,12 @@ class Measured:
 def _read(path: Path) -> dict[str, Measured]:
     try:
         raw = json.loads(path.read_text())
-        return {key: Measured({name: float(v) for name, v in entry["rates"].items()}, bool(entry["quiet"]),
-                              str(entry.get("job", "")))
-                for key, entry in raw.items()}
+        entries = {key: Measured({name: float(v) for name, v in entry["rates"].items()}, bool(entry["quiet"]),
+                                 str(entry.get("job", "")))
+                   for key, entry in raw.items()}
+        # a rate that is no rate (0, negative, NaN, inf: a hand-edited or damaged file) is measured again
+        return {key: entry for key, entry in entries.items()
+                if entry.rates and all(math.isfinite(rate) and rate > 0 for rate in entry.rates.values())}
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return {}  # missing, damaged or another version's: measured again, never fatal
 
@@ -250,7 +262,8 @@ class Rates:
     where: str
 
 
-def _cached(key: str, measure: Callable[[], dict[str, float]], again: bool = False) -> Rates:
+def _cached(key: str, measure: Callable[[], dict[str, float]], expected: tuple[str, ...],
+            again: bool = False) -> Rates:
     """The rates kept under `key`, measured (by `measure`) where there are none yet, or where the figures are
     provisional and another job made them, or `again` (a provisional figure that a run has beaten). A new
     measurement keeps, name by name, the higher of it and the previous figure."""
@@ -262,6 +275,8 @@ def _cached(key: str, measure: Callable[[], dict[str, float]], again: bool = Fal
             with _locked(path):
                 entries = _read(path)
                 entry = entries.get(key, entry)  # another job may have settled it meanwhile
+                if entry is not None and not set(expected) <= set(entry.rates):
+                    entry = None  # a figure missing (another version's entry): measured afresh
                 if entry is None or not (entry.quiet or (entry.job == job_id() and not again)):
                     entries[key] = entry = _measure(entry, measure)
                     _write(path, entries)
@@ -290,7 +305,7 @@ def cpu_peak_flops(dtype: torch.dtype = torch.float32, again: bool = False) -> R
     while other threads or processes compete, comes out low and makes MFU exceed 100%). `again`: measure a
     provisional figure once more now."""
     name = dtype_name(dtype)
-    return _cached(_peak_key(dtype), lambda: {name: measure_cpu_matmul_flops(dtype=dtype)}, again)
+    return _cached(_peak_key(dtype), lambda: {name: measure_cpu_matmul_flops(dtype=dtype)}, (name,), again)
 
 
 def cpu_gemm_rates(gemms: list[Gemm], training: bool = True) -> Rates:
@@ -300,7 +315,7 @@ def cpu_gemm_rates(gemms: list[Gemm], training: bool = True) -> Rates:
         rates = measure_gemm_rates(gemms, (torch.float32, torch.bfloat16), training)
         return {dtype_name(dtype): rate for dtype, rate in rates.items()}
 
-    return _cached(_gemm_key(gemms, training), measure)
+    return _cached(_gemm_key(gemms, training), measure, ("fp32", "bf16"))
 
 
 def raise_cached_peak(dtype: torch.dtype, flops: float) -> float:

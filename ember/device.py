@@ -77,11 +77,16 @@ def choose_compute_dtype(precision: str, device: torch.device, gemms: Callable[[
         return PrecisionChoice(torch.float32, "this CPU has no bf16 matmul instructions: AVX512-BF16, AMX")
     measured = cpu_rates.cpu_gemm_rates(gemms(), training)
     fp32, bf16 = measured.rates["fp32"], measured.rates["bf16"]
-    why = (f"bf16 matmuls ran {bf16 / fp32:.2f}x fp32's at this model's shapes on this CPU: {bf16 / 1e12:.3f} vs "
-           f"{fp32 / 1e12:.3f} TFLOP/s, {measured.where}")
+    why = (f"bf16 matmuls ran {bf16 / fp32:.2f}x fp32's at this model's shapes on this CPU: {_rate(bf16)} vs "
+           f"{_rate(fp32)}, {measured.where}")
     if bf16 >= BF16_MIN_SPEEDUP * fp32:
         return PrecisionChoice(torch.bfloat16, why)
     return PrecisionChoice(torch.float32, f"{why}; auto takes bf16 from {BF16_MIN_SPEEDUP}x, precision=bf16 forces it")
+
+
+def _rate(flops: float) -> str:
+    """FLOP/s as the header says it: TFLOP/s, or GFLOP/s for a decode step's small products."""
+    return f"{flops / 1e12:.3f} TFLOP/s" if flops >= 1e11 else f"{flops / 1e9:.3g} GFLOP/s"
 
 
 def pick_compute_dtype(precision: str, device: torch.device,

@@ -219,5 +219,6 @@ def raise_measured_peak(peak: PeakFlops, achieved_flops: float) -> PeakFlops:
             return remeasured
         peak = remeasured
     flops = cpu_rates.raise_cached_peak(peak.cpu_dtype, achieved_flops)
+    raised = "matmul, raised to a training run's rate"
     return replace(peak, value_flops=flops, run_rate=True,
-                   source=peak.source.replace("matmul", "matmul, raised to a training run's rate", 1))
+                   source=peak.source if raised in peak.source else peak.source.replace("matmul", raised, 1))

@@ -190,5 +190,6 @@ def check_resumed_compute(output_dir: Path, precision: str, compute: str) -> Non
     if precision != "auto" or before == compute or before not in named or compute not in named:
         return
     raise ConfigError(f"resume would switch this run from {before} to {compute}: precision=auto resolves differently "
-                      f"here (this device, or EMBER_CPU_BF16); resume with precision={named[before]} as it trained, or "
-                      f"precision={named[compute]} to change it on purpose")
+                      f"here (another device, EMBER_CPU_BF16, or this CPU's fp32 and bf16 matmul rates measured again: "
+                      f"provisional figures move while other processes are busy); resume with "
+                      f"precision={named[before]} as it trained, or precision={named[compute]} to change it on purpose")

@@ -48,8 +48,8 @@ def test_auto_takes_the_dtype_that_measured_faster_at_the_models_shapes(bf16_cpu
     _rates(monkeypatch, bf16_cpu, fp32, bf16)
     spec = run_lib.resolve(run_lib.load_config("debug", []), 1, CPU)
     assert spec.compute_dtype == expected
-    ratio = f"bf16 matmuls ran {bf16 / fp32:.2f}x fp32's at this model's shapes on this CPU: {bf16 / 1e12:.3f} vs " \
-            f"{fp32 / 1e12:.3f} TFLOP/s, cached in "
+    ratio = f"bf16 matmuls ran {bf16 / fp32:.2f}x fp32's at this model's shapes on this CPU: {bf16 / 1e12:.3f} " \
+            f"TFLOP/s vs {fp32 / 1e12:.3f} TFLOP/s, cached in "
     assert ratio in spec.precision_note  # the two rates that decided
     if expected == torch.bfloat16:
         assert spec.precision_note.startswith("precision: auto -> bf16 autocast (bf16 matmuls ran")
@@ -70,6 +70,24 @@ def test_auto_takes_the_dtype_that_measured_faster_at_the_models_shapes(bf16_cpu
         spec = run_lib.resolve(run_lib.load_config("debug", [f"precision={precision}"]), 1, CPU)
         assert (spec.compute_dtype, spec.precision_note) == (dtype, None)
     assert len(bf16_cpu) == 1
+
+
+@pytest.mark.parametrize("bad", [{"fp32": 0.0, "bf16": 1e11}, {"fp32": float("nan"), "bf16": 1e11},
+                                 {"fp32": -1e11, "bf16": -1e11}, {"fp32": 1e11}])
+def test_a_cached_rate_that_is_no_rate_is_measured_again(bf16_cpu, monkeypatch, bad):
+    _rates(monkeypatch, bf16_cpu, 3e11, 1e11)
+    run_lib.resolve(run_lib.load_config("debug", []), 1, CPU)
+    path = cpu_rates.rates_path()
+    entries = json.loads(path.read_text())
+    (key,) = entries
+    path.write_text(json.dumps({key: {"rates": bad, "quiet": True, "job": "x"}}).replace("NaN", "NaN"))
+    monkeypatch.setattr(cpu_rates, "_IN_PROCESS", {})
+    spec = run_lib.resolve(run_lib.load_config("debug", []), 1, CPU)
+    assert len(bf16_cpu) == 2 and spec.compute_dtype == torch.float32 and "0.33x" in spec.precision_note
+
+
+def test_decode_rates_are_said_in_gflops():
+    assert device._rate(7e7) == "0.07 GFLOP/s" and device._rate(3.2e11) == "0.320 TFLOP/s"
 
 
 def test_a_cpu_without_bf16_instructions_is_fp32_unmeasured(bf16_cpu, monkeypatch):

@@ -76,9 +76,10 @@ def test_a_resume_where_auto_resolves_to_another_dtype_is_refused(tmp_path):
                      expect=2)
     assert "changed on resume" not in proc.stdout + proc.stderr
     assert proc.stderr.strip().splitlines()[-1].endswith(
-        "resume would switch this run from float32 to bfloat16: precision=auto resolves differently here (this "
-        "device, or EMBER_CPU_BF16); resume with precision=fp32 as it trained, or precision=bf16 to change it on "
-        "purpose")
+        "resume would switch this run from float32 to bfloat16: precision=auto resolves differently here (another "
+        "device, EMBER_CPU_BF16, or this CPU's fp32 and bf16 matmul rates measured again: provisional figures move "
+        "while other processes are busy); resume with precision=fp32 as it trained, or precision=bf16 to change it "
+        "on purpose")
     assert (out / "metrics.jsonl").read_text() == before
     run_ember("train", *TINY_RUN, "max_steps=3", "precision=fp32", f"output_dir={out}",
               env=dict(os.environ, EMBER_CPU_BF16="1"), expect=0)
