@@ -1,6 +1,7 @@
 """The documentation stays true to the repository: docs/performance.md is what benchmarks/render_performance.py
-renders from benchmarks/results/*.json now, and every relative link in README.md and docs/*.md reaches a file
-(and, with an #anchor into a markdown page, a heading of that page)."""
+renders from benchmarks/results/*.json now, docs/tpu.md's plan table is benchmarks/render_tpu_plans.py's (its
+figures against a fresh `ember plan` of each recipe: tests/test_tpu_recipes.py), and every relative link in
+README.md and docs/*.md reaches a file (and, with an #anchor into a markdown page, a heading of that page)."""
 
 from __future__ import annotations
 
@@ -58,6 +59,17 @@ def test_render_formats_numbers_and_tables():
         "1,234,567", "4,837", "1.107", "0.0001837", "yes", "", "a=1 b=2"]
     assert renderer.table([{"a": 1, "b": [1.0, 2.0]}, {"a": 2, "c": "x|y"}]) == [
         "| a | c |", "|---|---|", "| 1 |  |", "| 2 | x\\|y |"]
+
+
+def test_tpu_plan_table_is_the_generators_with_a_row_per_tpu_recipe():
+    """docs/tpu.md's plan table lies between render_tpu_plans.py's markers, one row per device=tpu recipe in its order
+    (each row's figures are compared with a fresh plan, seconds per recipe, in tests/test_tpu_recipes.py)."""
+    renderer = load_benchmark("render_tpu_plans")
+    page = renderer.PAGE.read_text()
+    assert page.count(renderer.BEGIN) == page.count(renderer.END) == 1
+    lines = page[page.index(renderer.BEGIN):page.index(renderer.END) + len(renderer.END)].splitlines()
+    assert lines[:3] + lines[-1:] == renderer.table([]).splitlines()
+    assert [line.split(" | ")[0].removeprefix("| ") for line in lines[3:-1]] == renderer.tpu_recipes()
 
 
 def test_every_relative_link_reaches_a_file_and_heading():

@@ -1,7 +1,8 @@
 """The TPU recipes: torchprime's layouts (ember/recipes/*-v6e-256.yaml) and MaxText's v5e models
 (maxtext-*-v5e-256.yaml). Each loads (the schema's checks only: the XLA path's own need jax), runs on
-device=tpu, and its mesh is the chips of its TPU slices; its global batch is its source's, in the micro-batches
-`ember plan` fits on a chip; MaxText's models are the shapes its global_parameter_scale gives."""
+device=tpu, and its mesh is the chips of its TPU slices; its global batch is its source's, in the largest
+micro-batches `ember plan` fits on a chip, as its header and docs/tpu.md's table say (both written by
+benchmarks/render_tpu_plans.py); MaxText's models are the shapes its global_parameter_scale gives."""
 
 import math
 
@@ -9,26 +10,30 @@ import pytest
 import torch
 
 from ember import config as config_lib
+from ember import run as run_lib
 from ember.commands.recipes import _device
 from ember.models import MODELS, build_model_args
 from ember.parallel.mesh_shape import resolve_mesh
+from ember.plan.planner import make_plan
+from tests.helpers import load_benchmark
 
 # recipe: (TPU type, chips per slice, slices, global batch, remat, scan_layers) as each recipe's torchprime source,
 # and the micro-batches accumulated per step (torchprime runs one).
 TPU_RECIPES = {
     "llama3-8b-v6e-256": ("v6e-256", 256, 1, 1024, "full", True, 1),
     "llama3.1-70b-v6e-256": ("v6e-256", 256, 1, 512, "offload", True, 1),
-    "llama3.1-405b-2xv6e-256": ("v6e-256", 256, 2, 512, "offload", True, 4),
+    "llama3.1-405b-2xv6e-256": ("v6e-256", 256, 2, 512, "offload", True, 2),
     "mixtral-8x7b-v6e-256": ("v6e-256", 256, 1, 512, "full", False, 1),
 }
 
 
 # MaxText's MaxText/configs/v5e/{16,32,64,128}b.sh on one v5e-256: (global_parameter_scale, per-device batch, remat,
-# ici mesh), the size its README's table names, and the micro-batches accumulated per step (MaxText runs one).
+# ici mesh), the size its README's table names, and the micro-batches accumulated per step (MaxText runs one). The
+# remat is MaxText's but for the 64B's: with MaxText's full, the plan fits no micro-batch (its header says so).
 MAXTEXT_RECIPES = {
     "maxtext-16b-v5e-256": (16, 6, "full", {"fsdp": 256}, 16e9, 1),
     "maxtext-32b-v5e-256": (32, 4, "full", {"fsdp": 256}, 32e9, 2),
-    "maxtext-64b-v5e-256": (64, 2, "full", {"fsdp": 256}, 64e9, 2),
+    "maxtext-64b-v5e-256": (64, 2, "offload", {"fsdp": 256}, 64e9, 1),
     "maxtext-128b-v5e-256": (128, 1, "offload", {"fsdp": 16, "tensor": 16}, 128e9, 1),
 }
 
@@ -111,3 +116,40 @@ def test_model_optimizer_and_schedule_are_the_gpu_recipes(name: str, gpu_recipe:
 
 def test_gpu_recipes_show_their_device_alone():
     assert _device(config_lib.load("llama3.1-8b")) == "auto"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(TPU_RECIPES) + sorted(MAXTEXT_RECIPES))
+def test_recipe_fits_its_plan_at_the_largest_micro_batch_as_its_header_and_the_docs_say(name: str):
+    """`ember plan RECIPE --world N --device tpu-X` (chips and TPU from the name) at the recipe's micro-batch: it fits,
+    no larger one does, and the header's `# Planned:` lines and docs/tpu.md's table row are what
+    benchmarks/render_tpu_plans.py writes from this plan (a planner change that moves a figure fails here; rerun it).
+    The figures went stale once: the planner began extending each region of the step on its own line (a5c0787), and
+    llama3-8b-v6e-256's peak went from 18.98 to 25.88 GiB while the page still said 18.98; maxtext-64b-v5e-256's
+    header said 1 sequence fits where its plan fit none."""
+    renderer = load_benchmark("render_tpu_plans")
+    row = renderer.plan_row(name)
+    cfg = config_lib.load(name)
+    assert (row.fits, row.largest, row.micro_batch) == (True, cfg.micro_batch_size, cfg.micro_batch_size), row
+    header = config_lib.resolve_recipe(name).read_text().split("\nseed:")[0]
+    assert renderer.plan_lines(row) in header
+    assert renderer.table_line(row) in renderer.PAGE.read_text()
+
+
+@pytest.mark.slow
+def test_maxtext_64b_keeps_its_block_inputs_on_the_host_because_full_remat_fits_no_micro_batch():
+    """The recipe's one departure from MaxText (remat=offload for MaxText's full), as its header says."""
+    renderer = load_benchmark("render_tpu_plans")
+    world, device = renderer.chips("maxtext-64b-v5e-256")
+    cfg = run_lib.load_config("maxtext-64b-v5e-256", ["model.remat=full", "micro_batch_size=1"], world_size=world)
+    plan = make_plan(cfg, world, None, device)
+    assert (plan.fits, plan.max_micro_batch) == (False, None)
+
+
+def test_tpu_recipe_names_give_their_chips_and_device():
+    renderer = load_benchmark("render_tpu_plans")
+    assert set(renderer.tpu_recipes()) == set(TPU_RECIPES) | set(MAXTEXT_RECIPES)
+    assert [renderer.chips(name) for name in ("llama3.1-405b-2xv6e-256", "maxtext-64b-v5e-256")] == [
+        (512, "tpu-v6e"), (256, "tpu-v5e")]
+    for name, (tpu_type, chips, slices, *_) in TPU_RECIPES.items():
+        assert renderer.chips(name) == (chips * slices, "tpu-" + tpu_type.split("-")[0])

@@ -46,7 +46,10 @@ def apply_fsdp(
         else:
             ignored.update(module.parameters())
     if mesh is not None:
-        common = dict(mesh=mesh, mp_policy=mp, offload_policy=offload, ignored_params=ignored or None)
+        # experts stacked in a block (no expert parallelism) split as own units' are: Mixtral's 8 over fsdp=256
+        # left whole on 8 ranks and empty on 248 (21 GiB each on those 8 in ember plan)
+        common = dict(mesh=mesh, mp_policy=mp, offload_policy=offload, ignored_params=ignored or None,
+                      shard_placement_fn=_stacked_placement(mesh))
         tied = getattr(model.args, "tie_embeddings", False)
         if model.tok_embeddings is not None and not tied:
             fully_shard(model.tok_embeddings, reshard_after_forward=reshard_after_forward, **common)
@@ -69,16 +72,17 @@ def apply_fsdp(
 
 def _stacked_placement(mesh: DeviceMesh) -> Callable[[nn.Parameter], Optional[Shard]]:
     """Where FSDP splits a stacked (experts, rows, cols) parameter: its default, dim 0, only when this rank's
-    experts divide evenly over the mesh. With few experts per expert-parallel rank (Mixtral's 8 at expert=8:
-    one each) dim 0 cannot be split, and FSDP would leave it whole on some ranks and empty on the others; the
-    rows are split instead (torchtitan does the same)."""
+    experts divide evenly over the mesh. With few experts per rank (Mixtral's 8 at expert=8: one each; all 8 at
+    fsdp=256 without expert parallelism) dim 0 cannot be split, and FSDP would leave it whole on some ranks and
+    empty on the others; the rows are split instead (torchtitan does the same)."""
     from torch.distributed.tensor import DTensor, Shard
 
-    size = mesh.size()
+    size = mesh.size(mesh.ndim - 1)  # HSDP's (replicate, shard) mesh splits over its last dimension only
 
     def placement(param: nn.Parameter) -> Optional[Shard]:
         local = param.to_local() if isinstance(param, DTensor) else param
-        if local.dim() == 3 and local.shape[0] % size:
+        # FSDP2 splits any dim but 0 only evenly (NotImplementedError): rows that do not divide keep dim 0's
+        if local.dim() == 3 and local.shape[0] % size and local.shape[1] % size == 0:
             return Shard(1)
         return None  # FSDP's default, Shard(0)
 

@@ -214,6 +214,13 @@ def balanced_routing(parts: list[nn.Module], ep: int, dtype: torch.dtype) -> Ite
             moe.dispatch, moe.experts.impl = dispatch_fn, impl
 
 
+def tracked_forwards(spec: RunSpec) -> int:
+    """Forward/backward passes track_step runs per step: one, or two for any accumulation (the second sees the
+    first's gradients, as every later one does). A step that accumulates peaks higher than one that does not, so a
+    tracked step stands only for micro-batch sizes with the same count (planner.make_plan's trials)."""
+    return min(2, spec.grad_accum * spec.pp_microbatches)
+
+
 def track_step(spec: RunSpec, mesh: Optional[ParallelMesh], part: nn.Module, kind: str, batch: int,
                grad_ratio: Optional[dict[str, float]] = None) -> Tracked:
     """Peak memory of one training step of `part` (a whole model, or a pipeline stage of `kind` first |
@@ -226,7 +233,7 @@ def track_step(spec: RunSpec, mesh: Optional[ParallelMesh], part: nn.Module, kin
 
     cfg, args = spec.cfg, spec.args
     T = cfg.seq_len
-    forwards = min(2, spec.grad_accum * spec.pp_microbatches)
+    forwards = tracked_forwards(spec)
     tp_mesh = mesh.submesh("tensor") if mesh is not None else None
     with FakeTensorMode(allow_non_fake_inputs=True), balanced_routing([part], spec.degree("expert"), spec.compute_dtype), \
             blocks_sized_for(spec.device.type), untracked_sharding_propagation():

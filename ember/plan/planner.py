@@ -24,7 +24,7 @@ from ember.parallel.mesh import AXES, ParallelMesh, rank_grid
 from ember.parallel.mesh_shape import MeshShape
 from ember.plan import cost
 from ember.plan.memory import (StateBytes, build_parts, fake_world, layer_period, named_params, plan_spec, state_bytes,
-                               with_micro_batch)
+                               tracked_forwards, with_micro_batch)
 from ember.plan.stages import StageModel, model_stage, offloaded
 from ember.run import RunSpec
 
@@ -198,6 +198,38 @@ def _step(spec: RunSpec, fab: cost.Fabric, roles: list[Role], grid: torch.Tensor
     return best
 
 
+@dataclass
+class StageModels:
+    """The plan's tracked stage models (stages.StageModel) by remat policy, stage kind and the forwards its tracked
+    step runs (memory.tracked_forwards): a micro-batch size whose step accumulates where the job's does not (or the
+    reverse) is tracked on its own, at its own rows. Read off the job's model, a smaller micro-batch was planned
+    without the accumulation it brings: MaxText's 64B at 2 sequences per v5e chip was told 1 fits, and its plan at 1
+    (accumulating 2) did not fit."""
+
+    roles: list[Role]
+    rows_vary: bool  # False with pp_microbatches=-1: a pipeline micro-batch is one sequence, whatever the micro-batch
+    models: dict[tuple[str, str, int], StageModel] = field(default_factory=dict)
+
+    def track(self, trial: RunSpec, kind: str, mesh: Optional[ParallelMesh]) -> StageModel:
+        """`trial`'s model of a stage `kind`, tracked now if it is not yet (in the fake world of a rank of it)."""
+        key = (trial.cfg.model.remat, kind, tracked_forwards(trial))
+        if key not in self.models:
+            fewest = min(r.n_layers / len(r.stage_ids) for r in self.roles if r.kind == kind)
+            rows = trial.cfg.micro_batch_size // trial.pp_microbatches
+            tracked = model_stage(with_micro_batch(trial, trial.cfg.micro_batch_size, device_policy(key[0])), mesh,
+                                  kind, rows, both_batches=self.rows_vary, fewest_layers=fewest)
+            self.models[key] = offloaded(tracked) if key[0] == "offload" else tracked
+        return self.models[key]
+
+    def get(self, trial: RunSpec, kind: str) -> StageModel:
+        """`trial`'s model of a stage `kind`, tracked in the fake world of its first rank if it is not yet."""
+        if (trial.cfg.model.remat, kind, tracked_forwards(trial)) not in self.models:
+            rank = next(r for r in self.roles if r.kind == kind).ranks[0]
+            with fake_world(rank, trial.world_size):
+                self.track(trial, kind, ParallelMesh(trial.shape, "cpu") if trial.world_size > 1 else None)
+        return self.track(trial, kind, None)
+
+
 def make_plan(cfg: JobConfig, world: int, nodes: Optional[int] = None, device: str = "h100",
               search: bool = False) -> Plan:
     """Plan `cfg` (a loaded JobConfig) on `world` devices of type `device` over `nodes` nodes."""
@@ -213,13 +245,10 @@ def make_plan(cfg: JobConfig, world: int, nodes: Optional[int] = None, device: s
     shape = spec.shape
     roles = _roles(spec, shape)
     remats = SEARCH_POLICIES if search else (cfg.model.remat,)
-    base_rows = cfg.micro_batch_size // spec.pp_microbatches
-    models: dict[tuple[str, str], StageModel] = {}
+    models = StageModels(roles, rows_vary=spec.degree("pipeline") == 1 or cfg.parallel.pp_microbatches != -1)
     exact: dict[int, StateBytes] = {}
     period = layer_period(spec)
     warnings: list[str] = []
-    # With pp_microbatches=-1 a pipeline micro-batch is one sequence whatever micro_batch_size is.
-    rows_vary = spec.degree("pipeline") == 1 or cfg.parallel.pp_microbatches != -1
     ranges = pp_lib.stage_layer_ranges(spec.args.n_layers, spec.num_stages)
     if cfg.model.remat == "offload":
         warnings.append(OFFLOAD_NOTE)
@@ -240,16 +269,12 @@ def make_plan(cfg: JobConfig, world: int, nodes: Optional[int] = None, device: s
                 note = cost.granularity_warning(role.params)
                 if note and note not in warnings:
                     warnings.append(note)
-                for remat in remats:
-                    if (remat, role.kind) not in models:
-                        fewest = min(r.n_layers / len(r.stage_ids) for r in roles if r.kind == role.kind)
-                        tracked = model_stage(with_micro_batch(spec, cfg.micro_batch_size, device_policy(remat)),
-                                              mesh, role.kind, base_rows, both_batches=rows_vary, fewest_layers=fewest)
-                        models[(remat, role.kind)] = offloaded(tracked) if remat == "offload" else tracked
-                grads = models[(cfg.model.remat, role.kind)].grad_ratio
+                grads = models.track(spec, role.kind, mesh).grad_ratio
+                for remat in remats:  # --search's
+                    models.track(with_micro_batch(spec, cfg.micro_batch_size, remat), role.kind, mesh)
                 role.state = state_bytes(named, grads, period)
         if not role.state.even and world <= EXACT_WORLD:
-            grads = models[(cfg.model.remat, role.kind)].grad_ratio
+            grads = models.get(spec, role.kind).grad_ratio
             for rank in role.ranks[1:]:
                 with fake_world(rank, world):
                     parts = build_parts(spec, ParallelMesh(shape, "cpu"), role.stage_ids)
@@ -262,10 +287,10 @@ def make_plan(cfg: JobConfig, world: int, nodes: Optional[int] = None, device: s
     coords = _coordinates(shape)
     usable = cost.usable_bytes(fab)
 
-    def memory(trial_spec: RunSpec, remat: str) -> dict[int, tuple[int, int]]:
-        return {role.pp_rank: _rank_memory(trial_spec, role, models[(remat, role.kind)]) for role in roles}
+    def memory(trial_spec: RunSpec) -> dict[int, tuple[int, int]]:
+        return {role.pp_rank: _rank_memory(trial_spec, role, models.get(trial_spec, role.kind)) for role in roles}
 
-    mem = memory(spec, cfg.model.remat)
+    mem = memory(spec)
     ranks = []
     for role in roles:
         act, peak = mem[role.pp_rank]
@@ -281,20 +306,22 @@ def make_plan(cfg: JobConfig, world: int, nodes: Optional[int] = None, device: s
     grid = rank_grid(shape, AXES)
     step, traffic = _step(spec, fab, roles, grid, ranks_per_node, world)
 
-    # The largest micro-batch that fits, and with --search every feasible (remat, micro-batch) by tokens/s.
+    # The largest micro-batch that fits (the first that fits, from the largest down: a trial whose step accumulates
+    # where the job's does not is tracked on its own), and with --search every feasible (remat, micro-batch).
     max_mb, options = None, []
     for remat in remats:
-        for m in _micro_batch_choices(spec):
+        for m in sorted(_micro_batch_choices(spec), reverse=True):
             trial = with_micro_batch(spec, m, remat)
-            peak = max(p for _, p in memory(trial, remat).values())
+            peak = max(p for _, p in memory(trial).values())
             if peak > usable:
                 continue
             if remat == cfg.model.remat:
                 max_mb = max(max_mb or 0, m)
-            if search:
-                t, _ = _step(trial, fab, roles, grid, ranks_per_node, world)
-                options.append({"remat": remat, "micro_batch_size": m, "peak_bytes": peak,
-                                "step_time_s": t.step_s, "tokens_per_s": t.tokens_per_s, "mfu": t.mfu})
+            if not search:
+                break
+            t, _ = _step(trial, fab, roles, grid, ranks_per_node, world)
+            options.append({"remat": remat, "micro_batch_size": m, "peak_bytes": peak,
+                            "step_time_s": t.step_s, "tokens_per_s": t.tokens_per_s, "mfu": t.mfu})
     options.sort(key=lambda o: -o["tokens_per_s"])
 
     warnings += _layout_warnings(spec, traffic, step, fab, fits, max(r.peak_bytes for r in ranks), usable, device)

@@ -56,6 +56,55 @@ def test_mixtral_8x22b_with_expert_parallelism_matches_the_hand_computed_shards(
     assert state.optim == 2 * elements * 4 + 4 * (56 * 10 + 3)
 
 
+def test_stacked_experts_without_expert_parallelism_are_split_over_every_fsdp_rank():
+    """Mixtral 8x7B at fsdp=256 with no expert axis (torchprime's layout, mixtral-8x7b-v6e-256): FSDP's dim 0 left the
+    8 stacked experts whole on ranks 0-7 and empty on the other 248 (21 GiB of fp32 weights each on those 8, a
+    planned peak of 430 GiB); their rows are split instead (ember.parallel.fsdp), as an expert-parallel unit's are."""
+    dim, hidden = 4096, 14336
+    cfg = run_lib.load_config("mixtral-8x7b-v6e-256", [], world_size=256)
+    spec = plan_spec(cfg, 256, "cuda", torch.bfloat16)
+    for rank in (0, 255):
+        with fake_world(rank, 256):
+            parts = build_parts(spec, ParallelMesh(spec.shape, "cpu"), [0])
+            shapes = [tuple(p.to_local().shape) for name, p in named_params(parts) if ".experts.w" in name]
+        assert len(shapes) == 32 * 3
+        assert set(shapes) == {(8, hidden // 256, dim), (8, dim // 256, hidden)}, rank
+
+
+def test_stacked_experts_whose_rows_do_not_divide_stay_split_by_expert():
+    """FSDP2 splits any dim but 0 only evenly: the debug Mixtral's 8 experts of 448 rows at fsdp=3 keep dim 0 (3, 3 and
+    2 experts a rank), where their rows raised NotImplementedError at the build."""
+    cfg = run_lib.load_config("debug", ["model.family=mixtral", "model.flavor=debug", "ici_mesh.fsdp=3",
+                                        "global_batch_size=3", "micro_batch_size=1"], world_size=3)
+    spec = plan_spec(cfg, 3, "cuda", torch.bfloat16)
+    with fake_world(2, 3):
+        parts = build_parts(spec, ParallelMesh(spec.shape, "cpu"), [0])
+        shapes = {tuple(p.to_local().shape) for name, p in named_params(parts) if ".experts.w" in name}
+    assert shapes == {(2, 448, 256), (2, 256, 448)}
+
+
+@pytest.mark.slow
+def test_a_smaller_micro_batch_is_planned_with_the_accumulation_it_brings(monkeypatch):
+    """At 2 rows a step of 4 runs two micro-batches, the second backward with the first's gradients held, which a step
+    of one micro-batch never does. The largest micro-batch that fits was read off the job's own tracked step, without
+    them: MaxText's 64B on v5e chips at 2 sequences was told 1 fits, and planned at 1 it did not. Here 4 rows at once
+    peak lower than 2 accumulated twice: where 4 do not fit, 2 do not either (the plan of 4 said 2 fit, at 72,109,220
+    bytes)."""
+    from ember.plan import cost
+
+    base = ["ici_mesh.fsdp=2", "global_batch_size=8", "data.dataset=synthetic", "seq_len=64", "model.remat=full"]
+
+    def plan(micro_batch: int):
+        cfg = run_lib.load_config("debug", [*base, f"micro_batch_size={micro_batch}"], world_size=2)
+        return make_plan(cfg, 2, device="h100")
+
+    four = plan(4)
+    assert (four.ranks[0].peak_bytes, plan(2).ranks[0].peak_bytes) == (74_207_396, 76_845_732)
+    monkeypatch.setattr(cost, "usable_bytes", lambda fab: four.ranks[0].peak_bytes - 1)
+    replanned = plan(4)
+    assert (replanned.fits, replanned.max_micro_batch) == (False, None)
+
+
 # experts of 2048 rows (the flavor's 448 x 4): they outweigh the rest, as at full scale
 MIXTRAL_DEBUG = ["model.flavor=debug", "model.ffn_hidden_dim=2048", "data.dataset=synthetic", "seq_len=64",
                  "micro_batch_size=1", "global_batch_size=4"]
