@@ -1,8 +1,9 @@
-"""Attention on TPUs: jax's Pallas flash-attention kernel for TPU (causal, grouped-query heads, packed documents as
-its segment ids) in place of SDPA's math, which XLA would lower to a materialised (T, T) score matrix per head.
-The kernel is per device, so it runs under shard_map: batch rows over the data-parallel axes, heads over tensor.
-Elsewhere (jax's CPU or GPU backends, a context-parallel sequence split, or a sequence the kernel's 128-token
-blocks do not tile) the model keeps nn/attention.causal_attention, the exact SDPA math."""
+"""Attention on the XLA path: every attention kernel runs with its operands' shardings pinned (`pinned_layout`), and
+on TPUs it is jax's Pallas flash-attention kernel (causal, grouped-query heads, packed documents as its segment ids)
+in place of SDPA's math, which XLA would lower to a materialised (T, T) score matrix per head. The kernel is per
+device, so it runs under shard_map: batch rows over the data-parallel axes, heads over tensor. Elsewhere (jax's CPU
+or GPU backends, a context-parallel sequence split, or a sequence the kernel's 128-token blocks do not tile) the
+model keeps nn/attention.causal_attention, the exact SDPA math."""
 
 from __future__ import annotations
 
@@ -15,6 +16,43 @@ from ember.nn.attention import AttentionSpan, causal_attention
 from ember.xla.mesh import BATCH_AXES, present
 
 BLOCK = 128  # the kernel's smallest block along the sequence
+Kernel = Callable[..., torch.Tensor]  # an Attention.attention_fn: (q, k, v, document_ids, span) -> out
+
+
+def attention_fn(platform: str, mesh: Any) -> Kernel:
+    """The attention kernel of a run on `mesh`: the TPU kernel where it applies, else SDPA's math; its layout pinned."""
+    return pinned_layout(mesh, flash_attention(mesh) if uses_flash(platform, mesh) else causal_attention)
+
+
+def pinned_layout(mesh: Any, kernel: Kernel) -> Kernel:
+    """`kernel` with the shardings of its operands and output fixed, as the torch path lays them out: rows over the
+    data-parallel axes, heads over tensor, the queries' sequence over context and the keys' and values' whole (the
+    all-gathered K/V of parallel/cp.py). Why: left to sharding propagation, the weights' FSDP sharding reaches into
+    attention, and where it splits a K/V head across the context axis while a data shard holds one row (the issue's
+    data|fsdp=2 x context=2 x tensor=2 and data=2 x context=4 at micro_batch_size=1) jax 0.10's Shardy partitioner
+    computes the backward of the (B * heads) batched matmul that torch's 4-D matmul lowers to wrongly: K's and V's
+    gradients came back off by more than their own size while the loss was right (tests/xla/test_xla_layouts.py
+    keeps every 8-device layout of every attention kind equal to one device). Pinned, no such sharding exists."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from torchax import interop
+
+    def split(size: int, axes: tuple[str, ...]) -> Any:  # the axes of degree > 1, where they divide the dimension
+        axes = present(mesh, axes)
+        if not axes or size % math.prod(mesh.shape[a] for a in axes):
+            return None
+        return axes if len(axes) > 1 else axes[0]
+
+    def place(t: torch.Tensor, sequence: tuple[str, ...]) -> torch.Tensor:  # t: (B, heads, T, head_dim)
+        spec = P(split(t.shape[0], BATCH_AXES), split(t.shape[1], ("tensor",)), split(t.shape[2], sequence), None)
+        return interop.call_jax(jax.lax.with_sharding_constraint, t, NamedSharding(mesh, spec))
+
+    def pinned(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: Optional[torch.Tensor] = None,
+               span: Optional[AttentionSpan] = None) -> torch.Tensor:
+        out = kernel(place(q, ("context",)), place(k, ()), place(v, ()), document_ids, span)
+        return place(out, ("context",))
+
+    return pinned
 
 
 def uses_flash(platform: str, mesh: Any) -> bool:

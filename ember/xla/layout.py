@@ -15,7 +15,7 @@ import torch
 from ember.optim import param_groups
 from ember.run import RunSpec
 from ember.xla import mesh as mesh_lib
-from ember.xla.attention import flash_attention, uses_flash
+from ember.xla.attention import attention_fn
 from ember.xla.sharding import param_specs
 from ember.xla.step import CompiledStep, StepOptions, adamw, build_step, prepare_model
 
@@ -134,7 +134,7 @@ def build_layout(spec: RunSpec, mesh: Any, host_model: torch.nn.Module, traced: 
         scan_layers=cfg.model.scan_layers, compute_dtype=compute_dtype, eos_id=eos_id,
         router_coefs=(cfg.model.aux_loss_coef, cfg.model.z_loss_coef),
         router_weight_per_token=1.0 / (cfg.global_batch_size * cfg.seq_len * max(n_moe, 1)),
-        attention_fn=flash_attention(mesh) if uses_flash(mesh.devices.flat[0].platform, mesh) else None)
+        attention_fn=attention_fn(mesh.devices.flat[0].platform, mesh))
     names = device_names(host_model, spec.args.n_layers, cfg.model.scan_layers)
     tied = tied_aliases(traced)
     traced, scanned = prepare_model(traced, options, NamedSharding(mesh, mesh_lib.hidden_spec(mesh)))

@@ -46,7 +46,7 @@ class StepOptions:
     eos_id: Optional[int]  # document masking
     router_coefs: tuple[float, float]  # (aux, z): model.aux_loss_coef, model.z_loss_coef
     router_weight_per_token: float  # 1 / (tokens per step x MoE layers): nn/moe.set_router_loss's weight
-    attention_fn: Optional[Callable[..., torch.Tensor]] = None  # the TPU kernel (xla/attention.py); None: SDPA's
+    attention_fn: Optional[Callable[..., torch.Tensor]] = None  # xla/attention.attention_fn; None: the model's own
 
 
 BLOCK_INPUT = "block_input"  # the checkpoint_name of each block's input hidden state
