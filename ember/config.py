@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import typing
 from pathlib import Path
 from typing import Any, Optional
@@ -25,6 +24,7 @@ from ember.config_schema import (  # noqa: F401  the sections (ember/config_sche
     ModelConfig, MeshConfig, ParallelConfig, OptimConfig, ScheduleConfig, MixtureSource, DataConfig, EvalTask,
     EvalConfig, MetricsConfig, CheckpointConfig, LoraConfig, Fp8Config, ProfileConfig, DPOConfig, JobConfig,
 )
+from ember.overrides import ALIASES, IMPLIED, alias_overrides, list_of_keys, parse_overrides
 from ember.errors import ConfigError, did_you_mean, first_error_line, not_one_of
 
 RECIPES_DIR = Path(__file__).parent / "recipes"
@@ -122,34 +122,6 @@ def _load_yaml(path: Path) -> dict:
     return data
 
 
-# A key of an inline mapping written without the space after its colon (`{name:choice,data:/f.jsonl}`): YAML and
-# OmegaConf read `name:choice` as one key with no value, so the space is put in (a value's own colons, as in
-# `data:s3://b/f`, follow no `{` or `,` and are left alone).
-_TIGHT_MAPPING_KEY = re.compile(r"((?<!\$)\{\s*|,\s*)([A-Za-z_][\w.]*):(?=[^\s])")
-
-
-def _parse_overrides(overrides: list[str]) -> DictConfig:
-    for item in overrides:
-        key, sep, _ = item.partition("=")
-        if not sep or not key or key.strip() != key:
-            raise ConfigError(f"override '{item}' is not of the form key=value (e.g. optim.lr=3e-4)")
-    try:
-        return OmegaConf.from_dotlist([_spaced_mapping_keys(item) for item in overrides])
-    except OmegaConfBaseException as err:
-        raise ConfigError(f"cannot parse overrides: {first_error_line(err)}") from None
-    except yaml.YAMLError as err:  # a value OmegaConf hands to YAML: an unclosed [ or {
-        bad = next((item for item in overrides if item.count("[") != item.count("]") or item.count("{") != item.count("}")),
-                   overrides[-1])
-        raise ConfigError(f"cannot parse override '{bad}': {str(err).splitlines()[0]}; close every [ and {{ "
-                          "(quote the whole key=value for the shell)") from None
-
-
-def _spaced_mapping_keys(item: str) -> str:
-    key, _, value = item.partition("=")
-    # an interpolation (`${oc.env:X}`) is OmegaConf's, left as written
-    return key + "=" + _TIGHT_MAPPING_KEY.sub(r"\1\2: ", value) if "{" in value and "${" not in value else item
-
-
 def _reject_env_interpolation(node: Any, origin: str) -> None:
     # Secrets live in the environment and must never be copied into config.yaml, so the `oc.env`
     # resolver (which would do exactly that when the resolved config is saved) is refused.
@@ -158,24 +130,6 @@ def _reject_env_interpolation(node: Any, origin: str) -> None:
             _reject_env_interpolation(value, origin)
         elif isinstance(value, str) and "${oc.env" in value.replace(" ", ""):
             raise ConfigError(f"config key '{key}' in {origin} reads the environment; pass secrets as env vars, not config")
-
-
-# Keys users may write that are Python keywords, so the dataclass field has another name.
-# Other names users bring: `async` is a Python keyword; profile_step / profile_duration are torchprime's
-# (profile_duration counts steps here). Giving profile_step turns profiling on, as it does there.
-ALIASES = {"checkpoint.async": "checkpoint.async_save", "profile_step": "profile.step",
-           "profile_duration": "profile.steps"}
-IMPLIED = {"profile_step": ("profile.enabled", "true")}
-
-
-def _alias_overrides(overrides: list[str]) -> list[str]:
-    out = []
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if key in IMPLIED:
-            out.append("=".join(IMPLIED[key]))
-        out.append(f"{ALIASES.get(key, key)}{sep}{value}")
-    return out
 
 
 def _alias_recipe(data: dict) -> dict:
@@ -192,19 +146,11 @@ def _alias_recipe(data: dict) -> dict:
     return data
 
 
-def _list_of_keys(item: str) -> str:
-    """`resume_allow_changes=seed` means [seed] (one key needs no brackets); other overrides unchanged."""
-    key, sep, value = item.partition("=")
-    if key != "resume_allow_changes" or value.strip().startswith("["):
-        return item
-    return f"{key}{sep}[{value}]"
-
-
 def load(recipe: str = "debug", overrides: Optional[list[str]] = None) -> JobConfig:
     """Recipe (built-in name or YAML path) + `key=value` overrides -> a JobConfig, its types and the checks that
     need nothing but the config done (`validate`). ember.run.load_config adds the features' checks: what a
     command runs on."""
-    overrides = [_list_of_keys(item) for item in _alias_overrides(list(overrides or []))]
+    overrides = [list_of_keys(item) for item in alias_overrides(list(overrides or []))]
     path = resolve_recipe(recipe)
     schema = OmegaConf.structured(JobConfig)
     recipe_data = _alias_recipe(_load_yaml(path))
@@ -215,7 +161,7 @@ def load(recipe: str = "debug", overrides: Optional[list[str]] = None) -> JobCon
         merged = OmegaConf.merge(schema, OmegaConf.create(recipe_data))
     except OmegaConfBaseException as err:
         raise _explain(err, schema, f"recipe '{path}'") from None
-    dotlist = _parse_overrides(overrides)
+    dotlist = parse_overrides(overrides)
     _reject_env_interpolation(OmegaConf.to_container(dotlist), "overrides")
     try:
         merged = OmegaConf.merge(merged, dotlist)

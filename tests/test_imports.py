@@ -157,9 +157,9 @@ def test_config_imports_nothing_of_ember_but_its_schema():
     """Config loading and merging (ember/config.py) depend on the schema and its errors only, anywhere in the file:
     the checks that need a feature's code live with the feature (ember.run.load_config calls them)."""
     ember_imports = {m for m in _imports("ember.config") if m == "ember" or m.startswith("ember.")}
-    assert ember_imports <= {"ember.config_schema", "ember.errors"}, ember_imports
+    assert ember_imports <= {"ember.config_schema", "ember.overrides", "ember.errors"}, ember_imports
     assert {m for m in _loaded_by({"ember.config"}) if m in MODULES} - {"ember"} <= {
-        "ember.config", "ember.config_schema", "ember.errors"}
+        "ember.config", "ember.config_schema", "ember.overrides", "ember.errors"}
 
 
 JAX = ("jax", "jaxlib", "torchax", "optax")
