@@ -43,7 +43,7 @@ from ember.finetune.lora_state import START, buffer_names, lora_state_dict, star
 from ember.load import model_state_dict
 from ember.model_meta import MODEL_JSON, ArchitectureMismatch, check_architecture, meta_for
 from ember.optim import apply_group_settings, group_settings
-from ember.run_history import (CHECKPOINT_CONFIG, HISTORY_DIR, Change, RunChanged, check_resumed_compute, config_dict,
+from ember.run_history import (CHECKPOINT_CONFIG, HISTORY_DIR, Change, RunChanged, config_dict,
                                describe_changes, resume_changes)
 
 if TYPE_CHECKING:
@@ -329,6 +329,18 @@ def starts_over(resume: str, output_dir: Path) -> bool:
     return own not in given.parents and given != own.parent
 
 
+def resumed_compute(resume: str, output_dir: Path) -> Optional[str]:
+    """What a run resuming its own checkpoints computed in (run.json's `compute`: float32, bfloat16), or None: it
+    starts over, has no complete checkpoint yet, or recorded none."""
+    if starts_over(resume, output_dir) or not complete_checkpoints(Path(output_dir) / "checkpoints"):
+        return None
+    try:
+        compute = json.loads((Path(output_dir) / "run.json").read_text(encoding="utf-8")).get("compute")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return compute if compute in ("float32", "bfloat16") else None
+
+
 # What one run writes into its output_dir: checkpoints; metrics and run facts (metrics.py); its config and history
 # (run_history.py); the W&B and MLflow run ids a resume logs into (trackers.py); `ember report`'s page and figures;
 # profiling traces; `ember eval RUN`'s results.
@@ -361,16 +373,14 @@ def archive_previous_run(output_dir: Path, say: Callable[[str], None], reason: s
 
 def open_checkpoints(spec: RunSpec, model_parts: list[nn.Module], model: nn.Module, optimizer: torch.optim.Optimizer,
                      say: Callable[[str], None], manager_type: Optional[Callable[..., "CheckpointManager"]] = None,
-                     compute: Optional[str] = None) -> tuple["CheckpointManager", Optional[dict[str, Any]]]:
+                     ) -> tuple["CheckpointManager", Optional[dict[str, Any]]]:
     """The run's CheckpointManager and the training state resumed through it (None: from scratch). Its model.json
     names the model that was built and, for LoRA, the base the adapters sit on; for a full DPO run, the
     reference (model.init_from) that a resume rebuilds. A run that starts over (resume=none, or another run's
     checkpoint) moves the files of the run in its output_dir aside, once the checkpoint it names has been checked
     and loaded and has steps left to train: a refused or finished resume leaves that run as it was. manager_type:
     another CheckpointManager (the XLA path's, over sharded device arrays), called with CheckpointManager's arguments.
-    compute: what the steps compute in (run.json's `compute`), which a resume under precision=auto must not switch
-    (run_history.check_resumed_compute); the config's changes are said only once that has passed, so a refused
-    resume never claims to have recorded them."""
+    precision=auto keeps a resumed run's dtype (ember.run.choose_precision, with `resumed_compute`)."""
     cfg, output_dir = spec.cfg, Path(spec.cfg.output_dir)
     meta = meta_for(cfg.model.family, spec.flavor, spec.args)
     if cfg.lora.rank:  # a LoRA checkpoint holds the adapters and their optimizer state, and names its base
@@ -384,8 +394,6 @@ def open_checkpoints(spec: RunSpec, model_parts: list[nn.Module], model: nn.Modu
         state = manager.resume(cfg.resume)
     except CheckpointError as err:
         raise ConfigError(str(err)) from None
-    if state is not None and compute is not None:
-        check_resumed_compute(output_dir, cfg.precision, compute)
     if manager.changes:
         say(describe_changes(manager.changes))
     # A checkpoint already at max_steps trains nothing and writes nothing: the run there stays where it is.

@@ -26,6 +26,7 @@ from ember.errors import ConfigError, EmberError
 from ember.finetune import base_fingerprint
 from ember.finetune import lora as lora_lib
 from ember import cpu_rates
+from ember.checkpoint import resumed_compute
 from ember.device import PrecisionChoice, choose_compute_dtype
 from ember.models import MODELS, ModelSpec
 from ember.nn.decoder import has_local_attention
@@ -238,6 +239,12 @@ def choose_precision(cfg: JobConfig, device: torch.device, args: Any) -> Precisi
             model = MODELS[cfg.model.family].model_cls(args)
         return cpu_rates.model_gemms(model, cfg.micro_batch_size * cfg.seq_len)
 
+    trained = resumed_compute(cfg.resume, Path(cfg.output_dir)) if cfg.precision == "auto" else None
+    if trained is not None:
+        # A resumed run keeps the dtype its steps computed in: a measurement taken again (another machine, a busy
+        # one) must not switch it halfway, nor refuse the plain resume.
+        return PrecisionChoice(getattr(torch, trained), "kept from the run this resumes, run.json's compute: not "
+                                                        "measured again")
     return choose_compute_dtype(cfg.precision, device, gemms)
 
 

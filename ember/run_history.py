@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional, Sequence
 import yaml
 
 from ember import config as config_lib
-from ember.errors import CheckpointError, ConfigError, first_error_line
+from ember.errors import CheckpointError, first_error_line
 
 HISTORY_DIR = "config_history"
 CHECKPOINT_CONFIG = "run_config.yaml"
@@ -177,19 +177,3 @@ class SegmentStart:
                 (self.output_dir / name).unlink(missing_ok=True)
             else:
                 (self.output_dir / name).write_bytes(data)
-
-
-def check_resumed_compute(output_dir: Path, precision: str, compute: str) -> None:
-    """precision=auto resolved again on resume (another machine, EMBER_CPU_BF16) must not switch a run between fp32
-    and bf16 unsaid: a one-line refusal naming what the run trained in (run.json's `compute`) and the fix."""
-    named = {"float32": "fp32", "bfloat16": "bf16"}
-    try:
-        before = json.loads((output_dir / "run.json").read_text(encoding="utf-8")).get("compute")
-    except (OSError, ValueError, AttributeError):
-        return
-    if precision != "auto" or before == compute or before not in named or compute not in named:
-        return
-    raise ConfigError(f"resume would switch this run from {before} to {compute}: precision=auto resolves differently "
-                      f"here (another device, EMBER_CPU_BF16, or this CPU's fp32 and bf16 matmul rates measured again: "
-                      f"provisional figures move while other processes are busy); resume with "
-                      f"precision={named[before]} as it trained, or precision={named[compute]} to change it on purpose")

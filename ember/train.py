@@ -34,7 +34,7 @@ from ember.cpu_allocator import keep_freed_cpu_memory
 from ember.device import pick_device
 from ember.hardware import peak_flops
 from ember.health import HealthGuard, StopSignals, TrainingStopped
-from ember.metrics import (MetricsLogger, compute_description, plural, print_header, progress_bar,
+from ember.metrics import (MetricsLogger, plural, print_header, progress_bar,
                            raise_peak_if_beaten, run_record, throughput_record)
 from ember.nn import moe as moe_lib
 from ember.nn.decoder import num_params
@@ -131,8 +131,7 @@ class Trainer:
         # 6. Health, checkpoints: resume restores weights, optimizer, schedule, data position and RNG.
         self.step = 0
         self.health = HealthGuard(cfg.max_skipped_steps, cfg.loss_spike_factor, self._say)
-        self.checkpointer, state = open_checkpoints(spec, self.model_parts, self.model, self.optimizer, self._say,
-                                                    compute=compute_description(spec, self.model_parts))
+        self.checkpointer, state = open_checkpoints(spec, self.model_parts, self.model, self.optimizer, self._say)
         if state is not None:
             self.step = int(state["step"])
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
