@@ -394,9 +394,11 @@ def open_checkpoints(spec: RunSpec, model_parts: list[nn.Module], model: nn.Modu
         state = manager.resume(cfg.resume)
     except CheckpointError as err:
         raise ConfigError(str(err)) from None
-    if manager.changes:
+    # A checkpoint already at max_steps trains nothing and writes nothing (the trainer says so): no change is
+    # recorded, and the run there stays where it is.
+    trains = state is None or int(state["step"]) < cfg.max_steps
+    if manager.changes and trains:
         say(describe_changes(manager.changes))
-    # A checkpoint already at max_steps trains nothing and writes nothing: the run there stays where it is.
-    if starts_over(cfg.resume, output_dir) and (state is None or int(state["step"]) < cfg.max_steps):
+    if starts_over(cfg.resume, output_dir) and trains:
         archive_previous_run(output_dir, say, f"resume={cfg.resume}")
     return manager, state

@@ -60,7 +60,8 @@ SUMMARY_ROWS: list[tuple[str, Any]] = [
     ("final validation loss", lambda s: _number(s["final_val_loss"], ".4f")),
     ("best validation loss", lambda s: _at(s["best_val_loss"], s["best_val_step"])),
     ("median tokens/s", lambda s: _number(s["median_tokens_per_s"], ",.0f")),
-    ("median MFU", lambda s: "–" if s["median_mfu"] is None else f"{s['median_mfu']:.1%}"),
+    ("median MFU", lambda s: "–" if s["median_mfu"] is None else f"{s['median_mfu']:.1%}"
+     + ("? (against a provisional peak)" if s["mfu_provisional"] else "")),
     ("model", lambda s: s["model"] or "–"),
     ("mesh", lambda s: s["mesh"] or "–"),
     ("device", lambda s: s["device"] or "–"),

@@ -74,6 +74,8 @@ class Run:
             "best_val_step": best_val[1] if best_val else None,
             "median_tokens_per_s": statistics.median(tps) if tps else None,
             "median_mfu": statistics.median(mfu) if mfu else None,
+            # the console's `?`: some records were divided by a peak measured while the machine was busy
+            "mfu_provisional": any(v is True for v in self.values.get("mfu_provisional", {}).values()),
             "model": self.model_label(),
             "mesh": self.info.get("mesh") or _mesh_from_config(self.config, self.world_size()),
             "device": self.info.get("device_name") or self.info.get("device") or self.config.get("device"),

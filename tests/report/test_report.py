@@ -149,6 +149,24 @@ def test_spikes_and_skipped_steps_are_marked(tmp_path: Path):
     assert any("no config.yaml" in note for note in report.runs[0].notes)
 
 
+def test_mfu_against_a_provisional_peak_keeps_its_mark(tmp_path: Path):
+    """The console's `MFU 58.1%?` (divided by a peak measured while the machine was busy) stays marked in the
+    report: one provisional record marks the run's median."""
+    from ember.report.page import SUMMARY_ROWS
+
+    show = dict(SUMMARY_ROWS)["median MFU"]
+    for name, provisional in (("quiet", [False, False]), ("busy", [False, True]), ("unrecorded", [None, None])):
+        run = tmp_path / name
+        run.mkdir()
+        rows = [{"step": s, "loss": 5.0, "mfu": 0.5 + s / 100, "mfu_provisional": p}
+                for s, p in zip((1, 2), provisional)]
+        (run / "metrics.jsonl").write_text("".join(json.dumps({k: v for k, v in r.items() if v is not None}) + "\n"
+                                                   for r in rows))
+        summary = build_report([run]).runs[0].summary()
+        assert summary["mfu_provisional"] is (name == "busy")
+        assert show(summary) == ("51.5%? (against a provisional peak)" if name == "busy" else "51.5%")
+
+
 @pytest.mark.slow
 def test_eval_json_of_a_checkpoint_is_listed(tiny_run: tuple[Path, str], tmp_path: Path):
     run = tmp_path / "evaluated"

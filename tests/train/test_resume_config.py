@@ -330,8 +330,10 @@ def test_a_finished_run_asked_again_writes_nothing(tmp_path: Path, capsys: pytes
     summary = Trainer(run_lib.load_config("debug", [*SYNTHETIC, "max_steps=2", "seed=1", "resume_allow_changes=seed",
                                                 "eval_interval=1", f"output_dir={out}"])).train()
     assert {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()} == before
+    printed = capsys.readouterr().out
     assert ("already at step 2 of max_steps=2: nothing to train, nothing written (raise max_steps to continue, or "
-            "resume=none to start over)\n") in capsys.readouterr().out
+            "resume=none to start over)\n") in printed
+    assert "changed on resume" not in printed  # nothing was recorded: the seed change is not claimed
     assert (summary["steps"], summary["val_loss"]) == (2, None)
 
 
