@@ -74,7 +74,9 @@ def choose_compute_dtype(precision: str, device: torch.device, gemms: Callable[[
                 if declared else
                 PrecisionChoice(torch.float32, "EMBER_CPU_BF16=0 declares no bf16 matmul instructions, not measured"))
     if not cpu_runs_bf16_natively():
-        return PrecisionChoice(torch.float32, "this CPU has no bf16 matmul instructions: AVX512-BF16, AMX")
+        cap = onednn_cap_without_bf16()
+        return PrecisionChoice(torch.float32, f"ONEDNN_MAX_CPU_ISA={cap} holds oneDNN below bf16 matmul instructions"
+                               if cap else "this CPU has no bf16 matmul instructions: AVX512-BF16, AMX")
     measured = cpu_rates.cpu_gemm_rates(gemms(), training)
     fp32, bf16 = measured.rates["fp32"], measured.rates["bf16"]
     why = (f"bf16 matmuls ran {bf16 / fp32:.2f}x fp32's at this model's shapes on this CPU: {_rate(bf16)} vs "
@@ -112,6 +114,17 @@ def cpu_bf16_declared() -> Optional[bool]:
     return None
 
 
+# oneDNN's ISA caps (ONEDNN_MAX_CPU_ISA) below AVX512_CORE_BF16: no bf16 dot-product instructions
+ONEDNN_ISAS_WITHOUT_BF16 = frozenset({"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE",
+                                      "AVX512_CORE_VNNI"})
+
+
+def onednn_cap_without_bf16() -> Optional[str]:
+    """The ONEDNN_MAX_CPU_ISA setting that holds oneDNN below bf16 instructions this CPU may have, or None."""
+    isa = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").strip().upper()
+    return isa if isa in ONEDNN_ISAS_WITHOUT_BF16 else None
+
+
 def cpu_runs_bf16_natively() -> bool:
     """Whether this CPU has bf16 matmul instructions (x86 AVX512-BF16 or AMX-BF16; ARM's BF16 extension), which
     oneDNN's bf16 kernels need: without them torch emulates bf16, many times slower than fp32. Having them does
@@ -120,6 +133,8 @@ def cpu_runs_bf16_natively() -> bool:
     declared = cpu_bf16_declared()
     if declared is not None:
         return declared
+    if onednn_cap_without_bf16() is not None:
+        return False
     capabilities = getattr(torch.cpu, "get_capabilities", None)  # torch >= 2.7
     if capabilities is None:
         return False

@@ -255,9 +255,15 @@ def run_tasks(model: nn.Module, tokenizer: AnyTokenizer, tasks: list[EvalTask], 
 def check(cfg: JobConfig) -> None:
     """In-loop eval tasks (eval.tasks): known names, and data that exists with every row's fields and types,
     before training starts (ember.run.load_config calls this)."""
+    first: dict[str, int] = {}
     for i, task in enumerate(cfg.eval.tasks):
         if task.name not in TASKS:
             raise ConfigError(f"eval.tasks[{i}].name '{task.name}' is not one of {', '.join(TASKS)}")
+        if task.name in first:  # the records hold one eval/<task>/<metric> per name
+            raise ConfigError(f"eval.tasks[{i}] is a second {task.name} task (eval.tasks[{first[task.name]}] is one): "
+                              f"its eval/{task.name}/* results would overwrite the first's; keep one {task.name} task "
+                              f"in training and score other data with `ember eval RUN {task.name}=FILE`")
+        first[task.name] = i
         if Path(task.data).expanduser().is_file():
             TASK_ROWS[task.name](task.data)  # every row's fields and types, before training starts
         elif not (task.name in HUB and task.data in (task.name, HUB[task.name][0])):

@@ -303,6 +303,10 @@ def test_in_loop_eval_config_errors(tmp_path: Path):
         with pytest.raises(ConfigError, match=message):
             run_lib.load_config("debug", [f"eval.{key}={value}"])
     data = write_jsonl(tmp_path / "l.jsonl", [{"text": "a b"}])
+    other = write_jsonl(tmp_path / "m.jsonl", [{"text": "c d"}])
+    with pytest.raises(ConfigError, match=r"eval.tasks\[1\] is a second lambada task \(eval.tasks\[0\] is one\): its "
+                                          r"eval/lambada/\* results would overwrite the first's"):
+        run_lib.load_config("debug", [f"eval.tasks=[{{name: lambada, data: {data}}}, {{name: lambada, data: {other}}}]"])
     with pytest.raises(ConfigError, match="use `ember eval` on the checkpoint for tensor"):
         run_lib.load_config("debug", [f"eval.tasks=[{{name: lambada, data: {data}}}]", "ici_mesh.tensor=2",
                                   "micro_batch_size=8"], world_size=2)

@@ -98,6 +98,20 @@ def test_a_cpu_without_bf16_instructions_is_fp32_unmeasured(bf16_cpu, monkeypatc
     assert spec.precision_note == "precision: auto -> fp32 (this CPU has no bf16 matmul instructions: AVX512-BF16, AMX)"
 
 
+@pytest.mark.parametrize("cap, native", [("AVX2", False), ("avx512_core_vnni", False), ("AVX512_CORE_BF16", True),
+                                         ("AVX512_CORE_AMX", True), ("", True)])
+def test_a_onednn_cap_below_bf16_is_a_cpu_without_bf16_instructions(monkeypatch, cap, native):
+    monkeypatch.delenv("EMBER_CPU_BF16", raising=False)
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx512_bf16": True, "amx_bf16": True}, raising=False)
+    assert device.cpu_runs_bf16_natively() is native
+    if not native:
+        choice = device.choose_compute_dtype("auto", CPU, lambda: [])
+        assert choice == device.PrecisionChoice(
+            torch.float32, f"ONEDNN_MAX_CPU_ISA={cap.upper()} holds oneDNN below bf16 matmul instructions")
+
+
 @pytest.mark.parametrize("declared, expected", [("1", torch.bfloat16), ("0", torch.float32)])
 def test_ember_cpu_bf16_declares_the_answer_unmeasured(bf16_cpu, monkeypatch, declared, expected):
     _rates(monkeypatch, bf16_cpu, 1e11, 0.5e11)
