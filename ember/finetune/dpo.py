@@ -32,6 +32,7 @@ from ember.data.jsonl import read_json_rows
 from ember.data.loader import TrainLoader
 from ember.data.tokenizer import AnyTokenizer
 from ember.errors import DataError, UserFileNotFound
+from ember.finetune.lora_state import buffer_names
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -118,17 +119,43 @@ class DPOObjective:
         return out
 
 
+@contextlib.contextmanager
+def as_base(policy: nn.Module, start: dict[str, torch.Tensor]) -> Any:
+    """The LoRA policy run as the base it started from: adapters off, the persistent buffers training moves
+    (DeepSeek-V3's router score biases) at their `start` values, and in eval mode, so that the MoE layers count
+    no expert load from this forward (the score-bias update follows the policy's loads alone)."""
+    from ember.finetune.lora import lora_disabled
+
+    buffers = dict(policy.named_buffers())
+    trained = {name: buffers[name].detach().clone() for name in start}
+    was_training = policy.training
+    with torch.no_grad():
+        for name, value in start.items():
+            buffers[name].copy_(value)
+    policy.train(False)
+    try:
+        with lora_disabled(policy):
+            yield
+    finally:
+        policy.train(was_training)
+        with torch.no_grad():
+            for name, value in trained.items():
+                buffers[name].copy_(value)
+
+
 def dpo_objective(spec: RunSpec, mesh: Optional[ParallelMesh], policy: nn.Module) -> DPOObjective:
     """task=dpo's loss (spec: an ember.run.RunSpec), with the frozen starting model as its reference: under LoRA
     the policy with its adapters off (no second model in memory); otherwise a second copy of the starting
     weights, built and sharded as the policy is (its init and model.init_from, never the resumed checkpoint).
     The reference's logits come in the policy's chunks."""
-    from ember.finetune.lora import lora_disabled
     from ember.run import build_model
 
     if spec.cfg.lora.rank:
+        start = {name: buffer.detach().clone() for name, buffer in policy.named_buffers()
+                 if name in buffer_names([policy])}  # taken before any step or resume: the base's
+
         def reference(*inputs: Optional[torch.Tensor]) -> Logits:
-            with lora_disabled(policy):
+            with as_base(policy, start):
                 return policy(*inputs, chunks=spec.output_chunks)
     else:
         frozen = build_model(spec, mesh).parts[0].requires_grad_(False).eval()

@@ -101,6 +101,39 @@ def test_a_deepseek_v3_lora_run_is_read_back_with_its_score_biases(tmp_path):
     assert not (tmp_path / "adapter").exists()
 
 
+def test_dpo_s_reference_on_a_deepseek_v3_lora_policy_is_the_base_with_its_score_biases(tmp_path):
+    """DPO on LoRA takes the policy with its adapters off as the reference: the score biases training moved are put
+    back to the base's for that forward (then restored), and the reference's forward counts no expert load."""
+    from ember.finetune.dpo import as_base
+    from ember.nn.moe import MoE
+
+    base, run = tmp_path / "base", tmp_path / "lora"
+    Trainer(run_lib.load_config("debug", [*SMALL, *_model("deepseek_v3"), "max_steps=1",
+                                          f"output_dir={base}"])).train()
+    base_model = load_model(base)
+    start = {name: b.clone() for name, b in base_model.named_buffers() if name.endswith("score_bias")}
+    trainer = Trainer(run_lib.load_config("debug", [*SMALL, *_lora("deepseek_v3", base), "max_steps=3",
+                                                    f"output_dir={run}"]))
+    trainer.train()
+    policy = trainer.model_parts[0].train()
+    trained = {name: b.clone() for name, b in policy.named_buffers() if name in start}
+    assert all(not torch.equal(trained[name], start[name]) for name in start)  # training moved them
+    tokens = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = base_model(tokens)
+        with as_base(policy, start):
+            got = policy(tokens)
+        adapted = policy(tokens)
+    assert torch.allclose(got, expected, rtol=0, atol=1e-6), (got - expected).abs().max()
+    assert not torch.allclose(adapted, expected, atol=1e-3)  # the policy itself is not the base
+    assert policy.training and all(torch.equal(b, trained[n]) for n, b in policy.named_buffers() if n in trained)
+    moes = [m for m in policy.modules() if isinstance(m, MoE)]
+    loads = [len(m._step_loads) for m in moes]
+    with torch.no_grad(), as_base(policy, start):
+        policy(tokens)
+    assert [len(m._step_loads) for m in moes] == loads
+
+
 def test_a_lora_checkpoint_saved_without_buffers_loads_and_resumes_on_the_base_s(tmp_path, monkeypatch, capsys):
     # what a LoRA checkpoint held before buffers were kept: the trainable tensors only
     import ember.checkpoint
