@@ -26,7 +26,7 @@ from ember.errors import ConfigError, EmberError
 from ember.finetune import base_fingerprint
 from ember.finetune import lora as lora_lib
 from ember import cpu_rates
-from ember.checkpoint import resumed_compute
+from ember.run_dir import resumed_compute
 from ember.device import PrecisionChoice, choose_compute_dtype
 from ember.models import MODELS, ModelSpec
 from ember.nn.decoder import has_local_attention

@@ -12,7 +12,7 @@ import transformers
 
 
 from ember import run as run_lib
-from ember.checkpoint import archive_previous_run
+from ember.run_dir import archive_previous_run
 from ember.config import ConfigError
 from ember.convert import save_ember_checkpoint
 from ember.models import build_model_args
