@@ -109,7 +109,7 @@ def worker(spec: dict) -> dict:
             trainer.train_step([(inputs, labels)])
 
         def backward_only(inputs: torch.Tensor, labels: torch.Tensor) -> None:
-            trainer.forward_backward.run([(inputs, labels)], backward=True)
+            trainer.engine.forward_backward.run([(inputs, labels)], backward=True)
     else:
         from peft import LoraConfig, get_peft_model
         from transformers import LlamaForCausalLM

@@ -4,6 +4,7 @@ with a checkpoint, on every rank at the same step."""
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import threading
@@ -16,6 +17,11 @@ import torch.distributed as dist
 
 class TrainingStopped(RuntimeError):
     """The run stopped itself (e.g. too many non-finite steps); the message says why and what to do."""
+
+
+def is_finite_step(loss: float, grad_norm: float) -> bool:
+    """A step whose loss and gradient norm are finite: the optimizer steps; otherwise the step is skipped."""
+    return math.isfinite(loss) and math.isfinite(grad_norm)
 
 
 class HealthGuard:

@@ -25,7 +25,8 @@ from ember.config_schema import JobConfig
 from ember.errors import ConfigError, EmberError
 from ember.finetune import base_fingerprint
 from ember.finetune import lora as lora_lib
-from ember import cpu_rates
+from ember import cpu_rates, engines
+from ember.engines import mesh_shape
 from ember.run_dir import resumed_compute
 from ember.device import PrecisionChoice, choose_compute_dtype
 from ember.models import MODELS, ModelSpec
@@ -33,7 +34,7 @@ from ember.nn.decoder import has_local_attention
 from ember.nn.loss import output_chunks
 from ember.load import ModelChoice, resolve_model
 from ember.parallel.mesh import ParallelMesh
-from ember.parallel.mesh_shape import MeshError, MeshShape, resolve_mesh
+from ember.parallel.mesh_shape import MeshShape
 from ember.parallel.parallelize import ParallelOptions
 
 
@@ -58,11 +59,8 @@ def load_config(recipe: str = "debug", overrides: Optional[list[str]] = None,
     device of every host)."""
     overrides = list(overrides or [])
     cfg = config_lib.load(recipe, overrides)
-    if world_size is None and cfg.device in config_lib.XLA_DEVICES:
-        from ember.xla import runtime
-
-        world_size = runtime.device_count(cfg.device)
-    world_size = world_size or 1
+    if world_size is None:
+        world_size = engines.rules(cfg.device).world_size(cfg)
     if cfg.model.init_from and not any(item.startswith("model.family=") for item in overrides):
         cfg.model.family = _init_from_family(cfg.model.family, cfg.model.init_from)
     check(cfg, world_size)
@@ -79,17 +77,7 @@ def check(cfg: JobConfig, world_size: int) -> None:
     sources.check(cfg)
     tasks.check(cfg)
     chat.check(cfg)
-    if cfg.device in config_lib.XLA_DEVICES:  # what that path does not run, before what would not fit it
-        from ember.xla import checks as xla_checks
-
-        xla_checks.refuse_pipeline(cfg)
-        try:
-            shape = mesh_shape(cfg, world_size)
-        except ConfigError as err:
-            raise ConfigError(xla_checks.mesh_error(str(err), cfg.device, world_size)) from None
-        xla_checks.check(cfg, shape)
-    else:
-        shape = mesh_shape(cfg, world_size)
+    shape = engines.rules(cfg.device).layout(cfg, world_size)  # with what the engine does not run, refused first
     check_batch(cfg, shape)
     check_model(cfg, shape)
 
@@ -103,11 +91,7 @@ def check_model(cfg: JobConfig, shape: MeshShape) -> None:
         raise ConfigError(f"seq_len={cfg.seq_len} exceeds the model's max_seq_len={args.max_seq_len} "
                           f"({cfg.model.family} {cfg.model.flavor}); lower seq_len or set model.max_seq_len")
     parallel_checks.check(cfg, shape, args)
-    if cfg.device in config_lib.XLA_DEVICES:
-        from ember.xla import checks as xla_checks
-
-        xla_checks.check_scan(cfg, args)
-        xla_checks.check_score_bias(cfg, args)
+    engines.rules(cfg.device).check_model(cfg, args)
     if cfg.lora.rank:
         lora_lib.check_lora(cfg.lora, cfg.model.family, args, cfg.model.init_from)
 
@@ -132,14 +116,6 @@ def check_batch(cfg: JobConfig, shape: MeshShape) -> None:
         raise ConfigError(
             f"global_batch_size={cfg.global_batch_size} is not divisible by micro_batch_size x data-parallel size "
             f"= {cfg.micro_batch_size} x {shape.dp} = {per_step}; change global_batch_size or micro_batch_size")
-
-
-def mesh_shape(cfg: JobConfig, world_size: int) -> MeshShape:
-    """The resolved ici x dcn degrees for `world_size` processes, or a ConfigError naming the numbers."""
-    try:
-        return resolve_mesh(cfg.ici_mesh, cfg.dcn_mesh, world_size)
-    except MeshError as err:
-        raise ConfigError(str(err)) from None
 
 
 def model_choice(cfg: JobConfig) -> ModelChoice:
@@ -225,7 +201,8 @@ def resolve(cfg: JobConfig, world_size: int, device: torch.device,
     if compute_dtype is None:
         precision = choose_precision(cfg, device, choice.args)
         compute_dtype, note = precision.dtype, precision.training_note()
-        check_device_options(cfg, shape, device, choice.args)
+        if engines.rules(cfg.device).torch_device_checks:
+            check_device_options(cfg, shape, device, choice.args)
     flops = lora_lib.run_flops_per_token(cfg, MODELS[cfg.model.family], choice.args, compute_dtype)
     return _decide(cfg, world_size, device, shape, choice.flavor, choice.args, choice.source, compute_dtype, flops,
                    note)
@@ -245,6 +222,9 @@ def choose_precision(cfg: JobConfig, device: torch.device, args: Any) -> Precisi
         # one) must not switch it halfway, nor refuse the plain resume.
         return PrecisionChoice(getattr(torch, trained), "kept from the run this resumes, run.json's compute: not "
                                                         "measured again")
+    engine_dtype = engines.rules(cfg.device).compute_dtype
+    if engine_dtype is not None:
+        return PrecisionChoice(engine_dtype(cfg.precision, cfg.device))
     return choose_compute_dtype(cfg.precision, device, gemms)
 
 
@@ -275,7 +255,7 @@ def _decide(cfg: JobConfig, world_size: int, device: torch.device, shape: MeshSh
                                          else cfg.parallel.pp_microbatches)
     # Plain-tensor logits of the whole sequence (no tensor or pipeline split) are computed in chunks; the XLA path's
     # loss is one traced function of the micro-batch's whole logits (ember/xla/step.py), which `ember plan` counts.
-    whole_logits = shape.degree("tensor") > 1 or pp > 1 or cfg.device in config_lib.XLA_DEVICES
+    whole_logits = shape.degree("tensor") > 1 or pp > 1 or engines.rules(cfg.device).whole_logits
     fused_output = not whole_logits and world_size == 1 and cfg.task != "dpo"
     chunks = 1 if whole_logits else output_chunks(cfg.micro_batch_size, cfg.seq_len // shape.degree("context"),
                                                   args.vocab_size, device.type, fused=fused_output)

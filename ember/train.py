@@ -1,25 +1,27 @@
-"""The Trainer: build everything in a fixed order, then run the loop. Read it top to bottom.
+"""The Trainer: build everything in a fixed order, then run the loop, on any engine. Read it top to bottom.
 
-Build order (docs/architecture.md): the run's decisions (ember/run.py: resolve) -> mesh -> tokenizer ->
-model (ember/run.py: build_model) -> forward/backward -> optimizer -> data -> header -> checkpoint resume.
-The loss math lives in ember/step.py, run health and stop signals in ember/health.py, MoE bookkeeping in
-ember/nn/moe.py, the header and metrics records in ember/metrics.py.
+Build order (docs/architecture.md): the engine `device` trains on (ember/engines.py: the job's ranks and
+devices) -> the run's decisions (ember/run.py: resolve) -> its mesh -> tokenizer -> model, loss and optimizer
+(the engine's `build`) -> LR schedule -> data -> header -> checkpoint resume -> the weights placed. What differs
+between torch.distributed and XLA SPMD is the engine's (ember/torch_engine.py, ember/xla/engine.py): where the
+weights live, the step, the evaluation forward, the reductions and the checkpoint's manager. Everything else is
+here: data, health, metrics, evaluation, profiling and checkpoints, for every engine. The loss math lives in
+ember/step.py, run health and stop signals in ember/health.py, MoE bookkeeping in ember/nn/moe.py, the header
+and metrics records in ember/metrics.py.
 """
 
 from __future__ import annotations
 
 import collections
 import functools
-import math
-import os
 import time
 from pathlib import Path
 from typing import Iterator, Optional
 
 import torch
-from torch import nn
 from rich.console import Console
 
+from ember import engines
 from ember import run as run_lib
 from ember import run_history
 from ember.checkpoint import open_checkpoints, rng_state, set_rng_state
@@ -30,91 +32,51 @@ from ember.errors import DataError
 from ember.eval.distributed import EvalRanks
 from ember.eval.tasks import run_tasks
 from ember.finetune import dpo as dpo_lib
-from ember.cpu_allocator import keep_freed_cpu_memory
-from ember.device import pick_device
-from ember.hardware import peak_flops
-from ember.health import HealthGuard, StopSignals, TrainingStopped
+from ember.health import HealthGuard, StopSignals, TrainingStopped, is_finite_step
 from ember.metrics import (MetricsLogger, plural, print_header, progress_bar,
                            raise_peak_if_beaten, run_record, throughput_record)
 from ember.nn import moe as moe_lib
 from ember.nn.decoder import num_params
-from ember.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, restart_schedule
-from ember.parallel import fp8 as fp8_lib
-from ember.parallel.mesh import ParallelMesh, init_distributed
-from ember.profiling import StepProfiler, phase
-from ember.step import Batch, ForwardBackward
+from ember.optim import build_lr_scheduler, restart_schedule
+from ember.profiling import phase
+from ember.step import Batch
 
 __all__ = ["Trainer", "TrainingStopped", "run"]
 
 
-def is_finite_step(loss: float, grad_norm: float) -> bool:
-    """A step whose loss and gradient norm are finite: the optimizer steps; otherwise the step is skipped."""
-    return math.isfinite(loss) and math.isfinite(grad_norm)
-
-
 class Trainer:
-    """Owns the model, optimizer, data and metrics of one run, on one process or as one rank of many."""
+    """Owns the data, health, metrics, evaluation and checkpoints of one run, on one process or as one rank (or
+    host) of many; `self.engine` holds the model and steps it."""
 
     def __init__(self, cfg: JobConfig, console: Optional[Console] = None):
         self.cfg = cfg
         # soft_wrap: a metrics line stays one line in logs and pipes, whatever the terminal width.
         self.console = console or Console(soft_wrap=True)
-        self.rank, self.world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        self.engine = engine = engines.engine_type(cfg.device)(cfg)
+        self.rank, self.world_size, self.device = engine.rank, engine.world_size, engine.device
         self.is_main = self.rank == 0
-        self.device = pick_device(cfg.device)
-        # A CPU step's buffers are reused instead of page-faulted in afresh each step (see the function).
-        allocator_note = keep_freed_cpu_memory() if self.device.type == "cpu" else None
         self.output_dir = Path(cfg.output_dir)
 
-        # 1. Every decision about the run (ember/run.py, which `ember plan` calls too), then one DeviceMesh.
-        self.spec = spec = run_lib.resolve(cfg, self.world_size, self.device)
-        self.mesh: Optional[ParallelMesh] = None
-        if self.world_size > 1:
-            init_distributed(self.device, cfg.parallel.timeout_s)
-            self.mesh = ParallelMesh(spec.shape, self.device.type)
+        # 1. Every decision about the run (ember/run.py, which `ember plan` calls too), then the engine's mesh.
+        self.spec = spec = run_lib.resolve(cfg, self.world_size, engine.run_device)
+        engine.connect(spec)
+        self.mesh = engine.mesh
         torch.manual_seed(cfg.seed)
-        # The peak for MFU now, while the ranks are in step (just past the job's start) and nothing else runs:
-        # on CPU it is measured once per machine, and a measurement among busy ranks would read low.
-        # FP8 runs are measured against the device's fp8 peak (the header says which).
-        self.peak = peak_flops(self.device, torch.float8_e4m3fn if spec.parallel.fp8_recipe else spec.compute_dtype,
-                               cfg.metrics.peak_tflops)
+        self.peak = engine.peak()
 
         # 2. Tokenizer first: the model's vocabulary must cover it, and that is a config error, not a crash.
         self.tokenizer = build_tokenizer(cfg.data, spec.args.vocab_size) if cfg.data.dataset != "synthetic" else None
 
-        # 3. Model: this rank's pipeline stages, parallelized on meta, then materialised (ember/run.py).
-        built = run_lib.build_model(spec, self.mesh)
-        self.model_parts: list[nn.Module] = built.parts
-        # One module for the optimizer, clipping and `model.train()`: the model, or this rank's stages.
-        self.model = self.model_parts[0] if len(self.model_parts) == 1 else nn.ModuleList(self.model_parts)
-        self.num_params = sum(p.numel() for p in built.whole.parameters())
-        n_moe_layers = len(built.whole.moe_layers())  # the whole model's, not a stage's
-        for part in self.model_parts:
-            moe_lib.set_router_loss(part, cfg.model.aux_loss_coef, cfg.model.z_loss_coef,
-                                    cfg.global_batch_size * cfg.seq_len, max(n_moe_layers, 1))
-        # The whole model's, so every rank (a pipeline stage without such routers too) joins the update's all_sum.
-        self.score_bias_rate = cfg.model.bias_update_rate if moe_lib.has_score_bias([built.whole]) else 0.0
-
-        # 4. Forward/backward (the pipeline schedule when pp > 1), optimizer, LR schedule.
-        eos_id = self.tokenizer.eos_id if cfg.data.document_mask else None
-        dpo = dpo_lib.dpo_objective(spec, self.mesh, self.model) if cfg.task == "dpo" else None
-        self.forward_backward = ForwardBackward(self.model, self.mesh, self.device, autocast_dtype=spec.autocast_dtype,
-                                                loss_parallel=spec.parallel.loss_parallel, cp_impl=spec.parallel.cp_impl,
-                                                eos_id=eos_id, output_chunks=spec.output_chunks,
-                                                fused_output=spec.fused_output, dpo=dpo)
-        if spec.num_stages > 1:
-            self.forward_backward.build_pipeline(built.stages, spec.num_stages, cfg.parallel.pp_schedule,
-                                                 spec.pp_microbatches)
-        self.optimizer = build_optimizer(self.model, cfg.optim, self.device.type)
-        self.fp8_after_step = (fp8_lib.fp8_after_optimizer_step(self.model_parts, self.mesh, spec.parallel.fp8_recipe)
-                               if spec.parallel.fp8_recipe else None)
+        # 3. Model, loss and optimizer (the engine's), LR schedule.
+        engine.build(self.tokenizer)
+        self.model_parts, self.model, self.optimizer = engine.model_parts, engine.model, engine.optimizer
+        self.num_params = sum(p.numel() for p in engine.whole.parameters())
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.schedule, cfg.max_steps)
 
-        # 5. Data, read by this rank's data-parallel coordinate: ranks of one replica (tensor, pipeline,
-        # context) read the same batch.
-        loader_kwargs = dict(seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size,
-                             dp_rank=self.mesh.dp_rank if self.mesh else 0, dp_world=spec.shape.dp, seed=cfg.seed,
-                             vocab_size=spec.args.vocab_size)
+        # 4. Data, read by this rank's (host's) data-parallel coordinate.
+        rows, dp_rank, dp_world = engine.data_shard()
+        loader_kwargs = dict(seq_len=cfg.seq_len, micro_batch_size=rows, dp_rank=dp_rank, dp_world=dp_world,
+                             seed=cfg.seed, vocab_size=spec.args.vocab_size)
         make_loader = build_loader if cfg.task == "lm" else functools.partial(dpo_lib.build_pair_loader, dpo_cfg=cfg.dpo)
         self.train_loader = make_loader(cfg.data, self.tokenizer, split="train", **loader_kwargs)
         self.val_loader, val_note = None, None
@@ -125,13 +87,15 @@ class Trainer:
         # The header, once the model and data are known: before what starting over, resuming or a tracker prints.
         if self.is_main and cfg.metrics.console:
             print_header(self.console, spec, self.model, self.num_params, self.tokenizer, self.peak,
-                         self.train_loader.describe(), [allocator_note and f"cpu: {allocator_note}", val_note],
-                         num_active=num_params(built.whole, active=True))
+                         self.train_loader.describe(), [*engine.notes, val_note],
+                         num_active=num_params(engine.whole, active=True))
 
-        # 6. Health, checkpoints: resume restores weights, optimizer, schedule, data position and RNG.
+        # 5. Health, checkpoints: resume restores weights, optimizer, schedule, data position and RNG; then the
+        # engine places the weights where they train.
         self.step = 0
         self.health = HealthGuard(cfg.max_skipped_steps, cfg.loss_spike_factor, self._say)
-        self.checkpointer, state = open_checkpoints(spec, self.model_parts, self.model, self.optimizer, self._say)
+        self.checkpointer, state = open_checkpoints(spec, self.model_parts, self.model, self.optimizer, self._say,
+                                                    manager_type=engine.checkpoint_manager)
         if state is not None:
             self.step = int(state["step"])
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
@@ -139,6 +103,7 @@ class Trainer:
             self.train_loader.load_state_dict(state["data"])
             set_rng_state(state["rng"])
             self.health.load_state_dict(state)
+        engine.place(self.checkpointer)
 
     def _say(self, message: str) -> None:
         if self.is_main:
@@ -157,46 +122,30 @@ class Trainer:
             yield [next(train_iter) for _ in range(self.spec.grad_accum)]
 
     def train_step(self, micro_batches: list[Batch]) -> tuple[float, float]:
-        """Forward/backward over this rank's micro-batches of one global batch, clip, step."""
-        self.model.train()
-        loss = self.forward_backward.run(micro_batches, backward=True)
-        for part in self.model_parts:
-            moe_lib.end_moe_step(part, len(micro_batches) * self.spec.pp_microbatches)
-        with phase("optimizer"):
-            grad_norm = float(clip_grad_norm_(self.model.parameters(), self.cfg.optim.max_grad_norm,
-                                              pp_mesh=self.mesh.submesh("pipeline") if self.mesh else None))
-            # Both are global, so every rank takes the same decision: a non-finite step changes no weight.
-            if is_finite_step(loss, grad_norm):
-                self.optimizer.step()
-                if self.score_bias_rate:
-                    moe_lib.update_score_bias(self.model_parts, self.score_bias_rate, self.spec.args.n_layers,
-                                              self.spec.args.n_experts, self.all_sum, self.device)
-                if self.fp8_after_step is not None:
-                    self.fp8_after_step()
-            self.optimizer.zero_grad(set_to_none=True)
+        """One optimizer step over this rank's micro-batches of one global batch (the engine's), then the LR
+        schedule's."""
+        loss, grad_norm = self.engine.train_step(micro_batches)
         self.lr_scheduler.step()
         return loss, grad_norm
 
-    @torch.no_grad()
     def evaluate(self) -> Optional[float]:
-        schedule = self.forward_backward.schedule
-        if self.val_loader is None or (schedule is not None and not hasattr(schedule, "eval")):
+        """The validation loss over eval_batches global batches, whatever the layout (each rank reads its share of
+        the same samples, the same ones every time, so evaluations compare); None without a validation split."""
+        if self.val_loader is None:
             return None
-        self.model.eval()
-        self.val_loader.reset()  # the same validation batches every time, so evaluations compare
+        self.val_loader.reset()
         val_iter = iter(self.val_loader)
-        # eval_batches global batches, whatever the layout: each rank reads its share of the same samples.
-        loss = self.forward_backward.run([next(val_iter) for _ in range(self.cfg.eval_batches * self.spec.grad_accum)],
-                                         backward=False)
-        self.model.train()
-        return loss
+        return self.engine.evaluate([next(val_iter) for _ in range(self.cfg.eval_batches * self.spec.grad_accum)])
 
     def eval_tasks(self) -> dict[str, float]:
         """eval.tasks as eval/<task>/<metric>; the requests are shared out over the data-parallel ranks (config
         allows only layouts where each rank runs the whole model: data, fsdp, expert)."""
-        results = run_tasks(self.model, self.tokenizer, self.cfg.eval.tasks, self.cfg.eval.limit, self.cfg.eval.batch_size,
+        if not self.cfg.eval.tasks:
+            return {}
+        model = self.engine.scoring_model()
+        results = run_tasks(model, self.tokenizer, self.cfg.eval.tasks, self.cfg.eval.limit, self.cfg.eval.batch_size,
                             EvalRanks(self.mesh.dp_rank if self.mesh else 0, self.spec.shape.dp))
-        self.model.train()
+        model.train()
         return results
 
     # ---------------------------------------------------------------- the loop
@@ -229,7 +178,7 @@ class Trainer:
         progress = progress_bar(self.console, enabled=self.is_main and cfg.metrics.console)
         stopped = False
         # The main rank prints the summary; every rank writes its trace.
-        profiler = self.profiler()
+        profiler = self.engine.profiler(self.output_dir, self._say)
         profiler.plan(self.step, cfg.max_steps)  # says what max_steps or a resume cuts from the traced steps
         with progress, StopSignals(self.device, self.mesh is not None, self._say) as signals:
             task = progress.add_task("train", total=cfg.max_steps, loss="-", completed=self.step)
@@ -312,16 +261,6 @@ class Trainer:
             self.console.print(f"see the run: ember report {self.output_dir}", markup=False, highlight=False)
         return summary
 
-    def profiler(self) -> StepProfiler:
-        """profile.*'s tracer of this run's steps (torch.profiler)."""
-        cfg = self.cfg
-        return StepProfiler(cfg.profile.enabled, cfg.profile.step, cfg.profile.steps, self.output_dir, self.rank,
-                            self.device, self._say)
-
-    def all_sum(self, value: torch.Tensor) -> torch.Tensor:
-        """A host tensor summed over every rank (the MoE metrics' one reduction)."""
-        return self.forward_backward.all_sum(value)
-
     def _close_loaders(self) -> None:
         for loader in (self.train_loader, self.val_loader):
             if loader is not None:
@@ -341,12 +280,11 @@ class Trainer:
         n_experts = getattr(self.spec.args, "n_experts", 0)
         if n_experts:  # MoE: router losses, and the load of every expert of every layer over the window
             record.update(moe_lib.collect_moe_metrics(self.model_parts, self.spec.args.n_layers, n_experts,
-                                                      self.all_sum, self.device))
-        dpo = getattr(self.forward_backward, "dpo", None)
-        if dpo is not None:  # reward margin, accuracy, rewards over the window's pairs
-            record.update(dpo.pop_metrics())
+                                                      self.engine.all_sum, self.device))
+        record.update(self.engine.window_metrics())  # DPO's reward margin, accuracy, rewards over the window
         for source, count in (self.train_loader.mixture_counts() or {}).items():
             record[f"mix/{source}"] = count  # samples drawn from each mixture source so far
+        self.engine.device_memory(record)
         return record
 
 

@@ -188,3 +188,20 @@ def test_only_the_xla_package_imports_jax(module: str):
 def test_the_xla_entry_points_import_jax_only_inside_functions():
     for module in ("ember.xla.runtime", "ember.xla.checks", "ember.xla.mesh"):
         assert not _names_jax(_top_level_imports(module)), f"{module} imports jax at import time"
+
+
+def test_the_run_and_the_trainer_name_no_engine():
+    """ember.run and the Trainer reach an engine through ember/engines.py's registry (a module path per device):
+    neither imports ember/xla, the torch engine, or the registry's entries, anywhere in the file."""
+    for module in ("ember.run", "ember.train", "ember.commands.train"):
+        named = {m for m in _imports(module) if m.startswith("ember.xla") or m == "ember.torch_engine"}
+        assert not named, (module, named)
+
+
+def test_no_class_subclasses_the_trainer():
+    """One Trainer for every engine: what differs is an engine's, never a subclass that replaces the build."""
+    subclasses = [f"{module}.{node.name}" for module, path in MODULES.items()
+                  for node in ast.walk(ast.parse(path.read_text(), filename=str(path)))
+                  if isinstance(node, ast.ClassDef)
+                  and any(getattr(base, "id", getattr(base, "attr", None)) == "Trainer" for base in node.bases)]
+    assert subclasses == []

@@ -81,7 +81,7 @@ def test_the_trainer_and_the_planner_take_resolves_decisions_and_build_by_build_
     trainer = Trainer(cfg)
     trainer.train_loader.close()
     assert trainer.spec is resolved[0] and built[0] is trainer.spec
-    assert trainer.forward_backward.loss_parallel is True and trainer.spec.fsdp_mixed is True
+    assert trainer.engine.forward_backward.loss_parallel is True and trainer.spec.fsdp_mixed is True
     make_plan(cfg, world=1, device="cpu")
     plan = resolved[1]
     assert plan.parallel.loss_parallel is True and plan.fsdp_mixed is True and len(built) > 1

@@ -8,7 +8,6 @@ import os
 import sys
 
 from ember.commands import as_rank, wants_help, world_size
-from ember.config import XLA_DEVICES
 from ember.errors import ConfigError
 from ember.launch.local import STOP_EXIT_ENV, launch_local, split_launch_flags
 
@@ -45,12 +44,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = run_lib.load_config(args.recipe, args.overrides, world_size=world_size() if "WORLD_SIZE" in os.environ else None)
     from ember.train import Trainer, TrainingStopped  # imported after validation so config errors come back at once
 
-    if cfg.device in XLA_DEVICES:  # jax devices, one process per host (ember/xla/)
-        from ember.xla.train import XlaTrainer
-
-        trainer: Trainer = XlaTrainer(cfg)
-    else:
-        trainer = Trainer(cfg)
+    trainer = Trainer(cfg)  # on the engine cfg.device trains on (ember/engines.py)
 
     def train() -> int:
         try:

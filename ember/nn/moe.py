@@ -267,6 +267,15 @@ def end_moe_step(model: nn.Module, forwards_per_layer: int) -> None:
             moe._step_loads.clear()
 
 
+def record_step_stats(moes: list[MoE], counts: Any, aux: Any) -> None:
+    """A step's expert loads (layers x experts) and router losses (layers x [aux, z]) computed outside the layers (the
+    XLA engine's compiled step returns them), taken as each layer's one training forward of the step."""
+    for moe, count, (aux_loss, z_loss) in zip(moes, counts, aux):
+        moe._step_loads = [torch.as_tensor(count, dtype=torch.int64)]
+        moe.aux_loss, moe.z_loss = torch.tensor(float(aux_loss)), torch.tensor(float(z_loss))
+        end_moe_step(moe, 1)
+
+
 def has_score_bias(model_parts: list[nn.Module]) -> bool:
     """Whether any router of these model parts balances by a score bias (DeepSeek-V3)."""
     return any(isinstance(m, MoE) and m.router.score_bias is not None for part in model_parts for m in part.modules())

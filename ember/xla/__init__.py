@@ -9,5 +9,6 @@ runtime.py   torchax imported (with the shim torch 2.13 needs), the devices, jax
 mesh.py      MeshShape -> jax Mesh (hybrid ICI x DCN for multi-slice), the batch's sharding
 sharding.py  each parameter's PartitionSpec, from the family's tensor-parallel plan and the fsdp/expert axes
 step.py      the jit-compiled train step: forward, backward, gradient accumulation, clip, AdamW (optax)
-train.py     XlaTrainer: the Trainer's loop with this step; weights and optimizer state as sharded jax arrays
+checks.py    what the engine refuses, from the config alone; rules.py its registry entry (mesh, dtype); no jax
+engine.py    XlaEngine: the Trainer's engine with this step; weights and optimizer state as sharded jax arrays
 """

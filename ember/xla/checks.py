@@ -1,5 +1,5 @@
-"""What the XLA path (device=tpu|xla) does not run, refused before any work with one line naming the key.
-Imports no jax: ember.run.check calls it with the config."""
+"""What the XLA engine (device=tpu|xla) does not run, refused before any work with one line naming the key. Imports no
+jax and no torch: ember/xla/rules.py, the engine's rules, calls it with the config."""
 
 from __future__ import annotations
 

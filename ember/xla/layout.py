@@ -6,6 +6,7 @@ jax's virtual CPU devices with abstract arrays, to read XLA's memory analysis of
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -13,6 +14,7 @@ import numpy as np
 import torch
 
 from ember.optim import param_groups
+from ember import run as run_lib
 from ember.run import RunSpec
 from ember.xla import mesh as mesh_lib
 from ember.xla.attention import attention_fn
@@ -20,13 +22,6 @@ from ember.xla.sharding import param_specs
 from ember.xla.step import CompiledStep, StepOptions, adamw, build_step, prepare_model
 
 SCAN_PREFIX = "layers.scan.block."
-
-
-def pick_compute_dtype(precision: str, device: str) -> torch.dtype:
-    """precision on the XLA path: auto is bf16 on TPUs (their matmul units are bf16) and fp32 elsewhere."""
-    if precision in ("bf16", "fp8") or (precision == "auto" and device == "tpu"):
-        return torch.bfloat16
-    return torch.float32
 
 
 def device_names(model: torch.nn.Module, n_layers: int, scan: bool) -> dict[str, list[str]]:
@@ -117,6 +112,15 @@ class XlaLayout:
     tx: Any  # the optax transform
     compiled: CompiledStep
     shapes: dict[str, tuple[int, ...]]  # device-state name -> its global shape
+
+
+def layout_for(spec: RunSpec, mesh: Any, host_model: torch.nn.Module, eos_id: Optional[int]) -> XlaLayout:
+    """The layout the XLA engine trains with and `ember plan` compiles: `build_layout` with the traced model built
+    here (on meta: only its RoPE tables are real, which the step takes as constants)."""
+    traced = run_lib.build_model(dataclasses.replace(spec, device=torch.device("cpu")), None,
+                                 materialize=False).parts[0]
+    traced.init_rope(torch.device("cpu"))
+    return build_layout(spec, mesh, host_model, traced, spec.compute_dtype, eos_id)
 
 
 def build_layout(spec: RunSpec, mesh: Any, host_model: torch.nn.Module, traced: torch.nn.Module,

@@ -27,16 +27,14 @@ def compiled_memory_here(cfg: JobConfig, world: int, target: str) -> dict[str, i
     from ember import run as run_lib
     from ember.xla import mesh as mesh_lib
     from ember.xla import runtime
-    from ember.xla.layout import build_layout, compiled_memory, pick_compute_dtype
+    from ember.xla.layout import compiled_memory, layout_for
+    from ember.xla.rules import xla_compute_dtype
 
     devices = runtime.devices("xla")[:world]
-    dtype = pick_compute_dtype(cfg.precision, "tpu" if target.startswith("tpu") else "xla")
+    dtype = xla_compute_dtype(cfg.precision, "tpu" if target.startswith("tpu") else "xla")
     spec = run_lib.resolve(cfg, world, torch.device("cpu"), compute_dtype=dtype)
-    on_meta = dataclasses.replace(spec, device=torch.device("cpu"))
-    host = run_lib.build_model(on_meta, None, materialize=False).parts[0]
-    traced = run_lib.build_model(on_meta, None, materialize=False).parts[0]
-    traced.init_rope(torch.device("cpu"))  # the one real tensor the traced model holds: its RoPE tables
-    layout = build_layout(spec, mesh_lib.jax_mesh(spec.shape, devices), host, traced, dtype, eos_id=None)
+    host = run_lib.build_model(dataclasses.replace(spec, device=torch.device("cpu")), None, materialize=False).parts[0]
+    layout = layout_for(spec, mesh_lib.jax_mesh(spec.shape, devices), host, eos_id=None)
     return compiled_memory(layout, spec.grad_accum, cfg.micro_batch_size * spec.shape.dp, cfg.seq_len)
 
 

@@ -17,13 +17,13 @@ KILL = '''
 import os
 if os.environ.get("EMBER_KILL_AT_STEP"):
     import signal
-    import ember.xla.train as t
-    original = t.XlaTrainer.train_step
+    import ember.train as t
+    original = t.Trainer.train_step
     def train_step(self, batches):
         if self.step == int(os.environ["EMBER_KILL_AT_STEP"]):
             os.kill(os.getpid(), signal.SIGKILL)
         return original(self, batches)
-    t.XlaTrainer.train_step = train_step
+    t.Trainer.train_step = train_step
 '''
 
 

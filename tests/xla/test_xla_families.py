@@ -43,12 +43,12 @@ def family_overrides(family: str) -> list[str]:
 TRAIN_ALL = """
 import json, sys
 from ember import run as run_lib
-from ember.xla.train import XlaTrainer
+from ember.train import Trainer
 out, cases = sys.argv[1], json.loads(sys.argv[2])
 results = {}
 for family, overrides in cases.items():
     cfg = run_lib.load_config("debug", [*overrides, "device=xla", f"output_dir={out}/{family}"])
-    summary = XlaTrainer(cfg).train()
+    summary = Trainer(cfg).train()
     results[family] = [summary["first_loss"], summary["final_loss"], summary["steps"]]
 print(json.dumps(results))
 """

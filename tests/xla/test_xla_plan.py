@@ -16,13 +16,13 @@ RUN_AND_MEASURE = """
 import json, sys
 from ember import run as run_lib
 from ember.xla.layout import compiled_memory
-from ember.xla.train import XlaTrainer
+from ember.train import Trainer
 cfg = run_lib.load_config("debug", sys.argv[1:])
-trainer = XlaTrainer(cfg)
+trainer = Trainer(cfg)
 trainer.train()
-spec = trainer.spec
-print(json.dumps(compiled_memory(trainer.layout, spec.grad_accum, cfg.micro_batch_size * spec.shape.dp, cfg.seq_len,
-                                 params=trainer.params, opt_state=trainer.opt_state)))
+spec, engine = trainer.spec, trainer.engine
+print(json.dumps(compiled_memory(engine.layout, spec.grad_accum, cfg.micro_batch_size * spec.shape.dp, cfg.seq_len,
+                                 params=engine.params, opt_state=engine.opt_state)))
 """
 
 

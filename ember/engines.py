@@ -1,0 +1,69 @@
+"""Which engine a run trains on, by `device`, and what each engine asks of a config before any work.
+
+An engine is the part of training that differs between runtimes: where the weights live, the step, the
+evaluation forward, the reductions and the state a checkpoint saves. ember/train.py's one Trainer owns the rest
+(data, health, metrics, evaluation, profiling, checkpoints) for every engine. Two are registered:
+- torch.distributed (ember/torch_engine.py: TorchEngine) for device=auto|cpu|cuda;
+- XLA SPMD through torchax and jax (ember/xla/engine.py: XlaEngine) for device=tpu|xla, whose rules live in
+  ember/xla/rules.py (they import no jax).
+A third engine is a module with its Engine class, its EngineRules, and one entry in ENGINES.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from ember.config_schema import JobConfig
+from ember.errors import ConfigError
+from ember.parallel.mesh_shape import MeshError, MeshShape, resolve_mesh
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class EngineRules:
+    """What ember.run asks of an engine, from the config alone (no devices are touched, no jax is imported)."""
+
+    name: str
+    engine: str  # "module:Class" of the engine the Trainer builds
+    world_size: Callable[[JobConfig], int]  # this machine's devices, where the config does not say
+    layout: Callable[[JobConfig, int], MeshShape]  # the mesh for a world, with this engine's refusals
+    check_model: Callable[[JobConfig, Any], None]  # the model's hyper-parameters against what the engine runs
+    # precision -> compute dtype, where the engine decides without measuring (None: ember.device's rules)
+    compute_dtype: Optional[Callable[[str, str], "torch.dtype"]]
+    torch_device_checks: bool  # ember.run.check_device_options applies (options that need a torch device)
+    whole_logits: bool  # the loss takes a micro-batch's whole logits (no chunked or fused output loss)
+
+
+def mesh_shape(cfg: JobConfig, world_size: int) -> MeshShape:
+    """The resolved ici x dcn degrees for `world_size` processes, or a ConfigError naming the numbers."""
+    try:
+        return resolve_mesh(cfg.ici_mesh, cfg.dcn_mesh, world_size)
+    except MeshError as err:
+        raise ConfigError(str(err)) from None
+
+
+TORCH = EngineRules(name="torch.distributed", engine="ember.torch_engine:TorchEngine",
+                    world_size=lambda cfg: 1, layout=mesh_shape, check_model=lambda cfg, args: None,
+                    compute_dtype=None, torch_device_checks=True, whole_logits=False)
+
+# device -> "module:attribute" of its EngineRules; every other device trains on TORCH
+ENGINES: dict[str, str] = {"tpu": "ember.xla.rules:RULES", "xla": "ember.xla.rules:RULES"}
+
+
+def _attribute(path: str) -> Any:
+    module, name = path.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def rules(device: str) -> EngineRules:
+    """The rules of the engine `device` trains on."""
+    return _attribute(ENGINES[device]) if device in ENGINES else TORCH
+
+
+def engine_type(device: str) -> type:
+    """The Engine class `device` trains on (its module imported now: the XLA one brings jax)."""
+    return _attribute(rules(device).engine)

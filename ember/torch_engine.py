@@ -1,0 +1,153 @@
+"""The torch.distributed engine (device=cpu|cuda): this rank's model parallelized on a DeviceMesh, the micro-batch
+forward/backward (ember/step.py, the pipeline schedule when pp > 1), gradient clipping and the optimizer step.
+
+ember/train.py's Trainer owns everything else (data, health, metrics, evaluation, checkpoints); ember/engines.py
+says which engine a `device` trains on and what that engine refuses. Build order, as the Trainer calls it:
+`TorchEngine(cfg)` (the job's ranks and device) -> `connect(spec)` (process group, DeviceMesh) -> `build(tokenizer)`
+(model, loss, optimizer) -> `place(restored)` after the checkpoint resume (nothing to do: DCP loaded in place).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from ember import run as run_lib
+from ember.checkpoint import CheckpointManager
+from ember.config_schema import JobConfig
+from ember.cpu_allocator import keep_freed_cpu_memory
+from ember.data.tokenizer import AnyTokenizer
+from ember.device import pick_device
+from ember.finetune import dpo as dpo_lib
+from ember.hardware import PeakFlops, peak_flops
+from ember.health import is_finite_step
+from ember.nn import moe as moe_lib
+from ember.optim import build_optimizer, clip_grad_norm_
+from ember.parallel import fp8 as fp8_lib
+from ember.parallel.mesh import ParallelMesh, init_distributed
+from ember.profiling import StepProfiler, phase
+from ember.run import RunSpec
+from ember.step import Batch, ForwardBackward
+
+
+class TorchEngine:
+    """One rank of a torch.distributed job (or the only process); see the module docstring."""
+
+    checkpoint_manager = None  # ember/checkpoint.py's CheckpointManager: DCP over this rank's tensors
+
+    def __init__(self, cfg: JobConfig):
+        self.cfg = cfg
+        self.rank, self.world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        self.device = pick_device(cfg.device)
+        self.run_device = self.device  # what the run's decisions and run.json name
+        # A CPU step's buffers are reused instead of page-faulted in afresh each step (see the function).
+        allocator_note = keep_freed_cpu_memory() if self.device.type == "cpu" else None
+        self.notes: list[Optional[str]] = [allocator_note and f"cpu: {allocator_note}"]
+        self.mesh: Optional[ParallelMesh] = None
+
+    def connect(self, spec: RunSpec) -> None:
+        """The process group and the DeviceMesh of `spec`'s layout."""
+        self.spec = spec
+        if self.world_size > 1:
+            init_distributed(self.device, self.cfg.parallel.timeout_s)
+            self.mesh = ParallelMesh(spec.shape, self.device.type)
+
+    def peak(self) -> PeakFlops:
+        """The peak for MFU, taken while the ranks are in step (just past the job's start) and nothing else runs: on
+        CPU it is measured once per machine, and a measurement among busy ranks would read low. FP8 runs are
+        measured against the device's fp8 peak (the header says which)."""
+        spec = self.spec
+        return peak_flops(self.device, torch.float8_e4m3fn if spec.parallel.fp8_recipe else spec.compute_dtype,
+                          self.cfg.metrics.peak_tflops)
+
+    def build(self, tokenizer: Optional[AnyTokenizer]) -> None:
+        """This rank's pipeline stages, parallelized on meta, then materialised (ember/run.py); the loss (DPO's
+        with its reference), the pipeline schedule, the optimizer."""
+        cfg, spec = self.cfg, self.spec
+        built = run_lib.build_model(spec, self.mesh)
+        self.model_parts: list[nn.Module] = built.parts
+        self.whole = built.whole  # on meta: counts that are the whole model's, not a stage's
+        # One module for the optimizer, clipping and `model.train()`: the model, or this rank's stages.
+        self.model = self.model_parts[0] if len(self.model_parts) == 1 else nn.ModuleList(self.model_parts)
+        n_moe_layers = len(built.whole.moe_layers())
+        for part in self.model_parts:
+            moe_lib.set_router_loss(part, cfg.model.aux_loss_coef, cfg.model.z_loss_coef,
+                                    cfg.global_batch_size * cfg.seq_len, max(n_moe_layers, 1))
+        # The whole model's, so every rank (a pipeline stage without such routers too) joins the update's all_sum.
+        self.score_bias_rate = cfg.model.bias_update_rate if moe_lib.has_score_bias([built.whole]) else 0.0
+        eos_id = tokenizer.eos_id if cfg.data.document_mask else None
+        self.dpo = dpo_lib.dpo_objective(spec, self.mesh, self.model) if cfg.task == "dpo" else None
+        self.forward_backward = ForwardBackward(self.model, self.mesh, self.device, autocast_dtype=spec.autocast_dtype,
+                                                loss_parallel=spec.parallel.loss_parallel, cp_impl=spec.parallel.cp_impl,
+                                                eos_id=eos_id, output_chunks=spec.output_chunks,
+                                                fused_output=spec.fused_output, dpo=self.dpo)
+        if spec.num_stages > 1:
+            self.forward_backward.build_pipeline(built.stages, spec.num_stages, cfg.parallel.pp_schedule,
+                                                 spec.pp_microbatches)
+        self.optimizer = build_optimizer(self.model, cfg.optim, self.device.type)
+        self.fp8_after_step = (fp8_lib.fp8_after_optimizer_step(self.model_parts, self.mesh, spec.parallel.fp8_recipe)
+                               if spec.parallel.fp8_recipe else None)
+
+    def data_shard(self) -> tuple[int, int, int]:
+        """(rows per micro-batch, data-parallel coordinate, data-parallel width) this rank's loaders read: ranks of
+        one replica (tensor, pipeline, context) read the same batch."""
+        return self.cfg.micro_batch_size, self.mesh.dp_rank if self.mesh else 0, self.spec.shape.dp
+
+    def place(self, checkpointer: CheckpointManager) -> None:
+        """The weights are where they train already: DCP loaded a resume into this rank's tensors."""
+
+    # ---------------------------------------------------------------- one step
+    def train_step(self, micro_batches: list[Batch]) -> tuple[float, float]:
+        """Forward/backward over this rank's micro-batches of one global batch, clip, step (a non-finite step
+        changes no weight: loss and norm are global, so every rank takes the same decision)."""
+        self.model.train()
+        loss = self.forward_backward.run(micro_batches, backward=True)
+        for part in self.model_parts:
+            moe_lib.end_moe_step(part, len(micro_batches) * self.spec.pp_microbatches)
+        with phase("optimizer"):
+            grad_norm = float(clip_grad_norm_(self.model.parameters(), self.cfg.optim.max_grad_norm,
+                                              pp_mesh=self.mesh.submesh("pipeline") if self.mesh else None))
+            if is_finite_step(loss, grad_norm):
+                self.optimizer.step()
+                if self.score_bias_rate:
+                    moe_lib.update_score_bias(self.model_parts, self.score_bias_rate, self.spec.args.n_layers,
+                                              self.spec.args.n_experts, self.all_sum, self.device)
+                if self.fp8_after_step is not None:
+                    self.fp8_after_step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return loss, grad_norm
+
+    @torch.no_grad()
+    def evaluate(self, micro_batches: list[Batch]) -> Optional[float]:
+        """The mean validation loss over `micro_batches` (None: a pipeline schedule without an eval form)."""
+        schedule = self.forward_backward.schedule
+        if schedule is not None and not hasattr(schedule, "eval"):
+            return None
+        self.model.eval()
+        loss = self.forward_backward.run(micro_batches, backward=False)
+        self.model.train()
+        return loss
+
+    def scoring_model(self) -> nn.Module:
+        """The module eval.tasks score with (config allows only layouts where each rank runs the whole model)."""
+        return self.model
+
+    def all_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """A host tensor summed over every rank (the MoE metrics' one reduction)."""
+        return self.forward_backward.all_sum(value)
+
+    def device_memory(self, record: dict[str, Any]) -> None:
+        """record's memory_gb is already this device's (ember/metrics.py)."""
+
+    def profiler(self, output_dir: Any, say: Any) -> StepProfiler:
+        """profile.*'s tracer of this run's steps (torch.profiler)."""
+        cfg = self.cfg
+        return StepProfiler(cfg.profile.enabled, cfg.profile.step, cfg.profile.steps, output_dir, self.rank,
+                            self.device, say)
+
+    def window_metrics(self) -> dict[str, float]:
+        """DPO's reward margin, accuracy and rewards over the logging window's pairs."""
+        return self.dpo.pop_metrics() if self.dpo is not None else {}
