@@ -22,7 +22,8 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 
 from ember.config_schema import (  # noqa: F401  the sections (ember/config_schema.py), importable from here
     ModelConfig, MeshConfig, ParallelConfig, OptimConfig, ScheduleConfig, MixtureSource, DataConfig, EvalTask,
-    EvalConfig, MetricsConfig, CheckpointConfig, LoraConfig, Fp8Config, ProfileConfig, DPOConfig, JobConfig,
+    EvalConfig, EvalOptions, MetricsConfig, CheckpointConfig, LoraConfig, Fp8Config, ProfileConfig, DPOConfig,
+    JobConfig,
 )
 from ember.overrides import ALIASES, IMPLIED, alias_overrides, list_of_keys, parse_overrides
 from ember.errors import ConfigError, did_you_mean, first_error_line, not_one_of
@@ -36,7 +37,9 @@ NOT_HYPERPARAMETERS = ("family", "flavor", "remat", "remat_every", "scan_layers"
 CP_IMPLS = ("auto", "allgather", "ring")
 DEVICES = ("auto", "cpu", "cuda", "tpu", "xla")
 XLA_DEVICES = ("tpu", "xla")  # the jax path (ember/xla/), every other device the torch.distributed one
-EVAL_COMMAND_KEYS = ("eval.seq_len", "eval.stride", "eval.max_tokens", "eval.split")  # `ember eval`'s alone
+# `ember eval`'s eval.* keys that training's eval section has not (ppl's window)
+EVAL_COMMAND_KEYS = tuple(f"eval.{name}" for name in EvalOptions.__dataclass_fields__
+                          if name not in EvalConfig.__dataclass_fields__)
 
 
 def recipe_names() -> list[str]:
@@ -67,29 +70,32 @@ def _all_keys(node: Any, prefix: str = "") -> list[str]:
     return keys
 
 
-def _explain(err: OmegaConfBaseException, schema: DictConfig, origin: str) -> ConfigError:
-    """Turn an OmegaConf exception into the one-line message the CLI prints."""
+def _explain(err: OmegaConfBaseException, schema: type, origin: str, unknown_hint: str = "") -> ConfigError:
+    """Turn an OmegaConf exception into the one-line message the CLI prints. `schema`: the dataclass merged into
+    (JobConfig, or a command's own, such as `ember eval`'s), whose keys an unknown one is compared with;
+    `unknown_hint`: what that message adds (the keys a command takes)."""
     key = getattr(err, "full_key", None) or "?"
     where = f" in {origin}" if origin else ""
     if isinstance(err, ConfigKeyError):
         if key in EVAL_COMMAND_KEYS:  # ppl's window: a key of `ember eval`, where it means something
             return ConfigError(f"'{key}' is a key of `ember eval` (the ppl window), not of training{where}; "
                                "training's eval section has eval.tasks, eval.limit and eval.batch_size")
-        return ConfigError(f"unknown config key '{key}'{did_you_mean(key, _all_keys(schema))}{where}")
+        known = _all_keys(OmegaConf.structured(schema))
+        return ConfigError(f"unknown config key '{key}'{did_you_mean(key, known)}{where}{unknown_hint}")
     if isinstance(err, ValidationError):
         # OmegaConf's own words name its classes ("converted to Integer", "ListConfig"), not the schema's types:
         # the value as read and the key's declared type say it in the user's terms.
         detail = f"got {err.value!r}" if hasattr(err, "value") else first_error_line(err)
-        expected = _type_name(key)
+        expected = _type_name(key, schema)
         if "is not a ListConfig" in first_error_line(err):
             expected += f": write {key}=[A,B]"
         return ConfigError(f"bad value for config key '{key}'{where}: {detail} (expected {expected})")
     return ConfigError(f"invalid config{where}: {first_error_line(err)}")
 
 
-def _type_name(key: str) -> str:
+def _type_name(key: str, schema: type = JobConfig) -> str:
     """The declared type of a dotted key, as a user reads it: 'float', 'int or null', 'list[float]'."""
-    section: Any = JobConfig
+    section: Any = schema
     try:
         for part in key.split("."):
             name, index, _ = part.partition("[")
@@ -150,31 +156,44 @@ def load(recipe: str = "debug", overrides: Optional[list[str]] = None) -> JobCon
     """Recipe (built-in name or YAML path) + `key=value` overrides -> a JobConfig, its types and the checks that
     need nothing but the config done (`validate`). ember.run.load_config adds the features' checks: what a
     command runs on."""
-    overrides = [list_of_keys(item) for item in alias_overrides(list(overrides or []))]
     path = resolve_recipe(recipe)
-    schema = OmegaConf.structured(JobConfig)
     recipe_data = _alias_recipe(_load_yaml(path))
-    if isinstance(recipe_data.get("resume_allow_changes"), str):  # one key, as the override above
+    if isinstance(recipe_data.get("resume_allow_changes"), str):  # one key, as list_of_keys makes an override's
         recipe_data["resume_allow_changes"] = [recipe_data["resume_allow_changes"]]
-    _reject_env_interpolation(recipe_data, str(path))
+    merged = merge_file(OmegaConf.structured(JobConfig), recipe_data, f"recipe '{path}'")
+    cfg: JobConfig = apply_overrides(merged, list(overrides or []))
+    validate(cfg)
+    return cfg
+
+
+def merge_file(base: DictConfig, data: dict, origin: str) -> DictConfig:
+    """A mapping read from a file (a recipe, a run's config.yaml) merged into `base`, a structured config of one of
+    the schema's dataclasses; a bad key or value is one line naming it and `origin`."""
+    _reject_env_interpolation(data, origin)
     try:
-        merged = OmegaConf.merge(schema, OmegaConf.create(recipe_data))
+        return OmegaConf.merge(base, OmegaConf.create(data))
     except OmegaConfBaseException as err:
-        raise _explain(err, schema, f"recipe '{path}'") from None
+        raise _explain(err, OmegaConf.get_type(base), origin) from None
+
+
+def apply_overrides(base: DictConfig, overrides: list[str], unknown_hint: str = "") -> Any:
+    """The command line's `key=value` items (ember/overrides.py: aliases, a bare list key, flow mappings) merged
+    into `base`, a structured config of one of the schema's dataclasses, and that dataclass made: the types
+    checked once, by OmegaConf. Each mistake is one line: an unknown key with the closest known one (and
+    `unknown_hint`), a value with the key's declared type, a list or mapping of the wrong shape."""
+    overrides = [list_of_keys(item) for item in alias_overrides(overrides)]
     dotlist = parse_overrides(overrides)
     _reject_env_interpolation(OmegaConf.to_container(dotlist), "overrides")
     try:
-        merged = OmegaConf.merge(merged, dotlist)
-        cfg: JobConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
+        return OmegaConf.to_object(OmegaConf.merge(base, dotlist))
     except OmegaConfBaseException as err:
-        raise _explain(err, schema, "") from None
+        raise _explain(err, OmegaConf.get_type(base), "", unknown_hint) from None
     except TypeError:  # OmegaConf's merge of a mapping into a list, or the reverse
         key = next(item.partition("=")[0] for item in overrides if "{" in item or "[" in item)
         raise ConfigError(f"override '{key}=...' has the wrong shape: a list is [a, b], a list of mappings "
                           f"[{{name: x, data: y}}], a mapping {{key: value}}; see the key's type in "
                           f"docs/training-and-config.md") from None
-    validate(cfg)
-    return cfg
+
 
 def _check_trackers(metrics: MetricsConfig) -> None:
     """metrics.wandb / metrics.mlflow need their package: said now, not after the model is built."""
@@ -270,11 +289,7 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(f"optim.betas must be two numbers in [0, 1), got {list(cfg.optim.betas)}")
     if cfg.schedule.warmup_steps < 0:
         raise ConfigError(f"schedule.warmup_steps must be >= 0, got {cfg.schedule.warmup_steps}")
-    if cfg.data.num_workers not in (0, 1):
-        raise ConfigError(f"data.num_workers={cfg.data.num_workers}: 0 reads batches in the training thread, 1 in one "
-                          "background thread (one keeps ahead of the step; more would reorder samples); use 0 or 1")
-    if cfg.data.prefetch < 1:
-        raise ConfigError(f"data.prefetch={cfg.data.prefetch}: batches made ahead must be >= 1")
+    validate_data(cfg.data)
     if cfg.checkpoint.interval < 0 or cfg.checkpoint.keep < 0 or cfg.checkpoint.keep_every < 0:
         raise ConfigError("checkpoint.interval, checkpoint.keep and checkpoint.keep_every must be >= 0")
     _check_output_dir(cfg.output_dir)
@@ -298,16 +313,6 @@ def validate(cfg: JobConfig) -> None:
         value = getattr(cfg.model, key)
         if not (value >= 0 and math.isfinite(value)):
             raise ConfigError(f"model.{key}={value} must be a finite number >= 0 (0 turns it off)")
-    for i, part in enumerate(cfg.data.mixture):
-        if not (part.weight > 0 and math.isfinite(part.weight)):
-            raise ConfigError(f"data.mixture[{i}] ({part.source}) has weight {part.weight}; weights must be positive")
-    if cfg.data.streaming and (cfg.data.mixture or cfg.data.dataset in ("synthetic", "embedded")):
-        raise ConfigError("data.streaming=true streams a hub dataset or local files (data.dataset); the embedded "
-                          "corpus, synthetic data and mixtures are read without it: set data.streaming=false")
-    if cfg.data.document_mask and cfg.data.dataset == "synthetic" and not cfg.data.mixture:
-        raise ConfigError("data.document_mask needs documents; synthetic tokens have none: set data.document_mask=false")
-    if cfg.data.prompt_field and cfg.data.streaming:
-        raise ConfigError("data.prompt_field (SFT) reads whole files; set data.streaming=false")
     _check_dpo(cfg)
     _check_trackers(cfg.metrics)
     if cfg.profile.step < 1 or cfg.profile.steps < 1:
@@ -316,12 +321,32 @@ def validate(cfg: JobConfig) -> None:
     if cfg.profile.enabled and cfg.profile.step > cfg.max_steps:
         raise ConfigError(f"profile.step={cfg.profile.step} is past max_steps={cfg.max_steps}: no step would be traced; "
                           f"choose profile.step in 1-{cfg.max_steps}")
-    if cfg.data.mixture and cfg.data.dataset == "synthetic":
-        raise ConfigError("data.mixture and data.dataset=synthetic exclude each other; drop one of them")
     if cfg.lora.rank < 0:
         raise ConfigError(f"lora.rank must be >= 0 (0: LoRA off), got {cfg.lora.rank}")
     if cfg.parallel.cp_impl not in CP_IMPLS:
         raise not_one_of("parallel.cp_impl", cfg.parallel.cp_impl, CP_IMPLS)
+
+
+def validate_data(data: DataConfig) -> None:
+    """The data section's checks that need nothing else: those of `validate`, which `ember eval` runs on ppl's
+    source too."""
+    if data.num_workers not in (0, 1):
+        raise ConfigError(f"data.num_workers={data.num_workers}: 0 reads batches in the training thread, 1 in one "
+                          "background thread (one keeps ahead of the step; more would reorder samples); use 0 or 1")
+    if data.prefetch < 1:
+        raise ConfigError(f"data.prefetch={data.prefetch}: batches made ahead must be >= 1")
+    for i, part in enumerate(data.mixture):
+        if not (part.weight > 0 and math.isfinite(part.weight)):
+            raise ConfigError(f"data.mixture[{i}] ({part.source}) has weight {part.weight}; weights must be positive")
+    if data.streaming and (data.mixture or data.dataset in ("synthetic", "embedded")):
+        raise ConfigError("data.streaming=true streams a hub dataset or local files (data.dataset); the embedded "
+                          "corpus, synthetic data and mixtures are read without it: set data.streaming=false")
+    if data.document_mask and data.dataset == "synthetic" and not data.mixture:
+        raise ConfigError("data.document_mask needs documents; synthetic tokens have none: set data.document_mask=false")
+    if data.prompt_field and data.streaming:
+        raise ConfigError("data.prompt_field (SFT) reads whole files; set data.streaming=false")
+    if data.mixture and data.dataset == "synthetic":
+        raise ConfigError("data.mixture and data.dataset=synthetic exclude each other; drop one of them")
 
 
 def model_overrides(model: ModelConfig) -> dict[str, Any]:

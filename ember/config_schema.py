@@ -194,6 +194,26 @@ class EvalConfig:
 
 
 @dataclass
+class EvalOptions(EvalConfig):
+    """`ember eval`'s eval.* keys: training's eval section (its tasks are the command's TASK arguments instead)
+    and ppl's sliding window, which only the command has."""
+
+    seq_len: Optional[int] = None  # default: the sequence length the run trained at (its config.yaml), else the model's
+    stride: Optional[int] = None  # default: half of seq_len
+    max_tokens: Optional[int] = None  # tokens ppl scores (default: all)
+    split: Optional[str] = None  # val | train | all; default: val for the run's data, all for ppl=DATA
+
+
+@dataclass
+class EvalCommandConfig:
+    """What `ember eval`'s key=value arguments set (ember/eval/options.py): its eval section, and ppl's data
+    source, training's data section (the run's own, from its config.yaml, under the command's data.* keys)."""
+
+    eval: EvalOptions = field(default_factory=EvalOptions)
+    data: DataConfig = field(default_factory=DataConfig)
+
+
+@dataclass
 class MetricsConfig:
     console: bool = True
     jsonl: bool = True

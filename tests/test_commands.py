@@ -151,10 +151,11 @@ def test_only_argparse_exits_are_usage(monkeypatch: pytest.MonkeyPatch):
 
 def test_eval_keys_are_the_configs_eval_section():
     """`ember eval`'s eval.* keys merge into EvalConfig (with ppl's window): one default (limit None: every row,
-    as in training), the config's types (null unsets), and one line naming a bad key."""
+    as in training), the config's types (null unsets) and its messages for a bad type, and one line naming a bad
+    key."""
     from ember import run as run_lib
-    from ember.commands.eval import EvalOptions, parse
-    from ember.config_schema import EvalConfig
+    from ember.commands.eval import parse
+    from ember.config_schema import EvalConfig, EvalOptions
 
     assert run_lib.load_config("debug").eval.limit is None and EvalConfig().limit is None
     options = parse(["run", "lambada=l.jsonl"]).options
@@ -165,8 +166,8 @@ def test_eval_keys_are_the_configs_eval_section():
     for items, message in (
             (["eval.seq_lenn=5"], "unknown config key 'eval.seq_lenn' (did you mean 'eval.seq_len'?) for ember eval "
              "(keys: eval.limit, eval.batch_size, eval.seq_len, eval.stride, eval.max_tokens, eval.split, data.*)"),
-            (["eval.batch_size=x"], "eval.batch_size must be an integer >= 1, got 'x'"),
-            (["eval.limit=2.5"], "eval.limit must be an integer >= 1, got '2.5'"),
+            (["eval.batch_size=x"], "bad value for config key 'eval.batch_size': got 'x' (expected int)"),
+            (["eval.limit=2.5"], "bad value for config key 'eval.limit': got 2.5 (expected int or null)"),
             (["eval.stride=0"], "eval.stride must be an integer >= 1, got 0"),
             (["eval.limit=0"], "eval.limit must be an integer >= 1 (leave it unset to score every row), got 0"),
             (["eval.split=test"], "eval.split must be one of val, train, all, got 'test'"),

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from torch import nn
 
-from ember.errors import ConfigError
+from ember.errors import ConfigError, did_you_mean
 from ember.eval.distributed import EvalRanks
 from ember.eval.scoring import encode_pair, score_tokens
 from ember.generate import generate
@@ -89,7 +89,6 @@ def task_manager(tasks: list[str], include_path: Optional[str] = None) -> TaskMa
     group or tag, or a task YAML file. With include_path only the tasks found there are indexed (indexing every
     default task takes ~15 s)."""
     _require_lm_eval()
-    import difflib
     from pathlib import Path
 
     from lm_eval.tasks import TaskManager
@@ -98,8 +97,7 @@ def task_manager(tasks: list[str], include_path: Optional[str] = None) -> TaskMa
     for name in tasks:
         if name in manager.all_tasks or Path(name).is_file():
             continue
-        hint = difflib.get_close_matches(name, manager.all_tasks, n=1, cutoff=0.7)
-        close = f" (did you mean '{hint[0]}'?)" if hint else ""
+        close = did_you_mean(name, manager.all_tasks, cutoff=0.7)
         if include_path:
             raise ConfigError(f"lm-eval task '{name}' is not defined in --include-path {include_path}{close}; give a "
                               "task name one of its YAMLs defines (task: NAME), or drop --include-path for lm-eval's "

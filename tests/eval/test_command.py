@@ -88,7 +88,7 @@ def test_bad_values_are_one_line_and_lose_nothing(run: Path, tmp_path: Path):
     cases = [
         (["ppl", "eval.batch_size=0"], "eval.batch_size must be an integer >= 1, got 0"),
         (["ppl", "eval.batch_size=-2"], "eval.batch_size must be an integer >= 1, got -2"),
-        ([f"lambada={lam}", "eval.batch_size=x"], "eval.batch_size must be an integer >= 1, got 'x'"),
+        ([f"lambada={lam}", "eval.batch_size=x"], "bad value for config key 'eval.batch_size': got 'x' (expected int)"),
         ([f"lambada={lam}", "eval.limit=-1"], "eval.limit must be an integer >= 1 (leave it unset to score every row), "
                                               "got -1"),
         ([f"lambada={lam}", "eval.limit=0"], "eval.limit must be an integer >= 1"),
@@ -103,6 +103,8 @@ def test_bad_values_are_one_line_and_lose_nothing(run: Path, tmp_path: Path):
         (["ppl", f"data.dataset={texts}", "data.val_fraction=0"],
          f"data.val_fraction=0 holds out no validation split of '{texts}'; score all of it with eval.split=all"),
         (["ppl", "eval.split=test"], "eval.split must be one of val, train, all, got 'test'"),
+        (["ppl", "data.text_fild=body"], "unknown config key 'data.text_fild' (did you mean 'data.text_field'?)"),
+        ([f"lamabda={lam}"], f"unknown eval task or key 'lamabda={lam}' (did you mean 'lambada'?)"),
         ([f"lambada={lam}", "eval.split=all"], "eval.split is a key of ppl, and no ppl task is given"),
         ([f"lambada={lam}", "--output", str(other)],
          f"{other} holds results of another model (/elsewhere/run, step 7)"),

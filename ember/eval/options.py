@@ -1,0 +1,238 @@
+"""`ember eval`'s arguments, every one checked before any work: the model, its tasks (`ppl`, `ppl=DATA` and the row
+tasks `lambada`, `boolq`, `choice` with or without a jsonl file, or lm-eval's through `--harness`), the options
+(--output, --tokenizer, the harness's own) and the `eval.*` / `data.*` keys.
+
+The keys take the config's path, not one of their own: ember.config.apply_overrides (ember/overrides.py's form,
+OmegaConf's types, an unknown key with the closest known one) into one EvalCommandConfig (ember/config_schema.py),
+whose eval section is training's EvalConfig with ppl's window and whose data section, when ppl is asked for, starts
+from the run's own (its config.yaml) and is checked as training checks it (ember.config.validate_data)."""
+
+from __future__ import annotations
+
+import argparse
+import glob
+from pathlib import Path
+from typing import Optional
+
+import yaml
+from omegaconf import OmegaConf
+
+from ember.config import EVAL_COMMAND_KEYS, apply_overrides, merge_file, validate_data
+from ember.config_schema import DataConfig, EvalCommandConfig
+from ember.errors import ConfigError, UserFileNotFound, did_you_mean
+from ember.eval.tasks import HUB, PPL_SPLITS, TASK_ROWS, TASKS, check_limit
+from ember.launch.local import LAUNCH_FLAGS, unknown_option
+
+TASK_NAMES = ("ppl", *TASKS)
+PPL_KEYS = EVAL_COMMAND_KEYS  # ppl's window: each needs a ppl task
+EVAL_KEYS = ("eval.limit", "eval.batch_size", *PPL_KEYS)
+HARNESS_OPTIONS = ("--include-path", "--limit", "--batch-size")  # with --harness only
+OPTIONS = ("--output", "--tokenizer", "--harness", *HARNESS_OPTIONS)  # each takes a value
+KEYS_HINT = f" for ember eval (keys: {', '.join(EVAL_KEYS)}, data.*)"  # what an unknown key's line adds
+
+
+def split_mesh_keys(argv: list[str]) -> tuple[list[str], dict[str, dict[str, int]]]:
+    """The `ici_mesh.AXIS=N` / `dcn_mesh.AXIS=N` items out of argv, parsed."""
+    from ember.eval.distributed import eval_mesh_overrides
+
+    mesh_items = [a for a in argv if a.startswith(("ici_mesh.", "dcn_mesh.")) and "=" in a]
+    return [a for a in argv if a not in mesh_items], eval_mesh_overrides(mesh_items)
+
+
+def parse(items: list[str]) -> argparse.Namespace:
+    """The arguments after the launcher flags and the mesh keys: either the harness's (`harness` set) or the
+    tasks' (`path`, `tasks` {task: data or None}, `options` EvalOptions with the run's defaults filled in, `data`
+    ppl's DataConfig or None, `output`, `tokenizer`)."""
+    _check_options(items)
+    if any(item.partition("=")[0] == "--harness" for item in items):
+        return _parse_harness(items)
+    return _parse_tasks(items)
+
+
+def _check_options(items: list[str]) -> None:
+    """Every option among `items` is one of ember eval's (a launcher flag after PATH is told where it goes)."""
+    expect_value = False
+    for item in items:
+        name = item.partition("=")[0]
+        if expect_value:  # the value of the option before it, whatever it looks like
+            expect_value = False
+        elif name in OPTIONS:
+            expect_value = "=" not in item
+        elif name.replace("_", "-") in LAUNCH_FLAGS:
+            raise ConfigError(f"{name} is a launcher option: give it before PATH (ember eval {name} N PATH ...)")
+        elif item.startswith("--"):
+            raise unknown_option(name, "eval", (*OPTIONS, *LAUNCH_FLAGS))
+
+
+def _parse_harness(items: list[str]) -> argparse.Namespace:
+    """`PATH --harness TASK[,TASK] [--include-path DIR] [--limit N] [--batch-size N] [--output F] [--tokenizer F]`;
+    the task names are lm-eval's, checked against its registry when the command runs (before the model loads)."""
+    from ember.eval.scoring import check_batch_size
+    from ember.usage import ArgumentParser
+
+    parser = ArgumentParser(prog="ember eval PATH --harness", help_hint="ember eval --help")
+    parser.add_argument("path")
+    parser.add_argument("--harness", required=True, help="comma-separated lm-eval task names")
+    parser.add_argument("--include-path", default=None, help="a folder of task YAMLs (local tasks, offline)")
+    parser.add_argument("--limit", type=int, default=None)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--output", default=None)
+    parser.add_argument("--tokenizer", default=None)
+    args = parser.parse_args(items)
+    check_limit(args.limit, "--limit")
+    check_batch_size(args.batch_size, "--batch-size")
+    return args
+
+
+def _parse_tasks(items: list[str]) -> argparse.Namespace:
+    """`PATH TASK[=DATA] ... [eval.KEY=V ...] [data.KEY=V ...] [--output F] [--tokenizer F]`, in any order after
+    PATH: each task once, each key applying to a task of the command."""
+    rest = list(items)
+    path: Optional[str] = None
+    tasks: dict[str, Optional[str]] = {}
+    keys: list[str] = []
+    output = tokenizer = None
+    while rest:
+        item = rest.pop(0)
+        name, eq, value = item.partition("=")
+        if name in ("--output", "--tokenizer"):
+            if not eq and not rest:
+                raise ConfigError(f"{item} needs a value")
+            value = value if eq else rest.pop(0)
+            output, tokenizer = (value, tokenizer) if name == "--output" else (output, value)
+        elif name in HARNESS_OPTIONS:
+            raise ConfigError(f"{name} is an option of --harness (lm-eval tasks); ember's own tasks take eval.limit=N "
+                              "and eval.batch_size=N")
+        elif path is None:
+            path = item
+        elif name in TASK_NAMES:
+            if eq and not value:
+                raise ConfigError(f"'{item}' names no data; give {name}=FILE" + ("" if name == "choice" else
+                                                                                   f" or {name} alone"))
+            if name in tasks:  # eval.json keeps one entry per task
+                raise ConfigError(f"{name} is given twice ({tasks[name] or name}, {value or name}); eval.json holds "
+                                  f"one {name} entry: run one `ember eval` per data, each with its own --output FILE")
+            tasks[name] = value or None
+        elif name.startswith(("eval.", "data.")) and eq:
+            keys.append(item)
+        else:
+            known = (*TASK_NAMES, *EVAL_KEYS, *(f"data.{key}" for key in DataConfig.__dataclass_fields__))
+            raise ConfigError(f"unknown eval task or key '{item}'{did_you_mean(name, known)} (tasks: "
+                              f"{', '.join(TASK_NAMES)}; keys: {', '.join(EVAL_KEYS)}, data.*)")
+    if path is None:
+        raise ConfigError("name the model to evaluate: ember eval PATH TASK[=DATA] ... (see ember eval --help)")
+    _check_combination(tasks, [item.partition("=")[0] for item in keys])
+    cfg = _resolve_keys(path, tasks, keys)
+    return argparse.Namespace(harness=None, path=path, tasks=tasks, options=cfg.eval,
+                              data=cfg.data if "ppl" in tasks else None, output=output, tokenizer=tokenizer)
+
+
+def _check_combination(tasks: dict[str, Optional[str]], given: list[str]) -> None:
+    """Each key applies to a task of the command, and ppl's data is named once."""
+    if "eval.tasks" in given:
+        raise ConfigError("eval.tasks is the training config's list; name ember eval's tasks as arguments "
+                          "(ppl, lambada=FILE, boolq=FILE, choice=FILE)")
+    if not tasks:
+        raise ConfigError("name at least one task: ppl, ppl=DATA, lambada=FILE, boolq=FILE or choice=FILE")
+    if "ppl" not in tasks:
+        unused = [key for key in given if key in PPL_KEYS] + [key for key in given if key.startswith("data.")]
+        if unused:
+            raise ConfigError(f"{unused[0]} is a key of ppl, and no ppl task is given")
+    if set(tasks) == {"ppl"} and "eval.limit" in given:
+        raise ConfigError("eval.limit counts rows of lambada, boolq and choice; ppl is bounded by eval.max_tokens")
+    if tasks.get("ppl") and "data.dataset" in given:
+        raise ConfigError("ppl=DATA and data.dataset both name ppl's data; give one")
+
+
+def _resolve_keys(path: str, tasks: dict[str, Optional[str]], keys: list[str]) -> EvalCommandConfig:
+    """The eval.* and data.* keys in one merge (ppl=DATA as data.dataset=DATA) over the defaults and, for ppl, the
+    run's data section; then the checks of the values: the eval numbers, ppl's source, the data section as
+    training checks it. ppl's window and split defaults filled in: the run's seq_len, val (all for ppl=DATA)."""
+    base = OmegaConf.structured(EvalCommandConfig)
+    config_yaml = run_config_yaml(Path(path)) if "ppl" in tasks else None
+    if config_yaml:  # a missing section, or an older run's key, is said naming the file
+        base = merge_file(base, {"data": _read_yaml(config_yaml).get("data") or {}}, str(config_yaml))
+    dataset = [f"data.dataset={tasks['ppl']}"] if tasks.get("ppl") else []
+    cfg: EvalCommandConfig = apply_overrides(base, keys + dataset, KEYS_HINT)
+    _check_numbers(cfg)
+    if "ppl" in tasks:
+        named = "ppl" if dataset else "data.dataset" if any(k.startswith("data.dataset=") for k in keys) else None
+        _check_ppl_source(path, cfg.data, config_yaml, named)
+        validate_data(cfg.data)
+        cfg.eval.split = cfg.eval.split or ("all" if tasks["ppl"] else "val")
+        if cfg.eval.seq_len is None:
+            cfg.eval.seq_len = _trained_seq_len(config_yaml)
+    return cfg
+
+
+def _check_numbers(cfg: EvalCommandConfig) -> None:
+    """The eval section's values past their types: the numbers >= 1, eval.split one of PPL_SPLITS."""
+    options = cfg.eval
+    check_limit(options.limit, "eval.limit")
+    for name in ("batch_size", "seq_len", "stride", "max_tokens"):
+        number = getattr(options, name)
+        if number is not None and number < 1:
+            raise ConfigError(f"eval.{name} must be an integer >= 1, got {number}")
+    if options.split is not None and options.split not in PPL_SPLITS:
+        raise ConfigError(f"eval.split must be one of {', '.join(PPL_SPLITS)}, got '{options.split}'")
+
+
+def _check_ppl_source(path: str, data: DataConfig, config_yaml: Optional[Path], named: Optional[str]) -> None:
+    """ppl's source is there: named on the command line (`named`: by ppl=DATA or data.dataset), or the run's own
+    (never a silent default for a model that is no run); a relative path from the run's config.yaml said where it
+    is read from."""
+    from ember.data.sources import EMBEDDED, SYNTHETIC, check_source_exists, looks_like_path
+
+    if not config_yaml and not named and _is_model(Path(path)):
+        raise ConfigError(f"plain ppl scores an ember run's own data (its config.yaml), and '{path}' is not an ember "
+                          "run; name the text to score: ppl=DATA (a file, folder, glob or hub dataset) or "
+                          "data.dataset=DATA")
+    spec = data.dataset
+    if config_yaml and not named and spec not in (EMBEDDED, SYNTHETIC) and not Path(spec).expanduser().is_absolute():
+        # training writes data.dataset as given, so a relative path is read relative to the current directory
+        missing = not glob.glob(spec) if glob.has_magic(spec) else not Path(spec).exists() and looks_like_path(spec)
+        if missing:
+            raise UserFileNotFound(f"data.dataset '{spec}' comes from {config_yaml} and is read relative to the "
+                                   f"current directory ({Path.cwd()}), where it is not; run from the directory the "
+                                   "run was started in, or pass data.dataset=ABSOLUTE_PATH")
+    check_source_exists(spec, named or "data.dataset")
+
+
+def check_task_rows(tasks: dict[str, Optional[str]]) -> None:
+    """Every row of each local task file read and checked (fields, types): before the model loads."""
+    for task, data in tasks.items():
+        if task != "ppl" and data not in (None, task, HUB.get(task, ("",))[0]):
+            TASK_ROWS[task](data)
+
+
+def data_label(spec: str, task: Optional[str] = None) -> str:
+    """What eval.json records as a task's data: a local path made absolute, else the hub name."""
+    local = Path(spec).expanduser()
+    if local.exists():
+        return str(local.resolve())
+    if task in HUB and spec in (task, HUB[task][0]):
+        return f"{HUB[task][0]} ({HUB[task][2]})"
+    return spec
+
+
+def run_config_yaml(path: Path) -> Optional[Path]:
+    """The config.yaml of the run at `path` (the run's directory, or one of its checkpoints), if it has one."""
+    return next((run / "config.yaml" for run in (path, path.parent.parent) if (run / "config.yaml").is_file()), None)
+
+
+def _read_yaml(path: Path) -> dict:
+    return yaml.safe_load(path.read_text()) or {}
+
+
+def _is_model(path: Path) -> bool:
+    """Whether `path` is something load_model reads (a file, or a directory of a model); its own errors say
+    what else is wrong."""
+    from ember.model_meta import MODEL_JSON
+
+    return path.is_file() or any((path / name).exists() for name in (MODEL_JSON, "config.json", "checkpoints",
+                                                                      "adapter_config.json"))
+
+
+def _trained_seq_len(config_yaml: Optional[Path]) -> Optional[int]:
+    seq_len = _read_yaml(config_yaml).get("seq_len") if config_yaml else None
+    return seq_len if isinstance(seq_len, int) else None
