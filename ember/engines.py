@@ -31,7 +31,7 @@ class EngineRules:
     engine: str  # "module:Class" of the engine the Trainer builds
     world_size: Callable[[JobConfig], int]  # this machine's devices, where the config does not say
     layout: Callable[[JobConfig, int], MeshShape]  # the mesh for a world, with this engine's refusals
-    check_model: Callable[[JobConfig, Any], None]  # the model's hyper-parameters against what the engine runs
+    check_model: Callable[[JobConfig, MeshShape, Any], None]  # the model and layout against what the engine runs
     # precision -> compute dtype, where the engine decides without measuring (None: ember.device's rules)
     compute_dtype: Optional[Callable[[str, str], "torch.dtype"]]
     torch_device_checks: bool  # ember.run.check_device_options applies (options that need a torch device)
@@ -46,8 +46,15 @@ def mesh_shape(cfg: JobConfig, world_size: int) -> MeshShape:
         raise ConfigError(str(err)) from None
 
 
+def _torch_check_model(cfg: JobConfig, shape: MeshShape, args: Any) -> None:
+    """What the torch engine does not run with this layout: eval.tasks score on each rank's whole model."""
+    if cfg.eval.tasks and any(shape.degree(a) > 1 for a in ("tensor", "pipeline", "context")):
+        raise ConfigError("eval.tasks run the whole model on every rank: they work with the data, fsdp and expert "
+                          "axes; use `ember eval` on the checkpoint for tensor, pipeline or context layouts")
+
+
 TORCH = EngineRules(name="torch.distributed", engine="ember.torch_engine:TorchEngine",
-                    world_size=lambda cfg: 1, layout=mesh_shape, check_model=lambda cfg, args: None,
+                    world_size=lambda cfg: 1, layout=mesh_shape, check_model=_torch_check_model,
                     compute_dtype=None, torch_device_checks=True, whole_logits=False)
 
 # device -> "module:attribute" of its EngineRules; every other device trains on TORCH

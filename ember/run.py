@@ -91,7 +91,7 @@ def check_model(cfg: JobConfig, shape: MeshShape) -> None:
         raise ConfigError(f"seq_len={cfg.seq_len} exceeds the model's max_seq_len={args.max_seq_len} "
                           f"({cfg.model.family} {cfg.model.flavor}); lower seq_len or set model.max_seq_len")
     parallel_checks.check(cfg, shape, args)
-    engines.rules(cfg.device).check_model(cfg, args)
+    engines.rules(cfg.device).check_model(cfg, shape, args)
     if cfg.lora.rank:
         lora_lib.check_lora(cfg.lora, cfg.model.family, args, cfg.model.init_from)
 

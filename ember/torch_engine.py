@@ -21,6 +21,7 @@ from ember.config_schema import JobConfig
 from ember.cpu_allocator import keep_freed_cpu_memory
 from ember.data.tokenizer import AnyTokenizer
 from ember.device import pick_device
+from ember.eval.distributed import EvalRanks
 from ember.finetune import dpo as dpo_lib
 from ember.hardware import PeakFlops, peak_flops
 from ember.health import is_finite_step
@@ -131,9 +132,10 @@ class TorchEngine:
         self.model.train()
         return loss
 
-    def scoring_model(self) -> nn.Module:
-        """The module eval.tasks score with (config allows only layouts where each rank runs the whole model)."""
-        return self.model
+    def scoring_model(self) -> tuple[nn.Module, EvalRanks]:
+        """The module eval.tasks score with, and how the requests are shared out: over the data-parallel ranks
+        (the engine's rules allow only layouts where each rank runs the whole model: data, fsdp, expert)."""
+        return self.model, EvalRanks(self.mesh.dp_rank if self.mesh else 0, self.spec.shape.dp)
 
     def all_sum(self, value: torch.Tensor) -> torch.Tensor:
         """A host tensor summed over every rank (the MoE metrics' one reduction)."""

@@ -29,7 +29,6 @@ from ember.config import JobConfig
 from ember.data.loader import build_loader
 from ember.data.tokenizer import build_tokenizer
 from ember.errors import DataError
-from ember.eval.distributed import EvalRanks
 from ember.eval.tasks import run_tasks
 from ember.finetune import dpo as dpo_lib
 from ember.health import HealthGuard, StopSignals, TrainingStopped, is_finite_step
@@ -138,13 +137,13 @@ class Trainer:
         return self.engine.evaluate([next(val_iter) for _ in range(self.cfg.eval_batches * self.spec.grad_accum)])
 
     def eval_tasks(self) -> dict[str, float]:
-        """eval.tasks as eval/<task>/<metric>; the requests are shared out over the data-parallel ranks (config
-        allows only layouts where each rank runs the whole model: data, fsdp, expert)."""
+        """eval.tasks as eval/<task>/<metric>, scored by the engine's model (on the torch engine the requests are
+        shared out over the data-parallel ranks)."""
         if not self.cfg.eval.tasks:
             return {}
-        model = self.engine.scoring_model()
+        model, ranks = self.engine.scoring_model()
         results = run_tasks(model, self.tokenizer, self.cfg.eval.tasks, self.cfg.eval.limit, self.cfg.eval.batch_size,
-                            EvalRanks(self.mesh.dp_rank if self.mesh else 0, self.spec.shape.dp))
+                            ranks)
         model.train()
         return results
 

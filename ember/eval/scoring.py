@@ -85,6 +85,13 @@ def _scored_logprobs(model: nn.Module, tokens: torch.Tensor, ends: list[int], co
     return (picked * valid).sum(1).tolist(), hit.all(1).tolist()
 
 
+def model_device(model: nn.Module) -> torch.device:
+    """Where a model's inputs go: its parameters' device, or the host for a model that holds none (the XLA engine's
+    scoring view, whose weights are jax arrays)."""
+    param = next(model.parameters(), None)
+    return torch.device("cpu") if param is None else param.device
+
+
 def check_batch_size(batch_size: int, name: str = "eval.batch_size") -> None:
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ConfigError(f"{name} must be an integer >= 1, got {batch_size!r}")
@@ -102,7 +109,7 @@ def score_tokens(model: nn.Module, pairs: Sequence[tuple[list[int], list[int]]],
     causal model's earlier positions), the input cut to max_seq_len tokens from the left. On a mesh the
     batches are shared out over the data-parallel ranks and every rank returns every score."""
     check_batch_size(batch_size)
-    device = next(model.parameters()).device
+    device = model_device(model)
     limit = model.args.max_seq_len
     inputs = []
     for context, continuation in pairs:
@@ -144,7 +151,7 @@ def rolling_logprob(model: nn.Module, ids: list[int], window: int, stride: int, 
     the previous one did not (the sliding-window perplexity of lm-eval's loglikelihood_rolling and of HF's
     perplexity guide). On a mesh the windows are shared out over the data-parallel ranks."""
     check_batch_size(batch_size)
-    device = next(model.parameters()).device
+    device = model_device(model)
     # A window is the input ids[start:last] predicting ids[start + 1 .. last]; it scores the targets after the
     # previous window's (stride <= window, so every target keeps at least window - stride tokens of context).
     spans = []  # (start, last, first target)

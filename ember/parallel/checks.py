@@ -17,9 +17,6 @@ def check(cfg: JobConfig, shape: MeshShape, args: Any) -> None:
     config: each refusal names the keys to change (ember.run.load_config calls this, before any work)."""
     if cfg.model.remat not in REMAT_POLICIES:
         raise not_one_of("model.remat", cfg.model.remat, REMAT_POLICIES)
-    if cfg.eval.tasks and any(shape.degree(a) > 1 for a in ("tensor", "pipeline", "context")):
-        raise ConfigError("eval.tasks run the whole model on every rank: they work with the data, fsdp and expert "
-                          "axes; use `ember eval` on the checkpoint for tensor, pipeline or context layouts")
     par = cfg.parallel
     tp, pp, cp = shape.degree("tensor"), shape.degree("pipeline"), shape.degree("context")
     ep = shape.degree("expert")

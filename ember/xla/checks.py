@@ -42,7 +42,6 @@ def check(cfg: JobConfig, shape: MeshShape) -> None:
     refused = [
         (cfg.task != "lm", f"task={cfg.task}", "task=lm, or train DPO on cpu/cuda"),
         (cfg.lora.rank > 0, "lora.rank", "lora.rank=0, or fine-tune with LoRA on cpu/cuda"),
-        (bool(cfg.eval.tasks), "eval.tasks", "eval.tasks=[] and score the checkpoint with `ember eval`"),
         (fp8_enabled(cfg), "precision=fp8 (fp8.enabled)", "precision=bf16"),
         # torch.compile compiles torch's own kernels; this path traces the whole step into one jax.jit already
         (cfg.compile, "compile=true", "compile=false (the whole step is compiled by XLA already)"),

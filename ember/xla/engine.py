@@ -24,6 +24,7 @@ from torch import nn
 from ember import run as run_lib
 from ember.config_schema import JobConfig
 from ember.data.tokenizer import AnyTokenizer
+from ember.eval.distributed import EvalRanks
 from ember.hardware import PeakFlops
 from ember.nn import moe as moe_lib
 from ember.optim import build_optimizer
@@ -149,8 +150,10 @@ class XlaEngine:
         inputs, labels = self._global(micro_batches)
         return float(self.layout.compiled.evaluate(self.params, inputs, labels))
 
-    def scoring_model(self) -> nn.Module:
-        raise NotImplementedError("eval.tasks are refused on device=xla|tpu before any work (ember/xla/checks.py)")
+    def scoring_model(self) -> tuple[nn.Module, EvalRanks]:
+        """eval.tasks' model: the compiled logits function over the devices' weights (one jax program spans every
+        device, so the requests are not shared out: every host scores them all, alike)."""
+        return XlaScoringModel(self), EvalRanks()
 
     def all_sum(self, value: torch.Tensor) -> torch.Tensor:
         """The MoE metrics come back from the compiled step already summed over every device."""
@@ -174,6 +177,35 @@ class XlaEngine:
 
     def window_metrics(self) -> dict[str, float]:
         return {}
+
+
+class XlaScoringModel(nn.Module):
+    """`model(tokens, logits_at=index)` as ember/eval/scoring.py calls it, computed by the engine's compiled logits
+    function (layout.compiled.logits) over the sharded weights. Rows, tokens and positions are padded to powers of
+    two (rows to at least eval.batch_size's) so that a task compiles a few programs, not one per batch: right
+    padding changes no earlier position of a causal model, and the padding's logits are cut off."""
+
+    def __init__(self, engine: XlaEngine):
+        super().__init__()
+        self.args = engine.spec.args
+        self.compiled, self.params = engine.layout.compiled, engine.params
+        self.rows = engine.cfg.eval.batch_size
+
+    def forward(self, tokens: torch.Tensor, logits_at: Optional[torch.Tensor] = None) -> torch.Tensor:
+        rows, length = tokens.shape
+        index = (torch.arange(length).expand(rows, length) if logits_at is None else logits_at).cpu()
+        padded_rows = max(_power_of_two(rows), self.rows)
+        padded_length = min(_power_of_two(length), self.args.max_seq_len)
+        padded_tokens = np.zeros((padded_rows, padded_length), np.int32)
+        padded_tokens[:rows, :length] = tokens.cpu().numpy()
+        padded_index = np.zeros((padded_rows, _power_of_two(index.shape[1])), np.int32)
+        padded_index[:rows, :index.shape[1]] = index.numpy()
+        logits = np.asarray(self.compiled.logits(self.params, padded_tokens, padded_index))
+        return torch.from_numpy(logits[:rows, :index.shape[1]].copy())
+
+
+def _power_of_two(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
 
 
 def _peak(cfg: JobConfig, device_kind: str, dtype: torch.dtype) -> PeakFlops:

@@ -39,7 +39,7 @@ def layout(cfg: JobConfig, world_size: int) -> MeshShape:
     return shape
 
 
-def check_model(cfg: JobConfig, args: "DecoderArgs") -> None:
+def check_model(cfg: JobConfig, shape: MeshShape, args: "DecoderArgs") -> None:
     checks.check_scan(cfg, args)
     checks.check_score_bias(cfg, args)
 

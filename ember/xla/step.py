@@ -214,10 +214,11 @@ def adamw(options: StepOptions, decay: dict[str, bool]) -> Any:
 class CompiledStep:
     """The jitted functions of one run: train(params, opt_state, inputs, labels, lr) -> (params, opt_state,
     loss, grad_norm, moe_counts, router_losses) and evaluate(params, inputs, labels) -> loss; inputs and
-    labels (micro-batches, B, T)."""
+    labels (micro-batches, B, T); logits for scoring."""
 
     train: Callable[..., Any]
     evaluate: Callable[..., Any]
+    logits: Callable[..., Any]  # (params, tokens (B, T), index (B, K)) -> (B, K, vocab) fp32: eval.tasks' scoring
     loss_and_grads: Callable[..., Any]  # (params, inputs, labels, scale) -> ((loss, ...), grads): the tests'
     micro_loss: Callable[..., Any]  # the same, unjitted and without gradients: what the tests ask jax about
 
@@ -236,10 +237,8 @@ def build_step(model: nn.Module, scanned: Optional[ScannedBlocks], options: Step
     jax_dtype = jnp.bfloat16 if options.compute_dtype == torch.bfloat16 else jnp.float16
     aux_coef, z_coef = options.router_coefs
 
-    def torch_loss(params: dict[str, torch.Tensor], inputs: torch.Tensor, labels: torch.Tensor) -> tuple:
-        positions = document_ids = None
-        if options.eos_id is not None:
-            document_ids, positions = document_layout(inputs, options.eos_id)
+    def forward(params: dict[str, torch.Tensor], *inputs: Any, **kwargs: Any) -> Any:
+        """The model's forward with `params` (the devices' weights, tied aliases added) as its parameters."""
         state = dict(params)
         state.update({alias: state[name] for alias, name in tied.items()})
         if scanned is not None:
@@ -247,9 +246,16 @@ def build_step(model: nn.Module, scanned: Optional[ScannedBlocks], options: Step
             scanned.stacked = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
             state = {k: v for k, v in state.items() if not k.startswith(prefix)}
         with _reparametrize_module(model, state, strict=False):
-            logits = model(inputs, positions, document_ids)
+            out = model(*inputs, **kwargs)
         if scanned is not None:
             scanned.stacked = None
+        return out
+
+    def torch_loss(params: dict[str, torch.Tensor], inputs: torch.Tensor, labels: torch.Tensor) -> tuple:
+        positions = document_ids = None
+        if options.eos_id is not None:
+            document_ids, positions = document_layout(inputs, options.eos_id)
+        logits = forward(params, inputs, positions, document_ids)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
                                reduction="sum")
         # each MoE layer's router losses (L,), (L,) and load (L, E): the scan's stacked outputs, or the layers'
@@ -307,8 +313,21 @@ def build_step(model: nn.Module, scanned: Optional[ScannedBlocks], options: Step
             return total + loss, None
         return jax.lax.scan(body, jnp.zeros((), jnp.float32), (inputs, labels))[0]
 
+    def torch_logits(params: dict[str, torch.Tensor], tokens: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        logits = forward(params, tokens, logits_at=index)
+        if scanned is not None:
+            scanned.moe_stats = []
+        take_moe_stats(model)  # a scoring forward's router statistics are no step's: dropped inside the trace
+        return logits.float()
+
+    def logits(params: Params, tokens: Any, index: Any) -> Any:
+        """(B, K, vocab) fp32 logits of `tokens` (B, T) at the positions `index` (B, K): eval.tasks' scoring."""
+        if low:
+            params = {k: v.astype(jax_dtype) if jnp.issubdtype(v.dtype, jnp.floating) else v for k, v in params.items()}
+        return interop.call_torch(torch_logits, {**params, **buffers}, tokens, index)
+
     p, o, r = shardings["params"], shardings["opt_state"], shardings["replicated"]
     return CompiledStep(
         train=jax.jit(train, out_shardings=(p, o, r, r, r, r), donate_argnums=(0, 1)),
-        evaluate=jax.jit(evaluate, out_shardings=r),
+        evaluate=jax.jit(evaluate, out_shardings=r), logits=jax.jit(logits, out_shardings=r),
         loss_and_grads=jax.jit(grad_fn), micro_loss=micro_loss)

@@ -92,3 +92,17 @@ def test_the_header_run_record_and_profile_trace_of_an_xla_run(xla_env: dict, tm
     events = json.loads(gzip.open(traces[0]).read())["traceEvents"]
     steps = sorted({e["args"]["step_num"] for e in events if e.get("name") == "ember/step" and "args" in e})
     assert steps == ["2", "3"]
+
+
+def test_the_xla_header_names_an_moes_active_parameters(xla_env: dict, tmp_path: Path):
+    """The header is the torch engine's, fields and all: an MoE's parameters per token beside its total."""
+    moe = ["model.family=mixtral", "model.flavor=debug", "model.n_layers=2", "model.dim=64", "model.n_heads=4",
+           "model.n_kv_heads=2", "model.ffn_hidden_dim=32", "model.n_experts=4", "model.top_k=2"]
+    header = {}
+    for engine, extra, env in (("torch", ["micro_batch_size=8"], None),
+                               ("xla", ["device=xla", "ici_mesh.fsdp=8", "micro_batch_size=1"], xla_env)):
+        proc = run_ember("train", "debug", *moe, "data.dataset=synthetic", "seq_len=32", "global_batch_size=8",
+                         "max_steps=1", "eval_batches=1", "metrics.console=true", *extra,
+                         f"output_dir={tmp_path / engine}", env=env, expect=0)
+        header[engine] = next(line for line in proc.stdout.splitlines() if " params" in line and "active)" in line)
+    assert header["xla"].split("|")[0] == header["torch"].split("|")[0]  # the model's column: params (N active)
