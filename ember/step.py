@@ -1,5 +1,6 @@
 """The forward and backward of one rank's micro-batches: loss math, context-parallel sequence cuts, the
-pipeline schedule, autocast and loss parallelism. The Trainer calls it; nothing else computes a loss.
+pipeline schedule, autocast and loss parallelism: the torch engine's loss (ember/torch_engine.py). The XLA
+engine's compiled step (ember/xla/step.py) computes the same loss with the same weighting in jax.
 
 The loss of a step is the mean over every target token of the global batch: each micro-batch contributes
 its *sum* of token losses divided by the global token count, so unequal micro-batches (masked labels)

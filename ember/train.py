@@ -40,7 +40,7 @@ from ember.optim import build_lr_scheduler, restart_schedule
 from ember.profiling import phase
 from ember.step import Batch
 
-__all__ = ["Trainer", "TrainingStopped", "run"]
+__all__ = ["Trainer", "TrainingStopped"]
 
 
 class Trainer:
@@ -285,8 +285,3 @@ class Trainer:
             record[f"mix/{source}"] = count  # samples drawn from each mixture source so far
         self.engine.device_memory(record)
         return record
-
-
-def run(cfg: JobConfig) -> dict:
-    """Build a Trainer and train; the CLI's `ember train` and the tests call this."""
-    return Trainer(cfg).train()

@@ -75,9 +75,9 @@ def run(args: argparse.Namespace) -> int:
         _check_replaceable(path)  # before the planning: a file of the user's is never overwritten
     plan = make_plan(cfg, args.world, args.nodes, args.device, args.search)
     if cfg.device in XLA_DEVICES:  # beside the model above: the XLA path's own compiled step, on virtual CPU devices
-        from ember.xla.plan import compiled_memory
+        from ember.xla.plan import compiled_memory_on_virtual_devices
 
-        plan.xla_memory = compiled_memory(cfg, args.world, args.device)
+        plan.xla_memory = compiled_memory_on_virtual_devices(cfg, args.world, args.device)
     text = json.dumps(plan.to_json(), indent=1) + "\n"
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)

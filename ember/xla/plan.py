@@ -38,7 +38,8 @@ def compiled_memory_here(cfg: JobConfig, world: int, target: str) -> dict[str, i
     return compiled_memory(layout, spec.grad_accum, cfg.micro_batch_size * spec.shape.dp, cfg.seq_len)
 
 
-def compiled_memory(cfg: JobConfig, world: int, target: str, timeout_s: float = 3600) -> dict[str, int]:
+def compiled_memory_on_virtual_devices(cfg: JobConfig, world: int, target: str,
+                                       timeout_s: float = 3600) -> dict[str, int]:
     """compiled_memory_here in a subprocess with `world` virtual CPU devices."""
     with tempfile.TemporaryDirectory(prefix="ember-xla-plan-") as folder:
         config = Path(folder) / "config.yaml"

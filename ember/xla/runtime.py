@@ -1,11 +1,11 @@
 """torchax and jax, imported only for device=tpu|xla, and what the run needs to know of their devices.
 
-torchax 0.0.13 (the newest release) names ~22 named-tensor overloads (`aten.prod.dim_Dimname`, ...) that
+torchax 0.0.13 names ~22 named-tensor overloads (`aten.prod.dim_Dimname`, ...) that
 torch 2.13 removed, in dicts and lists built at import time; the names are gone from torch's op registry,
 so no model can call them. `import_torchax` gives each missing name a placeholder object while torchax
 loads (a key that matches no op), and only those: every overload torch still has is torchax's own.
 The same import renames torch's privateuse1 backend to "jax" (see the note in import_torchax).
-torch_xla is not used: its newest release (2.9) does not import against torch 2.13 (docs/tpu.md).
+torch_xla is not used: its 2.9 release does not import against torch 2.13 (docs/tpu.md).
 """
 
 from __future__ import annotations
