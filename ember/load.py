@@ -81,7 +81,7 @@ def load_hf_weights(model: Union[nn.Module, list[nn.Module]], directory: Path) -
     family, config = hf_family(directory)
     hf = MODELS[family].hf
     args = hf.args_from_hf_config(config)
-    if getattr(args, "n_experts", 0):  # per-expert HF tensors are stacked on load; not streamed into shards yet
+    if args.has_experts:  # per-expert HF tensors are stacked on load; not streamed into shards yet
         raise CheckpointError(f"model.init_from: streaming a {family} Hugging Face directory (its experts change layout on load) is not "
                          f"supported yet; convert it first (`ember convert {directory} CKPT`) and use model.init_from=CKPT")
     targets = base_state_dict(model)
@@ -176,13 +176,13 @@ def resolve_model(family: str, flavor: str, overrides: dict[str, Any], init_from
     if not same_class or (family != src_family and where.name == MODEL_JSON):
         raise ConfigError(f"model.family={family} but model.init_from {where} describes a {src_family} model; "
                           "drop model.family (the architecture comes from model.init_from)")
-    keys = getattr(MODELS[family].args_cls, "CONFIG_KEYS", {})  # config key -> field, where they differ
+    keys = MODELS[family].args_cls.CONFIG_KEYS  # config key -> field, where they differ
     fields = {f.name for f in dataclasses.fields(src_args)} - set(keys.values()) | set(keys)
     unknown = sorted(set(overrides) - fields)
     if unknown:
         raise ConfigError(not_a_hyperparameter(unknown[0], family, fields))
     for key, value in sorted(overrides.items()):
-        if key == "max_seq_len" and getattr(src_args, "rope_theta", None) is not None:
+        if key == "max_seq_len" and src_args.rope is not None:
             continue
         have = getattr(src_args, key)  # a config key: ffn_hidden_dim reads Llama's derived size
         if value != have:

@@ -14,11 +14,12 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
-from torch import nn
 
 from ember.config_schema import ModelConfig
 from ember.errors import CheckpointError, UserFileNotFound, first_error_line
 from ember.models import MODELS, checks
+from ember.nn.args import DecoderArgs
+from ember.nn.decoder import Decoder
 
 MODEL_JSON = "model.json"
 
@@ -35,7 +36,7 @@ def read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def parse_model_meta(meta: Any, where: Union[str, Path]) -> tuple[str, str, Any]:
+def parse_model_meta(meta: Any, where: Union[str, Path]) -> tuple[str, str, DecoderArgs]:
     """(family, flavor, args dataclass) of a model description read from disk ({"family", "flavor", "args"},
     as `checkpoint.meta_for` writes it into model.json and `ember convert --to torch` into a torch file).
 
@@ -98,7 +99,7 @@ def ember_step_dir(path: Path) -> Optional[Path]:
     return newest_step_dir(path) if (path / "checkpoints").is_dir() else None
 
 
-def read_model_json(path: Path) -> tuple[str, str, Any]:
+def read_model_json(path: Path) -> tuple[str, str, DecoderArgs]:
     """(family, flavor, args) of a checkpoint's model.json: the one way ember reads it (parse_model_meta)."""
     return parse_model_meta(read_json(path), path)
 
@@ -129,13 +130,13 @@ def _type_name(hint: Any) -> str:
     return text + (" or null" if type(None) in typing.get_args(hint) else "")
 
 
-def build_on_meta(family: str, args: Any, dtype: torch.dtype) -> nn.Module:
+def build_on_meta(family: str, args: DecoderArgs, dtype: torch.dtype) -> Decoder:
     """The family's model for `args` on the meta device: its shapes, no storage."""
     with torch.device("meta"):
         return MODELS[family].model_cls(args).to(dtype)  # costs nothing: no storage on meta
 
 
-def meta_for(family: str, flavor: str, args: Any) -> dict[str, Any]:
+def meta_for(family: str, flavor: str, args: DecoderArgs) -> dict[str, Any]:
     return {"family": family, "flavor": flavor, "args": dataclasses.asdict(args)}
 
 

@@ -30,6 +30,7 @@ from ember.engines import mesh_shape
 from ember.run_dir import resumed_compute
 from ember.device import PrecisionChoice, choose_compute_dtype
 from ember.models import MODELS, ModelSpec
+from ember.nn.args import DecoderArgs
 from ember.nn.decoder import has_local_attention
 from ember.nn.loss import output_chunks
 from ember.load import ModelChoice, resolve_model
@@ -140,7 +141,7 @@ class RunSpec:
     device: torch.device
     shape: MeshShape
     flavor: str  # the flavor label (with model.init_from, the source's)
-    args: Any  # the model's hyper-parameters
+    args: DecoderArgs  # the model's hyper-parameters (the family's args dataclass)
     architecture_from: Optional[str]  # model.init_from's description file, where the architecture came from
     compute_dtype: torch.dtype
     fsdp_mixed: bool

@@ -8,114 +8,31 @@ and, where they differ, how its embeddings and output start (`init_embeddings`, 
 Pipeline stages set tok_embeddings, norm or output to None; each then passes its input through, so a
 middle stage maps hidden states (B, T, dim) to hidden states. See docs/architecture.md.
 
-RoPE is Meta's convention (consecutive pairs of each head rotate together; Llama 3.1 frequency scaling);
-models/*/hf.py map Hugging Face weights (whose pairs are k and k + head_dim/2) onto it.
+The hyper-parameters are a DecoderArgs (nn/args.py), which every family's args extend; the RoPE tables come from
+its typed RopeConfig (nn/rope.py: Meta's convention, consecutive pairs of each head rotate together).
 """
 
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
 
+from ember.nn.args import DecoderArgs
 from ember.nn.attention import AttentionSpan, KVCache, causal_attention
 from ember.nn.moe import MoE
+from ember.nn.rope import apply_rope, rope_cos_sin
 
 # Decoder.forward's output_fn: (final hidden states (B, T, dim), output matrix (vocab_size, dim), soft cap) -> result
 OutputFn = Callable[[torch.Tensor, torch.Tensor, Optional[float]], torch.Tensor]
 
 
-class HeadShape:
-    """Attention head sizes shared by every family's args dataclass (a base class with no fields). A family whose
-    heads may be wider or narrower than dim / n_heads (Hugging Face's `head_dim`, MaxText's fixed 128) has a
-    `head_dim_override` field, set by `model.head_dim`."""
-
-    @property
-    def kv_heads(self) -> int:
-        """K/V heads: n_kv_heads where the family has grouped-query attention and sets it, else n_heads."""
-        return getattr(self, "n_kv_heads", None) or self.n_heads
-
-    @property
-    def head_dim(self) -> int:
-        return getattr(self, "head_dim_override", None) or self.dim // self.n_heads
-
-
-def has_local_attention(args: Any) -> bool:
+def has_local_attention(args: DecoderArgs) -> bool:
     """Whether any layer attends within a local span (a sliding window, chunks): a family's args say which by
     `layer_span(layer_id)` (None: the whole causal context)."""
-    span_of = getattr(args, "layer_span", None)
-    return span_of is not None and any(span_of(i) is not None for i in range(args.n_layers))
-
-
-def rope_cos_sin(args: Any, device: Optional[torch.device] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the angle t * w_k for every position t < max_seq_len: two (max_seq_len, head_dim // 2).
-    `args` needs head_dim, rope_theta, max_seq_len and rope_scaling_factor (None: no scaling)."""
-    dim = getattr(args, "rotary_dim", None) or args.head_dim  # a partial rotary embedding turns the first dims only
-    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
-    if getattr(args, "yarn_factor", None) is not None:  # YaRN (DeepSeek-V2/V3)
-        from ember.nn.yarn import yarn_inv_freq
-        inv_freq = yarn_inv_freq(args, dim, device)
-    if args.rope_scaling_factor is not None:
-        inv_freq = _llama31_scaling(inv_freq, args)
-    if getattr(args, "rope_linear_factor", None) is not None:  # position interpolation (HF rope_type "linear")
-        inv_freq = inv_freq / args.rope_linear_factor
-    if getattr(args, "rope_ext_factors", None) is not None:  # LongRoPE: one factor per frequency
-        inv_freq = inv_freq / torch.tensor(args.rope_ext_factors, device=device, dtype=torch.float32)
-    positions = torch.arange(args.max_seq_len, device=device, dtype=torch.float32)
-    angles = torch.outer(positions, inv_freq)  # (max_seq_len, rotary dims // 2), fp32 even for long contexts
-    scale = getattr(args, "rope_table_scale", None) or 1.0  # LongRoPE's attention factor: q and k both scaled by it
-    return angles.cos() * scale, angles.sin() * scale
-
-
-def local_rope_args(args: Any) -> Any:
-    """The RoPE settings of a family's local layers where they have their own base (Gemma 3's sliding layers:
-    `local_rope_theta`, unscaled); None where every layer shares args' tables."""
-    theta = getattr(args, "local_rope_theta", None)
-    if theta is None:
-        return None
-    return SimpleNamespace(head_dim=args.head_dim, rope_theta=theta, max_seq_len=args.max_seq_len,
-                           rope_scaling_factor=None)
-
-
-def _llama31_scaling(inv_freq: torch.Tensor, args: Any) -> torch.Tensor:
-    # Llama 3.1 (Meta's `apply_scaling`): wavelengths longer than the pre-training window are slowed by
-    # `factor`, those shorter than window / high_freq_factor are kept, and the band between is blended.
-    factor, low, high = args.rope_scaling_factor, args.rope_low_freq_factor, args.rope_high_freq_factor
-    old_len = args.rope_original_max_seq_len
-    wavelen = 2 * math.pi / inv_freq
-    smooth = (old_len / wavelen - low) / (high - low)
-    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    in_band = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-    return torch.where(in_band, blended, scaled)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate each pair (x[..., 2k], x[..., 2k+1]) of x: (B, T, H, D) by the angles of cos, sin: (T, D // 2),
-    or (B, T, D // 2) when every sequence has its own positions. Rotated in fp32, like Meta's reference. Tables
-    narrower than D // 2 (a partial rotary embedding: Phi-4-mini) turn the first dims and pass the rest."""
-    if cos.shape[-1] * 2 < x.shape[-1]:
-        turned = 2 * cos.shape[-1]
-        return torch.cat([apply_rope(x[..., :turned], cos, sin), x[..., turned:]], dim=-1)
-    if cos.dim() == 2:
-        cos, sin = cos[None], sin[None]  # (1, T, D/2): the same positions for every sequence
-    # fp32 tables even where FSDP's mixed precision cast them with the block's inputs to bf16 (CPU has no
-    # bf16 complex kernels, and the rotation is meant to run in fp32).
-    cos, sin = cos.float()[:, :, None, :], sin.float()[:, :, None, :]  # (1 or B, T, 1, D/2)
-    if torch.compiler.is_compiling():
-        # Compiled: the pairwise form, which inductor fuses into the neighbouring element-wise ops
-        # (complex tensors it leaves to eager kernels, breaking that fusion).
-        pairs = x.float().unflatten(-1, (-1, 2))  # (B, T, H, D/2, 2)
-        x0, x1 = pairs[..., 0], pairs[..., 1]
-        return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2).to(x.dtype)
-    # Eager: one complex product (x0 + i x1)(cos + i sin), Meta's formulation: the same multiplies and adds,
-    # the same numbers, in one kernel instead of six with their temporaries (~7x faster forward and backward
-    # on CPU at the debug shape).
-    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))  # (B, T, H, D/2)
-    return torch.view_as_real(pairs * torch.complex(cos, sin)).flatten(-2).to(x.dtype)  # (B, T, H, D)
+    return any(args.layer_span(i) is not None for i in range(args.n_layers))
 
 
 class RMSNorm(nn.Module):
@@ -144,7 +61,7 @@ class Attention(nn.Module):
     decoder then passes (q_scale, None) in place of (cos, sin), q_scale (T, 1) or (B, T, 1) a per-position factor on
     q (Llama 4's attention temperature) or None."""
 
-    def __init__(self, args: Any, *, qkv_bias: bool = False, qk_norm: Optional[Callable[[int], nn.Module]] = None,
+    def __init__(self, args: DecoderArgs, *, qkv_bias: bool = False, qk_norm: Optional[Callable[[int], nn.Module]] = None,
                  span: Optional[AttentionSpan] = None, score_scale: Optional[float] = None,
                  softcap: Optional[float] = None, rope: bool = True):
         super().__init__()
@@ -209,7 +126,7 @@ class TransformerBlock(nn.Module):
     the family's: a dense `feed_forward`, or a `moe` layer (the other attribute is then None), so each
     family's parameter names, and its tensor-parallel plan entries, say which it is."""
 
-    def __init__(self, layer_id: int, args: Any, ffn: nn.Module, attention: Optional[nn.Module] = None):
+    def __init__(self, layer_id: int, args: DecoderArgs, ffn: nn.Module, attention: Optional[nn.Module] = None):
         super().__init__()
         self.attention = attention if attention is not None else Attention(args)
         self.feed_forward: Optional[nn.Module] = None if isinstance(ffn, MoE) else ffn
@@ -234,30 +151,31 @@ class TransformerBlock(nn.Module):
 class Decoder(nn.Module):
     """tokens (B, T) -> logits (B, T, vocab_size); see the module docstring.
 
-    Positions are either RoPE (`rope=True`: blocks are called as block(h, cos, sin, document_ids)) or a
-    learned table added to the token embeddings (`rope=False`, GPT: `pos_embeddings`, blocks are called as
+    Positions are either RoPE (args.rope, its tables: blocks are called as block(h, cos, sin, document_ids)) or a
+    learned table added to the token embeddings (args.rope None, GPT: `pos_embeddings`, blocks are called as
     block(h, document_ids)). `logit_scale` multiplies the final hidden state before the output projection
     (GLaM's shared-embedding softmax); `logit_softcap` caps the logits at cap * tanh(logit / cap) (Gemma 2)."""
 
-    def __init__(self, args: Any, make_block: Callable[[int], nn.Module], make_norm: Callable[[], nn.Module],
-                 *, rope: bool = True, logit_scale: Optional[float] = None, logit_softcap: Optional[float] = None):
+    def __init__(self, args: DecoderArgs, make_block: Callable[[int], nn.Module], make_norm: Callable[[], nn.Module],
+                 *, logit_scale: Optional[float] = None, logit_softcap: Optional[float] = None):
         super().__init__()
         self.args = args
-        self.rope, self.logit_scale, self.logit_softcap = rope, logit_scale, logit_softcap
+        rope, local_rope = args.rope, args.local_rope
+        self.rope, self.logit_scale, self.logit_softcap = rope is not None, logit_scale, logit_softcap
         self.tok_embeddings: Optional[nn.Embedding] = nn.Embedding(args.vocab_size, args.dim)
         # The learned position table goes with the token embedding: a pipeline's first stage holds both.
-        self.pos_embeddings: Optional[nn.Embedding] = None if rope else nn.Embedding(args.max_seq_len, args.dim)
+        self.pos_embeddings: Optional[nn.Embedding] = None if self.rope else nn.Embedding(args.max_seq_len, args.dim)
         # Keyed by layer index: names stay stable when a pipeline stage keeps only some of the layers.
         self.layers = nn.ModuleDict({str(i): make_block(i) for i in range(args.n_layers)})
         self.norm: Optional[nn.Module] = make_norm()
         self.output: Optional[nn.Linear] = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie_weights()
-        if rope:  # not persistent: derived from args, recomputed by init_rope, never in checkpoints
-            cos, sin = rope_cos_sin(args)
+        if rope is not None:  # not persistent: derived from args, recomputed by init_rope, never in checkpoints
+            cos, sin = rope_cos_sin(rope)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
-        if rope and local_rope_args(args) is not None:  # a block with `rope_table = "_local"` rotates by these
-            cos, sin = rope_cos_sin(local_rope_args(args))
+        if rope is not None and local_rope is not None:  # a block with `rope_table = "_local"` rotates by these
+            cos, sin = rope_cos_sin(local_rope)
             self.register_buffer("rope_local_cos", cos, persistent=False)
             self.register_buffer("rope_local_sin", sin, persistent=False)
 
@@ -346,11 +264,12 @@ class Decoder(nn.Module):
     @torch.no_grad()
     def init_rope(self, device: Optional[torch.device] = None) -> None:
         """Recompute the RoPE tables in fp32 on `device` (default: where they are now)."""
-        if self.rope:
+        rope, local_rope = self.args.rope, self.args.local_rope
+        if rope is not None:
             device = device or self.rope_cos.device
-            self.rope_cos, self.rope_sin = rope_cos_sin(self.args, device=device)
-        if self.rope and local_rope_args(self.args) is not None:
-            self.rope_local_cos, self.rope_local_sin = rope_cos_sin(local_rope_args(self.args), device=device)
+            self.rope_cos, self.rope_sin = rope_cos_sin(rope, device=device)
+        if rope is not None and local_rope is not None:
+            self.rope_local_cos, self.rope_local_sin = rope_cos_sin(local_rope, device=device)
 
     @torch.no_grad()
     def init_weights(self, buffer_device: Optional[torch.device] = None) -> None:

@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from ember.nn.attention import causal_attention
-from ember.nn.decoder import RMSNorm, apply_rope
+from ember.nn.decoder import RMSNorm
+from ember.nn.rope import apply_rope
 
 
 class MLA(nn.Module):

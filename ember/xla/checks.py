@@ -3,12 +3,15 @@ jax and no torch: ember/xla/rules.py, the engine's rules, calls it with the conf
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ember.config import fp8_enabled
 from ember.config_schema import JobConfig
 from ember.errors import ConfigError
 from ember.parallel.mesh_shape import MeshShape
+
+if TYPE_CHECKING:  # an annotation only: importing it here would load torch with the config's checks
+    from ember.nn.args import DecoderArgs
 
 PIPELINE_REFUSED = ("{where} has no pipeline parallelism (XLA shards layers with fsdp/tensor instead); set "
                     "ici_mesh.pipeline=1 and dcn_mesh.pipeline=1")
@@ -66,23 +69,19 @@ def check_score_bias(cfg: JobConfig, args: Any) -> None:
                           f"yet; set model.bias_update_rate=0 to train with them frozen, or use device=cpu/cuda")
 
 
-def check_scan(cfg: JobConfig, args: Any) -> None:
+def check_scan(cfg: JobConfig, args: DecoderArgs) -> None:
     """model.scan_layers against the model (model.init_from's architecture, read): one scanned block stands for
     every block, so they must be the same computation: one attention span, one RoPE table, experts everywhere or
     nowhere."""
-    from ember.nn.decoder import local_rope_args
-
     if not cfg.model.scan_layers:
         return
-    span_of, moe_at = getattr(args, "layer_span", None), getattr(args, "is_moe_layer", None)
-    spans = {span_of(i) for i in range(args.n_layers)} if span_of is not None else {None}
-    experts = {moe_at(i) for i in range(args.n_layers)} if moe_at is not None else {False}
-    rope_at = getattr(args, "uses_rope", None)
-    ropes = {rope_at(i) for i in range(args.n_layers)} if rope_at is not None else {True}
+    spans = {args.layer_span(i) for i in range(args.n_layers)}
+    experts = {args.is_moe_layer(i) for i in range(args.n_layers)}
+    ropes = {args.uses_rope(i) for i in range(args.n_layers)}
     differences = [what for differ, what in (
         (len(spans) > 1, " and ".join(sorted({_span_words(span) for span in spans}))),
         (len(ropes) > 1, "RoPE and NoPE layers"),
-        (local_rope_args(args) is not None and len(spans) > 1, "local layers with their own RoPE base"),
+        (args.local_rope is not None and len(spans) > 1, "local layers with their own RoPE base"),
         (len(experts) > 1, "dense and MoE layers"),
     ) if differ]
     if differences:

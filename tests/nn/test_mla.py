@@ -4,17 +4,15 @@ decode equal to the expanded form, caching only the latent."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 import transformers
 from transformers.models.deepseek_v2 import modeling_deepseek_v2 as hf_v2
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_v3
 
-from ember.nn.decoder import rope_cos_sin
 from ember.nn.mla import MLA
-from ember.nn.yarn import yarn_attention_factor, yarn_softmax_mscale
+from ember.nn.rope import RopeConfig, rope_cos_sin
+from ember.nn.yarn import YarnScaling, yarn_softmax_mscale
 
 YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=8.0, original_max_position_embeddings=16, beta_fast=32,
             beta_slow=1, mscale=0.707, mscale_all_dim=0.707)
@@ -24,16 +22,14 @@ KEYS = {"q_proj": "wq", "q_a_proj": "wq_a", "q_a_layernorm": "q_norm", "q_b_proj
         "kv_a_proj_with_mqa": "wkv_a", "kv_a_layernorm": "kv_norm", "kv_b_proj": "wkv_b", "o_proj": "wo"}
 
 
-def _yarn_args(rope: dict, rope_dim: int, max_seq_len: int = 128) -> SimpleNamespace:
-    yarn = rope.get("rope_type") == "yarn"
-    args = SimpleNamespace(
-        head_dim=rope_dim, rope_theta=rope["rope_theta"], max_seq_len=max_seq_len, rope_scaling_factor=None,
-        yarn_factor=rope["factor"] if yarn else None, yarn_original_max_seq_len=rope.get("original_max_position_embeddings"),
-        yarn_beta_fast=rope.get("beta_fast"), yarn_beta_slow=rope.get("beta_slow"), yarn_mscale=rope.get("mscale"),
-        yarn_mscale_all_dim=rope.get("mscale_all_dim"), yarn_attention_factor=rope.get("attention_factor"),
-        yarn_truncate=rope.get("truncate", True))
-    args.rope_table_scale = yarn_attention_factor(args) if yarn else None  # what the family's args derive
-    return args
+def _rope(rope: dict, rope_dim: int, max_seq_len: int = 128) -> RopeConfig:
+    """The RopeConfig of these HF rope parameters, as DeepseekArgs.rope makes it (YaRN's or none)."""
+    yarn = None
+    if rope.get("rope_type") == "yarn":
+        yarn = YarnScaling(rope["factor"], rope["original_max_position_embeddings"], rope.get("beta_fast") or 32.0,
+                           rope.get("beta_slow") or 1.0, rope.get("mscale"), rope.get("mscale_all_dim"),
+                           rope.get("attention_factor"), rope.get("truncate", True))
+    return RopeConfig(rope["rope_theta"], rope_dim, max_seq_len, yarn)
 
 
 def _pair(version: int, q_lora_rank, rope: dict):
@@ -47,12 +43,12 @@ def _pair(version: int, q_lora_rank, rope: dict):
     with torch.no_grad():
         for name, p in theirs.named_parameters():
             p.uniform_(0.5, 1.5) if "layernorm" in name else p.normal_(0, 0.2)
-    args = _yarn_args(config.rope_parameters, config.qk_rope_head_dim)
+    rope_config = _rope(config.rope_parameters, config.qk_rope_head_dim)
     ours = MLA(64, 4, q_lora_rank=q_lora_rank, kv_lora_rank=24, qk_nope_head_dim=12, qk_rope_head_dim=8,
-               v_head_dim=10, softmax_scale_factor=yarn_softmax_mscale(args))
+               v_head_dim=10, softmax_scale_factor=yarn_softmax_mscale(rope_config.scaling))
     ours.load_state_dict({KEYS[k.split(".")[0]] + "." + k.split(".", 1)[1]: v for k, v in theirs.state_dict().items()})
     rotary = (module.DeepseekV3RotaryEmbedding if version == 3 else module.DeepseekV2RotaryEmbedding)(config)
-    return theirs, ours, rotary, args
+    return theirs, ours, rotary, rope_config
 
 
 def _causal_mask(T: int) -> torch.Tensor:
@@ -66,13 +62,13 @@ def _causal_mask(T: int) -> torch.Tensor:
     (2, 16, {"rope_type": "default", "rope_theta": 10000.0}),  # no YaRN: the plain softmax scale
 ])
 def test_mla_matches_transformers_outputs_and_gradients(version: int, q_lora_rank, rope: dict):
-    theirs, ours, rotary, args = _pair(version, q_lora_rank, rope)
+    theirs, ours, rotary, rope_config = _pair(version, q_lora_rank, rope)
     T = 20
     x = torch.randn(2, T, 64, generator=torch.Generator().manual_seed(1))
     x_theirs, x_ours = x.clone().requires_grad_(), x.clone().requires_grad_()
     positions = torch.arange(T)[None]
     expected, _ = theirs(x_theirs, position_embeddings=rotary(x, positions), attention_mask=_causal_mask(T))
-    cos, sin = rope_cos_sin(args)
+    cos, sin = rope_cos_sin(rope_config)
     got = ours(x_ours, cos[:T], sin[:T])
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     weight = torch.randn_like(got, generator=torch.Generator().manual_seed(2))
@@ -88,21 +84,21 @@ def test_mla_matches_transformers_outputs_and_gradients(version: int, q_lora_ran
 def test_yarn_tables_and_scale_equal_transformers():
     config = transformers.DeepseekV3Config(**SMALL, rope_parameters={**YARN, "mscale": 1.0, "mscale_all_dim": 0.5})
     rotary = hf_v3.DeepseekV3RotaryEmbedding(config)
-    args = _yarn_args(config.rope_parameters, 8)
-    cos, sin = rope_cos_sin(args)
+    rope_config = _rope(config.rope_parameters, 8)
+    cos, sin = rope_cos_sin(rope_config)
     hf_cos, hf_sin = rotary(torch.zeros(1), torch.arange(128)[None])
     assert rotary.attention_scaling != 1.0  # mscale / mscale_all_dim differ: the tables are scaled
     torch.testing.assert_close(cos, hf_cos[0, :, :4], rtol=0, atol=0)
     torch.testing.assert_close(sin, hf_sin[0, :, :4], rtol=0, atol=0)
     scale = hf_v3.DeepseekV3Attention(config, 0).scaling
     assert MLA(64, 4, q_lora_rank=None, kv_lora_rank=24, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10,
-               softmax_scale_factor=yarn_softmax_mscale(args)).softmax_scale == pytest.approx(scale, rel=1e-12)
+               softmax_scale_factor=yarn_softmax_mscale(rope_config.scaling)).softmax_scale == pytest.approx(scale, rel=1e-12)
 
 
 @pytest.mark.parametrize("static", [False, True])  # static: the whole preallocated length, masked, every step
 def test_latent_cache_decodes_as_the_expanded_form_and_caches_only_the_latent(static: bool):
-    _, ours, _, args = _pair(3, 16, YARN)
-    cos, sin = rope_cos_sin(args)
+    _, ours, _, rope_config = _pair(3, 16, YARN)
+    cos, sin = rope_cos_sin(rope_config)
     T, pad = 12, torch.tensor([0, 3])  # the second row's prompt is 3 tokens shorter, left padded
     x = torch.randn(2, T, 64, generator=torch.Generator().manual_seed(4))
     with torch.no_grad():

@@ -6,17 +6,14 @@ from dataclasses import dataclass, replace
 from typing import ClassVar, Optional
 
 from ember.errors import ConfigError
-from ember.models.checks import require_expert_layers
-from ember.nn.decoder import HeadShape
-from ember.nn.yarn import yarn_attention_factor, yarn_softmax_mscale
+from ember.models.checks import check_non_negative, check_top_k, no_llama3_scaling, require_expert_layers
+from ember.nn.args import DecoderArgs
+from ember.nn.rope import RopeConfig
+from ember.nn.yarn import YarnScaling, yarn_softmax_mscale
 
 
 @dataclass(frozen=True, kw_only=True)
-class DeepseekArgs(HeadShape):
-    dim: int
-    n_layers: int
-    n_heads: int
-    vocab_size: int
+class DeepseekArgs(DecoderArgs):
     ffn_hidden_dim: int  # the dense layers' SwiGLU hidden size (config.json's intermediate_size)
     # Multi-head Latent Attention (ember/nn/mla.py)
     q_lora_rank: Optional[int] = None  # None: q straight from x (V2-Lite); else q's latent width (V3: 1536)
@@ -52,7 +49,7 @@ class DeepseekArgs(HeadShape):
     yarn_mscale_all_dim: Optional[float] = 1.0
     yarn_attention_factor: Optional[float] = None
     yarn_truncate: bool = True
-    rope_scaling_factor: Optional[float] = None  # read by the shared RoPE code (Llama 3.1's scaling): none here
+    rope_scaling_factor: Optional[float] = None  # kept for model.json's key: DeepSeek's scaling is YaRN
 
     AT_LEAST: ClassVar[dict[str, int]] = {"n_shared_experts": 0, "n_dense_layers": 0}  # counts that may be none
 
@@ -62,16 +59,19 @@ class DeepseekArgs(HeadShape):
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     @property
-    def rotary_dim(self) -> int:  # the RoPE tables turn the rope part only
-        return self.qk_rope_head_dim
+    def yarn(self) -> Optional[YarnScaling]:
+        if self.yarn_factor is None:
+            return None
+        return YarnScaling(self.yarn_factor, self.yarn_original_max_seq_len, self.yarn_beta_fast, self.yarn_beta_slow,
+                           self.yarn_mscale, self.yarn_mscale_all_dim, self.yarn_attention_factor, self.yarn_truncate)
 
     @property
-    def rope_table_scale(self) -> Optional[float]:  # YaRN's attention factor on cos and sin
-        return yarn_attention_factor(self) if self.yarn_factor is not None else None
+    def rope(self) -> RopeConfig:  # the tables turn the rope part of each head only
+        return RopeConfig(self.rope_theta, self.qk_rope_head_dim, self.max_seq_len, self.yarn)
 
     @property
     def softmax_scale_factor(self) -> float:  # YaRN's mscale(factor, mscale_all_dim) ** 2 on the softmax scale
-        return yarn_softmax_mscale(self)
+        return yarn_softmax_mscale(self.yarn)
 
     def is_moe_layer(self, layer_id: int) -> bool:
         return self.n_experts > 0 and layer_id >= self.n_dense_layers
@@ -79,14 +79,22 @@ class DeepseekArgs(HeadShape):
     def validate(self) -> None:
         """What must fit together, after the floors (models/checks.py): the rope part's pairs, a layer with experts,
         and the router's groups (ConfigError naming the key and a fix)."""
+        check_top_k(self.n_experts, self.top_k)
         rope = self.qk_rope_head_dim
         if rope % 2:
             raise ConfigError(f"model.qk_rope_head_dim={rope} must be even (RoPE turns pairs of it); use "
                               f"{' or '.join(str(v) for v in (rope - 1, rope + 1) if v >= 2)}")
-        require_expert_layers(self, "n_dense_layers", "layers from n_dense_layers on have them",
+        require_expert_layers(self, self.n_experts, "n_dense_layers", self.n_dense_layers,
+                              "layers from n_dense_layers on have them",
                               f"0 to {self.n_layers - 1}, or raise model.n_layers")
         if self.n_experts:
             _check_groups(self)
+        super().validate()
+        check_non_negative("route_scale", self.route_scale)
+        no_llama3_scaling(self.rope_scaling_factor)
+
+    def check_head_shape(self) -> None:
+        """None here: MLA's heads are sized by its own keys (qk_nope/qk_rope/v_head_dim), not by dim / n_heads."""
 
 
 def _check_groups(args: DeepseekArgs) -> None:

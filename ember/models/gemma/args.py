@@ -3,21 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import ClassVar, Optional
+from typing import Optional
 
+from ember.models.checks import no_llama3_scaling
+from ember.nn.args import GroupedQueryArgs
 from ember.nn.attention import AttentionSpan
-from ember.nn.decoder import HeadShape
+from ember.nn.rope import LinearScaling, RopeConfig
 
 
 @dataclass(frozen=True, kw_only=True)
-class GemmaArgs(HeadShape):
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: Optional[int] = None
-    vocab_size: int
+class GemmaArgs(GroupedQueryArgs):
     ffn_hidden_dim: int  # the GeGLU's hidden size (config.json's intermediate_size)
-    head_dim_override: Optional[int] = None  # each head's width: 256 (1B-12B), 128 (27B): `model.head_dim`
+    # head_dim_override: each head's width, 256 (1B-12B), 128 (27B)
     norm_eps: float = 1e-6
     # Attention scores are scaled by query_pre_attn_scalar ** -0.5 (not head_dim ** -0.5: the 27B's 168)
     query_pre_attn_scalar: int = 256
@@ -34,15 +31,28 @@ class GemmaArgs(HeadShape):
     final_softcap: Optional[float] = None
     max_seq_len: int = 131072
     tie_embeddings: bool = True
-    rope_scaling_factor: Optional[float] = None  # read by the shared RoPE code: Gemma has no Llama 3.1 scaling
+    rope_scaling_factor: Optional[float] = None  # kept for model.json's key: Gemma has no Llama 3.1 scaling
 
-    CONFIG_KEYS: ClassVar[dict[str, str]] = {"head_dim": "head_dim_override"}
+    @property
+    def rope(self) -> RopeConfig:
+        scaling = LinearScaling(self.rope_linear_factor) if self.rope_linear_factor is not None else None
+        return RopeConfig(self.rope_theta, self.head_dim, self.max_seq_len, scaling)
+
+    @property
+    def local_rope(self) -> Optional[RopeConfig]:
+        if self.local_rope_theta is None:
+            return None
+        return RopeConfig(self.local_rope_theta, self.head_dim, self.max_seq_len)
 
     def is_global(self, layer_id: int) -> bool:
         return (layer_id + 1) % self.global_every == 0
 
     def layer_span(self, layer_id: int) -> Optional[AttentionSpan]:
         return None if self.is_global(layer_id) else AttentionSpan(window=self.sliding_window)
+
+    def validate(self) -> None:
+        super().validate()
+        no_llama3_scaling(self.rope_scaling_factor)
 
 
 # From the config.json of each release on the Hugging Face hub (google/gemma-3-*-pt, text_config).

@@ -5,15 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from ember.nn.decoder import HeadShape
+from ember.models.checks import check_top_k, no_llama3_scaling
+from ember.nn.args import DecoderArgs
+from ember.nn.rope import RopeConfig
 
 
 @dataclass(frozen=True, kw_only=True)
-class GlamArgs(HeadShape):
-    dim: int
-    n_layers: int
-    n_heads: int
-    vocab_size: int
+class GlamArgs(DecoderArgs):
     # The FFN hidden size, the same for the dense layers' gated-GELU FFN and for each expert (Pax's
     # GlamUniTransformerLmHParams takes ff_dim and moe_hidden_dim; every GLaM config sets them equal).
     ffn_hidden_dim: int
@@ -28,10 +26,11 @@ class GlamArgs(HeadShape):
     max_seq_len: int = 2048  # Pax's MAX_SEQ_LEN; the RoPE tables cover this many positions
     # The output projection is the token embedding (Pax: GShardSharedEmbeddingSoftmax, one [V, M] matrix).
     tie_embeddings: bool = True
-    # Present so that the Llama attention and RoPE code, which GLaM shares, reads them: no scaling.
-    rope_scaling_factor: Optional[float] = None
+    rope_scaling_factor: Optional[float] = None  # kept for model.json's key: GLaM's RoPE has no scaling
 
-
+    @property
+    def rope(self) -> RopeConfig:
+        return RopeConfig(self.rope_theta, self.head_dim, self.max_seq_len)
 
     def is_moe_layer(self, layer_id: int) -> bool:
         return layer_id % self.moe_every == 0
@@ -39,6 +38,11 @@ class GlamArgs(HeadShape):
     @property
     def n_moe_layers(self) -> int:
         return sum(self.is_moe_layer(i) for i in range(self.n_layers))
+
+    def validate(self) -> None:
+        check_top_k(self.n_experts, self.top_k)
+        super().validate()
+        no_llama3_scaling(self.rope_scaling_factor)
 
 
 # Sizes of the GLaM configs NVIDIA benchmarks with Pax (JAX-Toolbox rosetta/projects/pax README, "Mixture of

@@ -4,22 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ember.nn.decoder import HeadShape
+from ember.nn.args import DecoderArgs
 
 
 @dataclass(frozen=True, kw_only=True)
-class GPTArgs(HeadShape):
-    dim: int
-    n_layers: int
-    n_heads: int
-    vocab_size: int
+class GPTArgs(DecoderArgs):
+    """No RoPE (DecoderArgs.rope is None): a learned position table of max_seq_len rows, so no sequence can be
+    longer."""
+
     ffn_hidden_dim: int  # the GELU MLP's hidden size (4 x dim in every GPT-2/3 size)
-    max_seq_len: int  # rows of the learned position table: no sequence can be longer
     norm_eps: float = 1e-5
     tie_embeddings: bool = True  # the output projection reuses the token embedding (Pax, GPT-2, GPT-3)
     init_std: float = 0.02  # std of the Gaussian weight init (Pax's INIT_STD; GPT-2's initializer_range)
-
-
 
 
 # Sizes from Pax's GPU configs (google/paxml, paxml/contrib/gpu/scripts_gpu/configs.py: GPT126M, GPT5B,

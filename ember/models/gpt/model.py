@@ -108,8 +108,8 @@ class Transformer(Decoder):
     position table (GPT-2's wpe, the Decoder's pos_embeddings) instead of RoPE."""
 
     def __init__(self, args: GPTArgs):
-        super().__init__(args, lambda i: TransformerBlock(args),
-                         lambda: nn.LayerNorm(args.dim, eps=args.norm_eps, bias=True), rope=False)  # GPT-2's ln_f
+        super().__init__(args, lambda i: TransformerBlock(args),  # no RoPE: GPTArgs.rope is None
+                         lambda: nn.LayerNorm(args.dim, eps=args.norm_eps, bias=True))  # GPT-2's ln_f
 
     def init_embeddings(self) -> None:
         """Gaussian of std init_std (Pax's params_init, GPT-2's initializer_range) for both tables."""

@@ -6,23 +6,17 @@ import math
 from dataclasses import dataclass, replace
 from typing import ClassVar, Optional
 
-from ember.nn.decoder import HeadShape
+from ember.nn.args import GroupedQueryArgs
+from ember.nn.rope import Llama3Scaling, RopeConfig
 
 
 @dataclass(frozen=True, kw_only=True)
-class LlamaArgs(HeadShape):
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: Optional[int] = None  # None: multi-head attention (as many K/V heads as query heads)
-    vocab_size: int
+class LlamaArgs(GroupedQueryArgs):
     multiple_of: int = 256  # the SwiGLU hidden size is rounded up to a multiple of this
     ffn_dim_multiplier: Optional[float] = None
     # The SwiGLU hidden size stated outright. Every Meta release is expressed by the formula in
     # `ffn_hidden_dim`; a Hugging Face config states `intermediate_size`, which is kept verbatim here.
     ffn_hidden_dim_override: Optional[int] = None  # set by `model.ffn_hidden_dim` (see CONFIG_KEYS)
-    # Each attention head's width where it is not dim / n_heads (the q/k/v projections are n_heads x head_dim wide).
-    head_dim_override: Optional[int] = None  # set by `model.head_dim` (see CONFIG_KEYS)
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     # Llama 3.1 RoPE frequency scaling (Meta's `apply_scaling`, HF rope_type "llama3"); factor None: off.
@@ -30,7 +24,6 @@ class LlamaArgs(HeadShape):
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_seq_len: int = 8192
-    max_seq_len: int
     tie_embeddings: bool = False  # the output projection reuses the token embedding matrix
 
     # `model.<key>` -> field, where the field is not named as the key every family shares: Llama's hidden size
@@ -39,7 +32,12 @@ class LlamaArgs(HeadShape):
     CONFIG_KEYS: ClassVar[dict[str, str]] = {"ffn_hidden_dim": "ffn_hidden_dim_override",
                                              "head_dim": "head_dim_override"}
 
-
+    @property
+    def rope(self) -> RopeConfig:
+        scaling = None if self.rope_scaling_factor is None else Llama3Scaling(
+            self.rope_scaling_factor, self.rope_low_freq_factor, self.rope_high_freq_factor,
+            self.rope_original_max_seq_len)
+        return RopeConfig(self.rope_theta, self.head_dim, self.max_seq_len, scaling)
 
     @property
     def ffn_hidden_dim(self) -> int:

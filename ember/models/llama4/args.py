@@ -3,21 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import ClassVar, Optional
+from typing import Optional
 
-from ember.models.checks import require_expert_layers
+from ember.models.checks import check_non_negative, check_top_k, require_expert_layers
+from ember.nn.args import GroupedQueryArgs
 from ember.nn.attention import AttentionSpan
-from ember.nn.decoder import HeadShape
+from ember.nn.rope import Llama3Scaling, RopeConfig
 
 
 @dataclass(frozen=True, kw_only=True)
-class Llama4Args(HeadShape):
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: Optional[int] = None
-    vocab_size: int
-    head_dim_override: Optional[int] = None  # each head's width where not dim / n_heads: `model.head_dim`
+class Llama4Args(GroupedQueryArgs):
     ffn_hidden_dim: int  # the dense layers' SwiGLU hidden size (config.json's intermediate_size_mlp)
     # The mixture of experts: n_experts SwiGLU experts of moe_hidden_dim (intermediate_size), top_k of them chosen by
     # sigmoid scores that scale each expert's input, plus a shared expert of the same size every token passes through.
@@ -48,7 +43,12 @@ class Llama4Args(HeadShape):
     max_seq_len: int = 262144
     tie_embeddings: bool = False
 
-    CONFIG_KEYS: ClassVar[dict[str, str]] = {"head_dim": "head_dim_override"}
+    @property
+    def rope(self) -> RopeConfig:
+        scaling = None if self.rope_scaling_factor is None else Llama3Scaling(
+            self.rope_scaling_factor, self.rope_low_freq_factor, self.rope_high_freq_factor,
+            self.rope_original_max_seq_len)
+        return RopeConfig(self.rope_theta, self.head_dim, self.max_seq_len, scaling)
 
     def uses_rope(self, layer_id: int) -> bool:
         return (layer_id + 1) % self.nope_every != 0
@@ -57,8 +57,13 @@ class Llama4Args(HeadShape):
         return self.n_experts > 0 and (layer_id + 1) % self.sparse_step == 0
 
     def validate(self) -> None:
-        """What must fit together, after the floors (models/checks.py): some layer has experts."""
-        require_expert_layers(self, "sparse_step", "layer i has them when (i + 1) % sparse_step == 0", "1 to n_layers")
+        """What must fit together, after the floors (models/checks.py): some layer has experts, the heads split,
+        and the temperature's slope is a number."""
+        check_top_k(self.n_experts, self.top_k)
+        require_expert_layers(self, self.n_experts, "sparse_step", self.sparse_step,
+                              "layer i has them when (i + 1) % sparse_step == 0", "1 to n_layers")
+        super().validate()
+        check_non_negative("attn_scale", self.attn_scale)
 
     def layer_span(self, layer_id: int) -> Optional[AttentionSpan]:
         if self.attention_chunk is None or not self.uses_rope(layer_id):

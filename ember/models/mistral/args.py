@@ -3,33 +3,35 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import ClassVar, Optional
+from typing import Optional
 
+from ember.models.checks import no_llama3_scaling
+from ember.nn.args import GroupedQueryArgs
 from ember.nn.attention import AttentionSpan
-from ember.nn.decoder import HeadShape
+from ember.nn.rope import RopeConfig
 
 
 @dataclass(frozen=True, kw_only=True)
-class MistralArgs(HeadShape):
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: Optional[int] = None
-    vocab_size: int
+class MistralArgs(GroupedQueryArgs):
     ffn_hidden_dim: int  # the SwiGLU hidden size (Mistral states it outright)
-    head_dim_override: Optional[int] = None  # each head's width where not dim / n_heads: `model.head_dim`
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     max_seq_len: int = 32768
     tie_embeddings: bool = False
     # Each query sees the last sliding_window positions, itself included (Mistral 7B v0.1: 4096); None: all.
     sliding_window: Optional[int] = None
-    rope_scaling_factor: Optional[float] = None  # read by the shared RoPE code: Mistral's RoPE has no scaling
+    rope_scaling_factor: Optional[float] = None  # kept for model.json's key: Mistral's RoPE has no scaling
 
-    CONFIG_KEYS: ClassVar[dict[str, str]] = {"head_dim": "head_dim_override"}
+    @property
+    def rope(self) -> RopeConfig:
+        return RopeConfig(self.rope_theta, self.head_dim, self.max_seq_len)
 
     def layer_span(self, layer_id: int) -> Optional[AttentionSpan]:
         return AttentionSpan(window=self.sliding_window) if self.sliding_window is not None else None
+
+    def validate(self) -> None:
+        super().validate()
+        no_llama3_scaling(self.rope_scaling_factor)
 
 
 # From the config.json of each release on the Hugging Face hub (mistralai/*).

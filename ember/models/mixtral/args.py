@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Optional
+from typing import Optional
 
-from ember.nn.decoder import HeadShape
+from ember.models.checks import check_top_k, no_llama3_scaling
+from ember.nn.args import GroupedQueryArgs
+from ember.nn.rope import RopeConfig
 
 
 @dataclass(frozen=True, kw_only=True)
-class MixtralArgs(HeadShape):
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: Optional[int] = None
-    vocab_size: int
+class MixtralArgs(GroupedQueryArgs):
     ffn_hidden_dim: int  # each expert's SwiGLU hidden size (Mixtral states it outright)
     n_experts: int = 8
     top_k: int = 2
@@ -22,13 +19,19 @@ class MixtralArgs(HeadShape):
     rope_theta: float = 1e6
     max_seq_len: int = 32768
     tie_embeddings: bool = False
-    # Present so that the Llama attention and RoPE code, which Mixtral shares, reads them: no scaling.
-    rope_scaling_factor: Optional[float] = None
-    head_dim_override: Optional[int] = None  # each head's width where not dim / n_heads: `model.head_dim`
+    rope_scaling_factor: Optional[float] = None  # kept for model.json's key: Mixtral's RoPE has no scaling
 
-    CONFIG_KEYS: ClassVar[dict[str, str]] = {"head_dim": "head_dim_override"}
+    @property
+    def rope(self) -> RopeConfig:
+        return RopeConfig(self.rope_theta, self.head_dim, self.max_seq_len)
 
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return True  # every block's feed-forward is the mixture
 
+    def validate(self) -> None:
+        check_top_k(self.n_experts, self.top_k)
+        super().validate()
+        no_llama3_scaling(self.rope_scaling_factor)
 
 
 # Values from the params.json / config.json of Mistral AI's releases.

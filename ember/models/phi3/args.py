@@ -4,28 +4,24 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import ClassVar, Optional
+from typing import Optional
 
+from ember.models.checks import no_llama3_scaling
+from ember.nn.args import GroupedQueryArgs
 from ember.nn.attention import AttentionSpan
-from ember.nn.decoder import HeadShape
+from ember.nn.rope import LongRopeScaling, RopeConfig
 
 
 @dataclass(frozen=True, kw_only=True)
-class Phi3Args(HeadShape):
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: Optional[int] = None
-    vocab_size: int
+class Phi3Args(GroupedQueryArgs):
     ffn_hidden_dim: int  # the SwiGLU hidden size (config.json's intermediate_size)
-    head_dim_override: Optional[int] = None  # each head's width where not dim / n_heads: `model.head_dim`
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     max_seq_len: int = 4096
     tie_embeddings: bool = False
     # Each query sees the last sliding_window positions, itself included (the 4K models: 2047); None: all.
     sliding_window: Optional[int] = None
-    rope_scaling_factor: Optional[float] = None  # read by the shared RoPE code: Phi-3 has no Llama 3.1 scaling
+    rope_scaling_factor: Optional[float] = None  # kept for model.json's key: Phi-3 has no Llama 3.1 scaling
     # A partial rotary embedding: RoPE turns the first partial_rotary_factor of each head (Phi-4-mini: 0.75)
     partial_rotary_factor: float = 1.0
     # LongRoPE (the 128K models): one factor per frequency, short ones while a sequence stays within
@@ -36,18 +32,26 @@ class Phi3Args(HeadShape):
     rope_original_max_seq_len: int = 4096
     rope_attention_factor: Optional[float] = None
 
-    CONFIG_KEYS: ClassVar[dict[str, str]] = {"head_dim": "head_dim_override"}
-
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
 
     @property
-    def rope_ext_factors(self) -> Optional[tuple[float, ...]]:
-        return self.rope_short_factor  # the default tables; long_rope_args gives the others
+    def rope(self) -> RopeConfig:
+        """The default tables: the short factors' (long_rope gives the others)."""
+        return self._rope_with(self.rope_short_factor)
 
     @property
-    def rope_table_scale(self) -> Optional[float]:
+    def long_rope(self) -> Optional[RopeConfig]:
+        """LongRoPE's tables for a forward whose positions reach past rope_original_max_seq_len; None: none."""
+        return self._rope_with(self.rope_long_factor) if self.rope_long_factor is not None else None
+
+    def _rope_with(self, factors: Optional[tuple[float, ...]]) -> RopeConfig:
+        # both tables carry LongRoPE's attention factor, which the short factors' presence turns on
+        scaling = None if factors is None else LongRopeScaling(factors, self._long_rope_attention_factor())
+        return RopeConfig(self.rope_theta, self.rotary_dim or self.head_dim, self.max_seq_len, scaling)
+
+    def _long_rope_attention_factor(self) -> Optional[float]:
         if self.rope_short_factor is None:
             return None
         if self.rope_attention_factor is not None:
@@ -57,6 +61,10 @@ class Phi3Args(HeadShape):
 
     def layer_span(self, layer_id: int) -> Optional[AttentionSpan]:
         return AttentionSpan(window=self.sliding_window) if self.sliding_window is not None else None
+
+    def validate(self) -> None:
+        super().validate()
+        no_llama3_scaling(self.rope_scaling_factor)
 
 
 # From the config.json of each release on the Hugging Face hub (microsoft/Phi-3-*-4k-instruct).

@@ -6,14 +6,14 @@ and no I/O here."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Optional
 
 import torch
 
 from ember.models.phi3.args import Phi3Args
 from ember.nn.attention import scored_length
-from ember.nn.decoder import Attention, Decoder, RMSNorm, TransformerBlock, num_params, rope_cos_sin
+from ember.nn.decoder import Attention, Decoder, RMSNorm, TransformerBlock, num_params
+from ember.nn.rope import rope_cos_sin
 from ember.nn.feed_forward import FeedForward
 
 __all__ = ["Transformer", "num_params", "flops_per_token"]
@@ -29,9 +29,10 @@ class Transformer(Decoder):
                                                           Attention(args, span=args.layer_span(i))),
                          lambda: RMSNorm(args.dim, args.norm_eps))
         # ember.generate recomputes the cache when a sequence first reaches past it (as transformers does)
-        self.rope_switch_length = args.rope_original_max_seq_len if args.rope_long_factor is not None else None
-        if args.rope_long_factor is not None:  # not persistent: derived from args, as the Decoder's own tables
-            cos, sin = rope_cos_sin(_long_rope(args))
+        long_rope = args.long_rope
+        self.rope_switch_length = args.rope_original_max_seq_len if long_rope is not None else None
+        if long_rope is not None:  # not persistent: derived from args, as the Decoder's own tables
+            cos, sin = rope_cos_sin(long_rope)
             self.register_buffer("rope_long_cos", cos, persistent=False)
             self.register_buffer("rope_long_sin", sin, persistent=False)
 
@@ -48,14 +49,9 @@ class Transformer(Decoder):
     @torch.no_grad()
     def init_rope(self, device: Optional[torch.device] = None) -> None:
         super().init_rope(device)
-        if self.args.rope_long_factor is not None:
-            self.rope_long_cos, self.rope_long_sin = rope_cos_sin(_long_rope(self.args), device=device or self.rope_cos.device)
-
-
-def _long_rope(args: Phi3Args) -> SimpleNamespace:
-    return SimpleNamespace(head_dim=args.head_dim, rotary_dim=args.rotary_dim, rope_theta=args.rope_theta,
-                           max_seq_len=args.max_seq_len, rope_scaling_factor=None,
-                           rope_ext_factors=args.rope_long_factor, rope_table_scale=args.rope_table_scale)
+        long_rope = self.args.long_rope
+        if long_rope is not None:
+            self.rope_long_cos, self.rope_long_sin = rope_cos_sin(long_rope, device=device or self.rope_cos.device)
 
 
 def flops_per_token(args: Phi3Args, seq_len: int) -> float:

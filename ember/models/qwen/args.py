@@ -2,24 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, replace
-from typing import ClassVar, Optional
+from typing import Optional
 
 from ember.errors import ConfigError
-from ember.models.checks import require_expert_layers
+from ember.models.checks import check_top_k, no_llama3_scaling, require_expert_layers
+from ember.nn.args import GroupedQueryArgs
 from ember.nn.attention import AttentionSpan
-from ember.nn.decoder import HeadShape
+from ember.nn.rope import RopeConfig
 
 
 @dataclass(frozen=True, kw_only=True)
-class QwenArgs(HeadShape):
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: Optional[int] = None
-    vocab_size: int
+class QwenArgs(GroupedQueryArgs):
     ffn_hidden_dim: int  # the dense SwiGLU's hidden size (config.json's intermediate_size)
-    head_dim_override: Optional[int] = None  # each head's width where not dim / n_heads: `model.head_dim`
     qkv_bias: bool = False  # biases on the q, k, v projections (Qwen2/2.5)
     qk_norm: bool = False  # RMSNorm over each head's width on q and k before RoPE (Qwen3)
     norm_eps: float = 1e-6
@@ -39,9 +35,11 @@ class QwenArgs(HeadShape):
     norm_topk_prob: bool = True  # the top-k routing weights renormalised to sum to 1
     sparse_step: int = 1
     dense_layers: tuple[int, ...] = ()
-    rope_scaling_factor: Optional[float] = None  # read by the shared RoPE code: Qwen's default RoPE has none
+    rope_scaling_factor: Optional[float] = None  # kept for model.json's key: Qwen's RoPE has no Llama 3.1 scaling
 
-    CONFIG_KEYS: ClassVar[dict[str, str]] = {"head_dim": "head_dim_override"}
+    @property
+    def rope(self) -> RopeConfig:
+        return RopeConfig(self.rope_theta, self.head_dim, self.max_seq_len)
 
     def layer_span(self, layer_id: int) -> Optional[AttentionSpan]:
         if self.sliding_window is None or layer_id < self.max_window_layers:
@@ -52,11 +50,37 @@ class QwenArgs(HeadShape):
         return self.n_experts > 0 and layer_id not in self.dense_layers and (layer_id + 1) % self.sparse_step == 0
 
     def validate(self) -> None:
-        """What must fit together, after the floors (models/checks.py): experts have a width and some layer has them."""
+        """What must fit together, after the floors (models/checks.py): experts have a width and some layer has
+        them, the heads split, and the sliding window starts at a layer there is."""
+        check_top_k(self.n_experts, self.top_k)
         if self.n_experts and self.moe_hidden_dim < 1:
             raise ConfigError(f"model.moe_hidden_dim={self.moe_hidden_dim} must be >= 1 with model.n_experts="
                               f"{self.n_experts} (each expert's SwiGLU hidden size); set model.moe_hidden_dim to 1 or more")
-        require_expert_layers(self, "sparse_step", "layer i has them when (i + 1) % sparse_step == 0", "1 to n_layers")
+        require_expert_layers(self, self.n_experts, "sparse_step", self.sparse_step,
+                              "layer i has them when (i + 1) % sparse_step == 0", "1 to n_layers")
+        super().validate()
+        first, window = self.max_window_layers, self.sliding_window  # the window is >= 1 where set (the floors)
+        if first < 0 or (first and window is None) or (window is not None and first >= self.n_layers):
+            raise ConfigError(f"model.max_window_layers={first} must be the first layer with the sliding window: "
+                              f">= 0, below model.n_layers={self.n_layers}, and with model.sliding_window set")
+        no_llama3_scaling(self.rope_scaling_factor)
+
+
+# The experts' keys, which Qwen's dense families (qwen2, qwen3) have as fields of the shared QwenArgs but not as
+# hyper-parameters of theirs
+_MOE_KEYS = frozenset({"moe_hidden_dim", "norm_topk_prob", "sparse_step", "top_k"})
+
+
+def check_family(family: str, keys: Collection[str], args: QwenArgs) -> None:
+    """One QwenArgs class serves three families: experts make qwen3_moe, and qwen2/qwen3 are dense. `keys`: the
+    model.* keys the user set, which made `args` from the family's flavor."""
+    moe_keys = sorted(_MOE_KEYS & set(keys))
+    if family != "qwen3_moe" and moe_keys:
+        raise ConfigError(f"model.{moe_keys[0]} is a Qwen3-MoE hyper-parameter, and {family} has no experts; "
+                          "use model.family=qwen3_moe")
+    if (family == "qwen3_moe") != bool(args.n_experts):
+        raise ConfigError(f"model.n_experts={args.n_experts} does not fit model.family={family}: experts make "
+                          "qwen3_moe, and qwen2/qwen3 are dense; choose the family that has them")
 
 
 # From the config.json of each release on the Hugging Face hub (Qwen/Qwen2.5-*, Qwen/Qwen3-*).
