@@ -6,13 +6,13 @@ import dataclasses
 import functools
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Any, Callable, Generic, Optional, TypeVar
 
 from torch import nn
 
 from ember.errors import ConfigError, did_you_mean
 from ember.models import checks, deepseek, gemma, glam, gpt, llama, llama4, mistral, mixtral, phi3, qwen
+from ember.models.hf_mapping import HFMapping
 from ember.nn.args import DecoderArgs
 from ember.nn.decoder import Decoder
 
@@ -29,7 +29,7 @@ class ModelSpec(Generic[A]):
     # ember/parallel/parallelize.py applies it with every other parallelism
     tp_plan: Callable[[bool], tuple[dict[str, Any], dict[str, Any]]]
     flops_per_token: Callable[[A, int], float]  # (args, seq_len) -> training FLOPs per token
-    hf: ModuleType  # config and weight mapping to and from Hugging Face
+    hf: HFMapping[A]  # config and weight mapping to and from Hugging Face (the family's hf.py)
     # (model) -> the parameters one token passes through (a mixture of experts uses top_k of its experts);
     # None: every parameter (a dense family). `ember recipes` shows it as "active".
     active_params: Optional[Callable[[nn.Module], int]] = None

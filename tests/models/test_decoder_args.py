@@ -16,6 +16,7 @@ import pytest
 from ember.errors import ConfigError
 from ember.model_meta import meta_for, parse_model_meta
 from ember.models import MODELS, build_model_args
+from ember.models.hf_mapping import HFMapping
 from ember.nn.args import DecoderArgs
 from ember.nn.decoder import has_local_attention
 
@@ -43,6 +44,8 @@ def test_every_family_is_typed(family: str):
     spec = MODELS[family]
     assert issubclass(spec.args_cls, DecoderArgs) and dataclasses.is_dataclass(spec.args_cls)
     assert all(type(args) is spec.args_cls for args in spec.flavors.values())
+    assert isinstance(spec.hf, HFMapping)  # every conversion and family_of, GLaM's refusing
+    assert spec.hf.family_of(_flavor(family)) in MODELS
 
 
 # (family, a value its validate() refuses, what the one line says)

@@ -45,6 +45,10 @@ _LAYER = re.compile(r"transformer\.h\.(\d+)\.(.+)")
 _MASK_BUFFER = re.compile(r"transformer\.h\.\d+\.attn\.(bias|masked_bias)")  # old causal-mask buffers
 
 
+def family_of(args: GPTArgs) -> str:
+    return "gpt"  # one family per args class
+
+
 def _canonical(key: str) -> str:
     # The hub's original GPT-2 checkpoints have no "transformer." prefix (HF adds it on load).
     return key if key.startswith(("transformer.", "lm_head.")) else f"transformer.{key}"

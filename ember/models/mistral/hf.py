@@ -13,6 +13,10 @@ from ember.models.mistral.args import MistralArgs
 from_hf_key, to_hf_key = llama_hf.from_hf_key, llama_hf.to_hf_key
 
 
+def family_of(args: MistralArgs) -> str:
+    return "mistral"  # one family per args class
+
+
 def tensor_to_hf(key: str, tensor: torch.Tensor, args: MistralArgs) -> torch.Tensor:
     return llama_hf.tensor_to_hf(key, tensor, args)  # type: ignore[arg-type]
 

@@ -21,6 +21,10 @@ _FUSED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_pro
 _ROUTER = re.compile(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.gate\.weight")
 
 
+def family_of(args: MixtralArgs) -> str:
+    return "mixtral"  # one family per args class
+
+
 def args_from_hf_config(config: dict[str, Any]) -> MixtralArgs:
     rope = config.get("rope_parameters") or {}
     return MixtralArgs(

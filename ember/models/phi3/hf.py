@@ -16,6 +16,10 @@ import torch
 from ember.models.llama import hf as llama_hf
 from ember.models.phi3.args import Phi3Args
 
+def family_of(args: Phi3Args) -> str:
+    return "phi3"  # one family per args class
+
+
 def _permute(w: torch.Tensor, n_heads: int, args: Phi3Args, to_hf: bool) -> torch.Tensor:
     """Llama's RoPE row permutation on the rows RoPE turns: each head's first rotary_dim (all of them unless
     the rotary embedding is partial, Phi-4-mini's); the other rows pass through in place."""
