@@ -21,9 +21,9 @@ from ember.errors import CheckpointError, UserFileNotFound, first_error_line
 from ember.finetune.base_fingerprint import check_lora_base, model_files
 from ember.finetune.lora import merge_lora
 from ember.finetune.peft_format import is_peft_dir, save_peft, save_safetensors
+from ember.finetune.sources import adapter_tensors
 from ember.hf_export import carry_into_export, keep_hf_source
-from ember.load import (_adapter_tensors, _barrier, _is_rank0, _load_torch_file, _quiet_dcp, load_model,
-                        model_state_dict)
+from ember.load import _barrier, _is_rank0, _load_torch_file, _quiet_dcp, load_model, model_state_dict
 from ember.model_meta import MODEL_JSON, ember_step_dir, read_json, read_model_json
 from ember.models import MODELS, family_of
 from ember.staging import staged
@@ -166,7 +166,7 @@ def convert(src: Union[str, Path], dst: Union[str, Path], to: Optional[str] = No
             raise CheckpointError(f"--to peft writes a LoRA run's adapters; '{src}' is not one (trained without "
                                   "lora.rank)" if not merge else "--merge folds the adapters into the base: use --to hf")
         check_lora_base(step_dir, meta)  # the adapter names that base: on other weights it would mean another model
-        args, state, moved = _adapter_tensors(step_dir, meta)
+        args, state, moved = adapter_tensors(step_dir, meta)
         if moved:
             more = f" (and {len(moved) - 1} more)" if len(moved) > 1 else ""
             raise CheckpointError(f"'{src}': training moved {moved[0]}{more}, a buffer a peft adapter cannot hold (it "

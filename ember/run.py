@@ -33,7 +33,7 @@ from ember.models import MODELS, ModelSpec
 from ember.nn.args import DecoderArgs
 from ember.nn.decoder import has_local_attention
 from ember.nn.loss import output_chunks
-from ember.load import ModelChoice, resolve_model
+from ember.models.choice import ModelChoice, resolve_model
 from ember.parallel.mesh import ParallelMesh
 from ember.parallel.mesh_shape import MeshShape
 from ember.parallel.parallelize import ParallelOptions
@@ -100,7 +100,7 @@ def check_model(cfg: JobConfig, shape: MeshShape) -> None:
 def _init_from_family(recipe_family: str, init_from: str) -> str:
     """With model.init_from the architecture is the source's, its family too: a recipe's model.family is a default
     that the source replaces. One given on the command line is kept, and refused if it contradicts the source."""
-    from ember.load import source_family
+    from ember.models.choice import source_family
 
     if not Path(init_from).expanduser().exists():  # model_choice says so, after the checks that need no source
         return recipe_family

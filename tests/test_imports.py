@@ -3,7 +3,8 @@
   closes a cycle is still a cycle a reader has to untangle);
 - model code and ember/nn are single-device PyTorch: no torch.distributed;
 - ember/nn never imports ember.data (shared constants live in ember/constants.py);
-- ember/report loads no torch (`import torch` loads torch.distributed): it reads files."""
+- ember/report loads no torch (`import torch` loads torch.distributed): it reads files;
+- ember/load.py imports nothing of ember/finetune (fine-tuning registers its formats with ember/sources.py)."""
 
 from __future__ import annotations
 
@@ -205,3 +206,15 @@ def test_no_class_subclasses_the_trainer():
                   if isinstance(node, ast.ClassDef)
                   and any(getattr(base, "id", getattr(base, "attr", None)) == "Trainer" for base in node.bases)]
     assert subclasses == []
+
+
+def test_loading_imports_nothing_of_finetune():
+    """ember/load.py and the source-format registry it reads (ember/sources.py) name no fine-tuning module in an
+    import, anywhere in the file, and importing ember.load loads none: LoRA checkpoints, peft adapters and base
+    fingerprints reach loading as "module:attribute" entries of ember.sources.FORMATS."""
+    for module in ("ember.load", "ember.sources"):
+        named = {m for m in _imports(module) if m.startswith("ember.finetune")}
+        assert not named, (module, named)
+    loaded = _loaded_by({"ember.load", "ember.sources"} | _imports("ember.load") | _imports("ember.sources"))
+    assert not {m for m in loaded if m.startswith("ember.finetune")}
+    assert "ember.load" in GRAPH["ember.finetune.sources"]  # the dependency points from fine-tuning to loading

@@ -160,3 +160,25 @@ def test_the_file_of_convert_to_torch_loads(tmp_path: Path):
         assert torch.equal(loaded(tokens), model.eval()(tokens))
     half = load_model(tmp_path / "model.pt", dtype=torch.bfloat16)
     assert {p.dtype for p in half.parameters()} == {torch.bfloat16} and half.rope_cos.dtype == torch.float32
+
+
+def test_each_path_is_detected_once_as_its_format(tmp_path: Path):
+    # ember/sources.py's registry: every entry resolves, and each kind of path is the format its questions go to
+    # (the fine-tuning formats are tested on real adapters in tests/finetune/).
+    from ember.convert import convert, save_hf
+    from ember.sources import FORMATS, find_format, formats, is_added_key
+
+    assert len(formats()) == len(FORMATS)
+    assert is_added_key("layers.0.attention.wq.lora_A.weight") and not is_added_key("layers.0.attention.wq.weight")
+    model = _model("llama3", seed=0)
+    save_ember_checkpoint(model, "llama3", "debug", model.args, tmp_path / "run" / "checkpoints" / "step-2")
+    convert(tmp_path / "run", tmp_path / "model.pt", "torch")
+    save_hf(model, model.args, tmp_path / "hf")
+    for path, name in [(tmp_path / "run", "ember checkpoint"), (tmp_path / "run" / "checkpoints" / "step-2",
+                       "ember checkpoint"), (tmp_path / "model.pt", "ember convert --to torch file"),
+                       (tmp_path / "hf", "Hugging Face directory")]:
+        fmt = find_format(path)
+        assert fmt is not None and fmt.name == name, path
+        args = fmt.architecture(path).args  # HF's config.json keeps the sizes, not multiple_of
+        assert (args.dim, args.n_layers, args.vocab_size) == (model.args.dim, 2, 512), path
+    assert find_format(tmp_path) is None

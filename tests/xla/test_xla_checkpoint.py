@@ -104,3 +104,17 @@ def test_without_the_extra_device_xla_says_what_to_install(xla_env: dict, tmp_pa
     assert proc.stderr.strip().splitlines() == [
         "error: device=tpu|xla needs jax and torchax, which are not installed: pip install -e '.[tpu]' "
         "torch==2.13.0 (on a TPU VM also: pip install 'jax[tpu]')"]
+
+
+@pytest.mark.slow
+def test_a_resume_keeps_the_dtype_the_run_trained_in_as_on_the_torch_engine(tmp_path: Path, xla_env: dict):
+    """precision=auto on a resumed run is ember.run.choose_precision's decision on both engines: the XLA path's auto
+    (fp32 on jax's CPU devices) does not switch a run that trained in bf16."""
+    import json
+
+    out = tmp_path / "run"
+    run_ember("train", *BASE, *FSDP8, "max_steps=4", "precision=bf16", f"output_dir={out}", env=xla_env, expect=0)
+    proc = run_ember("train", *BASE, *FSDP8, "max_steps=5", "metrics.console=true", f"output_dir={out}", env=xla_env,
+                     expect=0)
+    assert "precision: auto -> bf16 autocast (kept from the run this resumes, run.json's compute" in proc.stdout
+    assert json.loads((out / "run.json").read_text())["compute"] == "bfloat16"
