@@ -34,7 +34,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ember import run as run_lib  # noqa: E402
-from ember.nn.attention import FlexAttention, causal_attention, document_layout  # noqa: E402
+from ember.nn.attention import FlexAttention, causal_attention, document_layout, set_attention_kernel  # noqa: E402
 from ember.train import Trainer  # noqa: E402
 
 # family -> extra overrides. Documents are masked for the families without local attention, so flex attention
@@ -89,9 +89,8 @@ def check_masks(family: str, extra: list[str], out: str) -> dict:
     kernels = sorted({type(m.attention_fn).__name__ for m in model.modules() if hasattr(m, "attention_fn")})
     inputs, labels = batch(trainer)
     flex_logits, flex_grads = forward_backward(model, inputs, labels, eos)
-    for m in model.modules():
-        if isinstance(getattr(m, "attention_fn", None), FlexAttention):
-            m.attention_fn = causal_attention
+    if any(isinstance(getattr(m, "attention_fn", None), FlexAttention) for m in model.modules()):
+        set_attention_kernel(model, causal_attention)  # flex is every layer's or none's (parallel/parallelize.py)
     exact_logits, exact_grads = forward_backward(model, inputs, labels, eos)
     cpu_logits, _ = forward_backward(copy.deepcopy(model).cpu(), inputs.cpu(), labels.cpu(), eos)
     grad_rel = max(relative(flex_grads[n], exact_grads[n]) for n in exact_grads)

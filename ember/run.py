@@ -13,6 +13,7 @@ each caller drifted within a day).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -33,7 +34,9 @@ from ember.models import MODELS, ModelSpec
 from ember.nn.args import DecoderArgs
 from ember.nn.decoder import has_local_attention
 from ember.nn.loss import output_chunks
+from ember.nn.moe_stats import MoEOptions
 from ember.models.choice import ModelChoice, resolve_model
+from ember.parallel.ep import expert_dispatch
 from ember.parallel.mesh import ParallelMesh
 from ember.parallel.mesh_shape import MeshShape
 from ember.parallel.parallelize import ParallelOptions
@@ -310,7 +313,8 @@ class BuiltModel:
 
 def build_model(spec: RunSpec, mesh: Optional[ParallelMesh], *, stage_ids: Optional[list[int]] = None,
                 args: Any = None, num_stages: Optional[int] = None, materialize: bool = True,
-                random_init: bool = True, init_from: Optional[str] = None) -> BuiltModel:
+                random_init: bool = True, init_from: Optional[str] = None,
+                moe: MoEOptions = MoEOptions()) -> BuiltModel:
     """Build this rank's part of the model as `spec` says, on `mesh` (an ember.parallel.mesh.ParallelMesh, or
     None for one device).
 
@@ -318,7 +322,8 @@ def build_model(spec: RunSpec, mesh: Optional[ParallelMesh], *, stage_ids: Optio
     `num_stages` build another model the same way (the planner's models cut to a few layers). materialize=False
     stops after `parallelize`, on meta. random_init=False skips the seeded init where every weight comes from
     `init_from` (default: model.init_from), which is loaded resharded to the layout, then LoRA's adapters are
-    initialised."""
+    initialised. `moe`: what the MoE layers are built with (the engine's router-loss weights and statistics
+    collector, nn/moe_stats.py); under expert parallelism their dispatch is the expert axis's all-to-all."""
     from ember.load import load_weights
     from ember.parallel import pp as pp_lib
     from ember.parallel.parallelize import init_weights, parallelize
@@ -326,8 +331,11 @@ def build_model(spec: RunSpec, mesh: Optional[ParallelMesh], *, stage_ids: Optio
     cfg, model = spec.cfg, spec.model
     args = args or spec.args
     num_stages = num_stages or spec.num_stages
+    if moe.dispatch is None and mesh is not None:
+        moe = dataclasses.replace(moe, dispatch=expert_dispatch(mesh.submesh("expert")))
     with torch.device("meta"):
-        whole = model.model_cls(args)
+        # the families without experts take no MoE options
+        whole = model.model_cls(args, moe=moe) if args.has_experts else model.model_cls(args)
     if stage_ids is None:
         stage_ids = ([0] if num_stages == 1 else
                      pp_lib.stage_ids(mesh.coordinate("pipeline"), spec.degree("pipeline"), cfg.parallel.pp_stages_per_rank))

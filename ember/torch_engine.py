@@ -26,6 +26,7 @@ from ember.finetune import dpo as dpo_lib
 from ember.hardware import PeakFlops, peak_flops
 from ember.health import is_finite_step
 from ember.nn import moe as moe_lib
+from ember.nn.moe_stats import MoEOptions, MoEStats, RouterLoss
 from ember.optim import build_optimizer, clip_grad_norm_
 from ember.parallel import fp8 as fp8_lib
 from ember.parallel.mesh import ParallelMesh, init_distributed
@@ -68,15 +69,18 @@ class TorchEngine:
         """This rank's pipeline stages, parallelized on meta, then materialised (ember/run.py); the loss (DPO's
         with its reference), the pipeline schedule, the optimizer."""
         cfg, spec = self.cfg, self.spec
-        built = run_lib.build_model(spec, self.mesh)
+        # The MoE layers' router losses weigh the whole model's MoE layers and the step's tokens; their statistics
+        # go to this engine's collector, which the step, the score-bias update and the metrics read.
+        args = spec.args
+        n_moe_layers = sum(args.is_moe_layer(i) for i in range(args.n_layers))
+        self.moe_stats = MoEStats()
+        router_loss = RouterLoss.for_step(cfg.model.aux_loss_coef, cfg.model.z_loss_coef,
+                                          cfg.global_batch_size * cfg.seq_len, n_moe_layers)
+        built = run_lib.build_model(spec, self.mesh, moe=MoEOptions(router_loss=router_loss, stats=self.moe_stats))
         self.model_parts: list[nn.Module] = built.parts
         self.whole = built.whole  # on meta: counts that are the whole model's, not a stage's
         # One module for the optimizer, clipping and `model.train()`: the model, or this rank's stages.
         self.model = self.model_parts[0] if len(self.model_parts) == 1 else nn.ModuleList(self.model_parts)
-        n_moe_layers = len(built.whole.moe_layers())
-        for part in self.model_parts:
-            moe_lib.set_router_loss(part, cfg.model.aux_loss_coef, cfg.model.z_loss_coef,
-                                    cfg.global_batch_size * cfg.seq_len, max(n_moe_layers, 1))
         # The whole model's, so every rank (a pipeline stage without such routers too) joins the update's all_sum.
         self.score_bias_rate = cfg.model.bias_update_rate if moe_lib.has_score_bias([built.whole]) else 0.0
         eos_id = tokenizer.eos_id if cfg.data.document_mask else None
@@ -106,16 +110,15 @@ class TorchEngine:
         changes no weight: loss and norm are global, so every rank takes the same decision)."""
         self.model.train()
         loss = self.forward_backward.run(micro_batches, backward=True)
-        for part in self.model_parts:
-            moe_lib.end_moe_step(part, len(micro_batches) * self.spec.pp_microbatches)
+        self.moe_stats.end_step(len(micro_batches) * self.spec.pp_microbatches)
         with phase("optimizer"):
             grad_norm = float(clip_grad_norm_(self.model.parameters(), self.cfg.optim.max_grad_norm,
                                               pp_mesh=self.mesh.submesh("pipeline") if self.mesh else None))
             if is_finite_step(loss, grad_norm):
                 self.optimizer.step()
                 if self.score_bias_rate:
-                    moe_lib.update_score_bias(self.model_parts, self.score_bias_rate, self.spec.args.n_layers,
-                                              self.spec.args.n_experts, self.all_sum, self.device)
+                    self.moe_stats.update_score_bias(self.model_parts, self.score_bias_rate, self.spec.args.n_layers,
+                                                     self.spec.args.n_experts, self.all_sum, self.device)
                 if self.fp8_after_step is not None:
                     self.fp8_after_step()
             self.optimizer.zero_grad(set_to_none=True)

@@ -6,8 +6,8 @@ devices) -> the run's decisions (ember/run.py: resolve) -> its mesh -> tokenizer
 between torch.distributed and XLA SPMD is the engine's (ember/torch_engine.py, ember/xla/engine.py): where the
 weights live, the step, the evaluation forward, the reductions and the checkpoint's manager. Everything else is
 here: data, health, metrics, evaluation, profiling and checkpoints, for every engine. The loss math lives in
-ember/step.py, run health and stop signals in ember/health.py, MoE bookkeeping in ember/nn/moe.py, the header
-and metrics records in ember/metrics.py.
+ember/step.py, run health and stop signals in ember/health.py, the MoE statistics in the engine's collector
+(ember/nn/moe_stats.py), the header and metrics records in ember/metrics.py.
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from ember.finetune import dpo as dpo_lib
 from ember.health import HealthGuard, StopSignals, TrainingStopped, is_finite_step
 from ember.metrics import (MetricsLogger, plural, print_header, progress_bar,
                            raise_peak_if_beaten, run_record, throughput_record)
-from ember.nn import moe as moe_lib
 from ember.nn.decoder import num_params
 from ember.optim import build_lr_scheduler, restart_schedule
 from ember.profiling import phase
@@ -278,8 +277,8 @@ class Trainer:
             flops_per_token=self.spec.flops_per_token, peak=self.peak, device=self.device)
         n_experts = getattr(self.spec.args, "n_experts", 0)
         if n_experts:  # MoE: router losses, and the load of every expert of every layer over the window
-            record.update(moe_lib.collect_moe_metrics(self.model_parts, self.spec.args.n_layers, n_experts,
-                                                      self.engine.all_sum, self.device))
+            record.update(self.engine.moe_stats.collect_metrics(self.model_parts, self.spec.args.n_layers, n_experts,
+                                                                self.engine.all_sum, self.device))
         record.update(self.engine.window_metrics())  # DPO's reward margin, accuracy, rewards over the window
         for source, count in (self.train_loader.mixture_counts() or {}).items():
             record[f"mix/{source}"] = count  # samples drawn from each mixture source so far

@@ -23,7 +23,7 @@ A = TypeVar("A", bound=DecoderArgs)  # the family's args class
 class ModelSpec(Generic[A]):
     name: str  # the family, as `model.family` names it
     flavors: Mapping[str, A]  # flavor name -> its published hyper-parameters
-    model_cls: Callable[[A], Decoder]  # model_cls(args) -> the model; build it on the meta device
+    model_cls: Callable[..., Decoder]  # model_cls(args[, moe=MoEOptions]) -> the model; build it on the meta device
     args_cls: type[A]
     # loss_parallel -> (model-level, per-block) tensor-parallel plans (module name -> ParallelStyle);
     # ember/parallel/parallelize.py applies it with every other parallelism

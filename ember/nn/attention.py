@@ -15,6 +15,20 @@ from typing import Callable, Iterable, Optional
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+# An attention kernel: (q, k, v, document_ids, span) -> out over (B, heads, T, head_dim) (GPT's takes no span).
+Kernel = Callable[..., torch.Tensor]
+
+
+def set_attention_kernel(model: nn.Module, kernel: Kernel) -> None:
+    """The one way to choose the kernel of every attention of `model` (a model, a pipeline stage or a block):
+    context parallelism's distributed forms (ember/parallel/cp.py), flex attention for document masking on CUDA
+    (ember/parallel/parallelize.py) and the XLA step's pinned layout or TPU flash kernel (ember/xla/step.py).
+    A model is built with `causal_attention`; the attentions' forwards call whatever this set."""
+    for module in model.modules():
+        if hasattr(module, "attention_fn"):  # Attention, MLA, GPT's attention
+            module.attention_fn = kernel
 
 
 @dataclass(frozen=True)

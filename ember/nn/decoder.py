@@ -76,8 +76,8 @@ class Attention(nn.Module):
         self.span = span
         self.q_factor = score_scale * math.sqrt(self.head_dim) if score_scale is not None else None
         self.softcap = softcap  # Gemma 2's score soft-capping: the written-out kernel, whatever attention_fn is
-        # The attention kernel, (q, k, v, document_ids, span) -> out over (B, heads, T, head_dim). A plain
-        # attribute so that context parallelism or flex attention can swap in another form from outside.
+        # The attention kernel, (q, k, v, document_ids, span) -> out over (B, heads, T, head_dim); chosen by
+        # nn/attention.set_attention_kernel (context parallelism, flex attention, the XLA step), the one way.
         self.attention_fn: Callable[..., torch.Tensor] = causal_attention
         self.kv_cache: Optional[KVCache] = None  # set by ember.generate for incremental decoding
 

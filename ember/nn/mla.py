@@ -54,7 +54,7 @@ class MLA(nn.Module):
         self.softmax_scale = self.qk_head_dim**-0.5 * softmax_scale_factor
         self.span = None  # DeepSeek attends to the whole causal context; the kernels' span argument
         # The attention kernel, (q, k, v, document_ids, span) -> out over (B, heads, T, head_dim), v's head_dim
-        # v_head_dim: a plain attribute so that context parallelism or flex attention can swap it from outside.
+        # v_head_dim; chosen by nn/attention.set_attention_kernel, as Attention's is.
         self.attention_fn: Callable[..., torch.Tensor] = causal_attention
         self.kv_cache: Optional[LatentKVCache] = None  # set by ember.generate for incremental decoding
 

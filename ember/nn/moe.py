@@ -1,5 +1,5 @@
 """Mixture-of-experts pieces shared by the MoE families (Mixtral, GLaM, Qwen3-MoE, DeepSeek, Llama 4): experts,
-the layer, and its training bookkeeping (the router is nn/router.py).
+and the layer (the router is nn/router.py; what a run gives the layer and the statistics collector, nn/moe_stats.py).
 
 Dropless top-k routing: every token goes to its k experts, whatever their load (no capacity factor,
 no dropped tokens). Tokens are sorted by expert so each expert multiplies one contiguous block:
@@ -13,12 +13,15 @@ weights, gathered (`Experts.gathered`).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+import contextlib
+import dataclasses
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ember.nn.moe_stats import Dispatch, MoEOptions
 from ember.nn.router import Router
 
 
@@ -144,37 +147,40 @@ class MoE(nn.Module):
     """A top-k MoE feed-forward layer: the routed experts' outputs, each weighted by its routing weight (with
     scale_input, Llama 4's form, the weight scales the expert's input instead), plus where the family has one a
     `shared_expert` every token passes through (DeepSeek, Llama 4). `router` is the family's Router (default: softmax
-    top-k with norm_topk_prob). After each forward, `aux_loss` holds the load-balancing loss
-    (Switch Transformer / Mixtral: E * sum_e f_e * P_e, f_e the share of routed slots that went to
-    expert e, P_e its mean router probability; 1.0 when perfectly balanced), `z_loss` the router
-    z-loss (ST-MoE: mean squared log-sum-exp of the logits) and `tokens_per_expert` the load.
-
-    Training bookkeeping is the layer's own (see `set_router_loss`, `end_moe_step`, `collect_moe_metrics`):
-    each training forward records its load, and with router-loss coefficients set it attaches its
-    router losses to its output, so they join the gradient wherever backward reaches this layer."""
+    top-k with norm_topk_prob). Each forward computes the load-balancing loss (Switch Transformer / Mixtral:
+    E * sum_e f_e * P_e, f_e the share of routed slots that went to expert e, P_e its mean router probability; 1.0
+    when perfectly balanced), the router z-loss (ST-MoE: mean squared log-sum-exp of the logits) and the load
+    (tokens per expert), and hands them to `options.stats`, the collector the training engine owns
+    (nn/moe_stats.py); the layer keeps none of them. With `options.router_loss` active, a training forward
+    attaches its router losses to its output, so they join the gradient wherever backward reaches this layer.
+    `options.dispatch` reaches experts held elsewhere (expert parallelism) or runs them another way (XLA)."""
 
     def __init__(self, dim: int, hidden_dim: int, n_experts: int, top_k: int,
                  activation: Callable[[torch.Tensor], torch.Tensor] = F.silu, gated: bool = True,
                  norm_topk_prob: bool = True, *, router: Optional[Router] = None,
-                 shared_expert: Optional[nn.Module] = None, scale_input: bool = False):
+                 shared_expert: Optional[nn.Module] = None, scale_input: bool = False,
+                 options: MoEOptions = MoEOptions()):
         super().__init__()
         self.n_experts, self.top_k, self.scale_input = n_experts, top_k, scale_input
         self.router = router if router is not None else Router(dim, n_experts, top_k, norm_topk_prob)
         self.experts = Experts(n_experts, dim, hidden_dim, activation, gated)
         self.shared_expert = shared_expert
-        self.aux_loss: Optional[torch.Tensor] = None
-        self.z_loss: Optional[torch.Tensor] = None
-        self.tokens_per_expert: Optional[torch.Tensor] = None
-        self.stats_with_graph = False  # aux_loss and z_loss kept differentiable (the XLA step's objective takes them)
-        # None: every expert is here. Expert parallelism (ember/parallel/ep.py) sets a callable
-        # (experts, tokens sorted by expert, counts (E,)) -> outputs that runs them on their own ranks.
-        self.dispatch: Optional[Callable[..., torch.Tensor]] = None
-        # Set by set_router_loss: the objective gains aux_coef * aux_loss + z_coef * z_loss, weighted by
-        # `loss_weight_per_token` x the tokens this forward routed.
-        self.aux_loss_coef, self.z_loss_coef, self.loss_weight_per_token = 0.0, 0.0, 0.0
-        self._step_loads: list[torch.Tensor] = []  # tokens per expert of each training forward of this step
-        self.window_load: Optional[torch.Tensor] = None  # (E,) fp64, summed over steps until collected
-        self.step_load: Optional[torch.Tensor] = None  # (E,) fp64, the last step's (what update_score_bias reads)
+        self.options = options
+
+    @contextlib.contextmanager
+    def dispatching(self, dispatch: Dispatch) -> Iterator[None]:
+        """Route through `dispatch` for the duration, the one change to the options after construction: the
+        planner's tracked step stands expert parallelism's all-to-all in by copies of the same size
+        (ember/plan/memory.py)."""
+        saved, self.options = self.options, dataclasses.replace(self.options, dispatch=dispatch)
+        try:
+            yield
+        finally:
+            self.options = saved
+
+    @property
+    def dispatch(self) -> Optional[Dispatch]:
+        return self.options.dispatch
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, D = x.shape
@@ -194,22 +200,17 @@ class MoE(nn.Module):
         share = counts.float() / slots.numel()  # f_e
         aux_loss = self.n_experts * torch.sum(share.detach() * probs.mean(dim=0))
         z_loss = torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
-        # Values for the metrics: a graph left on the module would hold this forward's activations until the next
-        # forward (under activation checkpointing, every MoE block's recomputed ones, until the step ends). The XLA
-        # step adds the losses to its objective from these attributes, so it keeps them live (`stats_with_graph`).
-        self.aux_loss = aux_loss if self.stats_with_graph else aux_loss.detach()
-        self.z_loss = z_loss if self.stats_with_graph else z_loss.detach()
-        self.tokens_per_expert = counts.detach()
         out = out.reshape(B, T, D)
         # Activation checkpointing recomputes this forward inside backward (a graph task is running then):
         # that is neither new load nor a second router loss.
-        if not self.training or torch._C._current_graph_task_id() != -1:
+        training = self.training and torch._C._current_graph_task_id() == -1
+        if self.options.stats is not None:
+            self.options.stats.observe(self, aux_loss, z_loss, counts, training)
+        loss = self.options.router_loss
+        if not training or not loss.active:
             return out
-        self._step_loads.append(self.tokens_per_expert)
-        if not (self.aux_loss_coef or self.z_loss_coef):
-            return out
-        router_loss = self.aux_loss_coef * aux_loss + self.z_loss_coef * z_loss
-        return attach_router_loss(out, router_loss, flat.shape[0] * self.loss_weight_per_token)
+        router_loss = loss.aux_coef * aux_loss + loss.z_coef * z_loss
+        return attach_router_loss(out, router_loss, flat.shape[0] * loss.weight_per_token)
 
     def _sorted(self, flat: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor,
                 counts: torch.Tensor) -> torch.Tensor:
@@ -227,7 +228,7 @@ class MoE(nn.Module):
         if self.dispatch is None:
             out_sorted = run_experts(tokens, counts)  # (N*k, dim)
         else:
-            out_sorted = self.dispatch(run_experts, tokens, counts)
+            out_sorted = self.dispatch(run_experts, tokens, counts, self.experts)
         if not self.scale_input:
             out_sorted = out_sorted * slot_weights
         # Summed in the stream's dtype: under autocast the experts return bf16, which the routing weights promote
@@ -243,103 +244,9 @@ class MoE(nn.Module):
             self.shared_expert.init_weights(out_std)
 
 
-def set_router_loss(model: nn.Module, aux_coef: float, z_coef: float, tokens_per_step: int,
-                    n_moe_layers: int) -> None:
-    """Make every MoE layer of `model` (a model or one pipeline stage) add its router losses to the
-    objective, so that it gains coef x their mean over the whole model's `n_moe_layers` and over the step's
-    `tokens_per_step` routed tokens. Weighing each forward by the tokens it routed makes that hold in every
-    layout: data, expert and pipeline micro-batches, and the sequence shards of tensor and context ranks."""
-    for moe in model.modules():
-        if isinstance(moe, MoE):
-            moe.aux_loss_coef, moe.z_loss_coef = aux_coef, z_coef
-            moe.loss_weight_per_token = 1.0 / (tokens_per_step * n_moe_layers)
-
-
-def end_moe_step(model: nn.Module, forwards_per_layer: int) -> None:
-    """Add this step's load to each MoE layer's logging window, from its last `forwards_per_layer` training
-    forwards (a step's micro-batches, times the pipeline's): torch's pipeline stages run one more forward on
-    their first step, on placeholder inputs to infer shapes, which is no load."""
-    for moe in model.modules():
-        if isinstance(moe, MoE) and moe._step_loads:
-            step = torch.stack(moe._step_loads[-forwards_per_layer:]).sum(0).double()
-            moe.step_load = step
-            moe.window_load = step if moe.window_load is None else moe.window_load + step
-            moe._step_loads.clear()
-
-
-def record_step_stats(moes: list[MoE], counts: Any, aux: Any) -> None:
-    """A step's expert loads (layers x experts) and router losses (layers x [aux, z]) computed outside the layers (the
-    XLA engine's compiled step returns them), taken as each layer's one training forward of the step."""
-    for moe, count, (aux_loss, z_loss) in zip(moes, counts, aux):
-        moe._step_loads = [torch.as_tensor(count, dtype=torch.int64)]
-        moe.aux_loss, moe.z_loss = torch.tensor(float(aux_loss)), torch.tensor(float(z_loss))
-        end_moe_step(moe, 1)
-
-
 def has_score_bias(model_parts: list[nn.Module]) -> bool:
     """Whether any router of these model parts balances by a score bias (DeepSeek-V3)."""
     return any(isinstance(m, MoE) and m.router.score_bias is not None for part in model_parts for m in part.modules())
-
-
-@torch.no_grad()
-def update_score_bias(model_parts: list[nn.Module], rate: float, n_layers: int, n_experts: int,
-                      all_sum: Callable[[torch.Tensor], torch.Tensor], device: torch.device) -> None:
-    """DeepSeek-V3's auxiliary-loss-free balancing, after an optimizer step: each router's score bias moves by
-    `rate` for every expert, up where the expert got fewer tokens than the mean over experts this step, down where
-    it got more (sign(mean - load), the paper's rule). The load is summed over every rank first (one `all_sum`:
-    every rank calls it, a pipeline stage without such routers too), so all replicas keep one bias."""
-    load = torch.zeros(n_layers, n_experts, device=device, dtype=torch.float64)
-    routers = []
-    for part in model_parts:
-        for name, block in part.layers.items():
-            for moe in block.modules():
-                if isinstance(moe, MoE) and moe.router.score_bias is not None and moe.step_load is not None:
-                    load[int(name)] += moe.step_load
-                    routers.append((int(name), moe.router))
-    load = all_sum(load)
-    for layer, router in routers:
-        tokens = load[layer]
-        router.score_bias += (rate * torch.sign(tokens.mean() - tokens)).to(router.score_bias.dtype)
-
-
-def collect_moe_metrics(model_parts: list[nn.Module], n_layers: int, n_experts: int,
-                        all_sum: Callable[[torch.Tensor], torch.Tensor], device: torch.device) -> dict[str, Any]:
-    """The MoE metrics of the logging window, over every rank; resets the window. Every rank must call it
-    (one `all_sum`), a pipeline stage without MoE layers too.
-    - `aux_loss`, `z_loss`: the latest forward's router losses, averaged over every rank's MoE layers;
-    - per MoE layer i: `moe/layer{i}/tokens_per_expert` (a list) and `moe/layer{i}/imbalance` (max over
-      mean tokens per expert, 1.0 when balanced); `expert_imbalance`, their mean over layers.
-    Layers are numbered as in the whole model (the blocks' keys), so pipeline stages' layers gather."""
-    # (layers, experts) loads and three router sums in one fp64 tensor: counts stay exact when summed.
-    totals = torch.zeros(n_layers * n_experts + 3, device=device, dtype=torch.float64)
-    load = totals[:-3].view(n_layers, n_experts)
-    for part in model_parts:
-        for name, block in part.layers.items():
-            for moe in block.modules():
-                if not isinstance(moe, MoE):
-                    continue
-                if moe.window_load is not None:
-                    load[int(name)] += moe.window_load
-                    moe.window_load = None
-                if moe.aux_loss is not None:
-                    totals[-3:] += torch.stack([moe.aux_loss.detach().double(), moe.z_loss.detach().double(),
-                                                torch.ones((), device=device, dtype=torch.float64)])
-    totals = all_sum(totals)
-    load = totals[:-3].view(n_layers, n_experts)
-    record: dict[str, Any] = {}
-    if totals[-1] > 0:  # layers that reported router losses, over all ranks
-        record["aux_loss"], record["z_loss"] = float(totals[-3] / totals[-1]), float(totals[-2] / totals[-1])
-    imbalances = []
-    for i, tokens in enumerate(load):
-        if not tokens.any():
-            continue  # a dense layer (GLaM alternates dense and MoE layers)
-        imbalance = float(tokens.max() / tokens.mean())
-        record[f"moe/layer{i}/tokens_per_expert"] = [int(n) for n in tokens.tolist()]
-        record[f"moe/layer{i}/imbalance"] = imbalance
-        imbalances.append(imbalance)
-    if imbalances:
-        record["expert_imbalance"] = sum(imbalances) / len(imbalances)
-    return record
 
 
 class _RouterLossGradient(torch.autograd.Function):

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ember.nn.attention import AttentionSpan
+from ember.nn.attention import AttentionSpan, set_attention_kernel
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -80,9 +80,7 @@ def _repeat_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, impl: str) -> None:
     """Swap each block's attention kernel for its context-parallel form ("allgather" or "ring")."""
-    fn = AllGatherKVAttention(cp_mesh) if impl == "allgather" else _repeat_kv_attention
-    for block in model.layers.values():
-        block.attention.attention_fn = fn
+    set_attention_kernel(model, AllGatherKVAttention(cp_mesh) if impl == "allgather" else _repeat_kv_attention)
 
 
 @contextlib.contextmanager

@@ -9,7 +9,7 @@ complete on its one rank: the all-to-all's backward brings every rank's token gr
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -21,17 +21,24 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 def apply_ep(moe_layers: list[nn.Module], ep_mesh: DeviceMesh) -> None:
     """Shard each MoE layer's experts over `ep_mesh` (Shard(0) over the expert dimension: rank r holds
-    experts r*E/ep .. (r+1)*E/ep - 1) and route its tokens through AllToAllDispatch. Works on a model
-    built on meta (shapes only), before to_empty and init."""
+    experts r*E/ep .. (r+1)*E/ep - 1). Works on a model built on meta (shapes only), before to_empty and init.
+    The layers route their tokens through `expert_dispatch(ep_mesh)`, which build_model gave them at
+    construction (ember/run.py)."""
     ep = ep_mesh.size()
     for moe in moe_layers:
         if moe.n_experts % ep:
             raise ValueError(f"expert-parallel degree {ep} does not divide the {moe.n_experts} experts of a MoE "
                              f"layer; choose an expert degree that divides model.n_experts")
+        if not isinstance(moe.dispatch, AllToAllDispatch):
+            raise ValueError("a MoE layer sharded over the expert axis must be built with expert_dispatch(ep_mesh)")
         for name, param in list(moe.experts.named_parameters(recurse=False)):
             sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)])
             moe.experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-        moe.dispatch = AllToAllDispatch(ep_mesh.get_group(), ep)
+
+
+def expert_dispatch(ep_mesh: Optional[DeviceMesh]) -> Optional[AllToAllDispatch]:
+    """The MoE layers' dispatch over `ep_mesh` (None: no expert axis, every expert is on this rank)."""
+    return AllToAllDispatch(ep_mesh.get_group(), ep_mesh.size()) if ep_mesh is not None else None
 
 
 def expert_params(moe_layers: list[nn.Module]) -> set[nn.Parameter]:
@@ -39,7 +46,8 @@ def expert_params(moe_layers: list[nn.Module]) -> set[nn.Parameter]:
 
 
 class AllToAllDispatch:
-    """(experts, tokens sorted by expert, tokens per expert (E,)) -> the experts' outputs, same order.
+    """(experts, tokens sorted by expert, tokens per expert (E,), the Experts module) -> the experts' outputs, same
+    order (nn/moe_stats.Dispatch; `experts` runs the local ones, so the module itself is not needed).
 
     1. Exchange the per-expert counts, so every rank knows how many tokens it receives for each of its
        experts from each rank (a small all-to-all, then one host sync: the split sizes must be known).
@@ -53,7 +61,7 @@ class AllToAllDispatch:
         self.group, self.ep = group, ep
 
     def __call__(self, experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x_sorted: torch.Tensor,
-                 counts: torch.Tensor) -> torch.Tensor:
+                 counts: torch.Tensor, module: Optional[nn.Module] = None) -> torch.Tensor:
         n_local = counts.numel() // self.ep
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts, group=self.group)  # (ep * n_local,): [source][local expert]

@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 
-from ember.nn.attention import FlexAttention
+from ember.nn.attention import FlexAttention, set_attention_kernel
 from ember.nn.moe import MoE
 from ember.parallel.ac import apply_ac
 from ember.parallel.cp import apply_cp
@@ -135,8 +135,7 @@ def parallelize(model: nn.Module, mesh: Optional[ParallelMesh], tp_plan: TPPlan,
         apply_cp(model, cp_mesh, options.cp_impl)
     if options.flex_attention:  # document masking on CUDA: one shared kernel, so layers reuse one BlockMask per batch
         kernel = FlexAttention(getattr(layer.attention, "span", None) for layer in model.layers.values())
-        for layer in model.layers.values():
-            layer.attention.attention_fn = kernel
+        set_attention_kernel(model, kernel)
         model.register_forward_pre_hook(partial(_prepare_flex_masks, kernel), with_kwargs=True)
     apply_ac(model, options.remat, options.remat_every)
     if options.compile:

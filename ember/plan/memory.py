@@ -194,24 +194,26 @@ def balanced_routing(parts: list[nn.Module], ep: int, dtype: torch.dtype) -> Ite
         x_sorted, counts, *rest = args
         return (x_sorted, balanced(x_sorted.shape[0], counts.numel()), *rest)
 
-    def dispatch(run: Callable, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def dispatch(run: Callable, x_sorted: torch.Tensor, counts: torch.Tensor, experts: nn.Module) -> torch.Tensor:
         received = x_sorted.clone()  # the all-to-all's receive buffer (as many tokens arrive as leave)
         return run(received, balanced(x_sorted.shape[0], counts.numel() // ep)).clone()  # and the way back
 
     moes = [moe for part in parts for moe in part.moe_layers()]
-    saved = [(moe, moe.dispatch, moe.experts.impl) for moe in moes]
+    saved = [(moe, moe.experts.impl) for moe in moes]
     hooks = [moe.experts.register_forward_pre_hook(balanced_counts) for moe in moes]
     for moe in moes:
         moe.experts.impl = "grouped" if dtype == torch.bfloat16 else "looped"
-        if moe.dispatch is not None:
-            moe.dispatch = dispatch
     try:
-        yield
+        with contextlib.ExitStack() as routed:
+            for moe in moes:
+                if moe.dispatch is not None:  # expert parallelism's all-to-all
+                    routed.enter_context(moe.dispatching(dispatch))
+            yield
     finally:
         for hook in hooks:
             hook.remove()
-        for moe, dispatch_fn, impl in saved:
-            moe.dispatch, moe.experts.impl = dispatch_fn, impl
+        for moe, impl in saved:
+            moe.experts.impl = impl
 
 
 def tracked_forwards(spec: RunSpec) -> int:

@@ -12,14 +12,13 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ember.nn.attention import AttentionSpan, causal_attention
+from ember.nn.attention import AttentionSpan, Kernel, causal_attention
 from ember.xla.mesh import BATCH_AXES, present
 
 BLOCK = 128  # the kernel's smallest block along the sequence
-Kernel = Callable[..., torch.Tensor]  # an Attention.attention_fn: (q, k, v, document_ids, span) -> out
 
 
-def attention_fn(platform: str, mesh: Any) -> Kernel:
+def attention_kernel(platform: str, mesh: Any) -> Kernel:
     """The attention kernel of a run on `mesh`: the TPU kernel where it applies, else SDPA's math; its layout pinned."""
     return pinned_layout(mesh, flash_attention(mesh) if uses_flash(platform, mesh) else causal_attention)
 
@@ -62,7 +61,7 @@ def uses_flash(platform: str, mesh: Any) -> bool:
 
 
 def flash_attention(mesh: Any) -> Callable[..., torch.Tensor]:
-    """An Attention.attention_fn, (q, k, v, document_ids) over (B, heads, T, head_dim) -> (B, heads, T, head_dim),
+    """An attention kernel (nn/attention.Kernel), (q, k, v, document_ids) over (B, heads, T, head_dim) -> (B, heads, T, head_dim),
     running the TPU kernel on `mesh`."""
     import jax
     import jax.numpy as jnp

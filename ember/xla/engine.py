@@ -26,7 +26,7 @@ from ember.config_schema import JobConfig
 from ember.data.tokenizer import AnyTokenizer
 from ember.eval.distributed import EvalRanks
 from ember.hardware import PeakFlops
-from ember.nn import moe as moe_lib
+from ember.nn.moe_stats import MoEStats
 from ember.optim import build_optimizer
 from ember.run import RunSpec
 from ember.step import Batch
@@ -71,6 +71,7 @@ class XlaEngine:
                                     materialize=bool(cfg.model.init_from))
         self.model = built.parts[0]
         self.model_parts, self.whole = [self.model], built.whole
+        self.moe_stats = MoEStats()  # the host model's MoE layers, as the compiled step reports them
         self.optimizer = build_optimizer(self.model, cfg.optim, "cpu")
         eos_id = tokenizer.eos_id if cfg.data.document_mask and tokenizer else None
         self.layout = layout_for(spec, self.jax_mesh, self.model, eos_id)
@@ -141,8 +142,8 @@ class XlaEngine:
             self.params, self.opt_state, inputs, labels, lr)
         loss, norm = float(loss), float(norm)
         moes = self.model.moe_layers()
-        if moes:  # the step's load and router losses, for the MoE metrics (nn/moe.py's bookkeeping)
-            moe_lib.record_step_stats(moes, np.asarray(counts), np.asarray(aux))
+        if moes:  # the step's load and router losses, for the MoE metrics (the engine's collector, nn/moe_stats.py)
+            self.moe_stats.record_step(moes, np.asarray(counts), np.asarray(aux))
         self.optimizer.step()
         return loss, norm
 

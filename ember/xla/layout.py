@@ -17,9 +17,10 @@ from ember.optim import param_groups
 from ember import run as run_lib
 from ember.run import RunSpec
 from ember.xla import mesh as mesh_lib
-from ember.xla.attention import attention_fn
+from ember.nn.moe_stats import MoEOptions, MoEStats
+from ember.xla.attention import attention_kernel
 from ember.xla.sharding import param_specs
-from ember.xla.step import CompiledStep, StepOptions, adamw, build_step, prepare_model
+from ember.xla.step import CompiledStep, StepOptions, adamw, build_step, prepare_model, xla_dispatch
 
 SCAN_PREFIX = "layers.scan.block."
 
@@ -115,21 +116,24 @@ class XlaLayout:
 
 
 def layout_for(spec: RunSpec, mesh: Any, host_model: torch.nn.Module, eos_id: Optional[int]) -> XlaLayout:
-    """The layout the XLA engine trains with and `ember plan` compiles: `build_layout` with the traced model built
-    here (on meta: only its RoPE tables are real, which the step takes as constants)."""
-    traced = run_lib.build_model(dataclasses.replace(spec, device=torch.device("cpu")), None,
-                                 materialize=False).parts[0]
-    traced.init_rope(torch.device("cpu"))
-    return build_layout(spec, mesh, host_model, traced, spec.compute_dtype, eos_id)
+    """The layout the XLA engine trains with and `ember plan` compiles, in the run's compute dtype."""
+    return build_layout(spec, mesh, host_model, spec.compute_dtype, eos_id)
 
 
-def build_layout(spec: RunSpec, mesh: Any, host_model: torch.nn.Module, traced: torch.nn.Module,
-                 compute_dtype: torch.dtype, eos_id: Optional[int]) -> XlaLayout:
-    """`spec`'s layout on `mesh`; `traced` is prepared in place (ember/xla/step.py: prepare_model). Either model
-    may be on the meta device except for the traced one's buffers (the RoPE tables), which go to the devices."""
+def build_layout(spec: RunSpec, mesh: Any, host_model: torch.nn.Module, compute_dtype: torch.dtype,
+                 eos_id: Optional[int]) -> XlaLayout:
+    """`spec`'s layout on `mesh`, compiled over a second instance of the model built here for tracing (on meta:
+    only its RoPE tables are real, which go to the devices as constants) and prepared in place
+    (ember/xla/step.py: prepare_model). Its MoE layers run their experts as ragged_dot and report their router
+    losses, kept differentiable, to the step's own collector, from which the step adds them to its objective
+    and returns the loads. The host model may be on the meta device."""
     import jax
     from jax.sharding import NamedSharding, PartitionSpec as P
 
+    stats = MoEStats(keep_graph=True)
+    traced = run_lib.build_model(dataclasses.replace(spec, device=torch.device("cpu")), None, materialize=False,
+                                 moe=MoEOptions(dispatch=xla_dispatch, stats=stats)).parts[0]
+    traced.init_rope(torch.device("cpu"))
     cfg = spec.cfg
     n_moe = len(host_model.moe_layers())
     options = StepOptions(
@@ -138,10 +142,10 @@ def build_layout(spec: RunSpec, mesh: Any, host_model: torch.nn.Module, traced: 
         scan_layers=cfg.model.scan_layers, compute_dtype=compute_dtype, eos_id=eos_id,
         router_coefs=(cfg.model.aux_loss_coef, cfg.model.z_loss_coef),
         router_weight_per_token=1.0 / (cfg.global_batch_size * cfg.seq_len * max(n_moe, 1)),
-        attention_fn=attention_fn(mesh.devices.flat[0].platform, mesh))
+        attention_kernel=attention_kernel(mesh.devices.flat[0].platform, mesh))
     names = device_names(host_model, spec.args.n_layers, cfg.model.scan_layers)
     tied = tied_aliases(traced)
-    traced, scanned = prepare_model(traced, options, NamedSharding(mesh, mesh_lib.hidden_spec(mesh)))
+    traced, scanned = prepare_model(traced, options, NamedSharding(mesh, mesh_lib.hidden_spec(mesh)), stats)
     specs = param_specs(host_model, spec.model.tp_plan, mesh, [hosts[0] for hosts in names.values()])
     param_shardings = {name: NamedSharding(mesh, P(*((None,) * (len(hosts) > 1)), *specs[hosts[0]]))
                        for name, hosts in names.items()}
@@ -154,7 +158,7 @@ def build_layout(spec: RunSpec, mesh: Any, host_model: torch.nn.Module, traced: 
     opt_shardings = _opt_shardings(tx, param_shardings, replicated)
     buffers = {name: jax.device_put(np.asarray(_initial_buffer(name, buf, host_model).numpy()), replicated)
                for name, buf in traced.named_buffers()}
-    compiled = build_step(traced, scanned, options, tx, buffers, tied,
+    compiled = build_step(traced, scanned, stats, options, tx, buffers, tied,
                           {"params": param_shardings, "opt_state": opt_shardings,
                            "batch": NamedSharding(mesh, mesh_lib.batch_spec(mesh)), "replicated": replicated})
     return XlaLayout(mesh, names, param_shardings, opt_shardings,

@@ -5,7 +5,7 @@ torch autograd does not run under jax tracing (`loss.backward()` sees no graph),
 the model's forward is called with the jax arrays as its parameters (torchax's reparametrisation) inside
 `jax.value_and_grad`. The loss math is the torch path's (ember/step.py): the summed token cross-entropy of each
 micro-batch times 1 / (target tokens of the global batch), in fp32; the MoE router losses join the objective,
-not the reported loss, weighted as nn/moe.set_router_loss weighs them. What differs, and why:
+not the reported loss, weighted as the torch engine's nn/moe_stats.RouterLoss weighs them. What differs, and why:
 - the cross-entropy is F.cross_entropy, not nn/loss.py's fused one (its in-place exp_ has no jax lowering);
 - AdamW is optax's (torch's foreach/fused kernels have no lowering): scale_by_adam then decoupled weight
   decay on the groups optim.param_groups decays, times -lr: torch's AdamW update, the same arithmetic;
@@ -27,8 +27,8 @@ from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 
 from ember.constants import IGNORE_INDEX
-from ember.nn.attention import document_layout
-from ember.nn.moe import MoE
+from ember.nn.attention import Kernel, document_layout, set_attention_kernel
+from ember.nn.moe_stats import MoEStats
 
 Params = dict[str, Any]  # name -> jax.Array
 
@@ -45,8 +45,8 @@ class StepOptions:
     compute_dtype: torch.dtype  # the forward's parameter dtype (fp32 master weights stay fp32)
     eos_id: Optional[int]  # document masking
     router_coefs: tuple[float, float]  # (aux, z): model.aux_loss_coef, model.z_loss_coef
-    router_weight_per_token: float  # 1 / (tokens per step x MoE layers): nn/moe.set_router_loss's weight
-    attention_fn: Optional[Callable[..., torch.Tensor]] = None  # xla/attention.attention_fn; None: the model's own
+    router_weight_per_token: float  # 1 / (tokens per step x MoE layers): nn/moe_stats.RouterLoss's weight
+    attention_kernel: Optional[Kernel] = None  # xla/attention.attention_kernel; None: the model's own
 
 
 BLOCK_INPUT = "block_input"  # the checkpoint_name of each block's input hidden state
@@ -95,21 +95,11 @@ def _xla_experts(experts: nn.Module, x_sorted: torch.Tensor, counts: torch.Tenso
     return grouped(h, experts.w2)
 
 
-def take_moe_stats(module: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """(aux_loss, z_loss, tokens_per_expert) of each MoE layer in `module` after its forward, and its step
-    loads cleared: values of the trace that produced them, which a jax.checkpoint or scan must return as
-    outputs (left on the module, they would escape their transformation)."""
-    stats = []
-    for moe in module.modules():
-        if isinstance(moe, MoE):
-            stats.append((moe.aux_loss, moe.z_loss, moe.tokens_per_expert))
-            moe._step_loads.clear()
-    return stats
-
-
-def put_moe_stats(module: nn.Module, stats: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
-    for moe, (aux, z, counts) in zip((m for m in module.modules() if isinstance(m, MoE)), stats):
-        moe.aux_loss, moe.z_loss, moe.tokens_per_expert = aux, z, counts
+def xla_dispatch(run_experts: Callable[..., torch.Tensor], x_sorted: torch.Tensor, counts: torch.Tensor,
+                 experts: nn.Module) -> torch.Tensor:
+    """The traced model's MoE dispatch (nn/moe_stats.Dispatch): its experts as ragged_dot, not the layer's own
+    grouped or looped path, whose splits depend on the data."""
+    return _xla_experts(experts, x_sorted, counts)
 
 
 class ScannedBlocks(nn.Module):
@@ -118,9 +108,9 @@ class ScannedBlocks(nn.Module):
     calls a block); `stacked` holds the (n_layers, ...) weights while a traced forward runs, and `moe_stats`
     after it each MoE statistic stacked over the layers, (n_layers, ...)."""
 
-    def __init__(self, block: nn.Module, policy: Any):
+    def __init__(self, block: nn.Module, policy: Any, stats: MoEStats):
         super().__init__()
-        self.block, self.policy = block, policy
+        self.block, self.policy, self.stats = block, policy, stats
         self.stacked: Optional[dict[str, torch.Tensor]] = None
         self.moe_stats: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
@@ -131,7 +121,9 @@ class ScannedBlocks(nn.Module):
         def run(x: torch.Tensor, params: dict[str, torch.Tensor]) -> tuple:
             with _reparametrize_module(self.block, params):
                 out = self.block(_named_input(x), *rest)
-            return out, take_moe_stats(self.block)
+            # a trace's values, which a jax.checkpoint or scan must return as outputs (left in the collector, they
+            # would escape their transformation)
+            return out, self.stats.take(self.block)
 
         step = functools.partial(interop.call_torch, run)
         if self.policy is not None:
@@ -142,11 +134,13 @@ class ScannedBlocks(nn.Module):
         return interop.torch_view(out)
 
 
-def prepare_model(model: nn.Module, options: StepOptions, hidden: Any) -> tuple[nn.Module, Optional[ScannedBlocks]]:
-    """`model` made ready for tracing, in place: MoE layers dispatch to ragged_dot and attach no autograd
-    router loss (the step adds it); each block's output constrained to `hidden` (a NamedSharding of (B, T,
-    dim): sequence parallelism at block boundaries); options.attention_fn in each attention; blocks rematerialised by jax.checkpoint; with scan_layers
-    the blocks replaced by one ScannedBlocks (returned) over layer 0's module."""
+def prepare_model(model: nn.Module, options: StepOptions, hidden: Any,
+                  stats: MoEStats) -> tuple[nn.Module, Optional[ScannedBlocks]]:
+    """`model` (built with xla_dispatch and `stats` as its MoE options, no autograd router loss: the step adds it)
+    made ready for tracing, in place: each block's output constrained to `hidden` (a NamedSharding of (B, T,
+    dim): sequence parallelism at block boundaries); options.attention_kernel in each attention; blocks
+    rematerialised by jax.checkpoint; with scan_layers the blocks replaced by one ScannedBlocks (returned) over
+    layer 0's module."""
     import jax
     from torchax import interop
 
@@ -155,29 +149,22 @@ def prepare_model(model: nn.Module, options: StepOptions, hidden: Any) -> tuple[
 
     for block in model.layers.values():
         block.register_forward_hook(constrain)
-    if options.attention_fn is not None:
-        for module in model.modules():
-            if hasattr(module, "attention_fn"):
-                module.attention_fn = options.attention_fn
-
-    for moe in model.moe_layers():
-        moe.dispatch = lambda run, tokens, counts, experts=moe.experts: _xla_experts(experts, tokens, counts)
-        moe.aux_loss_coef = moe.z_loss_coef = 0.0
-        moe.stats_with_graph = True  # the step adds the router losses to its objective from them
+    if options.attention_kernel is not None:
+        set_attention_kernel(model, options.attention_kernel)
     policy = remat_policy(options.remat)
     if options.scan_layers:
-        scanned = ScannedBlocks(model.layers["0"], policy)
+        scanned = ScannedBlocks(model.layers["0"], policy, stats)
         model.layers = nn.ModuleDict({"scan": scanned})
         return model, scanned
     if policy is not None:
         for name, block in model.layers.items():
             if options.remat == "selective" and int(name) % options.remat_every:
                 continue
-            block.forward = _rematerialised(block, policy)
+            block.forward = _rematerialised(block, policy, stats)
     return model, None
 
 
-def _rematerialised(block: nn.Module, policy: Any) -> Callable[..., torch.Tensor]:
+def _rematerialised(block: nn.Module, policy: Any, stats: MoEStats) -> Callable[..., torch.Tensor]:
     """block.forward under jax.checkpoint. The block's weights go in as arguments, not through the closure:
     jax.checkpoint must see them as inputs to recompute from (closed over, their tracers escape)."""
     import jax
@@ -188,14 +175,14 @@ def _rematerialised(block: nn.Module, policy: Any) -> Callable[..., torch.Tensor
     def run(params: dict[str, torch.Tensor], h: torch.Tensor, *rest: Any) -> tuple:
         with _reparametrize_module(block, params):
             out = forward(_named_input(h), *rest)
-        return out, take_moe_stats(block)
+        return out, stats.take(block)
 
     checkpointed = jax.checkpoint(interop.jax_view(run), policy=policy)
 
     def rematerialised(*args: Any) -> torch.Tensor:
         # the weights of this trace: the step's _reparametrize_module has put them on the block
-        out, stats = interop.call_jax(checkpointed, dict(block.named_parameters()), *args)
-        put_moe_stats(block, stats)
+        out, taken = interop.call_jax(checkpointed, dict(block.named_parameters()), *args)
+        stats.put(block, taken)
         return out
     return rematerialised
 
@@ -223,9 +210,10 @@ class CompiledStep:
     micro_loss: Callable[..., Any]  # the same, unjitted and without gradients: what the tests ask jax about
 
 
-def build_step(model: nn.Module, scanned: Optional[ScannedBlocks], options: StepOptions, tx: Any,
+def build_step(model: nn.Module, scanned: Optional[ScannedBlocks], stats: MoEStats, options: StepOptions, tx: Any,
                buffers: Params, tied: dict[str, str], shardings: dict[str, Any]) -> CompiledStep:
-    """The run's compiled functions. `buffers`: the model's (replicated) buffers; `tied`: alias -> parameter
+    """The run's compiled functions. `stats`: the collector `model`'s MoE layers report to; `buffers`: the model's
+    (replicated) buffers; `tied`: alias -> parameter
     name for weights one module shares with another; `shardings`: {"params", "opt_state", "batch", "hidden",
     "replicated"} NamedShardings (pytrees where they are)."""
     import jax
@@ -262,7 +250,7 @@ def build_step(model: nn.Module, scanned: Optional[ScannedBlocks], options: Step
         if scanned is not None and scanned.moe_stats:
             aux, z, counts = scanned.moe_stats[0]
         elif moes:
-            aux, z, counts = (torch.stack(column) for column in zip(*take_moe_stats(model)))
+            aux, z, counts = (torch.stack(column) for column in zip(*stats.take(model)))
         else:
             return loss, loss.new_zeros(()), (loss.new_zeros((0,)), loss.new_zeros((0,)))
         router = (aux_coef * aux + z_coef * z).sum() * inputs.numel()
@@ -317,7 +305,7 @@ def build_step(model: nn.Module, scanned: Optional[ScannedBlocks], options: Step
         logits = forward(params, tokens, logits_at=index)
         if scanned is not None:
             scanned.moe_stats = []
-        take_moe_stats(model)  # a scoring forward's router statistics are no step's: dropped inside the trace
+        stats.take(model)  # a scoring forward's router statistics are no step's: dropped inside the trace
         return logits.float()
 
     def logits(params: Params, tokens: Any, index: Any) -> Any:

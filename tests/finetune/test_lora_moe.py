@@ -127,11 +127,12 @@ def test_dpo_s_reference_on_a_deepseek_v3_lora_policy_is_the_base_with_its_score
     assert torch.allclose(got, expected, rtol=0, atol=1e-6), (got - expected).abs().max()
     assert not torch.allclose(adapted, expected, atol=1e-3)  # the policy itself is not the base
     assert policy.training and all(torch.equal(b, trained[n]) for n, b in policy.named_buffers() if n in trained)
+    stats = trainer.engine.moe_stats
     moes = [m for m in policy.modules() if isinstance(m, MoE)]
-    loads = [len(m._step_loads) for m in moes]
+    loads = [len(stats.of(m).loads) for m in moes]
     with torch.no_grad(), as_base(policy, start):
         policy(tokens)
-    assert [len(m._step_loads) for m in moes] == loads
+    assert [len(stats.of(m).loads) for m in moes] == loads
 
 
 def test_a_lora_checkpoint_saved_without_buffers_loads_and_resumes_on_the_base_s(tmp_path, monkeypatch, capsys):

@@ -17,6 +17,7 @@ from ember.models import MODELS, build_model_args
 from ember.models.glam import FLAVORS, GlamArgs, Transformer, flops_per_token, num_params
 from ember.models.glam.model import GatedFeedForward
 from ember.nn.moe import Experts, MoE
+from ember.nn.moe_stats import MoEOptions, MoEStats
 from ember.train import Trainer
 from tests.helpers import read_records
 
@@ -84,7 +85,8 @@ def test_every_other_layer_is_moe():
 def test_moe_output_equals_a_per_token_computation(impl: str):
     torch.manual_seed(0)
     dim, hidden, E = 16, 24, 4
-    moe = MoE(dim, hidden, E, top_k=2, activation=F.relu, gated=False)
+    stats = MoEStats()
+    moe = MoE(dim, hidden, E, top_k=2, activation=F.relu, gated=False, options=MoEOptions(stats=stats))
     moe.init_weights(0.1)
     moe.experts.impl = impl
     x = torch.randn(3, 5, dim)
@@ -97,7 +99,7 @@ def test_moe_output_equals_a_per_token_computation(impl: str):
         for e in (first, second):  # each expert's output, weighted by its probability over the two chosen
             expected += probs[e] / (probs[first] + probs[second]) * (torch.relu(token @ w1[e].t()) @ w2[e].t())
         torch.testing.assert_close(out[t], expected, rtol=1e-5, atol=1e-6)
-    assert int(moe.tokens_per_expert.sum()) == 15 * 2 and moe.aux_loss >= 1.0 - 1e-6
+    assert int(stats.of(moe).tokens_per_expert.sum()) == 15 * 2 and stats.of(moe).aux_loss >= 1.0 - 1e-6
 
 
 def test_dense_ffn_is_gated_gelu_and_logits_use_the_shared_embedding():

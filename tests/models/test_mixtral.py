@@ -16,6 +16,7 @@ from ember.convert import convert, save_hf
 from ember.models import MODELS, build_model_args
 from ember.models.mixtral import FLAVORS, Transformer, flops_per_token, num_params
 from ember.nn.moe import MoE
+from ember.nn.moe_stats import MoEOptions, MoEStats
 from ember.train import Trainer
 from tests.helpers import read_records
 
@@ -68,7 +69,8 @@ def test_logits_equal_transformers_and_export_round_trips(tmp_path: Path):
 
 def test_dropless_routing_matches_a_per_token_reference():
     torch.manual_seed(0)
-    moe = MoE(dim=16, hidden_dim=24, n_experts=4, top_k=2)
+    stats = MoEStats()
+    moe = MoE(dim=16, hidden_dim=24, n_experts=4, top_k=2, options=MoEOptions(stats=stats))
     moe.init_weights(0.1)
     x = torch.randn(3, 5, 16)
     out = moe(x)
@@ -80,8 +82,8 @@ def test_dropless_routing_matches_a_per_token_reference():
             h = torch.nn.functional.silu(flat[t] @ moe.experts.w1[e].t()) * (flat[t] @ moe.experts.w3[e].t())
             expected[t] += w * (h @ moe.experts.w2[e].t())
     torch.testing.assert_close(out.reshape(-1, 16), expected, rtol=1e-5, atol=1e-6)
-    assert int(moe.tokens_per_expert.sum()) == 15 * 2
-    assert moe.aux_loss >= 1.0 - 1e-6  # E * sum f_e P_e, minimal (1.0) when balanced
+    assert int(stats.of(moe).tokens_per_expert.sum()) == 15 * 2
+    assert stats.of(moe).aux_loss >= 1.0 - 1e-6  # E * sum f_e P_e, minimal (1.0) when balanced
 
 
 @pytest.mark.slow

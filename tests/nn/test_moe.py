@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from ember.nn.feed_forward import FeedForward
 from ember.nn.moe import MoE, Experts, _grouped_available
+from ember.nn.moe_stats import MoEOptions, MoEStats
 
 # Only the grouped path needs the kernel; the loop and the references run on any torch.
 needs_grouped_mm = pytest.mark.skipif(not hasattr(F, "grouped_mm"),
@@ -124,13 +125,15 @@ def _per_token_reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("batch, seq", [(1, 3), (2, 8)])  # 3 tokens: 6 slots over 8 experts leave some empty
 def test_moe_layer_equals_per_token_reference(impl: str, batch: int, seq: int):
     torch.manual_seed(0)
-    moe = MoE(dim=32, hidden_dim=48, n_experts=8, top_k=2)
+    stats = MoEStats()
+    moe = MoE(dim=32, hidden_dim=48, n_experts=8, top_k=2, options=MoEOptions(stats=stats))
     moe.init_weights(out_std=0.1)
     moe.experts.impl = impl
     x = torch.randn(batch, seq, 32)
     out = moe(x)
-    assert int(moe.tokens_per_expert.sum()) == batch * seq * 2
-    assert batch * seq > 3 or (moe.tokens_per_expert == 0).any()
+    load = stats.of(moe).tokens_per_expert
+    assert int(load.sum()) == batch * seq * 2
+    assert batch * seq > 3 or (load == 0).any()
     with torch.no_grad():
         expected = _per_token_reference(moe, x)
     torch.testing.assert_close(out.detach(), expected, rtol=1e-5, atol=1e-5)
@@ -160,7 +163,9 @@ def test_moe_layer_under_bf16_autocast_follows_its_fp32_output(impl: str, scale_
 @pytest.mark.parametrize("tokens", [1, 4])  # 4 tokens x top-2 = 8 slots = 8 experts: the most that gather
 def test_decoding_gathers_each_tokens_experts_with_the_sorted_paths_result(scale_input: bool, tokens: int):
     torch.manual_seed(0)
-    moe = MoE(dim=32, hidden_dim=48, n_experts=8, top_k=2, scale_input=scale_input, shared_expert=FeedForward(32, 48))
+    stats = MoEStats()
+    moe = MoE(dim=32, hidden_dim=48, n_experts=8, top_k=2, scale_input=scale_input, shared_expert=FeedForward(32, 48),
+              options=MoEOptions(stats=stats))
     moe.init_weights(out_std=0.1)
     x = torch.randn(1, tokens, 32)
     with torch.no_grad():
@@ -170,7 +175,7 @@ def test_decoding_gathers_each_tokens_experts_with_the_sorted_paths_result(scale
         gathered = moe.eval()(x)
     assert calls == []
     torch.testing.assert_close(gathered, sorted_path, rtol=1e-5, atol=1e-6)
-    assert moe.tokens_per_expert.sum() == tokens * 2
+    assert stats.of(moe).tokens_per_expert.sum() == tokens * 2
     with torch.no_grad():
         moe(torch.randn(1, 5, 32))  # 10 slots, past the 8 experts: sorted again
     assert calls == [1]

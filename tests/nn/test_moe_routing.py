@@ -3,6 +3,8 @@ gradients), and the aux-loss-free score bias moves against each expert's load.""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import transformers
@@ -11,7 +13,8 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE, 
 from transformers.models.llama4.modeling_llama4 import Llama4TextMoe
 
 from ember.nn.feed_forward import FeedForward
-from ember.nn.moe import MoE, end_moe_step, update_score_bias
+from ember.nn.moe import MoE
+from ember.nn.moe_stats import MoEOptions, MoEStats, RouterLoss
 from ember.nn.router import Router
 
 DIM, E = 32, 16
@@ -142,15 +145,16 @@ def test_score_bias_moves_by_the_rate_against_each_experts_load():
         def __init__(self):
             super().__init__()
             router = Router(8, 4, 1, score_func="sigmoid", score_bias=True)
-            self.layers = torch.nn.ModuleDict({"3": MoE(8, 16, 4, 1, router=router)})
+            self.layers = torch.nn.ModuleDict({"3": MoE(8, 16, 4, 1, router=router, options=MoEOptions(stats=stats))})
 
+    stats = MoEStats()
     stage = Stage()
     moe = stage.layers["3"]
     moe.train()
-    moe._step_loads = [torch.tensor([6, 1, 1, 0]), torch.tensor([2, 3, 1, 2])]  # two micro-batches: 8, 4, 2, 2
-    end_moe_step(stage, 2)
+    stats.of(moe).loads = [torch.tensor([6, 1, 1, 0]), torch.tensor([2, 3, 1, 2])]  # two micro-batches: 8, 4, 2, 2
+    stats.end_step(2)
     summed = []
-    update_score_bias([stage], 0.01, n_layers=4, n_experts=4, all_sum=lambda t: summed.append(t) or t * 2,
+    stats.update_score_bias([stage], 0.01, n_layers=4, n_experts=4, all_sum=lambda t: summed.append(t) or t * 2,
                       device=torch.device("cpu"))
     assert summed[0].shape == (4, 4) and summed[0][3].tolist() == [8, 4, 2, 2]
     # the mean is 4: the overloaded expert goes down, the underloaded ones up, the balanced one stays
@@ -158,16 +162,33 @@ def test_score_bias_moves_by_the_rate_against_each_experts_load():
 
 
 def test_router_loss_metrics_hold_no_graph_unless_the_xla_step_asks():
-    """aux_loss and z_loss are left on the layer for the metrics: as values, since a graph there would keep the
+    """The collector keeps aux_loss and z_loss for the metrics as values, since a graph there would keep the
     forward's activations (under activation checkpointing, each MoE block's recomputed ones) until the next forward."""
-    moe = MoE(DIM, 24, E, 2)
+    stats = MoEStats()
+    # the router loss still reaches the gradient, through the output
+    moe = MoE(DIM, 24, E, 2, options=MoEOptions(router_loss=RouterLoss(0.01, 0.0, 1.0), stats=stats))
     moe.train()
-    moe.aux_loss_coef = 0.01  # the router loss still reaches the gradient, through the output
-    moe.loss_weight_per_token = 1.0
     x = torch.randn(2, 8, DIM, requires_grad=True)
     moe(x).sum().backward()
-    assert moe.aux_loss.grad_fn is None and moe.z_loss.grad_fn is None
+    assert stats.of(moe).aux_loss.grad_fn is None and stats.of(moe).z_loss.grad_fn is None
     assert moe.router.gate.weight.grad is not None
-    moe.stats_with_graph = True
-    moe(x)
-    assert moe.aux_loss.grad_fn is not None
+    kept = MoEStats(keep_graph=True)
+    traced = MoE(DIM, 24, E, 2, options=MoEOptions(stats=kept))
+    traced(x)
+    assert kept.of(traced).aux_loss.grad_fn is not None
+
+
+def test_the_engines_collector_and_dispatch_are_shared_by_a_models_copies_and_count_training_forwards_only():
+    """A pipeline stage is a deep copy of the model (parallel/pp.py): its MoE layers still report to the engine's
+    collector and keep the run's dispatch. Eval forwards update the latest losses but add no load to the step."""
+    stats = MoEStats()
+    dispatch = lambda run, tokens, counts, experts: run(tokens, counts)  # noqa: E731
+    moe = copy.deepcopy(MoE(DIM, 24, E, 2, options=MoEOptions(dispatch=dispatch, stats=stats)))
+    assert moe.options.stats is stats and moe.dispatch is dispatch
+    x = torch.randn(2, 8, DIM)
+    moe.train()(x)
+    with torch.no_grad():
+        moe.eval()(x)
+    assert len(stats.of(moe).loads) == 1 and int(stats.of(moe).tokens_per_expert.sum()) == 2 * 8 * 2
+    stats.end_step(1)
+    assert stats.of(moe).step_load.sum() == 2 * 8 * 2 and stats.of(moe).loads == []

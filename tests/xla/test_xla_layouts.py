@@ -44,20 +44,25 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 from ember import run as run_lib
 from ember.errors import ConfigError
+from ember.nn.moe_stats import MoEOptions, MoEStats
 from ember.xla import mesh as mesh_lib
 from ember.xla.layout import build_layout, init_on_devices
 
 AXES = ("data", "fsdp", "context", "expert", "tensor")
 overrides = ["device=xla", "model.flavor=debug", *json.loads(sys.argv[1])]
 
+COLLECTORS = {}  # id(host model) -> the collector its MoE layers report to
+
 def layout(world, dp, degrees=()):
     batch = [f"global_batch_size={dp}", f"micro_batch_size={dp if world == 1 else 1}"]
     cfg = run_lib.load_config("debug", [*overrides, *batch, *degrees], world_size=world)
     spec = run_lib.resolve(cfg, world, torch.device("cpu"), compute_dtype=torch.float32)
-    host, traced = (run_lib.build_model(spec, None, materialize=False).parts[0] for _ in range(2))
-    traced.init_rope(torch.device("cpu"))
+    # the host model doubles as the torch reference, whose router losses it adds from a collector keeping their graph
+    stats = MoEStats(keep_graph=True)
+    host = run_lib.build_model(spec, None, materialize=False, moe=MoEOptions(stats=stats)).parts[0]
     mesh = mesh_lib.jax_mesh(spec.shape, jax.devices()[:world])
-    return cfg, host, build_layout(spec, mesh, host, traced, torch.float32, None)
+    COLLECTORS[id(host)] = stats
+    return cfg, host, build_layout(spec, mesh, host, torch.float32, None)
 
 def step(lay, params, inputs, labels):
     # the step's forward and backward, each gradient placed as its parameter (as the compiled train step's optimizer
@@ -77,21 +82,20 @@ def compare(loss, grads, ref_loss, ref_grads):
 
 def torch_step(cfg, host, names, params, inputs, labels):
     # the same objective on one process in torch: cross-entropy over the rows' tokens, plus each MoE layer's router
-    # losses at xla/step.py's weight (the torch trainer's nn/moe.set_router_loss weighs them the same)
+    # losses at xla/step.py's weight (the torch trainer's nn/moe_stats.RouterLoss weighs them the same)
+    stats = COLLECTORS[id(host)]
     host.to_empty(device="cpu")
     host.init_weights()  # the buffers (RoPE tables); the weights are then the devices'
     with torch.no_grad():
         for name, hosts in names.items():
             host.get_parameter(hosts[0]).copy_(torch.from_numpy(params[name]))
     moes = host.moe_layers()
-    for moe in moes:
-        moe.stats_with_graph = True
     inputs, labels = torch.from_numpy(inputs), torch.from_numpy(labels)
     logits = host(inputs)
     loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum") / labels.numel()
     aux, z = cfg.model.aux_loss_coef, cfg.model.z_loss_coef
     weight = 1.0 / (cfg.global_batch_size * cfg.seq_len * max(len(moes), 1))
-    router = sum((aux * moe.aux_loss + z * moe.z_loss) * inputs.numel() * weight for moe in moes)
+    router = sum((aux * stats.of(moe).aux_loss + z * stats.of(moe).z_loss) * inputs.numel() * weight for moe in moes)
     (loss + router).backward()
     return float(loss + router), {n: host.get_parameter(h[0]).grad.numpy() for n, h in names.items()}
 

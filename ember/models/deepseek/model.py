@@ -14,6 +14,7 @@ from ember.nn.decoder import Decoder, RMSNorm, TransformerBlock, num_params
 from ember.nn.feed_forward import FeedForward
 from ember.nn.mla import MLA
 from ember.nn.moe import MoE
+from ember.nn.moe_stats import MoEOptions
 from ember.nn.router import Router
 
 __all__ = ["Transformer", "num_params", "flops_per_token"]
@@ -25,14 +26,15 @@ def _attention(args: DeepseekArgs) -> MLA:
                v_head_dim=args.v_head_dim, softmax_scale_factor=args.softmax_scale_factor)
 
 
-def _block(layer_id: int, args: DeepseekArgs) -> TransformerBlock:
+def _block(layer_id: int, args: DeepseekArgs, moe: MoEOptions) -> TransformerBlock:
     ffn: nn.Module
     if args.is_moe_layer(layer_id):
         router = Router(args.dim, args.n_experts, args.top_k, args.norm_topk_prob, score_func=args.score_func,
                         n_groups=args.n_groups, topk_groups=args.topk_groups, route_scale=args.route_scale,
                         score_bias=args.score_bias)
         shared = FeedForward(args.dim, args.n_shared_experts * args.moe_hidden_dim) if args.n_shared_experts else None
-        ffn = MoE(args.dim, args.moe_hidden_dim, args.n_experts, args.top_k, router=router, shared_expert=shared)
+        ffn = MoE(args.dim, args.moe_hidden_dim, args.n_experts, args.top_k, router=router, shared_expert=shared,
+                  options=moe)
     else:
         ffn = FeedForward(args.dim, args.ffn_hidden_dim)
     return TransformerBlock(layer_id, args, ffn, attention=_attention(args))
@@ -41,8 +43,8 @@ def _block(layer_id: int, args: DeepseekArgs) -> TransformerBlock:
 class Transformer(Decoder):
     """tokens (B, T) -> logits (B, T, vocab_size): the shared Decoder with DeepSeek blocks and RMSNorm."""
 
-    def __init__(self, args: DeepseekArgs):
-        super().__init__(args, lambda i: _block(i, args), lambda: RMSNorm(args.dim, args.norm_eps))
+    def __init__(self, args: DeepseekArgs, moe: MoEOptions = MoEOptions()):
+        super().__init__(args, lambda i: _block(i, args, moe), lambda: RMSNorm(args.dim, args.norm_eps))
 
 
 def _attention_params(args: DeepseekArgs) -> int:

@@ -27,6 +27,7 @@ from torch import nn
 from ember.models.glam.args import GlamArgs
 from ember.nn.decoder import Decoder, RMSNorm, TransformerBlock, num_params
 from ember.nn.moe import MoE
+from ember.nn.moe_stats import MoEOptions
 
 
 class GatedFeedForward(nn.Module):
@@ -47,10 +48,11 @@ class GatedFeedForward(nn.Module):
         nn.init.trunc_normal_(self.w2.weight, mean=0.0, std=out_std)
 
 
-def _ffn(layer_id: int, args: GlamArgs) -> nn.Module:
+def _ffn(layer_id: int, args: GlamArgs, moe: MoEOptions) -> nn.Module:
     """Layer `layer_id`'s FFN: top-k of two-matrix ReLU experts on MoE layers, the gated GELU FFN elsewhere."""
     if args.is_moe_layer(layer_id):
-        return MoE(args.dim, args.ffn_hidden_dim, args.n_experts, args.top_k, activation=F.relu, gated=False)
+        return MoE(args.dim, args.ffn_hidden_dim, args.n_experts, args.top_k, activation=F.relu, gated=False,
+                   options=moe)
     return GatedFeedForward(args.dim, args.ffn_hidden_dim)
 
 
@@ -59,8 +61,8 @@ class Transformer(Decoder):
     projection, and the final hidden state is scaled by 1/sqrt(dim) before it (GShardSharedEmbeddingSoftmax:
     logits = (h / sqrt(dim)) W^T, W the shared N(0, 1) embedding)."""
 
-    def __init__(self, args: GlamArgs):
-        super().__init__(args, lambda i: TransformerBlock(i, args, _ffn(i, args)),
+    def __init__(self, args: GlamArgs, moe: MoEOptions = MoEOptions()):
+        super().__init__(args, lambda i: TransformerBlock(i, args, _ffn(i, args, moe)),
                          lambda: RMSNorm(args.dim, args.norm_eps), logit_scale=args.dim**-0.5)
 
     def init_embeddings(self) -> None:

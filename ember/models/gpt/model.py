@@ -35,8 +35,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.dim, bias=True)
         self.wv = nn.Linear(args.dim, args.dim, bias=True)
         self.wo = nn.Linear(args.dim, args.dim, bias=True)
-        # The attention kernel, (q, k, v, document_ids) -> out over (B, heads, T, head_dim). A plain
-        # attribute so that context parallelism can swap in its distributed form (ember/parallel/cp.py).
+        # The attention kernel, (q, k, v, document_ids) -> out over (B, heads, T, head_dim); chosen by
+        # nn/attention.set_attention_kernel (context parallelism's distributed form, ember/parallel/cp.py).
         self.attention_fn: Callable[..., torch.Tensor] = causal_attention
         self.kv_cache: Optional[KVCache] = None  # set by ember.generate for incremental decoding
 

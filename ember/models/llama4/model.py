@@ -24,13 +24,14 @@ from ember.nn.decoder import Attention, Decoder, RMSNorm, TransformerBlock, num_
 from ember.nn.feed_forward import FeedForward
 from ember.nn.flops import decoder_flops_per_token
 from ember.nn.moe import MoE
+from ember.nn.moe_stats import MoEOptions
 from ember.nn.router import Router
 from ember.nn.norm import WeightlessRMSNorm
 
 __all__ = ["Transformer", "num_params", "flops_per_token"]
 
 
-def _block(layer_id: int, args: Llama4Args) -> TransformerBlock:
+def _block(layer_id: int, args: Llama4Args, moe: MoEOptions) -> TransformerBlock:
     rope = args.uses_rope(layer_id)
     qk_norm = (lambda width: WeightlessRMSNorm(args.norm_eps)) if rope and args.qk_norm else None
     attention = Attention(args, qk_norm=qk_norm, span=args.layer_span(layer_id), rope=rope)
@@ -38,7 +39,7 @@ def _block(layer_id: int, args: Llama4Args) -> TransformerBlock:
     if args.is_moe_layer(layer_id):
         router = Router(args.dim, args.n_experts, args.top_k, norm_topk_prob=False, score_func="sigmoid")
         ffn = MoE(args.dim, args.moe_hidden_dim, args.n_experts, args.top_k, router=router,
-                  shared_expert=FeedForward(args.dim, args.moe_hidden_dim), scale_input=True)
+                  shared_expert=FeedForward(args.dim, args.moe_hidden_dim), scale_input=True, options=moe)
     else:
         ffn = FeedForward(args.dim, args.ffn_hidden_dim)
     block = TransformerBlock(layer_id, args, ffn, attention)
@@ -50,8 +51,8 @@ def _block(layer_id: int, args: Llama4Args) -> TransformerBlock:
 class Transformer(Decoder):
     """tokens (B, T) -> logits (B, T, vocab_size)."""
 
-    def __init__(self, args: Llama4Args):
-        super().__init__(args, lambda i: _block(i, args), lambda: RMSNorm(args.dim, args.norm_eps))
+    def __init__(self, args: Llama4Args, moe: MoEOptions = MoEOptions()):
+        super().__init__(args, lambda i: _block(i, args, moe), lambda: RMSNorm(args.dim, args.norm_eps))
 
     def _rope_at(self, positions: Optional[torch.Tensor], T: int, which: str) -> tuple[Optional[torch.Tensor], ...]:
         """RoPE rows as the Decoder's; for the NoPE layers ("_nope") each position's attention temperature,

@@ -10,14 +10,15 @@ from __future__ import annotations
 from ember.models.mixtral.args import MixtralArgs
 from ember.nn.decoder import Decoder, RMSNorm, TransformerBlock, num_params
 from ember.nn.moe import MoE
+from ember.nn.moe_stats import MoEOptions
 
 
 class Transformer(Decoder):
     """tokens (B, T) -> logits (B, T, vocab_size): every block's feed-forward is a MoE layer."""
 
-    def __init__(self, args: MixtralArgs):
+    def __init__(self, args: MixtralArgs, moe: MoEOptions = MoEOptions()):
         super().__init__(args, lambda i: TransformerBlock(i, args, MoE(args.dim, args.ffn_hidden_dim, args.n_experts,
-                                                                      args.top_k)),
+                                                                      args.top_k, options=moe)),
                          lambda: RMSNorm(args.dim, args.norm_eps))
 
 

@@ -17,16 +17,18 @@ from ember.nn.decoder import Attention, Decoder, RMSNorm, TransformerBlock, num_
 from ember.nn.feed_forward import FeedForward
 from ember.nn.flops import decoder_flops_per_token
 from ember.nn.moe import MoE
+from ember.nn.moe_stats import MoEOptions
 
 __all__ = ["Transformer", "num_params", "flops_per_token"]
 
 
-def _block(layer_id: int, args: QwenArgs) -> TransformerBlock:
+def _block(layer_id: int, args: QwenArgs, moe: MoEOptions) -> TransformerBlock:
     qk_norm = (lambda width: RMSNorm(width, args.norm_eps)) if args.qk_norm else None
     attention = Attention(args, qkv_bias=args.qkv_bias, qk_norm=qk_norm, span=args.layer_span(layer_id))
     ffn: nn.Module
     if args.is_moe_layer(layer_id):
-        ffn = MoE(args.dim, args.moe_hidden_dim, args.n_experts, args.top_k, norm_topk_prob=args.norm_topk_prob)
+        ffn = MoE(args.dim, args.moe_hidden_dim, args.n_experts, args.top_k, norm_topk_prob=args.norm_topk_prob,
+                  options=moe)
     else:
         ffn = FeedForward(args.dim, args.ffn_hidden_dim)
     return TransformerBlock(layer_id, args, ffn, attention)
@@ -35,8 +37,8 @@ def _block(layer_id: int, args: QwenArgs) -> TransformerBlock:
 class Transformer(Decoder):
     """tokens (B, T) -> logits (B, T, vocab_size): the shared Decoder with Qwen blocks and RMSNorm."""
 
-    def __init__(self, args: QwenArgs):
-        super().__init__(args, lambda i: _block(i, args), lambda: RMSNorm(args.dim, args.norm_eps))
+    def __init__(self, args: QwenArgs, moe: MoEOptions = MoEOptions()):
+        super().__init__(args, lambda i: _block(i, args, moe), lambda: RMSNorm(args.dim, args.norm_eps))
 
 
 def flops_per_token(args: QwenArgs, seq_len: int) -> float:
