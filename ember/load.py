@@ -35,7 +35,7 @@ MODEL_PATHS = (f"an ember run or checkpoint directory ({MODEL_JSON}, checkpoints
                "(config.json) or an `ember convert --to torch` file")
 
 
-# ---- ember checkpoints (DCP) ------------------------------------------------------------------------
+# ---- what every format shares: process helpers, state dicts, the HF stream ------------------------------
 
 
 def _is_rank0() -> bool:
