@@ -2,9 +2,12 @@
 
 `litgpt.pretrain.setup(...)` is what `litgpt pretrain` calls: Fabric on one device, the model built by
 pretrain.py, `torch.compile`d there (litgpt's pretraining has no eager mode), AdamW from the `optimizer`
-argument, its gradient clipping, its learning-rate schedule and its per-iteration log line
-(`iter N step N | loss train: ... | iter time: X ms`). The model is a custom `litgpt.Config` of the asked
+argument, its gradient clipping and its learning-rate schedule. The model is a custom `litgpt.Config` of the asked
 Llama shape; the data a `DataModule` of uniform random tokens defined here.
+
+What peers.py reads: litgpt's own CSV logger (`logger_name="csv"`, flushed every iteration) writes a row per
+iteration to OUT/logs/csv/version_0/metrics.csv, `iter_time` its seconds; this runner records litgpt's version
+and the model's parameter count in OUT/peers.jsonl (common.py).
 
     .venv-peers/bin/python benchmarks/peers_runners/litgpt_run.py --dim 64 --n-layers 2 --n-heads 8 \
         --n-kv-heads 4 --vocab 512 --ffn-hidden 192 --batch 2 --seq 64 --steps 6 --out /tmp/lit
@@ -77,6 +80,16 @@ def model_config(run: argparse.Namespace) -> litgpt.Config:
         intermediate_size=run.ffn_hidden, bias=False, mlp_class_name="LLaMAMLP")
 
 
+def param_count(config: litgpt.Config) -> int:
+    """The parameters of pretrain.py's `GPT(config)`, counted as its `Total parameters` line counts them
+    (litgpt.utils.num_parameters); built on the meta device, so that counting takes none of the run's memory."""
+    from litgpt.model import GPT
+    from litgpt.utils import num_parameters
+
+    with torch.device("meta"):
+        return num_parameters(GPT(config))
+
+
 def main() -> int:
     run = parse_args()
     say("version", f"litgpt {version('litgpt')}")
@@ -84,12 +97,15 @@ def main() -> int:
         raise SystemExit("litgpt's pretrain.py always torch.compiles the model: there is no eager run to make")
     from litgpt.pretrain import setup
 
+    config = model_config(run)
+    say("params", param_count(config))
+
     # The final checkpoint's hyperparameters.yaml is litgpt's CLI parse of sys.argv (parser_config.py): the
     # command line `litgpt pretrain peers-llama` would have had, not this runner's flags.
     sys.argv = [sys.argv[0], "peers-llama"]
     setup(
         model_name="peers-llama",
-        model_config=model_config(run),
+        model_config=config,
         out_dir=Path(run.out),
         precision=PRECISIONS[run.precision],
         data=RandomTokens(run.vocab, run.steps, run.seed),
@@ -103,7 +119,7 @@ def main() -> int:
                    "init_args": {"lr": run.lr, "weight_decay": run.weight_decay, "betas": tuple(run.betas),
                                  "eps": run.eps}},
         devices=1,
-        logger_name="csv",
+        logger_name="csv",  # the per-iteration metrics.csv peers.py reads
         seed=run.seed,
     )
     return 0

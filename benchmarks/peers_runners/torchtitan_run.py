@@ -7,10 +7,15 @@
 (steps, batch, sequence, clipping, compile, mixed precision) is given as a flag.
 
 torchtitan 0.3.0 does not run here as shipped; what this file changes at run time, without editing the
-package, is printed as `PEERS patch ...` lines: torch 2.13's missing `torch.distributed.set_timeout`
+package, is recorded as a `patch` (common.say): torch 2.13's missing `torch.distributed.set_timeout`
 (`patch_torch`), the Triton import of its MoE kernels (`stub_triton_kernels`, CPU torch has no triton), its
 device choice, which takes a machine without an accelerator for CUDA (`patch_for_cpu`), and flex attention,
 which has no backward on a CPU (`use_sdpa`). It runs as one process with the gloo backend.
+
+What peers.py reads: the record torchtitan's MetricsProcessor makes of every step (log_freq=1; the one it hands
+TensorBoard or W&B), written to OUT/metrics.jsonl by JsonlMetrics; `time_metrics/end_to_end(s)` is the time
+between two logged steps. The parameter count (as torchtitan's `size: N total parameters` counts it), the
+version and the patches go to OUT/peers.jsonl (common.py).
 
     .venv-peers/bin/python benchmarks/peers_runners/torchtitan_run.py --dim 64 --n-layers 2 --n-heads 8 \
         --n-kv-heads 4 --vocab 512 --ffn-hidden 192 --batch 2 --seq 64 --steps 6 --out /tmp/tt
@@ -29,11 +34,12 @@ from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import parse_args, say  # noqa: E402  (this folder is not a package: runners run as scripts)
+from common import append_jsonl, parse_args, say  # noqa: E402  (not a package: runners run as scripts)
 
 import torch  # noqa: E402
 
 MODULE = "peers_torchtitan_config"  # what --module names: this file, as registered in sys.modules
+METRICS_FILE = "metrics.jsonl"  # benchmarks/peers_frameworks.py's TITAN_METRICS_FILE
 RUN: argparse.Namespace  # the run asked for, read by peers_llama3 when torchtitan calls it
 
 
@@ -134,7 +140,6 @@ def peers_llama3():  # noqa: ANN201 (torchtitan's Trainer.Config; imported late,
     constant lr, no checkpoints, no validation, no activation checkpointing."""
     from torchtitan.components.checkpoint import CheckpointManager
     from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
-    from torchtitan.components.metrics import MetricsProcessor
     from torchtitan.components.optimizer import default_adamw, LRSchedulersContainer
     from torchtitan.components.validate import Validator
     from torchtitan.config import TrainingConfig
@@ -170,11 +175,42 @@ def peers_llama3():  # noqa: ANN201 (torchtitan's Trainer.Config; imported late,
         training=TrainingConfig(local_batch_size=run.batch, seq_len=run.seq, steps=run.steps),
         tokenizer=NoTokenizer.Config(vocab_size=run.vocab),
         dataloader=RandomTokens.Config(vocab_size=run.vocab, seed=run.seed),
-        metrics=MetricsProcessor.Config(log_freq=1, disable_color_printing=True),
+        metrics=JsonlMetrics.Config(log_freq=1, disable_color_printing=True,
+                                    path=os.path.join(run.out, METRICS_FILE)),
         checkpoint=CheckpointManager.Config(enable=False),
         activation_checkpoint=None,
         validator=Validator.Config(enable=False),
     )
+
+
+def define_metrics_class() -> None:
+    """JsonlMetrics, torchtitan's MetricsProcessor writing each step's record to a JSON-lines file, defined once
+    torchtitan is imported (its Configurable base wires Config.build to the class). The console line rounds tps
+    to an integer; the record has it, and the step's time, in full."""
+    global JsonlMetrics
+    from torchtitan.components.metrics import BaseLogger, MetricsProcessor
+
+    class JsonlLogger(BaseLogger):
+        def __init__(self, path: str) -> None:
+            self.path = path
+
+        def log(self, metrics: dict, step: int) -> None:
+            append_jsonl(self.path, {"step": step, **metrics})
+
+    class JsonlMetrics(MetricsProcessor):
+        @dataclass(kw_only=True, slots=True)
+        class Config(MetricsProcessor.Config):
+            path: str = ""
+
+        def __init__(self, config: Config, **kwargs) -> None:  # noqa: ANN003 (MetricsProcessor's keywords)
+            super().__init__(config, **kwargs)
+            # with TensorBoard and W&B off, torchtitan's logger is a BaseLogger that drops every record
+            self.logger = JsonlLogger(config.path)
+
+        def log(self, step: int, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+            if step == 1:  # the model is built by now: every parameter of it, as `size: N total parameters` counts
+                say("params", sum(p.numel() for part in self.model_parts for p in part.parameters()))
+            super().log(step, *args, **kwargs)
 
 
 def define_data_classes() -> None:
@@ -244,6 +280,7 @@ def main() -> int:
     if RUN.device == "cpu":
         patch_for_cpu()
     define_data_classes()
+    define_metrics_class()
     say("version", f"torchtitan {getattr(torchtitan, '__version__', 'unknown')}")
     sys.modules[MODULE] = sys.modules[__name__]
     argv = ["--module", MODULE, "--config", "peers_llama3", "--dump-folder", RUN.out,
