@@ -26,13 +26,23 @@ from pathlib import Path
 import torch
 from results_file import write_results
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.helpers' IdTokenizer, run from anywhere
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's ember, run from anywhere
 
 import transformers  # noqa: E402
 
 from ember.generate import generate  # noqa: E402
 from ember.load import load_model  # noqa: E402
-from tests.helpers import IdTokenizer  # noqa: E402
+
+
+class IdTokenizer:
+    """Token ids as text ("5 17 3" <-> [5, 17, 3]): generate's tokenizer where the prompt is random ids."""
+    eos_id = 1
+
+    def encode(self, text: str) -> list[int]:
+        return [int(t) for t in text.split()]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(f" {i}" for i in ids)
 
 CONFIG = dict(hidden_size=1024, intermediate_size=2048, num_hidden_layers=4, num_attention_heads=16,
               num_key_value_heads=16, vocab_size=8192, max_position_embeddings=4096, q_lora_rank=384, kv_lora_rank=512,

@@ -218,3 +218,15 @@ def test_loading_imports_nothing_of_finetune():
     loaded = _loaded_by({"ember.load", "ember.sources"} | _imports("ember.load") | _imports("ember.sources"))
     assert not {m for m in loaded if m.startswith("ember.finetune")}
     assert "ember.load" in GRAPH["ember.finetune.sources"]  # the dependency points from fine-tuning to loading
+
+
+def test_benchmarks_import_nothing_of_the_tests():
+    """Tests may import benchmarks; a benchmark never imports the test suite (it runs from a fresh clone alone)."""
+    benchmarks = Path(__file__).resolve().parents[1] / "benchmarks"
+    offenders = []
+    for path in sorted(benchmarks.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            offenders += [f"{path.name}: {name}" for name in names if name == "tests" or name.startswith("tests.")]
+    assert offenders == []
