@@ -80,6 +80,13 @@ class RopeConfig:
         return self.scaling.table_scale if self.scaling is not None else None
 
 
+def llama3_rope(theta: float, head_dim: int, max_seq_len: int, factor: Optional[float], low_freq_factor: float,
+                high_freq_factor: float, original_max_seq_len: int) -> RopeConfig:
+    """Llama 3's RoPE (Llama 3.1's frequency scaling where `factor` is set), as Llama 3.x and Llama 4 configure it."""
+    scaling = None if factor is None else Llama3Scaling(factor, low_freq_factor, high_freq_factor, original_max_seq_len)
+    return RopeConfig(theta, head_dim, max_seq_len, scaling)
+
+
 def rope_cos_sin(rope: RopeConfig, device: Optional[torch.device] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the angle t * w_k for every position t < max_seq_len: two (max_seq_len, rotary_dim // 2)."""
     dim, scaling = rope.rotary_dim, rope.scaling

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from typing import ClassVar, Optional
 
 from ember.nn.args import GroupedQueryArgs
-from ember.nn.rope import Llama3Scaling, RopeConfig
+from ember.nn.rope import RopeConfig, llama3_rope
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,10 +34,8 @@ class LlamaArgs(GroupedQueryArgs):
 
     @property
     def rope(self) -> RopeConfig:
-        scaling = None if self.rope_scaling_factor is None else Llama3Scaling(
-            self.rope_scaling_factor, self.rope_low_freq_factor, self.rope_high_freq_factor,
-            self.rope_original_max_seq_len)
-        return RopeConfig(self.rope_theta, self.head_dim, self.max_seq_len, scaling)
+        return llama3_rope(self.rope_theta, self.head_dim, self.max_seq_len, self.rope_scaling_factor,
+                           self.rope_low_freq_factor, self.rope_high_freq_factor, self.rope_original_max_seq_len)
 
     @property
     def ffn_hidden_dim(self) -> int:

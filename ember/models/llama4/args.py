@@ -8,7 +8,7 @@ from typing import Optional
 from ember.models.checks import check_non_negative, check_top_k, require_expert_layers
 from ember.nn.args import GroupedQueryArgs
 from ember.nn.attention import AttentionSpan
-from ember.nn.rope import Llama3Scaling, RopeConfig
+from ember.nn.rope import RopeConfig, llama3_rope
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,10 +45,8 @@ class Llama4Args(GroupedQueryArgs):
 
     @property
     def rope(self) -> RopeConfig:
-        scaling = None if self.rope_scaling_factor is None else Llama3Scaling(
-            self.rope_scaling_factor, self.rope_low_freq_factor, self.rope_high_freq_factor,
-            self.rope_original_max_seq_len)
-        return RopeConfig(self.rope_theta, self.head_dim, self.max_seq_len, scaling)
+        return llama3_rope(self.rope_theta, self.head_dim, self.max_seq_len, self.rope_scaling_factor,
+                           self.rope_low_freq_factor, self.rope_high_freq_factor, self.rope_original_max_seq_len)
 
     def uses_rope(self, layer_id: int) -> bool:
         return (layer_id + 1) % self.nope_every != 0
