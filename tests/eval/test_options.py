@@ -46,7 +46,7 @@ def test_a_misspelt_key_or_task_is_one_line_naming_the_closest(tmp_path: Path, c
 
 
 def test_a_misspelt_harness_task_is_named_case_blind(tmp_path: Path, capsys: pytest.CaptureFixture):
-    pytest.importorskip("lm_eval")
+    import lm_eval  # noqa: F401  the test extra: missing, this fails rather than skips
     tasks = tmp_path / "tasks"
     tasks.mkdir()
     (tasks / "tiny.yaml").write_text("task: ember_tiny\ndataset_path: json\noutput_type: loglikelihood\n")
