@@ -50,7 +50,7 @@ def measure(trainer: Trainer) -> dict:
     with tracker:
         trainer.train_step(next(batches))
     peak = total_bytes(tracker.get_tracker_snapshot("peak"))
-    trainer.forward_backward.run(next(batches), backward=True)
+    trainer.engine.forward_backward.run(next(batches), backward=True)
     grad = sum(_local_bytes(p.grad) for p in params if p.grad is not None)
     trainer.optimizer.zero_grad(set_to_none=True)
     optim = sum(_local_bytes(v) for state in trainer.optimizer.state.values() for v in state.values()
