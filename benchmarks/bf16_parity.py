@@ -57,8 +57,8 @@ class NativeBf16Matmuls(TorchDispatchMode):
 def run_losses(precision: str, output_dir: Path, overrides: list[str], emulate: bool) -> dict[str, Any]:
     """Train the debug recipe with `overrides` in this process; its logged losses by step, validation loss and
     compute dtype. precision=bf16-auto: precision=auto on a CPU taken to have bf16 matmuls."""
-    from ember import run as run_lib
-    from ember.train import Trainer
+    from ember.train import run as run_lib
+    from ember.train.trainer import Trainer
 
     auto_bf16 = precision == "bf16-auto"
     previous = os.environ.get("EMBER_CPU_BF16")
@@ -101,7 +101,7 @@ def parity(max_steps: Optional[int], emulate: bool) -> dict[str, Any]:
 
 
 def main() -> int:
-    from ember.device import cpu_runs_bf16_natively
+    from ember.hardware.device import cpu_runs_bf16_natively
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--max-steps", type=int, default=None, help="default: the debug recipe's 200")

@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 
 
-from ember import run as run_lib
-from ember.train import Trainer
+from ember.train import run as run_lib
+from ember.train.trainer import Trainer
 
 BASE = ["data.dataset=synthetic", "metrics.console=false", "model.n_layers=8", "model.dim=512", "model.n_heads=8",
         "model.n_kv_heads=4", "seq_len=128", "global_batch_size=4", "micro_batch_size=4"]

@@ -33,9 +33,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ember import run as run_lib  # noqa: E402
+from ember.train import run as run_lib  # noqa: E402
 from ember.nn.attention import FlexAttention, causal_attention, document_layout, set_attention_kernel  # noqa: E402
-from ember.train import Trainer  # noqa: E402
+from ember.train.trainer import Trainer  # noqa: E402
 
 # family -> extra overrides. Documents are masked for the families without local attention, so flex attention
 # (and, for DeepSeek, its differing value width) runs on every one of them. The recipe's embedded data and

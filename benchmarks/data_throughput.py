@@ -30,13 +30,13 @@ from pathlib import Path
 import torch
 
 
-from ember import run as run_lib
+from ember.train import run as run_lib
 from ember.config import DataConfig, MixtureSource
 from ember.data import sources
 from ember.data.loader import build_loader
 from ember.data.prepare import prepare
 from ember.data.tokenizer import build_tokenizer
-from ember.train import Trainer
+from ember.train.trainer import Trainer
 
 SEQ_LEN, MICRO_BATCH, VOCAB = 256, 8, 8192
 

@@ -38,7 +38,7 @@ def main() -> int:
 
     from ember.data.tokenizer import embedded_tokenizer
     from ember.eval.harness import EmberLM
-    from ember.convert import save_hf
+    from ember.model_io.convert import save_hf
     from ember.models import MODELS, build_model_args
 
     tokenizer = embedded_tokenizer(8192, 0.02)

@@ -13,7 +13,7 @@ the same random batch and optimizer (ember's AdamW settings), each contestant ru
 - both compiled at r32: ember's compile=true against torch.compile of the peft model under autocast ("vs
   peft" of the compiled ember row is against the compiled peft row);
 - the allocator: on CPU ember's Trainer tells glibc's malloc to keep freed memory for reuse
-  (`ember.cpu_allocator.keep_freed_cpu_memory`), so every ember row runs that way, as a user's run does, and
+  (`ember.hardware.cpu_allocator.keep_freed_cpu_memory`), so every ember row runs that way, as a user's run does, and
   every peft row with glibc's defaults, as a user's script does. Two more r32 contestants compare like
   for like: ember with glibc's defaults (EMBER_CPU_MALLOC=default) against peft autocast, and peft
   autocast with freed memory kept against ember;
@@ -85,15 +85,15 @@ def worker(spec: dict) -> dict:
     if framework == "ember" and malloc == "default":
         os.environ["EMBER_CPU_MALLOC"] = "default"  # the Trainer leaves glibc's defaults alone
     elif framework == "peft" and malloc == "kept":
-        from ember.cpu_allocator import keep_freed_cpu_memory
+        from ember.hardware.cpu_allocator import keep_freed_cpu_memory
 
         keep_freed_cpu_memory()  # what the Trainer does on CPU
     torch.manual_seed(0)
     batch, seq, base = spec["batch"], spec["seq"], spec["base"]
     autocast = contextlib.nullcontext()
     if framework == "ember":
-        from ember import run as run_lib
-        from ember.train import Trainer
+        from ember.train import run as run_lib
+        from ember.train.trainer import Trainer
 
         overrides = [f"model.init_from={base}", "data.dataset=synthetic", "metrics.console=false",
                      f"output_dir={spec['out']}", f"seq_len={seq}", f"global_batch_size={batch}",
@@ -115,7 +115,7 @@ def worker(spec: dict) -> dict:
         from transformers import LlamaForCausalLM
 
         from ember.config import OptimConfig
-        from ember.optim import build_optimizer
+        from ember.train.optim import build_optimizer
 
         weights = torch.bfloat16 if precision == "bf16" else torch.float32
         hf = LlamaForCausalLM.from_pretrained(base, dtype=weights, attn_implementation="sdpa")
@@ -177,7 +177,7 @@ def main() -> int:
     import transformers
     from results_file import write_results
 
-    from ember.convert import save_hf
+    from ember.model_io.convert import save_hf
     from ember.models import MODELS as FAMILIES, build_model_args
 
     rows = []

@@ -29,10 +29,10 @@ from pathlib import Path
 import torch
 from results_file import write_results
 
-from ember.cpu_rates import model_gemms
-from ember.device import choose_compute_dtype
+from ember.hardware.cpu_rates import model_gemms
+from ember.hardware.device import choose_compute_dtype
 from ember.generate import generate
-from ember.convert import save_hf
+from ember.model_io.convert import save_hf
 from ember.models import MODELS, build_model_args
 
 MODELS_TO_RUN = {

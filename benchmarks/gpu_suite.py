@@ -42,7 +42,7 @@ from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E
 
 import single_device_mfu as sdm  # noqa: E402
 import tpu_throughput as tpu  # noqa: E402
-from ember.profiling import exposed_time, without_kineto_notices  # noqa: E402
+from ember.metrics.profiling import exposed_time, without_kineto_notices  # noqa: E402
 from results_file import write_results  # noqa: E402
 
 PARTS = ("mfu", "profile", "fp8", "xla")  # run in this order: the most wanted figures first, should the deadline cut

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 import transformers  # noqa: E402
 
 from ember.generate import generate  # noqa: E402
-from ember.load import load_model  # noqa: E402
+from ember.model_io.load import load_model  # noqa: E402
 
 
 class IdTokenizer:

@@ -44,10 +44,10 @@ from typing import Callable
 import torch
 
 
-from ember import run as run_lib
-from ember.convert import save_hf
-from ember.optim import build_optimizer
-from ember.train import Trainer
+from ember.train import run as run_lib
+from ember.model_io.convert import save_hf
+from ember.train.optim import build_optimizer
+from ember.train.trainer import Trainer
 
 Step = Callable[[torch.Tensor, torch.Tensor], float]
 

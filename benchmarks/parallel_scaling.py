@@ -64,9 +64,9 @@ def worker(out_path: str, steps: int, warmup: int, overrides: list[str]) -> None
     import torch.distributed as dist
 
 
-    from ember import run as run_lib
-    from ember.metrics import peak_memory_gb
-    from ember.train import Trainer
+    from ember.train import run as run_lib
+    from ember.metrics.run_metrics import peak_memory_gb
+    from ember.train.trainer import Trainer
 
     world = int(os.environ.get("WORLD_SIZE", 1))
     with tempfile.TemporaryDirectory() as tmp:

@@ -54,7 +54,7 @@ import peers_rss as rss  # noqa: E402
 import peers_table as table  # noqa: E402
 from results_file import write_results  # noqa: E402
 
-from ember.device import cpu_runs_bf16_natively  # noqa: E402
+from ember.hardware.device import cpu_runs_bf16_natively  # noqa: E402
 from ember.errors import ConfigError, EmberError  # noqa: E402
 
 REPO = env.REPO

@@ -20,7 +20,7 @@ from pathlib import Path
 from results_file import write_results
 
 
-from ember import run as run_lib
+from ember.train import run as run_lib
 from ember.plan.planner import make_plan
 
 # (name, recipe, overrides, world size): the same jobs as tests/plan/test_plan.py

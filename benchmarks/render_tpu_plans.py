@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ember import config as config_lib
-from ember import run as run_lib
+from ember.train import run as run_lib
 from ember.parallel.mesh_shape import resolve_mesh
 from ember.plan.planner import make_plan
 

@@ -15,7 +15,7 @@ import torch
 
 def cpu_bf16_words() -> str:
     """Whether this CPU has bf16 matmul instructions: it decides precision=auto and every bf16 figure."""
-    from ember.device import cpu_runs_bf16_natively
+    from ember.hardware.device import cpu_runs_bf16_natively
 
     return "bf16 matmul instructions" if cpu_runs_bf16_natively() else "no bf16 matmul instructions"
 

@@ -5,7 +5,7 @@ The issue's GPU figure: llama3.2-1b on one GPU with torch.compile and selective 
     python benchmarks/single_device_mfu.py llama3.2-1b compile=true model.remat=selective \\
         global_batch_size=8 micro_batch_size=8 seq_len=2048
 
-(on CUDA, precision=auto is bf16 and the peak comes from ember/hardware.py). Any recipe and overrides
+(on CUDA, precision=auto is bf16 and the peak comes from ember/hardware/peaks.py). Any recipe and overrides
 work, e.g. `python benchmarks/single_device_mfu.py debug` on a CPU. Synthetic tokens, so the figure is
 the model's and not the data pipeline's; the first `--warmup` steps (compilation, allocator growth)
 are left out, and the median step of the rest is reported.
@@ -35,9 +35,9 @@ from pathlib import Path
 import torch
 
 
-from ember import run as run_lib
-from ember.metrics import mfu, peak_memory_gb
-from ember.train import Trainer
+from ember.train import run as run_lib
+from ember.metrics.run_metrics import mfu, peak_memory_gb
+from ember.train.trainer import Trainer
 
 
 def measure(recipe: str, overrides: list[str], steps: int, warmup: int) -> dict:

@@ -43,7 +43,8 @@ from typing import Any, Optional
 
 import torch
 
-from ember import cpu_rates, hardware
+from ember.hardware import cpu_rates
+from ember.hardware import peaks as hardware
 
 ROOT = Path(__file__).resolve().parent.parent
 # --shape -> the recipe whose model it is; the batch and sequence come from the command line (short runs).

@@ -40,9 +40,9 @@ from typing import Callable
 import torch
 from results_file import write_results
 
-from ember import run as run_lib
+from ember.train import run as run_lib
 from ember.models.llama.hf import hf_config_from_args
-from ember.train import Trainer
+from ember.train.trainer import Trainer
 
 
 def build_ember(overrides: list[str], compile_model: bool, out: str, precision: str) -> tuple[Trainer, Callable]:
@@ -69,7 +69,7 @@ def build_hf(trainer: Trainer, compile_model: bool, precision: str) -> Callable:
             layer.compile()
     # The same optimizer ember builds (same implementation, groups and hyper-parameters), so that the
     # comparison is of the model and loss code, not of an optimizer default.
-    from ember.optim import build_optimizer
+    from ember.train.optim import build_optimizer
 
     optimizer = build_optimizer(model, trainer.cfg.optim, "cpu")
     max_norm = trainer.cfg.optim.max_grad_norm

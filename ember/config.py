@@ -5,7 +5,7 @@ OmegaConf does the parsing and the type checking (structured configs from these 
 file adds what users of the field expect on top: a recipe lookup, `did you mean` for unknown keys,
 one-line errors, and the cross-field checks that need nothing but the config. It imports nothing of ember but
 the schema (and its errors): the checks that need a feature's code live with that feature, and
-ember.run.load_config runs them, before any work.
+ember.train.run.load_config runs them, before any work.
 """
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ def _alias_recipe(data: dict) -> dict:
 
 def load(recipe: str = "debug", overrides: Optional[list[str]] = None) -> JobConfig:
     """Recipe (built-in name or YAML path) + `key=value` overrides -> a JobConfig, its types and the checks that
-    need nothing but the config done (`validate`). ember.run.load_config adds the features' checks: what a
+    need nothing but the config done (`validate`). ember.train.run.load_config adds the features' checks: what a
     command runs on."""
     path = resolve_recipe(recipe)
     recipe_data = _alias_recipe(_load_yaml(path))
@@ -274,7 +274,7 @@ def _check_resume_allow_changes(names: list[str]) -> None:
 def validate(cfg: JobConfig) -> None:
     """The checks that need nothing but the config: ranges, names and combinations of keys, each naming the keys
     to change. The checks that need a feature's code (data sources, eval tasks, the mesh against the model, LoRA)
-    live with the feature; ember.run.load_config runs them after these."""
+    live with the feature; ember.train.run.load_config runs them after these."""
     for key in ("max_steps", "global_batch_size", "micro_batch_size", "seq_len", "logging_steps"):
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"{key} must be positive, got {getattr(cfg, key)}")

@@ -218,8 +218,8 @@ class MetricsConfig:
     console: bool = True
     jsonl: bool = True
     tensorboard: bool = True
-    peak_tflops: Optional[float] = None  # per-device peak, for devices missing from ember.hardware
-    # Experiment trackers (ember/trackers.py; rank 0 only). Unset keys fall back to wandb's/MLflow's own
+    peak_tflops: Optional[float] = None  # per-device peak, for devices missing from ember.hardware.peaks
+    # Experiment trackers (ember/metrics/trackers.py; rank 0 only). Unset keys fall back to wandb's/MLflow's own
     # environment variables (WANDB_PROJECT, WANDB_ENTITY, ..., MLFLOW_TRACKING_URI); API keys only ever there.
     wandb: bool = False  # log every metrics.jsonl record and the resolved config to Weights & Biases
     wandb_project: Optional[str] = None  # default: $WANDB_PROJECT, else "ember"
@@ -264,7 +264,7 @@ class Fp8Config:
 
 @dataclass
 class ProfileConfig:
-    """torch.profiler traces of chosen steps (ember/profiling.py) into OUTPUT_DIR/profile/."""
+    """torch.profiler traces of chosen steps (ember/metrics/profiling.py) into OUTPUT_DIR/profile/."""
 
     enabled: bool = False
     step: int = 3  # the first traced step (1-based, as logged); the first steps compile and warm up
@@ -298,7 +298,7 @@ class JobConfig:
     device: str = "auto"  # auto | cpu | cuda | tpu | xla (tpu, or any jax backend: ember/xla/, the .[tpu] extra)
     resume: str = "auto"  # auto (the newest complete checkpoint in output_dir, if any) | none | a checkpoint path
     # Keys of what the run is (model.*, data.*, seed, task, seq_len, global_batch_size, lora.*, dpo.*, optim.name;
-    # ember/run_history.py) that this resume may change, e.g. [data.dataset]; a section name covers its keys.
+    # ember/checkpoint/run_history.py) that this resume may change, e.g. [data.dataset]; a section name covers its keys.
     # Unlisted, such a change is refused on resume.
     resume_allow_changes: list[str] = field(default_factory=list)
     max_skipped_steps: int = 5  # non-finite loss or grad norm: skip the step; stop after this many in a row

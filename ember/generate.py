@@ -39,7 +39,7 @@ def tokenizer_for(path: Union[str, Path], spec: Optional[str] = None) -> AnyToke
     import yaml
 
     from ember.data.tokenizer import embedded_tokenizer, load_tokenizer, torch_file_without_tokenizer
-    from ember.model_meta import MODEL_JSON, read_model_json
+    from ember.model_io.model_meta import MODEL_JSON, read_model_json
 
     if spec:
         return load_tokenizer(spec)

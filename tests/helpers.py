@@ -79,8 +79,8 @@ KILL_INJECTION = '''
 import os
 if os.environ.get("EMBER_KILL_AT_STEP") or os.environ.get("EMBER_DIE_IN_SAVE_AT"):
     import signal
-    import ember.train as t
-    import ember.checkpoint as c
+    import ember.train.trainer as t
+    import ember.checkpoint.manager as c
     kill_at = int(os.environ.get("EMBER_KILL_AT_STEP", -1))
     original_step = t.Trainer.train_step
     def train_step(self, batches):

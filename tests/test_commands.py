@@ -153,7 +153,7 @@ def test_eval_keys_are_the_configs_eval_section():
     """`ember eval`'s eval.* keys merge into EvalConfig (with ppl's window): one default (limit None: every row,
     as in training), the config's types (null unsets) and its messages for a bad type, and one line naming a bad
     key."""
-    from ember import run as run_lib
+    from ember.train import run as run_lib
     from ember.commands.eval import parse
     from ember.config_schema import EvalConfig, EvalOptions
 

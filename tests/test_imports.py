@@ -4,7 +4,7 @@
 - model code and ember/nn are single-device PyTorch: no torch.distributed;
 - ember/nn never imports ember.data (shared constants live in ember/constants.py);
 - ember/report loads no torch (`import torch` loads torch.distributed): it reads files;
-- ember/load.py imports nothing of ember/finetune (fine-tuning registers its formats with ember/sources.py)."""
+- ember/model_io/load.py imports nothing of ember/finetune (fine-tuning registers its formats with ember/model_io/sources.py)."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def _find_cycle() -> list[str] | None:
 
 
 def test_the_graph_is_read():
-    assert "ember.train" in GRAPH and "ember.step" in GRAPH["ember.train"]
+    assert "ember.train.trainer" in GRAPH and "ember.train.step" in GRAPH["ember.train.trainer"]
     assert "ember.nn.moe" in GRAPH["ember.nn.decoder"]
 
 
@@ -150,13 +150,13 @@ def test_report_reads_files_without_torch_distributed(module: str):
 
 def test_the_report_check_follows_imports_through_ember():
     # Pins the checker itself: mesh.py imports torch.distributed, train.py torch; mesh_shape.py is plain arithmetic.
-    assert "torch.distributed" in _loaded_by({"ember.parallel.mesh"}) and "torch" in _loaded_by({"ember.train"})
+    assert "torch.distributed" in _loaded_by({"ember.parallel.mesh"}) and "torch" in _loaded_by({"ember.train.trainer"})
     assert "torch" not in _loaded_by({"ember.parallel.mesh_shape"})
 
 
 def test_config_imports_nothing_of_ember_but_its_schema():
     """Config loading and merging (ember/config.py) depend on the schema and its errors only, anywhere in the file:
-    the checks that need a feature's code live with the feature (ember.run.load_config calls them)."""
+    the checks that need a feature's code live with the feature (ember.train.run.load_config calls them)."""
     ember_imports = {m for m in _imports("ember.config") if m == "ember" or m.startswith("ember.")}
     assert ember_imports <= {"ember.config_schema", "ember.overrides", "ember.errors"}, ember_imports
     assert {m for m in _loaded_by({"ember.config"}) if m in MODULES} - {"ember"} <= {
@@ -192,10 +192,10 @@ def test_the_xla_entry_points_import_jax_only_inside_functions():
 
 
 def test_the_run_and_the_trainer_name_no_engine():
-    """ember.run and the Trainer reach an engine through ember/engines.py's registry (a module path per device):
+    """ember.train.run and the Trainer reach an engine through ember/train/engines.py's registry (a module path per device):
     neither imports ember/xla, the torch engine, or the registry's entries, anywhere in the file."""
-    for module in ("ember.run", "ember.train", "ember.commands.train"):
-        named = {m for m in _imports(module) if m.startswith("ember.xla") or m == "ember.torch_engine"}
+    for module in ("ember.train.run", "ember.train.trainer", "ember.commands.train"):
+        named = {m for m in _imports(module) if m.startswith("ember.xla") or m == "ember.train.torch_engine"}
         assert not named, (module, named)
 
 
@@ -209,15 +209,15 @@ def test_no_class_subclasses_the_trainer():
 
 
 def test_loading_imports_nothing_of_finetune():
-    """ember/load.py and the source-format registry it reads (ember/sources.py) name no fine-tuning module in an
-    import, anywhere in the file, and importing ember.load loads none: LoRA checkpoints, peft adapters and base
-    fingerprints reach loading as "module:attribute" entries of ember.sources.FORMATS."""
-    for module in ("ember.load", "ember.sources"):
+    """ember/model_io/load.py and the source-format registry it reads (ember/model_io/sources.py) name no fine-tuning module in an
+    import, anywhere in the file, and importing ember.model_io.load loads none: LoRA checkpoints, peft adapters and base
+    fingerprints reach loading as "module:attribute" entries of ember.model_io.sources.FORMATS."""
+    for module in ("ember.model_io.load", "ember.model_io.sources"):
         named = {m for m in _imports(module) if m.startswith("ember.finetune")}
         assert not named, (module, named)
-    loaded = _loaded_by({"ember.load", "ember.sources"} | _imports("ember.load") | _imports("ember.sources"))
+    loaded = _loaded_by({"ember.model_io.load", "ember.model_io.sources"} | _imports("ember.model_io.load") | _imports("ember.model_io.sources"))
     assert not {m for m in loaded if m.startswith("ember.finetune")}
-    assert "ember.load" in GRAPH["ember.finetune.sources"]  # the dependency points from fine-tuning to loading
+    assert "ember.model_io.load" in GRAPH["ember.finetune.sources"]  # the dependency points from fine-tuning to loading
 
 
 def test_benchmarks_import_nothing_of_the_tests():

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ember import config as config_lib
-from ember import run as run_lib
+from ember.train import run as run_lib
 from ember.commands.recipes import _device
 from ember.models import MODELS, build_model_args
 from ember.parallel.mesh_shape import resolve_mesh

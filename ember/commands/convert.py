@@ -1,5 +1,5 @@
 """`ember convert SRC DST [--to hf|ember|torch|peft] [--merge] [--overwrite]`: between HF safetensors, ember DCP
-checkpoints and torch.save files (ember/convert.py)."""
+checkpoints and torch.save files (ember/model_io/convert.py)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ember.convert import convert
+    from ember.model_io.convert import convert
 
     target = convert(args.src, args.dst, args.to, merge=args.merge, overwrite=args.overwrite)
     print(f"wrote {args.dst} ({target})")

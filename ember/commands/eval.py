@@ -117,7 +117,7 @@ def _load(path: str, meshes: dict[str, dict[str, int]]) -> tuple[Any, Any]:
     sharded over the mesh."""
     from ember.eval.distributed import EvalRanks
     from ember.eval.sharded import load_sharded
-    from ember.load import load_model
+    from ember.model_io.load import load_model
 
     if world_size() > 1 or any(meshes.values()):
         model, ranks = load_sharded(path, meshes)

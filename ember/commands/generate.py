@@ -51,9 +51,9 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from ember.generate import check_max_new_tokens, generate, prompt_ids, sampling_temperature, tokenizer_for
-    from ember.cpu_rates import model_gemms
-    from ember.device import choose_compute_dtype, cpu_runs_bf16_natively, pick_compute_dtype, pick_device
-    from ember.load import load_model
+    from ember.hardware.cpu_rates import model_gemms
+    from ember.hardware.device import choose_compute_dtype, cpu_runs_bf16_natively, pick_compute_dtype, pick_device
+    from ember.model_io.load import load_model
 
     # Every argument is checked before anything is printed: a streamed prompt followed by an error would run
     # the two together on one line.

@@ -13,7 +13,7 @@ from rich.table import Table
 
 from ember.config import XLA_DEVICES
 from ember.errors import ConfigError
-from ember.metrics import plural
+from ember.metrics.run_metrics import plural
 from ember.usage import ArgumentParser
 from ember.plan.cost import FABRICS
 from ember.plan.planner import Plan, make_plan
@@ -43,7 +43,7 @@ def parser() -> ArgumentParser:
     p.add_argument("--nodes", type=int, default=None, metavar="M",
                    help="nodes the ranks are spread over (default: the device's per-node count, 8 GPUs)")
     p.add_argument("--device", default="h100", choices=[*FABRICS, "cpu"],
-                   help="the device type (default: h100): compute and memory from ember/hardware.py, links from "
+                   help="the device type (default: h100): compute and memory from ember/hardware/peaks.py, links from "
                    "ember/plan/cost.py")
     p.add_argument("--search", action="store_true",
                    help="try the remat policies and micro-batch sizes; list the feasible ones by predicted tokens/s")
@@ -67,7 +67,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> int:
     """Plan, print, write."""
 
-    from ember import run as run_lib
+    from ember.train import run as run_lib
     cfg = run_lib.load_config(args.recipe, args.overrides, world_size=args.world)
     # --json prints plan.json instead of the table and writes no file, unless --output names one
     path = Path(args.output) if args.output else None if args.json else Path(cfg.output_dir) / "plan.json"

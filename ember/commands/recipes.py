@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from ember import run as run_lib
+    from ember.train import run as run_lib
     from ember.models import MODELS, build_model_args
 
     table = Table(title="ember recipes")

@@ -35,16 +35,16 @@ def parse(argv: list[str], command: str = "train") -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ember import run as run_lib
+    from ember.train import run as run_lib
 
     if args.flags:
         return launch_local(args.flags, "train", args.argv,
                             lambda world: run_lib.load_config(args.recipe, args.overrides, world_size=world))
     # None: this machine's world (with device=tpu|xla, jax's devices); under torchrun, the job's
     cfg = run_lib.load_config(args.recipe, args.overrides, world_size=world_size() if "WORLD_SIZE" in os.environ else None)
-    from ember.train import Trainer, TrainingStopped  # imported after validation so config errors come back at once
+    from ember.train.trainer import Trainer, TrainingStopped  # imported after validation so config errors come back at once
 
-    trainer = Trainer(cfg)  # on the engine cfg.device trains on (ember/engines.py)
+    trainer = Trainer(cfg)  # on the engine cfg.device trains on (ember/train/engines.py)
 
     def train() -> int:
         try:

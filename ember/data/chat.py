@@ -298,7 +298,7 @@ def encode_conversations(conversations: list[list[dict]], tokenizer: Any, templa
 
 def check(cfg: JobConfig) -> None:
     """Chat SFT (data.messages_field, data.chat_template) and data.packing, against the rest of the config
-    (ember.run.load_config calls this)."""
+    (ember.train.run.load_config calls this)."""
     data = cfg.data
     if data.chat_template not in TEMPLATE_CHOICES:
         raise ConfigError(f"data.chat_template '{data.chat_template}' is not one of {', '.join(TEMPLATE_CHOICES)} "

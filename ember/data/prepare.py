@@ -31,7 +31,7 @@ from ember.constants import default_cache_dir
 from ember.data import chat, packing, sources
 from ember.data.tokenizer import AnyTokenizer
 from ember.errors import ConfigError, DataError
-from ember.staging import staged
+from ember.storage.staging import staged
 
 MANIFEST = "manifest.json"
 FORMAT, VERSION = "ember-tokens", 1

@@ -385,7 +385,7 @@ def source_fingerprint(data_cfg: DataConfig) -> Optional[str]:
 
 def check(cfg: JobConfig) -> None:
     """data.dataset and each data.mixture source: a mistyped path fails here, once, not in every rank after the
-    model is built (ember.run.load_config calls this)."""
+    model is built (ember.train.run.load_config calls this)."""
     sources = [("data.dataset", cfg.data.dataset)] + [(f"data.mixture[{i}].source", item.source)
                                                       for i, item in enumerate(cfg.data.mixture)]
     try:

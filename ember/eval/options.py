@@ -227,7 +227,7 @@ def _read_yaml(path: Path) -> dict:
 def _is_model(path: Path) -> bool:
     """Whether `path` is something load_model reads (a file, or a directory of a model); its own errors say
     what else is wrong."""
-    from ember.model_meta import MODEL_JSON
+    from ember.model_io.model_meta import MODEL_JSON
 
     return path.is_file() or any((path / name).exists() for name in (MODEL_JSON, "config.json", "checkpoints",
                                                                       "adapter_config.json"))

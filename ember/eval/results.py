@@ -66,7 +66,7 @@ def write_results(path: Path, results: dict[str, dict], target: Path) -> None:
 
 
 def step_of(path: Path) -> Optional[int]:
-    from ember.model_meta import MODEL_JSON
+    from ember.model_io.model_meta import MODEL_JSON
 
     if path.is_dir() and (path / "checkpoints").is_dir():
         steps = sorted(int(p.parent.name[5:]) for p in path.glob(f"checkpoints/step-*/{MODEL_JSON}"))

@@ -1,4 +1,4 @@
-"""The model of a distributed `ember eval`: built on the mesh by ember.run.build_model, as training builds it,
+"""The model of a distributed `ember eval`: built on the mesh by ember.train.run.build_model, as training builds it,
 and loaded sharded from the run, checkpoint or HF directory (ember/eval/distributed.py says how requests are
 shared out)."""
 
@@ -12,15 +12,15 @@ from torch import nn
 from ember.config_schema import JobConfig, ModelConfig, ParallelConfig
 from ember.errors import ConfigError
 from ember.eval.distributed import EvalRanks, eval_mesh_sections, eval_mesh_shape
-from ember.device import pick_device
-from ember.load import source_architecture
+from ember.hardware.device import pick_device
+from ember.model_io.load import source_architecture
 from ember.parallel.mesh import ParallelMesh, init_distributed
-from ember.run import build_model, resolve
+from ember.train.run import build_model, resolve
 
 
 def load_sharded(path: str, meshes: dict[str, dict[str, int]]) -> tuple[nn.Module, EvalRanks]:
     """Join the job (torchrun's environment), build the mesh, and load the model at `path` (an ember run or
-    checkpoint, or an HF directory) sharded over it, built as training builds it (ember.run.build_model).
+    checkpoint, or an HF directory) sharded over it, built as training builds it (ember.train.run.build_model).
     Returns the model in eval mode and this rank's place."""
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     shape = eval_mesh_shape(meshes, world_size)

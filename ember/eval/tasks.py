@@ -254,7 +254,7 @@ def run_tasks(model: nn.Module, tokenizer: AnyTokenizer, tasks: list[EvalTask], 
 
 def check(cfg: JobConfig) -> None:
     """In-loop eval tasks (eval.tasks): known names, and data that exists with every row's fields and types,
-    before training starts (ember.run.load_config calls this)."""
+    before training starts (ember.train.run.load_config calls this)."""
     first: dict[str, int] = {}
     for i, task in enumerate(cfg.eval.tasks):
         if task.name not in TASKS:

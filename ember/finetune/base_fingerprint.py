@@ -28,7 +28,7 @@ import torch.distributed as dist
 from ember.constants import default_cache_dir
 from ember.errors import CheckpointError, ConfigError, EmberError
 from ember.finetune.peft_format import ADAPTER_CONFIG, check_adapter_config, peft_base
-from ember.model_meta import MODEL_JSON, ember_step_dir, read_json
+from ember.model_io.model_meta import MODEL_JSON, ember_step_dir, read_json
 
 FINGERPRINT_KEY = "base_fingerprint"
 REFERENCE_FINGERPRINT_KEY = "reference_fingerprint"  # task=dpo without LoRA: model.init_from, the reference

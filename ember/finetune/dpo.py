@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
     from ember.data.chat import ChatTemplate
     from ember.parallel.mesh import ParallelMesh
-    from ember.run import RunSpec
+    from ember.train.run import RunSpec
 
 Logits = Union[torch.Tensor, list[torch.Tensor]]  # the model's output: whole, or in chunks along the sequence
 
@@ -144,11 +144,11 @@ def as_base(policy: nn.Module, start: dict[str, torch.Tensor]) -> Any:
 
 
 def dpo_objective(spec: RunSpec, mesh: Optional[ParallelMesh], policy: nn.Module) -> DPOObjective:
-    """task=dpo's loss (spec: an ember.run.RunSpec), with the frozen starting model as its reference: under LoRA
+    """task=dpo's loss (spec: an ember.train.run.RunSpec), with the frozen starting model as its reference: under LoRA
     the policy with its adapters off (no second model in memory); otherwise a second copy of the starting
     weights, built and sharded as the policy is (its init and model.init_from, never the resumed checkpoint).
     The reference's logits come in the policy's chunks."""
-    from ember.run import build_model
+    from ember.train.run import build_model
 
     if spec.cfg.lora.rank:
         start = {name: buffer.detach().clone() for name, buffer in policy.named_buffers()

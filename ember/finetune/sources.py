@@ -1,4 +1,4 @@
-"""Fine-tuning's model formats, registered with ember/sources.py (its FORMATS name LORA_CHECKPOINT and
+"""Fine-tuning's model formats, registered with ember/model_io/sources.py (its FORMATS name LORA_CHECKPOINT and
 PEFT_ADAPTER here): a LoRA checkpoint (adapters only, on the base its model.json names, whose files must be
 those it was trained on) and a peft adapter directory (on the local base its adapter_config.json names).
 Either loads as its base with the adapters: unmerged for a LoRA checkpoint (training may resume on it),
@@ -19,10 +19,10 @@ from ember.finetune.base_fingerprint import check_lora_base
 from ember.finetune.lora import LoraLinear, apply_lora, merge_lora, trainable_names
 from ember.finetune.lora_state import START, buffer_names, lora_state_dict, moved_buffers, unsaved_buffers
 from ember.finetune.peft_format import ADAPTER_CONFIG, check_adapter_config, is_peft_dir, merge_peft_adapter, peft_base
-from ember.load import _quiet_dcp, copy_whole, load_model, source_architecture
-from ember.model_meta import MODEL_JSON, build_on_meta, ember_step_dir, parse_model_meta, read_json, read_model_json
+from ember.model_io.load import _quiet_dcp, copy_whole, load_model, source_architecture
+from ember.model_io.model_meta import MODEL_JSON, build_on_meta, ember_step_dir, parse_model_meta, read_json, read_model_json
 from ember.models import family_of
-from ember.sources import Architecture, Device, ModelParts, SourceFormat
+from ember.model_io.sources import Architecture, Device, ModelParts, SourceFormat
 
 # ---- LoRA checkpoints: an ember checkpoint whose model.json says "lora" ----------------------------------
 

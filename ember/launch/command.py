@@ -39,7 +39,7 @@ def check_job(job: TrainJob) -> tuple[TrainJob, JobConfig]:
     second instead of after the queue. Returns the job with the dcn_mesh inferred (see `infer_dcn_mesh`) and
     the loaded JobConfig."""
 
-    from ember import run as run_lib
+    from ember.train import run as run_lib
     for name, value in (("--nodes", job.nodes), ("--nproc-per-node", job.nproc_per_node)):
         if value < 1:
             raise ConfigError(f"{name} must be >= 1, got {value}")

@@ -5,7 +5,7 @@ itself (jax.distributed.initialize()), so there is no torchrun and no rendezvous
 
 The submitting machine need not have jax, nor the TPU's devices, so the job is checked without them: the config at
 the schema level (`ember.config.load`: unknown keys, types, the checks that need only the config) and the mesh
-against the TPU type's chips (`tpu_chips`), not through ember.run.load_config, whose checks need the run's own
+against the TPU type's chips (`tpu_chips`), not through ember.train.run.load_config, whose checks need the run's own
 device and world.
 """
 
@@ -150,7 +150,7 @@ def _check_mesh(cfg: JobConfig, launcher: str, num_slices: int, chips: Optional[
     if math.prod(shape.dcn.values()) != num_slices:  # a dcn_mesh axis of -1 took more than the slices
         raise _slices_error(shape.dcn, launcher, num_slices)
     xla_checks.check(cfg, shape)  # what `ember train device=tpu` refuses on the hosts, refused before submitting
-    from ember.run import check_batch
+    from ember.train.run import check_batch
 
     check_batch(cfg, shape)  # the batch against the mesh the slices make (the data is the hosts' to check)
     _check_model(cfg, shape)
@@ -160,7 +160,7 @@ def _check_model(cfg: JobConfig, shape: MeshShape) -> None:
     """model.* (remat, head_dim, ...) against the model and the layout, as the hosts would; a model.init_from is a
     path on the hosts, read there."""
     if not cfg.model.init_from:
-        from ember.run import check_model
+        from ember.train.run import check_model
 
         check_model(cfg, shape)
 

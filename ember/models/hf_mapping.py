@@ -1,7 +1,7 @@
 """HFMapping: how one family's hyper-parameters and weights map to and from Hugging Face transformers.
 
 Each family's `hf.py` module is its mapping (a module satisfies a Protocol by its functions); ModelSpec.hf holds it,
-and ember/hf_directory.py, load.py and convert.py call only what is declared here. GLaM, which has no HF form,
+and ember/model_io/hf_directory.py, load.py and convert.py call only what is declared here. GLaM, which has no HF form,
 implements it by refusing each conversion in one line.
 """
 

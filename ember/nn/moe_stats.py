@@ -46,7 +46,7 @@ class RouterLoss:
 
 @dataclass(frozen=True)
 class MoEOptions:
-    """A MoE layer's construction options that come from the run, not the architecture (ember/run.py's
+    """A MoE layer's construction options that come from the run, not the architecture (ember/train/run.py's
     build_model passes them to the families' MoE layers)."""
 
     router_loss: RouterLoss = RouterLoss()

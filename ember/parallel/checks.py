@@ -14,7 +14,7 @@ from ember.parallel.pp import SCHEDULES as PP_SCHEDULES
 
 def check(cfg: JobConfig, shape: MeshShape, args: Any) -> None:
     """The mesh and the parallel.* keys against the model (`args`, its hyper-parameters) and the rest of the
-    config: each refusal names the keys to change (ember.run.load_config calls this, before any work)."""
+    config: each refusal names the keys to change (ember.train.run.load_config calls this, before any work)."""
     if cfg.model.remat not in REMAT_POLICIES:
         raise not_one_of("model.remat", cfg.model.remat, REMAT_POLICIES)
     par = cfg.parallel

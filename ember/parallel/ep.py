@@ -23,7 +23,7 @@ def apply_ep(moe_layers: list[nn.Module], ep_mesh: DeviceMesh) -> None:
     """Shard each MoE layer's experts over `ep_mesh` (Shard(0) over the expert dimension: rank r holds
     experts r*E/ep .. (r+1)*E/ep - 1). Works on a model built on meta (shapes only), before to_empty and init.
     The layers route their tokens through `expert_dispatch(ep_mesh)`, which build_model gave them at
-    construction (ember/run.py)."""
+    construction (ember/train/run.py)."""
     ep = ep_mesh.size()
     for moe in moe_layers:
         if moe.n_experts % ep:

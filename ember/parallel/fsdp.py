@@ -60,7 +60,7 @@ def apply_fsdp(
             # Not resharded after forward: backward starts here at once and would gather it straight back.
             fully_shard(head, reshard_after_forward=False, **common)
         fully_shard(model, reshard_after_forward=reshard_after_forward, **common)
-    # ember's loss is already the mean over the global batch's tokens (ember/step.py divides by the global
+    # ember's loss is already the mean over the global batch's tokens (ember/train/step.py divides by the global
     # token count), so the gradient reductions must sum, not average. gloo has no PREMUL_SUM, so the
     # reductions are forced to plain sums as well.
     for module in model.modules():

@@ -19,7 +19,7 @@ AXES = ("pipeline", "data", "fsdp", "context", "expert", "tensor")
 
 
 class MeshError(ValueError):
-    """The mesh does not fit the world; ember.engines.mesh_shape turns this into a one-line ConfigError."""
+    """The mesh does not fit the world; ember.train.engines.mesh_shape turns this into a one-line ConfigError."""
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@
 
 A family supplies only its tensor-parallel plan (models/<family>/parallelize.py); what expert parallelism
 shards is the model's own MoE layers (`Decoder.moe_layers()`). Pipeline splitting happens before, in
-ember/run.py's build_model: each stage is the same Decoder class holding some layers and is parallelised the same way.
+ember/train/run.py's build_model: each stage is the same Decoder class holding some layers and is parallelised the same way.
 See docs/architecture.md for where each axis comes from.
 
 MoE layers under tensor parallelism are not split: each runs on its tensor rank's own sequence shard (the
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class ParallelOptions:
     """What `parallelize` applies besides the mesh and the family's TP plan: the parallel part of a run
-    (ember.run.RunSpec.parallel), decided by ember.run.resolve. The defaults apply nothing but the mesh."""
+    (ember.train.run.RunSpec.parallel), decided by ember.train.run.resolve. The defaults apply nothing but the mesh."""
 
     compile: bool = False
     remat: str = "none"
@@ -109,7 +109,7 @@ def parallelize(model: nn.Module, mesh: Optional[ParallelMesh], tp_plan: TPPlan,
                 lora: Optional[Callable[[nn.Module], list[str]]] = None) -> nn.Module:
     """Apply every parallelism to `model` (a Decoder or pipeline stage built on meta), in place. `mesh` is an
     ember.parallel.mesh.ParallelMesh, or None for a single device; an axis of degree 1 is skipped. `options`
-    is the run's (ember.run.RunSpec.parallel). `lora`: ember.finetune.lora.apply_lora with its settings bound,
+    is the run's (ember.train.run.RunSpec.parallel). `lora`: ember.finetune.lora.apply_lora with its settings bound,
     run right after TP (its docstring says why). options.fp8_recipe (tensorwise | rowwise) converts the
     linears to float8 training first (ember/parallel/fp8.py)."""
     fp8_recipe, loss_parallel = options.fp8_recipe, options.loss_parallel

@@ -3,7 +3,7 @@ needs CUDA (it aborts on CPU). What it assumes is stated here, next to the numbe
 
 Compute: the model's training FLOPs per token (ember/models/*/model.py: 6N + attention, PaLM appendix B)
 times the global batch's tokens, plus the forwards that activation checkpointing repeats, over the world's
-peak (ember/hardware.py) times COMPUTE_EFFICIENCY. Communication: the bytes each rank sends per step on
+peak (ember/hardware/peaks.py) times COMPUTE_EFFICIENCY. Communication: the bytes each rank sends per step on
 each group (ring algorithms: an all-gather or reduce-scatter of S bytes over n ranks sends S (n-1)/n per
 rank, an all-reduce twice that, an all-to-all S (n-1)/n), over the group's link bandwidth times
 LINK_EFFICIENCY: within a node when every rank of the group is on one node, else the inter-node one.
@@ -20,10 +20,10 @@ from typing import Optional
 
 import torch
 
-from ember import hardware
+from ember.hardware import peaks as hardware
 from ember.errors import ConfigError
 from ember.plan.memory import sharded_dims
-from ember.run import RunSpec
+from ember.train.run import RunSpec
 
 # Assumptions (not measured here; no accelerator was available to calibrate them):
 # - the share of the dense peak a training step's matmuls reach: large bf16 GEMMs run at 70-80% of an H100's
@@ -40,7 +40,7 @@ MEMORY_RESERVE = 0.1
 
 @dataclass(frozen=True)
 class Fabric:
-    """A device as `--device` names it: its compute and memory (ember.hardware), devices per node, and the
+    """A device as `--device` names it: its compute and memory (ember.hardware.peaks), devices per node, and the
     bandwidth per device in one direction, in GB/s (10^9 bytes), within a node and across nodes."""
 
     spec: hardware.DeviceSpec
@@ -83,7 +83,7 @@ def fabric(name: str) -> Fabric:
 
 def cpu_fabric(world_size: int, dtype: torch.dtype = torch.float32) -> Fabric:
     """This machine's CPU (the plan checked against real CPU runs): the measured matmul peak (bf16's too for a
-    bf16 plan, as ember.hardware.peak_flops measures it for a run) shared by the ranks (gloo processes or jax's
+    bf16 plan, as ember.hardware.peaks.peak_flops measures it for a run) shared by the ranks (gloo processes or jax's
     virtual devices all run on these cores), host memory, every rank on one node (gloo over loopback; the
     bandwidth is a placeholder)."""
     ranks = max(world_size, 1)
@@ -108,7 +108,7 @@ def peak_flops(fab: Fabric, dtype: torch.dtype, fp8: bool = False) -> float:
         return spec.fp8
     if dtype in (torch.bfloat16, torch.float16) and spec.bf16:
         return spec.bf16
-    # fp32 as the trainer runs it (ember leaves TF32 off, as ember.hardware's MFU assumes); a TPU, which lists
+    # fp32 as the trainer runs it (ember leaves TF32 off, as ember.hardware.peaks's MFU assumes); a TPU, which lists
     # no fp32 rate, runs fp32 matmuls in bf16 passes
     return spec.fp32 or spec.tf32 or spec.bf16
 

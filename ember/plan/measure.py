@@ -28,9 +28,9 @@ import torch
 import torch.distributed as dist
 
 
-from ember import run as run_lib
+from ember.train import run as run_lib
 from ember.plan.trackers import step_memory_tracker, total_bytes
-from ember.train import Trainer
+from ember.train.trainer import Trainer
 
 
 def _local_bytes(t: torch.Tensor) -> int:
@@ -117,7 +117,7 @@ def measure_layouts(world: int, cases: dict[str, list[str]], out: Path, recipe: 
 def compare(world: int, name: str, overrides: list[str], measured: list[dict[str, int]], recipe: str = RECIPE,
             base: list[str] = BASE) -> list[dict[str, Any]]:
     """One row per rank: the plan's bytes beside the measured ones."""
-    from ember import run as run_lib
+    from ember.train import run as run_lib
     from ember.plan.planner import make_plan
 
     cfg = run_lib.load_config(recipe, [*base, *overrides], world_size=world)

@@ -31,11 +31,11 @@ from torch import nn
 
 from ember.config_schema import JobConfig
 from ember.nn.loss import blocks_sized_for
-from ember.optim import build_optimizer
+from ember.train.optim import build_optimizer
 from ember.parallel.mesh import ParallelMesh
 from ember.plan.trackers import fsdp_step_tracker, step_memory_tracker, total_bytes, untracked_sharding_propagation
-from ember.run import RunSpec, build_model, resolve, respecify
-from ember.step import ForwardBackward, token_loss_sum
+from ember.train.run import RunSpec, build_model, resolve, respecify
+from ember.train.step import ForwardBackward, token_loss_sum
 
 if TYPE_CHECKING:
     from torch.distributed._tools.mem_tracker import MemTracker
@@ -45,7 +45,7 @@ STEP_BYTES = 4  # AdamW's per-parameter `step`: a float32 scalar tensor with the
 
 
 def plan_spec(cfg: JobConfig, world: int, device_type: str, compute_dtype: torch.dtype) -> RunSpec:
-    """The run the plan models: ember.run.resolve's RunSpec for `world` devices of `device_type` ("cuda" for
+    """The run the plan models: ember.train.run.resolve's RunSpec for `world` devices of `device_type` ("cuda" for
     the accelerators in the plan's table, or "cpu") computing in the planner's `compute_dtype`."""
     return resolve(cfg, world, torch.device(device_type), compute_dtype=compute_dtype)
 
@@ -92,7 +92,7 @@ def _clear_dtensor_caches() -> None:
 
 def build_parts(spec: RunSpec, mesh: Optional[ParallelMesh], stage_ids: list[int], args: Any = None,
                 num_stages: Optional[int] = None) -> list[nn.Module]:
-    """This rank's model parts on meta, split and parallelized by ember.run.build_model as the trainer builds
+    """This rank's model parts on meta, split and parallelized by ember.train.run.build_model as the trainer builds
     them, LoRA included (frozen matrices, in bf16 under bf16 compute, and the adapters). Less what changes no
     byte the plan counts and has no fake-tensor or CPU form: compile, ring and flex attention, float8 linears,
     CPU offload (the planner prices FP8's matmuls and CP's traffic itself)."""

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import torch
 
-from ember import run as run_lib
+from ember.train import run as run_lib
 from ember.config import XLA_DEVICES
 from ember.config_schema import JobConfig
 from ember.errors import ConfigError
@@ -26,7 +26,7 @@ from ember.plan import cost
 from ember.plan.memory import (StateBytes, build_parts, fake_world, layer_period, named_params, plan_spec, state_bytes,
                                tracked_forwards, with_micro_batch)
 from ember.plan.stages import StageModel, model_stage, offloaded
-from ember.run import RunSpec
+from ember.train.run import RunSpec
 
 EXACT_WORLD = 64  # uneven shards: every rank built up to this world size
 SEARCH_POLICIES = ("none", "op", "selective", "full")
@@ -106,7 +106,7 @@ class Plan:
 
 
 def compute_dtype(cfg: JobConfig, device: str) -> torch.dtype:
-    """The trainer's choice (ember.run.choose_precision): on `--device cpu` this machine's CPU decides (bf16 where
+    """The trainer's choice (ember.train.run.choose_precision): on `--device cpu` this machine's CPU decides (bf16 where
     its bf16 matmuls measured faster at the model's shapes); accelerators in the table all run bf16."""
     if device == "cpu":
         return run_lib.choose_precision(cfg, torch.device("cpu"), run_lib.model_choice(cfg).args).dtype

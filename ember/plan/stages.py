@@ -22,7 +22,7 @@ from torch import nn
 from ember.parallel.mesh import ParallelMesh
 from ember.plan.memory import Tracked, build_parts, layer_period, layer_prefix, track_step
 from ember.plan.trackers import REGIONS
-from ember.run import RunSpec
+from ember.train.run import RunSpec
 
 
 def cut_stage(spec: RunSpec, mesh: Optional[ParallelMesh], kind: str, n_layers: int) -> nn.Module:

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
                                                    TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from ember.checkpoint import CheckpointManager
+from ember.checkpoint.manager import CheckpointManager
 from ember.errors import CheckpointError
 
 HOST_DIR = "host{}"

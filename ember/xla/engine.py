@@ -1,7 +1,7 @@
 """The XLA SPMD engine (device=tpu|xla): the step compiled by XLA over weights and optimizer state held as sharded
-jax arrays (ember/xla/step.py), behind the interface ember/torch_engine.py's TorchEngine has.
+jax arrays (ember/xla/step.py), behind the interface ember/train/torch_engine.py's TorchEngine has.
 
-What it shares with the torch engine through ember/train.py's Trainer, unchanged: the run's decisions
+What it shares with the torch engine through ember/train/trainer.py's Trainer, unchanged: the run's decisions
 (run.resolve), the model (run.build_model, on meta; its seeded init is the torch path's, weight for weight), the
 loaders and their exact resume, the LR schedule (a torch LambdaLR whose value each step is an argument of the
 compiled step), health checks, metrics, the header, run.json, and checkpoints in ember's own format, written and
@@ -21,15 +21,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from ember import run as run_lib
+from ember.train import run as run_lib
 from ember.config_schema import JobConfig
 from ember.data.tokenizer import AnyTokenizer
 from ember.eval.distributed import EvalRanks
-from ember.hardware import PeakFlops
+from ember.hardware.peaks import PeakFlops
 from ember.nn.moe_stats import MoEStats
-from ember.optim import build_optimizer
-from ember.run import RunSpec
-from ember.step import Batch
+from ember.train.optim import build_optimizer
+from ember.train.run import RunSpec
+from ember.train.step import Batch
 from ember.xla import mesh as mesh_lib
 from ember.xla import runtime
 from ember.xla.checkpoint import DeviceState, RestoredState, XlaCheckpointManager
@@ -84,7 +84,7 @@ class XlaEngine:
         return self.cfg.micro_batch_size * self.spec.shape.dp // hosts, self.rank, hosts
 
     def checkpoint_manager(self, *args: Any, **kwargs: Any) -> XlaCheckpointManager:
-        """ember/checkpoint.py's manager over the sharded device arrays (each host its own chunks)."""
+        """ember/checkpoint/manager.py's manager over the sharded device arrays (each host its own chunks)."""
         layout = self.layout
         device_state = DeviceState(layout.names, layout.shapes, layout.param_shardings, layout.opt_shardings,
                                    tied_aliases(self.model), _param_groups(self.model, self.optimizer),
@@ -210,10 +210,10 @@ def _power_of_two(n: int) -> int:
 
 
 def _peak(cfg: JobConfig, device_kind: str, dtype: torch.dtype) -> PeakFlops:
-    """The MFU peak: a TPU's or GPU's datasheet peak (ember/hardware.py), or on jax's CPU backend this CPU's."""
+    """The MFU peak: a TPU's or GPU's datasheet peak (ember/hardware/peaks.py), or on jax's CPU backend this CPU's."""
     import jax
 
-    from ember import hardware
+    from ember.hardware import peaks as hardware
 
     if cfg.device == "tpu":
         return hardware.tpu_peak_flops(device_kind, dtype, cfg.metrics.peak_tflops)

@@ -13,9 +13,9 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from ember.optim import param_groups
-from ember import run as run_lib
-from ember.run import RunSpec
+from ember.train.optim import param_groups
+from ember.train import run as run_lib
+from ember.train.run import RunSpec
 from ember.xla import mesh as mesh_lib
 from ember.nn.moe_stats import MoEOptions, MoEStats
 from ember.xla.attention import attention_kernel

@@ -24,7 +24,7 @@ from ember.errors import ConfigError
 def compiled_memory_here(cfg: JobConfig, world: int, target: str) -> dict[str, int]:
     """In a process whose jax has >= `world` devices: the compiled step's memory per device (layout.compiled_memory)
     for `cfg` on `world` devices of `target` (tpu: bf16 compute, else the precision's)."""
-    from ember import run as run_lib
+    from ember.train import run as run_lib
     from ember.xla import mesh as mesh_lib
     from ember.xla import runtime
     from ember.xla.layout import compiled_memory, layout_for

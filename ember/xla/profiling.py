@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 
-from ember.profiling import StepProfiler
+from ember.metrics.profiling import StepProfiler
 
 
 class JaxStepProfiler(StepProfiler):

@@ -1,4 +1,4 @@
-"""The XLA engine's rules (ember/engines.py's registry entry for device=tpu|xla): the world (every jax device of
+"""The XLA engine's rules (ember/train/engines.py's registry entry for device=tpu|xla): the world (every jax device of
 every host), the mesh with what the engine refuses (ember/xla/checks.py), the model checks, the compute dtype.
 Imports no jax and no torch until a rule is called."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ember.config_schema import JobConfig
-from ember.engines import EngineRules, mesh_shape
+from ember.train.engines import EngineRules, mesh_shape
 from ember.errors import ConfigError
 from ember.parallel.mesh_shape import MeshShape
 from ember.xla import checks

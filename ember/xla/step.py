@@ -3,7 +3,7 @@ clipping and the AdamW update, over weights and optimizer state that live as sha
 
 torch autograd does not run under jax tracing (`loss.backward()` sees no graph), so the step is functional:
 the model's forward is called with the jax arrays as its parameters (torchax's reparametrisation) inside
-`jax.value_and_grad`. The loss math is the torch path's (ember/step.py): the summed token cross-entropy of each
+`jax.value_and_grad`. The loss math is the torch path's (ember/train/step.py): the summed token cross-entropy of each
 micro-batch times 1 / (target tokens of the global batch), in fp32; the MoE router losses join the objective,
 not the reported loss, weighted as the torch engine's nn/moe_stats.RouterLoss weighs them. What differs, and why:
 - the cross-entropy is F.cross_entropy, not nn/loss.py's fused one (its in-place exp_ has no jax lowering);
@@ -278,7 +278,7 @@ def build_step(model: nn.Module, scanned: Optional[ScannedBlocks], stats: MoESta
         (grads, loss, counts), aux = jax.lax.scan(body, zeros, (inputs, labels))
         return grads, loss, counts, aux[-1]
 
-    def token_scale(labels: Any) -> Any:  # 1 / target tokens of the global batch, as ember/step.py weighs
+    def token_scale(labels: Any) -> Any:  # 1 / target tokens of the global batch, as ember/train/step.py weighs
         return 1.0 / jnp.maximum(jnp.sum(labels != IGNORE_INDEX), 1).astype(jnp.float32)
 
     def train(params: Params, opt_state: Any, inputs: Any, labels: Any, lr: Any) -> tuple:
@@ -289,7 +289,7 @@ def build_step(model: nn.Module, scanned: Optional[ScannedBlocks], stats: MoESta
             grads = jax.tree.map(lambda g: g * coef, grads)
         updates, new_opt = tx.update(grads, opt_state, params)
         new_params = jax.tree.map(lambda p, u: p - lr * u, params, updates)
-        finite = jnp.isfinite(loss) & jnp.isfinite(norm)  # a non-finite step changes nothing (ember/train.py)
+        finite = jnp.isfinite(loss) & jnp.isfinite(norm)  # a non-finite step changes nothing (ember/train/trainer.py)
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
         return keep(new_params, params), keep(new_opt, opt_state), loss, norm, counts, aux
 

@@ -59,7 +59,7 @@ def test_killed_run_resumes_bit_for_bit(uninterrupted: Path, tmp_path: Path):
 def test_score_biases_resume_bit_for_bit(tmp_path: Path):
     """DeepSeek-V3's router score biases move after every step (aux-loss-free balancing) and are model state: a
     killed run resumes with them as they were, so every later step and the final biases equal an uninterrupted run's."""
-    from ember.load import load_model
+    from ember.model_io.load import load_model
 
     # the debug flavor's MLA and grouped sigmoid routing, two layers (one dense, one MoE)
     args = [a for a in TINY if not a.startswith("model.")] + ["model.family=deepseek_v3", "model.n_layers=2",

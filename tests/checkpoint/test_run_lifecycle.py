@@ -11,13 +11,13 @@ import torch
 import transformers
 
 
-from ember import run as run_lib
-from ember.run_dir import archive_previous_run
+from ember.train import run as run_lib
+from ember.checkpoint.run_dir import archive_previous_run
 from ember.config import ConfigError
-from ember.convert import save_ember_checkpoint
+from ember.model_io.convert import save_ember_checkpoint
 from ember.models import build_model_args
 from ember.models.llama import Transformer
-from ember.train import Trainer
+from ember.train.trainer import Trainer
 from tests.helpers import read_records, run_ember, tiny_model
 
 TINY = ["data.dataset=synthetic", *tiny_model(2), "model.vocab_size=256", "seq_len=32", "global_batch_size=4",

@@ -9,7 +9,7 @@ import pytest
 
 from ember import config as config_lib
 
-from ember import run as run_lib
+from ember.train import run as run_lib
 from ember.config import ConfigError
 from ember.parallel.mesh_shape import fewest_ranks
 
@@ -193,7 +193,7 @@ def test_init_from_gives_the_family_and_only_a_command_line_family_can_contradic
     # docs/training-and-config.md: with model.init_from "the architecture is the source's (its config.json or
     # model.json), its family included: nothing to restate". A recipe's model.family (llama3.2-1b's llama3.2) is a
     # default the source (a llama3 run) replaces.
-    from ember.convert import save_ember_checkpoint
+    from ember.model_io.convert import save_ember_checkpoint
     from ember.models import build_model_args
     from ember.models.llama import Transformer
 

@@ -9,7 +9,7 @@ from chat_testing import (CHATML, CONVERSATION, LLAMA3, LLAMA3_MARKED, chat_file
                           private_cache, write_tokenizer)  # private_cache: autouse, token caches in the test's folder
 from data_testing import DataCfg
 
-from ember import run as run_lib
+from ember.train import run as run_lib
 from ember.constants import IGNORE_INDEX
 from ember.data import chat
 from ember.data import prepare as prepare_lib

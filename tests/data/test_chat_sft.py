@@ -10,7 +10,7 @@ import torch
 from chat_testing import CHATML, LLAMA3, chat_file, conversation, private_cache, write_tokenizer  # noqa: F401
 from data_testing import DataCfg
 
-from ember import run as run_lib
+from ember.train import run as run_lib
 from ember.constants import IGNORE_INDEX
 from ember.data import chat, packing
 from ember.data.loader import build_loader
@@ -68,7 +68,7 @@ def test_packed_chat_keeps_resumable_state(tmp_path: Path):
 # ---------------------------------------------------------------- a short run: the assistant loss falls
 @pytest.mark.slow
 def test_chat_sft_run_lowers_assistant_loss(tmp_path: Path):
-    from ember.train import Trainer
+    from ember.train.trainer import Trainer
 
     folder = write_tokenizer(tmp_path / "tok", LLAMA3)
     cfg = run_lib.load_config("debug", [
@@ -86,7 +86,7 @@ def test_chat_sft_run_lowers_assistant_loss(tmp_path: Path):
 @pytest.mark.slow
 def test_lora_chat_sft_lowers_assistant_loss_with_the_base_frozen(tmp_path: Path):
     """Issue 15's LoRA SFT: adapters on a frozen base (a 2-step run of the same shape), trained on conversations."""
-    from ember.train import Trainer
+    from ember.train.trainer import Trainer
 
     folder = write_tokenizer(tmp_path / "tok", LLAMA3)
     common = ["metrics.console=false", "model.n_layers=2", "model.vocab_size=512", "seq_len=64", "global_batch_size=8",

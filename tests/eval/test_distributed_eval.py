@@ -72,7 +72,7 @@ def test_distributed_tasks_equal_one_process(run: Path, axis: str):
 def test_the_lm_eval_adapter_on_a_mesh_equals_one_process(run: Path, axis: str):
     from ember.eval.harness import EmberLM
     from ember.generate import tokenizer_for
-    from ember.load import load_model
+    from ember.model_io.load import load_model
 
     rng = random.Random(1)
     requests = {"loglikelihood": [(_text(rng, 3, 40), " " + rng.choice(WORDS)) for _ in range(7)],

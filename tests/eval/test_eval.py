@@ -283,7 +283,7 @@ def test_in_loop_eval_logs_the_tasks_and_equals_ember_eval(tmp_path: Path):
 
 
 def test_in_loop_eval_config_errors(tmp_path: Path):
-    from ember import run as run_lib
+    from ember.train import run as run_lib
     from ember.config import ConfigError
 
     for tasks in ("[{name: mmlu, data: x.jsonl}]", "[{name:mmlu,data:x.jsonl}]", "[{name:mmlu, data:x.jsonl}]"):

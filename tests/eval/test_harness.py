@@ -14,7 +14,7 @@ from lm_eval.api.instance import Instance
 from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
 
-from ember.convert import convert, save_hf
+from ember.model_io.convert import convert, save_hf
 from ember.data.tokenizer import embedded_tokenizer
 from ember.eval.harness import EmberLM
 from ember.models import MODELS, build_model_args

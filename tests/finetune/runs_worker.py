@@ -12,8 +12,8 @@ import json
 import sys
 from pathlib import Path
 
-from ember import run as run_lib
-from ember.train import Trainer
+from ember.train import run as run_lib
+from ember.train.trainer import Trainer
 
 
 def main() -> None:

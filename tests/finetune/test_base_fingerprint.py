@@ -11,13 +11,13 @@ import pytest
 import torch
 
 
-from ember import run as run_lib
-from ember.convert import convert, save_hf
+from ember.train import run as run_lib
+from ember.model_io.convert import convert, save_hf
 from ember.errors import CheckpointError, ConfigError, EmberError
 from ember.finetune import base_fingerprint
 from ember.finetune.base_fingerprint import differences, fingerprint
-from ember.load import load_model, load_weights
-from ember.train import Trainer
+from ember.model_io.load import load_model, load_weights
+from ember.train.trainer import Trainer
 from tests.helpers import tiny_model
 
 SHAPE = ["data.dataset=synthetic", *tiny_model(2), "model.vocab_size=512", "seq_len=32", "global_batch_size=8",

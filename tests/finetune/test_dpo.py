@@ -152,7 +152,7 @@ def test_dpo_mistakes_are_one_line(pairs: Path, tmp_path: Path):
                           ([f"data.dataset={pairs}", "task=ppo"], "task 'ppo' is not one of lm, dpo")]:
         proc = run_ember("train", "debug", "task=dpo", *args, *TINY, "max_steps=1", f"output_dir={tmp_path / 'x'}")
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr, (args, proc.stderr)
-    from ember import run as run_lib
+    from ember.train import run as run_lib
     from ember.config import ConfigError
 
     with pytest.raises(ConfigError, match="task=dpo scores whole sequences per rank; pipeline parallelism"):

@@ -14,13 +14,13 @@ import pytest
 import torch
 
 
-from ember import run as run_lib
+from ember.train import run as run_lib
 from ember.errors import CheckpointError, ConfigError
-from ember.device import cpu_runs_bf16_natively
+from ember.hardware.device import cpu_runs_bf16_natively
 from ember.finetune.lora import LoraLinear, apply_lora, init_lora, lora_disabled, merge_lora
-from ember.convert import convert
-from ember.load import load_model
-from ember.train import Trainer
+from ember.model_io.convert import convert
+from ember.model_io.load import load_model
+from ember.train.trainer import Trainer
 from tests.helpers import job_env, kill_injection, losses_by_step, run_ember, run_layouts, tiny_model
 
 # The layouts tests' shape: 4 layers, 4 query / 2 K/V heads (tensor=2 splits them), seq 32.

@@ -10,12 +10,12 @@ import pytest
 import safetensors.torch
 import torch
 
-from ember import run as run_lib
-from ember.convert import convert
+from ember.train import run as run_lib
+from ember.model_io.convert import convert
 from ember.errors import CheckpointError
 from ember.finetune.peft_format import PREFIX
-from ember.load import load_model
-from ember.train import Trainer
+from ember.model_io.load import load_model
+from ember.train.trainer import Trainer
 
 SMALL = ["model.n_layers=2", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=512",
          "data.dataset=synthetic", "seq_len=32", "global_batch_size=8", "micro_batch_size=8", "logging_steps=1",
@@ -100,7 +100,7 @@ def _lora_model(family: str, overrides: dict, targets: list[str], hf_dir: Path |
     args and the adapters' state as a LoRA checkpoint holds them. With `hf_dir`: initialised weights, written there as
     the base's HF directory before the adapters are added, and a random B, so that the adapters change the logits
     (without, only names and shapes count)."""
-    from ember.convert import save_hf
+    from ember.model_io.convert import save_hf
     from ember.finetune.lora import apply_lora, init_lora, trainable_state_dict
     from ember.models import MODELS, build_model_args
 

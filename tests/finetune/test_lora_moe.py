@@ -12,11 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ember import run as run_lib
-from ember.convert import convert
+from ember.train import run as run_lib
+from ember.model_io.convert import convert
 from ember.errors import CheckpointError
-from ember.load import load_model
-from ember.train import Trainer
+from ember.model_io.load import load_model
+from ember.train.trainer import Trainer
 from tests.helpers import job_env
 
 pytestmark = pytest.mark.slow
@@ -137,7 +137,7 @@ def test_dpo_s_reference_on_a_deepseek_v3_lora_policy_is_the_base_with_its_score
 
 def test_a_lora_checkpoint_saved_without_buffers_loads_and_resumes_on_the_base_s(tmp_path, monkeypatch, capsys):
     # what a LoRA checkpoint held before buffers were kept: the trainable tensors only
-    import ember.checkpoint
+    import ember.checkpoint.manager
     from ember.finetune.lora import trainable_state_dict
 
     base, run = tmp_path / "base", tmp_path / "lora"
@@ -145,8 +145,8 @@ def test_a_lora_checkpoint_saved_without_buffers_loads_and_resumes_on_the_base_s
                                           f"output_dir={base}"])).train()
     lora = [*SMALL, *_lora("deepseek_v3", base), "checkpoint.interval=2", f"output_dir={run}"]
     with monkeypatch.context() as old:
-        old.setattr(ember.checkpoint, "lora_state_dict", trainable_state_dict)
-        old.setattr(ember.checkpoint, "start_buffers", lambda parts: {})
+        old.setattr(ember.checkpoint.manager, "lora_state_dict", trainable_state_dict)
+        old.setattr(ember.checkpoint.manager, "start_buffers", lambda parts: {})
         Trainer(run_lib.load_config("debug", [*lora, "max_steps=2"])).train()
     base_biases = {n: b for n, b in load_model(base).named_buffers() if n.endswith("score_bias")}
     loaded = dict(load_model(run).named_buffers())

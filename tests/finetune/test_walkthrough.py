@@ -55,7 +55,7 @@ def test_hf_folder_to_sft_lora_to_hf_to_dpo_lora_to_peft(tmp_path: Path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ember.load import load_model
+    from ember.model_io.load import load_model
 
     base = _hf_folder(tmp_path / "Llama-tiny")
     rng = random.Random(0)

@@ -11,7 +11,7 @@ import transformers
 
 from ember.errors import ConfigError
 from ember.generate import attach_kv_caches, detach_kv_caches, generate
-from ember.convert import save_hf
+from ember.model_io.convert import save_hf
 from ember.models import MODELS, build_model_args
 from tests.helpers import TINY_RUN, IdTokenizer, run_ember
 
@@ -269,7 +269,8 @@ def test_cli_precision_auto_measures_the_models_decode_matmuls(trained_run: Path
                                                                capsys, fp32, bf16, dtype):
     """On a CPU with bf16 instructions, auto is measured at this model's forward GEMMs on a decode step's rows (one
     per prompt): an AVX512-BF16 Xeon without AMX (bf16 at 0.53x) keeps fp32 weights, an AMX CPU takes bf16."""
-    from ember import cpu_rates, device
+    from ember.hardware import cpu_rates
+    from ember.hardware import device
     from ember.commands import generate as generate_command
 
     monkeypatch.delenv("EMBER_CPU_BF16", raising=False)

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 # Allocates a 64 MiB tensor and reads glibc's mallinfo2: hblkhd is the bytes held in mmapped blocks.
 PROBE = """
 import ctypes, json, torch
-from ember.cpu_allocator import keep_freed_cpu_memory
+from ember.hardware.cpu_allocator import keep_freed_cpu_memory
 
 class MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in

@@ -1,5 +1,5 @@
 """precision=auto on a CPU chooses by measurement, not by the CPU's flags: bf16 only where this CPU's bf16 matmuls
-ran at least 1.2x fp32's at the model's own GEMM shapes (ember.device.choose_compute_dtype, ember.cpu_rates). Each
+ran at least 1.2x fp32's at the model's own GEMM shapes (ember.hardware.device.choose_compute_dtype, ember.hardware.cpu_rates). Each
 outcome is faked (an AVX512-BF16 Xeon without AMX at 0.5x, an AMX or Zen 4 CPU at 2.9x, a near tie), so every
 machine runs every branch; one test times the real kernels for plausibility only."""
 
@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from ember import cpu_rates, device, hardware
-from ember import run as run_lib
-from ember.metrics import format_line, throughput_record
+from ember.hardware import cpu_rates
+from ember.hardware import device
+from ember.hardware import peaks as hardware
+from ember.train import run as run_lib
+from ember.metrics.run_metrics import format_line, throughput_record
 
 CPU = torch.device("cpu")
 

@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from ember import cpu_rates, device, hardware
+from ember.hardware import cpu_rates
+from ember.hardware import device
+from ember.hardware import peaks as hardware
 from ember.errors import ConfigError
-from ember.hardware import match_device, peak_flops
+from ember.hardware.peaks import match_device, peak_flops
 
 
 @pytest.mark.parametrize(
@@ -219,7 +221,7 @@ def test_ranks_starting_together_measure_once(tmp_path: Path):
     # holds the lock until every rank has said it is about to ask for the peak (a marker file each), so the
     # others meet the lock however slowly this machine starts them; the ceiling only bounds a hang.
     counter = tmp_path / "measured"
-    code = ("import os, pathlib, time, ember.cpu_rates as h\n"
+    code = ("import os, pathlib, time, ember.hardware.cpu_rates as h\n"
             f"here = pathlib.Path({str(tmp_path)!r})\n"
             "def slow(dtype=None):\n"
             "    (here / 'measured').open('a').write('x')\n"

@@ -1,11 +1,11 @@
 """The Cloud TPU rows of the peak table: jax's device kinds and users' names to a chip, the peak per dtype, the
-unknown-chip and metrics.peak_tflops paths (ember.hardware.tpu_spec, tpu_peak_flops)."""
+unknown-chip and metrics.peak_tflops paths (ember.hardware.peaks.tpu_spec, tpu_peak_flops)."""
 
 import pytest
 import torch
 
-from ember import hardware
-from ember.hardware import PeakFlops, named_peak_flops, tpu_peak_flops, tpu_spec
+from ember.hardware import peaks as hardware
+from ember.hardware.peaks import PeakFlops, named_peak_flops, tpu_peak_flops, tpu_spec
 
 # (entry, bf16 TFLOP/s, fp8 TFLOP/s or None, HBM GiB): the Cloud TPU system-architecture pages' figures.
 TABLE = [
@@ -90,12 +90,12 @@ def test_the_label_names_the_chip_and_its_source():
 def test_fp8_peak_where_the_page_gives_a_faster_one():
     assert tpu_peak_flops("TPU7x", torch.float8_e4m3fn, None).value_flops == 4614e12
     peak = tpu_peak_flops("TPU v6 lite", torch.float8_e4m3fn, None)
-    assert peak == PeakFlops(None, "TPU v6e has no fp8 peak in ember.hardware: set metrics.peak_tflops")
+    assert peak == PeakFlops(None, "TPU v6e has no fp8 peak in ember.hardware.peaks: set metrics.peak_tflops")
 
 
 def test_fp32_has_no_tpu_peak():
     peak = tpu_peak_flops("TPU v5", torch.float32, None)
-    assert peak == PeakFlops(None, "TPU v5p has no fp32 peak in ember.hardware: set metrics.peak_tflops")
+    assert peak == PeakFlops(None, "TPU v5p has no fp32 peak in ember.hardware.peaks: set metrics.peak_tflops")
 
 
 def test_unknown_chip_has_no_peak_as_an_unknown_gpu_has_none():

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ember.metrics import mfu
+from ember.metrics.run_metrics import mfu
 from ember.models.glam import GlamArgs
 from ember.models.glam import Transformer as GlamTransformer
 from ember.models.glam import flops_per_token as glam_flops

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from ember import cpu_rates
+from ember.hardware import cpu_rates
 
-from ember import run as run_lib
-from ember.train import Trainer
+from ember.train import run as run_lib
+from ember.train.trainer import Trainer
 from tests.helpers import read_records
 
 # Both tests train and measure the CPU's peak.

@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from ember.convert import save_hf
+from ember.model_io.convert import save_hf
 from ember.generate import generate
-from ember.load import load_model
+from ember.model_io.load import load_model
 from ember.models import MODELS
 from tests.helpers import IdTokenizer
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from ember.errors import ConfigError
-from ember.model_meta import meta_for, parse_model_meta
+from ember.model_io.model_meta import meta_for, parse_model_meta
 from ember.models import MODELS, build_model_args
 from ember.models.hf_mapping import HFMapping
 from ember.nn.args import DecoderArgs

@@ -176,7 +176,7 @@ def test_the_loader_and_a_runs_config_hold_the_same_rules(tmp_path: Path):
     import dataclasses
 
     from ember.errors import CheckpointError
-    from ember.model_meta import meta_for, parse_model_meta
+    from ember.model_io.model_meta import meta_for, parse_model_meta
 
     args = FLAVORS["deepseek_v3"]["debug"]
     assert parse_model_meta(meta_for("deepseek_v3", "debug", dataclasses.replace(args, n_dense_layers=0)), "m")[2] \

@@ -10,8 +10,8 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from ember.hf_directory import load_hf_model
-from ember.load import load_hf_weights
+from ember.model_io.hf_directory import load_hf_model
+from ember.model_io.load import load_hf_weights
 from ember.models.gemma import FLAVORS, Transformer, flops_per_token, hf, num_params
 from tests.models.hf_parity import assert_counts_equal_transformers, assert_parity, random_hf_model
 

@@ -10,15 +10,15 @@ import torch.nn.functional as F
 
 from ember import config as config_lib
 
-from ember import run as run_lib
+from ember.train import run as run_lib
 from ember import load_model
-from ember.convert import convert
+from ember.model_io.convert import convert
 from ember.models import MODELS, build_model_args
 from ember.models.glam import FLAVORS, GlamArgs, Transformer, flops_per_token, num_params
 from ember.models.glam.model import GatedFeedForward
 from ember.nn.moe import Experts, MoE
 from ember.nn.moe_stats import MoEOptions, MoEStats
-from ember.train import Trainer
+from ember.train.trainer import Trainer
 from tests.helpers import read_records
 
 

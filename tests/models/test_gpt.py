@@ -12,13 +12,13 @@ from safetensors import safe_open
 
 from ember import config as config_lib
 
-from ember import run as run_lib
+from ember.train import run as run_lib
 from ember import load_model
-from ember.convert import convert, save_hf
+from ember.model_io.convert import convert, save_hf
 from ember.models import MODELS, build_model_args
 from ember.parallel.parallelize import ParallelOptions, parallelize
 from ember.models.gpt import FLAVORS, GPTArgs, Transformer, flops_per_token, hf, num_params, tp_plan
-from ember.train import Trainer
+from ember.train.trainer import Trainer
 
 # (n_layers, dim, n_heads, ffn_hidden_dim, vocab_size, max_seq_len) of Pax's GPU configs
 # (google/paxml paxml/contrib/gpu/scripts_gpu/configs.py: GPT126M, GPT5B, GPT175B).

@@ -9,8 +9,8 @@ import torch
 import transformers  # the test extra installs it: parity is never skipped
 from safetensors.torch import load_file
 
-from ember.convert import save_hf
-from ember.load import load_model
+from ember.model_io.convert import save_hf
+from ember.model_io.load import load_model
 from ember.models import build_model_args
 from ember.models.llama import FLAVORS, LlamaArgs, hf
 from ember.models.mixtral import hf as mixtral_hf

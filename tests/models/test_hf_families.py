@@ -7,13 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from ember.convert import save_hf
+from ember.model_io.convert import save_hf
 from ember.errors import CheckpointError
-from ember.hf_directory import load_hf_model
-from ember.load import load_hf_weights
+from ember.model_io.hf_directory import load_hf_model
+from ember.model_io.load import load_hf_weights
 from ember.models import MODELS, build_model_args, glam
 
-# what ember/hf_directory.py, ember/load.py and ember/convert.py call on MODELS[family].hf
+# what ember/model_io/hf_directory.py, ember/model_io/load.py and ember/model_io/convert.py call on MODELS[family].hf
 INTERFACE = ("args_from_hf_config", "hf_config_from_args", "from_hf_state_dict", "to_hf_state_dict")
 HF_FAMILIES = sorted(f for f, spec in MODELS.items() if spec.hf is not glam.hf and "debug" in spec.flavors)
 SMALL = {"vocab_size": 256, "n_layers": 6}  # Gemma 3's one global layer in six among them

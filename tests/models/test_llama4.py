@@ -12,7 +12,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from ember.errors import CheckpointError
-from ember.hf_directory import hf_family, load_hf_model
+from ember.model_io.hf_directory import hf_family, load_hf_model
 from ember.models.llama4 import FLAVORS, Transformer, flops_per_token, hf, num_params
 from tests.models.hf_parity import assert_counts_equal_transformers, assert_parity
 

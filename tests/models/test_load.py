@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ember.convert import save_ember_checkpoint
+from ember.model_io.convert import save_ember_checkpoint
 from ember.errors import CheckpointError
-from ember.load import load_model
+from ember.model_io.load import load_model
 from ember.models import build_model_args
 from ember.models.llama import Transformer, hf
 
@@ -126,7 +126,7 @@ def test_hf_weights_that_do_not_fit_the_config(tmp_path: Path):
 def test_a_damaged_safetensors_file_is_one_line_for_every_reader(tmp_path: Path, damage, reason: str):
     # load_model (ember eval, generate, convert) and load_weights (model.init_from, a sharded ember eval) raised
     # safetensors' own SafetensorError, a traceback
-    from ember.load import load_weights
+    from ember.model_io.load import load_weights
     from safetensors.torch import save_file
 
     args = build_model_args("llama3", "debug", {"n_layers": 1, "vocab_size": 64, "max_seq_len": 32})
@@ -146,7 +146,7 @@ def test_a_damaged_safetensors_file_is_one_line_for_every_reader(tmp_path: Path,
 
 def test_the_file_of_convert_to_torch_loads(tmp_path: Path):
     # `ember convert --to torch` writes one file; load_model used to refuse it as "a file".
-    from ember.convert import convert, save_ember_checkpoint
+    from ember.model_io.convert import convert, save_ember_checkpoint
 
     args = build_model_args("llama3", "debug", {"n_layers": 1, "vocab_size": 256, "max_seq_len": 32})
     torch.manual_seed(0)
@@ -163,10 +163,10 @@ def test_the_file_of_convert_to_torch_loads(tmp_path: Path):
 
 
 def test_each_path_is_detected_once_as_its_format(tmp_path: Path):
-    # ember/sources.py's registry: every entry resolves, and each kind of path is the format its questions go to
+    # ember/model_io/sources.py's registry: every entry resolves, and each kind of path is the format its questions go to
     # (the fine-tuning formats are tested on real adapters in tests/finetune/).
-    from ember.convert import convert, save_hf
-    from ember.sources import FORMATS, find_format, formats, is_added_key
+    from ember.model_io.convert import convert, save_hf
+    from ember.model_io.sources import FORMATS, find_format, formats, is_added_key
 
     assert len(formats()) == len(FORMATS)
     assert is_added_key("layers.0.attention.wq.lora_A.weight") and not is_added_key("layers.0.attention.wq.weight")

@@ -10,14 +10,14 @@ import transformers
 
 from ember import config as config_lib
 
-from ember import run as run_lib
+from ember.train import run as run_lib
 from ember import load_model
-from ember.convert import convert, save_hf
+from ember.model_io.convert import convert, save_hf
 from ember.models import MODELS, build_model_args
 from ember.models.mixtral import FLAVORS, Transformer, flops_per_token, num_params
 from ember.nn.moe import MoE
 from ember.nn.moe_stats import MoEOptions, MoEStats
-from ember.train import Trainer
+from ember.train.trainer import Trainer
 from tests.helpers import read_records
 
 

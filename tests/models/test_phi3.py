@@ -8,10 +8,10 @@ import pytest
 import torch
 import transformers
 
-from ember import run as run_lib
-from ember.load import load_model
+from ember.train import run as run_lib
+from ember.model_io.load import load_model
 from ember.models.phi3 import FLAVORS, Transformer, hf, num_params
-from ember.train import Trainer
+from ember.train.trainer import Trainer
 from tests.models.hf_parity import assert_counts_equal_transformers, assert_parity, random_hf_model
 
 

@@ -12,8 +12,8 @@ import sys
 import torch.distributed as dist
 
 
-from ember import run as run_lib
-from ember.train import Trainer
+from ember.train import run as run_lib
+from ember.train.trainer import Trainer
 
 
 def main() -> None:

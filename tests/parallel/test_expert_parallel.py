@@ -15,9 +15,9 @@ import pytest
 import torch
 
 
-from ember import run as run_lib
+from ember.train import run as run_lib
 from ember import load_model
-from ember.train import Trainer
+from ember.train.trainer import Trainer
 from tests.helpers import assert_trains_like, read_records, run_layouts, tiny_model
 
 # Every test here runs torchrun jobs.

@@ -7,8 +7,8 @@ order; later gradient norms to what Adam's first updates amplify), checked under
 
 import pytest
 
-from ember import run as run_lib
-from ember.train import Trainer
+from ember.train import run as run_lib
+from ember.train.trainer import Trainer
 from tests.helpers import assert_trains_like, read_records, run_layouts, tiny_model
 
 pytestmark = pytest.mark.slow  # torchrun jobs

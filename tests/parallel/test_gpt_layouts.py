@@ -8,8 +8,8 @@ and sequence-parallel LayerNorms with a bias.
 import pytest
 
 
-from ember import run as run_lib
-from ember.train import Trainer
+from ember.train import run as run_lib
+from ember.train.trainer import Trainer
 from tests.helpers import assert_trains_like, read_records, run_layouts
 
 # A torchrun job.

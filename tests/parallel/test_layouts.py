@@ -17,9 +17,9 @@ import pytest
 import torch
 
 
-from ember import run as run_lib
+from ember.train import run as run_lib
 from ember import load_model
-from ember.train import Trainer
+from ember.train.trainer import Trainer
 from tests.helpers import EXACT_REL, assert_trains_like, job_env, read_records, run_ember, run_layouts, tiny_model
 
 STEPS = 3
@@ -158,7 +158,7 @@ def test_a_failing_rank_ends_the_job_and_names_itself(tmp_path):
     (inject / "sitecustomize.py").write_text(
         "import os\n"
         "if os.environ.get('RANK') == '1':\n"
-        "    import ember.train as t\n"
+        "    import ember.train.trainer as t\n"
         "    original = t.Trainer.train_step\n"
         "    def failing(self, batches):\n"
         "        if self.step == 1:\n"

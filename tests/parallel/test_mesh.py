@@ -5,7 +5,7 @@ import torch
 
 from ember import config as config_lib
 
-from ember import run as run_lib
+from ember.train import run as run_lib
 from ember.config import ConfigError, MeshConfig
 from ember.parallel.mesh import rank_grid
 from ember.parallel.mesh_shape import MeshError, MeshShape, resolve_mesh

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 
-from ember import run as run_lib
+from ember.train import run as run_lib
 from ember.cli import main
 from ember.parallel.mesh import ParallelMesh
 from ember.plan.memory import build_parts, fake_world, named_params, plan_spec, state_bytes, track_step

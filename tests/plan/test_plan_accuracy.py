@@ -36,9 +36,9 @@ def test_planned_memory_equals_measured(world, part, parts, tmp_path):
 def test_planned_lora_memory_equals_measured(tmp_path):
     """LoRA changes what the plan counts: frozen matrices (bf16 where the compute is, as on this CPU), no
     gradients or optimizer state but the adapters'. Planned bytes equal a real LoRA run's on every rank."""
-    from ember import run as run_lib
+    from ember.train import run as run_lib
     from ember.plan.measure import BASE, RECIPE
-    from ember.train import Trainer
+    from ember.train.trainer import Trainer
 
     base_run = tmp_path / "base"
     Trainer(run_lib.load_config(RECIPE, [*BASE, "max_steps=1", f"output_dir={base_run}", "metrics.console=false"])).train()

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from ember import run as run_lib
+from ember.train import run as run_lib
 from ember.cli import main
 from ember.plan.planner import make_plan
 

@@ -18,12 +18,12 @@ import pytest
 import yaml
 
 
-from ember import run as run_lib
+from ember.train import run as run_lib
 from ember.cli import main
 from ember.config import MetricsConfig
 from ember.errors import ConfigError
-from ember.metrics import MetricsLogger
-from ember.trackers import check_reachable, scalars
+from ember.metrics.run_metrics import MetricsLogger
+from ember.metrics.trackers import check_reachable, scalars
 from tests.helpers import read_records, tiny_model
 
 SECRETS = {"WANDB_API_KEY": "fake-wandb-key-0123456789abcdef0123456789abcdef", "HF_TOKEN": "hf_fakeTokenThatMustNotLeak42"}

@@ -11,14 +11,14 @@ import pytest
 import torch
 from rich.console import Console
 
-import ember.metrics
+import ember.metrics.run_metrics
 from ember import config as config_lib
 
-from ember import run as run_lib
+from ember.train import run as run_lib
 from ember.config import ConfigError
 from ember.models import MODELS
 from ember.report import build_report
-from ember.train import Trainer
+from ember.train.trainer import Trainer
 from tests.helpers import tiny_model
 
 TINY = [*tiny_model(), "seq_len=32", "global_batch_size=2", "micro_batch_size=2", "data.dataset=synthetic",
@@ -64,7 +64,7 @@ def test_the_header_says_fp8_and_its_emulation(tmp_path: Path):
     assert f" | cpu {compute} | " in printed.splitlines()[0]
     info = json.loads((tmp_path / "run.json").read_text())
     assert info["compute"] == compute
-    # and every decision ember.run.resolve made, as it made them
+    # and every decision ember.train.run.resolve made, as it made them
     assert {k: info["decisions"][k] for k in ("fp8", "compute_dtype", "mesh", "world_size", "loss_parallel")} == {
         "fp8": "tensorwise", "compute_dtype": "bfloat16", "mesh": info["mesh"], "world_size": 1, "loss_parallel": False}
 
@@ -95,7 +95,7 @@ def test_a_warmup_longer_than_the_run_is_said(tmp_path: Path):
 
 def test_an_moe_header_gives_active_parameters_and_emulated_bf16_is_said(tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(ember.metrics, "cpu_runs_bf16_natively", lambda: False)  # this CPU's answer, fixed
+    monkeypatch.setattr(ember.metrics.run_metrics, "cpu_runs_bf16_natively", lambda: False)  # this CPU's answer, fixed
     printed = _run(tmp_path, "model.family=mixtral", "model.n_experts=4", "model.top_k=1", "precision=bf16")
     info = json.loads((tmp_path / "run.json").read_text())
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 
-from ember import run as run_lib
-from ember import step as step_lib
-from ember.train import Trainer, TrainingStopped
+from ember.train import run as run_lib
+from ember.train import step as step_lib
+from ember.train.trainer import Trainer, TrainingStopped
 from tests.helpers import read_records, tiny_model
 
 SMALL = ["data.dataset=synthetic", *tiny_model(), "model.vocab_size=256", "seq_len=16", "global_batch_size=2",

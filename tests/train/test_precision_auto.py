@@ -6,7 +6,7 @@ whose bf16 matmuls are computed as a bf16 CPU computes them where this one has n
 import pytest
 import torch
 
-from ember import run as run_lib
+from ember.train import run as run_lib
 from tests.helpers import TINY_RUN, load_benchmark, run_ember
 
 # the tiny run with its console on: the header is what is asserted

@@ -14,12 +14,12 @@ import yaml
 
 from ember import config as config_lib
 
-from ember import run as run_lib
-from ember import run_history
+from ember.train import run as run_lib
+from ember.checkpoint import run_history
 from ember.config import ConfigError
-from ember.optim import lr_multiplier
+from ember.train.optim import lr_multiplier
 from ember.report.runs import read_run
-from ember.train import Trainer
+from ember.train.trainer import Trainer
 from tests.helpers import read_records, run_ember, tiny_model
 
 TINY = ["debug", *tiny_model(2), "seq_len=32", "global_batch_size=4", "micro_batch_size=2", "logging_steps=1",

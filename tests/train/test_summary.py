@@ -9,8 +9,8 @@ import pytest
 from rich.console import Console
 
 
-from ember import run as run_lib
-from ember.train import Trainer
+from ember.train import run as run_lib
+from ember.train.trainer import Trainer
 from tests.helpers import tiny_model
 
 TINY = [*tiny_model(), "seq_len=32", "global_batch_size=2", "micro_batch_size=2", "data.dataset=synthetic",

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 
-from ember import run as run_lib
-from ember.train import Trainer
+from ember.train import run as run_lib
+from ember.train.trainer import Trainer
 from tests.helpers import read_records, run_ember
 
 # A smaller cut of the debug recipe so each case takes seconds on two cores.

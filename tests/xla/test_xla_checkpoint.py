@@ -17,7 +17,7 @@ KILL = '''
 import os
 if os.environ.get("EMBER_KILL_AT_STEP"):
     import signal
-    import ember.train as t
+    import ember.train.trainer as t
     original = t.Trainer.train_step
     def train_step(self, batches):
         if self.step == int(os.environ["EMBER_KILL_AT_STEP"]):
@@ -69,7 +69,7 @@ def test_a_checkpoint_resumes_on_another_mesh_and_on_the_torch_path(runs: dict, 
 def test_convert_to_hf_gives_transformers_the_same_logits(runs: dict, tmp_path: Path):
     from transformers import AutoModelForCausalLM
 
-    from ember.load import load_model
+    from ember.model_io.load import load_model
 
     step8 = runs["whole"] / "checkpoints" / "step-8"
     run_ember("convert", str(step8), str(tmp_path / "hf"), "--to", "hf", env=job_env(), expect=0)
@@ -108,7 +108,7 @@ def test_without_the_extra_device_xla_says_what_to_install(xla_env: dict, tmp_pa
 
 @pytest.mark.slow
 def test_a_resume_keeps_the_dtype_the_run_trained_in_as_on_the_torch_engine(tmp_path: Path, xla_env: dict):
-    """precision=auto on a resumed run is ember.run.choose_precision's decision on both engines: the XLA path's auto
+    """precision=auto on a resumed run is ember.train.run.choose_precision's decision on both engines: the XLA path's auto
     (fp32 on jax's CPU devices) does not switch a run that trained in bf16."""
     import json
 

@@ -3,7 +3,7 @@ naming the key and the fix. No jax: the world size is given, as `ember launch xp
 
 import pytest
 
-from ember import run as run_lib
+from ember.train import run as run_lib
 from ember.errors import ConfigError
 from ember.xla.checks import refuse_offload_without_host_memory
 

@@ -3,7 +3,7 @@ them), and score-bias updates its compiled step cannot make."""
 
 import pytest
 
-from ember import run as run_lib
+from ember.train import run as run_lib
 from ember.errors import ConfigError
 from ember.xla import checks
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ember import run as run_lib
+from ember.train import run as run_lib
 from ember.errors import ConfigError
 from ember.models import MODELS
 from tests.helpers import run_ember
@@ -42,8 +42,8 @@ def family_overrides(family: str) -> list[str]:
 
 TRAIN_ALL = """
 import json, sys
-from ember import run as run_lib
-from ember.train import Trainer
+from ember.train import run as run_lib
+from ember.train.trainer import Trainer
 out, cases = sys.argv[1], json.loads(sys.argv[2])
 results = {}
 for family, overrides in cases.items():

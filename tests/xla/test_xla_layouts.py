@@ -42,7 +42,7 @@ from ember.xla.runtime import import_torchax
 import_torchax()
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
-from ember import run as run_lib
+from ember.train import run as run_lib
 from ember.errors import ConfigError
 from ember.nn.moe_stats import MoEOptions, MoEStats
 from ember.xla import mesh as mesh_lib

@@ -14,9 +14,9 @@ LAYOUT = ["device=xla", *tiny_model(2), "seq_len=64", "global_batch_size=8", "ic
           "micro_batch_size=2", "metrics.console=false"]
 RUN_AND_MEASURE = """
 import json, sys
-from ember import run as run_lib
+from ember.train import run as run_lib
 from ember.xla.layout import compiled_memory
-from ember.train import Trainer
+from ember.train.trainer import Trainer
 cfg = run_lib.load_config("debug", sys.argv[1:])
 trainer = Trainer(cfg)
 trainer.train()

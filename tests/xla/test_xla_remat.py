@@ -15,7 +15,7 @@ from ember.xla.runtime import import_torchax
 import_torchax()
 import jax, jax.numpy as jnp
 from jax.ad_checkpoint import print_saved_residuals
-from ember import run as run_lib
+from ember.train import run as run_lib
 from ember.xla import mesh as mesh_lib
 from ember.xla.layout import build_layout
 

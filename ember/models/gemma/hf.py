@@ -1,6 +1,6 @@
 """Hugging Face Gemma3ForCausalLM (model_type gemma3_text) and Gemma2ForCausalLM <-> ember: config fields and
 state-dict keys. The hub's Gemma 3 4B-27B checkpoints (Gemma3ForConditionalGeneration, model_type gemma3) are read as
-their text model: ember/hf_directory.py hands this module their text_config and text weights.
+their text model: ember/model_io/hf_directory.py hands this module their text_config and text weights.
 
 Names are Llama's (ember/models/llama/hf.py) for the projections, plus Gemma's four block norms and the q/k
 norms. The q/k rows are permuted between RoPE conventions as Llama's, and the q/k norm weights, which run over

@@ -1,6 +1,6 @@
 """Hugging Face Llama4ForCausalLM (model_type llama4_text) <-> ember: config fields and state-dict keys. The hub's
 Scout and Maverick checkpoints (Llama4ForConditionalGeneration, model_type llama4) are read as their text model:
-ember/hf_directory.py hands this module their text_config and text weights, as for every multimodal family.
+ember/model_io/hf_directory.py hands this module their text_config and text weights, as for every multimodal family.
 
 No RoPE row permutation: HF's Llama 4 rotates consecutive pairs (complex multiplication), as ember does. The experts
 are stored fused and transposed against ember's: gate_up_proj (E, dim, 2 x hidden), gate columns first, and

@@ -16,16 +16,16 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from ember.config_schema import MetricsConfig
-from ember.device import cpu_runs_bf16_natively
+from ember.hardware.device import cpu_runs_bf16_natively
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
 
     from ember.data.tokenizer import AnyTokenizer
-    from ember.hardware import PeakFlops
-    from ember.run import RunSpec
+    from ember.hardware.peaks import PeakFlops
+    from ember.train.run import RunSpec
 
-GIB = 2**30  # memory_gb is in GiB (the console says so): the unit of the vendors' "80GB" of HBM (ember.hardware)
+GIB = 2**30  # memory_gb is in GiB (the console says so): the unit of the vendors' "80GB" of HBM (ember.hardware.peaks)
 
 
 def plural(count: int, noun: str) -> str:
@@ -66,9 +66,9 @@ def compute_description(spec: RunSpec, model_parts: list[nn.Module]) -> str:
 
 def run_record(spec: RunSpec, model_parts: list[nn.Module], num_params: int, peak: PeakFlops) -> dict[str, Any]:
     """run.json's facts about the run: the device, mesh and compute, the model that was built (model.json's
-    fields) with where its architecture came from, every decision ember.run.resolve made, and the peak MFU is
+    fields) with where its architecture came from, every decision ember.train.run.resolve made, and the peak MFU is
     divided by (`mfu_peak`; a record's `mfu_peak_tflops` says when a run raised it)."""
-    from ember.model_meta import meta_for
+    from ember.model_io.model_meta import meta_for
 
     model = {**meta_for(spec.family, spec.flavor, spec.args), "init_from": spec.cfg.model.init_from,
              "architecture_from": spec.architecture_from}
@@ -131,8 +131,8 @@ def print_header(console: Console, spec: RunSpec, model: nn.Module, num_params: 
 def raise_peak_if_beaten(peak: PeakFlops, spec: RunSpec, window: dict[str, float],
                          say: Callable[[str], None]) -> PeakFlops:
     """The MFU peak after a logging window (time and steps): raised, and said, where the run beat a measured
-    CPU matmul peak (ember.hardware.raise_measured_peak says why)."""
-    from ember.hardware import raise_measured_peak
+    CPU matmul peak (ember.hardware.peaks.raise_measured_peak says why)."""
+    from ember.hardware.peaks import raise_measured_peak
 
     achieved = spec.tokens_per_step * window["steps"] / window["time"] / spec.world_size * spec.flops_per_token
     raised = raise_measured_peak(peak, achieved)
@@ -257,7 +257,7 @@ class MetricsLogger:
         logged by a run that crashed after its last checkpoint, are dropped: those steps are trained again,
         so the file stays one series of one run.
         run_info: facts of the run that no record holds (device, mesh, world_size, params), for OUTPUT_DIR/run.json
-        (`ember report` reads it) and the trackers, which start here (ember.trackers: metrics.wandb, metrics.mlflow)."""
+        (`ember report` reads it) and the trackers, which start here (ember.metrics.trackers: metrics.wandb, metrics.mlflow)."""
         self.enabled = enabled
         self.print_to_console = enabled and cfg.console
         self.console = console if console is not None else Console()
@@ -272,7 +272,7 @@ class MetricsLogger:
             run_info = _run_info(run_info)
             (output_dir / "run.json").write_text(json.dumps(run_info, indent=2) + "\n", encoding="utf-8")
         if getattr(cfg, "wandb", False) or getattr(cfg, "mlflow", False):
-            from ember.trackers import Trackers  # wandb and mlflow take seconds to import: only when asked for
+            from ember.metrics.trackers import Trackers  # wandb and mlflow take seconds to import: only when asked for
 
             self._trackers = Trackers(cfg, output_dir, run_info)
         if cfg.jsonl:
@@ -324,7 +324,7 @@ def _run_info(info: dict[str, Any]) -> dict[str, Any]:
     info = dict(info)
     device = info.get("device")
     if isinstance(device, torch.device):
-        from ember.cpu_rates import cpu_model
+        from ember.hardware.cpu_rates import cpu_model
 
         info["device"] = device.type
         info["device_name"] = torch.cuda.get_device_name(device) if device.type == "cuda" else (

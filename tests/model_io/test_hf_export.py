@@ -11,8 +11,8 @@ import torch
 import transformers
 import yaml
 
-from ember.convert import convert, save_ember_checkpoint
-from ember.hf_export import GENERATION_CONFIG, SOURCE_CONFIG
+from ember.model_io.convert import convert, save_ember_checkpoint
+from ember.model_io.hf_export import GENERATION_CONFIG, SOURCE_CONFIG
 from ember.models import MODELS, build_model_args
 from tests.models.hf_parity import random_hf_model
 

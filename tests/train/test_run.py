@@ -1,4 +1,4 @@
-"""ember/run.py: the decisions the trainer and the planner share are made by one function each, and both callers
+"""ember/train/run.py: the decisions the trainer and the planner share are made by one function each, and both callers
 take their answer from it (a rule copied into each drifted within a day)."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from ember import config as config_lib
-from ember import run as run_lib
+from ember.train import run as run_lib
 from ember.parallel.mesh import AXES, MeshShape
-from ember.train import Trainer
+from ember.train.trainer import Trainer
 from tests.helpers import tiny_model
 
 
@@ -57,7 +57,7 @@ def _tiny(tmp_path: Path, *extra: str, world: int = 1) -> config_lib.JobConfig:
 
 def test_the_trainer_and_the_planner_take_resolves_decisions_and_build_by_build_model(tmp_path: Path, monkeypatch):
     """One resolution and one build path: the trainer's RunSpec is resolve's, the planner's is resolve's for its
-    target, and both build through build_model. A decision changed in ember/run.py reaches both."""
+    target, and both build through build_model. A decision changed in ember/train/run.py reaches both."""
     from ember.plan import memory as plan_memory
     from ember.plan.planner import make_plan
 

@@ -1,6 +1,6 @@
 """Writing models and converting between formats (`ember convert`): Hugging Face directories (safetensors),
 ember DCP checkpoints, torch.save files, peft adapter directories; the tokenizer beside an HF export.
-Reading is ember/load.py's; this module depends on it, never the reverse.
+Reading is ember/model_io/load.py's; this module depends on it, never the reverse.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from ember.finetune.base_fingerprint import check_lora_base, model_files
 from ember.finetune.lora import merge_lora
 from ember.finetune.peft_format import is_peft_dir, save_peft, save_safetensors
 from ember.finetune.sources import adapter_tensors
-from ember.hf_export import carry_into_export, keep_hf_source
-from ember.load import _barrier, _is_rank0, _load_torch_file, _quiet_dcp, load_model, model_state_dict
-from ember.model_meta import MODEL_JSON, ember_step_dir, read_json, read_model_json
+from ember.model_io.hf_export import carry_into_export, keep_hf_source
+from ember.model_io.load import _barrier, _is_rank0, _load_torch_file, _quiet_dcp, load_model, model_state_dict
+from ember.model_io.model_meta import MODEL_JSON, ember_step_dir, read_json, read_model_json
 from ember.models import MODELS, family_of
-from ember.staging import staged
+from ember.storage.staging import staged
 
 
 def save_hf(model: nn.Module, args: Any, out_dir: Union[str, Path], max_shard_bytes: int = 5 * 2**30) -> None:

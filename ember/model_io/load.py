@@ -6,8 +6,8 @@ filled once, so a large model never sits in memory twice.
 
 An ember checkpoint is `<run>/checkpoints/step-N/`: the DCP files of {"model": model.state_dict()} plus
 model.json = {"family", "flavor", "args"}, enough to rebuild the model without the recipe. Hugging Face
-directories are read by ember/hf_directory.py; model.json by ember/model_meta.py. Which format a path is
-comes from ember/sources.py's registry, once per question: this module defines the core formats
+directories are read by ember/model_io/hf_directory.py; model.json by ember/model_io/model_meta.py. Which format a path is
+comes from ember/model_io/sources.py's registry, once per question: this module defines the core formats
 (TORCH_FILE, EMBER_CHECKPOINT, HF_DIRECTORY) and fine-tuning registers its own (LoRA checkpoints, peft
 adapters), so nothing here imports ember/finetune.
 """
@@ -26,10 +26,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
 
 from ember.errors import CheckpointError, UserFileNotFound, first_error_line
-from ember.hf_directory import hf_family, hf_tensors, load_hf_model
-from ember.model_meta import MODEL_JSON, build_on_meta, ember_step_dir, parse_model_meta, read_model_json
+from ember.model_io.hf_directory import hf_family, hf_tensors, load_hf_model
+from ember.model_io.model_meta import MODEL_JSON, build_on_meta, ember_step_dir, parse_model_meta, read_model_json
 from ember.models import MODELS
-from ember.sources import Architecture, Device, ModelParts, SourceFormat, find_format, is_added_key
+from ember.model_io.sources import Architecture, Device, ModelParts, SourceFormat, find_format, is_added_key
 
 MODEL_PATHS = (f"an ember run or checkpoint directory ({MODEL_JSON}, checkpoints/step-N), a HF model directory "
                "(config.json) or an `ember convert --to torch` file")

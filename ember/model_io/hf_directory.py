@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ember.errors import CheckpointError, UserFileNotFound, first_error_line
-from ember.model_meta import build_on_meta, read_json
+from ember.model_io.model_meta import build_on_meta, read_json
 from ember.models import MODELS
 
 HF_FAMILY = "llama3"  # Llama 2 and 3.x share one architecture; config.json carries the differences

@@ -1,13 +1,13 @@
 """The Trainer: build everything in a fixed order, then run the loop, on any engine. Read it top to bottom.
 
-Build order (docs/architecture.md): the engine `device` trains on (ember/engines.py: the job's ranks and
-devices) -> the run's decisions (ember/run.py: resolve) -> its mesh -> tokenizer -> model, loss and optimizer
+Build order (docs/architecture.md): the engine `device` trains on (ember/train/engines.py: the job's ranks and
+devices) -> the run's decisions (ember/train/run.py: resolve) -> its mesh -> tokenizer -> model, loss and optimizer
 (the engine's `build`) -> LR schedule -> data -> header -> checkpoint resume -> the weights placed. What differs
-between torch.distributed and XLA SPMD is the engine's (ember/torch_engine.py, ember/xla/engine.py): where the
+between torch.distributed and XLA SPMD is the engine's (ember/train/torch_engine.py, ember/xla/engine.py): where the
 weights live, the step, the evaluation forward, the reductions and the checkpoint's manager. Everything else is
 here: data, health, metrics, evaluation, profiling and checkpoints, for every engine. The loss math lives in
-ember/step.py, run health and stop signals in ember/health.py, the MoE statistics in the engine's collector
-(ember/nn/moe_stats.py), the header and metrics records in ember/metrics.py.
+ember/train/step.py, run health and stop signals in ember/train/health.py, the MoE statistics in the engine's collector
+(ember/nn/moe_stats.py), the header and metrics records in ember/metrics/run_metrics.py.
 """
 
 from __future__ import annotations
@@ -21,23 +21,23 @@ from typing import Iterator, Optional
 import torch
 from rich.console import Console
 
-from ember import engines
-from ember import run as run_lib
-from ember import run_history
-from ember.checkpoint import open_checkpoints, rng_state, set_rng_state
+from ember.train import engines
+from ember.train import run as run_lib
+from ember.checkpoint import run_history
+from ember.checkpoint.manager import open_checkpoints, rng_state, set_rng_state
 from ember.config import JobConfig
 from ember.data.loader import build_loader
 from ember.data.tokenizer import build_tokenizer
 from ember.errors import DataError
 from ember.eval.tasks import run_tasks
 from ember.finetune import dpo as dpo_lib
-from ember.health import HealthGuard, StopSignals, TrainingStopped, is_finite_step
-from ember.metrics import (MetricsLogger, plural, print_header, progress_bar,
+from ember.train.health import HealthGuard, StopSignals, TrainingStopped, is_finite_step
+from ember.metrics.run_metrics import (MetricsLogger, plural, print_header, progress_bar,
                            raise_peak_if_beaten, run_record, throughput_record)
 from ember.nn.decoder import num_params
-from ember.optim import build_lr_scheduler, restart_schedule
-from ember.profiling import phase
-from ember.step import Batch
+from ember.train.optim import build_lr_scheduler, restart_schedule
+from ember.metrics.profiling import phase
+from ember.train.step import Batch
 
 __all__ = ["Trainer", "TrainingStopped"]
 
@@ -55,7 +55,7 @@ class Trainer:
         self.is_main = self.rank == 0
         self.output_dir = Path(cfg.output_dir)
 
-        # 1. Every decision about the run (ember/run.py, which `ember plan` calls too), then the engine's mesh.
+        # 1. Every decision about the run (ember/train/run.py, which `ember plan` calls too), then the engine's mesh.
         self.spec = spec = run_lib.resolve(cfg, self.world_size, engine.run_device)
         engine.connect(spec)
         self.mesh = engine.mesh
@@ -157,7 +157,7 @@ class Trainer:
                     "val_loss": None, "steps": self.step, "checkpoint": str(self.checkpointer.resumed_from),
                     "stopped_by_signal": None, "skipped_steps": self.health.skipped_total, "eval": {}}
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        # config.yaml is this segment's; config_history/ keeps every segment's (ember/run_history.py). The trackers
+        # config.yaml is this segment's; config_history/ keeps every segment's (ember/checkpoint/run_history.py). The trackers
         # read config.yaml when they start; a start refused before the first step takes the segment back.
         segment = (run_history.SegmentStart(self.output_dir, cfg, self.step, self.checkpointer.resumed_from,
                                             self.checkpointer.changes) if self.is_main else None)

@@ -11,14 +11,14 @@ import transformers
 
 from ember import cli
 from ember import config as config_lib
-from ember import run as run_lib
-from ember.model_meta import check_architecture
+from ember.train import run as run_lib
+from ember.model_io.model_meta import check_architecture
 from ember.errors import CheckpointError
-from ember.convert import convert, save_ember_checkpoint
-from ember.load import load_model
+from ember.model_io.convert import convert, save_ember_checkpoint
+from ember.model_io.load import load_model
 from ember.models import MODELS, build_model_args
 from ember.models.llama import Transformer
-from ember.train import Trainer
+from ember.train.trainer import Trainer
 from tests.helpers import run_ember, tiny_model
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ember.finetune.peft_format import check_adapter_config, is_peft_dir, peft_base
-from ember.model_meta import MODEL_JSON, ember_step_dir, read_json
+from ember.model_io.model_meta import MODEL_JSON, ember_step_dir, read_json
 
 # config.json fields an export carries from its source; an ember run's export writes the ids only
 CARRIED_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "router_aux_loss_coef")

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from ember.config import ConfigError, OptimConfig, ScheduleConfig
-from ember.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, lr_multiplier
+from ember.train.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, lr_multiplier
 
 # warmup 10, max_steps 100, min_lr_ratio 0.1. Warmup: (s+1)/11. After it, with n = s+1, the decay
 # progress is p = (n - 10)/90 for cosine and linear; wsd decays over the last 0.2*100 = 20 steps, p = (n - 80)/20.
@@ -132,9 +132,9 @@ def test_clip_grad_norm():
 
 
 def test_a_misspelled_optimizer_or_schedule_gets_the_closest_choice():
-    from ember import run as run_lib
+    from ember.train import run as run_lib
     from ember.config import ConfigError
-    from ember.optim import build_optimizer, lr_multiplier
+    from ember.train.optim import build_optimizer, lr_multiplier
 
     cfg = run_lib.load_config("debug", ["optim.implementation=fusd", "schedule.name=Cosine"])
     with pytest.raises(ConfigError, match=r"unknown optim.implementation 'fusd' \(did you mean 'fused'\?\)"):

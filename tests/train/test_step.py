@@ -6,7 +6,7 @@ import torch
 
 from ember.constants import IGNORE_INDEX
 from ember.models import MODELS, build_model_args
-from ember.step import ForwardBackward
+from ember.train.step import ForwardBackward
 
 
 def _losses_and_grads(family: str, fused: bool, autocast: bool) -> tuple[float, dict[str, torch.Tensor]]:

@@ -1,7 +1,7 @@
 """The torch.distributed engine (device=cpu|cuda): this rank's model parallelized on a DeviceMesh, the micro-batch
-forward/backward (ember/step.py, the pipeline schedule when pp > 1), gradient clipping and the optimizer step.
+forward/backward (ember/train/step.py, the pipeline schedule when pp > 1), gradient clipping and the optimizer step.
 
-ember/train.py's Trainer owns everything else (data, health, metrics, evaluation, checkpoints); ember/engines.py
+ember/train/trainer.py's Trainer owns everything else (data, health, metrics, evaluation, checkpoints); ember/train/engines.py
 says which engine a `device` trains on and what that engine refuses. Build order, as the Trainer calls it:
 `TorchEngine(cfg)` (the job's ranks and device) -> `connect(spec)` (process group, DeviceMesh) -> `build(tokenizer)`
 (model, loss, optimizer) -> `place(restored)` after the checkpoint resume (nothing to do: DCP loaded in place).
@@ -15,30 +15,30 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from ember import run as run_lib
-from ember.checkpoint import CheckpointManager
+from ember.train import run as run_lib
+from ember.checkpoint.manager import CheckpointManager
 from ember.config_schema import JobConfig
-from ember.cpu_allocator import keep_freed_cpu_memory
+from ember.hardware.cpu_allocator import keep_freed_cpu_memory
 from ember.data.tokenizer import AnyTokenizer
-from ember.device import pick_device
+from ember.hardware.device import pick_device
 from ember.eval.distributed import EvalRanks
 from ember.finetune import dpo as dpo_lib
-from ember.hardware import PeakFlops, peak_flops
-from ember.health import is_finite_step
+from ember.hardware.peaks import PeakFlops, peak_flops
+from ember.train.health import is_finite_step
 from ember.nn import moe as moe_lib
 from ember.nn.moe_stats import MoEOptions, MoEStats, RouterLoss
-from ember.optim import build_optimizer, clip_grad_norm_
+from ember.train.optim import build_optimizer, clip_grad_norm_
 from ember.parallel import fp8 as fp8_lib
 from ember.parallel.mesh import ParallelMesh, init_distributed
-from ember.profiling import StepProfiler, phase
-from ember.run import RunSpec
-from ember.step import Batch, ForwardBackward
+from ember.metrics.profiling import StepProfiler, phase
+from ember.train.run import RunSpec
+from ember.train.step import Batch, ForwardBackward
 
 
 class TorchEngine:
     """One rank of a torch.distributed job (or the only process); see the module docstring."""
 
-    checkpoint_manager = None  # ember/checkpoint.py's CheckpointManager: DCP over this rank's tensors
+    checkpoint_manager = None  # ember/checkpoint/manager.py's CheckpointManager: DCP over this rank's tensors
 
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
@@ -66,7 +66,7 @@ class TorchEngine:
                           self.cfg.metrics.peak_tflops)
 
     def build(self, tokenizer: Optional[AnyTokenizer]) -> None:
-        """This rank's pipeline stages, parallelized on meta, then materialised (ember/run.py); the loss (DPO's
+        """This rank's pipeline stages, parallelized on meta, then materialised (ember/train/run.py); the loss (DPO's
         with its reference), the pipeline schedule, the optimizer."""
         cfg, spec = self.cfg, self.spec
         # The MoE layers' router losses weigh the whole model's MoE layers and the step's tokens; their statistics
@@ -145,7 +145,7 @@ class TorchEngine:
         return self.forward_backward.all_sum(value)
 
     def device_memory(self, record: dict[str, Any]) -> None:
-        """record's memory_gb is already this device's (ember/metrics.py)."""
+        """record's memory_gb is already this device's (ember/metrics/run_metrics.py)."""
 
     def profiler(self, output_dir: Any, say: Any) -> StepProfiler:
         """profile.*'s tracer of this run's steps (torch.profiler)."""

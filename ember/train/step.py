@@ -1,5 +1,5 @@
 """The forward and backward of one rank's micro-batches: loss math, context-parallel sequence cuts, the
-pipeline schedule, autocast and loss parallelism: the torch engine's loss (ember/torch_engine.py). The XLA
+pipeline schedule, autocast and loss parallelism: the torch engine's loss (ember/train/torch_engine.py). The XLA
 engine's compiled step (ember/xla/step.py) computes the same loss with the same weighting in jax.
 
 The loss of a step is the mean over every target token of the global batch: each micro-batch contributes
@@ -25,7 +25,7 @@ from ember.nn.loss import cross_entropy_sum, linear_cross_entropy_sum
 from ember.parallel import cp as cp_lib
 from ember.parallel import pp as pp_lib
 from ember.parallel.mesh import ParallelMesh
-from ember.profiling import phase
+from ember.metrics.profiling import phase
 
 if TYPE_CHECKING:
     from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle

@@ -1,12 +1,12 @@
-"""What a model path is: the registry of source formats that ember/load.py reads.
+"""What a model path is: the registry of source formats that ember/model_io/load.py reads.
 
 A source format answers the questions loading asks of a path, once detected: which architecture it
 describes (family, flavor, typed args, the file that says so), the whole model it holds, and its weights
 copied into a model already built (maybe sharded). The core formats (ember checkpoints, Hugging Face
-directories, `ember convert --to torch` files) live in ember/load.py; fine-tuning registers its own (LoRA
+directories, `ember convert --to torch` files) live in ember/model_io/load.py; fine-tuning registers its own (LoRA
 checkpoints, peft adapter directories) from ember/finetune/sources.py. Entries are "module:attribute" strings,
 resolved when a path is first detected, so the loading layer imports no fine-tuning module and no
-registration depends on which module happened to be imported first (as ember/engines.py does for engines).
+registration depends on which module happened to be imported first (as ember/train/engines.py does for engines).
 """
 
 from __future__ import annotations
@@ -51,11 +51,11 @@ class SourceFormat:
 # In detection order: a LoRA checkpoint is an ember checkpoint with more in its model.json, so it comes first;
 # an ember run or checkpoint directory before a peft adapter before an HF directory, as load_model always tried.
 FORMATS: tuple[str, ...] = (
-    "ember.load:TORCH_FILE",
+    "ember.model_io.load:TORCH_FILE",
     "ember.finetune.sources:LORA_CHECKPOINT",
-    "ember.load:EMBER_CHECKPOINT",
+    "ember.model_io.load:EMBER_CHECKPOINT",
     "ember.finetune.sources:PEFT_ADAPTER",
-    "ember.load:HF_DIRECTORY",
+    "ember.model_io.load:HF_DIRECTORY",
 )
 
 # Predicates on state-dict keys that a fine-tuning method adds to a model (LoRA's adapters): no base checkpoint

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ember.profiling import StepProfiler, category, exposed_time, without_kineto_notices
+from ember.metrics.profiling import StepProfiler, category, exposed_time, without_kineto_notices
 from tests.helpers import read_records, run_ember, tiny_model
 
 TINY = [*tiny_model(), "seq_len=32", "global_batch_size=4", "max_steps=6", "logging_steps=1", "eval_batches=1",
@@ -74,7 +74,7 @@ def test_every_rank_writes_its_trace_and_communication_is_counted(tmp_path: Path
 
 
 def test_profile_keys_are_checked():
-    from ember import run as run_lib
+    from ember.train import run as run_lib
     from ember.config import ConfigError
 
     with pytest.raises(ConfigError, match="profile.step=0 and profile.steps=2 must be >= 1"):

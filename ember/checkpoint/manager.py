@@ -6,7 +6,7 @@ A checkpoint is `OUTPUT_DIR/checkpoints/step-N/`:
 - `train-rank{R}.pt`: that rank's small training state (step, LR schedule, data-loader position, RNG
   states), written with torch.save and read back with weights_only=True;
 - `run_config.yaml`: the config of the run that saved it, which a resume compares with its own
-  (ember/run_history.py: what may change on resume and what may not);
+  (ember/checkpoint/run_history.py: what may change on resume and what may not);
 - `model.json`, written last: the marker of a complete checkpoint (and what `load_model` reads).
 
 Atomic: everything is written under `step-N.tmp` and renamed to `step-N` by rank 0 once every rank is
@@ -38,14 +38,14 @@ from ember.errors import CheckpointError, ConfigError, first_error_line
 from ember.finetune.base_fingerprint import check_resume_base, reference_meta
 from ember.finetune.lora import lora_meta
 from ember.finetune.lora_state import START, buffer_names, lora_state_dict, start_buffers, unsaved_buffers
-from ember.load import model_state_dict
-from ember.model_meta import MODEL_JSON, ArchitectureMismatch, check_architecture, meta_for
-from ember.optim import apply_group_settings, group_settings
-from ember.run_dir import archive_previous_run, complete_checkpoints, starts_over
-from ember.run_history import CHECKPOINT_CONFIG, Change, RunChanged, config_dict, describe_changes, resume_changes
+from ember.model_io.load import model_state_dict
+from ember.model_io.model_meta import MODEL_JSON, ArchitectureMismatch, check_architecture, meta_for
+from ember.train.optim import apply_group_settings, group_settings
+from ember.checkpoint.run_dir import archive_previous_run, complete_checkpoints, starts_over
+from ember.checkpoint.run_history import CHECKPOINT_CONFIG, Change, RunChanged, config_dict, describe_changes, resume_changes
 
 if TYPE_CHECKING:
-    from ember.run import RunSpec
+    from ember.train.run import RunSpec
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
@@ -313,7 +313,7 @@ def open_checkpoints(spec: RunSpec, model_parts: list[nn.Module], model: nn.Modu
     checkpoint) moves the files of the run in its output_dir aside, once the checkpoint it names has been checked
     and loaded and has steps left to train: a refused or finished resume leaves that run as it was. manager_type:
     another CheckpointManager (the XLA path's, over sharded device arrays), called with CheckpointManager's arguments.
-    precision=auto keeps a resumed run's dtype (ember.run.choose_precision, with `resumed_compute`)."""
+    precision=auto keeps a resumed run's dtype (ember.train.run.choose_precision, with `resumed_compute`)."""
     cfg, output_dir = spec.cfg, Path(spec.cfg.output_dir)
     meta = meta_for(cfg.model.family, spec.flavor, spec.args)
     if cfg.lora.rank:  # a LoRA checkpoint holds the adapters and their optimizer state, and names its base

@@ -14,14 +14,14 @@ from typing import Any, Optional
 
 import torch
 
-from ember import cpu_rates
-from ember.device import cpu_runs_bf16_natively
+from ember.hardware import cpu_rates
+from ember.hardware.device import cpu_runs_bf16_natively
 
 
 @dataclass(frozen=True)
 class DeviceSpec:
     """Dense peak FLOP/s per precision (None: the device has no such rate) and HBM per device as printed
-    (vendors' "GB" are GiB in practice, the unit `ember.metrics.peak_memory_gb` reports)."""
+    (vendors' "GB" are GiB in practice, the unit `ember.metrics.run_metrics.peak_memory_gb` reports)."""
 
     name: str
     bf16: Optional[float]  # also the fp16 rate: equal on every device below
@@ -178,7 +178,7 @@ def _datasheet_peak(spec: Optional[DeviceSpec], name: str, dtype: torch.dtype, u
         precision = "fp32"  # TF32 allowed, but the device has none: its fp32 matmuls run in full fp32
     value = getattr(spec, precision)
     if value is None:
-        return PeakFlops(None, f"{spec.name} has no {precision} peak in ember.hardware: set metrics.peak_tflops")
+        return PeakFlops(None, f"{spec.name} has no {precision} peak in ember.hardware.peaks: set metrics.peak_tflops")
     return PeakFlops(value, f"{spec.name} {precision} dense ({spec.source})")
 
 

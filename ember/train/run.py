@@ -26,10 +26,11 @@ from ember.config_schema import JobConfig
 from ember.errors import ConfigError, EmberError
 from ember.finetune import base_fingerprint
 from ember.finetune import lora as lora_lib
-from ember import cpu_rates, engines
-from ember.engines import mesh_shape
-from ember.run_dir import resumed_compute
-from ember.device import PrecisionChoice, choose_compute_dtype
+from ember.hardware import cpu_rates
+from ember.train import engines
+from ember.train.engines import mesh_shape
+from ember.checkpoint.run_dir import resumed_compute
+from ember.hardware.device import PrecisionChoice, choose_compute_dtype
 from ember.models import MODELS, ModelSpec
 from ember.nn.args import DecoderArgs
 from ember.nn.decoder import has_local_attention
@@ -213,7 +214,7 @@ def resolve(cfg: JobConfig, world_size: int, device: torch.device,
 
 
 def choose_precision(cfg: JobConfig, device: torch.device, args: Any) -> PrecisionChoice:
-    """What cfg.precision means on `device` for the model of `args` (ember.device.choose_compute_dtype): on a
+    """What cfg.precision means on `device` for the model of `args` (ember.hardware.device.choose_compute_dtype): on a
     CPU with bf16 instructions, measured at this model's training GEMMs on a micro-batch's tokens."""
     def gemms() -> list[cpu_rates.Gemm]:
         with torch.device("meta"):
@@ -324,7 +325,7 @@ def build_model(spec: RunSpec, mesh: Optional[ParallelMesh], *, stage_ids: Optio
     `init_from` (default: model.init_from), which is loaded resharded to the layout, then LoRA's adapters are
     initialised. `moe`: what the MoE layers are built with (the engine's router-loss weights and statistics
     collector, nn/moe_stats.py); under expert parallelism their dispatch is the expert axis's all-to-all."""
-    from ember.load import load_weights
+    from ember.model_io.load import load_weights
     from ember.parallel import pp as pp_lib
     from ember.parallel.parallelize import init_weights, parallelize
 

@@ -1,9 +1,9 @@
 """Which engine a run trains on, by `device`, and what each engine asks of a config before any work.
 
 An engine is the part of training that differs between runtimes: where the weights live, the step, the
-evaluation forward, the reductions and the state a checkpoint saves. ember/train.py's one Trainer owns the rest
+evaluation forward, the reductions and the state a checkpoint saves. ember/train/trainer.py's one Trainer owns the rest
 (data, health, metrics, evaluation, profiling, checkpoints) for every engine. Two are registered:
-- torch.distributed (ember/torch_engine.py: TorchEngine) for device=auto|cpu|cuda;
+- torch.distributed (ember/train/torch_engine.py: TorchEngine) for device=auto|cpu|cuda;
 - XLA SPMD through torchax and jax (ember/xla/engine.py: XlaEngine) for device=tpu|xla, whose rules live in
   ember/xla/rules.py (they import no jax).
 A third engine is a module with its Engine class, its EngineRules, and one entry in ENGINES.
@@ -25,16 +25,16 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class EngineRules:
-    """What ember.run asks of an engine, from the config alone (no devices are touched, no jax is imported)."""
+    """What ember.train.run asks of an engine, from the config alone (no devices are touched, no jax is imported)."""
 
     name: str
     engine: str  # "module:Class" of the engine the Trainer builds
     world_size: Callable[[JobConfig], int]  # this machine's devices, where the config does not say
     layout: Callable[[JobConfig, int], MeshShape]  # the mesh for a world, with this engine's refusals
     check_model: Callable[[JobConfig, MeshShape, Any], None]  # the model and layout against what the engine runs
-    # precision -> compute dtype, where the engine decides without measuring (None: ember.device's rules)
+    # precision -> compute dtype, where the engine decides without measuring (None: ember.hardware.device's rules)
     compute_dtype: Optional[Callable[[str, str], "torch.dtype"]]
-    torch_device_checks: bool  # ember.run.check_device_options applies (options that need a torch device)
+    torch_device_checks: bool  # ember.train.run.check_device_options applies (options that need a torch device)
     whole_logits: bool  # the loss takes a micro-batch's whole logits (no chunked or fused output loss)
 
 
@@ -53,7 +53,7 @@ def _torch_check_model(cfg: JobConfig, shape: MeshShape, args: Any) -> None:
                           "axes; use `ember eval` on the checkpoint for tensor, pipeline or context layouts")
 
 
-TORCH = EngineRules(name="torch.distributed", engine="ember.torch_engine:TorchEngine",
+TORCH = EngineRules(name="torch.distributed", engine="ember.train.torch_engine:TorchEngine",
                     world_size=lambda cfg: 1, layout=mesh_shape, check_model=_torch_check_model,
                     compute_dtype=None, torch_device_checks=True, whole_logits=False)
 

@@ -38,7 +38,7 @@ IDENTITY = ("seed", "task", "seq_len", "global_batch_size", "model", "data", "lo
 # Keys inside those sections that change how the run computes, not what: memory, the loader's thread.
 NOT_IDENTITY = ("model.remat", "model.remat_every", "model.scan_layers", "data.num_workers", "data.prefetch")
 # Keys of what the run is that no resume can change, allowed or not: the checkpoint holds other tensors (the
-# adapters' shapes and where they sit). The model's architecture is checked before these (checkpoint.py).
+# adapters' shapes and where they sit). The model's architecture is checked before these (checkpoint/manager.py).
 FIXED = ("lora.rank", "lora.targets")
 # How this segment was started, not what it runs.
 NOT_COMPARED = ("resume", "resume_allow_changes")
@@ -156,7 +156,7 @@ def record_segment(output_dir: Path, cfg: config_lib.JobConfig, start_step: int,
 
 class SegmentStart:
     """A segment's files written before its first step: config.yaml and its config_history/ file (record_segment),
-    then run.json (metrics.py). `undo` puts back what was there when the run is refused before that step (a
+    then run.json (metrics/run_metrics.py). `undo` puts back what was there when the run is refused before that step (a
     tracker that cannot start), so a refused start leaves no segment that never ran."""
 
     KEPT = ("config.yaml", "run.json")

@@ -1,0 +1,1 @@
+"""Writing outputs so that a destination is never left half-written."""
