@@ -25,7 +25,6 @@ from pathlib import Path
 
 import torch
 
-
 from ember.train import run as run_lib
 from ember.train.trainer import Trainer
 
@@ -35,7 +34,8 @@ BASE = ["data.dataset=synthetic", "metrics.console=false", "model.n_layers=8", "
 
 def measure(async_save: bool, overrides: list[str], rounds: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = run_lib.load_config("debug", BASE + overrides + [f"output_dir={tmp}", f"checkpoint.async_save={async_save}",
+        cfg = run_lib.load_config("debug", BASE + overrides + [f"output_dir={tmp}",
+                                                           f"checkpoint.async_save={async_save}",
                                                            "checkpoint.keep=2", "max_steps=1000"])
         trainer = Trainer(cfg)
         batches = trainer.global_batches()
@@ -76,14 +76,16 @@ def main() -> None:
         cost = row["save_blocks_loop_s"] + row["step_after_save_s"] - row["plain_step_s"]
         row["loop_cost_s"] = cost
         print(f"{'async' if row['async'] else 'sync ':5s}: {row['params']:,} params, {row['checkpoint_mb']:.0f} MB; "
-              f"save blocks the loop {row['save_blocks_loop_s'] * 1e3:.0f} ms, next step {row['step_after_save_s'] * 1e3:.0f} ms "
+              f"save blocks the loop {row['save_blocks_loop_s'] * 1e3:.0f} ms, "
+              f"next step {row['step_after_save_s'] * 1e3:.0f} ms "
               f"vs {row['plain_step_s'] * 1e3:.0f} ms plain: {cost * 1e3:.0f} ms per checkpoint")
     ratio = rows[1]["loop_cost_s"] / rows[0]["loop_cost_s"] if rows[0]["loop_cost_s"] > 0 else float("nan")
     print(f"async / sync cost per checkpoint: {ratio:.2f}x")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     out = Path(__file__).parent / "results" / f"checkpoint_cost-{device}.json"
     out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({"date": date.today().isoformat(), "machine": f"{platform.machine()} {os.cpu_count()} cores",
+    out.write_text(json.dumps({"date": date.today().isoformat(),
+                               "machine": f"{platform.machine()} {os.cpu_count()} cores",
                                "torch": torch.__version__, "rows": rows, "async_over_sync": ratio}, indent=2) + "\n")
     print(f"wrote {out}")
 

@@ -33,8 +33,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ember.train import run as run_lib  # noqa: E402
 from ember.nn.attention import FlexAttention, causal_attention, document_layout, set_attention_kernel  # noqa: E402
+from ember.train import run as run_lib  # noqa: E402
 from ember.train.trainer import Trainer  # noqa: E402
 
 # family -> extra overrides. Documents are masked for the families without local attention, so flex attention
@@ -121,7 +121,8 @@ def check_training(family: str, extra: list[str], out: str, steps: int, fp8: boo
     if fp8:
         row["compiled_fp8"] = train_losses(family, extra, out + "/f", "precision=fp8", "compile=true", steps=steps)
         row["max_abs_loss_gap_fp8_vs_bf16"] = max(abs(a - b) for a, b in zip(row["compiled_fp8"], row["eager_bf16"]))
-        ok = ok and all(math.isfinite(x) for x in row["compiled_fp8"]) and row["compiled_fp8"][-1] < row["compiled_fp8"][0]
+        ok = (ok and all(math.isfinite(x) for x in row["compiled_fp8"])
+              and row["compiled_fp8"][-1] < row["compiled_fp8"][0])
     row["seconds"], row["ok"] = round(time.perf_counter() - start, 1), ok
     return row
 

@@ -29,13 +29,12 @@ from pathlib import Path
 
 import torch
 
-
-from ember.train import run as run_lib
 from ember.config import DataConfig, MixtureSource
 from ember.data import sources
 from ember.data.loader import build_loader
 from ember.data.prepare import prepare
 from ember.data.tokenizer import build_tokenizer
+from ember.train import run as run_lib
 from ember.train.trainer import Trainer
 
 SEQ_LEN, MICRO_BATCH, VOCAB = 256, 8, 8192
@@ -84,14 +83,15 @@ def main() -> None:
             print(f"{name:18s} {rate:14,.0f} tokens/s", flush=True)
 
         out_dir = tmp_path / "run"
-        cfg = run_lib.load_config("debug", [f"max_steps={args.train_steps}", "logging_steps=10", f"output_dir={out_dir}",
-                                        "metrics.console=false", "eval_batches=1"])
+        cfg = run_lib.load_config("debug", [f"max_steps={args.train_steps}", "logging_steps=10",
+                                        f"output_dir={out_dir}", "metrics.console=false", "eval_batches=1"])
         Trainer(cfg).train()
         records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
         waits = [r["data_wait_frac"] for r in records if "data_wait_frac" in r]
         step_tokens = [r["tokens_per_s"] for r in records if "tokens_per_s" in r]
     training = {"recipe": "debug", "steps": args.train_steps, "data_wait_frac_per_window": waits,
-                "data_wait_frac_median": statistics.median(waits), "training_tokens_per_s": statistics.median(step_tokens)}
+                "data_wait_frac_median": statistics.median(waits),
+                "training_tokens_per_s": statistics.median(step_tokens)}
     print(f"debug recipe training: {training['training_tokens_per_s']:,.0f} tokens/s, waiting for data "
           f"{training['data_wait_frac_median']:.2%} of step time (median of {len(waits)} logging windows)")
     out = Path(__file__).parent / "results" / "data_throughput-cpu.json"

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import torch
+
 from results_file import write_results
 
 
@@ -78,8 +79,8 @@ def main() -> int:
     print(f"\neval, {platform.machine()} CPU, torch {torch.__version__}, {torch.get_num_threads()} threads; "
           f"debug Llama, {len(requests)} loglikelihood requests, batch {args.batch_size}")
     for r in rows:
-        print(f"{r['contestant']:<12}{r['seconds']:>9.2f} s{r['requests_per_s']:>10.1f} req/s{r['vs_lm_eval_hf']:>8.2f}x"
-              f"   same loglikelihoods: {same}")
+        print(f"{r['contestant']:<12}{r['seconds']:>9.2f} s{r['requests_per_s']:>10.1f} req/s"
+              f"{r['vs_lm_eval_hf']:>8.2f}x   same loglikelihoods: {same}")
     import lm_eval
 
     write_results("eval_throughput", rows, args, transformers=transformers.__version__, lm_eval=lm_eval.__version__)

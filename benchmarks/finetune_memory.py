@@ -58,9 +58,11 @@ EMBER, PEFT = "kept", "default"  # each as a user gets it
 CONTESTANTS = {
     "ember full": ("ember", 0, "auto", EMBER, False), "ember full bf16": ("ember", 0, "bf16", EMBER, False),
     "ember lora r8": ("ember", 8, "auto", EMBER, False), "ember lora r32": ("ember", 32, "auto", EMBER, False),
-    "peft lora r8 fp32": ("peft", 8, "fp32", PEFT, False), "peft lora r8 autocast": ("peft", 8, "autocast", PEFT, False),
+    "peft lora r8 fp32": ("peft", 8, "fp32", PEFT, False),
+    "peft lora r8 autocast": ("peft", 8, "autocast", PEFT, False),
     "peft lora r8 bf16": ("peft", 8, "bf16", PEFT, False), "peft lora r32 fp32": ("peft", 32, "fp32", PEFT, False),
-    "peft lora r32 autocast": ("peft", 32, "autocast", PEFT, False), "peft lora r32 bf16": ("peft", 32, "bf16", PEFT, False),
+    "peft lora r32 autocast": ("peft", 32, "autocast", PEFT, False),
+    "peft lora r32 bf16": ("peft", 32, "bf16", PEFT, False),
     # like for like on the allocator: ember with glibc's defaults, peft with freed memory kept
     "ember lora r32 glibc default": ("ember", 32, "auto", "default", False),
     "peft lora r32 autocast malloc kept": ("peft", 32, "autocast", "kept", False),
@@ -97,7 +99,8 @@ def worker(spec: dict) -> dict:
 
         overrides = [f"model.init_from={base}", "data.dataset=synthetic", "metrics.console=false",
                      f"output_dir={spec['out']}", f"seq_len={seq}", f"global_batch_size={batch}",
-                     f"micro_batch_size={batch}", "resume=none", f"precision={precision}", f"compile={compiled}".lower()]
+                     f"micro_batch_size={batch}", "resume=none", f"precision={precision}",
+                     f"compile={compiled}".lower()]
         if rank:
             overrides += [f"lora.rank={rank}", "lora.alpha=16", "lora.targets=all"]
         trainer = Trainer(run_lib.load_config("debug", overrides))
@@ -175,10 +178,10 @@ def main() -> int:
         return 0
     import peft
     import transformers
-    from results_file import write_results
 
     from ember.model_io.convert import save_hf
     from ember.models import MODELS as FAMILIES, build_model_args
+    from results_file import write_results
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -224,7 +227,8 @@ def main() -> int:
                 ember_row["fastest_peft"] = best["contestant"]
             # like for like on the allocator, both ways
             kept, default = mine["peft lora r32 autocast malloc kept"], mine["peft lora r32 autocast"]
-            mine["ember lora r32"]["vs_peft_malloc_kept"] = mine["ember lora r32"]["tokens_per_s"] / kept["tokens_per_s"]
+            mine["ember lora r32"]["vs_peft_malloc_kept"] = (mine["ember lora r32"]["tokens_per_s"]
+                                                             / kept["tokens_per_s"])
             mine["ember lora r32 glibc default"]["vs_peft"] = (mine["ember lora r32 glibc default"]["tokens_per_s"]
                                                               / default["tokens_per_s"])
             mine["ember lora r32 glibc default"]["fastest_peft"] = "peft lora r32 autocast"
@@ -239,7 +243,8 @@ def main() -> int:
         state = r["grad_bytes"] + r["optimizer_bytes"]
         formula = f"{r['formula_bytes']:,}" if r["formula_bytes"] else "-"
         vs_peft = f"{r['vs_peft']:.2f}x" if "vs_peft" in r else "-"
-        print(f"{r['model']:<7}{r['contestant']:<35}{r['compute_dtype'].replace('bfloat', 'bf').replace('float', 'fp'):>9}"
+        print(f"{r['model']:<7}{r['contestant']:<35}"
+              f"{r['compute_dtype'].replace('bfloat', 'bf').replace('float', 'fp'):>9}"
               f"{r['tokens_per_s']:>9,.0f}{r['vs_full']:>8.2f}x{vs_peft:>9}"
               f"{r['peak_rss_bytes'] / 2**20:>9,.0f}MB{r['trainable_params']:>12,}{state:>18,}{formula:>14}")
     for r in rows:

@@ -27,13 +27,13 @@ import time
 from pathlib import Path
 
 import torch
-from results_file import write_results
 
+from ember.generate import generate
 from ember.hardware.cpu_rates import model_gemms
 from ember.hardware.device import choose_compute_dtype
-from ember.generate import generate
 from ember.model_io.convert import save_hf
 from ember.models import MODELS, build_model_args
+from results_file import write_results
 
 MODELS_TO_RUN = {
     "debug": {},  # dim 256, 4 layers, vocab 8192: 7.1M parameters
@@ -88,7 +88,8 @@ def main() -> int:
         model = model.to(device=device, dtype=ember_dtype).eval()
         model.init_rope(device)
         for batch in (int(b) for b in args.batch.split(",")):
-            prompt = torch.randint(0, margs.vocab_size, (batch, args.prompt_len), generator=torch.Generator().manual_seed(1))
+            prompt = torch.randint(0, margs.vocab_size, (batch, args.prompt_len),
+                                   generator=torch.Generator().manual_seed(1))
 
             def ember_run(new: int, compile: bool = False) -> list[list[int]]:
                 out = generate(model, Ids(), prompt.tolist(), max_new_tokens=new, stop_at_eos=False, compile=compile)
@@ -125,9 +126,11 @@ def main() -> int:
                 result[n] = {"prefill_tokens_per_s": batch * args.prompt_len / statistics.median(times[n]["prefill"]),
                              "decode_tokens_per_s": batch * (args.new_tokens - 1) / decode if decode > 0 else None}
             for n in contestants:
-                decode, reference_decode = result[n]["decode_tokens_per_s"], result["transformers"]["decode_tokens_per_s"]
+                decode, reference_decode = (result[n]["decode_tokens_per_s"],
+                                            result["transformers"]["decode_tokens_per_s"])
                 rows.append({"model": name, "batch": batch, "contestant": n, **result[n],
-                             "decode_vs_transformers": decode / reference_decode if decode and reference_decode else None,
+                             "decode_vs_transformers": (decode / reference_decode
+                                                        if decode and reference_decode else None),
                              "prefill_vs_transformers": result[n]["prefill_tokens_per_s"]
                              / result["transformers"]["prefill_tokens_per_s"],
                              "same_tokens": same})
@@ -146,7 +149,8 @@ def main() -> int:
     # A run with ember in another dtype than transformers is a comparison of its own, in a file of its own
     variant = "" if args.ember_precision == "same" else f"-ember-{args.ember_precision}"
     write_results(f"generate_throughput{variant}", rows, args, transformers=transformers.__version__,
-                  ember_weights=str(ember_dtype).removeprefix("torch."), transformers_weights=str(dtype).removeprefix("torch."))
+                  ember_weights=str(ember_dtype).removeprefix("torch."),
+                  transformers_weights=str(dtype).removeprefix("torch."))
     return 0
 
 

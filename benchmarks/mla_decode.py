@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import torch
+
 from results_file import write_results
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's ember, run from anywhere
@@ -48,8 +49,9 @@ CONFIG = dict(hidden_size=1024, intermediate_size=2048, num_hidden_layers=4, num
               num_key_value_heads=16, vocab_size=8192, max_position_embeddings=4096, q_lora_rank=384, kv_lora_rank=512,
               qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, moe_intermediate_size=256, n_routed_experts=16,
               num_experts_per_tok=4, n_group=4, topk_group=2, first_k_dense_replace=1, n_shared_experts=1,
-              rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=1024,
-                                   beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0))
+              rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                   original_max_position_embeddings=1024, beta_fast=32, beta_slow=1, mscale=1.0,
+                                   mscale_all_dim=1.0))
 
 
 def _timed(run) -> tuple[float, list[int]]:
@@ -64,7 +66,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--compile", action="store_true",
-                        help="also time ember's compiled decode step (generate(compile=True), `ember generate --compile`)")
+                        help="also time ember's compiled decode step "
+                             "(generate(compile=True), `ember generate --compile`)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="where both models decode, in fp32 (default: cuda when there is one)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
@@ -93,7 +96,8 @@ def main() -> None:
 
     rows = []
     for length in args.prompts:
-        prompt = torch.randint(2, CONFIG["vocab_size"], (1, length), generator=torch.Generator().manual_seed(length)).to(args.device)
+        prompt = torch.randint(2, CONFIG["vocab_size"], (1, length),
+                               generator=torch.Generator().manual_seed(length)).to(args.device)
         per_token: dict[str, list[float]] = {name: [] for name, _ in contestants}
         if args.compile:  # compiled for both timed lengths (the static cache's size) outside the timing
             run_ours(prompt, 1, compile=True), run_ours(prompt, args.new_tokens, compile=True)

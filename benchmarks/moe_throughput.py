@@ -43,9 +43,8 @@ from typing import Callable
 
 import torch
 
-
-from ember.train import run as run_lib
 from ember.model_io.convert import save_hf
+from ember.train import run as run_lib
 from ember.train.optim import build_optimizer
 from ember.train.trainer import Trainer
 
@@ -139,7 +138,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     if args.override and not args.name:
-        parser.error("--override changes the model: name its results with --name (the JSON would replace the debug one)")
+        parser.error("--override changes the model: name its results with --name "
+                     "(the JSON would replace the debug one)")
     if args.quick:
         args.rounds, args.steps, args.warmup = 2, 1, 1
 
@@ -190,7 +190,8 @@ def main() -> int:
         "ember_looped_vs_transformers": medians["transformers"] / medians["ember looped"],
         "grouped_vs_looped": medians["ember looped"] / medians["ember grouped"],
     }
-    precision = "fp32" if trainer.spec.compute_dtype == torch.float32 else f"{str(trainer.spec.compute_dtype)[6:]} autocast"
+    precision = ("fp32" if trainer.spec.compute_dtype == torch.float32
+                 else f"{str(trainer.spec.compute_dtype)[6:]} autocast")
     expert_width = getattr(margs, "moe_hidden_dim", None) or margs.ffn_hidden_dim
     config = {
         "model": f"{args.model} debug", "dim": margs.dim, "n_layers": margs.n_layers, "n_heads": margs.n_heads,

@@ -63,9 +63,8 @@ def worker(out_path: str, steps: int, warmup: int, overrides: list[str]) -> None
     import torch
     import torch.distributed as dist
 
-
-    from ember.train import run as run_lib
     from ember.metrics.run_metrics import peak_memory_gb
+    from ember.train import run as run_lib
     from ember.train.trainer import Trainer
 
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -119,7 +118,8 @@ def run_layout(nproc: int, overrides: list[str], steps: int, warmup: int) -> dic
         if nproc == 1:
             cmd = [sys.executable, *worker_args]
         else:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *worker_args]
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                   *worker_args]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
         if proc.returncode != 0:
             raise RuntimeError(f"layout {overrides} on {nproc} processes failed:\n{proc.stderr[-3000:]}")
@@ -163,12 +163,14 @@ def main() -> None:
 
     table = Table(title=f"ember parallel layouts, debug model, global batch 8 x 256 ({platform.machine()}, "
                         f"{os.cpu_count()} cores)")
-    for column in ("layout", "procs", "tokens/s", "vs 1 proc", "params+optim MiB/rank", "vs 1 proc", "peak RSS GB/rank"):
+    for column in ("layout", "procs", "tokens/s", "vs 1 proc", "params+optim MiB/rank", "vs 1 proc",
+                   "peak RSS GB/rank"):
         table.add_column(column, justify="left" if column == "layout" else "right")
     for row in rows:
         table.add_row(row["layout"], str(row["nproc"]), f"{row['tokens_per_s']:,.0f}",
                       f"{row.get('tokens_per_s_vs_single', float('nan')):.2f}x", f"{row['param_optim_mib_max']:.2f}",
-                      f"{row.get('param_optim_vs_single', float('nan')):.3f}x", f"{max(row['peak_rss_gb_per_rank']):.2f}")
+                      f"{row.get('param_optim_vs_single', float('nan')):.3f}x",
+                      f"{max(row['peak_rss_gb_per_rank']):.2f}")
     console = Console()
     console.width = max(console.width, 120)
     console.print(table)

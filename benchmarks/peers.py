@@ -52,10 +52,9 @@ import peers_env as env  # noqa: E402
 import peers_frameworks as frameworks  # noqa: E402
 import peers_rss as rss  # noqa: E402
 import peers_table as table  # noqa: E402
-from results_file import write_results  # noqa: E402
-
-from ember.hardware.device import cpu_runs_bf16_natively  # noqa: E402
 from ember.errors import ConfigError, EmberError  # noqa: E402
+from ember.hardware.device import cpu_runs_bf16_natively  # noqa: E402
+from results_file import write_results  # noqa: E402
 
 REPO = env.REPO
 RUNNERS = frameworks.RUNNERS
@@ -328,7 +327,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             return 128 + signum  # the shell's status for a death by that signal: 130 for Ctrl-C, 143 for SIGTERM
         path = report(rows, tags, args, peers_python, source, interrupted=True)
         finished = f"the {len(measured)} rows that finished are" if len(measured) > 1 else "the row that finished is"
-        print(f"peers.py: {how}; {finished} in {path} (marked \"interrupted\": true)", file=sys.stderr)
+        print(f'peers.py: {how}; {finished} in {path} (marked "interrupted": true)', file=sys.stderr)
         return 128 + signum
     report(rows, tags, args, peers_python, source, interrupted=False)
     failed = [r for r in rows if r["status"] == "failed" or any(x["status"] != "ok" for x in r.get("rounds", []))]

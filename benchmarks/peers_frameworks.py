@@ -22,8 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Optional
 
-from ember.config import OptimConfig
-from ember.config import load as load_config
+from ember.config import OptimConfig, load as load_config
 from ember.models.llama.args import FLAVORS, LlamaArgs
 
 RUNNER_SCRIPTS = Path(__file__).resolve().parent / "peers_runners"

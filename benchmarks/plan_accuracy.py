@@ -16,9 +16,8 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from results_file import write_results
-
 from ember.plan.measure import LAYOUTS, compare, measure_layouts
+from results_file import write_results
 
 
 def main() -> int:

@@ -17,11 +17,9 @@ import statistics
 import time
 from pathlib import Path
 
-from results_file import write_results
-
-
-from ember.train import run as run_lib
 from ember.plan.planner import make_plan
+from ember.train import run as run_lib
+from results_file import write_results
 
 # (name, recipe, overrides, world size): the same jobs as tests/plan/test_plan.py
 JOBS = [

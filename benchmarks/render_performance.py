@@ -104,7 +104,8 @@ def section(path: Path) -> list[str]:
     if result.get("rows"):
         lines += table(result["rows"]) + [""]
     rest = {k: v for k, v in result.items() if k not in HEADER_KEYS and k not in scalars}
-    nested = {k: v for k, v in rest.items() if isinstance(v, dict) and v and all(isinstance(x, dict) for x in v.values())}
+    nested = {k: v for k, v in rest.items()
+              if isinstance(v, dict) and v and all(isinstance(x, dict) for x in v.values())}
     for key, groups in nested.items():
         lines += [f"{key}:", ""] + table([{key: group} | values for group, values in groups.items()], key) + [""]
     listed = {k: v for k, v in rest.items() if isinstance(v, list) and v and all(isinstance(x, dict) for x in v)}

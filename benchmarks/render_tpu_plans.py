@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ember import config as config_lib
-from ember.train import run as run_lib
 from ember.parallel.mesh_shape import resolve_mesh
 from ember.plan.planner import make_plan
+from ember.train import run as run_lib
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "tpu.md"
 BEGIN = "<!-- plan table: written by python benchmarks/render_tpu_plans.py from ember plan; do not edit -->"

@@ -34,9 +34,8 @@ from pathlib import Path
 
 import torch
 
-
-from ember.train import run as run_lib
 from ember.metrics.run_metrics import mfu, peak_memory_gb
+from ember.train import run as run_lib
 from ember.train.trainer import Trainer
 
 
@@ -128,7 +127,8 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--suite", action="store_true", help="bf16 and fp8 for llama3.2-1b and llama3.1-8b shapes (GPU)")
+    parser.add_argument("--suite", action="store_true",
+                        help="bf16 and fp8 for llama3.2-1b and llama3.1-8b shapes (GPU)")
     args = parser.parse_args()
     if args.suite:
         suite(args.steps, args.warmup)

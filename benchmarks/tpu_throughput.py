@@ -1,4 +1,5 @@
-"""Training tokens/s and MFU of the XLA path (device=xla|tpu: torchax + jax, ember/xla/) against the eager torch path on the same model, data and batch, both measured in one run of this script.
+"""Training tokens/s and MFU of the XLA path (device=xla|tpu: torchax + jax, ember/xla/) against the eager torch \
+path on the same model, data and batch, both measured in one run of this script.
 
 Each side is its own `python -m ember train RECIPE ... metrics.console=false` subprocess; its figures are the
 median of the `tokens_per_s` and `mfu` of its metrics.jsonl windows, the first window left out (it holds the
@@ -43,8 +44,7 @@ from typing import Any, Optional
 
 import torch
 
-from ember.hardware import cpu_rates
-from ember.hardware import peaks as hardware
+from ember.hardware import cpu_rates, peaks as hardware
 
 ROOT = Path(__file__).resolve().parent.parent
 # --shape -> the recipe whose model it is; the batch and sequence come from the command line (short runs).

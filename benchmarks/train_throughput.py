@@ -38,16 +38,17 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from results_file import write_results
 
-from ember.train import run as run_lib
 from ember.models.llama.hf import hf_config_from_args
+from ember.train import run as run_lib
 from ember.train.trainer import Trainer
+from results_file import write_results
 
 
 def build_ember(overrides: list[str], compile_model: bool, out: str, precision: str) -> tuple[Trainer, Callable]:
-    cfg = run_lib.load_config("debug", overrides + ["data.dataset=synthetic", "metrics.console=false", f"output_dir={out}",
-                                                    f"compile={compile_model}", f"precision={precision}"])
+    cfg = run_lib.load_config("debug", overrides + ["data.dataset=synthetic", "metrics.console=false",
+                                                    f"output_dir={out}", f"compile={compile_model}",
+                                                    f"precision={precision}"])
     trainer = Trainer(cfg)
 
     def step(inputs: torch.Tensor, labels: torch.Tensor) -> float:
@@ -182,14 +183,16 @@ def main() -> int:
                 del trainer, contestants
 
     print(f"\ntrain throughput, {platform.processor() or platform.machine()}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; llama3 debug dim {args.dim} x {args.n_layers} layers, batch {args.batch} x seq {args.seq_len}, {args.precision}")
+          f"{torch.get_num_threads()} threads; llama3 debug dim {args.dim} x {args.n_layers} layers, "
+          f"batch {args.batch} x seq {args.seq_len}, {args.precision}")
     print(f"{'contestant':<14}{'vocab':>8}{'compiled':>10}{'step s':>10}{'tokens/s':>12}{'vs HF':>8}")
     for r in rows:
         print(f"{r['contestant']:<14}{r['vocab']:>8}{str(r['compiled']):>10}{r['step_time_s']:>10.4f}"
               f"{r['tokens_per_s']:>12.0f}{r['ratio_vs_transformers']:>7.2f}x")
     for r in rows:
         if "floor_ratio" in r:
-            print(f"\nember {'compiled' if r['compiled'] else 'eager'}, vocab {r['vocab']}: floor ratio {r['floor_ratio']:.2f}x (step "
+            print(f"\nember {'compiled' if r['compiled'] else 'eager'}, vocab {r['vocab']}: "
+                  f"floor ratio {r['floor_ratio']:.2f}x (step "
                   f"{r['floor_step_s']:.4f} s, matmul + attention kernels {r['floor_s']:.4f} s); largest other ops:")
             for name, seconds in r["largest_other_ops_s"]:
                 print(f"    {name:<56}{seconds * 1e3:>8.1f} ms/step")

@@ -20,7 +20,8 @@
                                              of a TPU VM (device=tpu); see docs/tpu-launch.md
     ember report RUN [RUN ...] [--output FILE.html] [--png DIR]
                                              an HTML page and PNGs of a run's curves, or of runs compared
-    ember plan RECIPE [key=value ...] --world N [--nodes M] [--device h100|h200|b200|mi300x|tpu-v5p|...] [--search] [--json]
+    ember plan RECIPE [key=value ...] --world N [--nodes M] [--device h100|h200|b200|mi300x|tpu-v5p|...] \
+[--search] [--json]
                                              per-rank memory, step time, MFU and a fits/does-not-fit verdict of a
                                              job, computed on this CPU before booking the cluster
 

@@ -21,19 +21,33 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from ember.config_schema import (  # noqa: F401  the sections (ember/config_schema.py), importable from here
-    ModelConfig, MeshConfig, ParallelConfig, OptimConfig, ScheduleConfig, MixtureSource, DataConfig, EvalTask,
-    EvalConfig, EvalOptions, MetricsConfig, CheckpointConfig, LoraConfig, Fp8Config, ProfileConfig, DPOConfig,
+    CheckpointConfig,
+    DataConfig,
+    DPOConfig,
+    EvalConfig,
+    EvalOptions,
+    EvalTask,
+    Fp8Config,
     JobConfig,
+    LoraConfig,
+    MeshConfig,
+    MetricsConfig,
+    MixtureSource,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    ProfileConfig,
+    ScheduleConfig,
 )
-from ember.overrides import ALIASES, IMPLIED, alias_overrides, list_of_keys, parse_overrides
 from ember.errors import ConfigError, did_you_mean, first_error_line, not_one_of
+from ember.overrides import ALIASES, IMPLIED, alias_overrides, list_of_keys, parse_overrides
 
 RECIPES_DIR = Path(__file__).parent / "recipes"
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp8")
 FP8_RECIPES = ("tensorwise", "rowwise")  # ember.parallel.fp8.RECIPES (config stays importable without torch)
-NOT_HYPERPARAMETERS = ("family", "flavor", "remat", "remat_every", "scan_layers", "init_from", "aux_loss_coef", "z_loss_coef",
-                       "bias_update_rate")  # model.* keys that are not model args
+NOT_HYPERPARAMETERS = ("family", "flavor", "remat", "remat_every", "scan_layers", "init_from", "aux_loss_coef",
+                       "z_loss_coef", "bias_update_rate")  # model.* keys that are not model args
 CP_IMPLS = ("auto", "allgather", "ring")
 DEVICES = ("auto", "cpu", "cuda", "tpu", "xla")
 XLA_DEVICES = ("tpu", "xla")  # the jax path (ember/xla/), every other device the torch.distributed one
@@ -135,7 +149,8 @@ def _reject_env_interpolation(node: Any, origin: str) -> None:
         if isinstance(value, dict):
             _reject_env_interpolation(value, origin)
         elif isinstance(value, str) and "${oc.env" in value.replace(" ", ""):
-            raise ConfigError(f"config key '{key}' in {origin} reads the environment; pass secrets as env vars, not config")
+            raise ConfigError(f"config key '{key}' in {origin} reads the environment; "
+                              "pass secrets as env vars, not config")
 
 
 def _alias_recipe(data: dict) -> dict:
@@ -305,8 +320,8 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(f"resume={cfg.resume}: no such checkpoint; give a checkpoints/step-N path, auto or none")
     _check_resume_allow_changes(cfg.resume_allow_changes)
     if cfg.model.scan_layers and cfg.device not in XLA_DEVICES:
-        raise ConfigError(f"model.scan_layers=true is the XLA path's (device=tpu or device=xla), not device={cfg.device}; "
-                          "drop model.scan_layers or set device=xla")
+        raise ConfigError("model.scan_layers=true is the XLA path's (device=tpu or device=xla), "
+                          f"not device={cfg.device}; drop model.scan_layers or set device=xla")
     if cfg.model.remat_every < 1:
         raise ConfigError(f"model.remat_every must be >= 1, got {cfg.model.remat_every}")
     for key in ("aux_loss_coef", "z_loss_coef", "bias_update_rate"):
@@ -319,8 +334,8 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(f"profile.step={cfg.profile.step} and profile.steps={cfg.profile.steps} must be >= 1 (the "
                           "first traced step, as logged, and how many)")
     if cfg.profile.enabled and cfg.profile.step > cfg.max_steps:
-        raise ConfigError(f"profile.step={cfg.profile.step} is past max_steps={cfg.max_steps}: no step would be traced; "
-                          f"choose profile.step in 1-{cfg.max_steps}")
+        raise ConfigError(f"profile.step={cfg.profile.step} is past max_steps={cfg.max_steps}: "
+                          f"no step would be traced; choose profile.step in 1-{cfg.max_steps}")
     if cfg.lora.rank < 0:
         raise ConfigError(f"lora.rank must be >= 0 (0: LoRA off), got {cfg.lora.rank}")
     if cfg.parallel.cp_impl not in CP_IMPLS:
@@ -342,7 +357,8 @@ def validate_data(data: DataConfig) -> None:
         raise ConfigError("data.streaming=true streams a hub dataset or local files (data.dataset); the embedded "
                           "corpus, synthetic data and mixtures are read without it: set data.streaming=false")
     if data.document_mask and data.dataset == "synthetic" and not data.mixture:
-        raise ConfigError("data.document_mask needs documents; synthetic tokens have none: set data.document_mask=false")
+        raise ConfigError("data.document_mask needs documents; synthetic tokens have none: "
+                          "set data.document_mask=false")
     if data.prompt_field and data.streaming:
         raise ConfigError("data.prompt_field (SFT) reads whole files; set data.streaming=false")
     if data.mixture and data.dataset == "synthetic":

@@ -10,7 +10,9 @@ from typing import Any, Optional
 
 @dataclass
 class ModelConfig:
-    family: str = "llama3"  # llama2 | llama3 | llama3.1 | llama3.2 | mixtral | gpt | glam | mistral | phi3 | gemma2 | gemma3 | qwen2 | qwen3 | qwen3_moe | deepseek_v3 | deepseek_v2 | llama4
+    # family: llama2 | llama3 | llama3.1 | llama3.2 | mixtral | gpt | glam | mistral | phi3 | gemma2 | gemma3 | qwen2 |
+    # qwen3 | qwen3_moe | deepseek_v3 | deepseek_v2 | llama4
+    family: str = "llama3"
     flavor: str = "debug"  # a key of the family's FLAVORS, e.g. 8B, 70B, 405B, debug
     # Optional fields that override the flavor's hyper-parameters (None keeps the flavor's value).
     dim: Optional[int] = None
@@ -28,7 +30,8 @@ class ModelConfig:
     n_experts: Optional[int] = None
     top_k: Optional[int] = None
     moe_every: Optional[int] = None  # GLaM: layer i has experts when i % moe_every == 0 (2: every other layer)
-    moe_hidden_dim: Optional[int] = None  # Qwen3-MoE, Llama 4: each expert's SwiGLU hidden size (ffn_hidden_dim: dense layers')
+    # Qwen3-MoE, Llama 4: each expert's SwiGLU hidden size (ffn_hidden_dim: dense layers')
+    moe_hidden_dim: Optional[int] = None
     sparse_step: Optional[int] = None  # Qwen3-MoE, Llama 4: layer i has experts when (i + 1) % sparse_step == 0
     norm_topk_prob: Optional[bool] = None  # Qwen3-MoE: renormalise the top-k routing weights to sum to 1
     qkv_bias: Optional[bool] = None  # Qwen: biases on the q/k/v projections (Qwen2's)
@@ -294,7 +297,8 @@ class JobConfig:
     seq_len: int = 256
     output_dir: str = "outputs/debug"
     compile: bool = False
-    precision: str = "auto"  # auto (bf16 with bf16 matmuls: CUDA, AVX512-BF16/AMX CPUs; else fp32) | fp32 | bf16 | fp8 (bf16 + fp8.enabled)
+    # auto (bf16 with bf16 matmuls: CUDA, AVX512-BF16/AMX CPUs; else fp32) | fp32 | bf16 | fp8 (bf16 + fp8.enabled)
+    precision: str = "auto"
     device: str = "auto"  # auto | cpu | cuda | tpu | xla (tpu, or any jax backend: ember/xla/, the .[tpu] extra)
     resume: str = "auto"  # auto (the newest complete checkpoint in output_dir, if any) | none | a checkpoint path
     # Keys of what the run is (model.*, data.*, seed, task, seq_len, global_batch_size, lora.*, dpo.*, optim.name;

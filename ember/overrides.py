@@ -54,8 +54,8 @@ def parse_overrides(overrides: list[str]) -> DictConfig:
     except OmegaConfBaseException as err:
         raise ConfigError(f"cannot parse overrides: {first_error_line(err)}") from None
     except yaml.YAMLError as err:  # a value OmegaConf hands to YAML: an unclosed [ or {
-        bad = next((item for item in overrides if item.count("[") != item.count("]") or item.count("{") != item.count("}")),
-                   overrides[-1])
+        bad = next((item for item in overrides
+                    if item.count("[") != item.count("]") or item.count("{") != item.count("}")), overrides[-1])
         raise ConfigError(f"cannot parse override '{bad}': {str(err).splitlines()[0]}; close every [ and {{ "
                           "(quote the whole key=value for the shell)") from None
 

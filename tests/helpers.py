@@ -75,7 +75,7 @@ def job_env(**extra: str) -> dict[str, str]:
 
 # A sitecustomize that kills a training process: EMBER_KILL_AT_STEP=N sends SIGKILL to rank 0 at step N;
 # EMBER_DIE_IN_SAVE_AT=N exits after every shard of step-N is written but before the save is committed.
-KILL_INJECTION = '''
+KILL_INJECTION = """
 import os
 if os.environ.get("EMBER_KILL_AT_STEP") or os.environ.get("EMBER_DIE_IN_SAVE_AT"):
     import signal
@@ -95,7 +95,7 @@ if os.environ.get("EMBER_KILL_AT_STEP") or os.environ.get("EMBER_DIE_IN_SAVE_AT"
             os._exit(1)  # every shard written, the commit not done: a crash in the middle of the save
         return original_commit(self, tmp, final)
     c.CheckpointManager._commit = commit
-'''
+"""
 
 
 def kill_injection(folder: Path) -> Path:

@@ -38,8 +38,8 @@ def test_only_user_errors_are_one_line(tmp_path):
             "    def __init__(self, args): raise ValueError('an internal bug')\n"
             "import dataclasses; m.MODELS['llama3'] = dataclasses.replace(m.MODELS['llama3'], model_cls=Broken)\n"
             "sys.exit(c.main(sys.argv[1:]))\n")
-    proc = subprocess.run([sys.executable, "-c", code, "train", "data.dataset=synthetic", f"output_dir={tmp_path / 'p'}"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code, "train", "data.dataset=synthetic",
+                           f"output_dir={tmp_path / 'p'}"], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "Traceback" in proc.stderr and "an internal bug" in proc.stderr
 
 

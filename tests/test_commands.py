@@ -19,9 +19,7 @@ from ember.errors import ConfigError
 
 def _subcommands() -> list[list[str]]:
     """Every command and subcommand of `ember`, from the parsers themselves."""
-    from ember.commands import COMMANDS
-    from ember.commands import data as data_command
-    from ember.commands import launch as launch_command
+    from ember.commands import COMMANDS, data as data_command, launch as launch_command
 
     commands = [[name] for name in COMMANDS]
     commands += [["launch", name] for name in launch_command.parser()[1]]
@@ -153,9 +151,9 @@ def test_eval_keys_are_the_configs_eval_section():
     """`ember eval`'s eval.* keys merge into EvalConfig (with ppl's window): one default (limit None: every row,
     as in training), the config's types (null unsets) and its messages for a bad type, and one line naming a bad
     key."""
-    from ember.train import run as run_lib
     from ember.commands.eval import parse
     from ember.config_schema import EvalConfig, EvalOptions
+    from ember.train import run as run_lib
 
     assert run_lib.load_config("debug").eval.limit is None and EvalConfig().limit is None
     options = parse(["run", "lambada=l.jsonl"]).options
@@ -197,7 +195,8 @@ def test_an_unknown_option_is_named_alone_with_the_commands_options(tmp_path: Pa
              "PATH (ember eval --nproc-per-node N PATH ...)"),
             (["launch", "slurm", "debug", "--bogus", "--dry-run", f"output_dir={tmp_path}"],
              f"unknown option '--bogus' for ember launch slurm (options: {slurm_options})"),
-            (["launch", "status", "12", "--bogus"], "unknown option '--bogus' for ember launch status (it takes none)")):
+            (["launch", "status", "12", "--bogus"],
+             "unknown option '--bogus' for ember launch status (it takes none)")):
         assert cli.main(argv) == 2, argv
         assert capsys.readouterr() == ("", f"error: {message}\n"), argv
     assert not (tmp_path / "launch").exists()

@@ -18,7 +18,8 @@ def test_empty_text_gives_the_type_name():
 def test_a_heading_line_takes_the_next_line_with_it():
     err = RuntimeError('Error(s) in loading state_dict for Decoder:\n\tMissing key(s) in state_dict: "norm.weight".\n'
                        '\tUnexpected key(s) in state_dict: "x".')
-    assert first_error_line(err) == 'Error(s) in loading state_dict for Decoder: Missing key(s) in state_dict: "norm.weight".'
+    assert first_error_line(err) == ('Error(s) in loading state_dict for Decoder: '
+                                     'Missing key(s) in state_dict: "norm.weight".')
 
 
 def test_a_checkpoint_exception_gives_the_first_rank_s_own_error():

@@ -4,7 +4,8 @@
 - model code and ember/nn are single-device PyTorch: no torch.distributed;
 - ember/nn never imports ember.data (shared constants live in ember/constants.py);
 - ember/report loads no torch (`import torch` loads torch.distributed): it reads files;
-- ember/model_io/load.py imports nothing of ember/finetune (fine-tuning registers its formats with ember/model_io/sources.py)."""
+- ember/model_io/load.py imports nothing of ember/finetune (fine-tuning registers its formats with
+  ember/model_io/sources.py)."""
 
 from __future__ import annotations
 
@@ -192,8 +193,8 @@ def test_the_xla_entry_points_import_jax_only_inside_functions():
 
 
 def test_the_run_and_the_trainer_name_no_engine():
-    """ember.train.run and the Trainer reach an engine through ember/train/engines.py's registry (a module path per device):
-    neither imports ember/xla, the torch engine, or the registry's entries, anywhere in the file."""
+    """ember.train.run and the Trainer reach an engine through ember/train/engines.py's registry (a module path per
+    device): neither imports ember/xla, the torch engine, or the registry's entries, anywhere in the file."""
     for module in ("ember.train.run", "ember.train.trainer", "ember.commands.train"):
         named = {m for m in _imports(module) if m.startswith("ember.xla") or m == "ember.train.torch_engine"}
         assert not named, (module, named)
@@ -209,13 +210,14 @@ def test_no_class_subclasses_the_trainer():
 
 
 def test_loading_imports_nothing_of_finetune():
-    """ember/model_io/load.py and the source-format registry it reads (ember/model_io/sources.py) name no fine-tuning module in an
-    import, anywhere in the file, and importing ember.model_io.load loads none: LoRA checkpoints, peft adapters and base
-    fingerprints reach loading as "module:attribute" entries of ember.model_io.sources.FORMATS."""
+    """ember/model_io/load.py and the source-format registry it reads (ember/model_io/sources.py) name no fine-tuning
+    module in an import, anywhere in the file, and importing ember.model_io.load loads none: LoRA checkpoints, peft
+    adapters and base fingerprints reach loading as "module:attribute" entries of ember.model_io.sources.FORMATS."""
     for module in ("ember.model_io.load", "ember.model_io.sources"):
         named = {m for m in _imports(module) if m.startswith("ember.finetune")}
         assert not named, (module, named)
-    loaded = _loaded_by({"ember.model_io.load", "ember.model_io.sources"} | _imports("ember.model_io.load") | _imports("ember.model_io.sources"))
+    loaded = _loaded_by({"ember.model_io.load", "ember.model_io.sources"} | _imports("ember.model_io.load")
+                        | _imports("ember.model_io.sources"))
     assert not {m for m in loaded if m.startswith("ember.finetune")}
     assert "ember.model_io.load" in GRAPH["ember.finetune.sources"]  # the dependency points from fine-tuning to loading
 

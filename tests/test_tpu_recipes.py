@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from ember import config as config_lib
-from ember.train import run as run_lib
 from ember.commands.recipes import _device
 from ember.models import MODELS, build_model_args
 from ember.parallel.mesh_shape import resolve_mesh
 from ember.plan.planner import make_plan
+from ember.train import run as run_lib
 from tests.helpers import load_benchmark
 
 # recipe: (TPU type, chips per slice, slices, global batch, remat, scan_layers) as each recipe's torchprime source,

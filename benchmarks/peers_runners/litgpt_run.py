@@ -21,14 +21,13 @@ from importlib.metadata import version
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import parse_args, say  # noqa: E402  (this folder is not a package: runners run as scripts)
-
-import torch  # noqa: E402
-from torch.utils.data import DataLoader, Dataset  # noqa: E402
-
 import litgpt  # noqa: E402
+import torch  # noqa: E402
 from litgpt.args import EvalArgs, TrainArgs  # noqa: E402
 from litgpt.data import DataModule  # noqa: E402
+from torch.utils.data import DataLoader, Dataset  # noqa: E402
+
+from common import parse_args, say  # noqa: E402  (this folder is not a package: runners run as scripts)
 
 PRECISIONS = {"fp32": "32-true", "bf16": "bf16-mixed"}  # what pretrain.py's --precision calls them
 

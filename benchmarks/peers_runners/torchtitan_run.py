@@ -34,9 +34,9 @@ from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import append_jsonl, parse_args, say  # noqa: E402  (not a package: runners run as scripts)
-
 import torch  # noqa: E402
+
+from common import append_jsonl, parse_args, say  # noqa: E402  (not a package: runners run as scripts)
 
 MODULE = "peers_torchtitan_config"  # what --module names: this file, as registered in sys.modules
 METRICS_FILE = "metrics.jsonl"  # benchmarks/peers_frameworks.py's TITAN_METRICS_FILE
@@ -140,12 +140,17 @@ def peers_llama3():  # noqa: ANN201 (torchtitan's Trainer.Config; imported late,
     constant lr, no checkpoints, no validation, no activation checkpointing."""
     from torchtitan.components.checkpoint import CheckpointManager
     from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
-    from torchtitan.components.optimizer import default_adamw, LRSchedulersContainer
+    from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
     from torchtitan.components.validate import Validator
     from torchtitan.config import TrainingConfig
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
-    from torchtitan.models.llama3 import _build_llama3_layers, _EMBEDDING_INIT, _NORM_INIT, _output_linear_init
-    from torchtitan.models.llama3 import model_registry
+    from torchtitan.models.llama3 import (
+        _EMBEDDING_INIT,
+        _NORM_INIT,
+        _build_llama3_layers,
+        _output_linear_init,
+        model_registry,
+    )
     from torchtitan.models.llama3.model import Llama3Model
     from torchtitan.trainer import Trainer
 

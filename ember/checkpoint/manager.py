@@ -33,6 +33,15 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
+from ember.checkpoint.run_dir import archive_previous_run, complete_checkpoints, starts_over
+from ember.checkpoint.run_history import (
+    CHECKPOINT_CONFIG,
+    Change,
+    RunChanged,
+    config_dict,
+    describe_changes,
+    resume_changes,
+)
 from ember.config_schema import CheckpointConfig
 from ember.errors import CheckpointError, ConfigError, first_error_line
 from ember.finetune.base_fingerprint import check_resume_base, reference_meta
@@ -41,8 +50,6 @@ from ember.finetune.lora_state import START, buffer_names, lora_state_dict, star
 from ember.model_io.load import model_state_dict
 from ember.model_io.model_meta import MODEL_JSON, ArchitectureMismatch, check_architecture, meta_for
 from ember.train.optim import apply_group_settings, group_settings
-from ember.checkpoint.run_dir import archive_previous_run, complete_checkpoints, starts_over
-from ember.checkpoint.run_history import CHECKPOINT_CONFIG, Change, RunChanged, config_dict, describe_changes, resume_changes
 
 if TYPE_CHECKING:
     from ember.train.run import RunSpec
@@ -65,7 +72,8 @@ def verify(step_dir: Path, template: dict[str, Any]) -> None:
     try:
         metadata = FileSystemReader(str(step_dir)).read_metadata()
     except Exception as err:
-        raise CheckpointError(f"checkpoint {step_dir}: its .metadata cannot be read ({first_error_line(err)})") from None
+        raise CheckpointError(f"checkpoint {step_dir}: its .metadata cannot be read "
+                              f"({first_error_line(err)})") from None
     needed: dict[str, int] = {}
     for info in metadata.storage_data.values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
@@ -289,7 +297,8 @@ class CheckpointManager:
         try:
             train_state = torch.load(rank_file, weights_only=True)
         except Exception as err:
-            raise CheckpointError(f"checkpoint {step_dir}: {rank_file.name} is unreadable ({first_error_line(err)})") from None
+            raise CheckpointError(f"checkpoint {step_dir}: {rank_file.name} is unreadable "
+                                  f"({first_error_line(err)})") from None
         self.say(f"resumed from {step_dir} (step {train_state['step']})")
         # the changes are said by open_checkpoints, once every check of the resumed run has passed
         self.resumed_from, self.changes = step_dir, found

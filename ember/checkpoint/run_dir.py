@@ -13,8 +13,8 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
-from ember.model_io.model_meta import MODEL_JSON
 from ember.checkpoint.run_history import HISTORY_DIR
+from ember.model_io.model_meta import MODEL_JSON
 
 STEP_DIR = re.compile(r"step-(\d+)")
 
@@ -51,9 +51,9 @@ def resumed_compute(resume: str, output_dir: Path) -> Optional[str]:
     return compute if compute in ("float32", "bfloat16") else None
 
 
-# What one run writes into its output_dir: checkpoints; metrics and run facts (metrics/run_metrics.py); its config and history
-# (run_history.py); the W&B and MLflow run ids a resume logs into (metrics/trackers.py); `ember report`'s page and figures;
-# profiling traces; `ember eval RUN`'s results.
+# What one run writes into its output_dir: checkpoints; metrics and run facts (metrics/run_metrics.py); its config
+# and history (run_history.py); the W&B and MLflow run ids a resume logs into (metrics/trackers.py); `ember report`'s
+# page and figures; profiling traces; `ember eval RUN`'s results.
 RUN_FILES = ("checkpoints", "metrics.jsonl", "tb", "run.json", "config.yaml", HISTORY_DIR, "wandb-run-id",
              "mlflow-run-id", "report.html", "report", "profile", "eval.json")
 

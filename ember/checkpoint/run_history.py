@@ -140,9 +140,11 @@ def record_segment(output_dir: Path, cfg: config_lib.JobConfig, start_step: int,
     cfg = dataclasses.replace(cfg, resume="auto", resume_allow_changes=[])
     history = output_dir / HISTORY_DIR
     history.mkdir(parents=True, exist_ok=True)
-    numbers = [int(p.name.split("-")[1]) for p in history.glob("segment-*-step-*.yaml") if p.name.split("-")[1].isdigit()]
+    numbers = [int(p.name.split("-")[1]) for p in history.glob("segment-*-step-*.yaml")
+               if p.name.split("-")[1].isdigit()]
     segment = max(numbers, default=0) + 1
-    header = [f"# segment {segment} of {output_dir}: started {time.strftime('%Y-%m-%dT%H:%M:%S%z')} at step {start_step}",
+    header = [f"# segment {segment} of {output_dir}: "
+              f"started {time.strftime('%Y-%m-%dT%H:%M:%S%z')} at step {start_step}",
               f"# resumed from {resumed_from}" if resumed_from else "# from scratch"]
     header += [f"# changed against the checkpoint: {c.describe()}" + (" (resume_allow_changes)" if c.identity else "")
                for c in sorted(found, key=lambda c: c.identity)]  # as the console line orders them

@@ -17,7 +17,7 @@ def parser() -> ArgumentParser:
         "run or checkpoint, an HF directory or an `ember convert --to torch` file.")
     p.add_argument("path")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for a batch)")
-    p.add_argument("--prompt-file", help="a jsonl of {\"prompt\": ...} rows, decoded as one batch")
+    p.add_argument("--prompt-file", help='a jsonl of {"prompt": ...} rows, decoded as one batch')
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=None,
                    help="finite, >= 0; 0: greedy. Default: greedy, or 1.0 when --top-k, --top-p or --seed is "

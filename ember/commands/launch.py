@@ -21,8 +21,10 @@ on each node, with dcn_mesh.fsdp=N inferred from --nodes unless a dcn_mesh axis 
 for N x G processes before anything is submitted.
 
   ember launch local --nproc-per-node G [--nnodes M --node-rank R --rdzv-endpoint HOST:PORT] RECIPE [key=value ...]
-  ember launch slurm RECIPE [key=value ...] --nodes N --gpus-per-node G [--partition P --time T ...] [--wait | --dry-run]
-  ember launch k8s RECIPE [key=value ...] --nodes N --gpus-per-node G --image IMAGE [--namespace NS --pvc CLAIM] [--dry-run]
+  ember launch slurm RECIPE [key=value ...] --nodes N --gpus-per-node G [--partition P --time T ...] \
+[--wait | --dry-run]
+  ember launch k8s RECIPE [key=value ...] --nodes N --gpus-per-node G --image IMAGE [--namespace NS --pvc CLAIM] \
+[--dry-run]
   ember launch xpk --cluster C --tpu-type v6e-256 [--num-slices N] --docker-image IMAGE RECIPE [key=value ...] [--print]
   ember launch tpu-vm --name TPU --zone Z [--workdir DIR] RECIPE [key=value ...] [--print]
   ember launch status|cancel|logs JOB          a SLURM job: its state, scancel, its log (and its first failing rank)

@@ -14,9 +14,9 @@ from rich.table import Table
 from ember.config import XLA_DEVICES
 from ember.errors import ConfigError
 from ember.metrics.run_metrics import plural
-from ember.usage import ArgumentParser
 from ember.plan.cost import FABRICS
 from ember.plan.planner import Plan, make_plan
+from ember.usage import ArgumentParser
 
 DESCRIPTION = """Plan a training job before booking the cluster: on this CPU, in one process, build each rank's
 share of the model with ember's own parallelize pipeline over a fake process group (every rank of any
@@ -29,7 +29,8 @@ writes it only to --output)."""
 PLAN_KEYS = {"world_size", "device", "fits", "ranks"}  # what every plan.json holds
 
 EXAMPLES = """examples:
-  ember plan llama3.1-405b --world 1024 ici_mesh.tensor=8 ici_mesh.fsdp=1 dcn_mesh.fsdp=16 dcn_mesh.data=8 model.remat=full
+  ember plan llama3.1-405b --world 1024 ici_mesh.tensor=8 ici_mesh.fsdp=1 dcn_mesh.fsdp=16 dcn_mesh.data=8 \
+model.remat=full
   ember plan mixtral-8x7b --world 64 --device h200 ici_mesh.expert=8 ici_mesh.fsdp=1 dcn_mesh.fsdp=8 --search
   ember plan debug --world 2 --device cpu ici_mesh.fsdp=2 micro_batch_size=4 --json"""
 
@@ -49,8 +50,8 @@ def parser() -> ArgumentParser:
                    help="try the remat policies and micro-batch sizes; list the feasible ones by predicted tokens/s")
     p.add_argument("--json", action="store_true", help="print plan.json to stdout instead of the table (no file is "
                    "written unless --output is given)")
-    p.add_argument("--output", metavar="FILE", default=None, help="where plan.json goes (default: OUTPUT_DIR/plan.json; "
-                   "with --json, only where --output says)")
+    p.add_argument("--output", metavar="FILE", default=None, help="where plan.json goes "
+                   "(default: OUTPUT_DIR/plan.json; with --json, only where --output says)")
     return p
 
 

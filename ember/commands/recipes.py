@@ -9,7 +9,6 @@ from ember import config as config_lib
 from ember.parallel.mesh_shape import AXES, fewest_ranks
 from ember.usage import ArgumentParser
 
-
 SIZE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "ffn_hidden_dim", "multiple_of",
              "ffn_dim_multiplier", "n_experts", "top_k", "moe_every")
 
@@ -29,8 +28,8 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from ember.train import run as run_lib
     from ember.models import MODELS, build_model_args
+    from ember.train import run as run_lib
 
     table = Table(title="ember recipes")
     left = ("recipe", "family", "flavor", "device")

@@ -11,7 +11,8 @@ from ember.commands import as_rank, wants_help, world_size
 from ember.errors import ConfigError
 from ember.launch.local import STOP_EXIT_ENV, launch_local, split_launch_flags
 
-USAGE = """usage: ember train [--nproc-per-node N [--nnodes M --node-rank R --rdzv-endpoint HOST:PORT]] [RECIPE] [key=value ...]
+USAGE = """usage: ember train [--nproc-per-node N [--nnodes M --node-rank R --rdzv-endpoint HOST:PORT]] \
+[RECIPE] [key=value ...]
   RECIPE: a built-in recipe (see `ember recipes`) or a YAML path; default debug
   --nproc-per-node etc.: start N processes per node through torch.distributed.run (torchrun), which
   is the same as `torchrun --nproc-per-node N -m ember train ...`"""
@@ -41,8 +42,10 @@ def run(args: argparse.Namespace) -> int:
         return launch_local(args.flags, "train", args.argv,
                             lambda world: run_lib.load_config(args.recipe, args.overrides, world_size=world))
     # None: this machine's world (with device=tpu|xla, jax's devices); under torchrun, the job's
-    cfg = run_lib.load_config(args.recipe, args.overrides, world_size=world_size() if "WORLD_SIZE" in os.environ else None)
-    from ember.train.trainer import Trainer, TrainingStopped  # imported after validation so config errors come back at once
+    cfg = run_lib.load_config(args.recipe, args.overrides,
+                              world_size=world_size() if "WORLD_SIZE" in os.environ else None)
+    # imported after validation so config errors come back at once
+    from ember.train.trainer import Trainer, TrainingStopped
 
     trainer = Trainer(cfg)  # on the engine cfg.device trains on (ember/train/engines.py)
 

@@ -91,11 +91,11 @@ def check_messages(value: Any, where: str) -> list[dict]:
     Keys whose value is null are dropped (columnar files fill absent keys with null), as transformers does."""
     if not isinstance(value, (list, tuple)) or not value:
         raise DataError(f"{where} is {type(value).__name__ if value else 'empty'}, not a list of messages "
-                        "({\"role\": ..., \"content\": ...}); fix the row or set data.messages_field")
+                        '({"role": ..., "content": ...}); fix the row or set data.messages_field')
     messages = []
     for i, message in enumerate(value):
         if not isinstance(message, dict) or "role" not in message or not isinstance(message.get("content"), str):
-            raise DataError(f"{where} message {i} is not a {{\"role\": ..., \"content\": \"text\"}} object; fix the row")
+            raise DataError(f'{where} message {i} is not a {{"role": ..., "content": "text"}} object; fix the row')
         if message["role"] not in ROLES:
             raise DataError(f"{where} message {i} has role '{message['role']}'; roles are {', '.join(ROLES)}")
         messages.append({k: v for k, v in message.items() if v is not None})
@@ -190,7 +190,8 @@ def load_template(choice: Optional[str], tokenizer: Any) -> ChatTemplate:
     elif "chat_template" in config:
         source, name = config["chat_template"], str(config_path)
         if isinstance(source, list):  # several named templates: the default one, as transformers picks it
-            source = next((t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"), None)
+            source = next((t.get("template") for t in source
+                           if isinstance(t, dict) and t.get("name") == "default"), None)
     if not isinstance(source, str) or not source:
         raise DataError(f"the tokenizer at {folder} has no chat template (no chat_template.jinja, no chat_template in "
                         f"tokenizer_config.json); set data.chat_template to a built-in: {', '.join(BUILTIN_TEMPLATES)}")
@@ -206,7 +207,8 @@ def render(template: ChatTemplate, messages: list[dict], add_generation_prompt: 
         return compiled.render(messages=messages, tools=None, documents=None,
                                add_generation_prompt=add_generation_prompt, **dict(template.variables))
     except jinja2.TemplateError as err:
-        raise DataError(f"chat template {template.name} failed: {first_error_line(err)}; fix the conversation or the template") from None
+        raise DataError(f"chat template {template.name} failed: {first_error_line(err)}; "
+                        "fix the conversation or the template") from None
 
 
 # ---------------------------------------------------------------- assistant spans and labels

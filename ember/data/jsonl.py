@@ -36,7 +36,8 @@ def json_rows(path: Path, text: str) -> Iterator[tuple[str, dict]]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as err:
-                raise DataError(f"{path} line {lineno} is not valid JSON ({err.msg}); fix or remove that line") from None
+                raise DataError(f"{path} line {lineno} is not valid JSON ({err.msg}); "
+                                "fix or remove that line") from None
             yield f"{path} line {lineno}", _object(row, f"{path} line {lineno}")
         return
     try:

@@ -367,8 +367,9 @@ def build_loader(
                 stream = prepare.token_stream(part_cfg, tokenizer, split, cache_dir, pad_to)
                 _check_chat_documents(part_cfg, stream, tokenizer, pad_to)
             except DataError as err:  # point at this source's own key, which overrides the global one
-                raise DataError(str(err).replace("set data.text_field", f"set data.mixture[{i}].text_field "
-                                                 "(this source's text column; data.text_field is every source's default)")) from None
+                raise DataError(str(err).replace(
+                    "set data.text_field", f"set data.mixture[{i}].text_field "
+                    "(this source's text column; data.text_field is every source's default)")) from None
             rows = packing.pack(stream.tokens, seq_len)
             mask_rows = packing.pack(stream.loss_mask, seq_len) if stream.loss_mask is not None else None
             if len(rows) == 0:
@@ -394,6 +395,5 @@ def build_loader(
             "lower seq_len or micro_batch_size, or add data"
         )
     mask_rows = packing.pack(stream.loss_mask, seq_len) if stream.loss_mask is not None else None
-    return TokenLoader(
-        PackedSamples(rows, mask_rows), name=stream.name, num_tokens=len(stream.tokens), skipped=stream.skipped, **common  # type: ignore[arg-type]
-    )
+    return TokenLoader(PackedSamples(rows, mask_rows), name=stream.name, num_tokens=len(stream.tokens),
+                       skipped=stream.skipped, **common)  # type: ignore[arg-type]

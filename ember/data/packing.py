@@ -45,7 +45,8 @@ def tokenize_documents(texts: list[str], tokenizer: AnyTokenizer) -> np.ndarray:
     return np.concatenate(pieces) if pieces else np.zeros(0, dtype=dtype)
 
 
-def tokenize_prompted(prompts: list[str], responses: list[str], tokenizer: AnyTokenizer) -> tuple[np.ndarray, np.ndarray]:
+def tokenize_prompted(prompts: list[str], responses: list[str],
+                      tokenizer: AnyTokenizer) -> tuple[np.ndarray, np.ndarray]:
     """SFT documents: prompt + response + EOS each, and a loss mask that is 0 on the prompt tokens."""
     dtype = token_dtype(tokenizer.vocab_size)
     tokens: list[np.ndarray] = []
@@ -80,7 +81,8 @@ def document_pieces(docs: sources.Documents, tokenizer: AnyTokenizer,
     return pieces
 
 
-def pad_pieces(pieces: list[tuple[np.ndarray, np.ndarray]], width: int, pad_id: int) -> tuple[np.ndarray, np.ndarray, int]:
+def pad_pieces(pieces: list[tuple[np.ndarray, np.ndarray]], width: int,
+               pad_id: int) -> tuple[np.ndarray, np.ndarray, int]:
     """One document per `width` tokens (data.packing=false): cut to width, padded with pad_id under mask 0, so
     pack(tokens, width - 1) gives one document per sample. A document left with no target after the cut
     trains nothing and is dropped. Returns (tokens, mask, documents kept)."""
@@ -93,8 +95,8 @@ def pad_pieces(pieces: list[tuple[np.ndarray, np.ndarray]], width: int, pad_id: 
     return tokens.reshape(-1), mask.reshape(-1), len(kept)
 
 
-def tokenize_source(data_cfg: DataConfig, tokenizer: AnyTokenizer, split: str, template: Optional[chat.ChatTemplate] = None,
-                    pad_to: Optional[int] = None) -> TokenStream:
+def tokenize_source(data_cfg: DataConfig, tokenizer: AnyTokenizer, split: str,
+                    template: Optional[chat.ChatTemplate] = None, pad_to: Optional[int] = None) -> TokenStream:
     """Read one split of the configured source and tokenize it (no cache: see prepare.token_stream).
 
     Chat documents are rendered with `template` (chat.load_template). pad_to: one document per pad_to

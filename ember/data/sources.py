@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Iterable, Optional, Union
 
+from ember.config_schema import DataConfig, JobConfig
 from ember.data.hub import import_datasets, load_hub_table
 from ember.data.jsonl import json_rows
-from ember.config_schema import DataConfig, JobConfig
 from ember.errors import ConfigError, DataError, EmberError, UserFileNotFound, first_error_line
 
 if TYPE_CHECKING:
@@ -262,7 +262,8 @@ def _table_rows(path: Path, fields: Fields) -> list[Row]:
     try:
         table = datasets.load_dataset(builder, data_files=[str(path)], split="train")
     except Exception as err:
-        raise DataError(f"{path} is not a readable {builder} file ({first_error_line(err)}); fix or remove it") from None
+        raise DataError(f"{path} is not a readable {builder} file ({first_error_line(err)}); "
+                        "fix or remove it") from None
     for name, key in fields.columns:
         if name not in table.column_names:
             raise DataError(
@@ -334,7 +335,8 @@ def load_local(spec: str, files: list[Path], fields: Fields, split: str, val_fra
 
 
 # ---------------------------------------------------------------- Hugging Face hub
-def load_hub(name: str, config: Optional[str], hf_split: str, fields: Fields, split: str, val_fraction: float) -> Documents:
+def load_hub(name: str, config: Optional[str], hf_split: str, fields: Fields, split: str,
+             val_fraction: float) -> Documents:
     """A hub dataset's `hf_split` (data.split), divided into ember's train/val by the same key hash."""
     _check_split(split)
     table = load_hub_table(name, config, hf_split)

@@ -54,13 +54,14 @@ def open_stream(data_cfg: DataConfig, split: str, dp_rank: int,
         if files is not None:
             kinds = {BUILDERS[f.suffix] for f in files}
             if len(kinds) > 1:
-                raise DataError(f"data.dataset '{spec}' mixes file types ({', '.join(sorted(kinds))}); stream one kind, "
-                                 "or use data.mixture")
+                raise DataError(f"data.dataset '{spec}' mixes file types ({', '.join(sorted(kinds))}); "
+                                 "stream one kind, or use data.mixture")
             builder = kinds.pop()
             extra = {"sample_by": "document"} if builder == "text" else {}  # a .txt file is one document
             if split == "val":
                 raise DataError("local files have no held-out split when streamed; set data.val_split=null")
-            ds = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", streaming=True, **extra)
+            ds = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", streaming=True,
+                                       **extra)
             name = spec
         else:
             ds = datasets.load_dataset(spec, data_cfg.config, split=hf_split, streaming=True)

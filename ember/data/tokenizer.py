@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from pathlib import Path
 import re
+from pathlib import Path
 from typing import Optional, Protocol, Sequence, Union
 
 import tokenizers
@@ -178,7 +178,8 @@ class SentencePieceTokenizer:
         try:
             self.sp = spm.SentencePieceProcessor(model_file=str(path))
         except Exception as err:
-            raise DataError(f"data.tokenizer '{path}' is not a valid SentencePiece model ({first_error_line(err)}); re-export it") from None
+            raise DataError(f"data.tokenizer '{path}' is not a valid SentencePiece model "
+                            f"({first_error_line(err)}); re-export it") from None
         self.vocab_size = self.sp.get_piece_size()
         self.bos_id = self.sp.bos_id() if self.sp.bos_id() >= 0 else None
         if self.sp.eos_id() < 0:
@@ -203,7 +204,8 @@ class SentencePieceTokenizer:
 # Llama 3's tiktoken setup (Meta's llama3 tokenizer.py): the pre-tokenizer pattern, and 256 special
 # tokens after the BPE ranks, of which the first two are BOS and EOS.
 LLAMA3_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 LLAMA3_NUM_SPECIAL = 256
 LLAMA3_NAMED_SPECIAL = (BOS, EOS, "<|reserved_special_token_0|>", "<|reserved_special_token_1|>",
@@ -222,7 +224,8 @@ class TiktokenTokenizer:
         try:
             ranks = load_tiktoken_bpe(str(path))
         except Exception as err:
-            raise DataError(f"data.tokenizer '{path}' is not a valid tiktoken BPE file ({first_error_line(err)})") from None
+            raise DataError(f"data.tokenizer '{path}' is not a valid tiktoken BPE file "
+                            f"({first_error_line(err)})") from None
         specials = list(LLAMA3_NAMED_SPECIAL) + [
             f"<|reserved_special_token_{i}|>" for i in range(5, LLAMA3_NUM_SPECIAL - 5)
         ]
@@ -287,7 +290,8 @@ def _load_hf_tokenizer(path: Path) -> Tokenizer:
     try:
         tok = tokenizers.Tokenizer.from_file(str(path))
     except Exception as err:
-        raise DataError(f"data.tokenizer '{path}' is not a valid HF tokenizer.json ({first_error_line(err)}); re-export it") from None
+        raise DataError(f"data.tokenizer '{path}' is not a valid HF tokenizer.json "
+                        f"({first_error_line(err)}); re-export it") from None
     special: dict[str, str] = {}
     config_path = path.parent / "tokenizer_config.json"
     if config_path.is_file():

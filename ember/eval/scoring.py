@@ -169,7 +169,8 @@ def rolling_logprob(model: nn.Module, ids: list[int], window: int, stride: int, 
                 _idle_forward(model, device, ranks)
                 continue
             group = [spans[i] for i in batch]
-            tokens = torch.zeros(len(group), ranks.width(max(last - start for start, last, _ in group)), dtype=torch.long)
+            tokens = torch.zeros(len(group), ranks.width(max(last - start for start, last, _ in group)),
+                                 dtype=torch.long)
             for row, (start, last, _) in enumerate(group):
                 tokens[row, :last - start] = torch.tensor(ids[start:last])
             # position p of a row predicts ids[start + p + 1]: the targets ids[first..last] end at position last - start

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from torch import nn
 
+from ember.config_schema import DataConfig, EvalTask, JobConfig
 from ember.data.hub import load_hub_table
 from ember.data.jsonl import read_json_rows
-from ember.config_schema import DataConfig, EvalTask, JobConfig
 from ember.errors import ConfigError, DataError, UserFileNotFound
 from ember.eval.distributed import EvalRanks
 from ember.eval.scoring import loglikelihood, rolling_logprob

@@ -106,7 +106,7 @@ def check_lora_base(step_dir: Path, meta: dict[str, Any]) -> None:
     changes = differences(recorded, fingerprint(meta["base"]))
     if changes:
         raise CheckpointError(f"'{step_dir}' holds LoRA adapters trained on the base '{meta['base']}', which has "
-                              f"changed since ({changes}); put that base back there, or point \"base\" in its "
+                              f'changed since ({changes}); put that base back there, or point "base" in its '
                               f"{MODEL_JSON} at a copy of it: adapters fit only the weights they were trained on")
 
 

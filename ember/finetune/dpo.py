@@ -260,8 +260,8 @@ def encode_pairs(rows: list[dict], tokenizer: AnyTokenizer, seq_len: int, prompt
     return PairSamples(out["chosen"], out["rejected"], masks["chosen"], masks["rejected"])
 
 
-def _encode_chat_pair(chat: ModuleType, template: ChatTemplate, encoder: tokenizers.Tokenizer, prompt: list, response: str,
-                      row: int) -> tuple[list[int], list[int]]:
+def _encode_chat_pair(chat: ModuleType, template: ChatTemplate, encoder: tokenizers.Tokenizer, prompt: list,
+                      response: str, row: int) -> tuple[list[int], list[int]]:
     """(prompt ids, response ids) of a conversation prompt and the assistant's reply: the ids of the whole
     rendering, split where the reply's span starts (chat.assistant_spans finds it, refusing templates that
     cannot mark it); the tokens after the span's end (a trailing newline) are dropped."""
@@ -300,4 +300,5 @@ def build_pair_loader(data_cfg: DataConfig, tokenizer: AnyTokenizer, *, dpo_cfg:
                            dpo_cfg.rejected_field, template)
     return TokenLoader(samples, name=f"{data_cfg.dataset} (pairs)", split=split, micro_batch_size=micro_batch_size,
                        dp_rank=dp_rank, dp_world=dp_world, seed=seed, num_workers=data_cfg.num_workers,
-                       prefetch=data_cfg.prefetch, num_tokens=int(samples.chosen_mask.sum() + samples.rejected_mask.sum()))
+                       prefetch=data_cfg.prefetch,
+                       num_tokens=int(samples.chosen_mask.sum() + samples.rejected_mask.sum()))

@@ -157,7 +157,8 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float = 0.0, 
         module.scaling = alpha / rank
         module.lora_enabled = True
         module.__class__ = LoraLinear  # in place: parameter names and TP's hooks stay (see LoraLinear)
-    embeddings = [m for m in (getattr(model, "tok_embeddings", None), getattr(model, "pos_embeddings", None)) if m is not None]
+    embeddings = [m for m in (getattr(model, "tok_embeddings", None), getattr(model, "pos_embeddings", None))
+                  if m is not None]
     trainable: list[nn.Module] = [m for m in model.modules() if isinstance(m, LoraLinear)]
     trainable = [adapter for m in trainable for adapter in (m.lora_A, m.lora_B)]
     if train_embeddings:
@@ -171,7 +172,8 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float = 0.0, 
         tables = {id(p) for m in embeddings for p in m.parameters()}
         for module in model.modules():
             for pname, param in list(module.named_parameters(recurse=False)):
-                if not param.requires_grad and param.ndim >= 2 and id(param) not in tables and param.dtype != base_dtype:
+                if (not param.requires_grad and param.ndim >= 2 and id(param) not in tables
+                        and param.dtype != base_dtype):
                     setattr(module, pname, nn.Parameter(param.detach().to(base_dtype), requires_grad=False))
     return names
 
@@ -195,7 +197,8 @@ def init_lora(model_parts: Sequence[nn.Module], seed: int) -> None:
         for name, module in part.named_modules():
             if isinstance(module, LoraLinear):
                 a = torch.empty(module.lora_A.weight.shape)
-                nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=torch.Generator().manual_seed(_seed_for(seed, name)))
+                nn.init.kaiming_uniform_(a, a=math.sqrt(5),
+                                         generator=torch.Generator().manual_seed(_seed_for(seed, name)))
                 _fill(module.lora_A.weight, a)
                 _fill(module.lora_B.weight, torch.zeros(module.lora_B.weight.shape))
 
@@ -291,7 +294,8 @@ def training_flops_per_token(model_flops: float, model: nn.Module) -> float:
 
 def trainable_names(model_parts: Sequence[nn.Module]) -> set[str]:
     """State-dict names of the trainable parameters (a tied matrix under both of its names)."""
-    return {name for part in model_parts for name, p in part.named_parameters(remove_duplicate=False) if p.requires_grad}
+    return {name for part in model_parts for name, p in part.named_parameters(remove_duplicate=False)
+            if p.requires_grad}
 
 
 def trainable_state_dict(model_parts: Sequence[nn.Module]) -> dict[str, Any]:

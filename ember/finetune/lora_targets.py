@@ -67,7 +67,8 @@ def _no_match(what: Any, model: nn.Module, family: str) -> ConfigError:
     if any(name.endswith("experts") for _, block in blocks(model) for name, _ in block.named_modules()):
         hf = {name: alias for name, alias in hf.items() if alias not in _EXPERT_ENTRIES}  # refused: they reach experts
     return ConfigError(f"lora.targets entry '{what}' matches no linear layer of {family}'s blocks; choose all, attn, "
-                       f"mlp or module names of its blocks: {', '.join(own)} (or as in HF: {', '.join(filter(None, hf.values()))})")
+                       f"mlp or module names of its blocks: {', '.join(own)} "
+                       f"(or as in HF: {', '.join(filter(None, hf.values()))})")
 
 
 def resolve_targets(model: nn.Module, targets: str | Sequence[str], rank: int, family: str = "this model") -> list[str]:
@@ -88,8 +89,9 @@ def resolve_targets(model: nn.Module, targets: str | Sequence[str], rank: int, f
         expert_hits = [e for e in entries if e in _EXPERT_ENTRIES]
         if has_experts and expert_hits:
             shown = "all" if targets == "all" else expert_hits[0]
-            raise ConfigError(f"lora.targets={shown} reaches {family}'s MoE experts, which LoRA does not adapt (stacked "
-                              "per expert, not nn.Linear); use lora.targets=attn, plus feed_forward.w1/w2/w3 for dense layers")
+            raise ConfigError(f"lora.targets={shown} reaches {family}'s MoE experts, which LoRA does not adapt "
+                              "(stacked per expert, not nn.Linear); use lora.targets=attn, "
+                              "plus feed_forward.w1/w2/w3 for dense layers")
     unused = [entry for entry, hit in used.items() if not hit]
     if unused or not found:
         raise _no_match(unused[0] if unused else targets, model, family)

@@ -105,7 +105,8 @@ def save_peft(meta: dict[str, Any], args: Any, state: dict[str, torch.Tensor], o
         modules = [_hf_module(hf, name) for name in names]
         for name, module in zip(names, modules):
             tensors[f"{PREFIX}{module}.lora_A.weight"] = state[f"{name}.lora_A.weight"]
-            tensors[f"{PREFIX}{module}.lora_B.weight"] = hf.tensor_to_hf(f"{name}.weight", state[f"{name}.lora_B.weight"], args)
+            tensors[f"{PREFIX}{module}.lora_B.weight"] = hf.tensor_to_hf(f"{name}.weight",
+                                                                         state[f"{name}.lora_B.weight"], args)
         claimed = _PEFT_EXPERT_NAMES.get(meta["family"], ())
         by_weight = sorted(m for m in modules if m.rsplit(".", 1)[1] in claimed)
         targets = _target_modules(meta["family"], args, hf, [m for m in modules if m not in by_weight])
@@ -178,12 +179,14 @@ def _gpt_adapters(names: list[str], state: dict[str, torch.Tensor], settings: di
                     a_parts.append(state[f"{n}.lora_A.weight"])
                     b[i * dim:(i + 1) * dim, i * r:(i + 1) * r] = state[f"{n}.lora_B.weight"]
                 else:
-                    a_parts.append(torch.zeros(r, state[f"{next(x for x in qkv if x in names)}.lora_A.weight"].shape[1]))
+                    a_parts.append(torch.zeros(
+                        r, state[f"{next(x for x in qkv if x in names)}.lora_A.weight"].shape[1]))
             tensors[prefix + "attn.c_attn.lora_A.weight"] = torch.cat(a_parts)  # (3r, dim)
             tensors[prefix + "attn.c_attn.lora_B.weight"] = b  # (3 dim, 3r), block-diagonal
             targets.add("c_attn")
     # c_attn's rank is 3r: its alpha is 3 alpha so that the scaling stays alpha / r.
-    pattern = {"rank_pattern": {"c_attn": 3 * r}, "alpha_pattern": {"c_attn": 3 * settings["alpha"]}} if "c_attn" in targets else {}
+    pattern = ({"rank_pattern": {"c_attn": 3 * r}, "alpha_pattern": {"c_attn": 3 * settings["alpha"]}}
+               if "c_attn" in targets else {})
     return sorted(targets), pattern
 
 
@@ -256,8 +259,8 @@ def merge_peft_adapter(model: nn.Module, family: str, config: dict[str, Any], ad
             target = params.get(key)
             if target is None or tuple(target.shape) != tuple(part.shape):
                 have = tuple(target.shape) if target is not None else "nothing"
-                raise CheckpointError(f"'{adapter_dir}': {hf_module} gives a {tuple(part.shape)} update but the base has "
-                                      f"{have} for {key}: an adapter for another base")
+                raise CheckpointError(f"'{adapter_dir}': {hf_module} gives a {tuple(part.shape)} update "
+                                      f"but the base has {have} for {key}: an adapter for another base")
             target.copy_((target.float() + part).to(target.dtype))
 
 

@@ -20,9 +20,16 @@ from ember.finetune.lora import LoraLinear, apply_lora, merge_lora, trainable_na
 from ember.finetune.lora_state import START, buffer_names, lora_state_dict, moved_buffers, unsaved_buffers
 from ember.finetune.peft_format import ADAPTER_CONFIG, check_adapter_config, is_peft_dir, merge_peft_adapter, peft_base
 from ember.model_io.load import _quiet_dcp, copy_whole, load_model, source_architecture
-from ember.model_io.model_meta import MODEL_JSON, build_on_meta, ember_step_dir, parse_model_meta, read_json, read_model_json
-from ember.models import family_of
+from ember.model_io.model_meta import (
+    MODEL_JSON,
+    build_on_meta,
+    ember_step_dir,
+    parse_model_meta,
+    read_json,
+    read_model_json,
+)
 from ember.model_io.sources import Architecture, Device, ModelParts, SourceFormat
+from ember.models import family_of
 
 # ---- LoRA checkpoints: an ember checkpoint whose model.json says "lora" ----------------------------------
 
@@ -49,7 +56,7 @@ def _load_lora(path: Path, device: Device, dtype: torch.dtype) -> nn.Module:
     base = meta.get("base")
     if not isinstance(base, str) or not Path(base).exists():
         raise UserFileNotFound(f"'{step_dir}' holds LoRA adapters for the base '{base}', which is gone; put the base "
-                               f"back there (or point \"base\" in its {MODEL_JSON} at it)")
+                               f'back there (or point "base" in its {MODEL_JSON} at it)')
     check_lora_base(step_dir, meta)  # adapters on a base overwritten since would give other logits, silently
     model = load_model(base, device, dtype)
     merge_lora(model)  # a base that is itself a LoRA run; another architecture fails the load below, naming the tensor
@@ -62,7 +69,8 @@ def _load_lora(path: Path, device: Device, dtype: torch.dtype) -> nn.Module:
     try:
         _quiet_dcp(dcp.load, state, checkpoint_id=str(step_dir))
     except (RuntimeError, ValueError, OSError, CheckpointException) as err:
-        raise CheckpointError(f"'{step_dir}': its adapters do not fit its base '{base}' ({first_error_line(err)})") from None
+        raise CheckpointError(f"'{step_dir}': its adapters do not fit its base '{base}' "
+                              f"({first_error_line(err)})") from None
     return model
 
 
@@ -95,7 +103,8 @@ def adapter_tensors(step_dir: Path, meta: dict[str, Any]) -> tuple[Any, dict[str
     try:
         _quiet_dcp(dcp.load, state, checkpoint_id=str(step_dir))
     except (RuntimeError, ValueError, OSError, CheckpointException) as err:
-        raise CheckpointError(f"'{step_dir}': its adapters do not fit its {MODEL_JSON} ({first_error_line(err)})") from None
+        raise CheckpointError(f"'{step_dir}': its adapters do not fit its {MODEL_JSON} "
+                              f"({first_error_line(err)})") from None
     moved = moved_buffers({name: state["model"].pop(name) for name in buffers if name in state["model"]},
                           state.get(START, {}))
     return args, state["model"], moved

@@ -147,7 +147,8 @@ def machine_key() -> str:
     """What a measured rate depends on besides the shapes: the CPU, torch's thread count, torch itself, and a cap
     on the instructions oneDNN may use (ONEDNN_MAX_CPU_ISA: AVX512_CORE_BF16 on an AMX CPU runs as one without)."""
     isa = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
-    return f"{cpu_model()} | {torch.get_num_threads()} threads | torch {torch.__version__}" + (f" | isa {isa}" if isa else "")
+    return (f"{cpu_model()} | {torch.get_num_threads()} threads | torch {torch.__version__}"
+            + (f" | isa {isa}" if isa else ""))
 
 
 def _peak_key(dtype: torch.dtype) -> str:

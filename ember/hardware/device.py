@@ -1,5 +1,6 @@
 """The device and compute dtype a run uses: the `device` key's device (this process's GPU under torchrun) and
-what `precision` means on it (on a CPU, measured: ember/hardware/cpu_rates.py), and whether this CPU has bf16 matmuls."""
+what `precision` means on it (on a CPU, measured: ember/hardware/cpu_rates.py), and whether this CPU has bf16
+matmuls."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from typing import Callable, Optional
 
 import torch
 
-from ember.hardware import cpu_rates
 from ember.errors import ConfigError
+from ember.hardware import cpu_rates
 
 
 def pick_device(name: str) -> torch.device:

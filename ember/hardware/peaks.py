@@ -149,7 +149,8 @@ def peak_flops(device: torch.device, dtype: torch.dtype, user_peak_tflops: Optio
 
 def _cpu_peak(dtype: torch.dtype, measured: cpu_rates.Rates) -> PeakFlops:
     name, threads = cpu_rates.dtype_name(dtype), torch.get_num_threads()
-    return PeakFlops(measured.rates[name], f"measured CPU {name} matmul, {threads} thread{'s' if threads != 1 else ''}, "
+    return PeakFlops(measured.rates[name],
+                     f"measured CPU {name} matmul, {threads} thread{'s' if threads != 1 else ''}, "
                      f"{measured.where}", measured=True, cpu_dtype=dtype, provisional=not measured.quiet)
 
 

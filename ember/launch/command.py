@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import shlex
 from dataclasses import dataclass, field
+
 from ember.config_schema import JobConfig
 from ember.errors import ConfigError
 

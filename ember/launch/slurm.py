@@ -19,8 +19,15 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ember.errors import ConfigError, EmberError
-from ember.launch.command import (RDZV_ENDPOINT_ENV, RUN_ID_ENV, SECRET_NAME, TrainJob, shell_words, split_env,
-                                  torchrun_argv)
+from ember.launch.command import (
+    RDZV_ENDPOINT_ENV,
+    RUN_ID_ENV,
+    SECRET_NAME,
+    TrainJob,
+    shell_words,
+    split_env,
+    torchrun_argv,
+)
 
 # Names forwarded into a container when they are set at submission (outside a container the whole submitting
 # environment reaches the job: sbatch's default --export=ALL). Values are never written.
@@ -74,7 +81,7 @@ def render_script(job: TrainJob, opts: SlurmOptions, output_dir: Path, workdir: 
     sbatch = [f"--job-name={opts.job_name}", f"--nodes={job.nodes}",
               "--ntasks-per-node=1          # one torchrun per node; it starts the node's ranks",
               f"--output={output_dir}/logs/%x-%j.out", "--open-mode=append           # a requeued job adds to its log",
-              f"--chdir={workdir}", "--requeue", f"--signal=B:USR1@{opts.signal_seconds}    # see \"Preemption\" below",
+              f"--chdir={workdir}", "--requeue", f'--signal=B:USR1@{opts.signal_seconds}    # see "Preemption" below',
               "--exclusive"]
     if opts.gpus_per_node:
         sbatch.append(f"--gpus-per-node={opts.gpus_per_node}")
@@ -87,8 +94,8 @@ def render_script(job: TrainJob, opts: SlurmOptions, output_dir: Path, workdir: 
     if opts.container:
         forwarded = sorted(set(names) | {n for n in environ if n in FORWARD_NAMES or n.startswith(FORWARD_PREFIXES)}
                            | set(values) | {RDZV_ENDPOINT_ENV, RUN_ID_ENV, "OMP_NUM_THREADS"})
-        mounts = [f"{workdir}:{workdir}", *([] if output_dir.is_relative_to(workdir) else [f"{output_dir}:{output_dir}"]),
-                  *opts.mounts]
+        mounts = [f"{workdir}:{workdir}",
+                  *([] if output_dir.is_relative_to(workdir) else [f"{output_dir}:{output_dir}"]), *opts.mounts]
         srun += [f"--container-image={opts.container}", f"--container-mounts={','.join(mounts)}",
                  f"--container-workdir={workdir}", f"--container-env={','.join(forwarded)}"]
     lines = [
@@ -99,7 +106,7 @@ def render_script(job: TrainJob, opts: SlurmOptions, output_dir: Path, workdir: 
         *[f"#SBATCH {option}" for option in sbatch],
         "",
         "set -uo pipefail",
-        f'echo "ember: job $SLURM_JOB_ID started (restart ${{SLURM_RESTART_COUNT:-0}}) on $SLURM_JOB_NODELIST '
+        'echo "ember: job $SLURM_JOB_ID started (restart ${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NODELIST '
         'at $(date -Is)"',
         "",
         "# Environment: the submitting shell's (sbatch's default --export=ALL), so NCCL_*, HF_HOME and HF_TOKEN",
@@ -293,7 +300,8 @@ def wait(job_id: str, out: Callable[[str], None] = lambda s: print(s, end="", fl
 
 def unknown_job(job_id: str) -> EmberError:
     return EmberError(f"job {job_id} is not known to SLURM (finished more than MinJobAge ago, or on another "
-                      f"cluster): `sacct -j {job_id}` has its record; its log is OUTPUT_DIR/logs/<job name>-{job_id}.out")
+                      f"cluster): `sacct -j {job_id}` has its record; "
+                      f"its log is OUTPUT_DIR/logs/<job name>-{job_id}.out")
 
 
 def status(job_id: str) -> str:

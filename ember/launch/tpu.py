@@ -137,7 +137,8 @@ def _check_mesh(cfg: JobConfig, launcher: str, num_slices: int, chips: Optional[
     if -1 not in dcn.values() and math.prod(dcn.values()) != num_slices:
         raise _slices_error(dcn, launcher, num_slices)
     if chips is None:  # the degrees as given (an axis of -1 counted as 1): what the TPU path refuses, said here
-        given = MeshShape(ici={a: max(getattr(cfg.ici_mesh, a), 1) for a in AXES}, dcn={a: max(v, 1) for a, v in dcn.items()})
+        given = MeshShape(ici={a: max(getattr(cfg.ici_mesh, a), 1) for a in AXES},
+                          dcn={a: max(v, 1) for a, v in dcn.items()})
         xla_checks.check(cfg, given)
         _check_model(cfg, given)
         return

@@ -85,7 +85,8 @@ class Summary:
     def lines(self) -> list[str]:
         first, last = self.steps
         out = [f"profile of steps {first}-{last}: " + ", ".join(f"{k} {v:.0%}" for k, v in self.shares.items())
-               + f"; communication {self.communication_s * 1e3:.1f} ms, exposed {self.exposed_communication_s * 1e3:.1f} ms"]
+               + f"; communication {self.communication_s * 1e3:.1f} ms, "
+               f"exposed {self.exposed_communication_s * 1e3:.1f} ms"]
         out += [f"  {seconds * 1e3:9.1f} ms  {name}" for name, seconds in self.top]
         return out
 
@@ -170,7 +171,8 @@ class StepProfiler:
         cuts += [f"max_steps={max_steps} ends the run"] if last != self.last else []
         if not cuts:
             return
-        asked = f"steps {self.first}-{self.last} (profile.step={self.first}, profile.steps={self.last - self.first + 1})"
+        asked = (f"steps {self.first}-{self.last} "
+                 f"(profile.step={self.first}, profile.steps={self.last - self.first + 1})")
         if first > last:
             self.say(f"profile: nothing is traced: {asked} asked, but {' and '.join(cuts)}; choose profile.step in "
                      f"{start_step + 1}-{max_steps}")

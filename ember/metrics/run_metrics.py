@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
-from torch import nn
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from torch import nn
 
 from ember.config_schema import MetricsConfig
 from ember.hardware.device import cpu_runs_bf16_natively
@@ -148,8 +148,9 @@ def raise_peak_if_beaten(peak: PeakFlops, spec: RunSpec, window: dict[str, float
 
 def progress_bar(console: Console, enabled: bool) -> Progress:
     """The training progress bar: steps done of max_steps, the latest loss, elapsed time and ETA."""
-    return Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"),
-                    TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), console=console,
+    return Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                    TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn(), TextColumn("eta"),
+                    TimeRemainingColumn(), console=console,
                     disable=not enabled, transient=False)
 
 
@@ -257,7 +258,8 @@ class MetricsLogger:
         logged by a run that crashed after its last checkpoint, are dropped: those steps are trained again,
         so the file stays one series of one run.
         run_info: facts of the run that no record holds (device, mesh, world_size, params), for OUTPUT_DIR/run.json
-        (`ember report` reads it) and the trackers, which start here (ember.metrics.trackers: metrics.wandb, metrics.mlflow)."""
+        (`ember report` reads it) and the trackers, which start here (ember.metrics.trackers: metrics.wandb,
+        metrics.mlflow)."""
         self.enabled = enabled
         self.print_to_console = enabled and cfg.console
         self.console = console if console is not None else Console()

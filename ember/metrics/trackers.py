@@ -49,7 +49,8 @@ def _shown_uri(uri: str) -> str:
     parts = urlsplit(uri)
     if parts.password is None:
         return uri
-    return urlunsplit(parts._replace(netloc=f"{parts.username}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")))
+    return urlunsplit(parts._replace(netloc=f"{parts.username}:***@{parts.hostname}"
+                                     + (f":{parts.port}" if parts.port else "")))
 
 
 class WandbTracker:
@@ -71,7 +72,8 @@ class WandbTracker:
                 # console off: ember's console lines stay ember's (and no terminal output goes to W&B's files)
                 settings=wandb.Settings(console="off", save_code=False, silent=True))
         except Exception as err:  # wandb.errors.UsageError (no login), CommError (no network), ...
-            raise ConfigError(f"metrics.wandb: W&B did not start: {first_error_line(err)} (offline: WANDB_MODE=offline)") from None
+            raise ConfigError(f"metrics.wandb: W&B did not start: {first_error_line(err)} "
+                              "(offline: WANDB_MODE=offline)") from None
         id_file.write_text(run_id + "\n")
 
     def log(self, step: int, values: dict[str, Any]) -> None:
@@ -87,7 +89,8 @@ class WandbTracker:
 class MlflowTracker:
     """One MLflow run per output_dir (its id kept in OUTPUT_DIR/mlflow-run-id, for resumes): the flattened
     config as params, every record's numbers as metrics by step, config.yaml as an artifact.
-    Tracking store: $MLFLOW_TRACKING_URI, else sqlite in OUTPUT_DIR/mlflow.db with artifacts in OUTPUT_DIR/mlartifacts."""
+    Tracking store: $MLFLOW_TRACKING_URI, else sqlite in OUTPUT_DIR/mlflow.db with artifacts in
+    OUTPUT_DIR/mlartifacts."""
 
     def __init__(self, cfg: MetricsConfig, output_dir: Path, config: dict[str, Any]):
         from mlflow.tracking import MlflowClient
@@ -107,7 +110,8 @@ class MlflowTracker:
                 name, artifact_location=(output_dir / "mlartifacts").as_uri() if local else None)
             run = self._existing_run(id_file)
             if run is None:
-                run = self.client.create_run(experiment_id, run_name=output_dir.name, tags={"mlflow.source.name": "ember train"})
+                run = self.client.create_run(experiment_id, run_name=output_dir.name,
+                                             tags={"mlflow.source.name": "ember train"})
             else:
                 self.client.update_run(run.info.run_id, status="RUNNING")
             self.run_id = run.info.run_id
@@ -115,7 +119,8 @@ class MlflowTracker:
             if (output_dir / "config.yaml").is_file():
                 self.client.log_artifact(self.run_id, str(output_dir / "config.yaml"))
         except Exception as err:  # MlflowException, a database or network error
-            raise ConfigError(f"metrics.mlflow: cannot start an MLflow run at {_shown_uri(uri)}: {first_error_line(err)}") from None
+            raise ConfigError(f"metrics.mlflow: cannot start an MLflow run at {_shown_uri(uri)}: "
+                              f"{first_error_line(err)}") from None
         id_file.write_text(self.run_id + "\n")
 
     def _existing_run(self, id_file: Path) -> Optional[Run]:
@@ -130,7 +135,8 @@ class MlflowTracker:
         from mlflow.entities import Param
 
         # A resumed run keeps its first params (MLflow refuses to change one); its config.yaml artifact is the new one.
-        params = [Param(_metric_key(k), str(v)[:6000]) for k, v in dotted_keys(config).items() if _metric_key(k) not in present]
+        params = [Param(_metric_key(k), str(v)[:6000]) for k, v in dotted_keys(config).items()
+                  if _metric_key(k) not in present]
         for start in range(0, len(params), 100):  # log_batch takes at most 100 params
             self.client.log_batch(self.run_id, params=params[start:start + 100])
 

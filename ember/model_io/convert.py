@@ -127,7 +127,8 @@ def export_tokenizer(src: Path, dst: Path, vocab_size: int) -> bool:
         if folder is None:
             tokenizer = embedded_tokenizer(vocab_size, data.get("val_fraction", 0.02))
             tokenizer.tok.save(str(dst / "tokenizer.json"))
-            config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tokenizer.tok.id_to_token(tokenizer.eos_id)}
+            config = {"tokenizer_class": "PreTrainedTokenizerFast",
+                      "eos_token": tokenizer.tok.id_to_token(tokenizer.eos_id)}
             (dst / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
             return True
     copied = [name for name in TOKENIZER_FILES if (folder / name).is_file()]
@@ -164,7 +165,8 @@ def convert(src: Union[str, Path], dst: Union[str, Path], to: Optional[str] = No
     if target == "peft":
         if merge or not lora_run:
             raise CheckpointError(f"--to peft writes a LoRA run's adapters; '{src}' is not one (trained without "
-                                  "lora.rank)" if not merge else "--merge folds the adapters into the base: use --to hf")
+                                  "lora.rank)" if not merge
+                                  else "--merge folds the adapters into the base: use --to hf")
         check_lora_base(step_dir, meta)  # the adapter names that base: on other weights it would mean another model
         args, state, moved = adapter_tensors(step_dir, meta)
         if moved:

@@ -6,8 +6,8 @@ filled once, so a large model never sits in memory twice.
 
 An ember checkpoint is `<run>/checkpoints/step-N/`: the DCP files of {"model": model.state_dict()} plus
 model.json = {"family", "flavor", "args"}, enough to rebuild the model without the recipe. Hugging Face
-directories are read by ember/model_io/hf_directory.py; model.json by ember/model_io/model_meta.py. Which format a path is
-comes from ember/model_io/sources.py's registry, once per question: this module defines the core formats
+directories are read by ember/model_io/hf_directory.py; model.json by ember/model_io/model_meta.py. Which format a
+path is comes from ember/model_io/sources.py's registry, once per question: this module defines the core formats
 (TORCH_FILE, EMBER_CHECKPOINT, HF_DIRECTORY) and fine-tuning registers its own (LoRA checkpoints, peft
 adapters), so nothing here imports ember/finetune.
 """
@@ -22,14 +22,14 @@ from typing import Any, Union
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ember.errors import CheckpointError, UserFileNotFound, first_error_line
 from ember.model_io.hf_directory import hf_family, hf_tensors, load_hf_model
 from ember.model_io.model_meta import MODEL_JSON, build_on_meta, ember_step_dir, parse_model_meta, read_model_json
-from ember.models import MODELS
 from ember.model_io.sources import Architecture, Device, ModelParts, SourceFormat, find_format, is_added_key
+from ember.models import MODELS
 
 MODEL_PATHS = (f"an ember run or checkpoint directory ({MODEL_JSON}, checkpoints/step-N), a HF model directory "
                "(config.json) or an `ember convert --to torch` file")
@@ -80,8 +80,9 @@ def load_hf_weights(model: ModelParts, directory: Path) -> None:
     hf = MODELS[family].hf
     args = hf.args_from_hf_config(config)
     if args.has_experts:  # per-expert HF tensors are stacked on load; not streamed into shards yet
-        raise CheckpointError(f"model.init_from: streaming a {family} Hugging Face directory (its experts change layout on load) is not "
-                         f"supported yet; convert it first (`ember convert {directory} CKPT`) and use model.init_from=CKPT")
+        raise CheckpointError(f"model.init_from: streaming a {family} Hugging Face directory "
+                              "(its experts change layout on load) is not supported yet; "
+                              f"convert it first (`ember convert {directory} CKPT`) and use model.init_from=CKPT")
     targets = base_state_dict(model)
     loaded: set[str] = set()
     for stored in hf_tensors(directory):
@@ -100,7 +101,8 @@ def load_hf_weights(model: ModelParts, directory: Path) -> None:
                 continue
             if tuple(full.shape) != tuple(target.shape):
                 raise CheckpointError(f"'{stored.file}': {stored.name} has shape {tuple(full.shape)} but this run's "
-                                      f"model has {tuple(target.shape)} for {name}; match the model config to config.json")
+                                      f"model has {tuple(target.shape)} for {name}; "
+                                      "match the model config to config.json")
             if isinstance(target, DTensor):
                 shard = distribute_tensor(full.to(target.dtype), target.device_mesh, target.placements,
                                           src_data_rank=None)
@@ -122,7 +124,8 @@ def source_architecture(path: Union[str, Path]) -> Architecture:
         raise CheckpointError(f"model.init_from '{path}' is not a model: a model for init_from is a checkpoints/"
                               "step-N, run or HF directory, not a file")
     if not path.is_dir():
-        raise UserFileNotFound(f"model.init_from '{path}' does not exist; give a checkpoints/step-N, run or HF directory")
+        raise UserFileNotFound(f"model.init_from '{path}' does not exist; "
+                               "give a checkpoints/step-N, run or HF directory")
     return _directory_format(path).architecture(path)
 
 
@@ -133,7 +136,8 @@ def load_weights(model: ModelParts, path: Union[str, Path]) -> Path:
     Returns the directory read."""
     path = Path(path)
     if not path.is_dir():
-        raise UserFileNotFound(f"model.init_from '{path}' does not exist; give a checkpoints/step-N, run or HF directory")
+        raise UserFileNotFound(f"model.init_from '{path}' does not exist; "
+                               "give a checkpoints/step-N, run or HF directory")
     return _directory_format(path).load_into(model, path)
 
 
@@ -207,7 +211,8 @@ def _load_ember(path: Path, device: Device, dtype: torch.dtype) -> nn.Module:
     try:
         _quiet_dcp(dcp.load, state, checkpoint_id=str(step_dir))
     except (RuntimeError, ValueError, OSError, CheckpointException) as err:  # missing or mis-shaped tensors
-        raise CheckpointError(f"'{step_dir}': its weights do not fit its {MODEL_JSON} ({first_error_line(err)})") from None
+        raise CheckpointError(f"'{step_dir}': its weights do not fit its {MODEL_JSON} "
+                              f"({first_error_line(err)})") from None
     return model
 
 
@@ -247,9 +252,11 @@ def _read_torch_file(path: Path) -> dict[str, Any]:
     try:  # weights_only: a checkpoint file is data; mmap: the tensors stay on disk until copied
         payload = torch.load(path, weights_only=True, mmap=True, map_location="cpu")
     except Exception as err:
-        raise CheckpointError(f"'{path}' is not a torch.save file ember can read safely ({first_error_line(err)})") from None
+        raise CheckpointError(f"'{path}' is not a torch.save file ember can read safely "
+                              f"({first_error_line(err)})") from None
     if not isinstance(payload, dict) or "model" not in payload or "ember" not in payload:
-        raise CheckpointError(f"'{path}' holds no {{'model': state_dict, 'ember': model.json}}; write it with ember convert")
+        raise CheckpointError(f"'{path}' holds no {{'model': state_dict, 'ember': model.json}}; "
+                              "write it with ember convert")
     return payload
 
 

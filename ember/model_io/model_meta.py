@@ -76,7 +76,8 @@ def parse_model_meta(meta: Any, where: Union[str, Path]) -> tuple[str, str, Deco
         args = args_cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in given.items()})
         checks.check_args(args)  # the family's rules, as for a run's config
         build_on_meta(family, args, torch.float32)  # shapes only, no storage: sizes that cannot build a model
-    except (TypeError, ValueError, RuntimeError, AssertionError, ZeroDivisionError) as err:  # ConfigError is a ValueError
+    except (TypeError, ValueError, RuntimeError, AssertionError,
+            ZeroDivisionError) as err:  # ConfigError is a ValueError
         raise CheckpointError(f"'{where}': the {family} hyper-parameters do not fit together "
                               f"({first_error_line(err)})") from None
     return family, flavor, args
@@ -87,7 +88,8 @@ def newest_step_dir(run_dir: Path) -> Path:
     steps = [(int(m.group(1)), p) for p in (run_dir / "checkpoints").iterdir()
              if (m := re.fullmatch(r"step-(\d+)", p.name)) and (p / MODEL_JSON).is_file()]
     if not steps:
-        raise UserFileNotFound(f"'{run_dir / 'checkpoints'}' holds no complete checkpoint (expected step-N/{MODEL_JSON})")
+        raise UserFileNotFound(f"'{run_dir / 'checkpoints'}' holds no complete checkpoint "
+                               f"(expected step-N/{MODEL_JSON})")
     return max(steps)[1]
 
 

@@ -1,5 +1,6 @@
 """The model a run trains, beside build_model_args: from a flavor with the user's overrides, or from what
-model.init_from describes (its architecture asked of the loading layer, ember/model_io/load.py, once: no weight is read)."""
+model.init_from describes (its architecture asked of the loading layer, ember/model_io/load.py, once: no weight
+is read)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ from typing import Any, Optional
 from ember.errors import ConfigError
 from ember.model_io.load import source_architecture
 from ember.model_io.model_meta import MODEL_JSON
+from ember.model_io.sources import Architecture
 from ember.models import MODELS, build_model_args, not_a_hyperparameter
 from ember.nn.args import DecoderArgs
-from ember.model_io.sources import Architecture
 
 
 @dataclasses.dataclass(frozen=True)

@@ -61,9 +61,9 @@ class Attention(nn.Module):
     decoder then passes (q_scale, None) in place of (cos, sin), q_scale (T, 1) or (B, T, 1) a per-position factor on
     q (Llama 4's attention temperature) or None."""
 
-    def __init__(self, args: DecoderArgs, *, qkv_bias: bool = False, qk_norm: Optional[Callable[[int], nn.Module]] = None,
-                 span: Optional[AttentionSpan] = None, score_scale: Optional[float] = None,
-                 softcap: Optional[float] = None, rope: bool = True):
+    def __init__(self, args: DecoderArgs, *, qkv_bias: bool = False,
+                 qk_norm: Optional[Callable[[int], nn.Module]] = None, span: Optional[AttentionSpan] = None,
+                 score_scale: Optional[float] = None, softcap: Optional[float] = None, rope: bool = True):
         super().__init__()
         self.rope = rope
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.kv_heads, args.head_dim
@@ -284,7 +284,8 @@ class Decoder(nn.Module):
         this order after one torch.manual_seed they draw the same random numbers whether the model is real
         whole or one piece at a time (the XLA path initialises a model too large for a host that way)."""
         embeddings = [table for table in (self.tok_embeddings, self.pos_embeddings) if table is not None]
-        steps: list[tuple[list[nn.Module], Callable[[], None]]] = [(embeddings, self.init_embeddings)] if embeddings else []
+        steps: list[tuple[list[nn.Module], Callable[[], None]]] = (
+            [(embeddings, self.init_embeddings)] if embeddings else [])
         steps += [([layer], layer.init_weights) for layer in self.layers.values()]
         if self.norm is not None:
             steps.append(([self.norm], self.norm.reset_parameters))

@@ -220,8 +220,9 @@ def output_chunks(batch: int, seq_len: int, vocab_size: int, device_type: str, f
     matmul of its own, so chunks keep at least 512 tokens. Beyond that:
     - fused: a chunk's logits are freed before the next chunk's exist, so the chunk size is the logits'
       peak: about 64M logits (256 MiB in fp32) on a CPU, 256M on a GPU (large matmuls best). On a 2-core
-      AVX512-BF16 EPYC under bf16 autocast, at 2048 tokens: 128K vocabulary in 4 chunks 1.63-1.71 s a step against 1.56-1.92 s for
-      the unfused whole, 190-460 MiB less peak RSS; 8K in one chunk 0.30 s against 0.31-0.36 s unfused in 4.
+      AVX512-BF16 EPYC under bf16 autocast, at 2048 tokens: 128K vocabulary in 4 chunks 1.63-1.71 s a step
+      against 1.56-1.92 s for the unfused whole, 190-460 MiB less peak RSS; 8K in one chunk 0.30 s against
+      0.31-0.36 s unfused in 4.
     - unfused, on CPU, vocabularies up to 16K: 512-token chunks (16-32 MiB of fp32 logits) beat the whole
       tensor: they come from the allocator's reused memory instead of fresh pages, and stay nearer the cache;
     - unfused, larger vocabularies and GPUs: every chunk's logits live until backward, so chunks only bound

@@ -87,7 +87,8 @@ class Experts(nn.Module):
             outputs.append(h @ w2_e.t())  # (n_e, dim)
         return torch.cat(outputs) if outputs else x_sorted.new_zeros(x_sorted.shape)
 
-    def gathered(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, scale_input: bool) -> torch.Tensor:
+    def gathered(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
+                 scale_input: bool) -> torch.Tensor:
         """x (N, dim) through each token's k experts `indices` (N, k), weighted by `weights` (N, k) on the output
         (or the input, scale_input) and summed -> (N, dim). Reads each chosen expert's weights once per token:
         for a few tokens (decoding) that is all the work, with static shapes and no host sync (gpt-fast's form)."""
@@ -122,7 +123,7 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 def _grouped_available(x: torch.Tensor) -> bool:
     """Whether the experts take the grouped path for these tokens (N, dim):
-    - CUDA, bf16 compute (bf16 tokens, or fp32 ones under bf16 autocast): the grouped GEMM kernel; 
+    - CUDA, bf16 compute (bf16 tokens, or fp32 ones under bf16 autocast): the grouped GEMM kernel;
     - CPU, fp32 or bf16 compute: torch's CPU grouped_mm (one GEMM per expert inside the op), level with
       the loop at few experts and ahead at many (the loop's Python and autograd cost grows with E), so
       CPU tests run the op GPUs run (benchmarks/moe_throughput.py times both paths). Padding every block

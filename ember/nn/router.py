@@ -33,7 +33,8 @@ class Router(nn.Module):
             raise ValueError(f"{n_experts} experts do not split into {n_groups} groups of which {topk_groups} hold "
                              f"the top {top_k}")
         self.n_experts, self.top_k, self.norm_topk_prob = n_experts, top_k, norm_topk_prob
-        self.score_func, self.n_groups, self.topk_groups, self.route_scale = score_func, n_groups, topk_groups, route_scale
+        self.score_func, self.n_groups, self.topk_groups, self.route_scale = (score_func, n_groups, topk_groups,
+                                                                              route_scale)
         self.gate = nn.Linear(dim, n_experts, bias=False)
         # A persistent buffer, not a parameter: the optimizer never sees it; checkpoints and HF exports carry it.
         self.score_bias: Optional[torch.Tensor]

@@ -15,8 +15,12 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import (CheckpointPolicy, SelectiveCheckpointContext, checkpoint,
-                                    create_selective_checkpoint_contexts)
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    SelectiveCheckpointContext,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 if TYPE_CHECKING:
     from torch._ops import OpOverload
@@ -25,8 +29,9 @@ POLICIES = ("none", "full", "selective", "op", "offload")
 
 # Ops whose outputs `op` keeps: the expensive ones to recompute. Looked up by name since the set of
 # attention kernels differs between torch versions and builds.
-_SAVE_OP_NAMES = ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-                  "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+_SAVE_OP_NAMES = ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention",
+                  "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+                  "_scaled_dot_product_flash_attention_for_cpu")
 _SAVE_OPS = {getattr(torch.ops.aten, n).default for n in _SAVE_OP_NAMES if hasattr(torch.ops.aten, n)}
 
 

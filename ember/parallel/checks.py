@@ -64,8 +64,9 @@ def check(cfg: JobConfig, shape: MeshShape, args: Any) -> None:
             )
         if par.pp_schedule == "1f1b" and microbatches < pp:
             raise ConfigError(
-                f"1f1b needs at least as many pipeline micro-batches as stages: parallel.pp_microbatches={microbatches} "
-                f"< pipeline={pp}; raise parallel.pp_microbatches (or -1: one per sequence) or use pp_schedule=gpipe"
+                "1f1b needs at least as many pipeline micro-batches as stages: "
+                f"parallel.pp_microbatches={microbatches} < pipeline={pp}; "
+                "raise parallel.pp_microbatches (or -1: one per sequence) or use pp_schedule=gpipe"
             )
         if par.pp_schedule == "interleaved_1f1b" and microbatches % pp:
             raise ConfigError(

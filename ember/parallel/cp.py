@@ -53,7 +53,8 @@ class AllGatherKVAttention:
     def _mask(self, local_len: int, device: torch.device, span: Optional[AttentionSpan]) -> torch.Tensor:
         seq_len = local_len * self.cp
         q_pos = headtail_positions(seq_len, self.cp, self.rank, device)[:, None]  # (T / cp, 1)
-        k_pos = torch.cat([headtail_positions(seq_len, self.cp, r, device) for r in range(self.cp)])[None, :]  # gather order
+        # in gather order
+        k_pos = torch.cat([headtail_positions(seq_len, self.cp, r, device) for r in range(self.cp)])[None, :]
         return span.mask(q_pos, k_pos) if span is not None else q_pos >= k_pos  # (T / cp, T): True where seen
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -68,8 +69,8 @@ class AllGatherKVAttention:
         return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
-def _repeat_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         document_ids: Optional[torch.Tensor] = None, span: Optional[AttentionSpan] = None) -> torch.Tensor:
+def _repeat_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: Optional[torch.Tensor] = None,
+                         span: Optional[AttentionSpan] = None) -> torch.Tensor:
     assert span is None, "local attention spans with ring attention are refused at config time"
     # Ring attention shards SDPA's plain (B, H, T, D) form; GQA K/V heads are expanded first.
     groups = q.shape[1] // k.shape[1]

@@ -70,7 +70,8 @@ class AllToAllDispatch:
         recv_splits = received.sum(dim=1).tolist()
         x_recv = all_to_all_single_autograd(x_sorted, recv_splits, send_splits, self.group)  # (M_recv, dim)
         # Arrival order is (source, expert); the experts want (expert, source): a stable sort by expert.
-        expert_of_row = torch.arange(n_local, device=counts.device).repeat(self.ep).repeat_interleave(received.flatten())
+        expert_of_row = torch.arange(n_local, device=counts.device).repeat(self.ep).repeat_interleave(
+            received.flatten())
         by_expert = torch.argsort(expert_of_row, stable=True)
         out_local = experts(x_recv[by_expert], received.sum(dim=0))  # (M_recv, dim), expert-major
         out_recv = torch.empty_like(out_local).index_copy(0, by_expert, out_local)  # back to arrival order

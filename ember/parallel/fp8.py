@@ -64,7 +64,8 @@ def check_fp8_device(device: torch.device, emulate: bool) -> None:
         return
     if device.type != "cuda":
         raise ConfigError(f"fp8 training needs a GPU with FP8 matmuls (H100/H200/B200, compute capability >= 8.9); "
-                          f"this run is on {device.type}: use precision=bf16, or fp8.emulate=true to test the code path")
+                          f"this run is on {device.type}: use precision=bf16, "
+                          "or fp8.emulate=true to test the code path")
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) < (8, 9):
         name = torch.cuda.get_device_name(device)
@@ -112,8 +113,11 @@ def fp8_tp_plan(plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
     """The tensorwise recipe's TP plan: torchao's float8 styles in place of the colwise/rowwise ones and of
     the block inputs' layout change, so the all-gathered activations travel in float8 (torchtitan's plan)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
-    from torchao.float8.float8_tensor_parallel import (Float8ColwiseParallel, Float8RowwiseParallel,
-                                                       PrepareFloat8ModuleInput)
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+        PrepareFloat8ModuleInput,
+    )
 
     swapped = {}
     for name, style in plan.items():
@@ -125,7 +129,8 @@ def fp8_tp_plan(plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
                                           use_local_output=style.use_local_output)
         elif type(style) is PrepareModuleInput and name in ("attention", "feed_forward"):
             style = PrepareFloat8ModuleInput(input_layouts=style.input_layouts,
-                                             desired_input_layouts=style.desired_input_layouts, float8_dtype=torch.float8_e4m3fn)
+                                             desired_input_layouts=style.desired_input_layouts,
+                                             float8_dtype=torch.float8_e4m3fn)
         swapped[name] = style
     return swapped
 

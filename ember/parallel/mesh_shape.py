@@ -58,7 +58,8 @@ def _axes(section: Union[MeshConfig, SimpleNamespace]) -> dict[str, int]:
     return {axis: int(getattr(section, axis)) for axis in AXES}
 
 
-def fewest_ranks(ici_section: Union[MeshConfig, SimpleNamespace], dcn_section: Union[MeshConfig, SimpleNamespace]) -> int:
+def fewest_ranks(ici_section: Union[MeshConfig, SimpleNamespace],
+                 dcn_section: Union[MeshConfig, SimpleNamespace]) -> int:
     """The smallest world size the meshes' fixed degrees need (an axis of -1 filled with 1): a recipe with an
     expert axis of 8 runs on 8 ranks or a multiple."""
     return math.prod(max(degree, 1) for section in (ici_section, dcn_section) for degree in _axes(section).values())
@@ -68,7 +69,8 @@ def resolve_mesh(ici_section: Union[MeshConfig, SimpleNamespace], dcn_section: U
                  world_size: int) -> MeshShape:
     """Fill in the one -1 axis and check that the axes multiply to the world size."""
     ici, dcn = _axes(ici_section), _axes(dcn_section)
-    free = [(name, axis) for name, mesh in (("ici_mesh", ici), ("dcn_mesh", dcn)) for axis, v in mesh.items() if v == -1]
+    free = [(name, axis) for name, mesh in (("ici_mesh", ici), ("dcn_mesh", dcn))
+            for axis, v in mesh.items() if v == -1]
     for name, mesh in (("ici_mesh", ici), ("dcn_mesh", dcn)):
         for axis, value in mesh.items():
             if value == 0 or value < -1:

@@ -5,8 +5,8 @@
 
 A family supplies only its tensor-parallel plan (models/<family>/parallelize.py); what expert parallelism
 shards is the model's own MoE layers (`Decoder.moe_layers()`). Pipeline splitting happens before, in
-ember/train/run.py's build_model: each stage is the same Decoder class holding some layers and is parallelised the same way.
-See docs/architecture.md for where each axis comes from.
+ember/train/run.py's build_model: each stage is the same Decoder class holding some layers and is parallelised the
+same way. See docs/architecture.md for where each axis comes from.
 
 MoE layers under tensor parallelism are not split: each runs on its tensor rank's own sequence shard (the
 residual stream is sequence-parallel between sublayers anyway), routing and dispatching those tokens only.

@@ -20,8 +20,8 @@ from typing import Optional
 
 import torch
 
-from ember.hardware import peaks as hardware
 from ember.errors import ConfigError
+from ember.hardware import peaks as hardware
 from ember.plan.memory import sharded_dims
 from ember.train.run import RunSpec
 

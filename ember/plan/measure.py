@@ -17,19 +17,18 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-
-from ember.train import run as run_lib
 from ember.plan.trackers import step_memory_tracker, total_bytes
+from ember.train import run as run_lib
 from ember.train.trainer import Trainer
 
 
@@ -85,8 +84,10 @@ LAYOUTS: dict[int, dict[str, list[str]]] = {
         "llama4 expert=2": ["model.family=llama4", "model.flavor=debug", "ici_mesh.expert=2", "ici_mesh.fsdp=1"],
         # DeepSeek-V3: MLA (its latent projections replicated over tensor ranks), grouped experts with a shared one
         # (measured 4.4-4.6% under the peak at expert=2, 0.05% under at tensor=2)
-        "deepseek_v3 expert=2": ["model.family=deepseek_v3", "model.flavor=debug", "ici_mesh.expert=2", "ici_mesh.fsdp=1"],
-        "deepseek_v3 tensor=2": ["model.family=deepseek_v3", "model.flavor=debug", "ici_mesh.tensor=2", "ici_mesh.fsdp=1"],
+        "deepseek_v3 expert=2": ["model.family=deepseek_v3", "model.flavor=debug", "ici_mesh.expert=2",
+                                 "ici_mesh.fsdp=1"],
+        "deepseek_v3 tensor=2": ["model.family=deepseek_v3", "model.flavor=debug", "ici_mesh.tensor=2",
+                                 "ici_mesh.fsdp=1"],
     },
     4: {"fsdp=4": ["ici_mesh.fsdp=4", "micro_batch_size=2"],
         "data=2 x fsdp=2": ["ici_mesh.data=2", "ici_mesh.fsdp=2", "micro_batch_size=2"],
@@ -117,8 +118,8 @@ def measure_layouts(world: int, cases: dict[str, list[str]], out: Path, recipe: 
 def compare(world: int, name: str, overrides: list[str], measured: list[dict[str, int]], recipe: str = RECIPE,
             base: list[str] = BASE) -> list[dict[str, Any]]:
     """One row per rank: the plan's bytes beside the measured ones."""
-    from ember.train import run as run_lib
     from ember.plan.planner import make_plan
+    from ember.train import run as run_lib
 
     cfg = run_lib.load_config(recipe, [*base, *overrides], world_size=world)
     plan = make_plan(cfg, world, device="cpu")

@@ -31,9 +31,9 @@ from torch import nn
 
 from ember.config_schema import JobConfig
 from ember.nn.loss import blocks_sized_for
-from ember.train.optim import build_optimizer
 from ember.parallel.mesh import ParallelMesh
 from ember.plan.trackers import fsdp_step_tracker, step_memory_tracker, total_bytes, untracked_sharding_propagation
+from ember.train.optim import build_optimizer
 from ember.train.run import RunSpec, build_model, resolve, respecify
 from ember.train.step import ForwardBackward, token_loss_sum
 
@@ -77,8 +77,7 @@ def _clear_dtensor_caches() -> None:
     """DTensor caches sharding decisions by mesh, and a DeviceMesh of the next fake world compares equal to
     this one's (same ranks, same names): its cached results would name this world's process groups, gone
     once it is destroyed ("Could not resolve the process group"). torch has no public way to clear them."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor import DTensor, _redistribute
     from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
     for clear in (getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None),
@@ -237,7 +236,8 @@ def track_step(spec: RunSpec, mesh: Optional[ParallelMesh], part: nn.Module, kin
     T = cfg.seq_len
     forwards = tracked_forwards(spec)
     tp_mesh = mesh.submesh("tensor") if mesh is not None else None
-    with FakeTensorMode(allow_non_fake_inputs=True), balanced_routing([part], spec.degree("expert"), spec.compute_dtype), \
+    with FakeTensorMode(allow_non_fake_inputs=True), \
+            balanced_routing([part], spec.degree("expert"), spec.compute_dtype), \
             blocks_sized_for(spec.device.type), untracked_sharding_propagation():
         part.to_empty(device="cpu")
         part.tie_weights()

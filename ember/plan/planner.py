@@ -15,7 +15,6 @@ from typing import Any, Optional
 
 import torch
 
-from ember.train import run as run_lib
 from ember.config import XLA_DEVICES
 from ember.config_schema import JobConfig
 from ember.errors import ConfigError
@@ -23,9 +22,19 @@ from ember.parallel import pp as pp_lib
 from ember.parallel.mesh import AXES, ParallelMesh, rank_grid
 from ember.parallel.mesh_shape import MeshShape
 from ember.plan import cost
-from ember.plan.memory import (StateBytes, build_parts, fake_world, layer_period, named_params, plan_spec, state_bytes,
-                               tracked_forwards, with_micro_batch)
+from ember.plan.memory import (
+    StateBytes,
+    build_parts,
+    fake_world,
+    layer_period,
+    named_params,
+    plan_spec,
+    state_bytes,
+    tracked_forwards,
+    with_micro_batch,
+)
 from ember.plan.stages import StageModel, model_stage, offloaded
+from ember.train import run as run_lib
 from ember.train.run import RunSpec
 
 EXACT_WORLD = 64  # uneven shards: every rank built up to this world size
@@ -167,7 +176,8 @@ def _rank_memory(spec: RunSpec, role: Role, model: StageModel) -> tuple[int, int
         # does not pass return_outputs=False): M outputs held through the loop, 2 M at its end, with every
         # gradient there by then.
         M = spec.pp_microbatches
-        logits = rows * (spec.cfg.seq_len // spec.degree("context")) * spec.args.vocab_size * spec.compute_dtype.itemsize
+        logits = (rows * (spec.cfg.seq_len // spec.degree("context")) * spec.args.vocab_size
+                  * spec.compute_dtype.itemsize)
         # (the in-flight micro-batches' activations above already hold their outputs)
         peak = max(peak + max(M - n, 0) * logits, whole.static + role.state.grad + 2 * M * logits)
     return n * unit, peak

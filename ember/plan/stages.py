@@ -5,8 +5,8 @@ it moves from one region to another with depth); remat=offload derived from full
 
 The counts are 3k and 4k layers (and fewer where a stage holds fewer), k a multiple of remat_every and of the MoE
 period (moe_every, sparse_step) so every run sees whole periods, after the model's non-repeating first layers where
-the stage holds them (DeepSeek's dense prefix). Blocks are alike, but the first few are not on one line: FSDP has up to three
-blocks' weights or gradients unsharded at once (the one computing, the next one's all-gather issued ahead, the
+the stage holds them (DeepSeek's dense prefix). Blocks are alike, but the first few are not on one line: FSDP has up
+to three blocks' weights or gradients unsharded at once (the one computing, the next one's all-gather issued ahead, the
 last one's reduce-scatter in flight), so from three blocks on the peak is affine in the layer count, and a line
 through one and two blocks would count the gathered neighbour once per layer.
 """

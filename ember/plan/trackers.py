@@ -130,7 +130,8 @@ def step_memory_tracker() -> MemTracker:
                 del self.memory_tracking[module]
             super()._pre_fw_hook(module, inputs)
 
-        def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True) -> tuple[int, int]:
+        def _track_module_params_and_buffers(self, module: nn.Module,
+                                             install_grad_hooks: bool = True) -> tuple[int, int]:
             # torch's tracker hooks every parameter's gradient, which raises on a frozen one (LoRA's base); the
             # hooks only label gradient bytes as such, the totals are counted per storage either way
             frozen = any(not p.requires_grad for p in module.parameters())

@@ -52,7 +52,8 @@ def _at(value: Optional[float], step: Optional[int]) -> str:
 
 # The summary table's rows: (label, how to show one run's summary dict).
 SUMMARY_ROWS: list[tuple[str, Any]] = [
-    ("steps", lambda s: "–" if s["steps"] is None else f"{s['steps']}" + (f" of {s['max_steps']}" if s["max_steps"] else "")),
+    ("steps", lambda s: "–" if s["steps"] is None
+     else f"{s['steps']}" + (f" of {s['max_steps']}" if s["max_steps"] else "")),
     ("tokens seen", lambda s: _tokens(s["tokens"])),
     ("train time (sum of step times)", lambda s: _duration(s["train_time_s"])),
     ("final train loss (last window mean)", lambda s: _at(s["final_loss"], s["final_loss_step"])),
@@ -90,7 +91,8 @@ def render(runs: list[Run], plots: list[Plot], missing: list[str], differences: 
              + ", ".join(f"<code>{html.escape(str(run.path))}</code>" for run in runs) + ".</p>"]
     notes = [f"{run.name}: {note}" for run in runs for note in run.notes] + missing
     if notes:
-        parts.append("<h2>Notes</h2><ul class=\"notes\">" + "".join(f"<li>{html.escape(n)}</li>" for n in notes) + "</ul>")
+        parts.append('<h2>Notes</h2><ul class="notes">' + "".join(f"<li>{html.escape(n)}</li>" for n in notes)
+                     + "</ul>")
     parts.append("<h2>Summary</h2>" + _table([""] + names, [[label] + [show(summaries[n]) for n in names]
                                                            for label, show in SUMMARY_ROWS]))
     if len(runs) > 1:
@@ -101,18 +103,19 @@ def render(runs: list[Run], plots: list[Plot], missing: list[str], differences: 
                  for run in runs for step, results in sorted(run.evals.items())
                  for task, metrics in results.items() for metric, value in metrics.items()]
     if eval_rows:
-        parts.append("<h2>Evaluations (eval.json)</h2>" + _table(["run", "checkpoint", "task", "metric", "value"], eval_rows))
+        parts.append("<h2>Evaluations (eval.json)</h2>"
+                     + _table(["run", "checkpoint", "task", "metric", "value"], eval_rows))
     parts.append("<h2>Figures</h2>")
     for plot in plots:
         data = base64.b64encode(plot.png).decode("ascii")
-        parts.append(f"<figure id=\"fig-{plot.name}\"><img alt=\"{html.escape(plot.title)}\" width=\"800\" "
-                     f"height=\"450\" src=\"data:image/png;base64,{data}\"></figure>")
+        parts.append(f'<figure id="fig-{plot.name}"><img alt="{html.escape(plot.title)}" width="800" '
+                     f'height="450" src="data:image/png;base64,{data}"></figure>')
     data = {"runs": names, "summary": summaries, "config_differences": differences,
             "figures": {plot.name: plot.series for plot in plots}}
     # "</" cannot close the script early once escaped; NaN is not JSON.
     payload = json.dumps(_finite_tree(data)).replace("</", "<\\/")
-    parts.append(f"<script type=\"application/json\" id=\"ember-report-data\">{payload}</script>")
-    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+    parts.append(f'<script type="application/json" id="ember-report-data">{payload}</script>')
+    return ('<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
             f"<title>ember report: {html.escape(', '.join(names))}</title><style>{STYLE}</style></head>"
             f"<body>{''.join(parts)}</body></html>\n")
 

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from ember.config import ConfigError
-from ember.errors import did_you_mean
 from ember.config_schema import OptimConfig, ScheduleConfig
+from ember.errors import did_you_mean
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -171,7 +171,8 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float,
         if isinstance(p.grad, DTensor) and any(pl.is_partial() for pl in p.grad.placements):
             # Tensor parallelism without FSDP leaves sums pending on replicated parameters (norms under
             # sequence parallelism): reduce them here, once, for the norm and the optimizer alike.
-            p.grad = p.grad.redistribute(placements=[Replicate() if pl.is_partial() else pl for pl in p.grad.placements])
+            p.grad = p.grad.redistribute(placements=[Replicate() if pl.is_partial() else pl
+                                                     for pl in p.grad.placements])
         key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None
         groups.setdefault(key, []).append(p)
     squares = []

@@ -22,25 +22,24 @@ import torch
 from torch import nn
 
 from ember import config as config_lib
+from ember.checkpoint.run_dir import resumed_compute
 from ember.config_schema import JobConfig
 from ember.errors import ConfigError, EmberError
-from ember.finetune import base_fingerprint
-from ember.finetune import lora as lora_lib
+from ember.finetune import base_fingerprint, lora as lora_lib
 from ember.hardware import cpu_rates
-from ember.train import engines
-from ember.train.engines import mesh_shape
-from ember.checkpoint.run_dir import resumed_compute
 from ember.hardware.device import PrecisionChoice, choose_compute_dtype
 from ember.models import MODELS, ModelSpec
+from ember.models.choice import ModelChoice, resolve_model
 from ember.nn.args import DecoderArgs
 from ember.nn.decoder import has_local_attention
 from ember.nn.loss import output_chunks
 from ember.nn.moe_stats import MoEOptions
-from ember.models.choice import ModelChoice, resolve_model
 from ember.parallel.ep import expert_dispatch
 from ember.parallel.mesh import ParallelMesh
 from ember.parallel.mesh_shape import MeshShape
 from ember.parallel.parallelize import ParallelOptions
+from ember.train import engines
+from ember.train.engines import mesh_shape
 
 
 def uses_loss_parallel(cfg: JobConfig, shape: MeshShape) -> bool:
@@ -296,7 +295,8 @@ def check_device_options(cfg: JobConfig, shape: MeshShape, device: torch.device,
                               "sliding-window or chunked layers; use parallel.cp_impl=allgather (or auto)")
     if cfg.parallel.cpu_offload and (device.type != "cuda" or shape.grad_sync == 1):
         raise ConfigError("parallel.cpu_offload moves FSDP-sharded parameters and optimizer state from the GPU "
-                          "to host memory; it needs device=cuda and a data/fsdp axis > 1 (on CPU they are already there)")
+                          "to host memory; it needs device=cuda and a data/fsdp axis > 1 "
+                          "(on CPU they are already there)")
 
 
 @dataclass
@@ -338,8 +338,8 @@ def build_model(spec: RunSpec, mesh: Optional[ParallelMesh], *, stage_ids: Optio
         # the families without experts take no MoE options
         whole = model.model_cls(args, moe=moe) if args.has_experts else model.model_cls(args)
     if stage_ids is None:
-        stage_ids = ([0] if num_stages == 1 else
-                     pp_lib.stage_ids(mesh.coordinate("pipeline"), spec.degree("pipeline"), cfg.parallel.pp_stages_per_rank))
+        stage_ids = ([0] if num_stages == 1 else pp_lib.stage_ids(mesh.coordinate("pipeline"), spec.degree("pipeline"),
+                                                                  cfg.parallel.pp_stages_per_rank))
     stages = ([(sid, pp_lib.split_model(whole, sid, num_stages)) for sid in stage_ids] if num_stages > 1
               else [(0, whole)])
     lora = lora_lib.lora_transform(cfg, spec.compute_dtype)

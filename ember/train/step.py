@@ -20,12 +20,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.constants import IGNORE_INDEX
+from ember.metrics.profiling import phase
 from ember.nn.attention import document_layout
 from ember.nn.loss import cross_entropy_sum, linear_cross_entropy_sum
-from ember.parallel import cp as cp_lib
-from ember.parallel import pp as pp_lib
+from ember.parallel import cp as cp_lib, pp as pp_lib
 from ember.parallel.mesh import ParallelMesh
-from ember.metrics.profiling import phase
 
 if TYPE_CHECKING:
     from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
@@ -71,7 +70,8 @@ class ForwardBackward:
         dpo: an ember.finetune.dpo.DPOObjective for task=dpo: micro-batches are preference pairs and the loss is
         the mean DPO loss over the global batch's pairs instead of the mean token loss."""
         self.model, self.mesh, self.device, self.dpo = model, mesh, device, dpo
-        self.autocast_dtype, self.loss_parallel, self.cp_impl, self.eos_id = autocast_dtype, loss_parallel, cp_impl, eos_id
+        self.autocast_dtype, self.loss_parallel, self.cp_impl, self.eos_id = (autocast_dtype, loss_parallel, cp_impl,
+                                                                              eos_id)
         self.output_chunks = output_chunks
         self.fused_output = fused_output
         output = getattr(model, "output", None)

@@ -1,10 +1,11 @@
 """The torch.distributed engine (device=cpu|cuda): this rank's model parallelized on a DeviceMesh, the micro-batch
 forward/backward (ember/train/step.py, the pipeline schedule when pp > 1), gradient clipping and the optimizer step.
 
-ember/train/trainer.py's Trainer owns everything else (data, health, metrics, evaluation, checkpoints); ember/train/engines.py
-says which engine a `device` trains on and what that engine refuses. Build order, as the Trainer calls it:
-`TorchEngine(cfg)` (the job's ranks and device) -> `connect(spec)` (process group, DeviceMesh) -> `build(tokenizer)`
-(model, loss, optimizer) -> `place(restored)` after the checkpoint resume (nothing to do: DCP loaded in place).
+ember/train/trainer.py's Trainer owns everything else (data, health, metrics, evaluation, checkpoints);
+ember/train/engines.py says which engine a `device` trains on and what that engine refuses. Build order, as the
+Trainer calls it: `TorchEngine(cfg)` (the job's ranks and device) -> `connect(spec)` (process group, DeviceMesh)
+-> `build(tokenizer)` (model, loss, optimizer) -> `place(restored)` after the checkpoint resume (nothing to do: DCP
+loaded in place).
 """
 
 from __future__ import annotations
@@ -15,22 +16,22 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from ember.train import run as run_lib
 from ember.checkpoint.manager import CheckpointManager
 from ember.config_schema import JobConfig
-from ember.hardware.cpu_allocator import keep_freed_cpu_memory
 from ember.data.tokenizer import AnyTokenizer
-from ember.hardware.device import pick_device
 from ember.eval.distributed import EvalRanks
 from ember.finetune import dpo as dpo_lib
+from ember.hardware.cpu_allocator import keep_freed_cpu_memory
+from ember.hardware.device import pick_device
 from ember.hardware.peaks import PeakFlops, peak_flops
-from ember.train.health import is_finite_step
+from ember.metrics.profiling import StepProfiler, phase
 from ember.nn import moe as moe_lib
 from ember.nn.moe_stats import MoEOptions, MoEStats, RouterLoss
-from ember.train.optim import build_optimizer, clip_grad_norm_
 from ember.parallel import fp8 as fp8_lib
 from ember.parallel.mesh import ParallelMesh, init_distributed
-from ember.metrics.profiling import StepProfiler, phase
+from ember.train import run as run_lib
+from ember.train.health import is_finite_step
+from ember.train.optim import build_optimizer, clip_grad_norm_
 from ember.train.run import RunSpec
 from ember.train.step import Batch, ForwardBackward
 
@@ -86,9 +87,10 @@ class TorchEngine:
         eos_id = tokenizer.eos_id if cfg.data.document_mask else None
         self.dpo = dpo_lib.dpo_objective(spec, self.mesh, self.model) if cfg.task == "dpo" else None
         self.forward_backward = ForwardBackward(self.model, self.mesh, self.device, autocast_dtype=spec.autocast_dtype,
-                                                loss_parallel=spec.parallel.loss_parallel, cp_impl=spec.parallel.cp_impl,
-                                                eos_id=eos_id, output_chunks=spec.output_chunks,
-                                                fused_output=spec.fused_output, dpo=self.dpo)
+                                                loss_parallel=spec.parallel.loss_parallel,
+                                                cp_impl=spec.parallel.cp_impl, eos_id=eos_id,
+                                                output_chunks=spec.output_chunks, fused_output=spec.fused_output,
+                                                dpo=self.dpo)
         if spec.num_stages > 1:
             self.forward_backward.build_pipeline(built.stages, spec.num_stages, cfg.parallel.pp_schedule,
                                                  spec.pp_microbatches)

@@ -21,8 +21,6 @@ from typing import Iterator, Optional
 import torch
 from rich.console import Console
 
-from ember.train import engines
-from ember.train import run as run_lib
 from ember.checkpoint import run_history
 from ember.checkpoint.manager import open_checkpoints, rng_state, set_rng_state
 from ember.config import JobConfig
@@ -31,12 +29,20 @@ from ember.data.tokenizer import build_tokenizer
 from ember.errors import DataError
 from ember.eval.tasks import run_tasks
 from ember.finetune import dpo as dpo_lib
-from ember.train.health import HealthGuard, StopSignals, TrainingStopped, is_finite_step
-from ember.metrics.run_metrics import (MetricsLogger, plural, print_header, progress_bar,
-                           raise_peak_if_beaten, run_record, throughput_record)
-from ember.nn.decoder import num_params
-from ember.train.optim import build_lr_scheduler, restart_schedule
 from ember.metrics.profiling import phase
+from ember.metrics.run_metrics import (
+    MetricsLogger,
+    plural,
+    print_header,
+    progress_bar,
+    raise_peak_if_beaten,
+    run_record,
+    throughput_record,
+)
+from ember.nn.decoder import num_params
+from ember.train import engines, run as run_lib
+from ember.train.health import HealthGuard, StopSignals, TrainingStopped, is_finite_step
+from ember.train.optim import build_lr_scheduler, restart_schedule
 from ember.train.step import Batch
 
 __all__ = ["Trainer", "TrainingStopped"]
@@ -75,7 +81,8 @@ class Trainer:
         rows, dp_rank, dp_world = engine.data_shard()
         loader_kwargs = dict(seq_len=cfg.seq_len, micro_batch_size=rows, dp_rank=dp_rank, dp_world=dp_world,
                              seed=cfg.seed, vocab_size=spec.args.vocab_size)
-        make_loader = build_loader if cfg.task == "lm" else functools.partial(dpo_lib.build_pair_loader, dpo_cfg=cfg.dpo)
+        make_loader = (build_loader if cfg.task == "lm"
+                       else functools.partial(dpo_lib.build_pair_loader, dpo_cfg=cfg.dpo))
         self.train_loader = make_loader(cfg.data, self.tokenizer, split="train", **loader_kwargs)
         self.val_loader, val_note = None, None
         try:
@@ -157,8 +164,8 @@ class Trainer:
                     "val_loss": None, "steps": self.step, "checkpoint": str(self.checkpointer.resumed_from),
                     "stopped_by_signal": None, "skipped_steps": self.health.skipped_total, "eval": {}}
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        # config.yaml is this segment's; config_history/ keeps every segment's (ember/checkpoint/run_history.py). The trackers
-        # read config.yaml when they start; a start refused before the first step takes the segment back.
+        # config.yaml is this segment's; config_history/ keeps every segment's (ember/checkpoint/run_history.py).
+        # The trackers read config.yaml when they start; a start refused before the first step takes the segment back.
         segment = (run_history.SegmentStart(self.output_dir, cfg, self.step, self.checkpointer.resumed_from,
                                             self.checkpointer.changes) if self.is_main else None)
         try:
@@ -238,7 +245,7 @@ class Trainer:
             "first_loss": first[1] if first else None,
             "final_loss": recent[-1][1] if recent else None,
             # the mean of the last min(logging_steps, steps run) good steps, and which steps those were
-            "final_loss_avg": sum(l for _, l in recent) / len(recent) if recent else None,
+            "final_loss_avg": sum(loss for _, loss in recent) / len(recent) if recent else None,
             "final_loss_steps": [recent[0][0], recent[-1][0]] if recent else None,
             "val_loss": val_loss,
             "steps": self.step,

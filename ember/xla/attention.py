@@ -61,8 +61,8 @@ def uses_flash(platform: str, mesh: Any) -> bool:
 
 
 def flash_attention(mesh: Any) -> Callable[..., torch.Tensor]:
-    """An attention kernel (nn/attention.Kernel), (q, k, v, document_ids) over (B, heads, T, head_dim) -> (B, heads, T, head_dim),
-    running the TPU kernel on `mesh`."""
+    """An attention kernel (nn/attention.Kernel), (q, k, v, document_ids) over (B, heads, T, head_dim) ->
+    (B, heads, T, head_dim), running the TPU kernel on `mesh`."""
     import jax
     import jax.numpy as jnp
     from jax.experimental.pallas.ops.tpu import flash_attention as pallas_flash
@@ -74,7 +74,8 @@ def flash_attention(mesh: Any) -> Callable[..., torch.Tensor]:
 
     def per_device(q: Any, k: Any, v: Any, segments: Optional[Any]) -> Any:
         ids = pallas_flash.SegmentIds(q=segments, kv=segments) if segments is not None else None
-        return pallas_flash.flash_attention(q, k, v, segment_ids=ids, causal=True, sm_scale=1.0 / math.sqrt(q.shape[-1]))
+        return pallas_flash.flash_attention(q, k, v, segment_ids=ids, causal=True,
+                                            sm_scale=1.0 / math.sqrt(q.shape[-1]))
 
     def attend(q: Any, k: Any, v: Any, segments: Optional[Any]) -> Any:
         group = q.shape[1] // k.shape[1]  # grouped-query heads: each K/V head serves `group` query heads

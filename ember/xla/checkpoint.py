@@ -28,10 +28,18 @@ import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.default_planner import (DefaultLoadPlanner, DefaultSavePlanner,
-                                                          create_default_global_save_plan)
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
-                                                   TensorProperties, TensorStorageMetadata)
+from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner,
+    DefaultSavePlanner,
+    create_default_global_save_plan,
+)
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from ember.checkpoint.manager import CheckpointManager
@@ -81,7 +89,8 @@ class _HostSavePlanner(DefaultSavePlanner):
     def create_global_plan(self, all_plans: list[Any]) -> tuple[list[Any], Metadata]:
         global_plan, metadata = create_default_global_save_plan(all_plans)
         if self.flatten_state_dict:
-            metadata = dataclasses.replace(metadata, planner_data=dict(ChainMap(*[p.planner_data for p in global_plan])))
+            metadata = dataclasses.replace(metadata,
+                                           planner_data=dict(ChainMap(*[p.planner_data for p in global_plan])))
         self.global_plan, self.metadata = global_plan, metadata
         return global_plan, metadata
 

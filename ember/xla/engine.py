@@ -21,17 +21,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from ember.train import run as run_lib
 from ember.config_schema import JobConfig
 from ember.data.tokenizer import AnyTokenizer
 from ember.eval.distributed import EvalRanks
 from ember.hardware.peaks import PeakFlops
 from ember.nn.moe_stats import MoEStats
+from ember.train import run as run_lib
 from ember.train.optim import build_optimizer
 from ember.train.run import RunSpec
 from ember.train.step import Batch
-from ember.xla import mesh as mesh_lib
-from ember.xla import runtime
+from ember.xla import mesh as mesh_lib, runtime
 from ember.xla.checkpoint import DeviceState, RestoredState, XlaCheckpointManager
 from ember.xla.layout import init_on_devices, layout_for, tied_aliases
 from ember.xla.profiling import JaxStepProfiler

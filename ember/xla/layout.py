@@ -13,11 +13,11 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from ember.train.optim import param_groups
+from ember.nn.moe_stats import MoEOptions, MoEStats
 from ember.train import run as run_lib
+from ember.train.optim import param_groups
 from ember.train.run import RunSpec
 from ember.xla import mesh as mesh_lib
-from ember.nn.moe_stats import MoEOptions, MoEStats
 from ember.xla.attention import attention_kernel
 from ember.xla.sharding import param_specs
 from ember.xla.step import CompiledStep, StepOptions, adamw, build_step, prepare_model, xla_dispatch
@@ -186,8 +186,9 @@ def compiled_memory(layout: XlaLayout, micro_batches: int, rows: int, seq_len: i
     if params is None:
         params = {n: jax.ShapeDtypeStruct(layout.shapes[n], np.float32, sharding=s)
                   for n, s in layout.param_shardings.items()}
-        opt_state = jax.tree.map(lambda shape, sharding: jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=sharding),
-                                 jax.eval_shape(layout.tx.init, params), layout.opt_shardings)
+        opt_state = jax.tree.map(
+            lambda shape, sharding: jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=sharding),
+            jax.eval_shape(layout.tx.init, params), layout.opt_shardings)
     batch = jax.ShapeDtypeStruct((micro_batches, rows, seq_len), np.int64 if jax.config.jax_enable_x64 else np.int32,
                                  sharding=layout.batch_sharding)
     lr = jax.ShapeDtypeStruct((), np.float32)

@@ -25,8 +25,7 @@ def compiled_memory_here(cfg: JobConfig, world: int, target: str) -> dict[str, i
     """In a process whose jax has >= `world` devices: the compiled step's memory per device (layout.compiled_memory)
     for `cfg` on `world` devices of `target` (tpu: bf16 compute, else the precision's)."""
     from ember.train import run as run_lib
-    from ember.xla import mesh as mesh_lib
-    from ember.xla import runtime
+    from ember.xla import mesh as mesh_lib, runtime
     from ember.xla.layout import compiled_memory, layout_for
     from ember.xla.rules import xla_compute_dtype
 
@@ -45,7 +44,8 @@ def compiled_memory_on_virtual_devices(cfg: JobConfig, world: int, target: str,
         config = Path(folder) / "config.yaml"
         save(dataclasses.replace(cfg, device="xla"), config)
         env = dict(os.environ, JAX_PLATFORMS="cpu",
-                   XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={world}".strip())
+                   XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} "
+                   f"--xla_force_host_platform_device_count={world}".strip())
         proc = subprocess.run([sys.executable, "-m", "ember.xla.plan", str(config), str(world), target],
                               capture_output=True, text=True, env=env, timeout=timeout_s)
     if proc.returncode != 0:

@@ -7,9 +7,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ember.config_schema import JobConfig
-from ember.train.engines import EngineRules, mesh_shape
 from ember.errors import ConfigError
 from ember.parallel.mesh_shape import MeshShape
+from ember.train.engines import EngineRules, mesh_shape
 from ember.xla import checks
 
 if TYPE_CHECKING:

@@ -22,9 +22,18 @@ RUNNER_SCRIPTS = BENCHMARKS / "peers_runners"
 
 # `ember train debug ... logging_steps=1`'s metrics.jsonl: one record per step, then the final validation's.
 EMBER_METRICS = """\
-{"step": 1, "loss": 6.630095481872559, "loss_avg": 6.630095481872559, "lr": 0.002, "grad_norm": 0.7299246788024902, "tokens_per_s": 7874.442506116272, "tokens_per_s_per_device": 7874.442506116272, "step_time_s": 0.016255119000561535, "tflops_per_device": 0.00698192169470303, "mfu": 0.05348246533000974, "memory_gb": 0.3253517150878906, "tokens_seen": 128, "data_wait_frac": 0.14244608153371519}
-{"step": 2, "loss": 6.658548831939697, "loss_avg": 6.658548831939697, "lr": 0.002, "grad_norm": 0.7266488075256348, "tokens_per_s": 14443.85026664115, "tokens_per_s_per_device": 14443.85026664115, "step_time_s": 0.00886190299934242, "tflops_per_device": 0.012806726502018974, "mfu": 0.09810125866275271, "memory_gb": 0.3268165588378906, "tokens_seen": 256, "data_wait_frac": 0.010321823232995181}
-{"step": 3, "loss": 6.643980026245117, "loss_avg": 6.643980026245117, "lr": 0.002, "grad_norm": 0.730373203754425, "tokens_per_s": 16877.456868083143, "tokens_per_s_per_device": 16877.456868083143, "step_time_s": 0.0075840810022782534, "tflops_per_device": 0.014964498396827128, "mfu": 0.11463008347637088, "memory_gb": 0.3269386291503906, "tokens_seen": 384, "data_wait_frac": 0.012881191301306431}
+{"step": 1, "loss": 6.630095481872559, "loss_avg": 6.630095481872559, "lr": 0.002, "grad_norm": 0.7299246788024902, \
+"tokens_per_s": 7874.442506116272, "tokens_per_s_per_device": 7874.442506116272, "step_time_s": 0.016255119000561535, \
+"tflops_per_device": 0.00698192169470303, "mfu": 0.05348246533000974, "memory_gb": 0.3253517150878906, \
+"tokens_seen": 128, "data_wait_frac": 0.14244608153371519}
+{"step": 2, "loss": 6.658548831939697, "loss_avg": 6.658548831939697, "lr": 0.002, "grad_norm": 0.7266488075256348, \
+"tokens_per_s": 14443.85026664115, "tokens_per_s_per_device": 14443.85026664115, "step_time_s": 0.00886190299934242, \
+"tflops_per_device": 0.012806726502018974, "mfu": 0.09810125866275271, "memory_gb": 0.3268165588378906, \
+"tokens_seen": 256, "data_wait_frac": 0.010321823232995181}
+{"step": 3, "loss": 6.643980026245117, "loss_avg": 6.643980026245117, "lr": 0.002, "grad_norm": 0.730373203754425, \
+"tokens_per_s": 16877.456868083143, "tokens_per_s_per_device": 16877.456868083143, \
+"step_time_s": 0.0075840810022782534, "tflops_per_device": 0.014964498396827128, "mfu": 0.11463008347637088, \
+"memory_gb": 0.3269386291503906, "tokens_seen": 384, "data_wait_frac": 0.012881191301306431}
 {"step": 3, "val_loss": 6.693024635314941}
 """
 

@@ -54,7 +54,7 @@ def fake_peers_python(tmp_path: Path) -> Path:
     script = tmp_path / "fake_peer.py"
     script.write_text(FAKE_PEER)
     python = tmp_path / "python"
-    python.write_text(f"#!/bin/sh\nexec {sys.executable} {script} \"$@\"\n")
+    python.write_text(f'#!/bin/sh\nexec {sys.executable} {script} "$@"\n')
     python.chmod(0o755)
     return python
 

@@ -10,13 +10,12 @@ import pytest
 import torch
 import transformers
 
-
-from ember.train import run as run_lib
 from ember.checkpoint.run_dir import archive_previous_run
 from ember.config import ConfigError
 from ember.model_io.convert import save_ember_checkpoint
 from ember.models import build_model_args
 from ember.models.llama import Transformer
+from ember.train import run as run_lib
 from ember.train.trainer import Trainer
 from tests.helpers import read_records, run_ember, tiny_model
 

@@ -8,10 +8,9 @@ from pathlib import Path
 import pytest
 
 from ember import config as config_lib
-
-from ember.train import run as run_lib
 from ember.config import ConfigError
 from ember.parallel.mesh_shape import fewest_ranks
+from ember.train import run as run_lib
 
 
 def test_debug_recipe_defaults():
@@ -57,7 +56,8 @@ def test_overrides_reach_nested_sections_and_cast_types():
                               "optim.betas=[A,B])"),
         (["precision=BF16"], "precision 'BF16' is not one of auto, fp32, bf16, fp8 (did you mean 'bf16'?)"),
         (["device=CPU"], "device 'CPU' is not one of auto, cpu, cuda, tpu, xla (did you mean 'cpu'?)"),
-        (["model.remat=Full"], "model.remat 'Full' is not one of none, full, selective, op, offload (did you mean 'full'?)"),
+        (["model.remat=Full"], "model.remat 'Full' is not one of none, full, selective, op, offload "
+                               "(did you mean 'full'?)"),
         (["eval.split=all"], "'eval.split' is a key of `ember eval` (the ppl window), not of training; training's "
                              "eval section has eval.tasks, eval.limit and eval.batch_size"),
         (["optim.lr=fast"], "config key 'optim.lr'"),

@@ -53,7 +53,8 @@ def test_table_files_through_datasets(tmp_path: Path, small_tokenizer: Tokenizer
         (path,) = (tmp_path / "saved").glob("*.arrow")
     stream = prepare.token_stream(DataCfg(dataset=str(path), text_field="content"), small_tokenizer, "train")
     assert stream.num_documents >= 45
-    with pytest.raises(ValueError, match=rf"{path.name} has no 'text' column \(it has: content, id\); set data\.text_field"):
+    with pytest.raises(ValueError,
+                       match=rf"{path.name} has no 'text' column \(it has: content, id\); set data\.text_field"):
         prepare.token_stream(DataCfg(dataset=str(path)), small_tokenizer, "train")
     broken = tmp_path / f"broken.{fmt}"
     broken.write_bytes(b"not a table at all")

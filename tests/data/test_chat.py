@@ -5,17 +5,24 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from chat_testing import (CHATML, CONVERSATION, LLAMA3, LLAMA3_MARKED, chat_file, conversation,  # noqa: F401
-                          private_cache, write_tokenizer)  # private_cache: autouse, token caches in the test's folder
+from chat_testing import (  # noqa: F401
+    CHATML,
+    CONVERSATION,
+    LLAMA3,
+    LLAMA3_MARKED,
+    chat_file,
+    conversation,
+    private_cache,  # private_cache: autouse, token caches in the test's folder
+    write_tokenizer,
+)
 from data_testing import DataCfg
 
-from ember.train import run as run_lib
 from ember.constants import IGNORE_INDEX
-from ember.data import chat
-from ember.data import prepare as prepare_lib
+from ember.data import chat, prepare as prepare_lib
 from ember.data.loader import build_loader
 from ember.data.tokenizer import build_tokenizer, load_tokenizer
 from ember.errors import ConfigError, DataError
+from ember.train import run as run_lib
 
 
 def _hf(folder: Path):
@@ -100,7 +107,8 @@ def test_multi_turn_labels_are_exact(tmp_path: Path):
 def test_builtin_templates(tmp_path: Path, name: str):
     folder = write_tokenizer(tmp_path / "tok", None)  # a base model's folder: no template of its own
     tok = load_tokenizer(str(folder))
-    with pytest.raises(DataError, match=r"has no chat template .*set data\.chat_template to a built-in: llama3, chatml"):
+    with pytest.raises(DataError,
+                       match=r"has no chat template .*set data\.chat_template to a built-in: llama3, chatml"):
         chat.load_template("auto", tok)
     template = chat.load_template(name, tok)
     assert template.name == f"built-in {name}"
@@ -170,11 +178,13 @@ DROPS = ("{% for m in messages %}{% if m['role'] == 'assistant' %}{{ 'assistant:
 def test_templates_that_cannot_mark_assistant_spans(tmp_path: Path, template: str, why: str):
     folder = write_tokenizer(tmp_path / "tok", template)
     message = _rows_error(tmp_path, [{"messages": CONVERSATION[1:]}], load_tokenizer(str(folder)))
-    assert message.startswith(f"chat template {folder / 'tokenizer_config.json'} cannot mark the assistant spans: {why}")
+    assert message.startswith(f"chat template {folder / 'tokenizer_config.json'} "
+                              f"cannot mark the assistant spans: {why}")
 
 
 def test_template_errors_and_raise_exception(tmp_path: Path):
-    strict = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('Conversations must start with the user') }}{% endif %}" + LLAMA3
+    strict = ("{% if messages[0]['role'] != 'user' %}{{ raise_exception('Conversations must start with the user') }}"
+              "{% endif %}" + LLAMA3)
     tok = load_tokenizer(str(write_tokenizer(tmp_path / "tok", strict)))
     message = _rows_error(tmp_path, [{"messages": CONVERSATION}], tok)
     assert message.endswith("failed: Conversations must start with the user; fix the conversation or the template")

@@ -10,11 +10,11 @@ import torch
 from chat_testing import CHATML, LLAMA3, chat_file, conversation, private_cache, write_tokenizer  # noqa: F401
 from data_testing import DataCfg
 
-from ember.train import run as run_lib
 from ember.constants import IGNORE_INDEX
 from ember.data import chat, packing
 from ember.data.loader import build_loader
 from ember.data.tokenizer import load_tokenizer
+from ember.train import run as run_lib
 
 
 # ---------------------------------------------------------------- packing on and off
@@ -60,9 +60,9 @@ def test_packed_chat_keeps_resumable_state(tmp_path: Path):
     expected = [next(loader) for _ in range(3)]
     again = build_loader(cfg, tok, seq_len=32, micro_batch_size=2)
     again.load_state_dict(state)
-    for (i, l), (i2, l2) in zip(expected, [next(again) for _ in range(3)]):
-        assert torch.equal(i, i2) and torch.equal(l, l2)
-        assert 0 < (l != IGNORE_INDEX).sum() < l.numel()
+    for (tokens, labels), (tokens2, labels2) in zip(expected, [next(again) for _ in range(3)]):
+        assert torch.equal(tokens, tokens2) and torch.equal(labels, labels2)
+        assert 0 < (labels != IGNORE_INDEX).sum() < labels.numel()
 
 
 # ---------------------------------------------------------------- a short run: the assistant loss falls
@@ -72,7 +72,8 @@ def test_chat_sft_run_lowers_assistant_loss(tmp_path: Path):
 
     folder = write_tokenizer(tmp_path / "tok", LLAMA3)
     cfg = run_lib.load_config("debug", [
-        f"output_dir={tmp_path / 'run'}", "metrics.console=false", "model.n_layers=2", "model.vocab_size=512", "max_steps=30",
+        f"output_dir={tmp_path / 'run'}", "metrics.console=false", "model.n_layers=2", "model.vocab_size=512",
+        "max_steps=30",
         "seq_len=64", "global_batch_size=8", "micro_batch_size=8", "logging_steps=5", "schedule.warmup_steps=3",
         "optim.lr=3e-3", f"data.dataset={chat_file(tmp_path, 200)}", "data.messages_field=messages",
         f"data.tokenizer={folder}", "data.document_mask=true", "checkpoint.interval=0", "eval_batches=2",

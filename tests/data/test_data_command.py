@@ -216,9 +216,9 @@ def test_a_run_on_shards_prepared_with_val_fraction_0_trains_without_validation(
     shards = tmp_path / "shards"
     run_ember("data", "prepare", str(corpus), str(shards), "--tokenizer", str(tokenizer_json), "--val-fraction", "0",
               expect=0)
-    proc = run_ember("train", "debug", *TINY_RUN, "max_steps=3", "logging_steps=1", "metrics.console=true", "eval_interval=1",
-                     f"output_dir={tmp_path / 'run'}", f"data.dataset={shards}", f"data.tokenizer={tokenizer_json}",
-                     "data.val_fraction=0",
+    proc = run_ember("train", "debug", *TINY_RUN, "max_steps=3", "logging_steps=1", "metrics.console=true",
+                     "eval_interval=1", f"output_dir={tmp_path / 'run'}", f"data.dataset={shards}",
+                     f"data.tokenizer={tokenizer_json}", "data.val_fraction=0",
                      env=job_env(EMBER_CACHE=str(tmp_path / "cache")), expect=0)
     assert (f"no validation: '{shards}' holds no val split (prepared with --val-fraction 0); prepare it with a "
             "--val-fraction above 0 to validate on it") in proc.stdout

@@ -13,7 +13,8 @@ from ember.data.tokenizer import Tokenizer
 SEQ = 7  # samples of 8 tokens
 
 
-def index_loader(num_samples: int = 40, mb: int = 2, rank: int = 0, world: int = 1, seed: int = 0, workers: int = 1) -> TokenLoader:
+def index_loader(num_samples: int = 40, mb: int = 2, rank: int = 0, world: int = 1, seed: int = 0,
+                 workers: int = 1) -> TokenLoader:
     """A loader whose sample i holds tokens i*8 .. i*8+7, so a batch names the samples it took."""
     rows = np.arange(num_samples * (SEQ + 1), dtype=np.uint32).reshape(num_samples, SEQ + 1)
     return TokenLoader(
@@ -48,7 +49,9 @@ def test_shapes_and_shift(small_tokenizer: Tokenizer):
 
 
 def test_same_seed_same_batches(small_tokenizer: Tokenizer):
-    make = lambda seed: build_loader(DataCfg(), small_tokenizer, seq_len=16, micro_batch_size=4, seed=seed)
+    def make(seed: int) -> TokenLoader:
+        return build_loader(DataCfg(), small_tokenizer, seq_len=16, micro_batch_size=4, seed=seed)
+
     a, b, c = make(0), make(0), make(1)
     first = take(a, 5)
     assert same(first, take(b, 5))
@@ -62,7 +65,8 @@ def test_val_split_differs_from_train(small_tokenizer: Tokenizer):
     train_rows = {tuple(r) for r in train.samples.rows.tolist()}
     assert not any(tuple(r) in train_rows for r in val.samples.rows.tolist())
     val.reset()
-    assert same(take(val, 3), take(build_loader(DataCfg(), small_tokenizer, seq_len=16, micro_batch_size=2, split="val"), 3))
+    assert same(take(val, 3),
+                take(build_loader(DataCfg(), small_tokenizer, seq_len=16, micro_batch_size=2, split="val"), 3))
 
 
 def test_ranks_read_disjoint_samples_and_epochs_cover_all():
@@ -126,7 +130,9 @@ def test_worker_errors_reach_the_training_thread():
 
 def test_synthetic_is_deterministic_and_needs_no_tokenizer():
     cfg = DataCfg(dataset="synthetic")
-    make = lambda **kw: build_loader(cfg, None, seq_len=16, micro_batch_size=4, vocab_size=100, **kw)
+    def make(**kw) -> TokenLoader:
+        return build_loader(cfg, None, seq_len=16, micro_batch_size=4, vocab_size=100, **kw)
+
     a = take(make(), 4)
     assert same(a, take(make(), 4))
     assert not same(a, take(make(seed=1), 4))
@@ -158,7 +164,8 @@ def test_the_real_config_section_fits():
     from ember.config import DataConfig
 
     assert [f.name for f in fields(DataConfig)] == [f.name for f in fields(DataCfg)]  # the stand-in has not drifted
-    loader = build_loader(DataConfig(dataset="synthetic", num_workers=0), None, seq_len=8, micro_batch_size=2, vocab_size=50)
+    loader = build_loader(DataConfig(dataset="synthetic", num_workers=0), None, seq_len=8, micro_batch_size=2,
+                          vocab_size=50)
     assert next(loader)[0].shape == (2, 8)
 
 
@@ -166,7 +173,8 @@ def test_too_little_data(tmp_path: Path, small_tokenizer: Tokenizer):
     path = tmp_path / "tiny.txt"
     path.write_text("just a few words")
     cfg = DataCfg(dataset=str(path))
-    with pytest.raises(ValueError, match=r"tiny\.txt \(train split\) has \d+ tokens: 0 sample\(s\) of seq_len\+1=257.*lower seq_len"):
+    with pytest.raises(ValueError, match=r"tiny\.txt \(train split\) has \d+ tokens: "
+                                         r"0 sample\(s\) of seq_len\+1=257.*lower seq_len"):
         build_loader(cfg, small_tokenizer, seq_len=256, micro_batch_size=1)
     with pytest.raises(ValueError, match=r"needs a tokenizer"):
         build_loader(cfg, None, seq_len=4, micro_batch_size=1)

@@ -95,7 +95,8 @@ def test_mixture_weights_hold_in_expectation_and_sources_wrap():
     assert not torch.equal(a_rows[:10], a_rows[10:20])  # reshuffled per epoch
     # A function of the global index alone: any slice equals the same rows read in one go.
     assert torch.equal(mix.get(np.arange(12345, 12400))[0], batch[12345:12400])
-    fresh = MixtureSamples([_packed(10, 1), _packed(1000, 2), _packed(1000, 3)], [0.4, 0.5, 0.1], ["a", "b", "c"], seed=3)
+    fresh = MixtureSamples([_packed(10, 1), _packed(1000, 2), _packed(1000, 3)], [0.4, 0.5, 0.1], ["a", "b", "c"],
+                           seed=3)
     assert torch.equal(fresh.get(np.arange(19990, 20000))[0], batch[19990:20000])
 
 
@@ -112,7 +113,8 @@ def test_mixture_from_config_and_its_errors(tmp_path: Path, small_tokenizer: Tok
     tiny = tmp_path / "tiny.txt"
     tiny.write_text("two words")
     cfg = DataCfg(mixture=[MixtureSource(str(a), 1.0), MixtureSource(str(tiny), 1.0)], num_workers=0)
-    with pytest.raises(ValueError, match=r"data\.mixture\[1\] '.*tiny\.txt' \(train split\) has \d+ tokens, not one sample"):
+    with pytest.raises(ValueError,
+                       match=r"data\.mixture\[1\] '.*tiny\.txt' \(train split\) has \d+ tokens, not one sample"):
         build_loader(cfg, small_tokenizer, seq_len=64, micro_batch_size=4, vocab_size=SMALL_VOCAB)
 
 

@@ -141,7 +141,8 @@ def test_ranks_read_disjoint_samples_within_an_epoch(data_dir):
 
 def test_stream_ranks_split_the_documents_and_shuffle(data_dir):
     spec = _spec(data_dir, "stream", 0)
-    cfg = DataConfig(dataset=spec["dataset"], tokenizer=spec["tokenizer"], streaming=True, shuffle_buffer=8, num_workers=0)
+    cfg = DataConfig(dataset=spec["dataset"], tokenizer=spec["tokenizer"], streaming=True, shuffle_buffer=8,
+                     num_workers=0)
     tok = build_tokenizer(cfg, 512)
     from ember.data.stream import open_stream
 

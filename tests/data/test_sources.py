@@ -12,7 +12,6 @@ from ember.data import sources
 from ember.data.sources import load_documents
 
 
-
 def test_embedded_files_sorted_without_installed_packages(small_corpus: Path):
     files = sources.embedded_files()
     assert files == sorted(CORPUS_FILES + [LATIN1_FILE])
@@ -107,7 +106,8 @@ def test_empty_file_and_empty_folder(tmp_path: Path):
         load_documents(DataCfg(dataset=str(empty)), "train")
     folder = tmp_path / "folder"
     folder.mkdir()
-    with pytest.raises(ValueError, match=rf"data\.dataset folder '{folder}' holds no \.txt/\.jsonl/\.json/\.parquet/\.arrow files"):
+    with pytest.raises(ValueError,
+                       match=rf"data\.dataset folder '{folder}' holds no \.txt/\.jsonl/\.json/\.parquet/\.arrow files"):
         load_documents(DataCfg(dataset=str(folder)), "train")
     csv = tmp_path / "table.csv"
     csv.write_text("a,b\n")
@@ -148,7 +148,8 @@ def test_hub_and_parquet_need_datasets(tmp_path: Path, monkeypatch: pytest.Monke
     with pytest.raises(ValueError, match=r"'owner/corpus' is not a local file, folder or glob.*pip install datasets"):
         load_documents(DataCfg(dataset="owner/corpus"), "train")
     (tmp_path / "t.parquet").write_bytes(b"PAR1")
-    with pytest.raises(ValueError, match=r"reading '.*t\.parquet' needs the `datasets` library; run `pip install datasets`"):
+    with pytest.raises(ValueError,
+                       match=r"reading '.*t\.parquet' needs the `datasets` library; run `pip install datasets`"):
         load_documents(DataCfg(dataset=str(tmp_path / "t.parquet")), "train")
 
 

@@ -78,13 +78,15 @@ def test_specials_of_other_tokenizers(tmp_path: Path):
     for added in raw["added_tokens"]:
         added["content"] = {BOS: "<unused0>", EOS: "<|endoftext|>", PAD: "<unused1>"}[added["content"]]
     raw["model"]["vocab"] = {
-        {BOS: "<unused0>", EOS: "<|endoftext|>", PAD: "<unused1>"}.get(k, k): v for k, v in raw["model"]["vocab"].items()
+        {BOS: "<unused0>", EOS: "<|endoftext|>", PAD: "<unused1>"}.get(k, k): v
+        for k, v in raw["model"]["vocab"].items()
     }
     (tmp_path / "tokenizer.json").write_text(json.dumps(raw))
     loaded = build_tokenizer(DataCfg(tokenizer=str(tmp_path)), 300)
     assert (loaded.bos_id, loaded.eos_id, loaded.pad_id) == (None, 1, 1)
     # tokenizer_config.json beside it names the specials explicitly (HF's convention).
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<unused0>", "eos_token": {"content": "<unused1>"}}))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<unused0>",
+                                                                "eos_token": {"content": "<unused1>"}}))
     loaded = build_tokenizer(DataCfg(tokenizer=str(tmp_path)), 300)
     assert (loaded.bos_id, loaded.eos_id) == (0, 2)
 
@@ -94,7 +96,8 @@ def test_missing_or_invalid_tokenizer_file(tmp_path: Path):
         build_tokenizer(DataCfg(tokenizer=str(tmp_path / "nowhere")), 1000)
     bad = tmp_path / "tokenizer.json"
     bad.write_text("{not json")
-    with pytest.raises(ValueError, match=r"data\.tokenizer '.*tokenizer\.json' is not a valid HF tokenizer\.json") as err:
+    with pytest.raises(ValueError,
+                       match=r"data\.tokenizer '.*tokenizer\.json' is not a valid HF tokenizer\.json") as err:
         build_tokenizer(DataCfg(tokenizer=str(bad)), 1000)
     assert "\n" not in str(err.value)
 

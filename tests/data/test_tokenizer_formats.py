@@ -9,8 +9,13 @@ import pytest
 import sentencepiece as spm
 from data_testing import DataCfg
 
-from ember.data.tokenizer import (LLAMA3_NUM_SPECIAL, SentencePieceTokenizer, TiktokenTokenizer, build_tokenizer,
-                                  load_tokenizer)
+from ember.data.tokenizer import (
+    LLAMA3_NUM_SPECIAL,
+    SentencePieceTokenizer,
+    TiktokenTokenizer,
+    build_tokenizer,
+    load_tokenizer,
+)
 from tests.helpers import run_ember
 
 TEXT = "The quick brown fox jumps over the lazy dog. Café, naïve: 42 + 7 = 49!\nsecond line"

@@ -7,8 +7,8 @@ import sys
 import torch.distributed as dist
 
 from ember.eval.distributed import eval_mesh_overrides
-from ember.eval.sharded import load_sharded
 from ember.eval.harness import EmberLM
+from ember.eval.sharded import load_sharded
 from ember.generate import tokenizer_for
 
 
@@ -26,7 +26,8 @@ def main() -> None:
     results = {
         "loglikelihood": lm.loglikelihood([Request(tuple(r)) for r in requests["loglikelihood"]]),
         "rolling": lm.loglikelihood_rolling([Request((t,)) for t in requests["rolling"]]),
-        "generate": lm.generate_until([Request((p, {"until": ["\n\n"], "max_gen_toks": 6})) for p in requests["generate"]]),
+        "generate": lm.generate_until([Request((p, {"until": ["\n\n"], "max_gen_toks": 6}))
+                                       for p in requests["generate"]]),
     }
     if dist.get_rank() == 0:
         open(out, "w").write(json.dumps(results))

@@ -38,7 +38,8 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert proc.returncode == 0, proc.stderr
     rng = random.Random(0)
     rows = {"lambada": [{"text": _text(rng, 4, 40)} for _ in range(9)],
-            "boolq": [{"passage": _text(rng, 4, 30), "question": "is it python", "answer": i % 2 == 0} for i in range(7)],
+            "boolq": [{"passage": _text(rng, 4, 30), "question": "is it python", "answer": i % 2 == 0}
+                      for i in range(7)],
             "choice": [{"context": _text(rng, 3, 20), "choices": [_text(rng, 1, 3) for _ in range(3)], "label": i % 3}
                        for i in range(5)]}
     for task, task_rows in rows.items():

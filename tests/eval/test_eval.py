@@ -184,7 +184,7 @@ def test_boolq_reads_answers_as_written(model, tmp_path: Path):
         with pytest.raises(DataError) as err:
             boolq(model, tok, bad)
         assert str(err.value) == (f"{bad} line 2: 'answer' must be true or false (a JSON boolean, or \"true\", "
-                                  f"\"false\", \"yes\", \"no\"), got {json.dumps(answer)}")
+                                  f'"false", "yes", "no"), got {json.dumps(answer)}')
 
 
 def test_rows_of_the_wrong_type_name_their_line(model, tmp_path: Path):
@@ -196,7 +196,7 @@ def test_rows_of_the_wrong_type_name_their_line(model, tmp_path: Path):
             (choice, {"context": "c", "choices": ["a", 2], "label": 0},
              "'choices' must be a non-empty list of strings"),
             (choice, {"context": "c", "choices": ["a", "b"], "label": "1"}, "'label' must be an integer index into "
-                                                                               "choices, got \"1\""),
+                                                                               'choices, got "1"'),
             (choice, {"context": "c", "choices": ["a", "b"], "label": 1.5}, "'label' must be an integer index"),
             (choice, {"context": "c", "choices": ["a", "b"], "label": True}, "'label' must be an integer index"),
             (choice, {"context": "c", "choices": ["a", "b"], "label": 2}, "'label' 2 is not an index into its 2 "
@@ -209,7 +209,7 @@ def test_rows_of_the_wrong_type_name_their_line(model, tmp_path: Path):
                                                                             "leading whitespace"),
             (choice, {"context": "c ", "choices": ["a", "b"], "label": 0},
              "'context' must not end with a space or tab (one space is put between context and choice, as lm-eval's "
-             "target_delimiter does), got \"c \"")]:
+             'target_delimiter does), got "c "')]:
         path = write_jsonl(tmp_path / "rows.jsonl", [row])
         with pytest.raises(DataError, match=f"^{re.escape(path)} line 1: {re.escape(message)}"):
             task(model, tok, path)
@@ -283,14 +283,15 @@ def test_in_loop_eval_logs_the_tasks_and_equals_ember_eval(tmp_path: Path):
 
 
 def test_in_loop_eval_config_errors(tmp_path: Path):
-    from ember.train import run as run_lib
     from ember.config import ConfigError
+    from ember.train import run as run_lib
 
     for tasks in ("[{name: mmlu, data: x.jsonl}]", "[{name:mmlu,data:x.jsonl}]", "[{name:mmlu, data:x.jsonl}]"):
         # YAML's spaced `key: value` and the tight `key:value` a shell user types read the same
         with pytest.raises(ConfigError, match=r"eval.tasks\[0\].name 'mmlu' is not one of lambada, boolq, choice"):
             run_lib.load_config("debug", [f"eval.tasks={tasks}"])
-    with pytest.raises(ConfigError, match=r"eval.tasks\[0\].data 's3://b/x.jsonl' is not a file"):  # a value's colons kept
+    # a value's colons kept
+    with pytest.raises(ConfigError, match=r"eval.tasks\[0\].data 's3://b/x.jsonl' is not a file"):
         run_lib.load_config("debug", ["eval.tasks=[{name:boolq,data:s3://b/x.jsonl}]"])
     with pytest.raises(ConfigError, match=r"eval.tasks\[0\].data '.*nope.jsonl' is not a file"):
         run_lib.load_config("debug", [f"eval.tasks=[{{name: boolq, data: {tmp_path / 'nope.jsonl'}}}]"])
@@ -306,7 +307,8 @@ def test_in_loop_eval_config_errors(tmp_path: Path):
     other = write_jsonl(tmp_path / "m.jsonl", [{"text": "c d"}])
     with pytest.raises(ConfigError, match=r"eval.tasks\[1\] is a second lambada task \(eval.tasks\[0\] is one\): its "
                                           r"eval/lambada/\* results would overwrite the first's"):
-        run_lib.load_config("debug", [f"eval.tasks=[{{name: lambada, data: {data}}}, {{name: lambada, data: {other}}}]"])
+        run_lib.load_config("debug", [f"eval.tasks=[{{name: lambada, data: {data}}}, "
+                                      f"{{name: lambada, data: {other}}}]"])
     with pytest.raises(ConfigError, match="use `ember eval` on the checkpoint for tensor"):
         run_lib.load_config("debug", [f"eval.tasks=[{{name: lambada, data: {data}}}]", "ici_mesh.tensor=2",
                                   "micro_batch_size=8"], world_size=2)

@@ -14,9 +14,9 @@ from lm_eval.api.instance import Instance
 from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
 
-from ember.model_io.convert import convert, save_hf
 from ember.data.tokenizer import embedded_tokenizer
 from ember.eval.harness import EmberLM
+from ember.model_io.convert import convert, save_hf
 from ember.models import MODELS, build_model_args
 from tests.helpers import TINY_RUN, run_ember
 
@@ -108,6 +108,7 @@ def test_a_mistyped_registered_task_is_one_line_naming_the_close_one(tmp_path: P
     from ember import cli
 
     assert cli.main(["eval", str(tmp_path / "run"), "--harness", "lambada_opnai", "--limit", "2"]) == 2
-    assert capsys.readouterr() == ("", "error: 'lambada_opnai' is not an lm-eval task (did you mean 'lambada_openai'?); "
+    assert capsys.readouterr() == ("", "error: 'lambada_opnai' is not an lm-eval task "
+                                       "(did you mean 'lambada_openai'?); "
                                        "give a registered task name (`lm-eval ls tasks` lists them), or --include-path "
                                        "DIR with a folder of task YAMLs that defines it\n")

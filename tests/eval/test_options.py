@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ember import cli
-from ember import config as config_lib
+from ember import cli, config as config_lib
 from ember.config_schema import DataConfig
 from ember.errors import ConfigError, UserFileNotFound
 from tests.helpers import write_jsonl

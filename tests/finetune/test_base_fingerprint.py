@@ -10,13 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-
-from ember.train import run as run_lib
-from ember.model_io.convert import convert, save_hf
 from ember.errors import CheckpointError, ConfigError, EmberError
 from ember.finetune import base_fingerprint
 from ember.finetune.base_fingerprint import differences, fingerprint
+from ember.model_io.convert import convert, save_hf
 from ember.model_io.load import load_model, load_weights
+from ember.train import run as run_lib
 from ember.train.trainer import Trainer
 from tests.helpers import tiny_model
 
@@ -100,7 +99,7 @@ def test_a_changed_base_is_refused_by_every_load_and_by_resume(base_ckpt: Path, 
     _overwrite_one_weight(base_ckpt, base)
     step = run / "checkpoints" / "step-4"
     message = (f"'{step}' holds LoRA adapters trained on the base '{base.resolve()}', which has changed since "
-               "(model.safetensors changed); put that base back there, or point \"base\" in its model.json at a copy "
+               '(model.safetensors changed); put that base back there, or point "base" in its model.json at a copy '
                "of it: adapters fit only the weights they were trained on")
     with pytest.raises(CheckpointError) as err:  # ember eval, ember generate, convert --merge
         load_model(run)

@@ -30,7 +30,8 @@ class WordTokenizer:
 
 def test_dpo_loss_equals_the_formula():
     beta = 0.5
-    pc, pr, rc, rr = torch.tensor([-3.0, -1.0]), torch.tensor([-4.0, -0.5]), torch.tensor([-3.5, -1.0]), torch.tensor([-3.0, -1.5])
+    pc, pr, rc, rr = (torch.tensor([-3.0, -1.0]), torch.tensor([-4.0, -0.5]), torch.tensor([-3.5, -1.0]),
+                      torch.tensor([-3.0, -1.5]))
     loss, chosen, rejected = dpo_loss(pc, pr, rc, rr, beta)
     for i in range(2):
         z = beta * ((float(pc[i]) - float(rc[i])) - (float(pr[i]) - float(rr[i])))
@@ -58,7 +59,8 @@ def test_pair_rows_train_the_response_and_its_eos_only():
     tok = WordTokenizer()
     rows = [{"prompt": "a b c", "chosen": " d e", "rejected": " f"},
             {"prompt": "p " * 10, "chosen": " q r s", "rejected": " t"}]  # the second prompt is cut from the left
-    samples = encode_pairs(rows, tok, seq_len=7, prompt_field="prompt", chosen_field="chosen", rejected_field="rejected")
+    samples = encode_pairs(rows, tok, seq_len=7, prompt_field="prompt", chosen_field="chosen",
+                           rejected_field="rejected")
     a, b, c, d, e, f = (tok.ids[w] for w in "abcdef")
     assert samples.chosen[0].tolist() == [a, b, c, d, e, 1, 1, 1]  # + EOS, then EOS padding
     assert samples.chosen_mask[0].tolist() == [0, 0, 0, 1, 1, 1, 0, 0]
@@ -105,7 +107,8 @@ def test_a_dpo_run_starts_at_log2_and_learns_the_preference(pairs: Path, tmp_pat
     saved = json.loads(next((run / "checkpoints").glob("step-*/model.json")).read_text())
     full = flops_per_token(LlamaArgs(**saved["args"]), 32)
     record = steps[-1]
-    assert record["tflops_per_device"] * 1e12 / record["tokens_per_s_per_device"] == pytest.approx(full * 4 / 3, rel=1e-9)
+    assert (record["tflops_per_device"] * 1e12 / record["tokens_per_s_per_device"]
+            == pytest.approx(full * 4 / 3, rel=1e-9))
 
 
 @pytest.mark.slow
@@ -152,8 +155,8 @@ def test_dpo_mistakes_are_one_line(pairs: Path, tmp_path: Path):
                           ([f"data.dataset={pairs}", "task=ppo"], "task 'ppo' is not one of lm, dpo")]:
         proc = run_ember("train", "debug", "task=dpo", *args, *TINY, "max_steps=1", f"output_dir={tmp_path / 'x'}")
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr, (args, proc.stderr)
-    from ember.train import run as run_lib
     from ember.config import ConfigError
+    from ember.train import run as run_lib
 
     with pytest.raises(ConfigError, match="task=dpo scores whole sequences per rank; pipeline parallelism"):
         run_lib.load_config("debug", ["task=dpo", f"data.dataset={pairs}", "ici_mesh.pipeline=2", "micro_batch_size=8"],
@@ -178,7 +181,8 @@ def test_chat_prompts_render_with_the_template_and_train_the_reply_through_its_e
     tok.add_special_tokens(specials)
     tok.save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>", "chat_template": chat.BUILTIN_TEMPLATES["llama3"]}))
+        "bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>",
+        "chat_template": chat.BUILTIN_TEMPLATES["llama3"]}))
     prompt = [{"role": "system", "content": "you add numbers"}, {"role": "user", "content": "what is 2 plus 3 ?"}]
     rows = [{"prompt": prompt, "chosen": "5 .", "rejected": "6 ."}]
     ember_tok = load_tokenizer(str(tmp_path))

@@ -13,13 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-
-from ember.train import run as run_lib
 from ember.errors import CheckpointError, ConfigError
-from ember.hardware.device import cpu_runs_bf16_natively
 from ember.finetune.lora import LoraLinear, apply_lora, init_lora, lora_disabled, merge_lora
+from ember.hardware.device import cpu_runs_bf16_natively
 from ember.model_io.convert import convert
 from ember.model_io.load import load_model
+from ember.train import run as run_lib
 from ember.train.trainer import Trainer
 from tests.helpers import job_env, kill_injection, losses_by_step, run_ember, run_layouts, tiny_model
 
@@ -35,7 +34,8 @@ def base(tmp_path_factory) -> Path:
     """A trained (not freshly initialised) base checkpoint: its weights are not the init's, so a LoRA run that
     re-initialised or moved them would show."""
     out = tmp_path_factory.mktemp("base") / "run"
-    cfg = run_lib.load_config("debug", SHAPE + ["micro_batch_size=8", "max_steps=2", "optim.lr=1e-2", f"output_dir={out}"])
+    cfg = run_lib.load_config("debug", SHAPE + ["micro_batch_size=8", "max_steps=2", "optim.lr=1e-2",
+                                                f"output_dir={out}"])
     Trainer(cfg).train()
     return out / "checkpoints" / "step-2"
 
@@ -194,7 +194,8 @@ def test_fsdp_and_tensor_parallel_lora_losses_equal_one_process(base, tmp_path):
         # bf16: the frozen matrices stored in bf16 beside fp32 adapters in one FSDP unit, bf16 all-gathers
         "fsdp=2 bf16": ["micro_batch_size=4", "precision=bf16"],
         # bf16 autocast around the pipeline schedule: its stages' bf16 matrices meet fp32 activations
-        "pipeline=2 bf16": ["micro_batch_size=4", "ici_mesh.pipeline=2", "parallel.pp_schedule=gpipe", "precision=bf16"],
+        "pipeline=2 bf16": ["micro_batch_size=4", "ici_mesh.pipeline=2", "parallel.pp_schedule=gpipe",
+                            "precision=bf16"],
     }
     results = run_layouts(tmp_path, 2, cases, common)
     assert set(results) == set(cases)
@@ -377,8 +378,9 @@ def test_gpt_peft_export_fuses_qkv_into_c_attn(tmp_path):
            "eval_batches=1", "metrics.console=false", "metrics.tensorboard=false", "optim.lr=1e-2"]
     Trainer(run_lib.load_config("debug", gpt + ["max_steps=1", f"output_dir={tmp_path / 'base'}"])).train()
     convert(tmp_path / "base", tmp_path / "base_hf", "hf")
-    Trainer(run_lib.load_config("debug", gpt + ["max_steps=3", "lora.rank=4", "lora.alpha=8", "lora.targets=[wq,wv,wo,w1]",
-                                            f"model.init_from={tmp_path / 'base'}", f"output_dir={tmp_path / 'lora'}"])).train()
+    Trainer(run_lib.load_config("debug", gpt + ["max_steps=3", "lora.rank=4", "lora.alpha=8",
+                                                "lora.targets=[wq,wv,wo,w1]", f"model.init_from={tmp_path / 'base'}",
+                                                f"output_dir={tmp_path / 'lora'}"])).train()
     convert(tmp_path / "lora", tmp_path / "adapter", "peft")
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert config["target_modules"] == ["attn.c_proj", "c_attn", "mlp.c_fc"] and config["fan_in_fan_out"]

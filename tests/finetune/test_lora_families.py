@@ -1,6 +1,7 @@
 """LoRA on the families added on the shared decoder (Qwen2's biased projections, Qwen3's q/k norms and wide
-heads, Qwen3-MoE's attention, Mistral's sliding window, Llama 4's dense and shared-expert SwiGLUs, DeepSeek-V3's MLA projections): trained by ember, exported as a peft adapter that
-peft applies to transformers' own model with ember's logits, and folded back by ember."""
+heads, Qwen3-MoE's attention, Mistral's sliding window, Llama 4's dense and shared-expert SwiGLUs, DeepSeek-V3's
+MLA projections): trained by ember, exported as a peft adapter that peft applies to transformers' own model with
+ember's logits, and folded back by ember."""
 
 import json
 import warnings
@@ -10,11 +11,11 @@ import pytest
 import safetensors.torch
 import torch
 
-from ember.train import run as run_lib
-from ember.model_io.convert import convert
 from ember.errors import CheckpointError
 from ember.finetune.peft_format import PREFIX
+from ember.model_io.convert import convert
 from ember.model_io.load import load_model
+from ember.train import run as run_lib
 from ember.train.trainer import Trainer
 
 SMALL = ["model.n_layers=2", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=512",
@@ -60,7 +61,8 @@ def test_peft_adapter_applies_in_peft_with_ember_logits(tmp_path, family):
                                                    f"output_dir={tmp_path / 'lora'}"])).train()
     convert(tmp_path / "lora", tmp_path / "adapter", "peft")
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
-    leaves = {name.rsplit(".", 1)[-1] for name in config["target_modules"]}  # full module names where leaves would over-reach
+    # full module names where leaves would over-reach
+    leaves = {name.rsplit(".", 1)[-1] for name in config["target_modules"]}
     assert ATTENTION.get(family, {"q_proj", "k_proj", "v_proj", "o_proj"}) <= leaves
     hf_base = AutoModelForCausalLM.from_pretrained(tmp_path / "base_hf", dtype=torch.float32).eval()
     tokens = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(5))
@@ -70,8 +72,8 @@ def test_peft_adapter_applies_in_peft_with_ember_logits(tmp_path, family):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             adapted = peft.PeftModel.from_pretrained(hf_base, tmp_path / "adapter").eval()
-        # peft adapts exactly what ember did: Llama 4's shared experts were wrapped too, their keys "missing"; DeepSeek's
-        # and Qwen3-MoE's fused experts in place of the dense layers' gate_proj/up_proj/down_proj
+        # peft adapts exactly what ember did: Llama 4's shared experts were wrapped too, their keys "missing";
+        # DeepSeek's and Qwen3-MoE's fused experts in place of the dense layers' gate_proj/up_proj/down_proj
         assert not [w for w in caught if "missing adapter keys" in str(w.message)]
         assert _wrapped(adapted) == _adapted(tmp_path / "adapter")
         got = adapted(tokens).logits
@@ -100,8 +102,8 @@ def _lora_model(family: str, overrides: dict, targets: list[str], hf_dir: Path |
     args and the adapters' state as a LoRA checkpoint holds them. With `hf_dir`: initialised weights, written there as
     the base's HF directory before the adapters are added, and a random B, so that the adapters change the logits
     (without, only names and shapes count)."""
-    from ember.model_io.convert import save_hf
     from ember.finetune.lora import apply_lora, init_lora, trainable_state_dict
+    from ember.model_io.convert import save_hf
     from ember.models import MODELS, build_model_args
 
     args = build_model_args(family, "debug", {"n_layers": 2, "dim": 64, "n_heads": 4, "vocab_size": 128,

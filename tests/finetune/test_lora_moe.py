@@ -12,10 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ember.train import run as run_lib
-from ember.model_io.convert import convert
 from ember.errors import CheckpointError
+from ember.model_io.convert import convert
 from ember.model_io.load import load_model
+from ember.train import run as run_lib
 from ember.train.trainer import Trainer
 from tests.helpers import job_env
 
@@ -31,7 +31,8 @@ DENSE = "lora.targets=[attn,feed_forward.w1,feed_forward.w2,feed_forward.w3]"
 # Every MoE family, two layers: one with experts and, where the family has them, one dense layer whose SwiGLU (GLaM:
 # gated GELU) LoRA adapts beside attention.
 FAMILIES = {
-    "mixtral": ["model.n_kv_heads=2", "model.ffn_hidden_dim=32", "model.n_experts=4", "model.top_k=2", "lora.targets=attn"],
+    "mixtral": ["model.n_kv_heads=2", "model.ffn_hidden_dim=32", "model.n_experts=4", "model.top_k=2",
+                "lora.targets=attn"],
     "glam": ["model.ffn_hidden_dim=64", "model.n_experts=4", "model.top_k=2", DENSE],  # layer 0 MoE, layer 1 dense
     "llama4": ["model.n_kv_heads=2", "model.ffn_hidden_dim=96", "model.moe_hidden_dim=32", "model.n_experts=4", DENSE],
     "qwen3_moe": ["model.n_kv_heads=2", "model.ffn_hidden_dim=96", "model.moe_hidden_dim=32", "model.n_experts=4",
@@ -72,7 +73,8 @@ def test_every_moe_family_s_lora_run_resumes_bit_for_bit(tmp_path):
     resumed = _train(tmp_path / "resumed.json", {
         family: [*cases[family], f"resume={runs / family / 'checkpoints' / 'step-2'}"] for family in FAMILIES})
     for family in FAMILIES:
-        assert resumed[family] == {str(step): straight[family][str(step)] for step in range(3, 7)}, family  # bit for bit
+        # bit for bit
+        assert resumed[family] == {str(step): straight[family][str(step)] for step in range(3, 7)}, family
 
 
 def test_a_deepseek_v3_lora_run_is_read_back_with_its_score_biases(tmp_path):

@@ -47,8 +47,8 @@ def _hf_folder(folder: Path) -> Path:
 
 
 SMALL = ["seq_len=64", "global_batch_size=8", "micro_batch_size=8", "max_steps=25", "logging_steps=1",
-         "eval_interval=0", "checkpoint.interval=0", "eval_batches=1", "schedule.warmup_steps=2", "metrics.console=false",
-         "lora.rank=8", "lora.alpha=16"]
+         "eval_interval=0", "checkpoint.interval=0", "eval_batches=1", "schedule.warmup_steps=2",
+         "metrics.console=false", "lora.rank=8", "lora.alpha=16"]
 
 
 def test_hf_folder_to_sft_lora_to_hf_to_dpo_lora_to_peft(tmp_path: Path):
@@ -119,5 +119,5 @@ def test_hf_folder_to_sft_lora_to_hf_to_dpo_lora_to_peft(tmp_path: Path):
     step = dpo / "checkpoints" / "step-25"
     assert (proc.returncode, proc.stderr) == (2, (
         f"error: '{step}' holds LoRA adapters trained on the base '{merged}', which has changed since "
-        "(config.json, model.safetensors changed); put that base back there, or point \"base\" in its model.json at a copy of "
-        "it: adapters fit only the weights they were trained on\n"))
+        '(config.json, model.safetensors changed); put that base back there, or point "base" in its model.json '
+        "at a copy of it: adapters fit only the weights they were trained on\n"))

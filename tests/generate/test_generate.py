@@ -269,9 +269,8 @@ def test_cli_precision_auto_measures_the_models_decode_matmuls(trained_run: Path
                                                                capsys, fp32, bf16, dtype):
     """On a CPU with bf16 instructions, auto is measured at this model's forward GEMMs on a decode step's rows (one
     per prompt): an AVX512-BF16 Xeon without AMX (bf16 at 0.53x) keeps fp32 weights, an AMX CPU takes bf16."""
-    from ember.hardware import cpu_rates
-    from ember.hardware import device
     from ember.commands import generate as generate_command
+    from ember.hardware import cpu_rates, device
 
     monkeypatch.delenv("EMBER_CPU_BF16", raising=False)
     monkeypatch.setenv("EMBER_CACHE", str(tmp_path / "cache"))

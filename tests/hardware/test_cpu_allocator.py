@@ -19,7 +19,8 @@ from ember.hardware.cpu_allocator import keep_freed_cpu_memory
 
 class MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
 
 libc = ctypes.CDLL("libc.so.6")
 libc.mallinfo2.restype = MallInfo2
@@ -34,8 +35,10 @@ needs_glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glib
 
 def _probe(**env: str) -> dict:
     clean = {k: v for k, v in os.environ.items()
-             if k not in ("EMBER_CPU_MALLOC", "LD_PRELOAD", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES")}
-    proc = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, env={**clean, **env}, timeout=120)
+             if k not in ("EMBER_CPU_MALLOC", "LD_PRELOAD", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_",
+                          "GLIBC_TUNABLES")}
+    proc = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, env={**clean, **env},
+                          timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

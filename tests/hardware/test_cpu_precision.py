@@ -1,7 +1,7 @@
 """precision=auto on a CPU chooses by measurement, not by the CPU's flags: bf16 only where this CPU's bf16 matmuls
-ran at least 1.2x fp32's at the model's own GEMM shapes (ember.hardware.device.choose_compute_dtype, ember.hardware.cpu_rates). Each
-outcome is faked (an AVX512-BF16 Xeon without AMX at 0.5x, an AMX or Zen 4 CPU at 2.9x, a near tie), so every
-machine runs every branch; one test times the real kernels for plausibility only."""
+ran at least 1.2x fp32's at the model's own GEMM shapes (ember.hardware.device.choose_compute_dtype,
+ember.hardware.cpu_rates). Each outcome is faked (an AVX512-BF16 Xeon without AMX at 0.5x, an AMX or Zen 4 CPU at
+2.9x, a near tie), so every machine runs every branch; one test times the real kernels for plausibility only."""
 
 from __future__ import annotations
 
@@ -11,11 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ember.hardware import cpu_rates
-from ember.hardware import device
-from ember.hardware import peaks as hardware
-from ember.train import run as run_lib
+from ember.hardware import cpu_rates, device, peaks as hardware
 from ember.metrics.run_metrics import format_line, throughput_record
+from ember.train import run as run_lib
 
 CPU = torch.device("cpu")
 

@@ -11,10 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ember.hardware import cpu_rates
-from ember.hardware import device
-from ember.hardware import peaks as hardware
 from ember.errors import ConfigError
+from ember.hardware import cpu_rates, device, peaks as hardware
 from ember.hardware.peaks import match_device, peak_flops
 
 
@@ -158,7 +156,7 @@ def test_the_key_names_the_cpu_model(fresh_cache: Path, monkeypatch: pytest.Monk
     monkeypatch.setattr(cpu_rates, "_IN_PROCESS", {})
     monkeypatch.setattr(cpu_rates, "cpu_model", lambda: "CPU B")
     monkeypatch.setattr(cpu_rates, "measure_cpu_matmul_flops", lambda dtype=None: 3e11)
-    assert cpu_rates.cpu_peak_flops().rates['fp32'] == 3e11
+    assert cpu_rates.cpu_peak_flops().rates["fp32"] == 3e11
     assert sorted(k.split(" | ")[0] for k in _cached(fresh_cache)) == ["CPU A", "CPU B"]
 
 
@@ -177,7 +175,7 @@ def test_a_damaged_cache_is_measured_again(fresh_cache: Path, monkeypatch: pytes
     for damaged in ("{not json", "[1, 2]", '{"k": {"no flops": 1}}', '{"k": "fast"}'):
         fresh_cache.write_text(damaged)
         monkeypatch.setattr(cpu_rates, "_IN_PROCESS", {})
-        assert cpu_rates.cpu_peak_flops().rates['fp32'] == 2e11
+        assert cpu_rates.cpu_peak_flops().rates["fp32"] == 2e11
         assert [e["rates"] for e in _cached(fresh_cache).values()] == [{"fp32": 2e11}]
 
 
@@ -191,14 +189,14 @@ def test_a_measurement_under_load_is_provisional(fresh_cache: Path, monkeypatch:
     peak = peak_flops(torch.device("cpu"), torch.float32, None)
     assert peak.value_flops == 1e11 and "provisional" in peak.source
     monkeypatch.setattr(cpu_rates, "_IN_PROCESS", {})  # another rank of the same job: the same figure
-    assert cpu_rates.cpu_peak_flops().rates['fp32'] == 1e11
+    assert cpu_rates.cpu_peak_flops().rates["fp32"] == 1e11
     job[0] = "job-2"
     monkeypatch.setattr(cpu_rates, "_IN_PROCESS", {})  # the next job: measured again, quietly
     measured = cpu_rates.cpu_peak_flops()
     assert measured.rates["fp32"] == 2.5e11 and "provisional" not in measured.where
     monkeypatch.setattr(cpu_rates, "_IN_PROCESS", {})
     job[0] = "job-3"
-    assert cpu_rates.cpu_peak_flops().rates['fp32'] == 2.5e11  # settled: the third rate is never measured
+    assert cpu_rates.cpu_peak_flops().rates["fp32"] == 2.5e11  # settled: the third rate is never measured
     (entry,) = _cached(fresh_cache).values()
     assert entry["rates"] == {"fp32": 2.5e11} and entry["quiet"] is True
 
@@ -329,7 +327,9 @@ def test_a_bf16_cpu_peak_is_its_own_entry_and_raising_it_leaves_fp32_alone(fresh
 
 
 def test_the_measured_peak_counts_its_threads_in_words(monkeypatch):
-    monkeypatch.setattr(cpu_rates, "cpu_peak_flops", lambda dtype: cpu_rates.Rates({"fp32": 1e11}, True, "measured now"))
+    monkeypatch.setattr(cpu_rates, "cpu_peak_flops",
+                        lambda dtype: cpu_rates.Rates({"fp32": 1e11}, True, "measured now"))
     for threads, words in ((1, "1 thread,"), (4, "4 threads,")):
         monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
-        assert f"fp32 matmul, {words} measured now" in hardware.peak_flops(torch.device("cpu"), torch.float32, None).source
+        assert (f"fp32 matmul, {words} measured now"
+                in hardware.peak_flops(torch.device("cpu"), torch.float32, None).source)

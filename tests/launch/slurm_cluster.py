@@ -77,7 +77,8 @@ PlugStackConfig={dir}/plugstack.conf
 KillWait=30
 InactiveLimit=0
 MinJobAge=300
-NodeName=node[1-2] NodeHostname=localhost NodeAddr=127.0.0.1 Port=[{node_port}-{node_port_end}] CPUs={cpus} State=UNKNOWN
+NodeName=node[1-2] NodeHostname=localhost NodeAddr=127.0.0.1 Port=[{node_port}-{node_port_end}] CPUs={cpus} \
+State=UNKNOWN
 PartitionName=debug Nodes=node[1-2] Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
 """
 

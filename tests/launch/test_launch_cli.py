@@ -52,11 +52,13 @@ def test_what_is_requested_is_what_the_flags_say_and_is_printed(tmp_path):
     script = tmp_path / "launch" / "ember-debug.sbatch"
     cases = [(["--nodes", "2", "--nproc-per-node", "1"], None,
               "requesting 2 nodes x 1 process each, no GPU (device=auto; --gpus-per-node G requests G GPUs per node)"),
-             (["--gpus-per-node", "2"], "#SBATCH --gpus-per-node=2", "requesting 1 node x 2 processes each, 2 GPUs per node"),
+             (["--gpus-per-node", "2"], "#SBATCH --gpus-per-node=2",
+              "requesting 1 node x 2 processes each, 2 GPUs per node"),
              (["--nproc-per-node", "2", "device=cuda"], "#SBATCH --gpus-per-node=2",
               "requesting 1 node x 2 processes each, 2 GPUs per node")]
     for flags, gpu_line, request in cases:
-        proc = run_ember("launch", "slurm", "debug", "micro_batch_size=4", f"output_dir={tmp_path}", *flags, "--dry-run")
+        proc = run_ember("launch", "slurm", "debug", "micro_batch_size=4", f"output_dir={tmp_path}", *flags,
+                         "--dry-run")
         assert proc.returncode == 0, proc.stderr
         assert proc.stderr.splitlines()[0] == request, (flags, proc.stderr)
         lines = script.read_text().splitlines()
@@ -72,7 +74,8 @@ def test_what_is_requested_is_what_the_flags_say_and_is_printed(tmp_path):
 
 @pytest.mark.slow
 def test_print_and_dry_run_mean_the_same_for_slurm_and_k8s(tmp_path):
-    for where, extra, written in (("slurm", [], "ember-debug.sbatch"), ("k8s", ["--image", "img:1"], "ember-debug.yaml")):
+    for where, extra, written in (("slurm", [], "ember-debug.sbatch"),
+                                  ("k8s", ["--image", "img:1"], "ember-debug.yaml")):
         outputs = {}
         for flag in ("--print", "--dry-run"):
             out = tmp_path / where / flag.strip("-")
@@ -81,7 +84,8 @@ def test_print_and_dry_run_mean_the_same_for_slurm_and_k8s(tmp_path):
             path = out / "launch" / written
             text = path.read_text()
             assert proc.stdout == text  # printed alone; a slurm --print submits nothing (no sbatch here either)
-            note = "not submitted: --dry-run" if where == "slurm" else f"not applied: `kubectl apply -f {path}` starts it"
+            note = ("not submitted: --dry-run" if where == "slurm"
+                    else f"not applied: `kubectl apply -f {path}` starts it")
             assert proc.stderr.splitlines()[-1] == f"wrote {path} ({note})", proc.stderr
             header = ("# Written", "#   ember launch")  # the date and the command line differ
             outputs[flag] = [line for line in text.replace(str(out), "OUT").splitlines() if not line.startswith(header)]
@@ -101,7 +105,8 @@ def test_a_signal_to_the_launcher_is_one_line_and_the_single_process_exit_code(
     # traceback, and the exit code is a single process's: 130 for Ctrl-C, 0 or EMBER_EXIT_CODE_ON_STOP for SIGTERM.
     out = tmp_path / "run"
     env = {name: value for name, value in os.environ.items() if name != "EMBER_EXIT_CODE_ON_STOP"}
-    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **({"EMBER_EXIT_CODE_ON_STOP": stop_env} if stop_env else {}))
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+               **({"EMBER_EXIT_CODE_ON_STOP": stop_env} if stop_env else {}))
     proc = subprocess.Popen([sys.executable, "-m", "ember", "launch", "local", "--nproc-per-node", "1", *TINY,
                              f"output_dir={out}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     # A logged step: the rank's loop runs with its handlers (and the launcher's were installed before it started

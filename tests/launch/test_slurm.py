@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
+from slurm_cluster import SlurmCluster
 
 from ember.launch.failures import first_failure
-from slurm_cluster import SlurmCluster
 from tests.helpers import read_records, run_ember, tiny_model
 
 # Every test here starts a SLURM cluster; most submit training jobs to it.
@@ -171,13 +171,13 @@ def test_sbatch_refusals_are_one_line_with_the_likely_fix(cluster: SlurmCluster,
     # This cluster has CPUs only: a GPU request, or a partition it does not have, is refused by sbatch itself.
     script = tmp_path / "run" / "launch" / "ember-debug.sbatch"
     for flags, expected in (
-            (["--gpus-per-node", "1"], f"error: sbatch refused {script}: Invalid generic resource (gres) specification; "
-             "this partition has no GPUs to give (gres): start processes without a GPU request (--nproc-per-node "
-             "instead of --gpus-per-node, or device=cpu) or choose a GPU --partition"),
+            (["--gpus-per-node", "1"], f"error: sbatch refused {script}: Invalid generic resource (gres) "
+             "specification; this partition has no GPUs to give (gres): start processes without a GPU request "
+             "(--nproc-per-node instead of --gpus-per-node, or device=cpu) or choose a GPU --partition"),
             (["--nproc-per-node", "1", "--partition", "gpu"], f"error: sbatch refused {script}: Invalid partition "
              "name specified; --partition names no partition of this cluster (`sinfo -s` lists them)")):
-        proc = _ember(cluster, "launch", "slurm", "debug", *[o for o in TINY if o != "device=cpu"], "micro_batch_size=4",
-                      f"output_dir={tmp_path / 'run'}", *flags)
+        proc = _ember(cluster, "launch", "slurm", "debug", *[o for o in TINY if o != "device=cpu"],
+                      "micro_batch_size=4", f"output_dir={tmp_path / 'run'}", *flags)
         assert proc.returncode == 2 and proc.stderr.splitlines()[-1] == expected, proc.stderr
         assert [line for line in proc.stderr.splitlines() if line.startswith("error:")] == [expected]
 

@@ -9,18 +9,10 @@ import pytest
 import torch
 
 from ember.metrics.run_metrics import mfu
-from ember.models.glam import GlamArgs
-from ember.models.glam import Transformer as GlamTransformer
-from ember.models.glam import flops_per_token as glam_flops
-from ember.models.gpt import GPTArgs
-from ember.models.gpt import Transformer as GPTTransformer
-from ember.models.gpt import flops_per_token as gpt_flops
-from ember.models.llama import LlamaArgs
-from ember.models.llama import Transformer as LlamaTransformer
-from ember.models.llama import flops_per_token as llama_flops
-from ember.models.mixtral import MixtralArgs
-from ember.models.mixtral import Transformer as MixtralTransformer
-from ember.models.mixtral import flops_per_token as mixtral_flops
+from ember.models.glam import GlamArgs, Transformer as GlamTransformer, flops_per_token as glam_flops
+from ember.models.gpt import GPTArgs, Transformer as GPTTransformer, flops_per_token as gpt_flops
+from ember.models.llama import LlamaArgs, Transformer as LlamaTransformer, flops_per_token as llama_flops
+from ember.models.mixtral import MixtralArgs, Transformer as MixtralTransformer, flops_per_token as mixtral_flops
 
 SEQ = 32
 ATTENTION = 12 * 2 * 4 * 16 * SEQ  # layers 2, heads 4, head_dim 16, T 32: 49,152

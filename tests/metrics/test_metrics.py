@@ -9,8 +9,8 @@ import pytest
 import torch
 from rich.console import Console
 
-from ember.metrics import run_metrics as metrics
 from ember.config import MetricsConfig
+from ember.metrics import run_metrics as metrics
 from ember.metrics.run_metrics import MetricsLogger, format_line, mfu, peak_memory_gb
 from tests.helpers import read_records
 
@@ -124,8 +124,8 @@ def test_format_line_shows_the_eval_tasks_results():
 
 
 def test_the_header_says_when_the_embedded_bpe_is_smaller_than_the_model_vocab(tmp_path):
-    from ember.train import run as run_lib
     from ember.hardware.peaks import PeakFlops
+    from ember.train import run as run_lib
     from tests.helpers import tiny_model
 
     cfg = run_lib.load_config("debug", [*tiny_model(), "model.vocab_size=1000", f"output_dir={tmp_path}"])

@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 
 from ember.hardware import cpu_rates
-
 from ember.train import run as run_lib
 from ember.train.trainer import Trainer
 from tests.helpers import read_records

@@ -74,8 +74,8 @@ def test_every_rank_writes_its_trace_and_communication_is_counted(tmp_path: Path
 
 
 def test_profile_keys_are_checked():
-    from ember.train import run as run_lib
     from ember.config import ConfigError
+    from ember.train import run as run_lib
 
     with pytest.raises(ConfigError, match="profile.step=0 and profile.steps=2 must be >= 1"):
         run_lib.load_config("debug", ["profile.step=0"])
@@ -83,7 +83,8 @@ def test_profile_keys_are_checked():
         {"enabled": True, "step": 7, "steps": 3}
     with pytest.raises(ConfigError) as info:
         run_lib.load_config("debug", ["max_steps=20", "profile_step=21"])
-    assert str(info.value) == "profile.step=21 is past max_steps=20: no step would be traced; choose profile.step in 1-20"
+    assert str(info.value) == ("profile.step=21 is past max_steps=20: no step would be traced; "
+                               "choose profile.step in 1-20")
     assert run_lib.load_config("debug", ["max_steps=20", "profile.step=21"]).profile.step == 21  # profiling off: unused
 
 
@@ -111,7 +112,8 @@ def test_a_window_cut_by_max_steps_or_a_resume_is_said_before_the_first_step():
 def test_kinetos_notices_are_held_back_and_other_stderr_output_is_not(capfd: pytest.CaptureFixture):
     with without_kineto_notices():
         os.write(2, b"USDT:2026-11-25 13:10:02 7856:7856 SyncActivityProfilerHandler.cpp:52] profiler_start\n")
-        os.write(2, b"STAGE:2026-11-25 13:10:09 8043:8043 SyncActivityProfilerHandler.cpp:51] Completed Stage: Warm Up\n")
+        os.write(2, b"STAGE:2026-11-25 13:10:09 8043:8043 SyncActivityProfilerHandler.cpp:51] "
+                 b"Completed Stage: Warm Up\n")
         os.write(2, b"a real warning\n")
     os.write(2, b"after\n")
     assert capfd.readouterr().err == "a real warning\nafter\n"

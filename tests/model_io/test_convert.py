@@ -9,15 +9,14 @@ import pytest
 import torch
 import transformers
 
-from ember import cli
-from ember import config as config_lib
-from ember.train import run as run_lib
-from ember.model_io.model_meta import check_architecture
+from ember import cli, config as config_lib
 from ember.errors import CheckpointError
 from ember.model_io.convert import convert, save_ember_checkpoint
 from ember.model_io.load import load_model
+from ember.model_io.model_meta import check_architecture
 from ember.models import MODELS, build_model_args
 from ember.models.llama import Transformer
+from ember.train import run as run_lib
 from ember.train.trainer import Trainer
 from tests.helpers import run_ember, tiny_model
 
@@ -275,8 +274,9 @@ def test_a_lora_run_to_ember_is_its_merged_model_with_its_tokenizer(tmp_path: Pa
     # docs/fine-tuning.md: --merge is implied by --to hf|ember|torch for a LoRA run; --to ember was refused as
     # "already in ember format", with --merge too.
     Trainer(run_lib.load_config("debug", LORA_RUN + [f"output_dir={tmp_path / 'base'}"])).train()
-    Trainer(run_lib.load_config("debug", LORA_RUN + ["lora.rank=4", "lora.alpha=8", f"model.init_from={tmp_path / 'base'}",
-                                                 f"output_dir={tmp_path / 'lora'}"])).train()
+    Trainer(run_lib.load_config("debug", LORA_RUN + ["lora.rank=4", "lora.alpha=8",
+                                                     f"model.init_from={tmp_path / 'base'}",
+                                                     f"output_dir={tmp_path / 'lora'}"])).train()
     step = tmp_path / "lora" / "checkpoints" / "step-2"
     tokens = torch.randint(0, 512, (1, 8), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

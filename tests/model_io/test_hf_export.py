@@ -38,11 +38,13 @@ def _gemma3_multimodal(directory: Path) -> None:
     text = transformers.Gemma3TextConfig(**TEXT, sliding_window=8, query_pre_attn_scalar=8)
     vision = transformers.SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                              num_attention_heads=2, image_size=28, patch_size=14)
-    config = transformers.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4)
+    config = transformers.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                                       mm_tokens_per_image=4)
     random_hf_model(transformers.Gemma3ForConditionalGeneration, config, directory)
     written = json.loads((directory / "config.json").read_text())
     text_config = {k: v for k, v in written["text_config"].items() if k not in IDS}
-    (directory / "config.json").write_text(json.dumps({**written, "text_config": text_config, "eos_token_id": [1, 106]}))
+    (directory / "config.json").write_text(json.dumps({**written, "text_config": text_config,
+                                                       "eos_token_id": [1, 106]}))
 
 
 SOURCES = {"llama": _llama, "qwen3_moe": _qwen3_moe, "gemma3": _gemma3_multimodal}
@@ -82,7 +84,8 @@ def test_a_run_exports_its_tokenizers_ids(tmp_path: Path):
     (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps(
         {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}))
     run = tmp_path / "run"
-    args = build_model_args("llama3", "debug", {"n_layers": 1, "vocab_size": 64, "dim": 32, "n_heads": 2, "n_kv_heads": 2})
+    args = build_model_args("llama3", "debug",
+                            {"n_layers": 1, "vocab_size": 64, "dim": 32, "n_heads": 2, "n_kv_heads": 2})
     torch.manual_seed(0)
     model = MODELS["llama3"].model_cls(args)
     save_ember_checkpoint(model, "llama3", "debug", args, run / "checkpoints" / "step-1")

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from ember.model_io.convert import save_hf
 from ember.generate import generate
+from ember.model_io.convert import save_hf
 from ember.model_io.load import load_model
 from ember.models import MODELS
 from tests.helpers import IdTokenizer
@@ -77,7 +77,8 @@ def assert_greedy_equal(hf_model, ours: torch.nn.Module, prompt_len: int = 10, n
     assert result.token_ids == expected
 
 
-def assert_parity(model_cls: type, config: transformers.PretrainedConfig, tmp_path: Path, family: str) -> torch.nn.Module:
+def assert_parity(model_cls: type, config: transformers.PretrainedConfig, tmp_path: Path,
+                  family: str) -> torch.nn.Module:
     """Every check above on one small random config; returns ember's model."""
     hf_model = random_hf_model(model_cls, config, tmp_path / "hf")
     ours = assert_logits_and_gradients_equal(hf_model, tmp_path / "hf", family)

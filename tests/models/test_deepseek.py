@@ -16,7 +16,8 @@ YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=8.0, original_max_posit
             beta_slow=1, mscale=0.707, mscale_all_dim=0.707)
 SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
              vocab_size=128, max_position_embeddings=128, kv_lora_rank=24, qk_nope_head_dim=12, qk_rope_head_dim=8,
-             v_head_dim=10, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, first_k_dense_replace=1)
+             v_head_dim=10, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+             first_k_dense_replace=1)
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v2"])
@@ -93,7 +94,8 @@ def test_generation_caches_the_latent_only():
     model = Transformer(args)
     caches = attach_kv_caches(model, batch=2, max_len=40)
     assert len(caches) == args.n_layers and all(isinstance(c, LatentKVCache) for c in caches)
-    assert {(c.c_kv.shape, c.k_rope.shape) for c in caches} == {((2, 40, args.kv_lora_rank), (2, 40, args.qk_rope_head_dim))}
+    assert ({(c.c_kv.shape, c.k_rope.shape) for c in caches}
+            == {((2, 40, args.kv_lora_rank), (2, 40, args.qk_rope_head_dim))})
     detach_kv_caches(model)
     assert all(m.attention.kv_cache is None for m in model.layers.values())
 
@@ -120,9 +122,9 @@ def test_families_are_registered_and_round_trip_their_config():
 def test_experts_that_do_not_fit_the_router_groups_are_one_line():
     from ember.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=r"^model.n_groups=4 does not split model.n_experts=4 into groups of 2 or more "
-                                          r"experts; use model.n_groups=2, or model.n_experts a multiple of 4 of at "
-                                          r"least 8$"):
+    with pytest.raises(ConfigError, match=r"^model.n_groups=4 does not split model.n_experts=4 into groups of 2 "
+                                          r"or more experts; use model.n_groups=2, or model.n_experts a multiple of 4 "
+                                          r"of at least 8$"):
         build_model_args("deepseek_v3", "debug", {"n_experts": 4})
     build_model_args("deepseek_v3", "debug", {"n_experts": 12})  # a multiple of 4, at least 8: what the error asks
     assert build_model_args("deepseek_v3", "debug", {"n_experts": 8, "top_k": 2}).n_experts == 8
@@ -146,8 +148,8 @@ REFUSED = [
                          "lower model.topk_groups or raise model.n_groups"),
     ({"n_groups": 3}, "model.n_groups=3 does not split model.n_experts=16 into groups of 2 or more experts; use "
                       "model.n_groups=2, 4 or 8, or model.n_experts a multiple of 3 of at least 6"),
-    ({"n_groups": 8, "top_k": 6}, "model.top_k=6 exceeds the 4 experts of the model.topk_groups=2 chosen groups (2 each); "
-                                  "use model.top_k <= 4 or raise model.topk_groups (up to model.n_groups=8)"),
+    ({"n_groups": 8, "top_k": 6}, "model.top_k=6 exceeds the 4 experts of the model.topk_groups=2 chosen groups "
+                                  "(2 each); use model.top_k <= 4 or raise model.topk_groups (up to model.n_groups=8)"),
     ({"n_dense_layers": 10}, "model.n_dense_layers=10 leaves none of the 4 layers with experts (layers from "
                              "n_dense_layers on have them); use 0 to 3, or raise model.n_layers"),
     ({"qk_rope_head_dim": 3}, "model.qk_rope_head_dim=3 must be even (RoPE turns pairs of it); use 2 or 4"),
@@ -191,7 +193,8 @@ def test_the_loader_and_a_runs_config_hold_the_same_rules(tmp_path: Path):
 # config.json of deepseek-ai/DeepSeek-V3 and deepseek-ai/DeepSeek-V2-Lite on the hub (auto_map and token ids left out)
 HUB_V3 = {"architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
           "aux_loss_alpha": 0.001, "ep_size": 1, "first_k_dense_replace": 3, "hidden_act": "silu", "hidden_size": 7168,
-          "intermediate_size": 18432, "kv_lora_rank": 512, "max_position_embeddings": 163840, "model_type": "deepseek_v3",
+          "intermediate_size": 18432, "kv_lora_rank": 512, "max_position_embeddings": 163840,
+          "model_type": "deepseek_v3",
           "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256,
           "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 128, "num_experts_per_tok": 8,
           "num_hidden_layers": 61, "num_key_value_heads": 128, "num_nextn_predict_layers": 1, "q_lora_rank": 1536,
@@ -199,7 +202,8 @@ HUB_V3 = {"architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "
           "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
                            "original_max_position_embeddings": 4096, "type": "yarn"},
           "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "seq_aux": True,
-          "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc", "v_head_dim": 128, "vocab_size": 129280}
+          "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc", "v_head_dim": 128,
+          "vocab_size": 129280}
 HUB_V2_LITE = {"architectures": ["DeepseekV2ForCausalLM"], "attention_bias": False, "aux_loss_alpha": 0.001,
                "first_k_dense_replace": 1, "hidden_act": "silu", "hidden_size": 2048, "intermediate_size": 10944,
                "kv_lora_rank": 512, "max_position_embeddings": 163840, "model_type": "deepseek_v2",
@@ -228,7 +232,8 @@ def test_multi_token_prediction_layers_are_skipped_on_import():
     hub = {**hf.to_hf_state_dict(state, args), "model.layers.4.eh_proj.weight": torch.zeros(2, 2),
            "model.layers.4.mlp.experts.0.gate_proj.weight": torch.zeros(2, 2)}  # the hub's layer 61, here 4
     assert hf.from_hf_state_dict(hub, args).keys() == state.keys()
-    assert hf.skip_hf_key("model.layers.4.enorm.weight", args) and not hf.skip_hf_key("model.layers.3.enorm.weight", args)
+    assert (hf.skip_hf_key("model.layers.4.enorm.weight", args)
+            and not hf.skip_hf_key("model.layers.3.enorm.weight", args))
 
 
 def test_state_dict_keys_are_unchanged():
@@ -237,9 +242,9 @@ def test_state_dict_keys_are_unchanged():
     for family, q in (("deepseek_v3", ["q_norm.weight", "wq_a.weight", "wq_b.weight"]), ("deepseek_v2", ["wq.weight"])):
         with torch.device("meta"):
             model = Transformer(build_model_args(family, "debug"))
-        layer0 = [f"attention.{k}" for k in sorted(attention + q)] + ["attention_norm.weight", "feed_forward.w1.weight",
-                                                                       "feed_forward.w2.weight", "feed_forward.w3.weight",
-                                                                       "ffn_norm.weight"]
+        layer0 = [f"attention.{k}" for k in sorted(attention + q)] + [
+            "attention_norm.weight", "feed_forward.w1.weight", "feed_forward.w2.weight", "feed_forward.w3.weight",
+            "ffn_norm.weight"]
         moe = ["moe.experts.w1", "moe.experts.w2", "moe.experts.w3", "moe.router.gate.weight",
                *(["moe.router.score_bias"] if family == "deepseek_v3" else []),
                "moe.shared_expert.w1.weight", "moe.shared_expert.w2.weight", "moe.shared_expert.w3.weight"]

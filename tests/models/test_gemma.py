@@ -97,7 +97,8 @@ def test_multimodal_checkpoint_loads_its_text_model(tmp_path: Path, naming: str)
                    num_attention_heads=8, num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256)
     vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                              num_attention_heads=2, image_size=28, patch_size=14)
-    config = transformers.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4)
+    config = transformers.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                                       mm_tokens_per_image=4)
     random_hf_model(transformers.Gemma3ForConditionalGeneration, config, tmp_path)
     written = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**written, "text_config": HUB_TEXT_CONFIG}))

@@ -8,16 +8,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ember import config as config_lib
-
-from ember.train import run as run_lib
-from ember import load_model
+from ember import config as config_lib, load_model
 from ember.model_io.convert import convert
 from ember.models import MODELS, build_model_args
 from ember.models.glam import FLAVORS, GlamArgs, Transformer, flops_per_token, num_params
 from ember.models.glam.model import GatedFeedForward
 from ember.nn.moe import Experts, MoE
 from ember.nn.moe_stats import MoEOptions, MoEStats
+from ember.train import run as run_lib
 from ember.train.trainer import Trainer
 from tests.helpers import read_records
 
@@ -67,7 +65,8 @@ def test_every_other_layer_is_moe():
     for block in model.layers.values():
         assert (block.moe is None) != (block.feed_forward is None)
         if block.moe is not None:
-            assert isinstance(block.moe.experts, Experts) and not block.moe.experts.gated and block.moe.top_k == 2 and block.moe.n_experts == 64
+            assert (isinstance(block.moe.experts, Experts) and not block.moe.experts.gated
+                    and block.moe.top_k == 2 and block.moe.n_experts == 64)
         else:
             assert isinstance(block.feed_forward, GatedFeedForward)
     assert model.moe_layers() == [model.layers[str(i)].moe for i in range(0, 12, 2)]

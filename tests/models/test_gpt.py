@@ -10,14 +10,12 @@ import torch
 import transformers
 from safetensors import safe_open
 
-from ember import config as config_lib
-
-from ember.train import run as run_lib
-from ember import load_model
+from ember import config as config_lib, load_model
 from ember.model_io.convert import convert, save_hf
 from ember.models import MODELS, build_model_args
-from ember.parallel.parallelize import ParallelOptions, parallelize
 from ember.models.gpt import FLAVORS, GPTArgs, Transformer, flops_per_token, hf, num_params, tp_plan
+from ember.parallel.parallelize import ParallelOptions, parallelize
+from ember.train import run as run_lib
 from ember.train.trainer import Trainer
 
 # (n_layers, dim, n_heads, ffn_hidden_dim, vocab_size, max_seq_len) of Pax's GPU configs

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ember.model_io.convert import save_hf
 from ember.errors import CheckpointError
+from ember.model_io.convert import save_hf
 from ember.model_io.hf_directory import load_hf_model
 from ember.model_io.load import load_hf_weights
 from ember.models import MODELS, build_model_args, glam
@@ -48,7 +48,8 @@ def test_an_export_reads_back_whole_and_streamed(tmp_path: Path, family: str):
     want = model.state_dict()
     whole = load_hf_model(tmp_path, "cpu", torch.float32)
     hf = MODELS[family].hf
-    assert hf.hf_config_from_args(whole.args) == hf.hf_config_from_args(model.args)  # the same model, maybe spelled otherwise
+    # the same model, maybe spelled otherwise
+    assert hf.hf_config_from_args(whole.args) == hf.hf_config_from_args(model.args)
     assert whole.state_dict().keys() == want.keys() and all(torch.equal(whole.state_dict()[k], want[k]) for k in want)
     streamed = MODELS[family].model_cls(model.args)
     if getattr(model.args, "n_experts", 0):

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from ember.models import MODELS, build_model_args
-from ember.parallel.parallelize import ParallelOptions, parallelize
 from ember.models.llama import FLAVORS, LlamaArgs, Transformer, flops_per_token, num_params, tp_plan
 from ember.nn.decoder import apply_rope
+from ember.parallel.parallelize import ParallelOptions, parallelize
 
 # Published parameter counts (Meta's model cards; HF num_parameters() of the released checkpoints).
 PUBLISHED = {
@@ -56,8 +56,8 @@ def test_every_family_and_flavor_is_listed():
         "llama3.1": ["405B", "70B", "8B", "debug"],
         "llama3.2": ["1B", "3B", "debug"],
     }
-    assert set(MODELS) >= {"gemma2", "gemma3", "glam", "gpt", "llama2", "llama3", "llama3.1", "llama3.2", "llama4", "mistral",
-                           "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe"}
+    assert set(MODELS) >= {"gemma2", "gemma3", "glam", "gpt", "llama2", "llama3", "llama3.1", "llama3.2", "llama4",
+                           "mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe"}
 
 
 @pytest.mark.parametrize("family, flavor", sorted(PUBLISHED))
@@ -166,8 +166,8 @@ def test_pipeline_stages_compose_to_the_whole_model():
         hidden = first(tokens)
         assert hidden.shape == (2, 10, 256)
         assert torch.equal(last(hidden), model(tokens))
-    assert sorted(dict(last.named_parameters())) == sorted(k for k, _ in model.named_parameters()
-                                                           if not k.startswith(("tok_embeddings", "layers.0.", "layers.1.")))
+    assert sorted(dict(last.named_parameters())) == sorted(
+        k for k, _ in model.named_parameters() if not k.startswith(("tok_embeddings", "layers.0.", "layers.1.")))
 
 
 def test_flops_per_token():
@@ -187,10 +187,12 @@ def test_build_model_args_overrides_and_errors():
     args = build_model_args("llama3.1", "8B", {"n_layers": 2, "dim": None, "max_seq_len": 4096})
     assert (args.n_layers, args.dim, args.max_seq_len) == (2, 4096, 4096)
     assert FLAVORS["llama3.1"]["8B"].n_layers == 32  # the flavor itself is untouched
-    with pytest.raises(ValueError, match=r"^unknown model.flavor '9B' for family 'llama3.1' \(choose from debug, 8B, 70B, 405B\)$"):
+    with pytest.raises(ValueError,
+                       match=r"^unknown model.flavor '9B' for family 'llama3.1' \(choose from debug, 8B, 70B, 405B\)$"):
         build_model_args("llama3.1", "9B")
-    with pytest.raises(ValueError, match=r"^unknown model.family 'llama9' \(did you mean 'llama4'\?\); choose from llama2, llama3, llama3.1, llama3.2, mixtral, gpt, glam, mistral, phi3, llama4, gemma3, gemma2, "
-                       r"qwen2, qwen3, qwen3_moe[a-z_0-9, ]*$"):
+    with pytest.raises(ValueError, match=r"^unknown model.family 'llama9' \(did you mean 'llama4'\?\); choose from "
+                                         r"llama2, llama3, llama3.1, llama3.2, mixtral, gpt, glam, mistral, phi3, "
+                                         r"llama4, gemma3, gemma2, qwen2, qwen3, qwen3_moe[a-z_0-9, ]*$"):
         build_model_args("llama9", "8B")
     with pytest.raises(ValueError, match="model.n_expert is not a hyper-parameter of llama3"):
         build_model_args("llama3", "debug", {"n_expert": 8})

@@ -111,7 +111,8 @@ def test_a_multimodal_config_without_text_config_is_refused(tmp_path: Path):
     with pytest.raises(CheckpointError) as err:
         hf_family(tmp_path)
     assert str(err.value) == (f"'{tmp_path / 'config.json'}' describes a multimodal llama4 model without text_config, "
-                              "where ember reads its text model's hyper-parameters; restore text_config from the original")
+                              "where ember reads its text model's hyper-parameters; "
+                              "restore text_config from the original")
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -121,8 +122,8 @@ def test_a_multimodal_config_without_text_config_is_refused(tmp_path: Path):
                             "more, or drop model.moe_hidden_dim (the flavor's is 256)"),
     ({"attention_chunk": 0}, "model.attention_chunk=0 must be >= 1 (a size or a count); set model.attention_chunk to 1 "
                              "or more, or drop model.attention_chunk (the flavor's is 64)"),
-    ({"sparse_step": 9}, "model.sparse_step=9 leaves none of the 4 layers with experts (layer i has them when (i + 1) % "
-                         "sparse_step == 0); use 1 to n_layers"),
+    ({"sparse_step": 9}, "model.sparse_step=9 leaves none of the 4 layers with experts "
+                         "(layer i has them when (i + 1) % sparse_step == 0); use 1 to n_layers"),
     ({"top_k": 9}, "model.top_k=9 must be at most model.n_experts=8"),
 ])
 def test_hyper_parameters_that_cannot_make_the_model_are_one_line(overrides: dict, message: str):

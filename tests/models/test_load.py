@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ember.model_io.convert import save_ember_checkpoint
 from ember.errors import CheckpointError
+from ember.model_io.convert import save_ember_checkpoint
 from ember.model_io.load import load_model
 from ember.models import build_model_args
 from ember.models.llama import Transformer, hf
@@ -93,7 +93,14 @@ def test_hf_directory_errors(tmp_path: Path):
     with pytest.raises(ValueError, match="config.json' is not readable JSON"):
         load_model(tmp_path)
     config.write_text(json.dumps({"model_type": "bert", "architectures": ["BertForMaskedLM"]}))
-    with pytest.raises(ValueError, match=r"config.json' describes model_type 'bert'; ember loads llama, mixtral, gpt2, qwen2, qwen3, qwen3_moe, mistral, phi3, gemma3_text, gemma2, deepseek_v3, deepseek_v2, llama4_text, llama4, gemma3 \(LlamaForCausalLM, MixtralForCausalLM, GPT2LMHeadModel, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, MistralForCausalLM, Phi3ForCausalLM, Gemma3ForCausalLM, Gemma2ForCausalLM, DeepseekV3ForCausalLM, DeepseekV2ForCausalLM, Llama4ForCausalLM, Llama4ForConditionalGeneration, Gemma3ForConditionalGeneration\) models"):
+    with pytest.raises(ValueError, match=r"config.json' describes model_type 'bert'; ember loads llama, mixtral, gpt2, "
+                                         r"qwen2, qwen3, qwen3_moe, mistral, phi3, gemma3_text, gemma2, deepseek_v3, "
+                                         r"deepseek_v2, llama4_text, llama4, gemma3 \(LlamaForCausalLM, "
+                                         r"MixtralForCausalLM, GPT2LMHeadModel, Qwen2ForCausalLM, Qwen3ForCausalLM, "
+                                         r"Qwen3MoeForCausalLM, MistralForCausalLM, Phi3ForCausalLM, "
+                                         r"Gemma3ForCausalLM, Gemma2ForCausalLM, DeepseekV3ForCausalLM, "
+                                         r"DeepseekV2ForCausalLM, Llama4ForCausalLM, Llama4ForConditionalGeneration, "
+                                         r"Gemma3ForConditionalGeneration\) models"):
         load_model(tmp_path)
     llama = hf.hf_config_from_args(build_model_args("llama3", "debug"))
     config.write_text(json.dumps({**llama, "architectures": ["LlamaForSequenceClassification"]}))
@@ -101,7 +108,8 @@ def test_hf_directory_errors(tmp_path: Path):
         load_model(tmp_path)
     config.write_text(json.dumps(llama))
     (tmp_path / "pytorch_model.bin").write_bytes(b"\x80")  # a pickle: refused, never opened
-    with pytest.raises(FileNotFoundError, match="no model.safetensors.*pytorch_model.bin, which ember does not unpickle"):
+    with pytest.raises(FileNotFoundError,
+                       match="no model.safetensors.*pytorch_model.bin, which ember does not unpickle"):
         load_model(tmp_path)
 
 
@@ -126,8 +134,9 @@ def test_hf_weights_that_do_not_fit_the_config(tmp_path: Path):
 def test_a_damaged_safetensors_file_is_one_line_for_every_reader(tmp_path: Path, damage, reason: str):
     # load_model (ember eval, generate, convert) and load_weights (model.init_from, a sharded ember eval) raised
     # safetensors' own SafetensorError, a traceback
-    from ember.model_io.load import load_weights
     from safetensors.torch import save_file
+
+    from ember.model_io.load import load_weights
 
     args = build_model_args("llama3", "debug", {"n_layers": 1, "vocab_size": 64, "max_seq_len": 32})
     (tmp_path / "config.json").write_text(json.dumps(hf.hf_config_from_args(args)))
@@ -163,8 +172,8 @@ def test_the_file_of_convert_to_torch_loads(tmp_path: Path):
 
 
 def test_each_path_is_detected_once_as_its_format(tmp_path: Path):
-    # ember/model_io/sources.py's registry: every entry resolves, and each kind of path is the format its questions go to
-    # (the fine-tuning formats are tested on real adapters in tests/finetune/).
+    # ember/model_io/sources.py's registry: every entry resolves, and each kind of path is the format its questions go
+    # to (the fine-tuning formats are tested on real adapters in tests/finetune/).
     from ember.model_io.convert import convert, save_hf
     from ember.model_io.sources import FORMATS, find_format, formats, is_added_key
 

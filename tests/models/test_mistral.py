@@ -21,8 +21,9 @@ def test_published_sizes_equal_transformers_counts():
 
 @pytest.mark.parametrize("window", [5, None])
 def test_matches_transformers(tmp_path: Path, window):
-    config = transformers.MistralConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-                                        num_key_value_heads=2, vocab_size=128, max_position_embeddings=64,
+    config = transformers.MistralConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                        max_position_embeddings=64,
                                         rope_theta=10000.0, sliding_window=window)
     ours = assert_parity(transformers.MistralForCausalLM, config, tmp_path, "mistral")
     assert ours.args.sliding_window == window

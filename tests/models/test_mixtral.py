@@ -8,15 +8,13 @@ import pytest
 import torch
 import transformers
 
-from ember import config as config_lib
-
-from ember.train import run as run_lib
-from ember import load_model
+from ember import config as config_lib, load_model
 from ember.model_io.convert import convert, save_hf
 from ember.models import MODELS, build_model_args
 from ember.models.mixtral import FLAVORS, Transformer, flops_per_token, num_params
 from ember.nn.moe import MoE
 from ember.nn.moe_stats import MoEOptions, MoEStats
+from ember.train import run as run_lib
 from ember.train.trainer import Trainer
 from tests.helpers import read_records
 
@@ -102,7 +100,7 @@ def test_debug_mixtral_trains_with_router_losses_logged(tmp_path: Path):
     assert summary["final_loss_avg"] < summary["first_loss"]  # random tokens: it learns the unigram floor
     run_lib.load_config("debug", ["model.family=mixtral", "ici_mesh.tensor=2", "ici_mesh.fsdp=1"], world_size=2)
     with pytest.raises(config_lib.ConfigError, match="expert-parallel degree 3 does not divide model.n_experts=8"):
-        run_lib.load_config("debug", ["model.family=mixtral", "ici_mesh.expert=3", "ici_mesh.fsdp=1", "global_batch_size=24",
-                                  "micro_batch_size=8"], world_size=3)
+        run_lib.load_config("debug", ["model.family=mixtral", "ici_mesh.expert=3", "ici_mesh.fsdp=1",
+                                      "global_batch_size=24", "micro_batch_size=8"], world_size=3)
     assert build_model_args("mixtral", "debug", {"n_experts": 4}).n_experts == 4
     assert "mixtral" in MODELS

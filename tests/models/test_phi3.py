@@ -8,9 +8,9 @@ import pytest
 import torch
 import transformers
 
-from ember.train import run as run_lib
 from ember.model_io.load import load_model
 from ember.models.phi3 import FLAVORS, Transformer, hf, num_params
+from ember.train import run as run_lib
 from ember.train.trainer import Trainer
 from tests.models.hf_parity import assert_counts_equal_transformers, assert_parity, random_hf_model
 

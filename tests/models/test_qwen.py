@@ -89,17 +89,19 @@ def test_qwen3_moe_matches_transformers(tmp_path: Path, norm_topk_prob: bool):
     ("qwen3_moe", {"top_k": 32}, r"^model.top_k=32 must be at most model.n_experts=16$"),
     ("qwen3", {"sliding_window": 0}, r"^model.sliding_window=0 must be >= 1"),
     ("qwen3", {"max_window_layers": -1}, r"^model.max_window_layers=-1 must be >= 0 \(a size or a count\)"),
-    ("qwen3", {"max_window_layers": 4, "sliding_window": 8}, r"^model.max_window_layers=4 must be the first layer with the sliding window"),
+    ("qwen3", {"max_window_layers": 4, "sliding_window": 8},
+     r"^model.max_window_layers=4 must be the first layer with the sliding window"),
     ("qwen3", {"max_window_layers": 1}, r"with model.sliding_window set$"),
     ("qwen3", {"moe_hidden_dim": 7}, r"^model.moe_hidden_dim is a Qwen3-MoE hyper-parameter, and qwen3 has no experts"),
     ("qwen3_moe", {"sparse_step": 0}, r"^model.sparse_step=0 must be >= 1 \(a size or a count\); set model.sparse_step "
                                       r"to 1 or more, or drop model.sparse_step \(the flavor's is 1\)$"),
-    ("qwen3_moe", {"sparse_step": 5}, r"^model.sparse_step=5 leaves none of the 4 layers with experts \(layer i has them "
-                                      r"when \(i \+ 1\) % sparse_step == 0\); use 1 to n_layers$"),
+    ("qwen3_moe", {"sparse_step": 5}, r"^model.sparse_step=5 leaves none of the 4 layers with experts "
+                                      r"\(layer i has them when \(i \+ 1\) % sparse_step == 0\); use 1 to n_layers$"),
     ("qwen3_moe", {"top_k": 0}, r"^model.top_k=0 must be >= 1 \(a size or a count\); set model.top_k to 1 or more, or "
                                 r"drop model.top_k \(the flavor's is 4\)$"),
-    ("qwen3_moe", {"moe_hidden_dim": 0}, r"^model.moe_hidden_dim=0 must be >= 1 with model.n_experts=16 \(each expert's "
-                                         r"SwiGLU hidden size\); set model.moe_hidden_dim to 1 or more$"),
+    ("qwen3_moe", {"moe_hidden_dim": 0}, r"^model.moe_hidden_dim=0 must be >= 1 with model.n_experts=16 "
+                                         r"\(each expert's SwiGLU hidden size\); "
+                                         r"set model.moe_hidden_dim to 1 or more$"),
 ])
 def test_hyper_parameters_that_do_not_fit_the_family_are_one_line(family, overrides, message):
     from ember.errors import ConfigError

@@ -56,7 +56,8 @@ def test_linear_cross_entropy_equals_projection_then_cross_entropy(dtype, tol, c
     logits = (h @ w.t()).float()
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
-    expected = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum") * 0.25
+    expected = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
+                               reduction="sum") * 0.25
     (expected * 2.0).backward()
     assert ours.dtype == torch.float32 and got_h.dtype == dtype and got_w.dtype == dtype
     torch.testing.assert_close(ours, expected, rtol=tol, atol=tol)
@@ -99,7 +100,8 @@ def test_no_grad_leaves_logits_untouched_and_grad_reuses_them():
     with torch.no_grad():
         value = cross_entropy_sum(logits, labels)
     assert torch.equal(logits, before)
-    assert value == pytest.approx(float(F.cross_entropy(before.flatten(0, 1), labels.flatten(), reduction="sum")), rel=1e-6)
+    assert value == pytest.approx(float(F.cross_entropy(before.flatten(0, 1), labels.flatten(), reduction="sum")),
+                                  rel=1e-6)
     # With a gradient to compute, fp32 logits become that gradient in place (no second (N, V) buffer).
     leaf = before.clone().requires_grad_()
     logits = leaf * 1.0

@@ -16,8 +16,8 @@ from ember.nn.yarn import YarnScaling, yarn_softmax_mscale
 
 YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=8.0, original_max_position_embeddings=16, beta_fast=32,
             beta_slow=1, mscale=0.707, mscale_all_dim=0.707)
-SMALL = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=24, qk_nope_head_dim=12, qk_rope_head_dim=8,
-             v_head_dim=10, max_position_embeddings=128, attn_implementation="eager")
+SMALL = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=24, qk_nope_head_dim=12,
+             qk_rope_head_dim=8, v_head_dim=10, max_position_embeddings=128, attn_implementation="eager")
 KEYS = {"q_proj": "wq", "q_a_proj": "wq_a", "q_a_layernorm": "q_norm", "q_b_proj": "wq_b",
         "kv_a_proj_with_mqa": "wkv_a", "kv_a_layernorm": "kv_norm", "kv_b_proj": "wkv_b", "o_proj": "wo"}
 
@@ -92,7 +92,8 @@ def test_yarn_tables_and_scale_equal_transformers():
     torch.testing.assert_close(sin, hf_sin[0, :, :4], rtol=0, atol=0)
     scale = hf_v3.DeepseekV3Attention(config, 0).scaling
     assert MLA(64, 4, q_lora_rank=None, kv_lora_rank=24, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10,
-               softmax_scale_factor=yarn_softmax_mscale(rope_config.scaling)).softmax_scale == pytest.approx(scale, rel=1e-12)
+               softmax_scale_factor=yarn_softmax_mscale(rope_config.scaling)
+               ).softmax_scale == pytest.approx(scale, rel=1e-12)
 
 
 @pytest.mark.parametrize("static", [False, True])  # static: the whole preallocated length, masked, every step

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from ember.nn.feed_forward import FeedForward
-from ember.nn.moe import MoE, Experts, _grouped_available
+from ember.nn.moe import Experts, MoE, _grouped_available
 from ember.nn.moe_stats import MoEOptions, MoEStats
 
 # Only the grouped path needs the kernel; the loop and the references run on any torch.
@@ -49,8 +49,8 @@ def test_grouped_path_equals_looped_path_with_gradients(counts: list[int]):
     out_g, grads_g = _run(experts, x, counts_t, "grouped", grad_out)
     out_l, grads_l = _run(experts, x, counts_t, "looped", grad_out)
     torch.testing.assert_close(out_g, out_l, rtol=1e-5, atol=1e-5)
-    for name, g, l in zip(["x", "w1", "w2", "w3"], grads_g, grads_l):
-        torch.testing.assert_close(g, l, rtol=1e-5, atol=1e-5, msg=lambda m: f"d{name}: {m}")
+    for name, grad_g, grad_l in zip(["x", "w1", "w2", "w3"], grads_g, grads_l):
+        torch.testing.assert_close(grad_g, grad_l, rtol=1e-5, atol=1e-5, msg=lambda m: f"d{name}: {m}")
     for e, n in enumerate(counts):
         if n == 0:  # an expert without tokens has zero gradient on both paths
             assert grads_g[1][e].abs().max() == 0 and grads_g[2][e].abs().max() == 0
@@ -196,8 +196,8 @@ def test_moe_layer_gradients_equal_across_paths():
         params = [xi] + list(moe.parameters())
         results[impl] = (out.detach(), torch.autograd.grad(out, params, grad_out))
     torch.testing.assert_close(results["grouped"][0], results["looped"][0], rtol=1e-5, atol=1e-5)
-    for g, l in zip(results["grouped"][1], results["looped"][1]):
-        torch.testing.assert_close(g, l, rtol=1e-5, atol=1e-5)
+    for grad_g, grad_l in zip(results["grouped"][1], results["looped"][1]):
+        torch.testing.assert_close(grad_g, grad_l, rtol=1e-5, atol=1e-5)
 
 
 @needs_grouped_mm
@@ -214,8 +214,8 @@ def test_ungated_relu_experts_grouped_equal_looped():
                           zip(x.split(counts.tolist()), experts.w1, experts.w2, counts) if n > 0])
     torch.testing.assert_close(out_l, expected.detach(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(out_g, out_l, rtol=1e-5, atol=1e-6)
-    for g, l in zip(grads_g, grads_l):
-        torch.testing.assert_close(g, l, rtol=1e-5, atol=1e-6)
+    for grad_g, grad_l in zip(grads_g, grads_l):
+        torch.testing.assert_close(grad_g, grad_l, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("impl", ["looped", GROUPED])

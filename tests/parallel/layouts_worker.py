@@ -11,7 +11,6 @@ import sys
 
 import torch.distributed as dist
 
-
 from ember.train import run as run_lib
 from ember.train.trainer import Trainer
 

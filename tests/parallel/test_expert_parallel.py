@@ -9,14 +9,12 @@ here: like every data-parallel layout, expert ranks compute the load-balancing s
 own tokens (as MaxText and Megatron-LM do by default), which is a different loss from one process's.
 """
 
-from pathlib import Path
 
 import pytest
 import torch
 
-
-from ember.train import run as run_lib
 from ember import load_model
+from ember.train import run as run_lib
 from ember.train.trainer import Trainer
 from tests.helpers import assert_trains_like, read_records, run_layouts, tiny_model
 

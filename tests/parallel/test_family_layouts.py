@@ -1,5 +1,6 @@
 """The families on the shared decoder with pieces of their own (Qwen2's q/k/v biases, Qwen3's per-head q/k
-norms and wide heads, sliding windows, Qwen3-MoE's experts, Llama 4's chunks, NoPE temperature and shared expert, DeepSeek's MLA with its shared rope key and grouped routing) train exactly like one process on the meshes that
+norms and wide heads, sliding windows, Qwen3-MoE's experts, Llama 4's chunks, NoPE temperature and shared expert,
+DeepSeek's MLA with its shared rope key and grouped routing) train exactly like one process on the meshes that
 split those pieces: tensor (+ sequence) parallel splits the biases and the heads the norms run over, context
 parallelism cuts the sequence a window slides along, a pipeline stage holds some of the blocks, expert
 parallelism the experts. Tolerances: tests.helpers.assert_trains_like (step 1 and every loss to fp32 summation
@@ -53,7 +54,8 @@ LAYOUTS = {
                     "context=2": SPLIT + ["ici_mesh.context=2"], "fsdp=2": ["micro_batch_size=4"],
                     "pipeline=2": SPLIT + ["ici_mesh.pipeline=2", "parallel.pp_schedule=1f1b"]},
     "deepseek_v2": {"tensor=2": SPLIT + ["ici_mesh.tensor=2"]},
-    "mistral": {"context=2": SPLIT + ["ici_mesh.context=2"], "tensor=2 x fsdp": ["micro_batch_size=4", "ici_mesh.tensor=2"]},
+    "mistral": {"context=2": SPLIT + ["ici_mesh.context=2"],
+                "tensor=2 x fsdp": ["micro_batch_size=4", "ici_mesh.tensor=2"]},
     "phi3": {"tensor=2": SPLIT + ["ici_mesh.tensor=2"]},
     "gemma3": {"tensor=2": SPLIT + ["ici_mesh.tensor=2"], "context=2": SPLIT + ["ici_mesh.context=2"]},
     "gemma2": {"tensor=2 x fsdp": ["micro_batch_size=4", "ici_mesh.tensor=2"]},

@@ -7,7 +7,6 @@ and sequence-parallel LayerNorms with a bias.
 
 import pytest
 
-
 from ember.train import run as run_lib
 from ember.train.trainer import Trainer
 from tests.helpers import assert_trains_like, read_records, run_layouts

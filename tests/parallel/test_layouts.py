@@ -16,9 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-
-from ember.train import run as run_lib
 from ember import load_model
+from ember.train import run as run_lib
 from ember.train.trainer import Trainer
 from tests.helpers import EXACT_REL, assert_trains_like, job_env, read_records, run_ember, run_layouts, tiny_model
 
@@ -57,7 +56,8 @@ WORLD4 = {
     "data=2 x fsdp=2 (HSDP)": ["micro_batch_size=2", "ici_mesh.data=2", "ici_mesh.fsdp=2"],
     "fsdp=2 x tensor=2": ["micro_batch_size=4", "ici_mesh.fsdp=2", "ici_mesh.tensor=2"],
     "pipeline=2 x fsdp=2": ["micro_batch_size=4", "ici_mesh.pipeline=2", "ici_mesh.fsdp=2"],
-    "context=2 x fsdp=2 remat=full": ["micro_batch_size=4", "ici_mesh.context=2", "ici_mesh.fsdp=2", "model.remat=full"],
+    "context=2 x fsdp=2 remat=full": ["micro_batch_size=4", "ici_mesh.context=2", "ici_mesh.fsdp=2",
+                                      "model.remat=full"],
     "tensor=2 x context=2": ["micro_batch_size=4", "ici_mesh.tensor=2", "ici_mesh.context=2", "ici_mesh.fsdp=1"],
     "dcn fsdp=2 x ici tensor=2, compiled": ["micro_batch_size=4", "dcn_mesh.fsdp=2", "ici_mesh.fsdp=1",
                                             "ici_mesh.tensor=2", "compile=true"],
@@ -65,7 +65,8 @@ WORLD4 = {
 
 
 def _single_process(out: Path, *overrides: str) -> dict:
-    cfg = run_lib.load_config("debug", BASE + ["micro_batch_size=8", f"output_dir={out}", "metrics.console=false", *overrides])
+    cfg = run_lib.load_config("debug", BASE + ["micro_batch_size=8", f"output_dir={out}", "metrics.console=false",
+                                               *overrides])
     summary = Trainer(cfg).train()
     steps = [r for r in read_records(out) if "loss" in r]
     return {"loss": [r["loss"] for r in steps], "grad_norm": [r["grad_norm"] for r in steps],

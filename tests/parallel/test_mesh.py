@@ -4,11 +4,10 @@ import pytest
 import torch
 
 from ember import config as config_lib
-
-from ember.train import run as run_lib
 from ember.config import ConfigError, MeshConfig
 from ember.parallel.mesh import rank_grid
 from ember.parallel.mesh_shape import MeshError, MeshShape, resolve_mesh
+from ember.train import run as run_lib
 
 SMALL = ["data.dataset=synthetic", "global_batch_size=16", "micro_batch_size=2"]
 
@@ -60,7 +59,8 @@ def test_ranks_are_node_major_with_dcn_outermost():
         (["ici_mesh.context=4", "ici_mesh.fsdp=1", "seq_len=12"], "needs seq_len divisible by 2 x 4 = 8"),
         (["ici_mesh.pipeline=4", "ici_mesh.fsdp=1", "model.n_layers=3"], "4 pipeline stages"),
         (["ici_mesh.pipeline=2", "parallel.pp_schedule=interleaved_1f1b"], "needs parallel.pp_stages_per_rank >= 2"),
-        (["ici_mesh.pipeline=2", "parallel.pp_microbatches=3"], "parallel.pp_microbatches=3 must divide micro_batch_size=2"),
+        (["ici_mesh.pipeline=2", "parallel.pp_microbatches=3"],
+         "parallel.pp_microbatches=3 must divide micro_batch_size=2"),
         (["ici_mesh.pipeline=2", "parallel.pp_microbatches=1", "parallel.pp_schedule=1f1b"],
          "1f1b needs at least as many pipeline micro-batches as stages"),
         (["ici_mesh.pipeline=2", "model.family=llama3.2"], "ties its embedding to its output projection"),

@@ -13,8 +13,8 @@ from ember.nn.attention import FlexAttention, causal_attention
 from ember.nn.moe import MoE
 from ember.parallel.parallelize import ParallelOptions, parallelize
 
-FAMILIES = ["llama3", "mixtral", "glam", "gpt", "deepseek_v3", "llama4"]  # deepseek_v3: MLA, whose kernel is swapped alike;
-# llama4: NoPE and chunked layers
+# deepseek_v3: MLA, whose kernel is swapped alike; llama4: NoPE and chunked layers
+FAMILIES = ["llama3", "mixtral", "glam", "gpt", "deepseek_v3", "llama4"]
 
 
 def _model(family: str) -> torch.nn.Module:

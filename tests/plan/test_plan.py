@@ -4,13 +4,12 @@ warnings. The command line is in test_plan_cli.py; the planned bytes against rea
 import pytest
 import torch
 
-
-from ember.train import run as run_lib
 from ember.cli import main
 from ember.parallel.mesh import ParallelMesh
 from ember.plan.memory import build_parts, fake_world, named_params, plan_spec, state_bytes, track_step
-from ember.plan.stages import cut_stage
 from ember.plan.planner import make_plan
+from ember.plan.stages import cut_stage
+from ember.train import run as run_lib
 
 LLAMA_405B_1024 = ["ici_mesh.tensor=8", "ici_mesh.fsdp=1", "dcn_mesh.fsdp=16", "dcn_mesh.data=8", "model.remat=full"]
 
@@ -273,7 +272,8 @@ def test_layout_warnings():
 
 @pytest.mark.slow
 def test_fsdp_beyond_the_shard_granularity_is_warned():
-    cfg = run_lib.load_config("debug", ["ici_mesh.fsdp=512", "global_batch_size=512", "micro_batch_size=1"], world_size=512)
+    cfg = run_lib.load_config("debug", ["ici_mesh.fsdp=512", "global_batch_size=512", "micro_batch_size=1"],
+                              world_size=512)
     plan = make_plan(cfg, 512, device="h100")
     # wk, wv: 4 K/V heads of 32; one line says it, with the bytes at stake and what evens them
     uneven = [w for w in plan.warnings if w.startswith("uneven shards")]

@@ -36,12 +36,13 @@ def test_planned_memory_equals_measured(world, part, parts, tmp_path):
 def test_planned_lora_memory_equals_measured(tmp_path):
     """LoRA changes what the plan counts: frozen matrices (bf16 where the compute is, as on this CPU), no
     gradients or optimizer state but the adapters'. Planned bytes equal a real LoRA run's on every rank."""
-    from ember.train import run as run_lib
     from ember.plan.measure import BASE, RECIPE
+    from ember.train import run as run_lib
     from ember.train.trainer import Trainer
 
     base_run = tmp_path / "base"
-    Trainer(run_lib.load_config(RECIPE, [*BASE, "max_steps=1", f"output_dir={base_run}", "metrics.console=false"])).train()
+    Trainer(run_lib.load_config(RECIPE, [*BASE, "max_steps=1", f"output_dir={base_run}",
+                                         "metrics.console=false"])).train()
     lora = ["lora.rank=8", f"model.init_from={base_run}"]
     cases = {"lora fsdp=2": ["ici_mesh.fsdp=2", *lora],
              "lora tensor=2": ["ici_mesh.tensor=2", "ici_mesh.fsdp=1", *lora]}

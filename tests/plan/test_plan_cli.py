@@ -5,19 +5,21 @@ import json
 
 import pytest
 
-from ember.train import run as run_lib
 from ember.cli import main
 from ember.plan.planner import make_plan
+from ember.train import run as run_lib
 
 
 @pytest.mark.slow
 def test_cli_json_and_plan_json(tmp_path, capsys):
-    assert main(["plan", "debug", "--world", "2", "ici_mesh.fsdp=2", "micro_batch_size=4", "--device", "cpu", "--json"]) == 0
+    assert main(["plan", "debug", "--world", "2", "ici_mesh.fsdp=2", "micro_batch_size=4", "--device", "cpu",
+                 "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["world_size"] == 2 and doc["device"] == "cpu" and doc["fits"] is True
     assert [r["coordinate"] for r in doc["ranks"]] == [{"fsdp": 0}, {"fsdp": 1}]
     out = tmp_path / "plan.json"
-    assert main(["plan", "debug", f"output_dir={tmp_path}", "--world", "2", "ici_mesh.fsdp=2", "micro_batch_size=4"]) == 0
+    assert main(["plan", "debug", f"output_dir={tmp_path}", "--world", "2", "ici_mesh.fsdp=2",
+                 "micro_batch_size=4"]) == 0
     printed = capsys.readouterr().out
     assert "verdict: fits" in printed and "plan.json" in printed
     # 8 sequences over 2 data-parallel ranks: 4 is the batch's limit, not memory's, and the verdict says so
@@ -72,7 +74,8 @@ def test_search_json_holds_the_candidates_the_table_lists(capsys):
     (["plan", "debug", "--world", "3", "ici_mesh.fsdp=2"], "error: ici_mesh x dcn_mesh"),
     (["plan", "debug", "--world", "2", "ici_mesh.fsdp=2", "model.nope=1"],
      "error: unknown config key 'model.nope' (did you mean 'model.nope_every'?)"),
-    (["plan", "debug", "--world", "16", "--nodes", "3", "global_batch_size=128"], "error: --nodes 3 does not divide --world 16"),
+    (["plan", "debug", "--world", "16", "--nodes", "3", "global_batch_size=128"],
+     "error: --nodes 3 does not divide --world 16"),
     (["plan", "debug", "--world", "2", "--device", "tpu-v9"], "error: argument --device: invalid choice: 'tpu-v9' "
      "(choose from 'a100', 'h100', 'h200', 'b200', 'gb200', 'mi300x', 'tpu-v5p', 'tpu-v5e', 'tpu-v6e', 'cpu') "
      "(see ember plan --help)"),

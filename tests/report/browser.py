@@ -27,7 +27,8 @@ class Browser:
         # --remote-debugging-pipe: the child reads commands on fd 3 and writes replies on fd 4 (the shell's
         # redirections put our pipe ends there, whatever numbers they have here).
         args = [CHROMIUM, "--headless", "--remote-debugging-pipe", "--no-sandbox", "--disable-gpu", "--no-first-run",
-                "--disable-extensions", "--disable-background-networking", f"--user-data-dir={self.profile}", "about:blank"]
+                "--disable-extensions", "--disable-background-networking", f"--user-data-dir={self.profile}",
+                "about:blank"]
         self.proc = subprocess.Popen(["bash", "-c", f'exec "$@" 3<&{to_child_r} 4>&{from_child_w}', "chromium", *args],
                                      pass_fds=(to_child_r, from_child_w), stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL)

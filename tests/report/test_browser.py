@@ -18,7 +18,8 @@ from browser import CHROMIUM, Browser  # noqa: E402  (a helper beside this file,
 @pytest.mark.slow
 def test_report_opens_in_chromium_with_every_figure_and_no_errors(tiny_run: tuple[Path, str], tmp_path: Path):
     # Never skipped: without the browser this test fails, saying how to install it.
-    assert CHROMIUM is not None, "chromium is not installed: apt-get install -y chromium (the README's test command does)"
+    assert CHROMIUM is not None, ("chromium is not installed: apt-get install -y chromium "
+                                  "(the README's test command does)")
     report = build_report([tiny_run[0]], tmp_path / "report.html")
     browser = Browser()
     try:

@@ -172,7 +172,8 @@ def test_eval_json_of_a_checkpoint_is_listed(tiny_run: tuple[Path, str], tmp_pat
     run = tmp_path / "evaluated"
     shutil.copytree(tiny_run[0], run)
     results = {"ppl": {"perplexity": 123.5, "tokens": 4096}}
-    (run / "checkpoints" / "step-20" / "eval.json").write_text(json.dumps({"model": str(run), "step": 20, "results": results}))
+    (run / "checkpoints" / "step-20" / "eval.json").write_text(json.dumps({"model": str(run), "step": 20,
+                                                                           "results": results}))
     report = build_report([run])
     assert report.runs[0].evals == {20: results}
     assert "<td>evaluated</td><td>step-20</td><td>ppl</td><td>perplexity</td><td>123.5</td>" in report.html.read_text()

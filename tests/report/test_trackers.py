@@ -17,16 +17,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-
-from ember.train import run as run_lib
 from ember.cli import main
 from ember.config import MetricsConfig
 from ember.errors import ConfigError
 from ember.metrics.run_metrics import MetricsLogger
 from ember.metrics.trackers import check_reachable, scalars
+from ember.train import run as run_lib
 from tests.helpers import read_records, tiny_model
 
-SECRETS = {"WANDB_API_KEY": "fake-wandb-key-0123456789abcdef0123456789abcdef", "HF_TOKEN": "hf_fakeTokenThatMustNotLeak42"}
+SECRETS = {"WANDB_API_KEY": "fake-wandb-key-0123456789abcdef0123456789abcdef",
+           "HF_TOKEN": "hf_fakeTokenThatMustNotLeak42"}
 
 
 def _wandb_records(run_file: Path) -> list:
@@ -125,7 +125,8 @@ def test_only_rank_0_starts_trackers(tmp_path: Path):
 def test_scalars_expand_lists_and_drop_the_rest():
     record = {"step": 3, "loss": 2.5, "mfu": None, "moe/layer0/tokens_per_expert": [3, 5], "flag": True,
               "data_position": {"epoch": 0}, "note": "x", "nan": math.nan}
-    assert scalars(record) == {"loss": 2.5, "moe/layer0/tokens_per_expert/0": 3.0, "moe/layer0/tokens_per_expert/1": 5.0}
+    assert scalars(record) == {"loss": 2.5, "moe/layer0/tokens_per_expert/0": 3.0,
+                               "moe/layer0/tokens_per_expert/1": 5.0}
 
 
 def test_a_tracker_that_cannot_start_is_one_line_before_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -173,9 +174,9 @@ def test_a_server_that_accepts_and_never_answers_is_refused_after_the_timeout():
         uri = f"http://user:secret@127.0.0.1:{sock.getsockname()[1]}"
         with pytest.raises(ConfigError) as info:
             check_reachable(uri, timeout_s=0.5)
-    assert str(info.value) == (f"metrics.mlflow: the MLflow tracking server at http://user:***@{uri.split('@')[1]} does "
-                               "not answer (timed out; waited up to 0.5 s): start it, fix MLFLOW_TRACKING_URI, or unset "
-                               "it to track in OUTPUT_DIR/mlflow.db")
+    assert str(info.value) == ("metrics.mlflow: the MLflow tracking server at "
+                               f"http://user:***@{uri.split('@')[1]} does not answer (timed out; waited up to 0.5 s): "
+                               "start it, fix MLFLOW_TRACKING_URI, or unset it to track in OUTPUT_DIR/mlflow.db")
 
 
 @pytest.mark.parametrize("status, reachable", [(200, True), (404, True), (401, True), (503, False)])

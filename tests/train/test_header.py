@@ -13,11 +13,10 @@ from rich.console import Console
 
 import ember.metrics.run_metrics
 from ember import config as config_lib
-
-from ember.train import run as run_lib
 from ember.config import ConfigError
 from ember.models import MODELS
 from ember.report import build_report
+from ember.train import run as run_lib
 from ember.train.trainer import Trainer
 from tests.helpers import tiny_model
 
@@ -39,7 +38,8 @@ def test_a_fine_tune_names_the_model_it_built(tmp_path: Path):
     # The recipe names 8B; the architecture (and the weights) are the source's 1-layer model.
     printed = _run(tuned, "model.flavor=8B", f"model.init_from={source}")
     params = json.loads((source / "run.json").read_text())["params"]
-    assert printed.splitlines()[0].startswith(f"ember train llama3 (from {source}): {params:,} params, 1 layer, dim 64, ")
+    assert printed.splitlines()[0].startswith(f"ember train llama3 (from {source}): {params:,} params, 1 layer, "
+                                              "dim 64, ")
     assert "\ndone: 1 step, loss " in printed  # counts are singular at 1
 
     info = json.loads((tuned / "run.json").read_text())
@@ -99,8 +99,8 @@ def test_an_moe_header_gives_active_parameters_and_emulated_bf16_is_said(tmp_pat
     printed = _run(tmp_path, "model.family=mixtral", "model.n_experts=4", "model.top_k=1", "precision=bf16")
     info = json.loads((tmp_path / "run.json").read_text())
 
-    spec = run_lib.resolve(run_lib.load_config("debug", TINY + ["model.family=mixtral", "model.n_experts=4", "model.top_k=1"]), 1,
-                   torch.device("cpu"))
+    spec = run_lib.resolve(run_lib.load_config("debug", TINY + ["model.family=mixtral", "model.n_experts=4",
+                                                                "model.top_k=1"]), 1, torch.device("cpu"))
     with torch.device("meta"):
         active = MODELS["mixtral"].active_params(MODELS["mixtral"].model_cls(spec.args))
     assert f": {info['params']:,} params ({active:,} active), 1 layer, " in printed.splitlines()[0]

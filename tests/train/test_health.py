@@ -6,9 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-
-from ember.train import run as run_lib
-from ember.train import step as step_lib
+from ember.train import run as run_lib, step as step_lib
 from ember.train.trainer import Trainer, TrainingStopped
 from tests.helpers import read_records, tiny_model
 
@@ -55,7 +53,8 @@ def test_non_finite_steps_are_skipped_without_touching_the_weights(tmp_path: Pat
 def test_too_many_in_a_row_stop_with_a_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     trainer = _trainer(tmp_path, "max_steps=20", "max_skipped_steps=2")
     _poison(monkeypatch, trainer, set(range(4, 21)), float("inf"))
-    with pytest.raises(TrainingStopped, match=r"3 steps in a row had a non-finite loss or grad norm \(max_skipped_steps=2\)"):
+    with pytest.raises(TrainingStopped,
+                       match=r"3 steps in a row had a non-finite loss or grad norm \(max_skipped_steps=2\)"):
         trainer.train()
     state = torch.load(tmp_path / "checkpoints" / "step-6" / "train-rank0.pt", weights_only=True)
     assert state["step"] == 6 and state["skipped_in_a_row"] == 3

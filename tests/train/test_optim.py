@@ -89,7 +89,8 @@ def test_optimizer_hyperparameters_and_implementation():
     assert auto_cpu.defaults["lr"] == 1e-3
     assert auto_cpu.defaults["fused"]  # auto picks fused on CPU (measured ~6x faster than foreach)
     assert build_optimizer(nn.Linear(2, 2), cfg, "xla").defaults["foreach"]  # no fused kernel known there
-    for implementation, fused, foreach in [("fused", True, False), ("foreach", False, True), ("for-loop", False, False)]:
+    for implementation, fused, foreach in [("fused", True, False), ("foreach", False, True),
+                                           ("for-loop", False, False)]:
         cfg.implementation = implementation
         optimizer = build_optimizer(nn.Linear(2, 2), cfg, "cpu")
         assert (optimizer.defaults["fused"], optimizer.defaults["foreach"]) == (fused, foreach)
@@ -132,8 +133,8 @@ def test_clip_grad_norm():
 
 
 def test_a_misspelled_optimizer_or_schedule_gets_the_closest_choice():
-    from ember.train import run as run_lib
     from ember.config import ConfigError
+    from ember.train import run as run_lib
     from ember.train.optim import build_optimizer, lr_multiplier
 
     cfg = run_lib.load_config("debug", ["optim.implementation=fusd", "schedule.name=Cosine"])

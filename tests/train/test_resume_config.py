@@ -13,12 +13,11 @@ import torch
 import yaml
 
 from ember import config as config_lib
-
-from ember.train import run as run_lib
 from ember.checkpoint import run_history
 from ember.config import ConfigError
-from ember.train.optim import lr_multiplier
 from ember.report.runs import read_run
+from ember.train import run as run_lib
+from ember.train.optim import lr_multiplier
 from ember.train.trainer import Trainer
 from tests.helpers import read_records, run_ember, tiny_model
 
@@ -83,7 +82,8 @@ def test_allowed_changes_are_printed_and_each_segment_is_kept(tmp_path: Path, co
     assert header[0].startswith(f"# segment 3 of {out}: started ") and header[0].endswith(" at step 4")
     assert header[1:] == [f"# resumed from {out / 'checkpoints' / 'step-4'}",
                           "# changed against the checkpoint: max_steps: 4 -> 6",
-                          f"# changed against the checkpoint: data.dataset: {corpus} -> synthetic (resume_allow_changes)"]
+                          f"# changed against the checkpoint: data.dataset: {corpus} -> synthetic "
+                          "(resume_allow_changes)"]
     # config.yaml is the latest segment's; each checkpoint holds the config that saved it.
     assert yaml.safe_load((out / "config.yaml").read_text())["max_steps"] == 6
     saved = {s: yaml.safe_load((out / "checkpoints" / f"step-{s}" / "run_config.yaml").read_text())["max_steps"]
@@ -153,7 +153,8 @@ def test_a_checkpoint_without_its_config_is_compared_with_the_runs(tmp_path: Pat
     assert run_history.resume_changes(step_dir, now, [], said.append) == []
     assert said == [f"note: {step_dir} records no config, so what this run changes against it cannot be checked"]
     config_lib.save(config_lib.JobConfig(), tmp_path / "run" / "config.yaml")
-    with pytest.raises(run_history.RunChanged, match=r"would change what the run is: seed: checkpoint 0, this run 1\. "):
+    with pytest.raises(run_history.RunChanged,
+                       match=r"would change what the run is: seed: checkpoint 0, this run 1\. "):
         run_history.resume_changes(step_dir, now, [], said.append)
     assert [c.describe() for c in run_history.resume_changes(step_dir, now, ["seed"], said.append)] == ["seed: 0 -> 1"]
 
@@ -242,7 +243,8 @@ def test_config_yaml_continues_the_run_whatever_started_it(tmp_path: Path):
     trainer = Trainer(run_lib.load_config(str(out / "config.yaml"), ["max_steps=4"]))
     assert trainer.checkpointer.resumed_from == out / "checkpoints" / "step-2"
     trainer.train()
-    assert len(list(out.glob("previous-*"))) == 1 and _segments(out) == ["segment-1-step-0.yaml", "segment-2-step-2.yaml"]
+    assert (len(list(out.glob("previous-*"))) == 1
+            and _segments(out) == ["segment-1-step-0.yaml", "segment-2-step-2.yaml"])
     # A run started from another run's checkpoint continues from its own after that.
     other = tmp_path / "other"
     _train(other, "max_steps=6", f"resume={out / 'checkpoints' / 'step-4'}")
@@ -295,7 +297,8 @@ def test_a_refused_resume_of_another_runs_checkpoint_leaves_this_run_as_it_was(t
                                               f"resume={other / 'checkpoints' / 'step-2'}"]))
     assert sorted(p.name for p in mine.iterdir()) == before and (mine / "metrics.jsonl").read_text() == metrics
     # The other run's checkpoint is at max_steps=2 already: nothing to train, and nothing moved.
-    finished = Trainer(run_lib.load_config("debug", [*SYNTHETIC, "max_steps=2", "model.n_layers=3", f"output_dir={mine}",
+    finished = Trainer(run_lib.load_config("debug", [*SYNTHETIC, "max_steps=2", "model.n_layers=3",
+                                                     f"output_dir={mine}",
                                                      f"resume={other / 'checkpoints' / 'step-2'}"]))
     assert finished.train()["steps"] == 2 and sorted(p.name for p in mine.iterdir()) == before
     trainer = Trainer(run_lib.load_config("debug", [*SYNTHETIC, "max_steps=4", "model.n_layers=3", f"output_dir={mine}",
@@ -342,12 +345,14 @@ def test_a_start_refused_before_its_first_step_leaves_no_segment(tmp_path: Path,
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")  # nothing listens: the trackers refuse to start
     out = tmp_path / "run"
     with pytest.raises(ConfigError):
-        Trainer(run_lib.load_config("debug", [*SYNTHETIC, "max_steps=2", "metrics.mlflow=true", f"output_dir={out}"])).train()
+        Trainer(run_lib.load_config("debug", [*SYNTHETIC, "max_steps=2", "metrics.mlflow=true",
+                                              f"output_dir={out}"])).train()
     assert sorted(p.name for p in out.iterdir()) == []
     _train(out, "max_steps=2")
     before = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
     with pytest.raises(ConfigError):
-        Trainer(run_lib.load_config("debug", [*SYNTHETIC, "max_steps=4", "metrics.mlflow=true", f"output_dir={out}"])).train()
+        Trainer(run_lib.load_config("debug", [*SYNTHETIC, "max_steps=4", "metrics.mlflow=true",
+                                              f"output_dir={out}"])).train()
     assert {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()} == before
     _train(out, "max_steps=4")
     assert _segments(out) == ["segment-1-step-0.yaml", "segment-2-step-2.yaml"]

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from ember import config as config_lib
-from ember.train import run as run_lib
 from ember.parallel.mesh import AXES, MeshShape
+from ember.train import run as run_lib
 from ember.train.trainer import Trainer
 from tests.helpers import tiny_model
 

@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-
 from ember.train import run as run_lib
 from ember.train.trainer import Trainer
 from tests.helpers import tiny_model

@@ -6,7 +6,6 @@ from pathlib import Path
 import pytest
 import torch
 
-
 from ember.train import run as run_lib
 from ember.train.trainer import Trainer
 from tests.helpers import read_records, run_ember

@@ -28,7 +28,8 @@ one = SimpleNamespace(**{a: 1 for a in ("pipeline", "data", "fsdp", "context", "
 attend = flash_attention(jax_mesh(resolve_mesh(one, one, 1), jax.devices()[:1]))
 g = torch.Generator().manual_seed(0)
 B, H, KV, T, D = 2, 4, 2, 256, 64
-q, k, v = torch.randn(B, H, T, D, generator=g), torch.randn(B, KV, T, D, generator=g), torch.randn(B, KV, T, D, generator=g)
+q, k, v = (torch.randn(B, H, T, D, generator=g), torch.randn(B, KV, T, D, generator=g),
+           torch.randn(B, KV, T, D, generator=g))
 documents = torch.cat([torch.zeros(B, 100, dtype=torch.long), torch.ones(B, 156, dtype=torch.long)], 1)
 out = {}
 for name, fn in (("flash", attend), ("sdpa", causal_attention)):

@@ -13,7 +13,7 @@ from tests.helpers import job_env, losses_by_step, run_ember, tiny_model
 BASE = ["debug", *tiny_model(2), "seq_len=32", "global_batch_size=8", "max_steps=8", "logging_steps=1",
         "metrics.console=false", "eval_batches=1", "checkpoint.interval=4", "checkpoint.async_save=false"]
 FSDP8 = ["device=xla", "ici_mesh.fsdp=8", "micro_batch_size=1"]
-KILL = '''
+KILL = """
 import os
 if os.environ.get("EMBER_KILL_AT_STEP"):
     import signal
@@ -24,7 +24,7 @@ if os.environ.get("EMBER_KILL_AT_STEP"):
             os.kill(os.getpid(), signal.SIGKILL)
         return original(self, batches)
     t.Trainer.train_step = train_step
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -85,8 +85,8 @@ def test_convert_to_hf_gives_transformers_the_same_logits(runs: dict, tmp_path: 
     (["device=tpu"], "not TPUs"),
     (["device=xla", "ici_mesh.fsdp=3"], "world size is 8; make the axes multiply to jax's 8 device(s) (or set one "
                                         "axis to -1); on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N"),
-    (["device=xla", "model.remat=offload", "micro_batch_size=1"], "model.remat=offload needs a TPU's or GPU's pinned host memory, and "
-                                            "jax's devices are cpu; use model.remat=full"),
+    (["device=xla", "model.remat=offload", "micro_batch_size=1"],
+     "model.remat=offload needs a TPU's or GPU's pinned host memory, and jax's devices are cpu; use model.remat=full"),
 ])
 def test_mistakes_are_one_line_with_exit_2(overrides: list, says: str, xla_env: dict, tmp_path: Path):
     proc = run_ember("train", "debug", *overrides, f"output_dir={tmp_path / 'run'}", env=xla_env, expect=2)
@@ -108,8 +108,8 @@ def test_without_the_extra_device_xla_says_what_to_install(xla_env: dict, tmp_pa
 
 @pytest.mark.slow
 def test_a_resume_keeps_the_dtype_the_run_trained_in_as_on_the_torch_engine(tmp_path: Path, xla_env: dict):
-    """precision=auto on a resumed run is ember.train.run.choose_precision's decision on both engines: the XLA path's auto
-    (fp32 on jax's CPU devices) does not switch a run that trained in bf16."""
+    """precision=auto on a resumed run is ember.train.run.choose_precision's decision on both engines: the XLA path's
+    auto (fp32 on jax's CPU devices) does not switch a run that trained in bf16."""
     import json
 
     out = tmp_path / "run"

@@ -3,8 +3,8 @@ naming the key and the fix. No jax: the world size is given, as `ember launch xp
 
 import pytest
 
-from ember.train import run as run_lib
 from ember.errors import ConfigError
+from ember.train import run as run_lib
 from ember.xla.checks import refuse_offload_without_host_memory
 
 
@@ -13,7 +13,8 @@ from ember.xla.checks import refuse_offload_without_host_memory
      "device=xla has no pipeline parallelism (XLA shards layers with fsdp/tensor instead); set ici_mesh.pipeline=1 "
      "and dcn_mesh.pipeline=1"),
     (["device=xla", "lora.rank=8", "model.init_from=x"], "lora.rank is not supported with device=xla"),
-    (["device=tpu", "precision=fp8"], "precision=fp8 (fp8.enabled) is not supported with device=tpu; use precision=bf16"),
+    (["device=tpu", "precision=fp8"],
+     "precision=fp8 (fp8.enabled) is not supported with device=tpu; use precision=bf16"),
     (["device=xla", "model.scan_layers=true", "model.remat=selective"],
      "model.scan_layers=true runs every block alike, so model.remat=selective"),
     (["device=xla", "ici_mesh.fsdp=3"], "but the world size is 8; make the axes multiply to jax's 8 device(s)"),

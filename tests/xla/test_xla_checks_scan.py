@@ -3,8 +3,8 @@ them), and score-bias updates its compiled step cannot make."""
 
 import pytest
 
-from ember.train import run as run_lib
 from ember.errors import ConfigError
+from ember.train import run as run_lib
 from ember.xla import checks
 
 

@@ -17,7 +17,8 @@ def test_in_loop_eval_tasks_on_xla_equal_the_torch_engines(tmp_path: Path, xla_e
                                             {"passage": "a b c", "question": "is it python", "answer": False},
                                             {"passage": "def f(): pass", "question": "is it code", "answer": True}])
     common = ["debug", *TINY_RUN, "global_batch_size=8", "max_steps=4", "eval_interval=2", "logging_steps=1",
-              "precision=fp32", "eval.batch_size=2", f"eval.tasks=[{{name: lambada, data: {lam}}}, {{name: boolq, data: {bq}}}]"]
+              "precision=fp32", "eval.batch_size=2",
+              f"eval.tasks=[{{name: lambada, data: {lam}}}, {{name: boolq, data: {bq}}}]"]
     run_ember("train", *common, "micro_batch_size=8", f"output_dir={tmp_path / 'torch'}", expect=0)
     run_ember("train", *common, "device=xla", "ici_mesh.fsdp=4", "ici_mesh.tensor=2", "micro_batch_size=2",
               f"output_dir={tmp_path / 'xla'}", env=xla_env, expect=0)

@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ember.train import run as run_lib
 from ember.errors import ConfigError
 from ember.models import MODELS
+from ember.train import run as run_lib
 from tests.helpers import run_ember
 from tests.xla.conftest import run_xla_script
 
@@ -82,19 +82,21 @@ def test_every_buffer_init_rope_leaves_is_zero_after_init(monkeypatch):
 
 
 def test_compile_true_is_refused_before_any_file_is_written(tmp_path: Path):
-    message = "compile=true is not supported with device=xla; use compile=false (the whole step is compiled by XLA already)"
+    message = ("compile=true is not supported with device=xla; "
+               "use compile=false (the whole step is compiled by XLA already)")
     with pytest.raises(ConfigError, match=r"^compile=true is not supported with device=xla"):
         run_lib.load_config("debug", ["device=xla", "compile=true", "micro_batch_size=1"], world_size=8)
     proc = run_ember("train", "debug", "device=xla", "compile=true", f"output_dir={tmp_path / 'run'}", expect=2)
     assert proc.stderr == f"error: {message}\n" and not (tmp_path / "run").exists()
-    proc = run_ember("launch", "xpk", "--cluster", "c", "--tpu-type", "v6e-8", "--docker-image", "gcr.io/p/e:1", "debug",
-                     "compile=true", "--print", expect=2)
+    proc = run_ember("launch", "xpk", "--cluster", "c", "--tpu-type", "v6e-8", "--docker-image", "gcr.io/p/e:1",
+                     "debug", "compile=true", "--print", expect=2)
     assert proc.stderr.strip().splitlines()[-1] == f"error: {message.replace('device=xla', 'device=tpu')}"
 
 
 @pytest.mark.parametrize("overrides, differ", [
     (["model.family=llama4", "model.n_layers=4"],
-     "chunked-attention layers (64-token chunks) and full-attention layers; RoPE and NoPE layers; dense and MoE layers"),
+     "chunked-attention layers (64-token chunks) and full-attention layers; RoPE and NoPE layers; "
+     "dense and MoE layers"),
     (["model.family=qwen3", "model.sliding_window=8", "model.max_window_layers=2"],
      "full-attention layers and sliding-window layers (8-token window)"),
     (["model.family=gemma3"], "full-attention layers and sliding-window layers (64-token window); local layers with "

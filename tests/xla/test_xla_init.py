@@ -26,7 +26,8 @@ for family, scan in (("llama3.2", False), ("llama3.2", True), ("gpt", False), ("
         model = MODELS[family].model_cls(args)
     names = device_names(model, args.n_layers, scan)
     shapes = {n: (len(h),) * (len(h) > 1) + tuple(model.get_parameter(h[0]).shape) for n, h in names.items()}
-    shardings = {n: NamedSharding(mesh, P(*(None,) * (len(names[n]) > 1), "x" if s[len(names[n]) > 1] % 8 == 0 else None))
+    shardings = {n: NamedSharding(mesh, P(*(None,) * (len(names[n]) > 1),
+                                          "x" if s[len(names[n]) > 1] % 8 == 0 else None))
                  for n, s in shapes.items()}
     held = []
     real_put = jax.device_put

@@ -1,4 +1,5 @@
-"""DeepSeek hyper-parameters (DeepSeek-V3 `deepseek_v3`, DeepSeek-V2 `deepseek_v2`) and the published sizes (FLAVORS)."""
+"""DeepSeek hyper-parameters (DeepSeek-V3 `deepseek_v3`, DeepSeek-V2 `deepseek_v2`) and the published sizes
+(FLAVORS)."""
 
 from __future__ import annotations
 
@@ -116,8 +117,9 @@ def _check_groups(args: DeepseekArgs) -> None:
                           f"experts; use {options}model.n_experts a multiple of {groups} of at least {least}")
     per_group = experts // groups
     if top_k > chosen * per_group:
-        raise ConfigError(f"model.top_k={top_k} exceeds the {chosen * per_group} experts of the model.topk_groups={chosen} "
-                          f"chosen groups ({per_group} each); use model.top_k <= {chosen * per_group} or raise "
+        raise ConfigError(f"model.top_k={top_k} exceeds the {chosen * per_group} experts of the "
+                          f"model.topk_groups={chosen} chosen groups ({per_group} each); "
+                          f"use model.top_k <= {chosen * per_group} or raise "
                           f"model.topk_groups (up to model.n_groups={groups})")
 
 

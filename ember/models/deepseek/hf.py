@@ -145,11 +145,13 @@ def _routing(config: dict[str, Any], kind: str) -> dict[str, Any]:
     """The router's fields as transformers runs them: V3 sigmoid, group-limited by the sum of each group's two best
     scores, with the score bias; V2 softmax, greedy or group-limited by each group's best, never renormalised."""
     if kind == "deepseek_v3":
-        return dict(score_func="sigmoid", n_groups=config.get("n_group") or 1, topk_groups=config.get("topk_group") or 1,
+        return dict(score_func="sigmoid", n_groups=config.get("n_group") or 1,
+                    topk_groups=config.get("topk_group") or 1,
                     norm_topk_prob=bool(config.get("norm_topk_prob", True)), score_bias=True)
     method = config.get("topk_method", "greedy")
     if method not in ("greedy", "group_limited_greedy"):
-        raise ValueError(f"topk_method '{method}' is not one transformers' DeepSeek-V2 runs (greedy, group_limited_greedy)")
+        raise ValueError(f"topk_method '{method}' is not one transformers' DeepSeek-V2 runs "
+                         "(greedy, group_limited_greedy)")
     grouped = method == "group_limited_greedy"
     # transformers' V2 router never renormalises the top-k weights, whatever norm_topk_prob says
     return dict(score_func="softmax", n_groups=config["n_group"] if grouped else 1,
@@ -171,8 +173,9 @@ def args_from_hf_config(config: dict[str, Any]) -> DeepseekArgs:
     if config.get("tie_word_embeddings"):
         raise ValueError("tie_word_embeddings=true is not supported for DeepSeek (no DeepSeek checkpoint ties them)")
     if (config.get("num_key_value_heads") or heads) != heads:
-        raise ValueError(f"num_key_value_heads={config['num_key_value_heads']} differs from num_attention_heads={heads}; "
-                         "MLA shares one latent by all heads, as every DeepSeek config does")
+        raise ValueError(f"num_key_value_heads={config['num_key_value_heads']} differs from "
+                         f"num_attention_heads={heads}; MLA shares one latent by all heads, "
+                         "as every DeepSeek config does")
     return DeepseekArgs(
         dim=config["hidden_size"], n_layers=config["num_hidden_layers"], n_heads=heads, vocab_size=config["vocab_size"],
         ffn_hidden_dim=config["intermediate_size"], q_lora_rank=config.get("q_lora_rank") or None,
@@ -181,7 +184,8 @@ def args_from_hf_config(config: dict[str, Any]) -> DeepseekArgs:
         rope_interleave=bool(config.get("rope_interleave", True)) if kind == "deepseek_v3" else True,
         n_experts=config["n_routed_experts"], top_k=config["num_experts_per_tok"],
         moe_hidden_dim=config["moe_intermediate_size"], n_shared_experts=config.get("n_shared_experts") or 0,
-        n_dense_layers=config.get("first_k_dense_replace") or 0, route_scale=float(config.get("routed_scaling_factor", 1.0)),
+        n_dense_layers=config.get("first_k_dense_replace") or 0,
+        route_scale=float(config.get("routed_scaling_factor", 1.0)),
         **_routing(config, kind), norm_eps=config.get("rms_norm_eps", 1e-6),
         rope_theta=float(llama_hf._rope_parameters(config)["rope_theta"]),
         max_seq_len=config.get("max_position_embeddings", 4096),
@@ -200,11 +204,13 @@ def hf_config_from_args(args: DeepseekArgs) -> dict[str, Any]:
                          "e_score_correction_bias); export with --to torch")
     if kind == "deepseek_v2" and (args.score_bias or args.norm_topk_prob):
         raise ValueError("DeepSeek-V2's softmax router in transformers has no score bias and never renormalises the "
-                         "top-k weights; set model.score_bias=false and model.norm_topk_prob=false, or export with --to torch")
+                         "top-k weights; set model.score_bias=false and model.norm_topk_prob=false, "
+                         "or export with --to torch")
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": args.rope_theta}
     if args.yarn_factor is not None:
-        rope.update(rope_type="yarn", factor=args.yarn_factor, original_max_position_embeddings=args.yarn_original_max_seq_len,
-                    beta_fast=args.yarn_beta_fast, beta_slow=args.yarn_beta_slow, mscale=args.yarn_mscale,
+        rope.update(rope_type="yarn", factor=args.yarn_factor,
+                    original_max_position_embeddings=args.yarn_original_max_seq_len, beta_fast=args.yarn_beta_fast,
+                    beta_slow=args.yarn_beta_slow, mscale=args.yarn_mscale,
                     mscale_all_dim=args.yarn_mscale_all_dim, truncate=args.yarn_truncate)
         if args.yarn_attention_factor is not None:
             rope["attention_factor"] = args.yarn_attention_factor

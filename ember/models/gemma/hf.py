@@ -114,8 +114,9 @@ def args_from_hf_config(config: dict[str, Any]) -> GemmaArgs:
         global_rope = _rope(config, "full_attention", "rope_theta", 1_000_000.0)
         local_rope = _rope(config, "sliding_attention", "rope_local_base_freq", 10_000.0)
     if global_rope["rope_type"] not in ("default", "linear") or local_rope["rope_type"] != "default":
-        raise ValueError(f"RoPE types {global_rope['rope_type']} (global) and {local_rope['rope_type']} (local) are not "
-                         "supported (ember implements default and linear for the global layers, default for the local)")
+        raise ValueError(f"RoPE types {global_rope['rope_type']} (global) and {local_rope['rope_type']} (local) "
+                         "are not supported (ember implements default and linear for the global layers, "
+                         "default for the local)")
     return GemmaArgs(
         dim=config["hidden_size"], n_layers=n, n_heads=config["num_attention_heads"],
         n_kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"], vocab_size=config["vocab_size"],
@@ -142,7 +143,8 @@ def hf_config_from_args(args: GemmaArgs) -> dict[str, Any]:
         raise ValueError("Gemma 2 has one unscaled RoPE for every layer: a local base or linear scaling without q/k "
                          "norms has no Hugging Face form")
     rope_parameters = global_rope if gemma2 else {
-        "full_attention": global_rope, "sliding_attention": {"rope_type": "default", "rope_theta": args.local_rope_theta}}
+        "full_attention": global_rope,
+        "sliding_attention": {"rope_type": "default", "rope_theta": args.local_rope_theta}}
     return {
         "architectures": ["Gemma2ForCausalLM" if gemma2 else "Gemma3ForCausalLM"],
         "model_type": "gemma2" if gemma2 else "gemma3_text", "hidden_size": args.dim,

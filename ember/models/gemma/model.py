@@ -74,6 +74,7 @@ def flops_per_token(args: GemmaArgs, seq_len: int) -> float:
     """Training FLOPs per token: 6 N + 12 H Q sum over layers of T (PaLM appendix B), local layers counting the
     keys their window leaves (nn/attention.py's scored_length)."""
     attn = args.dim * args.head_dim * (2 * args.n_heads + 2 * args.kv_heads) + 2 * args.head_dim * args.qk_norm
-    n = args.n_layers * (attn + 3 * args.dim * args.ffn_hidden_dim + 4 * args.dim) + args.dim + args.vocab_size * args.dim
+    n = (args.n_layers * (attn + 3 * args.dim * args.ffn_hidden_dim + 4 * args.dim) + args.dim
+         + args.vocab_size * args.dim)
     scored = sum(scored_length(args.layer_span(i), seq_len) for i in range(args.n_layers))
     return 6 * n + 12 * args.n_heads * args.head_dim * scored

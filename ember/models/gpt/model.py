@@ -21,7 +21,6 @@ from ember.models.gpt.args import GPTArgs
 from ember.nn.attention import KVCache, causal_attention
 from ember.nn.decoder import Decoder, num_params
 
-
 __all__ = ["Transformer", "num_params", "flops_per_token"]
 
 

@@ -209,5 +209,6 @@ def hf_config_from_args(args: LlamaArgs) -> dict[str, Any]:
         "rope_parameters": rope,  # transformers 5
         # transformers 4.x reads these two instead (5.x accepts them beside rope_parameters)
         "rope_theta": args.rope_theta,
-        "rope_scaling": {k: v for k, v in rope.items() if k != "rope_theta"} if args.rope_scaling_factor is not None else None,
+        "rope_scaling": ({k: v for k, v in rope.items() if k != "rope_theta"}
+                         if args.rope_scaling_factor is not None else None),
     }

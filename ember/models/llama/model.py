@@ -13,6 +13,8 @@ from ember.models.llama.args import LlamaArgs
 from ember.nn.decoder import Decoder, RMSNorm, TransformerBlock, num_params
 from ember.nn.feed_forward import FeedForward
 
+__all__ = ["Transformer", "num_params", "flops_per_token"]
+
 
 class Transformer(Decoder):
     """tokens (B, T) -> logits (B, T, vocab_size): the shared Decoder with Llama blocks and RMSNorm."""

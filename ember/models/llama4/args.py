@@ -16,7 +16,8 @@ class Llama4Args(GroupedQueryArgs):
     ffn_hidden_dim: int  # the dense layers' SwiGLU hidden size (config.json's intermediate_size_mlp)
     # The mixture of experts: n_experts SwiGLU experts of moe_hidden_dim (intermediate_size), top_k of them chosen by
     # sigmoid scores that scale each expert's input, plus a shared expert of the same size every token passes through.
-    # Layer i has experts when (i + 1) % sparse_step == 0 (interleave_moe_layer_step: Scout 1, Maverick 2; Qwen3-MoE's rule).
+    # Layer i has experts when (i + 1) % sparse_step == 0 (interleave_moe_layer_step: Scout 1, Maverick 2;
+    # Qwen3-MoE's rule).
     n_experts: int = 16
     top_k: int = 1
     moe_hidden_dim: int

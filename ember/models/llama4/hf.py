@@ -112,7 +112,8 @@ def args_from_hf_config(config: dict[str, Any]) -> Llama4Args:
     cannot express."""
     rope = llama_hf._rope_parameters(config)
     if rope["rope_type"] not in ("default", "llama3"):
-        raise ValueError(f"RoPE type '{rope['rope_type']}' is not supported for llama4 (ember implements 'default' and 'llama3')")
+        raise ValueError(f"RoPE type '{rope['rope_type']}' is not supported for llama4 "
+                         "(ember implements 'default' and 'llama3')")
     if config.get("hidden_act", "silu") != "silu" or config.get("attention_bias"):
         raise ValueError("hidden_act other than silu or attention_bias=true is not supported (Llama 4 has neither)")
     n = config["num_hidden_layers"]
@@ -126,8 +127,8 @@ def args_from_hf_config(config: dict[str, Any]) -> Llama4Args:
     expected = ["chunked_attention" if flag and config.get("attention_chunk_size") else "full_attention"
                 for flag in uses_rope]
     if config.get("layer_types") not in (None, expected):
-        raise ValueError(f"layer_types {config['layer_types']} differ from no_rope_layers' chunked layers, which is all "
-                         "ember's Llama 4 expresses")
+        raise ValueError(f"layer_types {config['layer_types']} differ from no_rope_layers' chunked layers, "
+                         "which is all ember's Llama 4 expresses")
     scaling = llama_hf.llama31_scaling_fields(rope)
     return Llama4Args(
         dim=config["hidden_size"], n_layers=n, n_heads=config["num_attention_heads"],
@@ -136,7 +137,8 @@ def args_from_hf_config(config: dict[str, Any]) -> Llama4Args:
         ffn_hidden_dim=config["intermediate_size_mlp"], n_experts=config["num_local_experts"] if moe_layers else 0,
         top_k=config.get("num_experts_per_tok", 1), moe_hidden_dim=config["intermediate_size"], sparse_step=moe_every,
         nope_every=nope_every, attention_chunk=config.get("attention_chunk_size"),
-        qk_norm=bool(config.get("use_qk_norm", True)), temperature_tuning=bool(config.get("attn_temperature_tuning", True)),
+        qk_norm=bool(config.get("use_qk_norm", True)),
+        temperature_tuning=bool(config.get("attn_temperature_tuning", True)),
         floor_scale=int(config.get("floor_scale", 8192)), attn_scale=float(config.get("attn_scale", 0.1)),
         norm_eps=config.get("rms_norm_eps", 1e-5), rope_theta=float(rope["rope_theta"]),
         max_seq_len=config.get("max_position_embeddings", 131072),

@@ -25,8 +25,8 @@ from ember.nn.feed_forward import FeedForward
 from ember.nn.flops import decoder_flops_per_token
 from ember.nn.moe import MoE
 from ember.nn.moe_stats import MoEOptions
-from ember.nn.router import Router
 from ember.nn.norm import WeightlessRMSNorm
+from ember.nn.router import Router
 
 __all__ = ["Transformer", "num_params", "flops_per_token"]
 

@@ -26,6 +26,7 @@ def flops_per_token(args: MistralArgs, seq_len: int) -> float:
     """Training FLOPs per token: 6 N + 12 L H Q T (PaLM appendix B), T counted as the sliding window leaves it
     (nn/attention.py's scored_length): the work a windowed kernel (flex attention) does."""
     attn = args.dim * args.head_dim * (2 * args.n_heads + 2 * args.kv_heads)
-    n = args.n_layers * (attn + 3 * args.dim * args.ffn_hidden_dim + 2 * args.dim) + args.dim + args.vocab_size * args.dim
+    n = (args.n_layers * (attn + 3 * args.dim * args.ffn_hidden_dim + 2 * args.dim) + args.dim
+         + args.vocab_size * args.dim)
     return 6 * n + 12 * args.n_layers * args.n_heads * args.head_dim * scored_length(args.layer_span(0), seq_len)
 

@@ -6,7 +6,6 @@ ember/nn/moe.py's with its default SwiGLU experts. No parallelism and no I/O her
 
 from __future__ import annotations
 
-
 from ember.models.mixtral.args import MixtralArgs
 from ember.nn.decoder import Decoder, RMSNorm, TransformerBlock, num_params
 from ember.nn.moe import MoE

@@ -16,6 +16,7 @@ import torch
 from ember.models.llama import hf as llama_hf
 from ember.models.phi3.args import Phi3Args
 
+
 def family_of(args: Phi3Args) -> str:
     return "phi3"  # one family per args class
 
@@ -50,7 +51,8 @@ def to_hf_state_dict(state: dict[str, torch.Tensor], args: Phi3Args) -> dict[str
         prefix = f"layers.{layer}."
         q = _permute(state[prefix + "attention.wq.weight"], args.n_heads, args, to_hf=True)
         k = _permute(state[prefix + "attention.wk.weight"], args.kv_heads, args, to_hf=True)
-        out[f"model.layers.{layer}.self_attn.qkv_proj.weight"] = torch.cat([q, k, state[prefix + "attention.wv.weight"]])
+        out[f"model.layers.{layer}.self_attn.qkv_proj.weight"] = torch.cat(
+            [q, k, state[prefix + "attention.wv.weight"]])
         out[f"model.layers.{layer}.mlp.gate_up_proj.weight"] = torch.cat(
             [state[prefix + "feed_forward.w1.weight"], state[prefix + "feed_forward.w3.weight"]])
     return out

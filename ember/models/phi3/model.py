@@ -13,8 +13,8 @@ import torch
 from ember.models.phi3.args import Phi3Args
 from ember.nn.attention import scored_length
 from ember.nn.decoder import Attention, Decoder, RMSNorm, TransformerBlock, num_params
-from ember.nn.rope import rope_cos_sin
 from ember.nn.feed_forward import FeedForward
+from ember.nn.rope import rope_cos_sin
 
 __all__ = ["Transformer", "num_params", "flops_per_token"]
 
@@ -58,5 +58,6 @@ def flops_per_token(args: Phi3Args, seq_len: int) -> float:
     """Training FLOPs per token: 6 N + 12 L H Q T (PaLM appendix B), T counted as the sliding window leaves it
     (nn/attention.py's scored_length)."""
     attn = args.dim * args.head_dim * (2 * args.n_heads + 2 * args.kv_heads)
-    n = args.n_layers * (attn + 3 * args.dim * args.ffn_hidden_dim + 2 * args.dim) + args.dim + args.vocab_size * args.dim
+    n = (args.n_layers * (attn + 3 * args.dim * args.ffn_hidden_dim + 2 * args.dim) + args.dim
+         + args.vocab_size * args.dim)
     return 6 * n + 12 * args.n_layers * args.n_heads * args.head_dim * scored_length(args.layer_span(0), seq_len)

@@ -55,7 +55,8 @@ class QwenArgs(GroupedQueryArgs):
         check_top_k(self.n_experts, self.top_k)
         if self.n_experts and self.moe_hidden_dim < 1:
             raise ConfigError(f"model.moe_hidden_dim={self.moe_hidden_dim} must be >= 1 with model.n_experts="
-                              f"{self.n_experts} (each expert's SwiGLU hidden size); set model.moe_hidden_dim to 1 or more")
+                              f"{self.n_experts} (each expert's SwiGLU hidden size); "
+                              "set model.moe_hidden_dim to 1 or more")
         require_expert_layers(self, self.n_experts, "sparse_step", self.sparse_step,
                               "layer i has them when (i + 1) % sparse_step == 0", "1 to n_layers")
         super().validate()

@@ -152,9 +152,11 @@ def args_from_hf_config(config: dict[str, Any]) -> QwenArgs:
     moe: dict[str, Any] = {}
     if kind == "qwen3_moe":
         # the hub's configs say num_experts, transformers 5 writes num_local_experts
-        moe = dict(n_experts=config.get("num_experts", config.get("num_local_experts")), top_k=config["num_experts_per_tok"],
-                   moe_hidden_dim=config["moe_intermediate_size"], norm_topk_prob=bool(config.get("norm_topk_prob", True)),
-                   sparse_step=config.get("decoder_sparse_step", 1), dense_layers=tuple(config.get("mlp_only_layers") or ()))
+        moe = dict(n_experts=config.get("num_experts", config.get("num_local_experts")),
+                   top_k=config["num_experts_per_tok"], moe_hidden_dim=config["moe_intermediate_size"],
+                   norm_topk_prob=bool(config.get("norm_topk_prob", True)),
+                   sparse_step=config.get("decoder_sparse_step", 1),
+                   dense_layers=tuple(config.get("mlp_only_layers") or ()))
     return QwenArgs(
         dim=config["hidden_size"], n_layers=config["num_hidden_layers"], n_heads=config["num_attention_heads"],
         n_kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
@@ -183,7 +185,8 @@ def hf_config_from_args(args: QwenArgs) -> dict[str, Any]:
     if kind != "qwen2":
         config["attention_bias"] = False
     if kind == "qwen3_moe":
-        config.update(num_experts=args.n_experts, num_experts_per_tok=args.top_k, moe_intermediate_size=args.moe_hidden_dim,
-                      norm_topk_prob=args.norm_topk_prob, decoder_sparse_step=args.sparse_step,
-                      mlp_only_layers=list(args.dense_layers), output_router_logits=False)
+        config.update(num_experts=args.n_experts, num_experts_per_tok=args.top_k,
+                      moe_intermediate_size=args.moe_hidden_dim, norm_topk_prob=args.norm_topk_prob,
+                      decoder_sparse_step=args.sparse_step, mlp_only_layers=list(args.dense_layers),
+                      output_router_logits=False)
     return config
