@@ -222,7 +222,9 @@ def _check_trackers(metrics: MetricsConfig) -> None:
 
 def _check_output_dir(output_dir: str) -> None:
     """output_dir must be a directory ember can create and write in: found now, not after the model is built."""
-    path = Path(output_dir).expanduser()
+    if "://" in output_dir and not output_dir.startswith("file://"):
+        return  # a URL: ember/storage/location.py checks it, and its bucket before any work
+    path = Path(output_dir.removeprefix("file://")).expanduser()
     if path.exists() and not path.is_dir():
         raise ConfigError(f"output_dir={output_dir} is a file, not a directory; choose another output_dir")
     existing = path
@@ -316,7 +318,7 @@ def validate(cfg: JobConfig) -> None:
                           "table's, or on a CPU a measured one)")
     if cfg.eval.limit is not None and cfg.eval.limit < 1:
         raise ConfigError(f"eval.limit must be >= 1 (null: every row), got {cfg.eval.limit}")
-    if cfg.resume not in ("auto", "none") and not Path(cfg.resume).expanduser().exists():
+    if cfg.resume not in ("auto", "none") and "://" not in cfg.resume and not Path(cfg.resume).expanduser().exists():
         raise ConfigError(f"resume={cfg.resume}: no such checkpoint; give a checkpoints/step-N path, auto or none")
     _check_resume_allow_changes(cfg.resume_allow_changes)
     if cfg.model.scan_layers and cfg.device not in XLA_DEVICES:

@@ -11,9 +11,11 @@ A checkpoint is `OUTPUT_DIR/checkpoints/step-N/`:
 
 Atomic: everything is written under `step-N.tmp` and renamed to `step-N` by rank 0 once every rank is
 done, so a crash at any point leaves the previous checkpoints intact; leftover `.tmp` folders are removed
-at the next start. Asynchronous saves (`checkpoint.async_save`) stage the state in host memory, write it
-in the background over a process group of their own (on gloo, sharing the default group was seen to
-hang), and are committed at a later step boundary.
+at the next start. On an object store (output_dir=s3://..., gs://...), which has no rename, `step-N/` is
+written in place and `model.json`, written last by rank 0 after every rank's shards and DCP's metadata, is
+the commit marker: a step without it is never loaded, and is deleted at the next start. Asynchronous saves
+(`checkpoint.async_save`) stage the state in host memory, write it in the background over a process group of
+their own (on gloo, sharing the default group was seen to hang), and are committed at a later step boundary.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import os
 import shutil
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -33,7 +35,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-from ember.checkpoint.run_dir import archive_previous_run, complete_checkpoints, starts_over
+from ember.checkpoint.run_dir import STEP_DIR, STEP_TMP, archive_previous_run, complete_checkpoints, starts_over
 from ember.checkpoint.run_history import (
     CHECKPOINT_CONFIG,
     Change,
@@ -49,6 +51,7 @@ from ember.finetune.lora import lora_meta
 from ember.finetune.lora_state import START, buffer_names, lora_state_dict, start_buffers, unsaved_buffers
 from ember.model_io.load import model_state_dict
 from ember.model_io.model_meta import MODEL_JSON, ArchitectureMismatch, check_architecture, meta_for
+from ember.storage.location import Location, as_path, remove_tree
 from ember.train.optim import apply_group_settings, group_settings
 
 if TYPE_CHECKING:
@@ -63,14 +66,16 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def verify(step_dir: Path, template: dict[str, Any]) -> None:
+def verify(step_dir: Location, template: dict[str, Any]) -> None:
     """Check a checkpoint against what this run will load, before loading: every shard file present and
     long enough, every tensor of the same global shape. Names the first problem."""
     from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader  # DCP's URL reader: no public name
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    reader = FileSystemReader if isinstance(step_dir, Path) else FsspecReader
     try:
-        metadata = FileSystemReader(str(step_dir)).read_metadata()
+        metadata = reader(str(step_dir)).read_metadata()
     except Exception as err:
         raise CheckpointError(f"checkpoint {step_dir}: its .metadata cannot be read "
                               f"({first_error_line(err)})") from None
@@ -125,11 +130,12 @@ def set_rng_state(state: dict[str, Any]) -> None:
 class CheckpointManager:
     """Saves and restores the whole training state of one run; every rank calls every method."""
 
-    def __init__(self, cfg: CheckpointConfig, output_dir: Path, model_parts: list[nn.Module], optim_model: nn.Module,
-                 optimizer: torch.optim.Optimizer, meta: dict[str, Any], say: Callable[[str], None] = print,
-                 adapters_only: bool = False, run_config: Optional[dict[str, Any]] = None,
-                 allow_changes: Sequence[str] = ()):
-        self.cfg, self.dir = cfg, Path(output_dir) / "checkpoints"
+    def __init__(self, cfg: CheckpointConfig, output_dir: Union[str, Location], model_parts: list[nn.Module],
+                 optim_model: nn.Module, optimizer: torch.optim.Optimizer, meta: dict[str, Any],
+                 say: Callable[[str], None] = print, adapters_only: bool = False,
+                 run_config: Optional[dict[str, Any]] = None, allow_changes: Sequence[str] = ()):
+        self.cfg, self.dir = cfg, as_path(output_dir) / "checkpoints"
+        self.in_place = not isinstance(self.dir, Path)  # an object store: no rename, model.json commits a step
         # The whole job config (as config.yaml holds it), saved beside the weights and compared on resume; the
         # keys of what the run is that this resume may change (resume_allow_changes).
         self.run_config, self.allow_changes = run_config, tuple(allow_changes)
@@ -141,12 +147,15 @@ class CheckpointManager:
         self.start_buffers = start_buffers(model_parts) if adapters_only else {}
         self.model_parts, self.optim_model, self.optimizer = model_parts, optim_model, optimizer
         self.meta, self.say = meta, say
-        self._pending: Optional[tuple[Any, Path, Path]] = None  # async save in flight: (future, tmp, final)
+        self._pending: Optional[tuple[Any, Location, Location]] = None  # async save in flight: (future, tmp, final)
         self._async_group = None
+        self.on_commit: Callable[[], None] = lambda: None  # rank 0, after each commit (a remote run's mirror push)
         if self.rank() == 0 and self.dir.is_dir():
-            for leftover in self.dir.glob("step-*.tmp"):  # a save that a crash interrupted
-                shutil.rmtree(leftover, ignore_errors=True)
-                self.say(f"removed the incomplete checkpoint {leftover.name} left by an interrupted save")
+            for leftover in self.dir.iterdir():  # a save that a crash interrupted
+                if STEP_TMP.fullmatch(leftover.name) or (self.in_place and STEP_DIR.fullmatch(leftover.name)
+                                                         and not (leftover / MODEL_JSON).is_file()):
+                    remove_tree(leftover)
+                    self.say(f"removed the incomplete checkpoint {leftover.name} left by an interrupted save")
         self.barrier()
 
     def rank(self) -> int:
@@ -169,12 +178,13 @@ class CheckpointManager:
         """Write step-N (asynchronously when checkpoint.async_save and not `blocking`)."""
         self.wait()  # one save in flight at a time
         final = self.dir / f"step-{step}"
-        tmp = final.with_name(final.name + ".tmp")
+        tmp = final if self.in_place else final.with_name(final.name + ".tmp")
         if self.rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
+            remove_tree(tmp)  # in place: a step saved again loses its marker before its files change
+            tmp.mkdir(parents=True, exist_ok=True)
         self.barrier()
-        torch.save(train_state, tmp / f"train-rank{self.rank()}.pt")
+        with (tmp / f"train-rank{self.rank()}.pt").open("wb") as file:
+            torch.save(train_state, file)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # DCP's notes on single-process use
             future = self._write(tmp, blocking)
@@ -184,7 +194,7 @@ class CheckpointManager:
         self._commit(tmp, final)
         self.barrier()
 
-    def _write(self, tmp: Path, blocking: bool) -> Optional[Any]:
+    def _write(self, tmp: Location, blocking: bool) -> Optional[Any]:
         """The weights and optimizer state into tmp; a future while an asynchronous save writes on."""
         state = self._state()
         if self.cfg.async_save and not blocking:
@@ -194,17 +204,19 @@ class CheckpointManager:
         dcp.save(state, checkpoint_id=str(tmp))
         return None
 
-    def _commit(self, tmp: Path, final: Path) -> None:
+    def _commit(self, tmp: Location, final: Location) -> None:
         """Rank 0, once every rank's shards and the metadata are written: marker, rename, prune."""
         if self.rank() != 0:
             return
         if self.run_config is not None:
             (tmp / CHECKPOINT_CONFIG).write_text(yaml.safe_dump(self.run_config, sort_keys=False), encoding="utf-8")
         (tmp / MODEL_JSON).write_text(json.dumps(self.meta, indent=2) + "\n")
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        if not self.in_place:
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
         self._prune()
+        self.on_commit()
 
     def _prune(self) -> None:
         keep, every = self.cfg.keep, self.cfg.keep_every
@@ -214,7 +226,7 @@ class CheckpointManager:
         for step, path in checkpoints[:-keep]:
             if every > 0 and step % every == 0:
                 continue  # a milestone
-            shutil.rmtree(path, ignore_errors=True)
+            remove_tree(path)
 
     def poll(self) -> None:
         """Commit a finished asynchronous save (call at step boundaries)."""
@@ -253,7 +265,7 @@ class CheckpointManager:
             # a run from scratch must start from an empty state, as one that never tried to resume.
             self.optimizer.state.clear()
             return None
-        path = Path(spec).expanduser()
+        path = as_path(spec)
         if (path / "checkpoints").is_dir() and not (path / MODEL_JSON).is_file():
             found = complete_checkpoints(path / "checkpoints")
             if not found:
@@ -264,7 +276,7 @@ class CheckpointManager:
                                   "give a checkpoints/step-N directory")
         return self.load(path)
 
-    def load(self, step_dir: Path) -> dict[str, Any]:
+    def load(self, step_dir: Location) -> dict[str, Any]:
         check_architecture(step_dir, self.meta)  # first: it names the resolved hyper-parameters that differ
         found = resume_changes(step_dir, self.run_config, self.allow_changes, self.say) if self.run_config else []
         check_resume_base(step_dir, self.meta)  # a LoRA run's base overwritten since: a ConfigError, no fallback
@@ -295,7 +307,8 @@ class CheckpointManager:
         if not rank_file.is_file():  # another world size: the global data position is the same on every rank
             rank_file = step_dir / "train-rank0.pt"
         try:
-            train_state = torch.load(rank_file, weights_only=True)
+            with rank_file.open("rb") as file:
+                train_state = torch.load(file, weights_only=True)
         except Exception as err:
             raise CheckpointError(f"checkpoint {step_dir}: {rank_file.name} is unreadable "
                                   f"({first_error_line(err)})") from None
@@ -323,7 +336,7 @@ def open_checkpoints(spec: RunSpec, model_parts: list[nn.Module], model: nn.Modu
     and loaded and has steps left to train: a refused or finished resume leaves that run as it was. manager_type:
     another CheckpointManager (the XLA path's, over sharded device arrays), called with CheckpointManager's arguments.
     precision=auto keeps a resumed run's dtype (ember.train.run.choose_precision, with `resumed_compute`)."""
-    cfg, output_dir = spec.cfg, Path(spec.cfg.output_dir)
+    cfg, output_dir = spec.cfg, spec.cfg.output_dir
     meta = meta_for(cfg.model.family, spec.flavor, spec.args)
     if cfg.lora.rank:  # a LoRA checkpoint holds the adapters and their optimizer state, and names its base
         meta.update(lora_meta(cfg.lora, cfg.model.init_from))

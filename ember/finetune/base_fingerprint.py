@@ -29,6 +29,8 @@ from ember.constants import default_cache_dir
 from ember.errors import CheckpointError, ConfigError, EmberError
 from ember.finetune.peft_format import ADAPTER_CONFIG, check_adapter_config, peft_base
 from ember.model_io.model_meta import MODEL_JSON, ember_step_dir, read_json
+from ember.storage.cache import local_copy
+from ember.storage.location import as_path, canonical
 
 FINGERPRINT_KEY = "base_fingerprint"
 REFERENCE_FINGERPRINT_KEY = "reference_fingerprint"  # task=dpo without LoRA: model.init_from, the reference
@@ -44,7 +46,7 @@ _CACHE_NAME = "file_digests.json"
 def model_files(path: Union[str, Path]) -> list[Path]:
     """The files load_model reads for `path` (a run directory: its newest complete step; a peft adapter: its
     base's files too), resolved, in a stable order."""
-    return [file for _, file in _named_files(Path(path).expanduser().resolve())]
+    return [file for _, file in _named_files(local_copy(path, "model.init_from").resolve())]
 
 
 def fingerprint(path: Union[str, Path]) -> dict[str, dict[str, Any]]:
@@ -52,7 +54,7 @@ def fingerprint(path: Union[str, Path]) -> dict[str, dict[str, Any]]:
     adapter's base's under "base/"), so a copy of the base elsewhere has the same fingerprint."""
     cache = _DigestCache()
     prints = {name: {"bytes": file.stat().st_size, "sha256": cache.digest(file)}
-              for name, file in _named_files(Path(path).expanduser().resolve())}
+              for name, file in _named_files(local_copy(path, "model.init_from").resolve())}
     cache.save()
     return prints
 
@@ -113,7 +115,7 @@ def check_lora_base(step_dir: Path, meta: dict[str, Any]) -> None:
 def reference_meta(init_from: str) -> dict[str, Any]:
     """What a full (non-LoRA) DPO checkpoint's model.json adds: the path and fingerprint of model.init_from, from
     which a resumed run rebuilds its frozen reference (the checkpoint holds only the policy)."""
-    reference = str(Path(init_from).expanduser().resolve())
+    reference = canonical(init_from)
     return {"reference": reference, REFERENCE_FINGERPRINT_KEY: run_fingerprint(reference)}
 
 
@@ -143,9 +145,9 @@ def resumed_base(resume: str, output_dir: Union[str, Path], init_from: str) -> I
     try:
         yield
     except EmberError as err:
-        step_dir = _checkpoint_to_resume(resume, Path(output_dir))
+        step_dir = _checkpoint_to_resume(resume, as_path(output_dir))
         saved = read_json(step_dir / MODEL_JSON) if step_dir is not None else {}
-        base = str(Path(init_from).expanduser().resolve())
+        base = canonical(init_from)
         for key, path_key, what in ((FINGERPRINT_KEY, "base", "base"),
                                     (REFERENCE_FINGERPRINT_KEY, "reference", "DPO reference")):
             if saved.get(path_key) == base and isinstance(saved.get(key), dict):
@@ -165,7 +167,7 @@ def _checkpoint_to_resume(resume: str, output_dir: Path) -> Optional[Path]:
     if resume == "none":
         return None
     try:
-        return ember_step_dir(output_dir if resume == "auto" else Path(resume).expanduser())
+        return ember_step_dir(output_dir if resume == "auto" else as_path(resume))
     except EmberError:  # no complete checkpoint there: nothing to resume
         return None
 

@@ -27,7 +27,6 @@ import contextlib
 import functools
 import math
 import zlib
-from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
@@ -39,6 +38,7 @@ from ember.errors import ConfigError
 from ember.finetune.base_fingerprint import FINGERPRINT_KEY, run_fingerprint
 from ember.finetune.lora_targets import linear, resolve_targets
 from ember.models import ModelSpec
+from ember.storage.location import canonical
 
 ADAPTER_MARKERS = (".lora_A.", ".lora_B.")
 
@@ -332,5 +332,5 @@ def lora_meta(cfg: LoraConfig, init_from: str) -> dict[str, Any]:
     settings = {"rank": cfg.rank, "alpha": float(cfg.alpha), "dropout": float(cfg.dropout),
                 "targets": list(cfg.targets) if isinstance(cfg.targets, (list, tuple)) else cfg.targets,
                 "train_embeddings": bool(cfg.train_embeddings), "train_norms": bool(cfg.train_norms)}
-    base = str(Path(init_from).expanduser().resolve())
+    base = canonical(init_from)
     return {"lora": settings, "base": base, FINGERPRINT_KEY: run_fingerprint(base)}

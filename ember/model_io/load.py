@@ -30,6 +30,7 @@ from ember.model_io.hf_directory import hf_family, hf_tensors, load_hf_model
 from ember.model_io.model_meta import MODEL_JSON, build_on_meta, ember_step_dir, parse_model_meta, read_model_json
 from ember.model_io.sources import Architecture, Device, ModelParts, SourceFormat, find_format, is_added_key
 from ember.models import MODELS
+from ember.storage.cache import local_copy
 
 MODEL_PATHS = (f"an ember run or checkpoint directory ({MODEL_JSON}, checkpoints/step-N), a HF model directory "
                "(config.json) or an `ember convert --to torch` file")
@@ -119,7 +120,7 @@ def source_architecture(path: Union[str, Path]) -> Architecture:
     """(family, flavor, args, the file they were read from) of what model.init_from names: an HF directory's
     config.json, or an ember checkpoint's model.json (a run directory: its newest complete step; a LoRA
     checkpoint's or a peft adapter's: its base's)."""
-    path = Path(path).expanduser()
+    path = local_copy(path, "model.init_from")
     if path.exists() and not path.is_dir():
         raise CheckpointError(f"model.init_from '{path}' is not a model: a model for init_from is a checkpoints/"
                               "step-N, run or HF directory, not a file")
@@ -134,7 +135,7 @@ def load_weights(model: ModelParts, path: Union[str, Path]) -> Path:
     directory, or a run directory's newest; DCP reads only the shards this rank needs), a Hugging Face
     directory (config.json + safetensors), or a LoRA checkpoint or peft adapter with its base (merged).
     Returns the directory read."""
-    path = Path(path)
+    path = local_copy(path, "model.init_from")
     if not path.is_dir():
         raise UserFileNotFound(f"model.init_from '{path}' does not exist; "
                                "give a checkpoints/step-N, run or HF directory")
@@ -148,8 +149,9 @@ def load_model(path: Union[str, Path], device: Device = "cpu", dtype: torch.dtyp
     `path` is an ember checkpoint (`<run>/checkpoints/step-N`), a run directory (its newest complete
     step), a Hugging Face directory (config.json and safetensors weights), a peft adapter directory, or the
     torch.save file that `ember convert --to torch` writes. Parameters come in `dtype`; the RoPE tables stay fp32.
+    A URL is read through its local copy (ember/storage/cache.py).
     """
-    path = Path(path)
+    path = local_copy(path)
     if not path.exists():
         raise UserFileNotFound(f"'{path}' does not exist (expected {MODEL_PATHS})")
     fmt = find_format(path)

@@ -38,6 +38,7 @@ from ember.parallel.ep import expert_dispatch
 from ember.parallel.mesh import ParallelMesh
 from ember.parallel.mesh_shape import MeshShape
 from ember.parallel.parallelize import ParallelOptions
+from ember.storage.location import check_locations, is_url
 from ember.train import engines
 from ember.train.engines import mesh_shape
 
@@ -63,6 +64,7 @@ def load_config(recipe: str = "debug", overrides: Optional[list[str]] = None,
     device of every host)."""
     overrides = list(overrides or [])
     cfg = config_lib.load(recipe, overrides)
+    check_locations(cfg)  # before anything is read from, or written to, a location the run names
     if world_size is None:
         world_size = engines.rules(cfg.device).world_size(cfg)
     if cfg.model.init_from and not any(item.startswith("model.family=") for item in overrides):
@@ -105,7 +107,8 @@ def _init_from_family(recipe_family: str, init_from: str) -> str:
     that the source replaces. One given on the command line is kept, and refused if it contradicts the source."""
     from ember.models.choice import source_family
 
-    if not Path(init_from).expanduser().exists():  # model_choice says so, after the checks that need no source
+    if not is_url(init_from) and not Path(init_from).expanduser().exists():  # model_choice says so, after the
+        # checks that need no source
         return recipe_family
     try:
         return source_family(recipe_family, init_from)
@@ -220,7 +223,7 @@ def choose_precision(cfg: JobConfig, device: torch.device, args: Any) -> Precisi
             model = MODELS[cfg.model.family].model_cls(args)
         return cpu_rates.model_gemms(model, cfg.micro_batch_size * cfg.seq_len)
 
-    trained = resumed_compute(cfg.resume, Path(cfg.output_dir)) if cfg.precision == "auto" else None
+    trained = resumed_compute(cfg.resume, cfg.output_dir) if cfg.precision == "auto" else None
     if trained is not None:
         # A resumed run keeps the dtype its steps computed in: a measurement taken again (another machine, a busy
         # one) must not switch it halfway, nor refuse the plain resume.
@@ -363,7 +366,7 @@ def build_model(spec: RunSpec, mesh: Optional[ParallelMesh], *, stage_ids: Optio
             part.init_rope(spec.device)
     init_from = init_from or cfg.model.init_from
     if init_from:  # on resume, the base of a LoRA or DPO checkpoint: a failure says so
-        resumed = (base_fingerprint.resumed_base(cfg.resume, Path(cfg.output_dir), init_from) if random_init
+        resumed = (base_fingerprint.resumed_base(cfg.resume, cfg.output_dir, init_from) if random_init
                    else contextlib.nullcontext())
         with resumed:
             load_weights(built.parts, init_from)

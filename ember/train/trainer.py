@@ -15,7 +15,6 @@ from __future__ import annotations
 import collections
 import functools
 import time
-from pathlib import Path
 from typing import Iterator, Optional
 
 import torch
@@ -40,6 +39,8 @@ from ember.metrics.run_metrics import (
     throughput_record,
 )
 from ember.nn.decoder import num_params
+from ember.storage.location import as_path, check_reachable, is_url
+from ember.storage.mirror import RunMirror, local_run_dir
 from ember.train import engines, run as run_lib
 from ember.train.health import HealthGuard, StopSignals, TrainingStopped, is_finite_step
 from ember.train.optim import build_lr_scheduler, restart_schedule
@@ -59,7 +60,15 @@ class Trainer:
         self.engine = engine = engines.engine_type(cfg.device)(cfg)
         self.rank, self.world_size, self.device = engine.rank, engine.world_size, engine.device
         self.is_main = self.rank == 0
-        self.output_dir = Path(cfg.output_dir)
+        # Where this host writes the run's files: output_dir, or for a URL its local mirror (ember/storage/mirror.py),
+        # pulled from the store here and pushed back after each checkpoint and at the end.
+        self.output_dir, self.mirror = local_run_dir(cfg.output_dir), None
+        for key, location in (("output_dir", cfg.output_dir), ("resume", cfg.resume)):
+            if is_url(location):  # the bucket, the credentials, the endpoint: before any work
+                check_reachable(as_path(location), key, must_exist=key == "resume")
+        if is_url(cfg.output_dir) and self.is_main:
+            self.mirror = RunMirror(as_path(cfg.output_dir), self.output_dir)
+            self.mirror.pull()
 
         # 1. Every decision about the run (ember/train/run.py, which `ember plan` calls too), then the engine's mesh.
         self.spec = spec = run_lib.resolve(cfg, self.world_size, engine.run_device)
@@ -109,6 +118,8 @@ class Trainer:
             set_rng_state(state["rng"])
             self.health.load_state_dict(state)
         engine.place(self.checkpointer)
+        if self.mirror is not None:
+            self.checkpointer.on_commit = self.mirror.push
 
     def _say(self, message: str) -> None:
         if self.is_main:
@@ -237,7 +248,7 @@ class Trainer:
         val_loss = None if stopped else self.evaluate()
         tasks = {} if stopped else self.eval_tasks()
         self._close_loaders()
-        step_dir = self.output_dir / "checkpoints" / f"step-{self.step}"
+        step_dir = self.checkpointer.dir / f"step-{self.step}"
         if not stopped and not (step_dir / "model.json").is_file():
             self._save_now()
         self.checkpointer.wait()
@@ -257,13 +268,15 @@ class Trainer:
         if val_loss is not None or tasks:
             logger.log(self.step, {"step": self.step, "val_loss": val_loss, **tasks})
         logger.close()
+        if self.mirror is not None:
+            self.mirror.push()
         if self.is_main and cfg.metrics.console and first is not None:
             val = f", validation loss {val_loss:.3f}" if val_loss is not None else ""
             (lo, hi) = summary["final_loss_steps"]
             last = f"step {hi}" if lo == hi else f"mean of steps {lo}-{hi}"
             self.console.print(f"done: {plural(self.step, 'step')}, loss {first[1]:.3f} (step {first[0]}) -> "
                                f"{summary['final_loss_avg']:.3f} ({last}){val}; model saved to {step_dir}")
-            self.console.print(f"see the run: ember report {self.output_dir}", markup=False, highlight=False)
+            self.console.print(f"see the run: ember report {cfg.output_dir}", markup=False, highlight=False)
         return summary
 
     def _close_loaders(self) -> None:

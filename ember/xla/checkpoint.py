@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 
 from ember.checkpoint.manager import CheckpointManager
 from ember.errors import CheckpointError
+from ember.storage.location import Location
 
 HOST_DIR = "host{}"
 Offsets = tuple[int, ...]
@@ -190,15 +191,24 @@ def assemble(targets: dict[str, HostChunks], sharding: Any, shape: tuple[int, ..
 
 
 # ---------------------------------------------------------------------------------------------- files
-def write_host(state: dict[str, Any], host_dir: Path) -> None:
+def _storage(folder: Location, reader: bool) -> Any:
+    """DCP's reader or writer for a local folder or a URL (on object storage each host writes its own objects)."""
+    if isinstance(folder, Path):
+        return FileSystemReader(str(folder)) if reader else FileSystemWriter(str(folder))
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter  # no public names
+
+    return FsspecReader(str(folder)) if reader else FsspecWriter(str(folder))
+
+
+def write_host(state: dict[str, Any], host_dir: Location) -> None:
     """One host's DCP files and metadata under host_dir (no collectives: each host plans alone)."""
     host_dir.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings():  # DCP's note that it saves without torch.distributed: each host does, by design
         warnings.simplefilter("ignore", UserWarning)
-        dcp.save(state, storage_writer=FileSystemWriter(str(host_dir)), planner=_HostSavePlanner(), no_dist=True)
+        dcp.save(state, storage_writer=_storage(host_dir, reader=False), planner=_HostSavePlanner(), no_dist=True)
 
 
-def merge_hosts(step_dir: Path, hosts: int, timeout_s: float = 3600.0) -> None:
+def merge_hosts(step_dir: Location, hosts: int, timeout_s: float = 3600.0) -> None:
     """Process 0: one `.metadata` for step_dir from every host's (waiting for the hosts still writing), its paths
     into the host folders; raises CheckpointError when the chunks do not cover every tensor exactly once."""
     merged: dict[str, Any] = {}
@@ -212,7 +222,7 @@ def merge_hosts(step_dir: Path, hosts: int, timeout_s: float = 3600.0) -> None:
             if time.monotonic() > deadline:
                 raise CheckpointError(f"checkpoint {step_dir}: host {host} wrote no metadata in {timeout_s:.0f} s")
             time.sleep(0.5)
-        metadata = FileSystemReader(str(folder)).read_metadata()
+        metadata = _storage(folder, reader=True).read_metadata()
         first = first or metadata
         planner_data.update(metadata.planner_data or {})
         for index, info in metadata.storage_data.items():
@@ -229,6 +239,10 @@ def merge_hosts(step_dir: Path, hosts: int, timeout_s: float = 3600.0) -> None:
                 raise CheckpointError(f"checkpoint {step_dir}: the hosts' chunks of '{key}' cover {covered} of "
                                       f"{math.prod(entry.size)} elements")
     metadata = dataclasses.replace(first, state_dict_metadata=merged, storage_data=storage, planner_data=planner_data)
+    if not isinstance(step_dir, Path):  # an object store: no rename; model.json, written after, commits the step
+        with (step_dir / ".metadata").open("wb") as f:
+            pickle.dump(metadata, f)
+        return
     with open(step_dir / ".metadata.tmp", "wb") as f:
         pickle.dump(metadata, f)  # DCP's own encoding of .metadata (FileSystemWriter.finish)
     (step_dir / ".metadata.tmp").replace(step_dir / ".metadata")
@@ -299,7 +313,7 @@ class XlaCheckpointManager(CheckpointManager):
             state["optim"]["param_groups"] = d.param_groups
         return state
 
-    def _write(self, tmp: Path, blocking: bool) -> Optional[Future]:
+    def _write(self, tmp: Location, blocking: bool) -> Optional[Future]:
         state = self._staged()
         job = lambda: write_host(state, tmp / HOST_DIR.format(self.rank()))  # noqa: E731
         if blocking or not self.cfg.async_save:
@@ -307,7 +321,7 @@ class XlaCheckpointManager(CheckpointManager):
             return None
         return self._writer.submit(job)
 
-    def _commit(self, tmp: Path, final: Path) -> None:
+    def _commit(self, tmp: Location, final: Location) -> None:
         import jax
 
         if self.rank() == 0:

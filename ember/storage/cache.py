@@ -1,0 +1,148 @@
+"""Local copies of what a run reads from object storage (model.init_from's HF directory or checkpoint, a LoRA
+run's base), so that every rank of every restart on a host does not download a 70B model again.
+
+A URL's copy lives in EMBER_CACHE/remote/<hash of the URL>/ with a manifest of what was copied (each object's
+size and ETag or modification time). It is reused while the store's listing is unchanged and downloaded again
+when it changed. The processes of a host take one file lock per URL, so one downloads and the others wait and
+reuse. The cache is bounded by EMBER_REMOTE_CACHE_GB (default 200): the least recently used copies are removed
+to make room, and a source larger than the bound is refused in one line rather than filling the disk.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Union
+
+from ember.constants import default_cache_dir
+from ember.errors import ConfigError, UserFileNotFound, first_error_line
+from ember.storage.location import as_path, is_url
+
+MANIFEST = "manifest.json"
+
+
+def cache_root() -> Path:
+    return default_cache_dir() / "remote"
+
+
+def cache_limit_bytes() -> int:
+    text = os.environ.get("EMBER_REMOTE_CACHE_GB", "200")
+    try:
+        limit = float(text)
+    except ValueError:
+        raise ConfigError(f"EMBER_REMOTE_CACHE_GB={text} is not a number of GiB") from None
+    return int(limit * 2**30)
+
+
+def local_copy(path: Union[str, os.PathLike], key: str = "path") -> Path:
+    """A local path for `path`: itself when local; for a URL, its cached copy (a directory's objects or one
+    file), downloaded when missing or changed on the store. A run directory's copy holds only its newest complete
+    checkpoint (what loading a run reads)."""
+    if not is_url(str(path)):
+        return as_path(str(path)) if not isinstance(path, Path) else path.expanduser()
+    url = str(path).rstrip("/")
+    remote = as_path(url)
+    source = _newest_checkpoint(remote) or remote
+    listing = _listing(source, url, key)
+    entry = cache_root() / hashlib.sha256(url.encode()).hexdigest()[:16]
+    with _locked(entry):
+        manifest = _read_manifest(entry)
+        if manifest.get("listing") != listing:
+            _download(source, listing, entry, url)
+        _touch(entry)
+    return entry / "data" / source.name
+
+
+def _newest_checkpoint(remote):
+    """A run directory's newest committed checkpoints/step-N (the one load_model reads), or None."""
+    from ember.checkpoint.run_dir import complete_checkpoints
+
+    checkpoints = remote / "checkpoints"
+    if (remote / "model.json").exists() or not checkpoints.is_dir():
+        return None
+    found = complete_checkpoints(checkpoints)
+    return found[-1][1] if found else None
+
+
+def _listing(source, url: str, key: str) -> dict[str, list]:
+    """relative name -> [size, ETag or mtime] of every object under `source` ("" for a single object)."""
+    fs, root = source.fs, source.path.rstrip("/")
+    try:
+        found = fs.find(root, detail=True)
+    except FileNotFoundError:
+        found = {}
+    except Exception as err:
+        raise ConfigError(f"{key} {url}: cannot be listed ({first_error_line(err)})") from None
+    if not found:
+        raise UserFileNotFound(f"{key} {url} does not exist (nothing stored under it)")
+    listing = {}
+    for name, info in found.items():
+        relative = name[len(root):].lstrip("/")
+        listing[relative] = [info.get("size"), str(info.get("ETag") or info.get("mtime") or info.get("LastModified"))]
+    return listing
+
+
+def _download(source, listing: dict[str, list], entry: Path, url: str) -> None:
+    needed = sum(size or 0 for size, _ in listing.values())
+    limit = cache_limit_bytes()
+    if needed > limit:
+        raise ConfigError(f"{url} is {needed / 2**30:.1f} GiB, more than the local cache's bound "
+                          f"EMBER_REMOTE_CACHE_GB={limit / 2**30:g}; raise it (the disk at {cache_root()} must "
+                          "hold it)")
+    _make_room(needed, keep=entry)
+    staging = entry / f"data.partial-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    fs, root = source.fs, source.path.rstrip("/")
+    for relative in sorted(listing):  # under the source's own name: a directory, a step-N, or one file
+        target = staging / source.name / relative if relative else staging / source.name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fs.get_file(f"{root}/{relative}" if relative else root, str(target))
+    shutil.rmtree(entry / "data", ignore_errors=True)
+    os.replace(staging, entry / "data")  # a copy is whole or absent: a killed download leaves only a partial-* dir
+    (entry / MANIFEST).write_text(json.dumps({"url": url, "listing": listing, "bytes": needed}))
+
+
+def _read_manifest(entry: Path) -> dict:
+    try:
+        return json.loads((entry / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _touch(entry: Path) -> None:
+    (entry / "last-used").write_text(str(time.time()))
+
+
+def _make_room(needed: int, keep: Path) -> None:
+    """Remove the least recently used copies until `needed` more bytes fit under the bound."""
+    root, limit = cache_root(), cache_limit_bytes()
+    entries = []
+    for entry in root.iterdir() if root.is_dir() else []:
+        manifest = _read_manifest(entry)
+        if entry.is_dir() and manifest and entry != keep:
+            used = entry / "last-used"
+            entries.append((used.stat().st_mtime if used.exists() else 0.0, manifest.get("bytes", 0), entry))
+    total = sum(size for _, size, _ in entries)
+    for _, size, entry in sorted(entries):
+        if total + needed <= limit:
+            break
+        with _locked(entry):
+            shutil.rmtree(entry, ignore_errors=True)
+        total -= size
+
+
+@contextmanager
+def _locked(entry: Path) -> Iterator[None]:
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{entry}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
