@@ -16,6 +16,7 @@ from ember.errors import ConfigError
 from ember.metrics.run_metrics import plural
 from ember.plan.cost import FABRICS
 from ember.plan.planner import Plan, make_plan
+from ember.storage.location import Location, as_path, check_reachable
 from ember.usage import ArgumentParser
 
 DESCRIPTION = """Plan a training job before booking the cluster: on this CPU, in one process, build each rank's
@@ -71,8 +72,9 @@ def run(args: argparse.Namespace) -> int:
     from ember.train import run as run_lib
     cfg = run_lib.load_config(args.recipe, args.overrides, world_size=args.world)
     # --json prints plan.json instead of the table and writes no file, unless --output names one
-    path = Path(args.output) if args.output else None if args.json else Path(cfg.output_dir) / "plan.json"
-    if path is not None:
+    path = as_path(args.output) if args.output else None if args.json else as_path(cfg.output_dir) / "plan.json"
+    if path is not None:  # a local path or a URL (s3://, gs://: its bucket and credentials checked now)
+        check_reachable(path, "--output" if args.output else "output_dir", must_exist=False)
         _check_replaceable(path)  # before the planning: a file of the user's is never overwritten
     plan = make_plan(cfg, args.world, args.nodes, args.device, args.search)
     if cfg.device in XLA_DEVICES:  # beside the model above: the XLA path's own compiled step, on virtual CPU devices
@@ -90,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_replaceable(path: Path) -> None:
+def _check_replaceable(path: Location) -> None:
     """An existing `path` is replaced only when it is a plan.json (an earlier plan); any other file is refused,
     as `ember eval --output` refuses a file that is not an eval.json."""
     if not path.exists():

@@ -128,7 +128,9 @@ def test_resume_names_a_checkpoint_on_s3_from_a_local_run(s3_server, uninterrupt
         monkeypatch.setenv(key, value)
     remote, local = load_model(url).state_dict(), load_model(_pulled(s3_server, "source", tmp_path)).state_dict()
     assert local.keys() == remote.keys() and all(torch.equal(local[k], remote[k]) for k in local)
-    assert list((tmp_path / "cache" / "remote").glob("*/data/step-4"))  # only the newest checkpoint copied
+    (copy,) = (tmp_path / "cache" / "remote").glob("*/data/source")  # the run's newest checkpoint and config
+    assert sorted(p.relative_to(copy).as_posix() for p in copy.iterdir()) == ["checkpoints", "config.yaml"]
+    assert [p.name for p in (copy / "checkpoints").iterdir()] == ["step-4"]
 
 
 @pytest.fixture(scope="module")
@@ -209,3 +211,19 @@ def test_the_xla_path_checkpoints_to_s3_and_the_torch_path_resumes_it(s3_server,
     assert sorted(torch_path) == [5, 6, 7, 8]
     for step in torch_path:
         assert torch_path[step][0] == pytest.approx(xla[step][0], rel=1e-5)
+
+
+def test_plan_writes_its_json_to_s3_and_never_over_a_file_it_did_not_write(s3_server, tmp_path):
+    import json
+
+    url = s3_server.url("plans/plan.json")
+    env = _env(s3_server, tmp_path)
+    proc = run_ember("plan", "debug", "micro_batch_size=4", "--world", "2", "--output", url, env=env, expect=0)
+    assert f"wrote {url}" in proc.stdout
+    plan = json.loads(s3_server.filesystem().cat(f"{BUCKET}/plans/plan.json"))
+    assert plan["world_size"] == 2 and plan["fits"] is True
+    s3_server.filesystem().pipe(f"{BUCKET}/plans/notes.json", b'{"mine": 1}')
+    notes = s3_server.url("plans/notes.json")
+    proc = run_ember("plan", "debug", "micro_batch_size=4", "--world", "2", "--output", notes, env=env, expect=2)
+    assert "is not a plan.json ember wrote" in proc.stderr
+    assert s3_server.filesystem().cat(f"{BUCKET}/plans/notes.json") == b'{"mine": 1}'
