@@ -35,15 +35,17 @@ def tokenizer_for(path: Union[str, Path], spec: Optional[str] = None) -> AnyToke
     """The tokenizer of the model at `path`: `spec` when given (a tokenizer.json, SentencePiece or tiktoken
     file), else the one its training run used (the run's config.yaml: data.tokenizer, or the embedded BPE of
     the model's vocabulary), or the tokenizer.json / tokenizer.model in the model's directory (an HF directory's,
-    or the files `ember convert` copies beside an ember checkpoint it writes)."""
+    or the files `ember convert` copies beside an ember checkpoint it writes). A URL (the model's or `spec`) is
+    read through its local copy (ember/storage/cache.py), which keeps a run's config.yaml beside its checkpoint."""
     import yaml
 
     from ember.data.tokenizer import embedded_tokenizer, load_tokenizer, torch_file_without_tokenizer
     from ember.model_io.model_meta import MODEL_JSON, read_model_json
+    from ember.storage.cache import local_copy
 
     if spec:
-        return load_tokenizer(spec)
-    path = Path(path).expanduser()
+        return load_tokenizer(str(local_copy(spec, "--tokenizer")))
+    path = local_copy(path)
     if path.is_file():  # a torch file: it names no tokenizer
         raise torch_file_without_tokenizer(path)
     # An HF directory's own, or the one `ember convert` copies beside the checkpoint it writes

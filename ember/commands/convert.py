@@ -10,7 +10,8 @@ from ember.usage import ArgumentParser
 
 def parser() -> ArgumentParser:
     p = ArgumentParser(prog="ember convert", description="Convert a model between formats: a Hugging Face "
-                       "directory (hf), an ember DCP checkpoint (ember), a torch.save file (torch).")
+                       "directory (hf), an ember DCP checkpoint (ember), a torch.save file (torch). SRC and DST may "
+                       "be URLs (s3://...): SRC read through a local cache, DST written locally and uploaded whole.")
     p.add_argument("src")
     p.add_argument("dst")
     p.add_argument("--to", choices=("hf", "ember", "torch", "peft"), default=None,
@@ -31,7 +32,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def run(args: argparse.Namespace) -> int:
     from ember.model_io.convert import convert
+    from ember.storage.location import check_input, check_output
 
+    check_input(args.src, "SRC")  # a URL: its bucket, credentials and object, before any work
+    check_output(args.dst, "DST")
     target = convert(args.src, args.dst, args.to, merge=args.merge, overwrite=args.overwrite)
     print(f"wrote {args.dst} ({target})")
     return 0

@@ -12,9 +12,11 @@ from typing import Any
 from ember.commands import as_rank, wants_help, world_size
 from ember.errors import ConfigError
 from ember.launch.local import launch_local, split_launch_flags
+from ember.storage.location import as_path
 
 USAGE = """usage: ember eval PATH TASK[=DATA] ... [key=value ...] [--output FILE] [--tokenizer FILE]
-  PATH: an ember run or checkpoint, an HF directory or an `ember convert --to torch` file
+  PATH: an ember run or checkpoint, an HF directory or an `ember convert --to torch` file; local or a URL
+        (s3://..., any fsspec URL: the model read through a local cache, a run's newest committed checkpoint)
   tasks: ppl (the run's data source, its validation split), ppl=DATA (all of DATA: a file, folder, glob or
          any data.dataset value), lambada=FILE.jsonl ({"text"}), boolq=FILE.jsonl ({"passage", "question",
          "answer": true/false}), choice=FILE.jsonl ({"context", "choices", "label"}, scored as context + " " +
@@ -22,8 +24,9 @@ USAGE = """usage: ember eval PATH TASK[=DATA] ... [key=value ...] [--output FILE
   keys: eval.limit=N (the first N rows of each task, N >= 1; unset: all), eval.batch_size=N, eval.seq_len=N and
         eval.stride=N (ppl's window), eval.max_tokens=N (ppl), eval.split=val|train|all (ppl; default: val
         for the run's data, all for ppl=DATA), data.* (ppl's data source)
-  writes eval.json next to the checkpoint (--output FILE elsewhere): {"model", "step", "results": {task:
-  {metric: value, "data": what was scored}}}; a task run again replaces its own entry, the others stay
+  writes eval.json next to the checkpoint, on the store for a URL (--output FILE or URL elsewhere): {"model",
+  "step", "results": {task: {metric: value, "data": what was scored}}}; a task run again replaces its own entry,
+  the others stay
        ember eval PATH --harness TASK[,TASK] [--include-path DIR] [--limit N]
   lm-evaluation-harness tasks (pip install -e '.[eval]'); offline: local task YAMLs with dataset_path: json and
   absolute data_files, and HF_DATASETS_OFFLINE=1
@@ -68,8 +71,8 @@ def _eval_tasks(args: argparse.Namespace) -> int:
 
     options, data_cfg = args.options, args.data
     check_task_rows(args.tasks)
-    target = eval_json_target(Path(args.path), args.output)
-    read_previous(target, Path(args.path))  # a file we may not add to stops us before any work
+    target = eval_json_target(as_path(args.path), args.output)
+    read_previous(target, as_path(args.path))  # a file we may not add to stops us before any work
     model, ranks = _load(args.path, args.meshes)
     tokenizer = tokenizer_for(args.path, args.tokenizer)  # a torch file's error says how to get the run's
     results: dict[str, dict] = {}
@@ -82,7 +85,7 @@ def _eval_tasks(args: argparse.Namespace) -> int:
             metrics = TASKS[task](model, tokenizer, data or task, options.limit, options.batch_size, ranks)
             results[task] = {**metrics, "data": data_label(data or task, task)}
     if _is_main():
-        write_results(Path(args.path), results, target)
+        write_results(as_path(args.path), results, target)
     return 0
 
 
@@ -92,8 +95,8 @@ def _eval_harness(args: argparse.Namespace) -> int:
     from ember.eval.results import eval_json_target, read_previous, write_results
     from ember.generate import tokenizer_for
 
-    target = eval_json_target(Path(args.path), args.output)
-    read_previous(target, Path(args.path))
+    target = eval_json_target(as_path(args.path), args.output)
+    read_previous(target, as_path(args.path))
     tasks = args.harness.split(",")
     manager = task_manager(tasks, args.include_path)  # a task name lm-eval does not know stops us before the model
     model, ranks = _load(args.path, args.meshes)
@@ -108,7 +111,7 @@ def _eval_harness(args: argparse.Namespace) -> int:
     results = {task: {**{key.split(",")[0]: value for key, value in metrics.items()
                          if isinstance(value, (int, float)) and not isinstance(value, bool)}, "data": data}
                for task, metrics in out["results"].items()}
-    write_results(Path(args.path), results, target)
+    write_results(as_path(args.path), results, target)
     return 0
 
 

@@ -14,7 +14,8 @@ from ember.usage import ArgumentParser
 def parser() -> ArgumentParser:
     p = ArgumentParser(
         prog="ember generate", description="Continue prompts with a trained model (KV-cache decoding). PATH: an ember "
-        "run or checkpoint, an HF directory or an `ember convert --to torch` file.")
+        "run or checkpoint, an HF directory or an `ember convert --to torch` file, local or a URL (s3://...: read "
+        "through a local cache; a run's newest committed checkpoint).")
     p.add_argument("path")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for a batch)")
     p.add_argument("--prompt-file", help='a jsonl of {"prompt": ...} rows, decoded as one batch')
@@ -54,7 +55,11 @@ def run(args: argparse.Namespace) -> int:
     from ember.hardware.cpu_rates import model_gemms
     from ember.hardware.device import choose_compute_dtype, cpu_runs_bf16_natively, pick_compute_dtype, pick_device
     from ember.model_io.load import load_model
+    from ember.storage.cache import local_copy
+    from ember.storage.location import check_input
 
+    for key, value in (("path", args.path), ("--tokenizer", args.tokenizer), ("--prompt-file", args.prompt_file)):
+        check_input(value, key)  # a URL: its bucket, credentials and object, before any work
     # Every argument is checked before anything is printed: a streamed prompt followed by an error would run
     # the two together on one line.
     sampling = [flag for flag, value in (("--top-k", args.top_k), ("--top-p", args.top_p), ("--seed", args.seed))
@@ -66,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     check_max_new_tokens(args.max_new_tokens)
     prompts = list(args.prompt)
     if args.prompt_file:
-        prompts += _read_prompts(Path(args.prompt_file))
+        prompts += _read_prompts(local_copy(args.prompt_file, "--prompt-file"))
     device = pick_device(args.device)
     # On a CPU, auto is measured at this model's decode matmuls (a batch of rows each step), so the weights load
     # in fp32 first and are cast once the model's shapes are known; elsewhere they load in the chosen dtype.

@@ -13,9 +13,10 @@ def parser() -> ArgumentParser:
         prog="ember report", description="An HTML page (self-contained: open it anywhere) and PNGs of a run's curves "
         "and summary; of several runs, the curves overlaid and the config keys that differ. A run still training, "
         "or killed and resumed, is read as it is (the last record of each step).")
-    p.add_argument("runs", nargs="+", metavar="RUN", help="an `ember train` output_dir")
+    p.add_argument("runs", nargs="+", metavar="RUN", help="an `ember train` output_dir, local or a URL (s3://...)")
     p.add_argument("--output", metavar="FILE.html", default=None,
-                   help="the page (default: RUN/report.html for one run, ./report.html for several)")
+                   help="the page, a path or a URL (default: RUN/report.html for one run, on the store for a URL; "
+                   "./report.html for several)")
     p.add_argument("--png", metavar="DIR", default=None,
                    help="where the figures go as PNGs (default: the page's path without .html, e.g. RUN/report/)")
     return p

@@ -22,6 +22,7 @@ from ember.config_schema import DataConfig, EvalCommandConfig
 from ember.errors import ConfigError, UserFileNotFound, did_you_mean
 from ember.eval.tasks import HUB, PPL_SPLITS, TASK_ROWS, TASKS, check_limit
 from ember.launch.local import LAUNCH_FLAGS, unknown_option
+from ember.storage.location import Location, as_path, check_input, check_output
 
 TASK_NAMES = ("ppl", *TASKS)
 PPL_KEYS = EVAL_COMMAND_KEYS  # ppl's window: each needs a ppl task
@@ -79,6 +80,7 @@ def _parse_harness(items: list[str]) -> argparse.Namespace:
     parser.add_argument("--output", default=None)
     parser.add_argument("--tokenizer", default=None)
     args = parser.parse_args(items)
+    check_locations(args.path, args.output, args.tokenizer)
     check_limit(args.limit, "--limit")
     check_batch_size(args.batch_size, "--batch-size")
     return args
@@ -121,10 +123,19 @@ def _parse_tasks(items: list[str]) -> argparse.Namespace:
                               f"{', '.join(TASK_NAMES)}; keys: {', '.join(EVAL_KEYS)}, data.*)")
     if path is None:
         raise ConfigError("name the model to evaluate: ember eval PATH TASK[=DATA] ... (see ember eval --help)")
+    check_locations(path, output, tokenizer)
     _check_combination(tasks, [item.partition("=")[0] for item in keys])
     cfg = _resolve_keys(path, tasks, keys)
     return argparse.Namespace(harness=None, path=path, tasks=tasks, options=cfg.eval,
                               data=cfg.data if "ppl" in tasks else None, output=output, tokenizer=tokenizer)
+
+
+def check_locations(path: str, output: Optional[str], tokenizer: Optional[str]) -> None:
+    """PATH, --output and --tokenizer given as URLs: reachable (the bucket, the credentials, the endpoint), PATH and
+    --tokenizer there; one line each, before anything is read or loaded."""
+    check_input(path, "path")
+    check_output(output, "--output")
+    check_input(tokenizer, "--tokenizer")
 
 
 def _check_combination(tasks: dict[str, Optional[str]], given: list[str]) -> None:
@@ -149,7 +160,7 @@ def _resolve_keys(path: str, tasks: dict[str, Optional[str]], keys: list[str]) -
     run's data section; then the checks of the values: the eval numbers, ppl's source, the data section as
     training checks it. ppl's window and split defaults filled in: the run's seq_len, val (all for ppl=DATA)."""
     base = OmegaConf.structured(EvalCommandConfig)
-    config_yaml = run_config_yaml(Path(path)) if "ppl" in tasks else None
+    config_yaml = run_config_yaml(as_path(path)) if "ppl" in tasks else None
     if config_yaml:  # a missing section, or an older run's key, is said naming the file
         base = merge_file(base, {"data": _read_yaml(config_yaml).get("data") or {}}, str(config_yaml))
     dataset = [f"data.dataset={tasks['ppl']}"] if tasks.get("ppl") else []
@@ -177,13 +188,13 @@ def _check_numbers(cfg: EvalCommandConfig) -> None:
         raise ConfigError(f"eval.split must be one of {', '.join(PPL_SPLITS)}, got '{options.split}'")
 
 
-def _check_ppl_source(path: str, data: DataConfig, config_yaml: Optional[Path], named: Optional[str]) -> None:
+def _check_ppl_source(path: str, data: DataConfig, config_yaml: Optional[Location], named: Optional[str]) -> None:
     """ppl's source is there: named on the command line (`named`: by ppl=DATA or data.dataset), or the run's own
     (never a silent default for a model that is no run); a relative path from the run's config.yaml said where it
     is read from."""
     from ember.data.sources import EMBEDDED, SYNTHETIC, check_source_exists, looks_like_path
 
-    if not config_yaml and not named and _is_model(Path(path)):
+    if not config_yaml and not named and _is_model(as_path(path)):
         raise ConfigError(f"plain ppl scores an ember run's own data (its config.yaml), and '{path}' is not an ember "
                           "run; name the text to score: ppl=DATA (a file, folder, glob or hub dataset) or "
                           "data.dataset=DATA")
@@ -215,16 +226,17 @@ def data_label(spec: str, task: Optional[str] = None) -> str:
     return spec
 
 
-def run_config_yaml(path: Path) -> Optional[Path]:
-    """The config.yaml of the run at `path` (the run's directory, or one of its checkpoints), if it has one."""
+def run_config_yaml(path: Location) -> Optional[Location]:
+    """The config.yaml of the run at `path` (the run's directory, or one of its checkpoints), if it has one; on
+    an object store, read there."""
     return next((run / "config.yaml" for run in (path, path.parent.parent) if (run / "config.yaml").is_file()), None)
 
 
-def _read_yaml(path: Path) -> dict:
+def _read_yaml(path: Location) -> dict:
     return yaml.safe_load(path.read_text()) or {}
 
 
-def _is_model(path: Path) -> bool:
+def _is_model(path: Location) -> bool:
     """Whether `path` is something load_model reads (a file, or a directory of a model); its own errors say
     what else is wrong."""
     from ember.model_io.model_meta import MODEL_JSON
@@ -233,6 +245,6 @@ def _is_model(path: Path) -> bool:
                                                                       "adapter_config.json"))
 
 
-def _trained_seq_len(config_yaml: Optional[Path]) -> Optional[int]:
+def _trained_seq_len(config_yaml: Optional[Location]) -> Optional[int]:
     seq_len = _read_yaml(config_yaml).get("seq_len") if config_yaml else None
     return seq_len if isinstance(seq_len, int) else None

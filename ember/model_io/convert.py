@@ -26,7 +26,12 @@ from ember.model_io.hf_export import carry_into_export, keep_hf_source
 from ember.model_io.load import _barrier, _is_rank0, _load_torch_file, _quiet_dcp, load_model, model_state_dict
 from ember.model_io.model_meta import MODEL_JSON, ember_step_dir, read_json, read_model_json
 from ember.models import MODELS, family_of
-from ember.storage.staging import staged
+from ember.storage.cache import local_copy
+from ember.storage.location import Location, as_path, canonical, is_url
+from ember.storage.staging import staged_at
+
+# What makes a written directory a model to its readers (ember, HF, peft): moved last onto a store (staging.upload).
+MARKERS = (MODEL_JSON, "config.json", "adapter_config.json")
 
 
 def save_hf(model: nn.Module, args: Any, out_dir: Union[str, Path], max_shard_bytes: int = 5 * 2**30) -> None:
@@ -145,8 +150,13 @@ def convert(src: Union[str, Path], dst: Union[str, Path], to: Optional[str] = No
     folded in; `merge` of a whole model is refused. The model's tokenizer goes beside an hf or ember output.
     `dst` must be new or empty unless `overwrite` (see check_destination); it is written beside it and swapped
     in whole, so a failed conversion leaves it as it was. Returns the target format. The model is held in memory
-    once; formats convert tensor by tensor."""
-    src, dst = Path(src), Path(dst)
+    once; formats convert tensor by tensor. Either may be a URL: `src` is read through its local copy
+    (ember/storage/cache.py), `dst` written locally and uploaded (ember/storage/staging.py's staged_at)."""
+    given = str(src)
+    dst = as_path(str(dst))
+    if not isinstance(dst, Path):  # what the store holds there, said before a remote source is downloaded
+        check_store_destination(given, dst, overwrite, to)
+    src = local_copy(src, "SRC")
     source = detect_format(src) if src.exists() else None
     if source is None:
         raise UserFileNotFound(f"'{src}' does not exist")
@@ -161,7 +171,10 @@ def convert(src: Union[str, Path], dst: Union[str, Path], to: Optional[str] = No
                               f"{_WHOLE_MODEL[source]}, with none to fold: drop --merge")
     if source == target and not lora_run:  # a LoRA run to ember: its merged model, a plain checkpoint
         raise CheckpointError(f"'{src}' is already in {target} format")
-    check_destination(src, dst, overwrite, target)
+    if isinstance(dst, Path):
+        check_destination(src, dst, overwrite, target)
+    else:
+        check_store_destination(given, dst, overwrite, target)
     if target == "peft":
         if merge or not lora_run:
             raise CheckpointError(f"--to peft writes a LoRA run's adapters; '{src}' is not one (trained without "
@@ -174,7 +187,7 @@ def convert(src: Union[str, Path], dst: Union[str, Path], to: Optional[str] = No
             raise CheckpointError(f"'{src}': training moved {moved[0]}{more}, a buffer a peft adapter cannot hold (it "
                                   "holds lora_A and lora_B only); export the run merged into its base with --merge, or "
                                   "train with those buffers frozen (model.bias_update_rate=0 for score biases)")
-        with staged(dst, "convert") as stage:
+        with staged_at(dst, "convert", markers=MARKERS) as stage:
             save_peft(meta, args, state, stage)
         return target
     if source == "torch":
@@ -187,7 +200,7 @@ def convert(src: Union[str, Path], dst: Union[str, Path], to: Optional[str] = No
             family, flavor, _ = read_model_json(step_dir / MODEL_JSON)
             meta.update(family=family, flavor=flavor)
         merge_lora(model)  # a LoRA run as a whole model: W + alpha/r B A
-    with staged(dst, "convert") as stage:
+    with staged_at(dst, "convert", markers=MARKERS) as stage:
         if target == "hf":
             save_hf(model, model.args, stage)
         elif target == "torch":
@@ -242,6 +255,40 @@ def check_destination(src: Path, dst: Path, overwrite: bool, to: str) -> None:
             model = read if read == target else read.parent  # a torch file, or the directory of a model's files
             raise CheckpointError(f"'{dst}' holds {model}, which converting '{src}' reads; --overwrite would destroy "
                                   "it: write to another directory")
+
+
+def check_store_destination(src: str, dst: Location, overwrite: bool, to: Optional[str]) -> None:
+    """check_destination's rules for a destination on an object store, where a directory is a prefix (none when
+    nothing is under it): anything there replaced only with --overwrite, and never when it holds the source (`src`
+    a URL at or under it). With the target format known (`to`): a file for --to torch, a prefix for the others,
+    and an existing file replaced only when it is an earlier --to torch export."""
+    fs, path = dst.fs, dst.path.rstrip("/")
+    held = fs.find(path)
+    if not held:
+        return
+    is_file = held == [path] and fs.isfile(path)
+    writes_file = to == "torch"
+    if to is not None and is_file != writes_file:
+        kind, writes = ("a prefix holding objects", "one file") if writes_file else ("a file", "a directory")
+        example = f" such as '{dst}/model.pt'" if writes_file else ""
+        raise CheckpointError(f"'{dst}' is {kind}, but --to {to} writes {writes}: give a new location{example}")
+    if not overwrite:
+        if is_file:
+            raise CheckpointError(f"'{dst}' exists; give --overwrite to replace it, or write to a new file")
+        raise CheckpointError(f"'{dst}' is not empty; give --overwrite to replace what it holds, or write to a new "
+                              "location")
+    source, here = canonical(src), str(dst).rstrip("/")
+    if is_url(src) and (source == here or source.startswith(here + "/")):
+        raise CheckpointError(f"'{dst}' holds {source}, which this conversion reads; --overwrite would destroy it: "
+                              "write to another location")
+    if is_file and writes_file:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as folder:
+            fs.get_file(path, f"{folder}/model.pt")
+            if not _is_torch_export(Path(folder) / "model.pt"):
+                raise CheckpointError(f"'{dst}' is not a file `ember convert --to torch` wrote; --overwrite replaces "
+                                      "only such a file: write to a new file")
 
 
 def _is_torch_export(path: Path) -> bool:

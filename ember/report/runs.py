@@ -18,6 +18,7 @@ import yaml
 
 from ember.config import dotted_keys
 from ember.errors import UserFileNotFound, first_error_line
+from ember.storage.location import Location, is_url
 
 Series = tuple[list[int], list[float]]  # (steps, values), steps ascending and unique
 
@@ -27,7 +28,7 @@ class Run:
     """What one run directory holds, as read now."""
 
     name: str
-    path: Path
+    path: Location  # as given (a URL for a run on an object store; read from its fetch_run copy)
     # key -> {step: value}: the last value logged at each step (a resumed run's replay overwrites the first)
     values: dict[str, dict[int, Any]] = field(default_factory=dict)
     config: dict[str, Any] = field(default_factory=dict)  # config.yaml, nested as written
@@ -175,6 +176,30 @@ def read_run(path: Path, name: Optional[str] = None) -> Run:
     return run
 
 
+# What read_run reads of a run, and of each of its checkpoints: all fetch_run copies from an object store.
+RUN_FILES = ("metrics.jsonl", "config.yaml", "run.json")
+CHECKPOINT_FILES = ("model.json", "eval.json")
+
+
+def fetch_run(location: Location, folder: Path) -> Path:
+    """A run on an object store as read_run reads it, copied into `folder`: its metrics.jsonl, config.yaml and
+    run.json, and each checkpoint's model.json and eval.json (never its weights)."""
+    fs, root = location.fs, location.path.rstrip("/")
+    wanted = []
+    for path in fs.find(root):
+        parts = path[len(root) + 1:].split("/")
+        if (len(parts) == 1 and parts[0] in RUN_FILES) or (
+                len(parts) == 3 and parts[0] == "checkpoints" and parts[1].startswith("step-")
+                and parts[2] in CHECKPOINT_FILES):
+            wanted.append("/".join(parts))
+    if not {"metrics.jsonl", "config.yaml"} & set(wanted):
+        raise UserFileNotFound(f"'{location}' is not an ember run: it has neither metrics.jsonl nor config.yaml")
+    for relative in wanted:
+        (folder / relative).parent.mkdir(parents=True, exist_ok=True)
+        fs.get_file(f"{root}/{relative}", str(folder / relative))
+    return folder
+
+
 def _read_metrics(path: Path, run: Run) -> None:
     lines = path.read_text(encoding="utf-8", errors="replace").split("\n")
     complete = lines[:-1] if lines and lines[-1] == "" else lines  # the file ends with a newline when whole
@@ -210,14 +235,22 @@ def _read_checkpoints(root: Path, run: Run) -> None:
     run.checkpoints.sort()
 
 
-def unique_names(paths: list[Path]) -> list[str]:
-    """Short labels for the runs: the directory names, with as many parent directories as tell them apart."""
-    parts = [Path(p).resolve().parts for p in paths]
+def unique_names(paths: list) -> list[str]:
+    """Short labels for the runs: the directory names, with as many parent directories as tell them apart (a
+    URL's: its bucket and prefixes)."""
+    parts = [_parts(str(p)) for p in paths]
     for depth in range(1, max(len(p) for p in parts) + 1):
         names = ["/".join(p[-depth:]) for p in parts]
         if len(set(names)) == len(names):
             return names
     return [str(p) for p in paths]  # the same directory given twice
+
+
+def _parts(path: str) -> tuple[str, ...]:
+    if is_url(path):
+        scheme, rest = path.split("://", 1)
+        return (f"{scheme}://", *(part for part in rest.split("/") if part))
+    return Path(path).resolve().parts
 
 
 def config_differences(runs: list[Run]) -> dict[str, list[Any]]:

@@ -6,6 +6,11 @@ size and ETag or modification time). It is reused while the store's listing is u
 when it changed. The processes of a host take one file lock per URL, so one downloads and the others wait and
 reuse. The cache is bounded by EMBER_REMOTE_CACHE_GB (default 200): the least recently used copies are removed
 to make room, and a source larger than the bound is refused in one line rather than filling the disk.
+
+A run's copy (its URL, or one of its checkpoints/step-N) is shaped as a run: RUN/config.yaml beside
+RUN/checkpoints/step-N (the newest committed one for a run URL), so what reads a local run reads the copy alike
+(tokenizer_for's data section, ppl's data, convert's tokenizer export, eval.json's place). A checkpoint's eval.json
+is not copied: `ember eval` reads and writes it on the store, and writing it must not make the weights stale.
 """
 
 from __future__ import annotations
@@ -43,20 +48,39 @@ def cache_limit_bytes() -> int:
 def local_copy(path: Union[str, os.PathLike], key: str = "path") -> Path:
     """A local path for `path`: itself when local; for a URL, its cached copy (a directory's objects or one
     file), downloaded when missing or changed on the store. A run directory's copy holds only its newest complete
-    checkpoint (what loading a run reads)."""
+    checkpoint (what loading a run reads) and the run's config.yaml."""
     if not is_url(str(path)):
         return as_path(str(path)) if not isinstance(path, Path) else path.expanduser()
     url = str(path).rstrip("/")
-    remote = as_path(url)
-    source = _newest_checkpoint(remote) or remote
-    listing = _listing(source, url, key)
+    root, parts, model = _what_to_copy(as_path(url))
+    listing = _listing(root, parts, url, key)
     entry = cache_root() / hashlib.sha256(url.encode()).hexdigest()[:16]
     with _locked(entry):
         manifest = _read_manifest(entry)
         if manifest.get("listing") != listing:
-            _download(source, listing, entry, url)
+            _download(root, listing, entry, url)
         _touch(entry)
-    return entry / "data" / source.name
+    return entry / "data" / root.name / model if model else entry / "data" / root.name
+
+
+# What of a run is copied besides its checkpoint: what a model's readers look up in the run (tokenizer, data).
+RUN_FILES = ("config.yaml",)
+NOT_COPIED = ("eval.json",)  # a model's results, read and written on the store by `ember eval`
+
+
+def _what_to_copy(remote) -> tuple:
+    """(the root the copy is named after, its parts to copy ("" for all of it), the part that is the model
+    ("" for the root)): a run's newest committed checkpoint and RUN_FILES; a run's checkpoints/step-N and
+    RUN_FILES; anything else whole."""
+    from ember.model_io.model_meta import MODEL_JSON
+
+    step = _newest_checkpoint(remote)
+    if step is not None:
+        return remote, [f"checkpoints/{step.name}", *RUN_FILES], ""
+    run = remote.parent.parent
+    if remote.parent.name == "checkpoints" and (remote / MODEL_JSON).exists() and (run / "config.yaml").exists():
+        return run, [f"checkpoints/{remote.name}", *RUN_FILES], f"checkpoints/{remote.name}"
+    return remote, [""], ""
 
 
 def _newest_checkpoint(remote):
@@ -70,21 +94,26 @@ def _newest_checkpoint(remote):
     return found[-1][1] if found else None
 
 
-def _listing(source, url: str, key: str) -> dict[str, list]:
-    """relative name -> [size, ETag or mtime] of every object under `source` ("" for a single object)."""
-    fs, root = source.fs, source.path.rstrip("/")
-    try:
-        found = fs.find(root, detail=True)
-    except FileNotFoundError:
-        found = {}
-    except Exception as err:
-        raise ConfigError(f"{key} {url}: cannot be listed ({first_error_line(err)})") from None
-    if not found:
-        raise UserFileNotFound(f"{key} {url} does not exist (nothing stored under it)")
+def _listing(root, parts: list[str], url: str, key: str) -> dict[str, list]:
+    """relative name -> [size, ETag or mtime] of every object of `parts` under `root` ("" for a single object);
+    the first part must hold something, the others (RUN_FILES) may be absent."""
+    fs, base = root.fs, root.path.rstrip("/")
     listing = {}
-    for name, info in found.items():
-        relative = name[len(root):].lstrip("/")
-        listing[relative] = [info.get("size"), str(info.get("ETag") or info.get("mtime") or info.get("LastModified"))]
+    for index, part in enumerate(parts):
+        try:
+            found = fs.find(f"{base}/{part}" if part else base, detail=True)
+        except FileNotFoundError:
+            found = {}
+        except Exception as err:
+            raise ConfigError(f"{key} {url}: cannot be listed ({first_error_line(err)})") from None
+        if not found and index == 0:
+            raise UserFileNotFound(f"{key} {url} does not exist (nothing stored under it)")
+        for name, info in found.items():
+            relative = name[len(base):].lstrip("/")
+            if relative and relative.rsplit("/", 1)[-1] in NOT_COPIED:
+                continue
+            listing[relative] = [info.get("size"),
+                                 str(info.get("ETag") or info.get("mtime") or info.get("LastModified"))]
     return listing
 
 
@@ -99,7 +128,7 @@ def _download(source, listing: dict[str, list], entry: Path, url: str) -> None:
     staging = entry / f"data.partial-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     fs, root = source.fs, source.path.rstrip("/")
-    for relative in sorted(listing):  # under the source's own name: a directory, a step-N, or one file
+    for relative in sorted(listing):  # under the source's own name: a directory, a run, or one file
         target = staging / source.name / relative if relative else staging / source.name
         target.parent.mkdir(parents=True, exist_ok=True)
         fs.get_file(f"{root}/{relative}" if relative else root, str(target))

@@ -123,6 +123,23 @@ def check_reachable(location: Location, key: str, *, must_exist: bool) -> None:
         raise UserFileNotFound(f"{key} {location} does not exist")
 
 
+def check_input(value: object, key: str) -> None:
+    """A command's input (a model, a run, a file) given as a URL: well-formed, its backend installed, its bucket
+    reachable with the environment's credentials, and the object or prefix there; one line otherwise, before any
+    work. A local path is left to the command's own checks."""
+    if isinstance(value, str) and is_url(value):
+        check_url(value, key)
+        check_reachable(as_path(value), key, must_exist=True)
+
+
+def check_output(value: object, key: str) -> None:
+    """A command's output given as a URL: well-formed, its backend installed, its bucket reachable (the object
+    itself may be new)."""
+    if isinstance(value, str) and is_url(value):
+        check_url(value, key)
+        check_reachable(as_path(value), key, must_exist=False)
+
+
 def _gist(err: BaseException) -> str:
     text = first_error_line(err)
     return text if len(text) < 200 else text[:200] + "..."
@@ -139,14 +156,16 @@ def remove_tree(location: Location) -> None:
         pass
 
 
-def move(src: Location, dst: Location) -> None:
-    """Move a file or directory tree: a rename locally; copy then delete on an object store (no rename there)."""
+def move(src: Location, dst: Location, last: tuple[str, ...] = ()) -> None:
+    """Move a file or directory tree: a rename locally; copy then delete on an object store (no rename there),
+    the objects named in `last` (a directory's commit marker: model.json, config.json) copied after the others."""
     if isinstance(src, Path):
         os.replace(src, dst)
         return
     fs, root, target = src.fs, src.path.rstrip("/"), dst.path.rstrip("/")
     # object by object: fsspec's recursive mv also copies the prefix itself, which is no object on S3
-    for path in fs.find(root):
+    found = fs.find(root)
+    for path in sorted(found, key=lambda path: path.rsplit("/", 1)[-1] in last):
         fs.copy(path, target + path[len(root):])
     fs.rm(root, recursive=True)
 

@@ -98,3 +98,49 @@ def test_the_cache_is_bounded(memory, monkeypatch):
     with pytest.raises(ConfigError, match="more than the local cache's bound EMBER_REMOTE_CACHE_GB"):
         cache.local_copy("memory://b/big")
     assert second.is_dir()  # a refused copy removes nothing
+
+
+def test_a_run_is_copied_as_a_run_its_newest_committed_checkpoint_and_config(memory):
+    memory.pipe({"/b/run/config.yaml": b"data: {}\n", "/b/run/metrics.jsonl": b"{}\n",
+                 "/b/run/checkpoints/step-2/model.json": b"{}", "/b/run/checkpoints/step-2/a.distcp": b"2",
+                 "/b/run/checkpoints/step-4/model.json": b"{}", "/b/run/checkpoints/step-4/a.distcp": b"4",
+                 "/b/run/checkpoints/step-4/eval.json": b"{}", "/b/run/checkpoints/step-6/a.distcp": b"6"})
+    copy = cache.local_copy("memory://b/run")
+    assert copy.name == "run" and sorted(p.relative_to(copy).as_posix() for p in copy.rglob("*") if p.is_file()) == [
+        "checkpoints/step-4/a.distcp", "checkpoints/step-4/model.json", "config.yaml"]
+    stamp = (copy / "checkpoints/step-4/a.distcp").stat().st_mtime_ns
+    memory.pipe("/b/run/checkpoints/step-4/eval.json", b'{"results": {}}')  # eval's results: the copy stays
+    assert cache.local_copy("memory://b/run") == copy
+    assert (copy / "checkpoints/step-4/a.distcp").stat().st_mtime_ns == stamp
+    step = cache.local_copy("memory://b/run/checkpoints/step-2")  # a checkpoint: with its run's config beside it
+    assert step.name == "step-2" and (step / "a.distcp").read_bytes() == b"2"
+    assert (step.parent.parent / "config.yaml").read_bytes() == b"data: {}\n"
+
+
+def test_a_directory_is_uploaded_whole_or_not_at_all(memory, tmp_path, monkeypatch):
+    from ember.storage.staging import staged_at
+
+    memory.pipe({"/b/out/config.json": b"old", "/b/out/old.safetensors": b"old"})
+    dst = location.as_path("memory://b/out")
+    put_file = type(memory).put_file
+    calls = []
+
+    def failing(self, lpath, rpath, **kwargs):
+        calls.append(rpath)
+        if len(calls) == 2:
+            raise OSError("connection reset")
+        return put_file(self, lpath, rpath, **kwargs)
+
+    monkeypatch.setattr(type(memory), "put_file", failing)
+    with pytest.raises(OSError, match="connection reset"):
+        with staged_at(dst, "convert", directory=True, markers=("config.json",)) as stage:
+            for name in ("a.safetensors", "b.safetensors", "config.json"):
+                (stage / name).write_text("new")
+    assert sorted(memory.find("/b")) == ["/b/out/config.json", "/b/out/old.safetensors"]  # as it was
+    monkeypatch.setattr(type(memory), "put_file", put_file)
+    with staged_at(dst, "convert", directory=True, markers=("config.json",)) as stage:
+        for name in ("a.safetensors", "config.json"):
+            (stage / name).write_text("new")
+    assert sorted(memory.find("/b")) == ["/b/out/a.safetensors", "/b/out/config.json"]
+    assert memory.cat("/b/out/config.json") == b"new"
+    assert not any((tmp_path / "cache" / "uploads").iterdir())  # the local stage removed
