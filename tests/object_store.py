@@ -61,8 +61,6 @@ def _free_port() -> int:
 
 
 def start_s3_server(folder: Path, check_signatures: bool = False) -> S3Server:
-    import boto3
-
     port = _free_port()
     log = (folder / "moto.log").open("w")
     env = {k: v for k, v in os.environ.items() if k != "INITIAL_NO_AUTH_ACTION_COUNT"}
@@ -70,6 +68,16 @@ def start_s3_server(folder: Path, check_signatures: bool = False) -> S3Server:
         env["INITIAL_NO_AUTH_ACTION_COUNT"] = "3"
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                             stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        return _set_up(proc, folder, port, check_signatures)
+    except BaseException:
+        proc.kill()  # a server that could not be set up is stopped here, never left running
+        raise
+
+
+def _set_up(proc: subprocess.Popen, folder: Path, port: int, check_signatures: bool) -> S3Server:
+    import boto3
+
     endpoint = f"http://127.0.0.1:{port}"
     for _ in range(300):
         try:
