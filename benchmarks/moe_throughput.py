@@ -65,7 +65,7 @@ def build_ember(family: str, overrides: list[str], out: str) -> Trainer:
 def ember_step(trainer: Trainer, impl: str) -> Step:
     def step(inputs: torch.Tensor, labels: torch.Tensor) -> float:
         for moe in trainer.model.moe_layers():
-            moe.experts.impl = impl
+            moe.experts.force_impl(impl)
         loss, _ = trainer.train_step([(inputs, labels)])
         return loss
 

@@ -77,7 +77,7 @@ def attach_kv_caches(model: nn.Module, batch: int, max_len: int) -> list[KVCache
     param = next(model.parameters())
     for attention in _attention_modules(model):
         if hasattr(attention, "make_kv_cache"):  # a cache of its own form (MLA's latent: nn/mla.py)
-            attention.kv_cache = attention.make_kv_cache(batch, max_len, param.dtype, param.device)
+            attention.use_kv_cache(attention.make_kv_cache(batch, max_len, param.dtype, param.device))
             caches.append(attention.kv_cache)
             continue
         head_dim = attention.head_dim
@@ -87,14 +87,14 @@ def attach_kv_caches(model: nn.Module, batch: int, max_len: int) -> list[KVCache
         mesh = getattr(attention.wk.weight, "device_mesh", None)
         if mesh is not None and "tensor" in (mesh.mesh_dim_names or ()):
             kv_heads //= mesh.size(mesh.mesh_dim_names.index("tensor"))
-        attention.kv_cache = KVCache(batch, kv_heads, max_len, head_dim, param.dtype, param.device)
+        attention.use_kv_cache(KVCache(batch, kv_heads, max_len, head_dim, param.dtype, param.device))
         caches.append(attention.kv_cache)
     return caches
 
 
 def detach_kv_caches(model: nn.Module) -> None:
     for attention in _attention_modules(model):
-        attention.kv_cache = None
+        attention.use_kv_cache(None)
 
 
 def sampling_temperature(temperature: Optional[float], top_k: Optional[int], top_p: Optional[float],

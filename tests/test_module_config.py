@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Attributes of MoE, Attention/MLA and their former training bookkeeping, which only their own class may set.
 GUARDED = {"aux_loss_coef", "z_loss_coef", "loss_weight_per_token", "dispatch", "_dispatch", "options",
            "stats_with_graph", "_step_loads", "step_load", "window_load", "aux_loss", "z_loss", "tokens_per_expert",
-           "attention_fn"}
+           "attention_fn", "impl", "kv_cache"}
 # The one setter of the attention kernel: nn/attention.py's set_attention_kernel.
 SETTER = ("ember/nn/attention.py", "set_attention_kernel")
 

@@ -79,7 +79,11 @@ class Attention(nn.Module):
         # The attention kernel, (q, k, v, document_ids, span) -> out over (B, heads, T, head_dim); chosen by
         # nn/attention.set_attention_kernel (context parallelism, flex attention, the XLA step), the one way.
         self.attention_fn: Callable[..., torch.Tensor] = causal_attention
-        self.kv_cache: Optional[KVCache] = None  # set by ember.generate for incremental decoding
+        self.kv_cache: Optional[KVCache] = None  # incremental decoding's (ember.generate, through use_kv_cache)
+
+    def use_kv_cache(self, cache: Optional[KVCache]) -> None:
+        """Decode incrementally into `cache` (None: back to whole-sequence attention)."""
+        self.kv_cache = cache
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -56,7 +56,11 @@ class MLA(nn.Module):
         # The attention kernel, (q, k, v, document_ids, span) -> out over (B, heads, T, head_dim), v's head_dim
         # v_head_dim; chosen by nn/attention.set_attention_kernel, as Attention's is.
         self.attention_fn: Callable[..., torch.Tensor] = causal_attention
-        self.kv_cache: Optional[LatentKVCache] = None  # set by ember.generate for incremental decoding
+        self.kv_cache: Optional[LatentKVCache] = None  # incremental decoding's (ember.generate: use_kv_cache)
+
+    def use_kv_cache(self, cache: Optional[LatentKVCache]) -> None:
+        """Decode incrementally into `cache` (None: back to whole-sequence attention)."""
+        self.kv_cache = cache
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:

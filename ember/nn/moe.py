@@ -47,7 +47,14 @@ class Experts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim)) if gated else None
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
-        self.impl: Optional[str] = None  # None: the caller's choice; "grouped" | "looped": forced
+        self.impl: Optional[str] = None  # None: the caller's choice; "grouped" | "looped": forced (force_impl)
+
+    def force_impl(self, impl: Optional[str]) -> None:
+        """Force the grouped or the looped path (`ember plan` tracks the one a device runs), or None for the
+        caller's choice."""
+        if impl not in (None, "grouped", "looped"):
+            raise ValueError(f"Experts.impl must be None, 'grouped' or 'looped', not {impl!r}")
+        self.impl = impl
 
     def forward(self, x_sorted: torch.Tensor, counts: torch.Tensor, grouped: bool) -> torch.Tensor:
         """x_sorted (M, dim), grouped by expert in order, counts (E,) tokens per expert -> (M, dim)."""
@@ -55,8 +62,6 @@ class Experts(nn.Module):
         w3 = _local(self.w3) if self.gated else None
         dtype = _compute_dtype(x_sorted)
         if self.impl is not None:
-            if self.impl not in ("grouped", "looped"):
-                raise ValueError(f"Experts.impl must be None, 'grouped' or 'looped', not {self.impl!r}")
             grouped = self.impl == "grouped"
         elif w1.shape[1] * dtype.itemsize % 16:  # grouped_mm wants rows of 16-byte multiples, hidden ones too
             grouped = False

@@ -40,7 +40,7 @@ def _local_bytes(t: torch.Tensor) -> int:
 def measure(trainer: Trainer) -> dict:
     for part in trainer.model_parts:  # fp32 experts under a dispatch-mode tracker: see memory.balanced_routing
         for moe in part.moe_layers():
-            moe.experts.impl = "looped"
+            moe.experts.force_impl("looped")
     batches = trainer.global_batches()
     trainer.train_step(next(batches))  # creates the optimizer state
     params = [p for p in trainer.model.parameters()]

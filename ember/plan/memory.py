@@ -201,7 +201,7 @@ def balanced_routing(parts: list[nn.Module], ep: int, dtype: torch.dtype) -> Ite
     saved = [(moe, moe.experts.impl) for moe in moes]
     hooks = [moe.experts.register_forward_pre_hook(balanced_counts) for moe in moes]
     for moe in moes:
-        moe.experts.impl = "grouped" if dtype == torch.bfloat16 else "looped"
+        moe.experts.force_impl("grouped" if dtype == torch.bfloat16 else "looped")
     try:
         with contextlib.ExitStack() as routed:
             for moe in moes:
@@ -212,7 +212,7 @@ def balanced_routing(parts: list[nn.Module], ep: int, dtype: torch.dtype) -> Ite
         for hook in hooks:
             hook.remove()
         for moe, impl in saved:
-            moe.experts.impl = impl
+            moe.experts.force_impl(impl)
 
 
 def tracked_forwards(spec: RunSpec) -> int:

@@ -87,7 +87,7 @@ def test_moe_output_equals_a_per_token_computation(impl: str):
     stats = MoEStats()
     moe = MoE(dim, hidden, E, top_k=2, activation=F.relu, gated=False, options=MoEOptions(stats=stats))
     moe.init_weights(0.1)
-    moe.experts.impl = impl
+    moe.experts.force_impl(impl)
     x = torch.randn(3, 5, dim)
     out = moe(x).reshape(-1, dim).detach()
     gate, w1, w2 = (w.detach() for w in (moe.router.gate.weight, moe.experts.w1, moe.experts.w2))
@@ -137,7 +137,7 @@ def test_grouped_experts_equal_the_looped_ones():
     weight = torch.randn(10, 16)  # a dense output gradient, as MoE's routing weights give
     results = {}
     for impl in ("looped", "grouped"):
-        experts.impl = impl
+        experts.force_impl(impl)
         x.grad = experts.w1.grad = experts.w2.grad = None
         out = experts(x, counts, grouped=False)  # a failing grouped path fails the test
         (out * weight).sum().backward()

@@ -26,7 +26,7 @@ def _experts(n_experts: int = 6, dim: int = 32, hidden: int = 48) -> Experts:
 def _run(experts: Experts, x: torch.Tensor, counts: torch.Tensor, impl: str,
          grad_out: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Output and the gradients of x, w1, w2, w3 for an upstream gradient grad_out, through one path."""
-    experts.impl = impl
+    experts.force_impl(impl)
     x = x.detach().requires_grad_()
     out = experts(x, counts, grouped=impl == "grouped")
     params = [x, experts.w1, experts.w2] + ([experts.w3] if experts.gated else [])
@@ -67,7 +67,7 @@ def test_grouped_path_under_bf16_autocast_runs_in_bf16_like_the_loop():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert _grouped_available(x)
         out_g, grads_g = _run(experts, x, counts, "grouped", torch.randn(24, 32))
-        experts.impl = "looped"
+        experts.force_impl("looped")
         out_l = experts(x, counts, grouped=False)
     assert out_g.dtype == out_l.dtype == torch.bfloat16
     assert all(g.dtype == torch.float32 for g in grads_g[1:])  # fp32 master weights keep fp32 gradients
@@ -92,15 +92,14 @@ def test_path_choice_is_explicit_and_forcible(monkeypatch: pytest.MonkeyPatch):
     x, counts = torch.randn(24, 32), torch.tensor([5, 0, 9, 0, 3, 7])
     experts(x, counts, grouped=True)
     assert len(calls) == 2  # w1 and w3 fused, w2
-    experts.impl = "looped"  # forced: the caller's choice is ignored
+    experts.force_impl("looped")  # forced: the caller's choice is ignored
     experts(x, counts, grouped=True)
     assert len(calls) == 2
-    experts.impl = "grouped"
+    experts.force_impl("grouped")
     experts(x, counts, grouped=False)
     assert len(calls) == 4
-    experts.impl = "batched"
     with pytest.raises(ValueError, match="impl"):
-        experts(x, counts, grouped=True)
+        experts.force_impl("batched")
     odd = _experts(hidden=30)  # hidden rows of 120 bytes: the loop, whatever the caller says
     odd(x, counts, grouped=True)
     assert len(calls) == 4
@@ -128,7 +127,7 @@ def test_moe_layer_equals_per_token_reference(impl: str, batch: int, seq: int):
     stats = MoEStats()
     moe = MoE(dim=32, hidden_dim=48, n_experts=8, top_k=2, options=MoEOptions(stats=stats))
     moe.init_weights(out_std=0.1)
-    moe.experts.impl = impl
+    moe.experts.force_impl(impl)
     x = torch.randn(batch, seq, 32)
     out = moe(x)
     load = stats.of(moe).tokens_per_expert
@@ -148,7 +147,7 @@ def test_moe_layer_under_bf16_autocast_follows_its_fp32_output(impl: str, scale_
     moe = MoE(dim=32, hidden_dim=48, n_experts=8, top_k=2, scale_input=scale_input,
               shared_expert=FeedForward(32, 48))
     moe.init_weights(out_std=0.1)
-    moe.experts.impl = impl
+    moe.experts.force_impl(impl)
     x = torch.randn(2, 8, 32)
     reference = moe(x).detach()
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -190,7 +189,7 @@ def test_moe_layer_gradients_equal_across_paths():
     grad_out = torch.randn(2, 16, 32)
     results = {}
     for impl in ("grouped", "looped"):
-        moe.experts.impl = impl
+        moe.experts.force_impl(impl)
         xi = x.clone().requires_grad_()
         out = moe(xi)
         params = [xi] + list(moe.parameters())
@@ -226,7 +225,7 @@ def test_repeated_steps_give_bit_identical_gradients(impl: str):
     moe = MoE(256, 128, 16, 4)
     moe.init_weights(0.02)
     moe.train()
-    moe.experts.impl = impl
+    moe.experts.force_impl(impl)
     x0 = torch.randn(4, 64, 256)
 
     def gradients() -> list[torch.Tensor]:

@@ -123,7 +123,7 @@ def test_llama4_moe_scales_the_expert_input_and_adds_the_shared_expert(impl: str
         torch.nn.init.normal_(p, std=0.2)
     ours = MoE(DIM, 24, 4, 1, router=Router(DIM, 4, 1, norm_topk_prob=False, score_func="sigmoid"),
                shared_expert=FeedForward(DIM, 24), scale_input=True)
-    ours.experts.impl = impl
+    ours.experts.force_impl(impl)
     gate, up = reference.experts.gate_up_proj.data.chunk(2, dim=2)  # (E, D, 2H): gate columns first
     ours.experts.w1.data.copy_(gate.transpose(1, 2))
     ours.experts.w3.data.copy_(up.transpose(1, 2))
