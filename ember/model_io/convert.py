@@ -223,6 +223,23 @@ _WHOLE_MODEL = {"hf": "a Hugging Face directory", "torch": "a torch.save file",
                 "ember": "an ember checkpoint of a whole model (trained without lora.rank)"}
 
 
+def _check_creatable(dst: Path) -> None:
+    """A new `dst` (and the staging folder beside it) can be made: its nearest existing ancestor is a writable
+    directory."""
+    existing = dst.parent
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise CheckpointError(f"'{dst}' cannot be created: '{existing}' is a file; give another destination")
+    probe = existing / f".ember-convert-probe-{os.getpid()}"
+    try:  # a real attempt: os.access says yes to root, and to filesystems such as /proc that refuse every write
+        probe.mkdir()
+        probe.rmdir()
+    except OSError as err:
+        raise CheckpointError(f"'{dst}' cannot be created in '{existing}' ({err.strerror}); give another "
+                              "destination") from None
+
+
 def check_destination(src: Path, dst: Path, overwrite: bool, to: str) -> None:
     """`ember convert` writes into a new or empty `dst`; over anything else only with --overwrite, and never over
     what the conversion reads (the source, or a LoRA run's or peft adapter's base): that would destroy the
@@ -235,7 +252,10 @@ def check_destination(src: Path, dst: Path, overwrite: bool, to: str) -> None:
         kind, writes = ("a directory", "one file") if writes_file else ("a file", "a directory")
         example = f" such as '{dst / 'model.pt'}'" if writes_file else ""
         raise CheckpointError(f"'{dst}' is {kind}, but --to {to} writes {writes}: give a new path{example}")
-    if not dst.exists() or (dst.is_dir() and not any(dst.iterdir())):
+    if not dst.exists():
+        _check_creatable(dst)
+        return
+    if dst.is_dir() and not any(dst.iterdir()):
         return
     if not overwrite:
         if writes_file:

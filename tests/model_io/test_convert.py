@@ -331,3 +331,15 @@ def test_exported_weights_are_readable_like_the_other_files(tmp_path: Path, umas
         os.umask(old)
     modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "hf").iterdir()}
     assert modes == {"config.json": mode, "model.safetensors": mode}
+
+
+def test_a_destination_that_cannot_be_created_is_one_line(tmp_path):
+    from ember.model_io.convert import check_destination
+
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("x")
+    for dst, says in ((a_file / "out", "is a file"), (Path("/proc/ember-out"), "cannot be created in '/proc'")):
+        with pytest.raises(CheckpointError, match=says):
+            check_destination(tmp_path, dst, overwrite=False, to="hf")
+    check_destination(tmp_path, tmp_path / "new" / "deeper", overwrite=False, to="hf")  # creatable: no error
+    assert not list(tmp_path.glob(".ember-convert-probe-*")) and not (tmp_path / "new").exists()
