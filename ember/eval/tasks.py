@@ -120,6 +120,9 @@ def read_rows(spec: str, task: str, fields: tuple[str, ...], limit: Optional[int
             rows = [{"passage": r["passage"], "question": r["question"],
                      "answer": {0: False, 1: True}.get(r["label"], r["label"])} for r in rows]
         located = [(f"{name} ({split}) row {i}", row) for i, row in enumerate(rows, 1)]
+    elif "://" in spec:
+        raise UserFileNotFound(f"{task} data '{spec}': reading task data from object storage is not supported yet; "
+                               "copy it to a local jsonl file and give that")
     else:
         raise UserFileNotFound(f"{task} data '{spec}' does not exist; give a local jsonl file"
                                + (f" or '{task}' for the hub" if task in HUB else ""))

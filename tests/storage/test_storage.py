@@ -144,3 +144,13 @@ def test_a_directory_is_uploaded_whole_or_not_at_all(memory, tmp_path, monkeypat
     assert sorted(memory.find("/b")) == ["/b/out/a.safetensors", "/b/out/config.json"]
     assert memory.cat("/b/out/config.json") == b"new"
     assert not any((tmp_path / "cache" / "uploads").iterdir())  # the local stage removed
+
+
+def test_data_read_from_a_store_says_it_is_not_supported_yet():
+    from ember.data.sources import check_source_exists
+    from ember.eval.tasks import read_rows
+
+    with pytest.raises(UserFileNotFound, match="ppl=s3://b/x.jsonl: reading data from object storage is not"):
+        check_source_exists("s3://b/x.jsonl", "ppl")
+    with pytest.raises(UserFileNotFound, match="lambada data 's3://b/l.jsonl': reading task data from object"):
+        read_rows("s3://b/l.jsonl", "lambada", ("text",))
