@@ -70,10 +70,13 @@ def verify(step_dir: Location, template: dict[str, Any]) -> None:
     """Check a checkpoint against what this run will load, before loading: every shard file present and
     long enough, every tensor of the same global shape. Names the first problem."""
     from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader  # DCP's URL reader: no public name
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    reader = FileSystemReader if isinstance(step_dir, Path) else FsspecReader
+    reader = FileSystemReader
+    if not isinstance(step_dir, Path):  # a URL: DCP's fsspec reader (no public name), imported only then
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        reader = FsspecReader
     try:
         metadata = reader(str(step_dir)).read_metadata()
     except Exception as err:
