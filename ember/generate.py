@@ -44,7 +44,7 @@ def tokenizer_for(path: Union[str, Path], spec: Optional[str] = None) -> AnyToke
     from ember.storage.cache import local_copy
 
     if spec:
-        return load_tokenizer(str(local_copy(spec, "--tokenizer")))
+        return load_tokenizer(str(local_copy(spec, "--tokenizer")), "--tokenizer")
     path = local_copy(path)
     if path.is_file():  # a torch file: it names no tokenizer
         raise torch_file_without_tokenizer(path)

@@ -268,18 +268,20 @@ def _is_tiktoken_file(path: Path) -> bool:
     return bool(lines) and all(_TIKTOKEN_LINE.match(line) for line in lines)
 
 
-def load_tokenizer(spec: str) -> AnyTokenizer:
+def load_tokenizer(spec: str, key: str = "data.tokenizer") -> AnyTokenizer:
     """A tokenizer.json, a SentencePiece .model, a tiktoken BPE file (Llama 3's `tokenizer.model`), or a
     folder holding one of them (tokenizer.json first); a tokenizer_config.json beside a tokenizer.json
-    may name its special tokens."""
+    may name its special tokens. `key`: what named it, for the error (a config key or a command's option)."""
     path = Path(spec).expanduser()
     if path.is_dir():
         found = [path / n for n in ("tokenizer.json", "tokenizer.model") if (path / n).is_file()]
         path = found[0] if found else path / "tokenizer.json"
     if not path.is_file():
+        fix = "fix the path or unset data.tokenizer to use the embedded BPE" if key == "data.tokenizer" else \
+            "fix the path"
         raise UserFileNotFound(
-            f"data.tokenizer '{spec}' not found: expected a tokenizer.json, a SentencePiece .model, a tiktoken "
-            "BPE file, or a folder containing one; fix the path or unset data.tokenizer to use the embedded BPE"
+            f"{key} '{spec}' not found: expected a tokenizer.json, a SentencePiece .model, a tiktoken "
+            f"BPE file, or a folder containing one; {fix}"
         )
     if path.suffix != ".json":
         return TiktokenTokenizer(path) if _is_tiktoken_file(path) else SentencePieceTokenizer(path)

@@ -70,8 +70,11 @@ def test_bad_tokenizer_files_are_named(tmp_path: Path, spm_model: Path):
     broken.write_bytes(b"\x00\x01 not a model")
     with pytest.raises(ValueError, match=r"broken\.model' is not a valid SentencePiece model"):
         load_tokenizer(str(broken))
-    with pytest.raises(FileNotFoundError, match=r"data.tokenizer '.*missing' not found"):
+    with pytest.raises(FileNotFoundError, match=r"data.tokenizer '.*missing' not found.*unset data.tokenizer"):
         load_tokenizer(str(tmp_path / "missing"))
+    with pytest.raises(FileNotFoundError, match=r"--tokenizer '.*missing' not found: .*; fix the path$") as err:
+        load_tokenizer(str(tmp_path / "missing"), "--tokenizer")  # a command's option: no config key named
+    assert "data.tokenizer" not in str(err.value)
     with pytest.raises(ValueError, match=r"has 400 tokens but model\.vocab_size=100"):
         build_tokenizer(DataCfg(tokenizer=str(spm_model)), 100)
 
