@@ -27,6 +27,7 @@ from ember.config_schema import JobConfig
 from ember.errors import ConfigError, EmberError
 from ember.launch.local import STOP_EXIT_ENV
 from ember.parallel.mesh_shape import AXES, MeshError, MeshShape, resolve_mesh
+from ember.train import engines
 
 XPK_PRIORITIES = ("very-low", "low", "medium", "high", "very-high")  # xpk workload create --priority's choices
 # XPK's own check of --workload (xpk/parser/validators.py, workload_name_type), made here so that a bad name is
@@ -130,16 +131,15 @@ def _schema_checked(recipe: str, overrides: list[str]) -> JobConfig:
 
 
 def _check_mesh(cfg: JobConfig, launcher: str, num_slices: int, chips: Optional[int]) -> None:
-    from ember.xla import checks as xla_checks  # no jax: the XLA path's refusals, from the config alone
-
-    xla_checks.refuse_pipeline(cfg)  # before the degrees are multiplied: a pipeline degree changes them
+    refuse = engines.rules(cfg.device).refuse  # the TPU engine's refusals (its rules import no jax)
+    refuse(cfg, None)  # before the degrees are multiplied: a pipeline degree changes them
     dcn = {axis: getattr(cfg.dcn_mesh, axis) for axis in AXES}
     if -1 not in dcn.values() and math.prod(dcn.values()) != num_slices:
         raise _slices_error(dcn, launcher, num_slices)
     if chips is None:  # the degrees as given (an axis of -1 counted as 1): what the TPU path refuses, said here
         given = MeshShape(ici={a: max(getattr(cfg.ici_mesh, a), 1) for a in AXES},
                           dcn={a: max(v, 1) for a, v in dcn.items()})
-        xla_checks.check(cfg, given)
+        refuse(cfg, given)
         _check_model(cfg, given)
         return
     world = chips * num_slices
@@ -150,7 +150,7 @@ def _check_mesh(cfg: JobConfig, launcher: str, num_slices: int, chips: Optional[
                           f"{'s' if num_slices > 1 else ''} = {world})") from None
     if math.prod(shape.dcn.values()) != num_slices:  # a dcn_mesh axis of -1 took more than the slices
         raise _slices_error(shape.dcn, launcher, num_slices)
-    xla_checks.check(cfg, shape)  # what `ember train device=tpu` refuses on the hosts, refused before submitting
+    refuse(cfg, shape)  # what `ember train device=tpu` refuses on the hosts, refused before submitting
     from ember.train.run import check_batch
 
     check_batch(cfg, shape)  # the batch against the mesh the slices make (the data is the hosts' to check)

@@ -31,6 +31,9 @@ class EngineRules:
     engine: str  # "module:Class" of the engine the Trainer builds
     world_size: Callable[[JobConfig], int]  # this machine's devices, where the config does not say
     layout: Callable[[JobConfig, int], MeshShape]  # the mesh for a world, with this engine's refusals
+    # what the engine refuses of the config alone (shape None) and of a mesh: what `layout` checks, for the
+    # launchers that make the mesh themselves (ember launch xpk|tpu-vm: chips x slices)
+    refuse: Callable[[JobConfig, Optional[MeshShape]], None]
     check_model: Callable[[JobConfig, MeshShape, Any], None]  # the model and layout against what the engine runs
     # precision -> compute dtype, where the engine decides without measuring (None: ember.hardware.device's rules)
     compute_dtype: Optional[Callable[[str, str], "torch.dtype"]]
@@ -53,8 +56,12 @@ def _torch_check_model(cfg: JobConfig, shape: MeshShape, args: Any) -> None:
                           "axes; use `ember eval` on the checkpoint for tensor, pipeline or context layouts")
 
 
+def _refuse_nothing(cfg: JobConfig, shape: Optional[MeshShape]) -> None:
+    """The torch engine runs every layout a mesh resolves to (ember/parallel/checks.py checks it against the model)."""
+
+
 TORCH = EngineRules(name="torch.distributed", engine="ember.train.torch_engine:TorchEngine",
-                    world_size=lambda cfg: 1, layout=mesh_shape, check_model=_torch_check_model,
+                    world_size=lambda cfg: 1, layout=mesh_shape, refuse=_refuse_nothing, check_model=_torch_check_model,
                     compute_dtype=None, torch_device_checks=True, whole_logits=False)
 
 # device -> "module:attribute" of its EngineRules; every other device trains on TORCH

@@ -4,7 +4,7 @@ Imports no jax and no torch until a rule is called."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from ember.config_schema import JobConfig
 from ember.errors import ConfigError
@@ -30,13 +30,22 @@ def xla_compute_dtype(precision: str, device: str) -> "torch.dtype":
 def layout(cfg: JobConfig, world_size: int) -> MeshShape:
     """The mesh of `world_size` jax devices, with what this path does not run refused first (a pipeline degree
     changes the device count a mesh error would name)."""
-    checks.refuse_pipeline(cfg)
+    refuse(cfg, None)
     try:
         shape = mesh_shape(cfg, world_size)
     except ConfigError as err:
         raise ConfigError(checks.mesh_error(str(err), cfg.device, world_size)) from None
-    checks.check(cfg, shape)
+    refuse(cfg, shape)
     return shape
+
+
+def refuse(cfg: JobConfig, shape: Optional[MeshShape]) -> None:
+    """What this path does not run: a pipeline degree (from the config alone, before the degrees are multiplied),
+    then the mesh's axes against the config (ember/xla/checks.py)."""
+    if shape is None:
+        checks.refuse_pipeline(cfg)
+    else:
+        checks.check(cfg, shape)
 
 
 def check_model(cfg: JobConfig, shape: MeshShape, args: "DecoderArgs") -> None:
@@ -51,5 +60,5 @@ def _world_size(cfg: JobConfig) -> int:
 
 
 RULES = EngineRules(name="xla", engine="ember.xla.engine:XlaEngine", world_size=_world_size, layout=layout,
-                    check_model=check_model, compute_dtype=xla_compute_dtype, torch_device_checks=False,
+                    refuse=refuse, check_model=check_model, compute_dtype=xla_compute_dtype, torch_device_checks=False,
                     whole_logits=True)
