@@ -50,7 +50,7 @@ def local_copy(path: Union[str, os.PathLike], key: str = "path") -> Path:
     file), downloaded when missing or changed on the store. A run directory's copy holds only its newest complete
     checkpoint (what loading a run reads) and the run's config.yaml."""
     if not is_url(str(path)):
-        return as_path(str(path)) if not isinstance(path, Path) else path.expanduser()
+        return as_path(str(path))
     url = str(path).rstrip("/")
     root, parts, model = _what_to_copy(as_path(url))
     listing = _listing(root, parts, url, key)
