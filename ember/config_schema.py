@@ -285,6 +285,33 @@ class DPOConfig:
 
 
 @dataclass
+class DiLoCoConfig:
+    """fault_tolerance.semi_sync=diloco: each replica group takes sync_steps local steps, then the groups average
+    their pseudo-gradients (the weights' change since the last sync) and an outer SGD step applies it."""
+
+    sync_steps: int = 100  # inner optimizer steps between two syncs (torchft's sync_every)
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    nesterov: bool = True
+
+
+@dataclass
+class FaultToleranceConfig:
+    """In-job fault tolerance with torchft (ember/train/fault_tolerance.py): the job's data-parallel replicas run as
+    `replica_groups` separate torchrun jobs joined by torchft's lighthouse; a dead group is dropped from the step's
+    quorum and, restarted, heals from a live peer. Each process's group comes from $EMBER_REPLICA_GROUP and the
+    lighthouse from $TORCHFT_LIGHTHOUSE (what `ember launch local --replica-groups R` sets)."""
+
+    enable: bool = False
+    replica_groups: int = 1  # the global batch is split over them; a step with fewer groups has fewer tokens
+    min_replica_groups: int = 1  # a step commits only with at least this many groups in its quorum
+    timeout_s: float = 60.0  # a collective, commit or healing transfer that takes longer drops the peer from the step
+    quorum_timeout_s: float = 120.0  # how long a quorum waits for the groups to join
+    semi_sync: str = "none"  # none: gradients averaged over the groups every step | diloco (diloco.*)
+    diloco: DiLoCoConfig = field(default_factory=DiLoCoConfig)
+
+
+@dataclass
 class JobConfig:
     seed: int = 0
     # lm: next-token loss (pretraining, SFT); dpo: preference pairs (dpo.* keys), the reference being the starting
@@ -323,3 +350,4 @@ class JobConfig:
     dpo: DPOConfig = field(default_factory=DPOConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     fp8: Fp8Config = field(default_factory=Fp8Config)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)

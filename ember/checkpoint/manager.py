@@ -323,6 +323,15 @@ class CheckpointManager:
     def _load_planner(self) -> Any:
         return None  # DCP's default
 
+    def live_state(self) -> dict[str, Any]:
+        """The weights and optimizer state a checkpoint saves, as live tensors (a replica group's healing copy)."""
+        return self._state()
+
+    def load_live_state(self, fill: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+        """live_state() filled in place by `fill` (a peer's copied in), then given to the optimizer as a load would."""
+        settings = group_settings(self.optimizer)
+        self._restore(fill(self._state()), settings)
+
     def _restore(self, state: dict[str, Any], settings: Any) -> None:
         """The loaded state into the model (loaded in place) and the optimizer, under this run's optim.*."""
         apply_group_settings(state["optim"]["param_groups"], settings)  # before loading: fused/foreach place state

@@ -39,8 +39,10 @@ def run(args: argparse.Namespace) -> int:
     from ember.train import run as run_lib
 
     if args.flags:
+        # (with --replica-groups the launcher checks the overrides it adds: fault_tolerance.*)
         return launch_local(args.flags, "train", args.argv,
-                            lambda world: run_lib.load_config(args.recipe, args.overrides, world_size=world))
+                            lambda world, overrides=None: run_lib.load_config(
+                                args.recipe, args.overrides if overrides is None else overrides, world_size=world))
     # None: this machine's world (with device=tpu|xla, jax's devices); under torchrun, the job's
     cfg = run_lib.load_config(args.recipe, args.overrides,
                               world_size=world_size() if "WORLD_SIZE" in os.environ else None)

@@ -18,7 +18,7 @@ STOP_EXIT_ENV = "EMBER_EXIT_CODE_ON_STOP"  # the exit code of a run stopped (and
 ERROR_DIR_ENV = "EMBER_ERROR_DIR"  # set by the launcher: where ranks leave their user errors
 
 
-LAUNCH_FLAGS = ("--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint")
+LAUNCH_FLAGS = ("--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint", "--replica-groups", "--max-restarts")
 
 
 def split_launch_flags(argv: list[str], command: str = "train",
@@ -64,6 +64,8 @@ def launch_local(flags: dict[str, str], command: str, command_argv: list[str], c
     rank through torch.distributed.run."""
     nproc = _positive_int(flags, "--nproc-per-node", 1)
     nnodes = _positive_int(flags, "--nnodes", 1)
+    if {"--replica-groups", "--max-restarts"} & set(flags):
+        return _launch_groups(flags, command, command_argv, check, nproc, nnodes)
     if nnodes > 1 and "--rdzv-endpoint" not in flags:
         raise ConfigError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the node of rank 0) and --node-rank")
     node_rank = int(flags.get("--node-rank", 0)) if flags.get("--node-rank", "0").isdigit() else -1
@@ -117,6 +119,29 @@ def launch_local(flags: dict[str, str], command: str, command_argv: list[str], c
             processes_log.removeHandler(killed)
             processes_log.propagate = True
     return 0
+
+
+def _launch_groups(flags: dict[str, str], command: str, command_argv: list[str], check: Callable[[int], object],
+                   nproc: int, nnodes: int) -> int:
+    """--replica-groups R: a fault-tolerant training job of R torchrun groups (ember/launch/replica_groups.py)."""
+    from ember.launch import replica_groups as groups_lib
+    from ember.storage.mirror import local_run_dir
+
+    if command != "train" or "--replica-groups" not in flags:
+        raise ConfigError(f"--max-restarts and --replica-groups go together, with ember train (not {command})"
+                          if command != "train" else "--max-restarts restarts replica groups: give --replica-groups R")
+    if nnodes > 1:
+        raise ConfigError("--replica-groups runs every group on this machine; on a cluster, run one job per group "
+                          "(see docs/clusters.md: replica groups)")
+    groups = _positive_int(flags, "--replica-groups", 1)
+    restarts = flags.get("--max-restarts", str(groups_lib.DEFAULT_MAX_RESTARTS))
+    if not restarts.isdigit():
+        raise ConfigError(f"--max-restarts must be an integer >= 0, got '{restarts}'")
+    recipe = command_argv[:1] if command_argv and "=" not in command_argv[0] else []
+    argv = [*recipe, *groups_lib.group_overrides(command_argv[len(recipe):], groups)]
+    cfg = check(nproc, argv[len(recipe):])
+    return groups_lib.launch_replica_groups(flags, argv, lambda _: str(local_run_dir(cfg.output_dir)), groups, nproc,
+                                            int(restarts))
 
 
 def rank_user_error(message: str) -> int:

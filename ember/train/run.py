@@ -39,7 +39,7 @@ from ember.parallel.mesh import ParallelMesh
 from ember.parallel.mesh_shape import MeshShape
 from ember.parallel.parallelize import ParallelOptions
 from ember.storage.location import check_locations, is_url
-from ember.train import engines
+from ember.train import engines, fault_tolerance
 from ember.train.engines import mesh_shape
 
 
@@ -83,6 +83,7 @@ def check(cfg: JobConfig, world_size: int) -> None:
     sources.check(cfg)
     tasks.check(cfg)
     chat.check(cfg)
+    fault_tolerance.check(cfg)
     shape = engines.rules(cfg.device).layout(cfg, world_size)  # with what the engine does not run, refused first
     check_batch(cfg, shape)
     check_model(cfg, shape)
@@ -117,12 +118,15 @@ def _init_from_family(recipe_family: str, init_from: str) -> str:
 
 
 def check_batch(cfg: JobConfig, shape: MeshShape) -> None:
-    """global_batch_size against micro_batch_size x the mesh's data-parallel ranks (the accumulation is their ratio)."""
-    per_step = cfg.micro_batch_size * shape.dp
+    """global_batch_size against micro_batch_size x the data-parallel ranks of every replica group (the accumulation is
+    their ratio)."""
+    dp = shape.dp * fault_tolerance.replica_groups(cfg)
+    per_step = cfg.micro_batch_size * dp
     if cfg.global_batch_size % per_step:
+        groups = " (over fault_tolerance.replica_groups)" if dp != shape.dp else ""
         raise ConfigError(
-            f"global_batch_size={cfg.global_batch_size} is not divisible by micro_batch_size x data-parallel size "
-            f"= {cfg.micro_batch_size} x {shape.dp} = {per_step}; change global_batch_size or micro_batch_size")
+            f"global_batch_size={cfg.global_batch_size} is not divisible by micro_batch_size x data-parallel size"
+            f"{groups} = {cfg.micro_batch_size} x {dp} = {per_step}; change global_batch_size or micro_batch_size")
 
 
 def model_choice(cfg: JobConfig) -> ModelChoice:
@@ -266,9 +270,10 @@ def _decide(cfg: JobConfig, world_size: int, device: torch.device, shape: MeshSh
     fused_output = not whole_logits and world_size == 1 and cfg.task != "dpo"
     chunks = 1 if whole_logits else output_chunks(cfg.micro_batch_size, cfg.seq_len // shape.degree("context"),
                                                   args.vocab_size, device.type, fused=fused_output)
+    grad_accum = config_lib.grad_accum_steps(cfg, shape.dp * fault_tolerance.replica_groups(cfg))
     return RunSpec(cfg=cfg, world_size=world_size, device=device, shape=shape, flavor=flavor, args=args,
                    architecture_from=architecture_from, compute_dtype=compute_dtype, fsdp_mixed=fsdp_mixed,
-                   parallel=parallel, grad_accum=config_lib.grad_accum_steps(cfg, shape.dp), num_stages=num_stages,
+                   parallel=parallel, grad_accum=grad_accum, num_stages=num_stages,
                    pp_microbatches=pp_microbatches, output_chunks=chunks, flops_per_token=flops_per_token,
                    fused_output=fused_output, precision_note=precision_note)
 

@@ -29,7 +29,7 @@ from ember.nn import moe as moe_lib
 from ember.nn.moe_stats import MoEOptions, MoEStats, RouterLoss
 from ember.parallel import fp8 as fp8_lib
 from ember.parallel.mesh import ParallelMesh, init_distributed
-from ember.train import run as run_lib
+from ember.train import fault_tolerance as ft_lib, run as run_lib
 from ember.train.health import is_finite_step
 from ember.train.optim import build_optimizer, clip_grad_norm_
 from ember.train.run import RunSpec
@@ -50,13 +50,20 @@ class TorchEngine:
         allocator_note = keep_freed_cpu_memory() if self.device.type == "cpu" else None
         self.notes: list[Optional[str]] = [allocator_note and f"cpu: {allocator_note}"]
         self.mesh: Optional[ParallelMesh] = None
+        self.replicas: Optional[ft_lib.ReplicaGroups] = None  # fault_tolerance.enable: this group among its peers
+        self.diloco: Optional[Any] = None  # fault_tolerance.semi_sync=diloco: torchft's DiLoCo, entered
 
     def connect(self, spec: RunSpec) -> None:
-        """The process group and the DeviceMesh of `spec`'s layout."""
+        """The process group and the DeviceMesh of `spec`'s layout; with fault tolerance, torchft's manager of this
+        group's rank among the replica groups."""
         self.spec = spec
         if self.world_size > 1:
             init_distributed(self.device, self.cfg.parallel.timeout_s)
             self.mesh = ParallelMesh(spec.shape, self.device.type)
+        ft = self.cfg.fault_tolerance
+        if ft.enable:
+            self.replicas = ft_lib.ReplicaGroups(ft, ft_lib.group_from_env(ft), self.rank, self.world_size,
+                                                 self.device)
 
     def peak(self) -> PeakFlops:
         """The peak for MFU, taken while the ranks are in step (just past the job's start) and nothing else runs: on
@@ -97,11 +104,15 @@ class TorchEngine:
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device.type)
         self.fp8_after_step = (fp8_lib.fp8_after_optimizer_step(self.model_parts, self.mesh, spec.parallel.fp8_recipe)
                                if spec.parallel.fp8_recipe else None)
+        if self.replicas is not None and cfg.fault_tolerance.semi_sync == "diloco":
+            self.diloco = ft_lib.diloco(self.replicas, self.model, self.optimizer).__enter__()
 
     def data_shard(self) -> tuple[int, int, int]:
         """(rows per micro-batch, data-parallel coordinate, data-parallel width) this rank's loaders read: ranks of
-        one replica (tensor, pipeline, context) read the same batch."""
-        return self.cfg.micro_batch_size, self.mesh.dp_rank if self.mesh else 0, self.spec.shape.dp
+        one replica (tensor, pipeline, context) read the same batch. Replica group g reads the g-th share."""
+        dp_rank, dp = self.mesh.dp_rank if self.mesh else 0, self.spec.shape.dp
+        group = self.replicas.group if self.replicas is not None else 0
+        return self.cfg.micro_batch_size, group * dp + dp_rank, dp * ft_lib.replica_groups(self.cfg)
 
     def place(self, checkpointer: CheckpointManager) -> None:
         """The weights are where they train already: DCP loaded a resume into this rank's tensors."""
@@ -109,14 +120,21 @@ class TorchEngine:
     # ---------------------------------------------------------------- one step
     def train_step(self, micro_batches: list[Batch]) -> tuple[float, float]:
         """Forward/backward over this rank's micro-batches of one global batch, clip, step (a non-finite step
-        changes no weight: loss and norm are global, so every rank takes the same decision)."""
+        changes no weight: loss and norm are global, so every rank takes the same decision). Over replica groups
+        (not DiLoCo), the gradients and loss are first averaged over the step's quorum, and the optimizer steps
+        only if the step commits (`replicas.committed`)."""
         self.model.train()
         loss = self.forward_backward.run(micro_batches, backward=True)
         self.moe_stats.end_step(len(micro_batches) * self.spec.pp_microbatches)
+        synced = self.replicas is not None and self.diloco is None
+        if synced:
+            with phase("replica_sync"):
+                loss = float(self.replicas.average(torch.tensor(loss), self.model.parameters()))
         with phase("optimizer"):
             grad_norm = float(clip_grad_norm_(self.model.parameters(), self.cfg.optim.max_grad_norm,
                                               pp_mesh=self.mesh.submesh("pipeline") if self.mesh else None))
-            if is_finite_step(loss, grad_norm):
+            # every group's verdict on the step (a collective: asked even of a non-finite one)
+            if (not synced or self.replicas.commit()) and is_finite_step(loss, grad_norm):
                 self.optimizer.step()
                 if self.score_bias_rate:
                     self.moe_stats.update_score_bias(self.model_parts, self.score_bias_rate, self.spec.args.n_layers,

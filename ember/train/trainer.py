@@ -13,6 +13,7 @@ ember/train/step.py, run health and stop signals in ember/train/health.py, the M
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import time
 from typing import Iterator, Optional
@@ -41,7 +42,7 @@ from ember.metrics.run_metrics import (
 from ember.nn.decoder import num_params
 from ember.storage.location import as_path, check_reachable, is_url
 from ember.storage.mirror import RunMirror, local_run_dir
-from ember.train import engines, run as run_lib
+from ember.train import engines, fault_tolerance as ft_lib, run as run_lib
 from ember.train.health import HealthGuard, StopSignals, TrainingStopped, is_finite_step
 from ember.train.optim import build_lr_scheduler, restart_schedule
 from ember.train.step import Batch
@@ -54,6 +55,9 @@ class Trainer:
     host) of many; `self.engine` holds the model and steps it."""
 
     def __init__(self, cfg: JobConfig, console: Optional[Console] = None):
+        if cfg.fault_tolerance.enable:  # each replica group keeps its own run (ember/train/fault_tolerance.py)
+            cfg = dataclasses.replace(cfg, output_dir=ft_lib.group_dir(cfg.output_dir,
+                                                                       ft_lib.group_from_env(cfg.fault_tolerance)))
         self.cfg = cfg
         # soft_wrap: a metrics line stays one line in logs and pipes, whatever the terminal width.
         self.console = console or Console(soft_wrap=True)
@@ -90,12 +94,15 @@ class Trainer:
         rows, dp_rank, dp_world = engine.data_shard()
         loader_kwargs = dict(seq_len=cfg.seq_len, micro_batch_size=rows, dp_rank=dp_rank, dp_world=dp_world,
                              seed=cfg.seed, vocab_size=spec.args.vocab_size)
+        # Validation reads every group's share in each group (the same samples, whichever groups are alive).
+        groups = ft_lib.replica_groups(cfg)
+        val_kwargs = {**loader_kwargs, "dp_rank": dp_rank % (dp_world // groups), "dp_world": dp_world // groups}
         make_loader = (build_loader if cfg.task == "lm"
                        else functools.partial(dpo_lib.build_pair_loader, dpo_cfg=cfg.dpo))
         self.train_loader = make_loader(cfg.data, self.tokenizer, split="train", **loader_kwargs)
         self.val_loader, val_note = None, None
         try:
-            self.val_loader = make_loader(cfg.data, self.tokenizer, split="val", **loader_kwargs)
+            self.val_loader = make_loader(cfg.data, self.tokenizer, split="val", **val_kwargs)
         except DataError as err:  # a held-out split too small for one batch: train without validation
             val_note = f"no validation: {err}"
         # The header, once the model and data are known: before what starting over, resuming or a tracker prints.
@@ -111,15 +118,23 @@ class Trainer:
         self.checkpointer, state = open_checkpoints(spec, self.model_parts, self.model, self.optimizer, self._say,
                                                     manager_type=engine.checkpoint_manager)
         if state is not None:
-            self.step = int(state["step"])
-            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+            self._load_train_state(state)
             restart_schedule(self.lr_scheduler)  # this run's optim.lr and schedule, from the resumed step on
-            self.train_loader.load_state_dict(state["data"])
-            set_rng_state(state["rng"])
-            self.health.load_state_dict(state)
         engine.place(self.checkpointer)
         if self.mirror is not None:
             self.checkpointer.on_commit = self.mirror.push
+        # Replica groups: the step the quorum compares, and what a group behind receives from a live peer.
+        self.replicas = engine.replicas
+        if self.replicas is not None:
+            self.replicas.set_step(self.step)
+            self.replicas.heal_with(self.checkpointer, self.train_state, self._load_train_state, self._say)
+
+    def _load_train_state(self, state: dict) -> None:
+        self.step = int(state["step"])
+        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        self.train_loader.load_state_dict(state["data"])
+        set_rng_state(state["rng"])
+        self.health.load_state_dict(state)
 
     def _say(self, message: str) -> None:
         if self.is_main:
@@ -139,9 +154,10 @@ class Trainer:
 
     def train_step(self, micro_batches: list[Batch]) -> tuple[float, float]:
         """One optimizer step over this rank's micro-batches of one global batch (the engine's), then the LR
-        schedule's."""
+        schedule's (not for a step the replica groups did not commit: it is run again)."""
         loss, grad_norm = self.engine.train_step(micro_batches)
-        self.lr_scheduler.step()
+        if self.replicas is None or self.replicas.committed:
+            self.lr_scheduler.step()
         return loss, grad_norm
 
     def evaluate(self) -> Optional[float]:
@@ -151,7 +167,8 @@ class Trainer:
             return None
         self.val_loader.reset()
         val_iter = iter(self.val_loader)
-        return self.engine.evaluate([next(val_iter) for _ in range(self.cfg.eval_batches * self.spec.grad_accum)])
+        n = self.cfg.eval_batches * self.spec.grad_accum * ft_lib.replica_groups(self.cfg)
+        return self.engine.evaluate([next(val_iter) for _ in range(n)])
 
     def eval_tasks(self) -> dict[str, float]:
         """eval.tasks as eval/<task>/<metric>, scored by the engine's model (on the torch engine the requests are
@@ -188,11 +205,12 @@ class Trainer:
                 segment.undo()
             raise
         recent: collections.deque = collections.deque(maxlen=cfg.logging_steps)  # (step, loss) of the last good steps
-        window = {"time": 0.0, "steps": 0, "loss": 0.0, "data": 0.0}
+        window = {"time": 0.0, "steps": 0, "loss": 0.0, "data": 0.0, "tokens": 0.0}
         first: Optional[tuple[int, float]] = None  # (step, loss) of this run's first good step
         batches = self.global_batches()
         progress = progress_bar(self.console, enabled=self.is_main and cfg.metrics.console)
-        stopped = False
+        stopped, retry = False, None  # retry: the micro-batches of a step the replica groups did not commit
+        stepwise = self.replicas is not None and cfg.fault_tolerance.semi_sync == "none"
         # The main rank prints the summary; every rank writes its trace.
         profiler = self.engine.profiler(self.output_dir, self._say)
         profiler.plan(self.step, cfg.max_steps)  # says what max_steps or a resume cuts from the traced steps
@@ -202,15 +220,28 @@ class Trainer:
                 profiler.start_step(self.step + 1)
                 with profiler.step_range(self.step + 1):
                     t0 = time.perf_counter()
+                    if stepwise:  # the step's quorum; a group behind heals here (its step and data replaced)
+                        before = self.step
+                        self.replicas.start_step()
+                        retry = retry if self.step == before else None
                     with phase("data_wait"):
-                        micro_batches = next(batches)
+                        micro_batches = retry or next(batches)
                     data_wait = time.perf_counter() - t0  # time the step waited for the loader
                     lr = self.optimizer.param_groups[0]["lr"]
                     loss, grad_norm = self.train_step(micro_batches)
                     if self.device.type == "cuda":
                         torch.cuda.synchronize()
                     step_time = time.perf_counter() - t0
+                if stepwise and not self.replicas.committed:
+                    retry = micro_batches  # a group dropped out mid-step: the survivors run it again, same batch
+                    self._say(f"step {self.step + 1} did not commit over the replica groups: run again")
+                    continue
+                retry = None
                 self.step += 1
+                groups = self.replicas.participants if stepwise else None
+                if groups is not None and len(groups) < self.replicas.count:  # the step's real batch, recorded
+                    logger.log(self.step, ft_lib.degraded_record(self.step, groups, self.replicas.count,
+                                                                 self.spec.tokens_per_step))
                 skipped = not is_finite_step(loss, grad_norm)  # train_step changed no weight
                 progress.update(task, advance=1, **({} if skipped else {"loss": f"{loss:.3f}"}))
                 if skipped:
@@ -225,10 +256,11 @@ class Trainer:
                 window["steps"] += 1
                 window["loss"] += loss
                 window["data"] += data_wait
+                window["tokens"] += self.spec.tokens_per_step * (len(groups) / self.replicas.count if groups else 1)
                 if self.step % cfg.logging_steps == 0 or self.step == cfg.max_steps:
                     record = self._metrics_record(loss, lr, grad_norm, window)
                     logger.log(self.step, record)
-                    window = {"time": 0.0, "steps": 0, "loss": 0.0, "data": 0.0}
+                    window = {"time": 0.0, "steps": 0, "loss": 0.0, "data": 0.0, "tokens": 0.0}
                 # Validation on its own cadence, outside the timed window of the step it follows.
                 if cfg.eval_interval and self.step % cfg.eval_interval == 0 and self.step < cfg.max_steps:
                     evaluated = {"val_loss": self.evaluate(), **self.eval_tasks()}
@@ -268,6 +300,8 @@ class Trainer:
         if val_loss is not None or tasks:
             logger.log(self.step, {"step": self.step, "val_loss": val_loss, **tasks})
         logger.close()
+        if self.replicas is not None:
+            self.replicas.close()
         if self.mirror is not None:
             self.mirror.push()
         if self.is_main and cfg.metrics.console and first is not None:
@@ -293,7 +327,9 @@ class Trainer:
         record = throughput_record(
             step=self.step, loss=loss, lr=lr, grad_norm=grad_norm, window_time=window["time"],
             window_steps=window["steps"], window_loss=window["loss"], window_data_wait=window["data"],
-            tokens_per_step=self.spec.tokens_per_step, world_size=self.world_size,
+            # over replica groups: every group's tokens (fewer in a step some missed) on every group's devices
+            tokens_per_step=window["tokens"] / window["steps"],
+            world_size=self.world_size * ft_lib.replica_groups(self.cfg),
             flops_per_token=self.spec.flops_per_token, peak=self.peak, device=self.device)
         n_experts = getattr(self.spec.args, "n_experts", 0)
         if n_experts:  # MoE: router losses, and the load of every expert of every layer over the window

@@ -39,6 +39,8 @@ from ember.xla.profiling import JaxStepProfiler
 class XlaEngine:
     """This host's part of a jax SPMD job; see the module docstring."""
 
+    replicas = None  # no torchft replica groups (fault_tolerance.enable is refused on XLA)
+
     def __init__(self, cfg: JobConfig):
         import jax
 

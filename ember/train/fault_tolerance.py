@@ -1,0 +1,249 @@
+"""In-job fault tolerance over replica groups, with torchft (fault_tolerance.* keys).
+
+A job of R replica groups is R torchrun jobs of the same layout (each its own mesh: fsdp, tensor, ...), joined by
+torchft's lighthouse. Each step every group computes its share of the global batch; then, instead of a
+data-parallel all-reduce that hangs when a peer dies, the groups in the step's quorum average their gradients
+(this rank's local shards with the same rank of every other group) through torchft's Manager, which drops a group
+that stops answering and commits the step only where every rank of a group agrees. A restarted group joins the
+next quorum, and torchft copies a live peer's state to it (healing): weights, optimizer, schedule, data position,
+RNG, the step. With semi_sync=diloco the groups step alone and meet every diloco.sync_steps steps (torchft's DiLoCo).
+
+What ember adds around torchft: the group's data shard (group g reads the g-th share of each global batch, so a step
+without a group skips that group's rows and the data order of the others stays exact), the group's own output
+directory (any group can restart from its own checkpoints), a step retried on the same batch when it does not
+commit, the steps that ran with fewer groups recorded, and a healing transport that never unpickles code.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+from typing import Any, Callable, Iterable
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ember.config_schema import FaultToleranceConfig, JobConfig
+from ember.errors import ConfigError
+
+GROUP_ENV = "EMBER_REPLICA_GROUP"  # this process's replica group, 0..R-1 (ember launch sets it)
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # torchft's own: the lighthouse's http://host:port
+SEMI_SYNC = ("none", "diloco")
+
+
+def replica_groups(cfg: JobConfig) -> int:
+    """The replica groups the global batch is split over: 1 without fault tolerance."""
+    return cfg.fault_tolerance.replica_groups if cfg.fault_tolerance.enable else 1
+
+
+def check(cfg: JobConfig) -> None:
+    """fault_tolerance.* against each other and the run: one ConfigError naming the key."""
+    ft = cfg.fault_tolerance
+    if not ft.enable:
+        return
+    if ft.replica_groups < 1:
+        raise ConfigError(f"fault_tolerance.replica_groups must be >= 1, got {ft.replica_groups}")
+    if not 1 <= ft.min_replica_groups <= ft.replica_groups:
+        raise ConfigError(f"fault_tolerance.min_replica_groups={ft.min_replica_groups} must be in [1, "
+                          f"fault_tolerance.replica_groups={ft.replica_groups}]")
+    if ft.semi_sync not in SEMI_SYNC:
+        raise ConfigError(f"fault_tolerance.semi_sync={ft.semi_sync!r}: choose one of {', '.join(SEMI_SYNC)}")
+    if ft.semi_sync == "diloco" and ft.diloco.sync_steps < 1:
+        raise ConfigError(f"fault_tolerance.diloco.sync_steps must be >= 1, got {ft.diloco.sync_steps}")
+    if min(ft.timeout_s, ft.quorum_timeout_s) <= 0:
+        raise ConfigError("fault_tolerance.timeout_s and fault_tolerance.quorum_timeout_s must be > 0")
+    if cfg.device in ("tpu", "xla"):
+        raise ConfigError(f"fault_tolerance.enable=true runs on the torch engine (device=cpu|cuda), not device="
+                          f"{cfg.device}: XLA SPMD has no replica groups; restart from checkpoints there")
+    if cfg.task == "dpo":
+        raise ConfigError("fault_tolerance.enable=true trains task=lm; DPO's reference and reward metrics are not "
+                          "averaged over replica groups: run task=dpo without fault_tolerance")
+    try:
+        import torchft  # noqa: F401
+    except ImportError:
+        raise ConfigError("fault_tolerance.enable=true needs torchft: pip install -e '.[ft]' (with your torch on "
+                          "the same pip line)") from None
+
+
+def group_from_env(ft: FaultToleranceConfig) -> int:
+    """This process's replica group from $EMBER_REPLICA_GROUP, checked against fault_tolerance.replica_groups."""
+    raw = os.environ.get(GROUP_ENV)
+    if raw is None or not raw.isdigit() or int(raw) >= ft.replica_groups:
+        raise ConfigError(f"fault_tolerance.enable=true: ${GROUP_ENV} must name this process's replica group, 0.."
+                          f"{ft.replica_groups - 1} (got {raw!r}); start the groups with `ember launch local "
+                          "--replica-groups R`, or set it for each group's torchrun")
+    if not os.environ.get(LIGHTHOUSE_ENV):
+        raise ConfigError(f"fault_tolerance.enable=true: ${LIGHTHOUSE_ENV} must give the torchft lighthouse's "
+                          "address (http://host:port); `ember launch local --replica-groups R` starts one")
+    return int(raw)
+
+
+def group_dir(output_dir: str, group: int) -> str:
+    """Where group `group` keeps its run: group 0 in output_dir itself (what `ember report` reads), the others
+    beside it in output_dir/replica-group-<g>, each with its own checkpoints, so any group restarts alone."""
+    return output_dir if group == 0 else f"{output_dir.rstrip('/')}/replica-group-{group}"
+
+
+def local_tensors(tree: Any) -> Any:
+    """`tree` with every DTensor replaced by this rank's shard and every tensor on the host: what a peer of the same
+    layout copies into its own shards."""
+    leaves, spec = tree_flatten(tree)
+    return tree_unflatten([_local(x).detach().cpu() if isinstance(x, torch.Tensor) else x for x in leaves], spec)
+
+
+def copy_into(own: Any, received: Any) -> Any:
+    """`own` (this rank's state tree) with each tensor overwritten in place by `received`'s (local_tensors of a
+    peer's), and every other value taken from it. The trees must have one structure: the same model and layout."""
+    mine, spec = tree_flatten(own)
+    theirs, their_spec = tree_flatten(received)
+    if spec != their_spec:
+        raise RuntimeError("a replica group's healing state does not have this group's structure: every group must "
+                           "run the same model, layout and optimizer")
+    out = []
+    for a, b in zip(mine, theirs):
+        if isinstance(a, torch.Tensor):
+            _local(a).copy_(b)
+            out.append(a)
+        else:
+            out.append(b)
+    return tree_unflatten(out, spec)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _transport(timeout: timedelta) -> Any:
+    """torchft's HTTP checkpoint transport, with the receiving side loading tensors and plain values only
+    (weights_only=True): a peer's state is data, never code. torchft's own loads with weights_only=False."""
+    from torch.distributed._serialization import _streaming_load
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    class SafeHTTPTransport(HTTPTransport):
+        @classmethod
+        def _load_from_address(cls, address: str, timeout: timedelta) -> object:
+            import urllib.request
+
+            with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f:
+                return _streaming_load(f, weights_only=True)
+
+    return SafeHTTPTransport(timeout=timeout, num_chunks=0)
+
+
+class ReplicaGroups:
+    """This rank's view of the replica groups: torchft's Manager over a reconfigurable gloo/NCCL group with the
+    same rank of every other group. Every rank of every group calls start_step, average and commit once per step."""
+
+    def __init__(self, ft: FaultToleranceConfig, group: int, rank: int, world_size: int, device: torch.device):
+        from torchft.manager import Manager
+        from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+        self.cfg, self.group, self.count = ft, group, ft.replica_groups
+        self._store = None
+        if "MASTER_PORT" not in os.environ:  # one process, no torchrun: the group's store is this process's own
+            self._store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+            store_addr, store_port = "127.0.0.1", self._store.port
+        else:
+            store_addr, store_port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        timeout = timedelta(seconds=ft.timeout_s)
+        self._pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+        self._group_world = world_size
+        self.manager = Manager(
+            pg=self._pg, load_state_dict=None, state_dict=None, min_replica_size=ft.min_replica_groups,
+            # a synchronous quorum heals before the step's batch is read (and DiLoCo requires it)
+            use_async_quorum=False, timeout=timeout, quorum_timeout=timedelta(seconds=ft.quorum_timeout_s),
+            connect_timeout=timeout, rank=rank, world_size=world_size, store_addr=store_addr, store_port=store_port,
+            replica_id=f"ember_{group}", hostname=socket.gethostname(), checkpoint_transport=_transport(timeout),
+            # every group starts from the same seed-determined weights (or checkpoint): no copy at step 0
+            init_sync=False)
+        self.committed = True  # the last step's verdict
+        self.participants: list[int] = list(range(self.count))  # the groups in the last step's quorum
+
+    def heal_with(self, checkpointer: Any, train_state: Callable[[], dict], load_train_state: Callable[[dict], None],
+                  say: Callable[[str], None]) -> None:
+        """What a group behind its peers receives from a live one (torchft calls `save` on the peer, `load` here):
+        the weights and optimizer state a checkpoint holds (ember/checkpoint/manager.py's live_state), and the
+        trainer's state (step, schedule, data position, RNG, health)."""
+        def save() -> dict:
+            return local_tensors({"weights": checkpointer.live_state(), "train": train_state()})
+
+        def load(received: dict) -> None:
+            checkpointer.load_live_state(lambda own: copy_into(own, received["weights"]))
+            load_train_state(received["train"])
+            say(f"replica group {self.group}: healed from a live peer at step {received['train']['step']}")
+
+        self.manager.register_state_dict_fn("ember", load, save)
+
+    def set_step(self, step: int) -> None:
+        """The step the groups agree on: a resumed group's, so the quorum heals the ones behind it."""
+        self.manager.load_state_dict({"step": step, "batches_committed": step * self.count})
+
+    def start_step(self) -> None:
+        """The step's quorum; a group behind its peers receives their state here (the registered loads run)."""
+        self.manager.start_quorum()
+        self.participants = self._quorum_groups()
+
+    def _quorum_groups(self) -> list[int]:
+        """The groups in the step's quorum: torchft configures the cross-group process group with their global
+        ranks (group x group size + rank) when the quorum changes."""
+        ranks = getattr(self._pg, "_global_ranks", None)
+        if ranks:
+            return sorted({r // self._group_world for r in ranks})
+        return list(range(self.manager.num_participants()))  # (a torchft without them: the count is right)
+
+    def average(self, loss: torch.Tensor, params: Iterable[torch.nn.Parameter]) -> torch.Tensor:
+        """Gradients (this rank's shards) and the loss averaged over the groups in the quorum, in one flat buffer
+        per dtype; returns the averaged loss. A failed reduction leaves them for commit() to refuse."""
+        grads = [_local(p.grad) for p in params if p.grad is not None]
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for g in grads:
+            by_dtype.setdefault(g.dtype, []).append(g)
+        loss_buffer = loss.detach().reshape(1).to(torch.float32).clone()
+        works = [(None, loss_buffer, self.manager.allreduce(loss_buffer))]
+        for tensors in by_dtype.values():
+            flat = torch.cat([t.reshape(-1) for t in tensors])
+            works.append((tensors, flat, self.manager.allreduce(flat)))
+        for tensors, flat, work in works:
+            work.wait()
+            if tensors is not None:
+                pieces = torch.split(flat, [t.numel() for t in tensors])
+                torch._foreach_copy_(tensors, [piece.view_as(t) for piece, t in zip(pieces, tensors)])
+        return loss_buffer[0]
+
+    def commit(self) -> bool:
+        """Whether every rank of every group in the quorum finished the step: only then does the optimizer step."""
+        self.committed = self.manager.should_commit()
+        return self.committed
+
+    def close(self) -> None:
+        self.manager.shutdown(wait=False)
+
+
+def diloco(replicas: ReplicaGroups, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Any:
+    """torchft's DiLoCo over `model`'s weights: `optimizer` steps alone, and every diloco.sync_steps steps the groups
+    average their pseudo-gradients and an outer SGD (Nesterov) steps. A context manager: enter it before training."""
+    from torchft.local_sgd import DiLoCo
+
+    cfg = replicas.cfg.diloco
+    outer = torch.optim.SGD(model.parameters(), lr=cfg.outer_lr, momentum=cfg.outer_momentum,
+                            nesterov=cfg.nesterov and cfg.outer_momentum > 0)
+    return DiLoCo(replicas.manager, [model], optimizer, outer, sync_every=cfg.sync_steps,
+                  backup_device=torch.device("cpu"), pin_memory=False)
+
+
+def degraded_record(step: int, groups: list[int], count: int, tokens_per_step: int) -> dict[str, Any]:
+    """metrics.jsonl's record of a step that ran with fewer than all replica groups: which groups' data it consumed
+    (the others' rows of that global batch were skipped) and the tokens it really trained on."""
+    return {"step": step, "replica_groups": groups, "replica_groups_missing": count - len(groups),
+            "tokens": tokens_per_step * len(groups) // count}
+
+
+def lighthouse_command(port: int, min_groups: int, join_timeout_ms: int = 5000) -> list[str]:
+    """torchft's lighthouse on this host: the quorum service the groups join."""
+    return ["torchft_lighthouse", "--min_replicas", str(min_groups), "--quorum_tick_ms", "100",
+            "--join_timeout_ms", str(join_timeout_ms), "--bind", f"[::]:{port}"]
+
+
+__all__ = ["ReplicaGroups", "check", "diloco", "group_dir", "group_from_env", "lighthouse_command", "local_tensors",
+           "copy_into", "replica_groups", "degraded_record"]
