@@ -9,13 +9,13 @@ OUTPUT_DIR/logs/replica-group-G.log. The launcher waits for every group, then st
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable
 
 from ember.errors import ConfigError
 from ember.train.fault_tolerance import GROUP_ENV, LIGHTHOUSE_ENV, lighthouse_command
@@ -40,16 +40,17 @@ def group_overrides(overrides: list[str], groups: int) -> list[str]:
     return [*overrides, "fault_tolerance.enable=true", f"fault_tolerance.replica_groups={groups}"]
 
 
-def launch_replica_groups(flags: dict[str, str], recipe_argv: list[str], output_dir: Callable[[list[str]], str],
-                          groups: int, nproc: int, max_restarts: int) -> int:
+def launch_replica_groups(recipe_argv: list[str], run_dir: Path, groups: int, nproc: int, max_restarts: int,
+                          min_groups: int) -> int:
     """Start the lighthouse and the groups (`recipe_argv`: RECIPE and the overrides, fault tolerance already on;
-    `output_dir(argv)`: the run's local directory, for the logs), wait for them, stop the lighthouse."""
-    if shutil_which("torchft_lighthouse") is None:
+    `run_dir`: the run's local directory, for the logs), wait for them, stop the lighthouse. The lighthouse forms a
+    quorum of at least `min_groups` (fault_tolerance.min_replica_groups) groups."""
+    if shutil.which("torchft_lighthouse") is None:
         raise ConfigError("--replica-groups needs torchft's lighthouse: pip install -e '.[ft]'")
-    logs = Path(output_dir(recipe_argv)) / "logs"
+    logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     port = _free_port()
-    lighthouse = subprocess.Popen(lighthouse_command(port, min_groups=1), stdout=subprocess.DEVNULL,
+    lighthouse = subprocess.Popen(lighthouse_command(port, min_groups), stdout=subprocess.DEVNULL,
                                   stderr=open(logs / "lighthouse.log", "ab"), start_new_session=True)
     address = f"http://127.0.0.1:{port}"
     print(f"lighthouse: {address} (pid {lighthouse.pid}, log {logs / 'lighthouse.log'})", file=sys.stderr)
@@ -82,9 +83,3 @@ def launch_replica_groups(flags: dict[str, str], recipe_argv: list[str], output_
         print(f"error: replica group {group} exited with code {code}; see {logs / f'replica-group-{group}.log'}",
               file=sys.stderr)
     return 1 if failed else 0
-
-
-def shutil_which(program: str) -> str | None:
-    import shutil
-
-    return shutil.which(program)

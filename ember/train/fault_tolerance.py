@@ -239,8 +239,9 @@ def degraded_record(step: int, groups: list[int], count: int, tokens_per_step: i
             "tokens": tokens_per_step * len(groups) // count}
 
 
-def lighthouse_command(port: int, min_groups: int, join_timeout_ms: int = 5000) -> list[str]:
-    """torchft's lighthouse on this host: the quorum service the groups join."""
+def lighthouse_command(port: int, min_groups: int, join_timeout_ms: int = 30000) -> list[str]:
+    """torchft's lighthouse on this host: the quorum service the groups join. A quorum waits up to join_timeout_ms
+    for every live group to ask for it (longer than a step, or a group restarted mid-run could form one alone)."""
     return ["torchft_lighthouse", "--min_replicas", str(min_groups), "--quorum_tick_ms", "100",
             "--join_timeout_ms", str(join_timeout_ms), "--bind", f"[::]:{port}"]
 

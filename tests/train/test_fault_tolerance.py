@@ -1,0 +1,246 @@
+"""In-job fault tolerance over replica groups (ember/train/fault_tolerance.py, torchft): the config's errors, the
+healing state's round trip, a group killed and healed among live peers, DiLoCo against a hand-computed outer step,
+and `ember launch local --replica-groups`."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ember.errors import ConfigError
+from ember.train import fault_tolerance as ft
+from ember.train.run import load_config
+from tests.helpers import KILL_INJECTION, job_env, read_records, run_ember, tiny_model
+
+FT_RUN = [*tiny_model(), "seq_len=32", "micro_batch_size=2", "metrics.console=false", "metrics.tensorboard=false",
+          "eval_batches=1", "fault_tolerance.enable=true", "fault_tolerance.timeout_s=20"]
+
+
+# With the kill injection: EMBER_TEST_PAUSE_AT_STEP=N holds a group at its quorum for step N + 1 until the file
+# $EMBER_TEST_MARKER exists, which a group started with EMBER_TEST_MARK_QUORUM=1 creates at its first quorum: the
+# survivors wait there for the restarted group, however fast or slow this machine runs their steps.
+PAUSE_INJECTION = KILL_INJECTION + """
+if os.environ.get("EMBER_TEST_MARKER"):
+    import pathlib
+    import time
+    import ember.train.fault_tolerance as ft
+    marker = pathlib.Path(os.environ["EMBER_TEST_MARKER"])
+    pause_at = int(os.environ.get("EMBER_TEST_PAUSE_AT_STEP", -1))
+    original_start = ft.ReplicaGroups.start_step
+    def start_step(self):
+        if os.environ.get("EMBER_TEST_MARK_QUORUM"):
+            marker.touch()
+        elif self.manager.current_step() == pause_at:
+            while not marker.exists():
+                time.sleep(0.05)
+        return original_start(self)
+    ft.ReplicaGroups.start_step = start_step
+"""
+
+
+@pytest.fixture
+def lighthouse():
+    """torchft's lighthouse on a free port, stopped by pid at the end."""
+    from ember.launch.replica_groups import _free_port
+
+    port = _free_port()
+    proc = subprocess.Popen(ft.lighthouse_command(port, min_groups=1, join_timeout_ms=2000),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(0.5)
+    assert proc.poll() is None, "the lighthouse did not start"
+    yield f"http://127.0.0.1:{port}"
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["fault_tolerance.replica_groups=0"], "fault_tolerance.replica_groups must be >= 1"),
+    (["fault_tolerance.replica_groups=2", "fault_tolerance.min_replica_groups=3"],
+     "fault_tolerance.min_replica_groups=3 must be in [1, fault_tolerance.replica_groups=2]"),
+    (["fault_tolerance.semi_sync=streaming"], "fault_tolerance.semi_sync='streaming': choose one of none, diloco"),
+    (["fault_tolerance.semi_sync=diloco", "fault_tolerance.diloco.sync_steps=0"],
+     "fault_tolerance.diloco.sync_steps must be >= 1"),
+    (["fault_tolerance.replica_groups=3", "global_batch_size=4", "micro_batch_size=2"],
+     "global_batch_size=4 is not divisible by micro_batch_size x data-parallel size (over "
+     "fault_tolerance.replica_groups) = 2 x 3 = 6"),
+    (["device=xla"], "fault_tolerance.enable=true runs on the torch engine"),
+])
+def test_bad_fault_tolerance_settings_are_one_line(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load_config("debug", ["fault_tolerance.enable=true", *overrides], world_size=1)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_group_without_its_environment_is_told_what_to_set(tmp_path):
+    result = run_ember("train", "debug", *FT_RUN, "fault_tolerance.replica_groups=2", "global_batch_size=4",
+                       f"output_dir={tmp_path / 'run'}", env=job_env())
+    assert result.returncode == 2
+    assert "$EMBER_REPLICA_GROUP must name this process's replica group, 0..1" in result.stderr
+    assert "ember launch local --replica-groups R" in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_healing_state_round_trips_into_a_peers_tensors():
+    """local_tensors on one side, copy_into on the other: every tensor overwritten in place, other values taken."""
+    mine = {"weights": {"w": torch.zeros(3), "opt": {"step": torch.tensor(0.0), "lr": 0.1}}, "train": {"step": 0}}
+    peer = {"weights": {"w": torch.arange(3.0), "opt": {"step": torch.tensor(7.0), "lr": 0.05}}, "train": {"step": 7}}
+    w = mine["weights"]["w"]
+    out = ft.copy_into(mine, ft.local_tensors(peer))
+    assert out["weights"]["w"] is w and w.tolist() == [0.0, 1.0, 2.0]
+    assert out["weights"]["opt"]["lr"] == 0.05 and out["train"]["step"] == 7
+    with pytest.raises(RuntimeError, match="same model, layout and optimizer"):
+        ft.copy_into(mine, {"weights": {"w": torch.zeros(3)}, "train": {"step": 1}})
+
+
+def _group(group: int, lighthouse: str, run: Path, steps: int, extra: list[str], env: dict) -> subprocess.Popen:
+    env = dict(env, EMBER_REPLICA_GROUP=str(group), TORCHFT_LIGHTHOUSE=lighthouse)
+    return subprocess.Popen([sys.executable, "-m", "ember", "train", "debug", *FT_RUN, f"max_steps={steps}",
+                             f"output_dir={run}", *extra], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _final_weights(run: Path) -> dict[str, torch.Tensor]:
+    from ember.model_io.load import load_model
+
+    return load_model(run).state_dict()
+
+
+@pytest.mark.slow
+def test_a_killed_group_heals_from_its_peers_while_they_train_on(tmp_path, lighthouse):
+    """3 groups of 1 rank (a step needs 2 of them: no group trains alone); group 1 is killed (SIGKILL) at step 4 and
+    started again: the other two never restart, the steps without it are recorded with the groups whose data they
+    consumed, and after healing group 1's weights equal the others' bit for bit."""
+    run, steps, pause = tmp_path / "run", 16, 9
+    extra = ["fault_tolerance.replica_groups=3", "fault_tolerance.min_replica_groups=2", "global_batch_size=6",
+             "logging_steps=1"]
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(PAUSE_INJECTION)
+    env = job_env(PYTHONPATH=f"{inject}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+                  EMBER_TEST_MARKER=str(tmp_path / "rejoined"))
+    survivors = dict(env, EMBER_TEST_PAUSE_AT_STEP=str(pause))
+    groups = {g: _group(g, lighthouse, run, steps, extra, survivors if g != 1 else dict(env, EMBER_KILL_AT_STEP="4"))
+              for g in range(3)}
+    killed = groups[1].wait(timeout=600)
+    assert killed == -signal.SIGKILL, groups[1].communicate()[1][-3000:]
+    assert groups[0].poll() is None and groups[2].poll() is None, "the survivors stopped"
+    groups[1] = _group(1, lighthouse, run, steps, extra, dict(env, EMBER_TEST_MARK_QUORUM="1"))
+    outputs = {g: proc.communicate(timeout=900) for g, proc in groups.items()}
+    for g, proc in groups.items():
+        assert proc.returncode == 0, outputs[g][1][-3000:]
+    assert f"replica group 1: healed from a live peer at step {pause}" in outputs[1][0]
+    for g in (0, 2):  # one process each from start to end, never resumed (torchft may still copy a peer's state
+        # to one whose commit failed when group 1 died: "healed" from its peer at the same step)
+        assert "resumed from" not in outputs[g][0]
+        assert all(f"at step {pause}" not in line for line in outputs[g][0].splitlines() if "healed" in line)
+
+    records = read_records(run)
+    degraded = [r["step"] for r in records if "replica_groups" in r]
+    assert degraded == list(range(5, pause + 1)), degraded  # steps 5..9 ran on groups 0 and 2 only
+    assert all(r["replica_groups"] == [0, 2] and r["replica_groups_missing"] == 1 and r["tokens"] == 4 * 32
+               for r in records if "replica_groups" in r)
+    assert max(r["step"] for r in records if "loss" in r) == steps
+    healed = read_records(run / "replica-group-1")
+    assert min(r["step"] for r in healed if "loss" in r) == pause + 1  # its first step after healing: no replay
+    weights = [_final_weights(run if g == 0 else run / f"replica-group-{g}") for g in range(3)]
+    for g in (1, 2):
+        assert weights[g].keys() == weights[0].keys()
+        assert all(torch.equal(weights[g][k], weights[0][k]) for k in weights[0]), f"group {g} differs"
+
+
+def test_diloco_outer_step_equals_the_hand_computed_one(lighthouse, monkeypatch):
+    """Two groups (threads, each its own torchft manager and store) train a linear layer with DiLoCo (2 inner SGD
+    steps on their own data, outer SGD lr 0.7 without momentum): after the sync both hold
+    w0 - 0.7 (w0 - mean(w_g)), with w_g each group's weights after its inner steps, computed here by hand."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ember.config_schema import DiLoCoConfig, FaultToleranceConfig
+
+    monkeypatch.setenv(ft.LIGHTHOUSE_ENV, lighthouse)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    cfg = FaultToleranceConfig(enable=True, replica_groups=2, timeout_s=30, semi_sync="diloco",
+                               diloco=DiLoCoConfig(sync_steps=2, outer_lr=0.7, outer_momentum=0.0, nesterov=False))
+    torch.manual_seed(0)
+    w0 = torch.randn(3, 4)
+    data = [[torch.randn(5, 4) for _ in range(2)] for _ in range(2)]
+
+    def inner(w: torch.Tensor, batches: list[torch.Tensor]) -> torch.Tensor:  # SGD lr 0.1 on mean(x @ w.T) ** 2
+        w = w.clone().requires_grad_(True)
+        for x in batches:
+            loss = (x @ w.T).pow(2).mean()
+            (grad,) = torch.autograd.grad(loss, w)
+            w = (w - 0.1 * grad).detach().requires_grad_(True)
+        return w.detach()
+
+    def group(g: int) -> torch.Tensor:
+        model = torch.nn.Linear(4, 3, bias=False)
+        with torch.no_grad():
+            model.weight.copy_(w0)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        replicas = ft.ReplicaGroups(cfg, g, 0, 1, torch.device("cpu"))
+        replicas.manager.register_state_dict_fn("model", model.load_state_dict, model.state_dict)
+        try:
+            with ft.diloco(replicas, model, optimizer):
+                for x in data[g]:
+                    (x @ model.weight.T).pow(2).mean().backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+            return model.weight.detach().clone()
+        finally:
+            replicas.close()
+
+    with ThreadPoolExecutor(2) as pool:
+        synced = list(pool.map(group, range(2)))
+    mean = (inner(w0, data[0]) + inner(w0, data[1])) / 2
+    expected = w0 - 0.7 * (w0 - mean)
+    assert torch.equal(synced[0], synced[1])
+    torch.testing.assert_close(synced[0], expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_a_diloco_run_over_two_groups_trains_and_ends_with_one_model(tmp_path, lighthouse):
+    from ember.model_io.load import load_model
+
+    run = tmp_path / "run"
+    extra = ["fault_tolerance.replica_groups=2", "global_batch_size=4", "fault_tolerance.semi_sync=diloco",
+             "fault_tolerance.diloco.sync_steps=4", "logging_steps=1"]
+    procs = [_group(g, lighthouse, run, 12, extra, job_env()) for g in range(2)]
+    for proc in procs:
+        out, err = proc.communicate(timeout=900)
+        assert proc.returncode == 0, err[-3000:]
+    weights = [load_model(d).state_dict() for d in (run, run / "replica-group-1")]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0]), "the groups differ after the sync"
+    losses = [r["loss"] for r in read_records(run) if "loss" in r]
+    assert len(losses) == 12 and sum(losses[-3:]) < sum(losses[:3])
+
+
+@pytest.mark.slow
+def test_launch_local_starts_the_lighthouse_and_every_group(tmp_path):
+    run = tmp_path / "run"
+    result = run_ember("launch", "local", "--replica-groups", "2", "debug", *FT_RUN[:-2], "global_batch_size=4",
+                       "max_steps=3", f"output_dir={run}", env=job_env())
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "lighthouse: http://127.0.0.1:" in result.stderr
+    for g in range(2):
+        assert f"replica group {g}: 1 rank, pid " in result.stderr
+        assert (run / "logs" / f"replica-group-{g}.log").is_file()
+    assert (run / "checkpoints" / "step-3" / "model.json").is_file()
+    assert (run / "replica-group-1" / "checkpoints" / "step-3" / "model.json").is_file()
+    assert max(r["step"] for r in read_records(run) if "loss" in r) == 3
+
+
+def test_launch_flags_for_replica_groups_are_checked():
+    for argv, message in [(["--replica-groups", "0"], "--replica-groups must be >= 1"),
+                          (["--max-restarts", "2"], "--max-restarts restarts replica groups: give --replica-groups"),
+                          (["--replica-groups", "2", "--max-restarts", "x"], "--max-restarts must be an integer"),
+                          (["--replica-groups", "2", "debug", "fault_tolerance.replica_groups=3"],
+                           "--replica-groups 2 contradicts fault_tolerance.replica_groups=3")]:
+        result = run_ember("launch", "local", *argv, env=job_env())
+        assert result.returncode == 2 and message in result.stderr, (argv, result.stderr)
