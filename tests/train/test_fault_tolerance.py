@@ -45,19 +45,29 @@ if os.environ.get("EMBER_TEST_MARKER"):
 """
 
 
-@pytest.fixture
-def lighthouse():
-    """torchft's lighthouse on a free port, stopped by pid at the end."""
+def _lighthouse(min_groups: int):
+    """torchft's lighthouse on a free port, forming quorums of `min_groups` or more; stopped by pid at the end."""
     from ember.launch.replica_groups import _free_port
 
     port = _free_port()
-    proc = subprocess.Popen(ft.lighthouse_command(port, min_groups=1, join_timeout_ms=2000),
+    proc = subprocess.Popen(ft.lighthouse_command(port, min_groups, join_timeout_ms=2000),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(0.5)
     assert proc.poll() is None, "the lighthouse did not start"
     yield f"http://127.0.0.1:{port}"
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=30)
+
+
+@pytest.fixture
+def lighthouse():
+    yield from _lighthouse(1)
+
+
+@pytest.fixture
+def lighthouse_of_two():
+    """A quorum needs both groups: two groups that start at different times still meet at every sync."""
+    yield from _lighthouse(2)
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -155,7 +165,7 @@ def test_a_killed_group_heals_from_its_peers_while_they_train_on(tmp_path, light
         assert all(torch.equal(weights[g][k], weights[0][k]) for k in weights[0]), f"group {g} differs"
 
 
-def test_diloco_outer_step_equals_the_hand_computed_one(lighthouse, monkeypatch):
+def test_diloco_outer_step_equals_the_hand_computed_one(lighthouse_of_two, monkeypatch):
     """Two groups (threads, each its own torchft manager and store) train a linear layer with DiLoCo (2 inner SGD
     steps on their own data, outer SGD lr 0.7 without momentum): after the sync both hold
     w0 - 0.7 (w0 - mean(w_g)), with w_g each group's weights after its inner steps, computed here by hand."""
@@ -163,7 +173,7 @@ def test_diloco_outer_step_equals_the_hand_computed_one(lighthouse, monkeypatch)
 
     from ember.config_schema import DiLoCoConfig, FaultToleranceConfig
 
-    monkeypatch.setenv(ft.LIGHTHOUSE_ENV, lighthouse)
+    monkeypatch.setenv(ft.LIGHTHOUSE_ENV, lighthouse_of_two)
     monkeypatch.delenv("MASTER_PORT", raising=False)
     cfg = FaultToleranceConfig(enable=True, replica_groups=2, timeout_s=30, semi_sync="diloco",
                                diloco=DiLoCoConfig(sync_steps=2, outer_lr=0.7, outer_momentum=0.0, nesterov=False))
@@ -205,13 +215,13 @@ def test_diloco_outer_step_equals_the_hand_computed_one(lighthouse, monkeypatch)
 
 
 @pytest.mark.slow
-def test_a_diloco_run_over_two_groups_trains_and_ends_with_one_model(tmp_path, lighthouse):
+def test_a_diloco_run_over_two_groups_trains_and_ends_with_one_model(tmp_path, lighthouse_of_two):
     from ember.model_io.load import load_model
 
     run = tmp_path / "run"
     extra = ["fault_tolerance.replica_groups=2", "global_batch_size=4", "fault_tolerance.semi_sync=diloco",
              "fault_tolerance.diloco.sync_steps=4", "logging_steps=1"]
-    procs = [_group(g, lighthouse, run, 12, extra, job_env()) for g in range(2)]
+    procs = [_group(g, lighthouse_of_two, run, 12, extra, job_env()) for g in range(2)]
     for proc in procs:
         out, err = proc.communicate(timeout=900)
         assert proc.returncode == 0, err[-3000:]
