@@ -77,6 +77,10 @@ def test_the_readme_plan_and_launch_examples_run_as_written(tmp_path, monkeypatc
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     started = []
     monkeypatch.setattr(torch.distributed.run, "main", started.append)
+    from ember.launch import replica_groups
+
+    groups_started = []  # --replica-groups: the lighthouse and the groups' torchruns are not started
+    monkeypatch.setattr(replica_groups, "launch_replica_groups", lambda *args: groups_started.append(args) or 0)
     log = tmp_path / "job.out"
     log.write_text("ember: job 1234 started\n")
     monkeypatch.setattr(slurm, "job_info", lambda job_id, strict=False: {
@@ -97,6 +101,10 @@ def test_the_readme_plan_and_launch_examples_run_as_written(tmp_path, monkeypatc
             assert json.loads(out)["world_size"] == int(argv[argv.index("--world") + 1])
         elif argv[0] == "plan":
             assert "verdict: fits" in out, argv
+        elif argv[:2] == ["launch", "local"] and "--replica-groups" in argv:
+            recipe_argv, _, groups, nproc, restarts, _ = groups_started[-1]
+            assert (groups, nproc, restarts) == (2, 1, 3)
+            assert recipe_argv[-2:] == ["fault_tolerance.enable=true", "fault_tolerance.replica_groups=2"]
         elif argv[:2] == ["launch", "local"]:
             assert started[-1][:4] == ["--nproc-per-node", "2", "--nnodes", "1"]
         elif argv[:2] == ["launch", "logs"]:
