@@ -59,7 +59,7 @@ def test_usage_errors_name_the_argument_and_the_help(capsys: pytest.CaptureFixtu
     for argv, message in (
             (["plan", "--no-such-flag"], "unrecognized arguments: --no-such-flag (see ember plan --help)"),
             (["train", "--no-such-flag"], "unknown option '--no-such-flag' for ember train (options: --nproc-per-node, "
-             "--nnodes, --node-rank, --rdzv-endpoint)"),
+             "--nnodes, --node-rank, --rdzv-endpoint, --replica-groups, --max-restarts)"),
             (["recipes", "extra"], "unrecognized arguments: extra (see ember recipes --help)"),
             (["--no-such-flag"], "unrecognized arguments: --no-such-flag (see ember --help)"),
             (["trian"], "unknown command 'trian' (choose from convert, data, eval, generate, launch, plan, recipes, "

@@ -11,7 +11,7 @@ from typing import Any
 
 from ember.commands import as_rank, wants_help, world_size
 from ember.errors import ConfigError
-from ember.launch.local import launch_local, split_launch_flags
+from ember.launch.local import TORCHRUN_FLAGS, launch_local, split_launch_flags
 from ember.storage.location import as_path
 
 USAGE = """usage: ember eval PATH TASK[=DATA] ... [key=value ...] [--output FILE] [--tokenizer FILE]
@@ -43,7 +43,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
         raise SystemExit(0)
     from ember.eval import options  # after --help: it loads torch
 
-    flags, rest = split_launch_flags(argv, "eval", options.OPTIONS)
+    flags, rest = split_launch_flags(argv, "eval", options.OPTIONS, TORCHRUN_FLAGS)
     items, meshes = options.split_mesh_keys(rest)
     if not items:  # no model to evaluate: how to call the command, as a usage error (on stderr)
         print(USAGE, file=sys.stderr)

@@ -21,7 +21,7 @@ from ember.config import EVAL_COMMAND_KEYS, apply_overrides, merge_file, validat
 from ember.config_schema import DataConfig, EvalCommandConfig
 from ember.errors import ConfigError, UserFileNotFound, did_you_mean
 from ember.eval.tasks import HUB, PPL_SPLITS, TASK_ROWS, TASKS, check_limit
-from ember.launch.local import LAUNCH_FLAGS, unknown_option
+from ember.launch.local import TORCHRUN_FLAGS, unknown_option
 from ember.storage.location import Location, as_path, check_input, check_output
 
 TASK_NAMES = ("ppl", *TASKS)
@@ -59,10 +59,10 @@ def _check_options(items: list[str]) -> None:
             expect_value = False
         elif name in OPTIONS:
             expect_value = "=" not in item
-        elif name.replace("_", "-") in LAUNCH_FLAGS:
+        elif name.replace("_", "-") in TORCHRUN_FLAGS:
             raise ConfigError(f"{name} is a launcher option: give it before PATH (ember eval {name} N PATH ...)")
         elif item.startswith("--"):
-            raise unknown_option(name, "eval", (*OPTIONS, *LAUNCH_FLAGS))
+            raise unknown_option(name, "eval", (*OPTIONS, *TORCHRUN_FLAGS))
 
 
 def _parse_harness(items: list[str]) -> argparse.Namespace:

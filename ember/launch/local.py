@@ -18,11 +18,12 @@ STOP_EXIT_ENV = "EMBER_EXIT_CODE_ON_STOP"  # the exit code of a run stopped (and
 ERROR_DIR_ENV = "EMBER_ERROR_DIR"  # set by the launcher: where ranks leave their user errors
 
 
-LAUNCH_FLAGS = ("--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint", "--replica-groups", "--max-restarts")
+TORCHRUN_FLAGS = ("--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint")  # ember eval's
+LAUNCH_FLAGS = (*TORCHRUN_FLAGS, "--replica-groups", "--max-restarts")  # ember train's (and launch local's)
 
 
-def split_launch_flags(argv: list[str], command: str = "train",
-                       own_options: tuple[str, ...] = ()) -> tuple[dict[str, str], list[str]]:
+def split_launch_flags(argv: list[str], command: str = "train", own_options: tuple[str, ...] = (),
+                       launch_flags: tuple[str, ...] = LAUNCH_FLAGS) -> tuple[dict[str, str], list[str]]:
     """Leading launcher flags (`--flag value` or `--flag=value`), and the rest. `own_options`: the command's own
     options; one of them ends the launcher flags (the command reads it), any other option is refused naming
     both."""
@@ -32,8 +33,8 @@ def split_launch_flags(argv: list[str], command: str = "train",
         name = rest[0].partition("=")[0].replace("_", "-")
         if name in own_options:
             break
-        if name not in LAUNCH_FLAGS:
-            raise unknown_option(name, command, (*own_options, *LAUNCH_FLAGS))
+        if name not in launch_flags:
+            raise unknown_option(name, command, (*own_options, *launch_flags))
         _, eq, value = rest.pop(0).partition("=")
         if not eq:
             if not rest:

@@ -31,7 +31,8 @@ def test_help_and_one_line_errors(tmp_path):
     assert proc.returncode == 2 and "--nodes must be >= 1" in proc.stderr
     proc = run_ember("launch", "local", "--bogus", "1")
     assert (proc.returncode, proc.stderr) == (2, "error: unknown option '--bogus' for ember launch local (options: "
-                                              "--nproc-per-node, --nnodes, --node-rank, --rdzv-endpoint)\n")
+                                              "--nproc-per-node, --nnodes, --node-rank, --rdzv-endpoint, "
+                                              "--replica-groups, --max-restarts)\n")
 
 
 def test_a_job_id_is_checked_and_overrides_are_optional(capsys):
