@@ -254,3 +254,29 @@ def test_launch_flags_for_replica_groups_are_checked():
                            "--replica-groups 2 contradicts fault_tolerance.replica_groups=3")]:
         result = run_ember("launch", "local", *argv, env=job_env())
         assert result.returncode == 2 and message in result.stderr, (argv, result.stderr)
+
+
+@pytest.mark.slow
+def test_two_groups_of_two_fsdp_ranks_train_like_hsdp_bit_for_bit(tmp_path):
+    """`ember launch local --replica-groups 2 --nproc-per-node 2` with fsdp=2 in each group against one job of 4
+    ranks with ici_mesh.data=2 x fsdp=2 (HSDP: the same shards, the same data per rank, the same two-way average of
+    the same reduce-scattered shards): equal gradient norms and final weights, bit for bit. The logged loss is
+    averaged in another order (over the groups, then within; HSDP all-reduces it once), so within one float32 ulp."""
+    from ember.model_io.load import load_model
+
+    base = ["debug", *tiny_model(), "seq_len=32", "global_batch_size=8", "micro_batch_size=2", "metrics.console=false",
+            "metrics.tensorboard=false", "eval_batches=1", "max_steps=6", "logging_steps=1", "precision=fp32"]
+    run_ember("train", "--nproc-per-node", "4", *base, "ici_mesh.data=2", "ici_mesh.fsdp=2",
+              f"output_dir={tmp_path / 'hsdp'}", env=job_env(), expect=0)
+    run_ember("launch", "local", "--replica-groups", "2", "--nproc-per-node", "2", *base, "ici_mesh.fsdp=2",
+              f"output_dir={tmp_path / 'groups'}", env=job_env(), expect=0)
+    runs = [tmp_path / "hsdp", tmp_path / "groups", tmp_path / "groups" / "replica-group-1"]
+    logged = [{r["step"]: (r["loss"], r["grad_norm"]) for r in read_records(run) if "loss" in r} for run in runs]
+    for other in logged[1:]:
+        assert other.keys() == logged[0].keys() == set(range(1, 7))
+        for step, (loss, norm) in logged[0].items():
+            assert other[step][1] == norm
+            assert other[step][0] == pytest.approx(loss, rel=2e-7)
+    weights = [load_model(run).state_dict() for run in runs]
+    for other in weights[1:]:
+        assert all(torch.equal(other[k], weights[0][k]) for k in weights[0])
