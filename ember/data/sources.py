@@ -187,9 +187,10 @@ def local_files(spec: str, suffixes: tuple[str, ...] = LOCAL_SUFFIXES) -> Option
 def check_source_exists(spec: str, key: str) -> None:
     """Refuse, before any work, a source that names a local path that is not there (`key`: the config key
     that named it). Whether an existing path holds readable data is found when it is read."""
-    if "://" in spec:  # every reader of data (training, eval's tasks, mixtures) reads local files for now
-        raise UserFileNotFound(f"{key}={spec}: reading data from object storage is not supported yet; copy it to a "
-                               "local path and give that")
+    if "://" in spec:  # read from its local copy (ember/storage/cache.py's local_data): there now, before any work
+        from ember.storage.location import check_source_url
+
+        return check_source_url(spec, key)
     if spec in (EMBEDDED, SYNTHETIC) or glob.has_magic(spec):
         return
     if not Path(spec).expanduser().exists() and looks_like_path(spec):

@@ -105,6 +105,12 @@ def read_rows(spec: str, task: str, fields: tuple[str, ...], limit: Optional[int
     for `fields`, each field in `parse` replaced by its parsed value and each row passed to `check` (a problem
     or None); errors name the file and line. The first `limit` rows (>= 1; None: all) are returned."""
     check_limit(limit)
+    if "://" in spec:  # a file on a store: its local copy (ember/storage/cache.py)
+        from ember.storage.cache import local_copy
+        from ember.storage.location import check_source_url
+
+        check_source_url(spec, f"{task} data")
+        spec = str(local_copy(spec, f"{task} data"))
     path = Path(spec).expanduser()
     if path.is_file():
         located = read_json_rows(path, f"{task} data")
@@ -120,9 +126,6 @@ def read_rows(spec: str, task: str, fields: tuple[str, ...], limit: Optional[int
             rows = [{"passage": r["passage"], "question": r["question"],
                      "answer": {0: False, 1: True}.get(r["label"], r["label"])} for r in rows]
         located = [(f"{name} ({split}) row {i}", row) for i, row in enumerate(rows, 1)]
-    elif "://" in spec:
-        raise UserFileNotFound(f"{task} data '{spec}': reading task data from object storage is not supported yet; "
-                               "copy it to a local jsonl file and give that")
     else:
         raise UserFileNotFound(f"{task} data '{spec}' does not exist; give a local jsonl file"
                                + (f" or '{task}' for the hub" if task in HUB else ""))
@@ -212,6 +215,9 @@ def ppl(model: nn.Module, tokenizer: AnyTokenizer, data_cfg: DataConfig, split: 
     if split == "val" and data_cfg.val_fraction == 0:
         raise ConfigError(f"data.val_fraction=0 holds out no validation split of '{data_cfg.dataset}'; "
                           "score all of it with eval.split=all")
+    from ember.storage.cache import local_data
+
+    data_cfg = local_data(data_cfg)  # a source given as a URL: its local copy
     # "all": no document held out, so ember's train split is every document, in the source's order
     docs = (load_documents(dataclasses.replace(data_cfg, val_fraction=0.0), "train") if split == "all"
             else load_documents(data_cfg, split))
@@ -267,7 +273,7 @@ def check(cfg: JobConfig) -> None:
                               f"its eval/{task.name}/* results would overwrite the first's; keep one {task.name} task "
                               f"in training and score other data with `ember eval RUN {task.name}=FILE`")
         first[task.name] = i
-        if Path(task.data).expanduser().is_file():
+        if "://" in task.data or Path(task.data).expanduser().is_file():
             TASK_ROWS[task.name](task.data)  # every row's fields and types, before training starts
         elif not (task.name in HUB and task.data in (task.name, HUB[task.name][0])):
             raise ConfigError(f"eval.tasks[{i}].data '{task.data}' is not a file; give a local jsonl"

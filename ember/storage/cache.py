@@ -15,6 +15,7 @@ is not copied: `ember eval` reads and writes it on the store, and writing it mus
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -23,8 +24,9 @@ import shutil
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Union
+from typing import Iterator, Optional, Union
 
+from ember.config_schema import DataConfig
 from ember.constants import default_cache_dir
 from ember.errors import ConfigError, UserFileNotFound, first_error_line
 from ember.storage.location import as_path, is_url
@@ -175,3 +177,22 @@ def _locked(entry: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def local_data(data: DataConfig) -> DataConfig:
+    """`data` with each source given as a URL (data.dataset, data.mixture's sources, data.tokenizer) replaced by its
+    local copy, for the readers, which read local files; the run's config keeps the URLs. A URL with a glob
+    (s3://bucket/shards/*.jsonl) is copied from the prefix before its first wildcard and matched in the copy."""
+    def local(spec: Optional[str], key: str) -> Optional[str]:
+        if spec is None or not is_url(spec):
+            return spec
+        if not any(c in spec for c in "*?["):
+            return str(local_copy(spec, key))
+        head = spec[: min(spec.index(c) for c in "*?[" if c in spec)]
+        prefix, _, _ = head.rpartition("/")
+        return str(local_copy(prefix, key)) + spec[len(prefix):]
+
+    mixture = [dataclasses.replace(item, source=local(item.source, f"data.mixture[{i}].source"))
+               for i, item in enumerate(data.mixture)]
+    return dataclasses.replace(data, dataset=local(data.dataset, "data.dataset"),
+                               tokenizer=local(data.tokenizer, "data.tokenizer"), mixture=mixture)

@@ -123,6 +123,15 @@ def check_reachable(location: Location, key: str, *, must_exist: bool) -> None:
         raise UserFileNotFound(f"{key} {location} does not exist")
 
 
+def check_source_url(spec: str, key: str) -> None:
+    """A data source given as a URL (a file, a folder, or a glob: its prefix before the first wildcard) is
+    well-formed and there, before any work."""
+    check_url(spec, key)
+    wildcard = min((spec.index(c) for c in "*?[" if c in spec), default=None)
+    location = spec if wildcard is None else spec[:wildcard].rpartition("/")[0]
+    check_reachable(as_path(location), key, must_exist=True)
+
+
 def check_input(value: object, key: str) -> None:
     """A command's input (a model, a run, a file) given as a URL: well-formed, its backend installed, its bucket
     reachable with the environment's credentials, and the object or prefix there; one line otherwise, before any
@@ -170,19 +179,14 @@ def move(src: Location, dst: Location, last: tuple[str, ...] = ()) -> None:
     fs.rm(root, recursive=True)
 
 
-# The run's keys that name a location, and whether a URL is read there yet; the others must be local paths.
-URL_KEYS = {"output_dir": True, "resume": True, "model.init_from": True, "data.dataset": False,
-            "data.tokenizer": False}
+# The run's keys that name a location: each may be a URL (the data sources are read from their local copies).
+URL_KEYS = ("output_dir", "resume", "model.init_from", "data.dataset", "data.tokenizer")
 
 
 def check_locations(cfg: JobConfig) -> None:
-    """Each location key of a run: a URL in a well-formed, supported form, with its fsspec backend installed."""
-    for key, supported in URL_KEYS.items():
+    """Each location key of a run: a URL in a well-formed form, with its fsspec backend installed."""
+    for key in URL_KEYS:
         section, _, name = key.rpartition(".")
         value = getattr(getattr(cfg, section) if section else cfg, name)
-        if not isinstance(value, str) or not is_url(value):
-            continue
-        check_url(value, key)
-        if not supported:
-            raise ConfigError(f"{key}={value}: reading {key} from object storage is not supported yet; copy it to "
-                              "a local path and give that")
+        if isinstance(value, str) and is_url(value):
+            check_url(value, key)

@@ -40,6 +40,7 @@ from ember.metrics.run_metrics import (
     throughput_record,
 )
 from ember.nn.decoder import num_params
+from ember.storage.cache import local_data
 from ember.storage.location import as_path, check_reachable, is_url
 from ember.storage.mirror import RunMirror, local_run_dir
 from ember.train import engines, fault_tolerance as ft_lib, run as run_lib
@@ -82,7 +83,9 @@ class Trainer:
         self.peak = engine.peak()
 
         # 2. Tokenizer first: the model's vocabulary must cover it, and that is a config error, not a crash.
-        self.tokenizer = build_tokenizer(cfg.data, spec.args.vocab_size) if cfg.data.dataset != "synthetic" else None
+        # Sources given as URLs are read from their local copies (ember/storage/cache.py); the config keeps the URLs.
+        data = local_data(cfg.data)
+        self.tokenizer = build_tokenizer(data, spec.args.vocab_size) if cfg.data.dataset != "synthetic" else None
 
         # 3. Model, loss and optimizer (the engine's), LR schedule.
         engine.build(self.tokenizer)
@@ -99,10 +102,10 @@ class Trainer:
         val_kwargs = {**loader_kwargs, "dp_rank": dp_rank % (dp_world // groups), "dp_world": dp_world // groups}
         make_loader = (build_loader if cfg.task == "lm"
                        else functools.partial(dpo_lib.build_pair_loader, dpo_cfg=cfg.dpo))
-        self.train_loader = make_loader(cfg.data, self.tokenizer, split="train", **loader_kwargs)
+        self.train_loader = make_loader(data, self.tokenizer, split="train", **loader_kwargs)
         self.val_loader, val_note = None, None
         try:
-            self.val_loader = make_loader(cfg.data, self.tokenizer, split="val", **val_kwargs)
+            self.val_loader = make_loader(data, self.tokenizer, split="val", **val_kwargs)
         except DataError as err:  # a held-out split too small for one batch: train without validation
             val_note = f"no validation: {err}"
         # The header, once the model and data are known: before what starting over, resuming or a tracker prints.

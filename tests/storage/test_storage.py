@@ -1,10 +1,12 @@
 """The storage layer on fsspec's in-memory filesystem: locations, the run mirror, the bounded local cache."""
 
+import glob
 from pathlib import Path
 
 import fsspec
 import pytest
 
+from ember.config_schema import DataConfig
 from ember.errors import ConfigError, UserFileNotFound
 from ember.storage import cache, location
 from ember.storage.mirror import RunMirror, local_run_dir
@@ -43,12 +45,13 @@ def test_a_scheme_without_its_backend_names_the_package():
         location.check_url("nosuchscheme://bucket/run", "output_dir")
 
 
-def test_keys_not_read_from_a_store_yet_say_so():
+def test_a_data_url_carrying_credentials_is_refused():
     from ember.config import load
 
-    cfg = load("debug", ["data.dataset=s3://bucket/data.jsonl"])
-    with pytest.raises(ConfigError, match="data.dataset=s3://bucket/data.jsonl: reading data.dataset from object"):
+    cfg = load("debug", ["data.dataset=s3://AKIAEXAMPLE:secret@bucket/data.jsonl"])
+    with pytest.raises(ConfigError, match="data.dataset") as err:
         location.check_locations(cfg)
+    assert "secret" not in str(err.value)
 
 
 def test_the_mirror_pulls_all_but_checkpoints_and_pushes_what_changed(memory, tmp_path):
@@ -146,11 +149,21 @@ def test_a_directory_is_uploaded_whole_or_not_at_all(memory, tmp_path, monkeypat
     assert not any((tmp_path / "cache" / "uploads").iterdir())  # the local stage removed
 
 
-def test_data_read_from_a_store_says_it_is_not_supported_yet():
+def test_data_on_a_store_is_checked_and_read_from_its_local_copy(tmp_path, monkeypatch):
+    """A data or task source given as a URL: there before any work (a missing one named in one line), then read
+    from its local copy; a glob is matched in the copy of its prefix."""
     from ember.data.sources import check_source_exists
     from ember.eval.tasks import read_rows
+    from ember.storage.cache import local_data
 
-    with pytest.raises(UserFileNotFound, match="ppl=s3://b/x.jsonl: reading data from object storage is not"):
-        check_source_exists("s3://b/x.jsonl", "ppl")
-    with pytest.raises(UserFileNotFound, match="lambada data 's3://b/l.jsonl': reading task data from object"):
-        read_rows("s3://b/l.jsonl", "lambada", ("text",))
+    monkeypatch.setenv("EMBER_CACHE", str(tmp_path / "cache"))
+    memory = fsspec.filesystem("memory")
+    memory.pipe("/data/a.jsonl", b'{"text": "one"}\n')
+    memory.pipe("/data/b.jsonl", b'{"text": "two"}\n')
+    check_source_exists("memory://data/a.jsonl", "data.dataset")
+    check_source_exists("memory://data/*.jsonl", "data.dataset")
+    with pytest.raises(UserFileNotFound, match="ppl memory://data/missing.jsonl does not exist"):
+        check_source_exists("memory://data/missing.jsonl", "ppl")
+    local = local_data(DataConfig(dataset="memory://data/*.jsonl"))
+    assert sorted(Path(p).read_text() for p in glob.glob(local.dataset)) == ['{"text": "one"}\n', '{"text": "two"}\n']
+    assert read_rows("memory://data/a.jsonl", "lambada", ("text",)) == [{"text": "one"}]
