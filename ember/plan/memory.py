@@ -31,7 +31,8 @@ from torch import nn
 
 from ember.config_schema import JobConfig
 from ember.nn.loss import blocks_sized_for
-from ember.parallel.mesh import ParallelMesh
+from ember.parallel.mesh import AXES, ParallelMesh, rank_grid
+from ember.parallel.mesh_shape import MeshShape
 from ember.plan.trackers import fsdp_step_tracker, step_memory_tracker, total_bytes, untracked_sharding_propagation
 from ember.train.optim import build_optimizer
 from ember.train.run import RunSpec, build_model, resolve, respecify
@@ -142,22 +143,52 @@ class StateBytes:
 
 
 def state_bytes(params: list[tuple[str, nn.Parameter]], grad_ratio: Optional[dict[str, float]] = None,
-                period: int = 1) -> StateBytes:
+                period: int = 1, on: Optional[tuple[MeshShape, int]] = None) -> StateBytes:
     """AdamW keeps two moments like each trainable parameter and a float32 step. A gradient is as large as
     its parameter's shard (FSDP reduces into the sharded parameter's dtype) unless the tracked step saw
     otherwise: `grad_ratio`, gradient over parameter bytes by param_key (under tensor parallelism without
-    FSDP the embedding's gradient comes back replicated: the whole table on every tensor rank)."""
+    FSDP the embedding's gradient comes back replicated: the whole table on every tensor rank). `on` (mesh shape,
+    rank): the shards that rank holds of the same parameters (built on another rank of that mesh; see local_numel)."""
+    at = _coordinate(*on) if on is not None else None
     param = grad = optim = 0
     even = True
     for name, p in params:
-        local = _local(p)
-        nbytes = local.numel() * local.element_size()
+        numel = local_numel(p, at)
+        nbytes = numel * _local(p).element_size()
         param += nbytes
         if p.requires_grad:
             grad += round(nbytes * (grad_ratio or {}).get(param_key(name, period), 1.0))
             optim += ADAM_MOMENTS * nbytes + STEP_BYTES
-        even &= local.numel() * math.prod(size for _, size, _ in sharded_dims(p)) == p.numel()
+        even &= numel * math.prod(size for _, size, _ in sharded_dims(p)) == p.numel()
     return StateBytes(param, grad, optim, even)
+
+
+def _coordinate(shape: MeshShape, rank: int) -> dict[str, tuple[int, int]]:
+    """(index, degree) of `rank` along each mesh axis."""
+    where = (rank_grid(shape, AXES) == rank).nonzero()[0].tolist()
+    return {axis: (index, shape.degree(axis)) for axis, index in zip(AXES, where)}
+
+
+def local_numel(p: torch.Tensor, at: Optional[dict[str, tuple[int, int]]] = None) -> int:
+    """Elements of this rank's shard of `p`, or with `at` (_coordinate) of the shard the rank there holds: DTensor's
+    own rule for where each placement cuts (torch.chunk's, as FSDP's), at that rank's index along each mesh dimension
+    (ParallelMesh flattens axes into a dimension named by them joined with "_", row-major). Ranks of uneven shards are
+    read off one build this way instead of being built each."""
+    if at is None or not hasattr(p, "placements"):  # a plain tensor is whole on every rank
+        return _local(p).numel()
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    mesh = p.device_mesh
+    index = []
+    for dim, name in enumerate(mesh.mesh_dim_names):
+        flat = size = 0
+        for axis in name.split("_"):
+            flat, size = flat * at[axis][1] + at[axis][0], max(size, 1) * at[axis][1]
+        if size != mesh.size(dim):
+            raise ValueError(f"mesh dimension {name!r} of size {mesh.size(dim)} is not its axes' product {size}")
+        index.append(flat)
+    shape, _ = _compute_local_shape_and_global_offset(p.shape, mesh.shape, index, p.placements)
+    return math.prod(shape)
 
 
 # ---------------------------------------------------------------- the tracked step
@@ -286,11 +317,11 @@ def track_step(spec: RunSpec, mesh: Optional[ParallelMesh], part: nn.Module, kin
             optimizer.zero_grad(set_to_none=True)
 
         pipelined_fsdp = kind != "whole" and isinstance(part, FSDPModule)
-        # As after a first step: FSDP initialised (its lazy init at the first forward/backward moves the
-        # shards into new storage; FSDPMemTracker must start after it), and the optimizer state (AdamW's
-        # update, on zero gradients where no backward ran).
+        # As after a first step: FSDP initialised (its lazy init, which the first forward runs, moves the shards into
+        # new storage; FSDPMemTracker must start after it), and the optimizer state (AdamW's update, on zero
+        # gradients). The lazy init alone: a forward/backward would cost as many fake-tensor ops as a tracked one.
         if isinstance(part, FSDPModule):
-            forward_backward()
+            part._get_fsdp_state()._lazy_init()
         for p in part.parameters():
             if p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)

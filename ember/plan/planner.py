@@ -2,8 +2,9 @@
 
 Ranks are planned by role: the ranks of one pipeline coordinate hold the same layers, and when every
 sharded dimension divides evenly (state_bytes(...).even) the same bytes, so one build per pipeline
-coordinate covers the world. Where shards are uneven, every rank is built in worlds up to EXACT_WORLD; above
-that the role's first rank (the largest shards: FSDP cuts dim 0 as torch.chunk does) stands for all.
+coordinate covers the world. Where shards are uneven, every rank's shards are computed from that build in worlds up
+to EXACT_WORLD; above that the role's first rank (the largest shards: FSDP cuts dim 0 as torch.chunk does) stands for
+all.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from ember.plan.stages import StageModel, model_stage, offloaded
 from ember.train import run as run_lib
 from ember.train.run import RunSpec
 
-EXACT_WORLD = 64  # uneven shards: every rank built up to this world size
+EXACT_WORLD = 64  # uneven shards: every rank's planned up to this world size
 SEARCH_POLICIES = ("none", "op", "selective", "full")
 OFFLOAD_NOTE = ("remat=offload: planned as remat=full with each block's input in host memory instead of on the "
                 "device (what XLA's offload and torch's save_on_cpu move there); the host memory is not planned")
@@ -265,6 +266,7 @@ def make_plan(cfg: JobConfig, world: int, nodes: Optional[int] = None, device: s
     built: dict[tuple, Role] = {}  # roles alike (same pieces, same layer counts) hold the same shards
     for role in roles:
         signature = (role.kind, tuple(len(ranges[i]) for i in role.stage_ids))
+        named = None
         if signature in built:
             twin = built[signature]
             role.state, role.params, role.n_moe_layers = twin.state, twin.params, twin.n_moe_layers
@@ -285,10 +287,11 @@ def make_plan(cfg: JobConfig, world: int, nodes: Optional[int] = None, device: s
                 role.state = state_bytes(named, grads, period)
         if not role.state.even and world <= EXACT_WORLD:
             grads = models.get(spec, role.kind).grad_ratio
-            for rank in role.ranks[1:]:
-                with fake_world(rank, world):
-                    parts = build_parts(spec, ParallelMesh(shape, "cpu"), role.stage_ids)
-                    exact[rank] = state_bytes(named_params(parts), grads, period)
+            if named is None:  # a twin's stage: its own layers' names, which the gradient ratios are keyed by
+                with fake_world(role.ranks[0], world):
+                    named = named_params(build_parts(spec, ParallelMesh(shape, "cpu"), role.stage_ids))
+            for rank in role.ranks[1:]:  # each rank's shards of the same parameters (memory.local_numel)
+                exact[rank] = state_bytes(named, grads, period, on=(shape, rank))
         elif not role.state.even and cost.granularity_warning(role.params) is None:  # (that one says it)
             where = f" on pipeline rank {role.pp_rank}" if len(roles) > 1 else ""
             warnings.append(f"uneven shards{where}: ranks hold slightly different bytes; the figures are the first "

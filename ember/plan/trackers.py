@@ -6,6 +6,7 @@ propagation under fake tensors; and the peak of each region of the step, for the
 from __future__ import annotations
 
 import contextlib
+import copy
 import re
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional
 
@@ -55,11 +56,12 @@ _LAYER = re.compile(r"\.layers\.(\d+)$")
 
 class _StepTracking:
     """What the plan's trackers add to torch's: DTensor's sharding propagation left out (metadata, no memory of the
-    step: see untracked_sharding_propagation), and with `watch` the peak of each region of the step (REGIONS): the
-    forwards; the backward through the head and the part's last layer, through its middle layers, through its first
-    layer and the embedding; the optimizer. The step's peak moves between regions as layers are added (at a few
-    layers the embedding's and the output's gradients can outweigh the activations, which every layer adds to), so
-    it is not affine in the layer count; each region's peak stays where it is (ember/plan/stages.py)."""
+    step: see untracked_sharding_propagation), the step's peak kept without each module's own, and with `watch` the
+    peak of each region of the step (REGIONS): the forwards; the backward through the head and the part's last layer,
+    through its middle layers, through its first layer and the embedding; the optimizer. The step's peak moves between
+    regions as layers are added (at a few layers the embedding's and the output's gradients can outweigh the
+    activations, which every layer adds to), so it is not affine in the layer count; each region's peak stays where it
+    is (ember/plan/stages.py)."""
 
     layer_range: Optional[tuple[int, int]] = None
 
@@ -76,7 +78,12 @@ class _StepTracking:
         return super().__torch_dispatch__(func, types, args, kwargs)  # type: ignore[misc]
 
     def _update_peak_stats(self, peak_state: Any) -> None:
-        super()._update_peak_stats(peak_state)  # type: ignore[misc]
+        # The step's peak, as torch's does it, without torch's per-module peaks: those copy the snapshot into each
+        # running module's stats at every op that raises them, and nothing here reads them
+        for dev, snap in self._curr_mem_snap.items():  # type: ignore[attr-defined]
+            if self._peak_mem.get(dev, 0) < snap["Total"]:  # type: ignore[attr-defined]
+                self._peak_mem[dev] = snap["Total"]  # type: ignore[attr-defined]
+                self._peak_mem_snap[dev] = copy.deepcopy(snap)  # type: ignore[attr-defined]
         if self.layer_range is not None:
             region = REGIONS[self._region()]
             total = total_bytes(self._curr_mem_snap)  # type: ignore[attr-defined]

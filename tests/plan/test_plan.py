@@ -81,6 +81,22 @@ def test_stacked_experts_whose_rows_do_not_divide_stay_split_by_expert():
 
 
 @pytest.mark.slow
+def test_every_ranks_uneven_shards_are_read_off_one_build():
+    """Where shards are uneven the plan gives every rank its own bytes (up to planner.EXACT_WORLD ranks), computed from
+    the role's one build at each rank's mesh index (memory.local_numel): they equal that rank's own build. Mixtral's
+    debug experts at fsdp=3 x expert=2 x tensor=2: 8 experts of 448 rows, FSDP over 3 ranks of dim 0 (2, 1 and 1 of the
+    4 each expert rank holds), attention and embeddings cut 3 ways with TP's _StridedShard beneath."""
+    overrides = ["model.family=mixtral", "model.flavor=debug", "ici_mesh.fsdp=3", "ici_mesh.expert=2",
+                 "ici_mesh.tensor=2", "global_batch_size=6", "micro_batch_size=1"]
+    spec = plan_spec(run_lib.load_config("debug", overrides, world_size=12), 12, "cuda", torch.bfloat16)
+    with fake_world(0, 12):
+        first = named_params(build_parts(spec, ParallelMesh(spec.shape, "cpu"), [0]))
+    built = [_state("debug", overrides, 12, rank) for rank in range(12)]
+    assert [state_bytes(first, on=(spec.shape, rank)) for rank in range(12)] == built
+    assert len({state.param for state in built}) > 1 and not any(state.even for state in built)
+
+
+@pytest.mark.slow
 def test_a_smaller_micro_batch_is_planned_with_the_accumulation_it_brings(monkeypatch):
     """At 2 rows a step of 4 runs two micro-batches, the second backward with the first's gradients held, which a step
     of one micro-batch never does. The largest micro-batch that fits was read off the job's own tracked step, without
