@@ -12,10 +12,12 @@ from ember.errors import ConfigError
 from ember.launch.local import STOP_EXIT_ENV, launch_local, split_launch_flags
 
 USAGE = """usage: ember train [--nproc-per-node N [--nnodes M --node-rank R --rdzv-endpoint HOST:PORT]] \
-[RECIPE] [key=value ...]
+[--replica-groups R [--max-restarts K]] [RECIPE] [key=value ...]
   RECIPE: a built-in recipe (see `ember recipes`) or a YAML path; default debug
   --nproc-per-node etc.: start N processes per node through torch.distributed.run (torchrun), which
-  is the same as `torchrun --nproc-per-node N -m ember train ...`"""
+  is the same as `torchrun --nproc-per-node N -m ember train ...`
+  --replica-groups R: a fault-tolerant job on this machine: torchft's lighthouse and R groups of N processes,
+  each restarted up to K times (default 3) and healed from a live peer (docs/clusters.md, fault_tolerance.*)"""
 
 
 def parse(argv: list[str], command: str = "train") -> argparse.Namespace:

@@ -55,6 +55,14 @@ def launch_replica_groups(recipe_argv: list[str], run_dir: Path, groups: int, np
     address = f"http://127.0.0.1:{port}"
     print(f"lighthouse: {address} (pid {lighthouse.pid}, log {logs / 'lighthouse.log'})", file=sys.stderr)
     procs: list[subprocess.Popen] = []
+    stopped: list[int] = []  # a signal to the launcher, passed on to every group (each saves and exits)
+
+    def pass_on(signum: int, _frame: object) -> None:
+        stopped.append(signum)
+        for proc in procs:
+            proc.send_signal(signum)
+
+    handlers = {sig: signal.signal(sig, pass_on) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         time.sleep(0.5)  # the lighthouse binds before the groups ask it for a quorum
         if lighthouse.poll() is not None:
@@ -62,6 +70,7 @@ def launch_replica_groups(recipe_argv: list[str], run_dir: Path, groups: int, np
                               f"{logs / 'lighthouse.log'}")
         for group in range(groups):
             env = dict(os.environ, **{GROUP_ENV: str(group), LIGHTHOUSE_ENV: address})
+            env.setdefault("RUST_LOG", "warn")  # torchft logs every quorum and commit at INFO
             env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (nproc * groups))))
             argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
                     "--max-restarts", str(max_restarts), "-m", "ember", "train", *recipe_argv]
@@ -71,15 +80,20 @@ def launch_replica_groups(recipe_argv: list[str], run_dir: Path, groups: int, np
             print(f"replica group {group}: {nproc} rank{'s' if nproc > 1 else ''}, pid {procs[-1].pid}, log {log}",
                   file=sys.stderr)
         codes = [proc.wait() for proc in procs]
-    except KeyboardInterrupt:
-        for proc in procs:
-            proc.send_signal(signal.SIGINT)
-        codes = [proc.wait() for proc in procs]
     finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
         lighthouse.terminate()
         lighthouse.wait()
+    if stopped:
+        name = signal.Signals(stopped[0]).name
+        print(f"stopped by {name}: passed on to every group (each saves a checkpoint at its next step and exits; "
+              f"the same command resumes); logs in {logs}", file=sys.stderr)
+        return 130 if stopped[0] == signal.SIGINT else 0
     failed = [(g, code) for g, code in enumerate(codes) if code != 0]
     for group, code in failed:
         print(f"error: replica group {group} exited with code {code}; see {logs / f'replica-group-{group}.log'}",
               file=sys.stderr)
+    if not failed:
+        print(f"done: {groups} replica groups; see the run: ember report {run_dir}", file=sys.stderr)
     return 1 if failed else 0

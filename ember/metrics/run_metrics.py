@@ -156,7 +156,8 @@ def progress_bar(console: Console, enabled: bool) -> Progress:
 
 def throughput_record(*, step: int, loss: float, lr: float, grad_norm: float, window_time: float, window_steps: int,
                       window_loss: float, window_data_wait: float, tokens_per_step: int, world_size: int,
-                      flops_per_token: float, peak: PeakFlops, device: torch.device) -> dict[str, Any]:
+                      flops_per_token: float, peak: PeakFlops, device: torch.device,
+                      tokens_seen: Optional[int] = None) -> dict[str, Any]:
     """The metrics.jsonl record of a logging step: the `window_*` sums cover the good steps since the last
     record (their wall time, count, summed loss, and time spent waiting for data). `mfu_peak_tflops` is what
     `mfu` divides by; `mfu_provisional` marks an MFU against a provisional CPU peak or against this run's own
@@ -177,7 +178,7 @@ def throughput_record(*, step: int, loss: float, lr: float, grad_norm: float, wi
         "mfu_peak_tflops": None if peak.value_flops is None else peak.value_flops / 1e12,
         "mfu_provisional": peak.provisional or peak.run_rate,
         "memory_gb": peak_memory_gb(device),
-        "tokens_seen": step * tokens_per_step,
+        "tokens_seen": step * tokens_per_step if tokens_seen is None else tokens_seen,
         "data_wait_frac": window_data_wait / window_time,  # share of step time spent waiting for data
     }
 
@@ -227,6 +228,9 @@ def format_line(step: int, values: dict[str, Any]) -> str:
             text += "?"  # against a provisional peak or this run's own rate (the header or a note says which)
         if text is not None:
             parts.append(f"{label} {text}")
+    if "replica_groups" in values:  # a step that ran without some replica groups (ember/train/fault_tolerance.py)
+        parts.append(f"ran on replica groups {values['replica_groups']} ({values['replica_groups_missing']} "
+                     f"missing): {values['tokens']:,} tokens")
     # eval.tasks' results (eval/<task>/<metric>), as the records name them
     parts += [f"{key} {value}" if isinstance(value, int) else f"{key} {value:.4f}"
               for key, value in values.items() if key.startswith("eval/") and isinstance(value, (int, float))]

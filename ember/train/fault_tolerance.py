@@ -16,8 +16,10 @@ commit, the steps that ran with fewer groups recorded, and a healing transport t
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
+import time
 from datetime import timedelta
 from typing import Any, Callable, Iterable
 
@@ -51,6 +53,13 @@ def check(cfg: JobConfig) -> None:
         raise ConfigError(f"fault_tolerance.semi_sync={ft.semi_sync!r}: choose one of {', '.join(SEMI_SYNC)}")
     if ft.semi_sync == "diloco" and ft.diloco.sync_steps < 1:
         raise ConfigError(f"fault_tolerance.diloco.sync_steps must be >= 1, got {ft.diloco.sync_steps}")
+    if ft.semi_sync == "diloco":  # the groups hold one model only right after a sync: save and end there
+        interval = cfg.checkpoint.interval if cfg.checkpoint.interval < cfg.max_steps else 0  # (saves at the end)
+        for key, value in (("max_steps", cfg.max_steps), ("checkpoint.interval", interval)):
+            if value % ft.diloco.sync_steps:
+                raise ConfigError(f"{key}={value} is not a multiple of fault_tolerance.diloco.sync_steps="
+                                  f"{ft.diloco.sync_steps}: DiLoCo's groups hold one model only right after a sync; "
+                                  "save and end there")
     if min(ft.timeout_s, ft.quorum_timeout_s) <= 0:
         raise ConfigError("fault_tolerance.timeout_s and fault_tolerance.quorum_timeout_s must be > 0")
     if cfg.device in ("tpu", "xla"):
@@ -59,6 +68,8 @@ def check(cfg: JobConfig) -> None:
     if cfg.task == "dpo":
         raise ConfigError("fault_tolerance.enable=true trains task=lm; DPO's reference and reward metrics are not "
                           "averaged over replica groups: run task=dpo without fault_tolerance")
+    # torchft's Rust side logs every quorum and commit at INFO (six lines a step); its warnings and errors stay
+    os.environ.setdefault("RUST_LOG", "warn")
     try:
         import torchft  # noqa: F401
     except ImportError:
@@ -140,6 +151,8 @@ class ReplicaGroups:
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
         self.cfg, self.group, self.count = ft, group, ft.replica_groups
+        if device.type != "cuda":  # torchft says at every quorum that it cannot reset NCCL's flight recorder
+            logging.getLogger("torchft.manager").addFilter(lambda record: "flight recorder" not in record.getMessage())
         self._store = None
         if "MASTER_PORT" not in os.environ:  # one process, no torchrun: the group's store is this process's own
             self._store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -183,6 +196,25 @@ class ReplicaGroups:
         """The step's quorum; a group behind its peers receives their state here (the registered loads run)."""
         self.manager.start_quorum()
         self.participants = self._quorum_groups()
+
+    def wait_for_groups(self, say: Callable[[str], None]) -> None:
+        """At the start of a process: quorums until every group is in one, for up to quorum_timeout_s (a group behind
+        its peers heals here). torchft's lighthouse forms a quorum of whichever groups are up, so without this a group
+        that starts first would train alone (or, with DiLoCo, the groups would never meet) until the others came up.
+        After the timeout, training starts with the groups there (said in one line); DiLoCo refuses to."""
+        deadline = time.monotonic() + self.cfg.quorum_timeout_s
+        self.start_step()
+        while len(self.participants) < self.count and time.monotonic() < deadline:
+            time.sleep(1.0)
+            self.start_step()
+        missing = sorted(set(range(self.count)) - set(self.participants))
+        if missing and self.cfg.semi_sync == "diloco":
+            raise ConfigError(f"replica group(s) {missing} did not join within fault_tolerance.quorum_timeout_s="
+                              f"{self.cfg.quorum_timeout_s:g}: DiLoCo starts with every group; start them all (or "
+                              "raise the timeout)")
+        if missing:
+            say(f"replica group(s) {missing} not up after {self.cfg.quorum_timeout_s:g} s (fault_tolerance."
+                f"quorum_timeout_s): training with groups {self.participants}; they heal when they join")
 
     def _quorum_groups(self) -> list[int]:
         """The groups in the step's quorum: torchft configures the cross-group process group with their global

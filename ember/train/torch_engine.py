@@ -64,6 +64,8 @@ class TorchEngine:
         if ft.enable:
             self.replicas = ft_lib.ReplicaGroups(ft, ft_lib.group_from_env(ft), self.rank, self.world_size,
                                                  self.device)
+            self.notes.append(f"replica group {self.replicas.group} of {ft.replica_groups} (fault_tolerance, "
+                              f"{'DiLoCo' if ft.semi_sync == 'diloco' else 'gradients averaged every step'})")
 
     def peak(self) -> PeakFlops:
         """The peak for MFU, taken while the ranks are in step (just past the job's start) and nothing else runs: on
@@ -104,8 +106,6 @@ class TorchEngine:
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device.type)
         self.fp8_after_step = (fp8_lib.fp8_after_optimizer_step(self.model_parts, self.mesh, spec.parallel.fp8_recipe)
                                if spec.parallel.fp8_recipe else None)
-        if self.replicas is not None and cfg.fault_tolerance.semi_sync == "diloco":
-            self.diloco = ft_lib.diloco(self.replicas, self.model, self.optimizer).__enter__()
 
     def data_shard(self) -> tuple[int, int, int]:
         """(rows per micro-batch, data-parallel coordinate, data-parallel width) this rank's loaders read: ranks of
@@ -124,6 +124,9 @@ class TorchEngine:
         (not DiLoCo), the gradients and loss are first averaged over the step's quorum, and the optimizer steps
         only if the step commits (`replicas.committed`)."""
         self.model.train()
+        if self.replicas is not None and self.cfg.fault_tolerance.semi_sync == "diloco" and self.diloco is None:
+            # at the first step: DiLoCo keeps the weights it syncs against, so after a resume and the first quorum
+            self.diloco = ft_lib.diloco(self.replicas, self.model, self.optimizer).__enter__()
         loss = self.forward_backward.run(micro_batches, backward=True)
         self.moe_stats.end_step(len(micro_batches) * self.spec.pp_microbatches)
         synced = self.replicas is not None and self.diloco is None

@@ -116,7 +116,7 @@ class Trainer:
 
         # 5. Health, checkpoints: resume restores weights, optimizer, schedule, data position and RNG; then the
         # engine places the weights where they train.
-        self.step = 0
+        self.step, self.tokens_missed = 0, 0  # tokens_missed: of steps that ran without some replica groups
         self.health = HealthGuard(cfg.max_skipped_steps, cfg.loss_spike_factor, self._say)
         self.checkpointer, state = open_checkpoints(spec, self.model_parts, self.model, self.optimizer, self._say,
                                                     manager_type=engine.checkpoint_manager)
@@ -133,7 +133,7 @@ class Trainer:
             self.replicas.heal_with(self.checkpointer, self.train_state, self._load_train_state, self._say)
 
     def _load_train_state(self, state: dict) -> None:
-        self.step = int(state["step"])
+        self.step, self.tokens_missed = int(state["step"]), int(state.get("tokens_missed", 0))
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.train_loader.load_state_dict(state["data"])
         set_rng_state(state["rng"])
@@ -145,7 +145,7 @@ class Trainer:
 
     def train_state(self) -> dict:
         """This rank's part of a checkpoint beside the DCP weights and optimizer state."""
-        return {"step": self.step, "lr_scheduler": self.lr_scheduler.state_dict(),
+        return {"step": self.step, "tokens_missed": self.tokens_missed, "lr_scheduler": self.lr_scheduler.state_dict(),
                 "data": self.train_loader.state_dict(), "rng": rng_state(), **self.health.state_dict()}
 
     # ---------------------------------------------------------------- one optimizer step
@@ -217,6 +217,8 @@ class Trainer:
         # The main rank prints the summary; every rank writes its trace.
         profiler = self.engine.profiler(self.output_dir, self._say)
         profiler.plan(self.step, cfg.max_steps)  # says what max_steps or a resume cuts from the traced steps
+        if self.replicas is not None:  # every group in the first quorum (or the timeout): none trains alone at start
+            self.replicas.wait_for_groups(self._say)
         with progress, StopSignals(self.device, self.mesh is not None, self._say) as signals:
             task = progress.add_task("train", total=cfg.max_steps, loss="-", completed=self.step)
             while self.step < cfg.max_steps:
@@ -243,8 +245,9 @@ class Trainer:
                 self.step += 1
                 groups = self.replicas.participants if stepwise else None
                 if groups is not None and len(groups) < self.replicas.count:  # the step's real batch, recorded
-                    logger.log(self.step, ft_lib.degraded_record(self.step, groups, self.replicas.count,
-                                                                 self.spec.tokens_per_step))
+                    record = ft_lib.degraded_record(self.step, groups, self.replicas.count, self.spec.tokens_per_step)
+                    self.tokens_missed += self.spec.tokens_per_step - record["tokens"]
+                    logger.log(self.step, record)
                 skipped = not is_finite_step(loss, grad_norm)  # train_step changed no weight
                 progress.update(task, advance=1, **({} if skipped else {"loss": f"{loss:.3f}"}))
                 if skipped:
@@ -332,6 +335,7 @@ class Trainer:
             window_steps=window["steps"], window_loss=window["loss"], window_data_wait=window["data"],
             # over replica groups: every group's tokens (fewer in a step some missed) on every group's devices
             tokens_per_step=window["tokens"] / window["steps"],
+            tokens_seen=self.step * self.spec.tokens_per_step - self.tokens_missed,
             world_size=self.world_size * ft_lib.replica_groups(self.cfg),
             flops_per_token=self.spec.flops_per_token, peak=self.peak, device=self.device)
         n_experts = getattr(self.spec.args, "n_experts", 0)
