@@ -171,6 +171,7 @@ class ReplicaGroups:
             # every group starts from the same seed-determined weights (or checkpoint): no copy at step 0
             init_sync=False)
         self.committed = True  # the last step's verdict
+        self._first_quorum_done = False  # wait_for_groups' quorum stands for the first step's
         self.participants: list[int] = list(range(self.count))  # the groups in the last step's quorum
 
     def heal_with(self, checkpointer: Any, train_state: Callable[[], dict], load_train_state: Callable[[dict], None],
@@ -193,7 +194,14 @@ class ReplicaGroups:
         self.manager.load_state_dict({"step": step, "batches_committed": step * self.count})
 
     def start_step(self) -> None:
-        """The step's quorum; a group behind its peers receives their state here (the registered loads run)."""
+        """The step's quorum; a group behind its peers receives their state here (the registered loads run). The
+        first step's is wait_for_groups' last quorum: its peers, in their step, wait for this group's reduction."""
+        if self._first_quorum_done:
+            self._first_quorum_done = False
+            return
+        self._quorum()
+
+    def _quorum(self) -> None:
         self.manager.start_quorum()
         self.participants = self._quorum_groups()
 
@@ -203,10 +211,11 @@ class ReplicaGroups:
         that starts first would train alone (or, with DiLoCo, the groups would never meet) until the others came up.
         After the timeout, training starts with the groups there (said in one line); DiLoCo refuses to."""
         deadline = time.monotonic() + self.cfg.quorum_timeout_s
-        self.start_step()
+        self._quorum()
         while len(self.participants) < self.count and time.monotonic() < deadline:
             time.sleep(1.0)
-            self.start_step()
+            self._quorum()
+        self._first_quorum_done = self.cfg.semi_sync == "none"  # (DiLoCo starts its own quorum at each sync)
         missing = sorted(set(range(self.count)) - set(self.participants))
         if missing and self.cfg.semi_sync == "diloco":
             raise ConfigError(f"replica group(s) {missing} did not join within fault_tolerance.quorum_timeout_s="

@@ -33,15 +33,15 @@ if os.environ.get("EMBER_TEST_MARKER"):
     import ember.train.fault_tolerance as ft
     marker = pathlib.Path(os.environ["EMBER_TEST_MARKER"])
     pause_at = int(os.environ.get("EMBER_TEST_PAUSE_AT_STEP", -1))
-    original_start = ft.ReplicaGroups.start_step
-    def start_step(self):
+    original_quorum = ft.ReplicaGroups._quorum
+    def quorum(self):
         if os.environ.get("EMBER_TEST_MARK_QUORUM"):
             marker.touch()
         elif self.manager.current_step() == pause_at:
             while not marker.exists():
                 time.sleep(0.05)
-        return original_start(self)
-    ft.ReplicaGroups.start_step = start_step
+        return original_quorum(self)
+    ft.ReplicaGroups._quorum = quorum
 """
 
 
