@@ -81,9 +81,10 @@ def group_from_env(ft: FaultToleranceConfig) -> int:
     """This process's replica group from $EMBER_REPLICA_GROUP, checked against fault_tolerance.replica_groups."""
     raw = os.environ.get(GROUP_ENV)
     if raw is None or not raw.isdigit() or int(raw) >= ft.replica_groups:
-        raise ConfigError(f"fault_tolerance.enable=true: ${GROUP_ENV} must name this process's replica group, 0.."
-                          f"{ft.replica_groups - 1} (got {raw!r}); start the groups with `ember launch local "
-                          "--replica-groups R`, or set it for each group's torchrun")
+        groups = "0" if ft.replica_groups == 1 else f"0..{ft.replica_groups - 1}"
+        raise ConfigError(f"fault_tolerance.enable=true: ${GROUP_ENV} must name this process's replica group, "
+                          f"{groups} (got {raw!r}); start the groups with `ember launch local --replica-groups R`, "
+                          "or set it for each group's torchrun")
     if not os.environ.get(LIGHTHOUSE_ENV):
         raise ConfigError(f"fault_tolerance.enable=true: ${LIGHTHOUSE_ENV} must give the torchft lighthouse's "
                           "address (http://host:port); `ember launch local --replica-groups R` starts one")
