@@ -273,6 +273,10 @@ def check(cfg: JobConfig) -> None:
                               f"its eval/{task.name}/* results would overwrite the first's; keep one {task.name} task "
                               f"in training and score other data with `ember eval RUN {task.name}=FILE`")
         first[task.name] = i
+        if "://" in task.data:  # on a store: there (named by its key), then read from its local copy
+            from ember.storage.location import check_source_url
+
+            check_source_url(task.data, f"eval.tasks[{i}].data")
         if "://" in task.data or Path(task.data).expanduser().is_file():
             TASK_ROWS[task.name](task.data)  # every row's fields and types, before training starts
         elif not (task.name in HUB and task.data in (task.name, HUB[task.name][0])):
