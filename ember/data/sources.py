@@ -24,6 +24,7 @@ from ember.config_schema import DataConfig, JobConfig
 from ember.data.hub import import_datasets, load_hub_table
 from ember.data.jsonl import json_rows
 from ember.errors import ConfigError, DataError, EmberError, UserFileNotFound, first_error_line
+from ember.storage.location import check_source_url
 
 if TYPE_CHECKING:
     import datasets
@@ -188,8 +189,6 @@ def check_source_exists(spec: str, key: str) -> None:
     """Refuse, before any work, a source that names a local path that is not there (`key`: the config key
     that named it). Whether an existing path holds readable data is found when it is read."""
     if "://" in spec:  # read from its local copy (ember/storage/cache.py's local_data): there now, before any work
-        from ember.storage.location import check_source_url
-
         return check_source_url(spec, key)
     if spec in (EMBEDDED, SYNTHETIC) or glob.has_magic(spec):
         return
