@@ -40,6 +40,9 @@ LONGEST_FIRST = (
     "tests/xla/test_xla_plan.py",
     "tests/xla/test_xla_checkpoint.py",
     "tests/storage/test_object_storage.py",
+    "tests/storage/test_docs_on_s3.py",
+    "tests/train/test_fault_tolerance.py",
+    "tests/storage/test_data_on_s3.py",
 )
 
 
