@@ -330,3 +330,29 @@ def test_diloco_saves_and_ends_only_at_a_sync():
         with pytest.raises(ConfigError, match=f"{key} is not a multiple of fault_tolerance.diloco.sync_steps=5"):
             load_config("debug", ["fault_tolerance.enable=true", "fault_tolerance.semi_sync=diloco",
                                   "fault_tolerance.diloco.sync_steps=5", "max_steps=40", key], world_size=1)
+
+
+@pytest.mark.slow
+def test_a_whole_job_restart_resumes_every_group_bit_for_bit(tmp_path, lighthouse):
+    """Two groups stopped at step 4 and started again to 6 equal two groups run to 6 in one go: each group resumes
+    its own checkpoint, and the losses, gradient norms and final weights are those of the uninterrupted run."""
+    extra = ["fault_tolerance.replica_groups=2", "global_batch_size=4", "logging_steps=1"]
+
+    def job(run: Path, steps: int) -> None:
+        procs = [_group(g, lighthouse, run, steps, extra, job_env()) for g in range(2)]
+        try:
+            for proc in procs:
+                _, err = proc.communicate(timeout=900)
+                assert proc.returncode == 0, err[-3000:]
+        finally:
+            _stop(procs)
+
+    job(tmp_path / "straight", 6)
+    job(tmp_path / "resumed", 4)
+    job(tmp_path / "resumed", 6)
+    for group in ("", "replica-group-1"):
+        logged = [{r["step"]: (r["loss"], r["grad_norm"]) for r in read_records(tmp_path / run / group) if "loss" in r}
+                  for run in ("straight", "resumed")]
+        assert logged[0] == logged[1] and len(logged[0]) == 6
+        weights = [_final_weights(tmp_path / run / group) for run in ("straight", "resumed")]
+        assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
