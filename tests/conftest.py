@@ -43,6 +43,7 @@ LONGEST_FIRST = (
     "tests/storage/test_docs_on_s3.py",
     "tests/train/test_fault_tolerance.py",
     "tests/storage/test_data_on_s3.py",
+    "tests/launch/test_slurm_replica_groups.py::test_a_requeued_group_heals_while_the_other_trains_on",
 )
 
 

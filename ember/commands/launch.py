@@ -81,6 +81,14 @@ def parser() -> tuple[ArgumentParser, dict[str, ArgumentParser]]:
                        help="the USR1 warning before the time limit: time to save (default 120)")
     slurm.add_argument("--sbatch", action="append", default=[], metavar="OPTION",
                        help="another #SBATCH option, verbatim (repeatable), e.g. --sbatch=--mem=0")
+    slurm.add_argument("--replica-groups", type=int, default=0, metavar="R",
+                       help="a fault-tolerant job: R replica groups of --nodes nodes each (a job array, one task "
+                       "per group) and torchft's lighthouse in a job of its own (fault_tolerance.*)")
+    slurm.add_argument("--max-restarts", type=int, default=None, metavar="K",
+                       help="with --replica-groups: torchrun restarts a group's failed ranks up to K times "
+                       "(default 3); the group heals from a live peer")
+    slurm.add_argument("--lighthouse-partition", metavar="P",
+                       help="with --replica-groups: the lighthouse's partition (one CPU; default --partition)")
     slurm.add_argument("--wait", action="store_true", help="follow the log until the job ends (through requeues) "
                        "and exit with its status")
     slurm.add_argument("--dry-run", "--print", dest="dry_run", action="store_true",
@@ -205,7 +213,18 @@ def _prepare(args: argparse.Namespace) -> tuple[object, object, Path, int, str]:
     nproc = args.gpus_per_node if args.gpus_per_node is not None else args.nproc_per_node or 1
     job, cfg = check_job(TrainJob(args.recipe, list(args.overrides), args.nodes, nproc))
     gpus, request = gpu_request(job, cfg.device, args.gpus_per_node is not None)
-    return job, cfg, Path(cfg.output_dir).expanduser().resolve(), gpus, request
+    return job, cfg, launch_dir(cfg.output_dir), gpus, request
+
+
+def launch_dir(output_dir: str) -> Path:
+    """Where the script or manifest and the job's logs go: the run's directory, or for a URL output_dir (which
+    the job writes to itself) ./ember-launch/BUCKET-PATH in the working directory, which every node mounts."""
+    from ember.storage.location import is_url
+
+    if is_url(output_dir):
+        name = re.sub(r"[^A-Za-z0-9._-]+", "-", output_dir.rstrip("/")).strip("-")
+        return Path.cwd() / "ember-launch" / name
+    return Path(output_dir).expanduser().resolve()
 
 
 def _default_name(recipe: str) -> str:
@@ -221,21 +240,68 @@ def _slurm(args: argparse.Namespace) -> int:
         slurm.check_time(args.time)
     if args.signal_seconds < 1:
         raise EmberError(f"--signal-seconds must be >= 1, got {args.signal_seconds}")
+    groups = _replica_groups(args)
     job, cfg, output_dir, gpus, request = _prepare(args)
     opts = slurm.SlurmOptions(job_name=args.job_name or _default_name(args.recipe), partition=args.partition,
                               time=args.time, account=args.account, qos=args.qos,
                               gpus_per_node=gpus, container=args.container, mounts=args.mounts, env=args.env,
-                              signal_seconds=args.signal_seconds, extra_sbatch=args.sbatch)
+                              signal_seconds=args.signal_seconds, extra_sbatch=args.sbatch, replica_groups=groups,
+                              max_restarts=args.max_restarts or 0)
     script = slurm.render_script(job, opts, output_dir, Path.cwd(),
                                  command_line=args.command_line)
     path = slurm.write_script(script, output_dir, opts.job_name)
-    print(request, file=sys.stderr)
+    print(request + (f", for each of {groups} replica groups" if groups else ""), file=sys.stderr)
+    if groups:
+        return _slurm_groups(args, cfg, opts, output_dir, path, script)
     if args.dry_run:
         _print_written(script, f"wrote {path} (not submitted: --dry-run)")
         return 0
     job_id = slurm.submit(path)
     print(f"submitted job {job_id}: {path}\nlog: {output_dir}/logs/{opts.job_name}-{job_id}.out", flush=True)
     return slurm.wait(job_id) if args.wait else 0
+
+
+def _replica_groups(args: argparse.Namespace) -> int:
+    """--replica-groups R: the fault-tolerance overrides added to the job (checked with it); 0 without."""
+    from ember.launch.replica_groups import DEFAULT_MAX_RESTARTS, group_overrides
+
+    if not args.replica_groups:
+        if args.max_restarts is not None or args.lighthouse_partition:
+            raise EmberError("--max-restarts and --lighthouse-partition go with --replica-groups R")
+        return 0
+    if args.replica_groups < 1:
+        raise EmberError(f"--replica-groups must be >= 1, got {args.replica_groups}")
+    if args.max_restarts is not None and args.max_restarts < 0:
+        raise EmberError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    args.max_restarts = DEFAULT_MAX_RESTARTS if args.max_restarts is None else args.max_restarts
+    args.overrides = group_overrides(list(args.overrides), args.replica_groups)
+    return args.replica_groups
+
+
+def _slurm_groups(args: argparse.Namespace, cfg: object, opts: object, output_dir: Path, path: Path,
+                  script: str) -> int:
+    """The lighthouse's script beside the groups' one, both submitted (the groups after the lighthouse)."""
+    from ember.launch import slurm, slurm_groups
+
+    lighthouse = slurm_groups.render_lighthouse(
+        opts.job_name, output_dir, Path.cwd(), cfg.fault_tolerance.min_replica_groups,
+        args.lighthouse_partition or args.partition, args.account, args.qos, args.time, args.command_line)
+    lighthouse_path = slurm.write_script(lighthouse, output_dir, f"{opts.job_name}-lighthouse")
+    if args.dry_run:
+        _print_written(script, f"wrote {path} and {lighthouse_path} (not submitted: --dry-run)")
+        return 0
+    from ember.train.fault_tolerance import group_dir
+
+    lighthouse_id, groups_id = slurm_groups.submit_groups(lighthouse_path, path, output_dir, opts.job_name,
+                                                          slurm.submit)
+    logs = output_dir / "logs"
+    print(f"submitted lighthouse job {lighthouse_id}: {lighthouse_path}, log "
+          f"{logs}/{opts.job_name}-lighthouse-{lighthouse_id}.out, address in "
+          f"{slurm_groups.lighthouse_file(output_dir, opts.job_name)} once it runs", flush=True)
+    for group in range(args.replica_groups):
+        print(f"replica group {group}: job {groups_id}_{group}, log {logs}/{opts.job_name}-{groups_id}_{group}.out, "
+              f"run {group_dir(cfg.output_dir, group)}", flush=True)
+    return slurm_groups.wait_groups(lighthouse_id, groups_id, args.replica_groups) if args.wait else 0
 
 
 def _k8s(args: argparse.Namespace) -> int:

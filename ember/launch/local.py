@@ -141,8 +141,8 @@ def _launch_groups(flags: dict[str, str], command: str, command_argv: list[str],
     recipe = command_argv[:1] if command_argv and "=" not in command_argv[0] else []
     argv = [*recipe, *groups_lib.group_overrides(command_argv[len(recipe):], groups)]
     cfg = check(nproc, argv[len(recipe):])
-    return groups_lib.launch_replica_groups(argv, Path(local_run_dir(cfg.output_dir)), groups, nproc, int(restarts),
-                                            cfg.fault_tolerance.min_replica_groups)
+    return groups_lib.launch_replica_groups(argv, cfg.output_dir, Path(local_run_dir(cfg.output_dir)), groups, nproc,
+                                            int(restarts), cfg.fault_tolerance.min_replica_groups)
 
 
 def rank_user_error(message: str) -> int:

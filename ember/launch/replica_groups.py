@@ -40,8 +40,8 @@ def group_overrides(overrides: list[str], groups: int) -> list[str]:
     return [*overrides, "fault_tolerance.enable=true", f"fault_tolerance.replica_groups={groups}"]
 
 
-def launch_replica_groups(recipe_argv: list[str], run_dir: Path, groups: int, nproc: int, max_restarts: int,
-                          min_groups: int) -> int:
+def launch_replica_groups(recipe_argv: list[str], output_dir: str, run_dir: Path, groups: int, nproc: int,
+                          max_restarts: int, min_groups: int) -> int:
     """Start the lighthouse and the groups (`recipe_argv`: RECIPE and the overrides, fault tolerance already on;
     `run_dir`: the run's local directory, for the logs), wait for them, stop the lighthouse. The lighthouse forms a
     quorum of at least `min_groups` (fault_tolerance.min_replica_groups) groups."""
@@ -95,5 +95,5 @@ def launch_replica_groups(recipe_argv: list[str], run_dir: Path, groups: int, np
         print(f"error: replica group {group} exited with code {code}; see {logs / f'replica-group-{group}.log'}",
               file=sys.stderr)
     if not failed:
-        print(f"done: {groups} replica groups; see the run: ember report {run_dir}", file=sys.stderr)
+        print(f"done: {groups} replica groups; see the run: ember report {output_dir}", file=sys.stderr)
     return 1 if failed else 0

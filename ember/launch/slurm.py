@@ -51,6 +51,8 @@ class SlurmOptions:
     env: list[str] = field(default_factory=list)  # NAME (forwarded by name) or NAME=VALUE (written)
     signal_seconds: int = 120  # the preemption/time-limit warning: USR1 this long before the end
     extra_sbatch: list[str] = field(default_factory=list)  # more #SBATCH options, verbatim
+    replica_groups: int = 0  # > 0: a job array, one task per fault-tolerant replica group (slurm_groups.py)
+    max_restarts: int = 0  # torchrun's restarts of a failed rank inside the job (replica groups heal after one)
 
     def __post_init__(self) -> None:
         if self.time is not None:
@@ -77,10 +79,15 @@ def render_script(job: TrainJob, opts: SlurmOptions, output_dir: Path, workdir: 
         if name not in environ:
             raise ConfigError(f"--env {name}: not set in this shell; export it before submitting (the job inherits "
                               "it by name, its value is never written)")
-    argv = torchrun_argv(job)
+    from ember.launch import slurm_groups
+
+    argv = torchrun_argv(job, opts.max_restarts)
+    log_name = "%x-%A_%a.out" if opts.replica_groups else "%x-%j.out"
     sbatch = [f"--job-name={opts.job_name}", f"--nodes={job.nodes}",
+              *([f"--array=0-{opts.replica_groups - 1}     # one task per replica group"]
+                if opts.replica_groups else []),
               "--ntasks-per-node=1          # one torchrun per node; it starts the node's ranks",
-              f"--output={output_dir}/logs/%x-%j.out", "--open-mode=append           # a requeued job adds to its log",
+              f"--output={output_dir}/logs/{log_name}", "--open-mode=append           # a requeued job adds to its log",
               f"--chdir={workdir}", "--requeue", f'--signal=B:USR1@{opts.signal_seconds}    # see "Preemption" below',
               "--exclusive"]
     if opts.gpus_per_node:
@@ -93,7 +100,8 @@ def render_script(job: TrainJob, opts: SlurmOptions, output_dir: Path, workdir: 
     srun = ["srun", "--kill-on-bad-exit=1", "--ntasks-per-node=1"]
     if opts.container:
         forwarded = sorted(set(names) | {n for n in environ if n in FORWARD_NAMES or n.startswith(FORWARD_PREFIXES)}
-                           | set(values) | {RDZV_ENDPOINT_ENV, RUN_ID_ENV, "OMP_NUM_THREADS"})
+                           | set(values) | {RDZV_ENDPOINT_ENV, RUN_ID_ENV, "OMP_NUM_THREADS"}
+                           | (set(slurm_groups.GROUP_NAMES) if opts.replica_groups else set()))
         mounts = [f"{workdir}:{workdir}",
                   *([] if output_dir.is_relative_to(workdir) else [f"{output_dir}:{output_dir}"]), *opts.mounts]
         srun += [f"--container-image={opts.container}", f"--container-mounts={','.join(mounts)}",
@@ -102,7 +110,8 @@ def render_script(job: TrainJob, opts: SlurmOptions, output_dir: Path, workdir: 
         "#!/bin/bash",
         f"# Written by `ember launch slurm` on {datetime.now().isoformat(timespec='seconds')}"
         + (f":\n#   {command_line}" if command_line else "."),
-        "# Reusable as is: `sbatch THIS_FILE` submits the same job again (it resumes from the newest checkpoint).",
+        ("# Reusable as is: `sbatch THIS_FILE` submits the same job again (it resumes from the newest checkpoint)."
+         if not opts.replica_groups else slurm_groups.REUSE_NOTE.format(name=opts.job_name)),
         *[f"#SBATCH {option}" for option in sbatch],
         "",
         "set -uo pipefail",
@@ -121,6 +130,8 @@ def render_script(job: TrainJob, opts: SlurmOptions, output_dir: Path, workdir: 
         f'export {RDZV_ENDPOINT_ENV}="${{head_addr:-$head_node}}:$((20000 + SLURM_JOB_ID % 20000))"',
         f'export {RUN_ID_ENV}="$SLURM_JOB_ID"',
         "",
+        *(slurm_groups.group_lines(opts.replica_groups, slurm_groups.lighthouse_file(output_dir, opts.job_name))
+          if opts.replica_groups else []),
         f"# Preemption and the time limit: SLURM sends USR1 to this shell {opts.signal_seconds} s before the end",
         "# (--signal=B:USR1@...; an admin can do the same with `scancel --batch --signal=USR1 JOB`). It is passed to",
         "# the training processes, which save a checkpoint at the next step boundary and exit; the job then",
@@ -208,9 +219,9 @@ def sbatch_error(script: Path, output: str) -> str:
     return f"sbatch refused {script}: {message.rstrip('.')}; {fix}"
 
 
-def submit(script: Path) -> str:
-    """sbatch the script; the job id."""
-    proc = _slurm("sbatch", "--parsable", str(script))
+def submit(script: Path, *options: str) -> str:
+    """sbatch the script (with `options` before it: --dependency=...); the job id."""
+    proc = _slurm("sbatch", "--parsable", *options, str(script))
     if proc.returncode != 0:
         raise EmberError(sbatch_error(script, proc.stderr or proc.stdout))
     return proc.stdout.strip().split(";")[0]
