@@ -1,6 +1,7 @@
 """Streaming sources (`data.streaming=true`): a Hugging Face IterableDataset, read once, never fully in memory.
 
-Hub datasets by name and local files (jsonl/json/parquet/txt/arrow, a folder or a glob) stream through
+Hub datasets by name, and files (jsonl/json/parquet/txt/arrow: one, a folder or a glob), local or on an object
+store (s3://, gs://: read as they are consumed, never copied whole), stream through
 `datasets.load_dataset(..., streaming=True)`. Each data-parallel rank reads its own part
 (`split_dataset_by_node`: whole shards when they divide evenly, else every world-th example).
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import os
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
@@ -27,6 +29,8 @@ from ember.data.hub import import_datasets
 from ember.data.prefetch import Prefetcher
 from ember.data.tokenizer import AnyTokenizer
 from ember.errors import DataError, first_error_line
+from ember.storage.cache import remote_files
+from ember.storage.location import is_url
 
 if TYPE_CHECKING:
     import datasets
@@ -49,10 +53,13 @@ def open_stream(data_cfg: DataConfig, split: str, dp_rank: int,
     if hf_split is None:
         raise DataError("a streamed source has no held-out split unless data.val_split names one (e.g. validation)")
     spec = data_cfg.dataset
-    files = sources.local_files(spec, suffixes=tuple(BUILDERS))
+    if is_url(spec):  # objects on a store, read as they are consumed (never copied whole)
+        files = remote_files(spec, tuple(BUILDERS))
+    else:
+        files = sources.local_files(spec, suffixes=tuple(BUILDERS))
     try:
         if files is not None:
-            kinds = {BUILDERS[f.suffix] for f in files}
+            kinds = {BUILDERS[os.path.splitext(str(f))[1]] for f in files}
             if len(kinds) > 1:
                 raise DataError(f"data.dataset '{spec}' mixes file types ({', '.join(sorted(kinds))}); "
                                  "stream one kind, or use data.mixture")

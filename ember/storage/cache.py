@@ -28,7 +28,7 @@ from typing import Iterator, Optional, Union
 
 from ember.config_schema import DataConfig
 from ember.constants import default_cache_dir
-from ember.errors import ConfigError, UserFileNotFound, first_error_line
+from ember.errors import ConfigError, DataError, UserFileNotFound, first_error_line
 from ember.storage.location import as_path, is_url
 
 MANIFEST = "manifest.json"
@@ -47,6 +47,13 @@ def cache_limit_bytes() -> int:
     return int(limit * 2**30)
 
 
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"
+
+
 def local_copy(path: Union[str, os.PathLike], key: str = "path") -> Path:
     """A local path for `path`: itself when local; for a URL, its cached copy (a directory's objects or one
     file), downloaded when missing or changed on the store. A run directory's copy holds only its newest complete
@@ -60,7 +67,7 @@ def local_copy(path: Union[str, os.PathLike], key: str = "path") -> Path:
     with _locked(entry):
         manifest = _read_manifest(entry)
         if manifest.get("listing") != listing:
-            _download(root, listing, entry, url)
+            _download(root, listing, entry, url, key)
         _touch(entry)
     return entry / "data" / root.name / model if model else entry / "data" / root.name
 
@@ -119,13 +126,15 @@ def _listing(root, parts: list[str], url: str, key: str) -> dict[str, list]:
     return listing
 
 
-def _download(source, listing: dict[str, list], entry: Path, url: str) -> None:
+def _download(source, listing: dict[str, list], entry: Path, url: str, key: str) -> None:
     needed = sum(size or 0 for size, _ in listing.values())
     limit = cache_limit_bytes()
     if needed > limit:
-        raise ConfigError(f"{url} is {needed / 2**30:.1f} GiB, more than the local cache's bound "
-                          f"EMBER_REMOTE_CACHE_GB={limit / 2**30:g}; raise it (the disk at {cache_root()} must "
-                          "hold it)")
+        stream = "; or read it as it trains: data.streaming=true" if key == "data.dataset" else ""
+        given = os.environ.get("EMBER_REMOTE_CACHE_GB", "200")
+        raise ConfigError(f"{url} is {_size(needed)}, more than the local cache's bound of {_size(limit)} "
+                          f"(EMBER_REMOTE_CACHE_GB={given}); raise it (the disk at {cache_root()} must hold it)"
+                          f"{stream}")
     _make_room(needed, keep=entry)
     staging = entry / f"data.partial-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
@@ -194,5 +203,32 @@ def local_data(data: DataConfig) -> DataConfig:
 
     mixture = [dataclasses.replace(item, source=local(item.source, f"data.mixture[{i}].source"))
                for i, item in enumerate(data.mixture)]
-    return dataclasses.replace(data, dataset=local(data.dataset, "data.dataset"),
-                               tokenizer=local(data.tokenizer, "data.tokenizer"), mixture=mixture)
+    # data.streaming=true reads its files from the store as it consumes them (ember/data/stream.py): a corpus
+    # larger than the cache's bound is never copied whole
+    dataset = data.dataset if data.streaming else local(data.dataset, "data.dataset")
+    return dataclasses.replace(data, dataset=dataset, tokenizer=local(data.tokenizer, "data.tokenizer"),
+                               mixture=mixture)
+
+
+def remote_files(url: str, suffixes: tuple[str, ...]) -> list[str]:
+    """The objects a URL names, sorted, as URLs: one object, a prefix's objects ending in `suffixes`, or a glob's
+    matches (what sources.local_files is for a local path)."""
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(url)
+    prefix = url[: url.index("://") + 3]
+    if any(c in url for c in "*?["):
+        files = [f for f in fs.glob(path) if fs.isfile(f)]
+        if not files:
+            raise UserFileNotFound(f"data.dataset glob '{url}' matches no objects; check the pattern")
+    elif fs.isdir(path):
+        files = [f for f in fs.find(path) if f.endswith(suffixes)]
+        if not files:
+            raise DataError(f"data.dataset '{url}' holds no {'/'.join(suffixes)} objects; add some or point elsewhere")
+    else:
+        files = [path]  # (its existence was checked before any work: location.check_source_url)
+    for f in files:
+        if not f.endswith(suffixes):
+            raise DataError(f"data.dataset object '{prefix}{f}' is not one of {'/'.join(suffixes)}; convert or "
+                            "rename it")
+    return [prefix + f for f in sorted(files)]

@@ -85,3 +85,27 @@ def test_a_missing_data_url_is_one_line_before_any_work(sources, s3_server, tmp_
         assert proc.returncode == 2, proc.stderr[-2000:]
         assert proc.stderr.count("\n") == 1 and key in proc.stderr, proc.stderr
         assert not (tmp_path / "run").exists()
+
+
+def test_a_corpus_larger_than_the_cache_streams_from_the_store(sources, s3_server, tmp_path):
+    """The cache's bound below the corpus: copying it is refused in one line that names data.streaming=true;
+    streamed, the objects are read from the store (none lands in the cache), the losses equal streaming the same
+    files from disk, and a resume continues the stream exactly."""
+    env = dict(_env(s3_server, tmp_path), EMBER_REMOTE_CACHE_GB="0.00001")  # ~10 KiB, the two files ~30 KiB
+    data = [f"data.dataset=s3://{BUCKET}/data", f"data.tokenizer={sources / 'tok'}"]
+    copied = run_ember("train", *RUN, *data, f"output_dir={tmp_path / 'copied'}", env=env)
+    assert copied.returncode == 2 and copied.stderr.count("\n") == 1, copied.stderr
+    assert "more than the local cache's bound of 10.5 KiB (EMBER_REMOTE_CACHE_GB=0.00001)" in copied.stderr
+    assert copied.stderr.rstrip().endswith("or read it as it trains: data.streaming=true")
+    stream = ["data.streaming=true", "data.val_split=null", "data.shuffle_buffer=8"]
+    run_ember("train", *RUN, *data, *stream, f"output_dir={tmp_path / 'remote'}", env=env, expect=0)
+    run_ember("train", *RUN, *stream, f"data.dataset={sources / 'data'}", f"data.tokenizer={sources / 'tok'}",
+              f"output_dir={tmp_path / 'local'}", env=env, expect=0)
+    assert losses_by_step(tmp_path / "remote") == losses_by_step(tmp_path / "local")
+    assert len(losses_by_step(tmp_path / "remote")) == 4
+    assert not list((tmp_path / "cache").rglob("*.jsonl"))
+    resumed = tmp_path / "resumed"
+    for steps in (2, 4):
+        run_ember("train", *[a for a in RUN if not a.startswith("max_steps=")], *data, *stream, f"max_steps={steps}",
+                  "checkpoint.interval=2", f"output_dir={resumed}", env=env, expect=0)
+    assert losses_by_step(resumed) == losses_by_step(tmp_path / "remote")

@@ -98,7 +98,7 @@ def test_the_cache_is_bounded(memory, monkeypatch):
     first = cache.local_copy("memory://b/a")
     second = cache.local_copy("memory://b/b")  # a's 600 + b's 600 > 1000: the least recently used goes
     assert second.is_dir() and not first.exists()
-    with pytest.raises(ConfigError, match="more than the local cache's bound EMBER_REMOTE_CACHE_GB"):
+    with pytest.raises(ConfigError, match="more than the local cache's bound of 1000 bytes"):
         cache.local_copy("memory://b/big")
     assert second.is_dir()  # a refused copy removes nothing
 
