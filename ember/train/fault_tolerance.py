@@ -237,7 +237,11 @@ class ReplicaGroups:
     def average(self, loss: torch.Tensor, params: Iterable[torch.nn.Parameter]) -> torch.Tensor:
         """Gradients (this rank's shards) and the loss averaged over the groups in the quorum, in one flat buffer
         per dtype; returns the averaged loss. A failed reduction leaves them for commit() to refuse."""
-        grads = [_local(p.grad) for p in params if p.grad is not None]
+        params = [p for p in params if p.requires_grad]  # (LoRA's frozen base weights take no part)
+        for p in params:  # one this group's batch did not reach: its zero share keeps every group's buffer aligned
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [_local(p.grad) for p in params]
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for g in grads:
             by_dtype.setdefault(g.dtype, []).append(g)
