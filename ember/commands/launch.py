@@ -81,7 +81,7 @@ def parser() -> tuple[ArgumentParser, dict[str, ArgumentParser]]:
                        help="the USR1 warning before the time limit: time to save (default 120)")
     slurm.add_argument("--sbatch", action="append", default=[], metavar="OPTION",
                        help="another #SBATCH option, verbatim (repeatable), e.g. --sbatch=--mem=0")
-    slurm.add_argument("--replica-groups", type=int, default=0, metavar="R",
+    slurm.add_argument("--replica-groups", type=int, default=None, metavar="R",
                        help="a fault-tolerant job: R replica groups of --nodes nodes each (a job array, one task "
                        "per group) and torchft's lighthouse in a job of its own (fault_tolerance.*)")
     slurm.add_argument("--max-restarts", type=int, default=None, metavar="K",
@@ -242,6 +242,10 @@ def _slurm(args: argparse.Namespace) -> int:
         raise EmberError(f"--signal-seconds must be >= 1, got {args.signal_seconds}")
     groups = _replica_groups(args)
     job, cfg, output_dir, gpus, request = _prepare(args)
+    if groups and not args.dry_run:  # before anything is written: every group must fit at once
+        from ember.launch.slurm_groups import check_capacity
+
+        check_capacity(args.partition, args.lighthouse_partition, groups, args.nodes)
     opts = slurm.SlurmOptions(job_name=args.job_name or _default_name(args.recipe), partition=args.partition,
                               time=args.time, account=args.account, qos=args.qos,
                               gpus_per_node=gpus, container=args.container, mounts=args.mounts, env=args.env,
@@ -265,7 +269,7 @@ def _replica_groups(args: argparse.Namespace) -> int:
     """--replica-groups R: the fault-tolerance overrides added to the job (checked with it); 0 without."""
     from ember.launch.replica_groups import DEFAULT_MAX_RESTARTS, group_overrides
 
-    if not args.replica_groups:
+    if args.replica_groups is None:
         if args.max_restarts is not None or args.lighthouse_partition:
             raise EmberError("--max-restarts and --lighthouse-partition go with --replica-groups R")
         return 0
@@ -292,8 +296,13 @@ def _slurm_groups(args: argparse.Namespace, cfg: object, opts: object, output_di
         return 0
     from ember.train.fault_tolerance import group_dir
 
-    lighthouse_id, groups_id = slurm_groups.submit_groups(lighthouse_path, path, output_dir, opts.job_name,
-                                                          slurm.submit)
+    try:
+        lighthouse_id, groups_id = slurm_groups.submit_groups(lighthouse_path, path, output_dir, opts.job_name,
+                                                              slurm.submit)
+    except EmberError as err:  # sbatch's advice names --partition; the lighthouse's is --lighthouse-partition
+        if args.lighthouse_partition and "lighthouse.sbatch" in str(err):
+            raise EmberError(str(err).replace("--partition names", "--lighthouse-partition names")) from None
+        raise
     logs = output_dir / "logs"
     print(f"submitted lighthouse job {lighthouse_id}: {lighthouse_path}, log "
           f"{logs}/{opts.job_name}-lighthouse-{lighthouse_id}.out, address in "

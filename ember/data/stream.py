@@ -28,7 +28,7 @@ from ember.data import sources
 from ember.data.hub import import_datasets
 from ember.data.prefetch import Prefetcher
 from ember.data.tokenizer import AnyTokenizer
-from ember.errors import DataError, first_error_line
+from ember.errors import ConfigError, DataError, first_error_line
 from ember.storage.cache import remote_files
 from ember.storage.location import is_url
 
@@ -50,13 +50,19 @@ def open_stream(data_cfg: DataConfig, split: str, dp_rank: int,
     from datasets.distributed import split_dataset_by_node
 
     hf_split = data_cfg.split if split == "train" else data_cfg.val_split
-    if hf_split is None:
-        raise DataError("a streamed source has no held-out split unless data.val_split names one (e.g. validation)")
     spec = data_cfg.dataset
     if is_url(spec):  # objects on a store, read as they are consumed (never copied whole)
         files = remote_files(spec, tuple(BUILDERS))
     else:
         files = sources.local_files(spec, suffixes=tuple(BUILDERS))
+    if files is not None and split == "val":
+        if data_cfg.val_split is not None:
+            raise ConfigError(f"data.val_split={data_cfg.val_split} names a split of a hub dataset; streamed files "
+                              "have none: drop it (the run then has no validation), or set data.streaming=false to "
+                              "hold out data.val_fraction of the documents")
+        raise DataError("streamed files have no held-out split (data.streaming=false holds out data.val_fraction)")
+    if hf_split is None:
+        raise DataError("a streamed source has no held-out split unless data.val_split names one (e.g. validation)")
     try:
         if files is not None:
             kinds = {BUILDERS[os.path.splitext(str(f))[1]] for f in files}
@@ -65,8 +71,6 @@ def open_stream(data_cfg: DataConfig, split: str, dp_rank: int,
                                  "stream one kind, or use data.mixture")
             builder = kinds.pop()
             extra = {"sample_by": "document"} if builder == "text" else {}  # a .txt file is one document
-            if split == "val":
-                raise DataError("local files have no held-out split when streamed; set data.val_split=null")
             ds = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", streaming=True,
                                        **extra)
             name = spec

@@ -315,10 +315,25 @@ def unknown_job(job_id: str) -> EmberError:
                       f"its log is OUTPUT_DIR/logs/<job name>-{job_id}.out")
 
 
+def array_tasks(job_id: str) -> list[dict[str, str]]:
+    """The tasks of a job array (`scontrol show job -o ID` says one line each); [] for a job that is not one."""
+    proc = _slurm("scontrol", "show", "job", "-o", job_id)
+    lines = [line for line in proc.stdout.splitlines() if "ArrayTaskId=" in line] if proc.returncode == 0 else []
+    if "_" in job_id:  # one task already
+        return []
+    tasks = [dict(m.groups() for m in re.finditer(r"(\w+)=(\S*)", line)) for line in lines]
+    return sorted(tasks, key=lambda task: int(re.match(r"\d*", task.get("ArrayTaskId", "")).group() or 0))
+
+
 def status(job_id: str) -> str:
     info = job_info(job_id, strict=True)
     if not info:
         raise unknown_job(job_id)
+    tasks = array_tasks(job_id)
+    if len(tasks) > 1:  # a job array (replica groups): every task, not the last one scontrol printed
+        return "\n".join(f"job {job_id}_{task.get('ArrayTaskId')} {task.get('JobName', '')}: {task.get('JobState')} "
+                         f"on {task.get('NodeList') or '-'}, restarts {task.get('Restarts', '0')}, exit code "
+                         f"{task.get('ExitCode')}, log {task.get('StdOut')}" for task in tasks)
     return (f"job {job_id} {info.get('JobName', '')}: {info.get('JobState')} on {info.get('NodeList') or '-'}, "
             f"restarts {info.get('Restarts', '0')}, exit code {info.get('ExitCode')}, log {info.get('StdOut')}")
 
@@ -336,4 +351,9 @@ def log_path(job_id: str) -> Path:
     info = job_info(job_id, strict=True)
     if not info.get("StdOut"):
         raise unknown_job(job_id)
+    tasks = array_tasks(job_id)
+    if len(tasks) > 1:
+        ids = ", ".join(f"{job_id}_{task.get('ArrayTaskId')}" for task in tasks)
+        raise EmberError(f"job {job_id} is an array of {len(tasks)} tasks (replica groups), each with its own log: "
+                         f"give one of {ids}")
     return Path(info["StdOut"])

@@ -114,10 +114,48 @@ def render_lighthouse(job_name: str, output_dir: Path, workdir: Path, min_groups
     return "\n".join(lines)
 
 
+def _queued_states(job_id: str) -> list[str]:
+    proc = subprocess.run(["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T"], capture_output=True, text=True)
+    return [state for state in proc.stdout.split() if state in LIVE_STATES] if proc.returncode == 0 else []
+
+
+def check_capacity(partition: Optional[str], lighthouse_partition: Optional[str], groups: int, nodes: int) -> None:
+    """Every group must be able to run at once (each is --exclusive; the lighthouse holds a node of its partition):
+    a group that can only start once others have ended trains with no one. Refused in one line when the partition
+    has fewer nodes; unknown sizes (sinfo unavailable) are not guessed at."""
+    def size(name: Optional[str]) -> Optional[int]:
+        try:
+            proc = subprocess.run(["sinfo", "-h", "-o", "%D %P", *(["-p", name] if name else [])],
+                                  capture_output=True, text=True)
+        except FileNotFoundError:  # not on a SLURM machine: sbatch says so next
+            return None
+        rows = [line.split() for line in proc.stdout.splitlines() if line.strip()]
+        if proc.returncode or not rows:
+            return None
+        default = [r for r in rows if r[1].endswith("*")]  # sinfo marks the default partition with *
+        return sum(int(r[0]) for r in (rows if name else default or rows))
+
+    have = size(partition)
+    shared = lighthouse_partition in (None, partition)
+    need = groups * nodes + (1 if shared else 0)
+    if have is not None and need > have:
+        where = f"partition {partition}" if partition else "the default partition"
+        raise EmberError(f"{groups} replica groups of {nodes} node(s) {'and the lighthouse ' if shared else ''}need "
+                         f"{need} nodes at once, and {where} has {have}: a group that starts only after the others "
+                         "ended has no one to train with. Use fewer groups or nodes per group"
+                         + (", or put the lighthouse on another partition (--lighthouse-partition)" if shared else ""))
+
+
 def submit_groups(lighthouse_script: Path, groups_script: Path, output_dir: Path, job_name: str,
                   submit: Callable[..., str]) -> tuple[str, str]:
-    """Submit the lighthouse, then the groups' array after it; (lighthouse job id, groups' job id)."""
-    for stale in (lighthouse_file(output_dir, job_name), groups_file(output_dir, job_name)):
+    """Submit the lighthouse, then the groups' array after it; (lighthouse job id, groups' job id). A run whose
+    groups are still in the queue is refused: two submissions would write the same run directories."""
+    previous = groups_file(output_dir, job_name)
+    if previous.is_file() and _queued_states(previous.read_text().strip()):
+        job = previous.read_text().strip()
+        raise EmberError(f"this run's replica groups are still in the queue (job {job}, {previous}): wait for them "
+                         f"(ember launch status {job}_0) or cancel them (scancel {job}) before submitting it again")
+    for stale in (lighthouse_file(output_dir, job_name), previous):
         stale.unlink(missing_ok=True)  # a previous submission's address or job id
     lighthouse_id = submit(lighthouse_script)
     try:

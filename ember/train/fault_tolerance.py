@@ -147,11 +147,13 @@ class ReplicaGroups:
     """This rank's view of the replica groups: torchft's Manager over a reconfigurable gloo/NCCL group with the
     same rank of every other group. Every rank of every group calls start_step, average and commit once per step."""
 
-    def __init__(self, ft: FaultToleranceConfig, group: int, rank: int, world_size: int, device: torch.device):
+    def __init__(self, ft: FaultToleranceConfig, group: int, rank: int, world_size: int, device: torch.device,
+                 run_dir: str = "", max_steps: int = 0):
         from torchft.manager import Manager
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
         self.cfg, self.group, self.count = ft, group, ft.replica_groups
+        self.run_dir, self.max_steps = run_dir, max_steps  # this group's run directory, to find its peers' runs
         if device.type != "cuda":  # torchft says at every quorum that it cannot reset NCCL's flight recorder
             logging.getLogger("torchft.manager").addFilter(lambda record: "flight recorder" not in record.getMessage())
         self._store = None
@@ -214,6 +216,8 @@ class ReplicaGroups:
         deadline = time.monotonic() + self.cfg.quorum_timeout_s
         self._quorum()
         while len(self.participants) < self.count and time.monotonic() < deadline:
+            if any(self._finished(g) for g in set(range(self.count)) - set(self.participants)):
+                break  # (said below) a group that has ended never joins
             time.sleep(1.0)
             self._quorum()
         self._first_quorum_done = self.cfg.semi_sync == "none"  # (DiLoCo starts its own quorum at each sync)
@@ -222,9 +226,29 @@ class ReplicaGroups:
             raise ConfigError(f"replica group(s) {missing} did not join within fault_tolerance.quorum_timeout_s="
                               f"{self.cfg.quorum_timeout_s:g}: DiLoCo starts with every group; start them all (or "
                               "raise the timeout)")
+        finished = [g for g in missing if self._finished(g)]
+        if finished:  # they will never join: this group would end the run with other weights than theirs
+            raise ConfigError(f"replica group(s) {finished} already finished this run (a checkpoint at max_steps="
+                              f"{self.max_steps} in their run directories): group {self.group} would train without "
+                              f"them to the end, to other weights; it stops here (their model: "
+                              f"{group_dir(self._base_dir(), 0)}). Start the groups together, on enough nodes")
         if missing:
             say(f"replica group(s) {missing} not up after {self.cfg.quorum_timeout_s:g} s (fault_tolerance."
                 f"quorum_timeout_s): training with groups {self.participants}; they heal when they join")
+
+    def _base_dir(self) -> str:
+        suffix = f"/replica-group-{self.group}"
+        return self.run_dir[: -len(suffix)] if self.group and self.run_dir.endswith(suffix) else self.run_dir
+
+    def _finished(self, group: int) -> bool:
+        """Whether group `group`'s run holds a checkpoint at max_steps (it has ended, or is ending)."""
+        from ember.checkpoint.run_dir import complete_checkpoints
+        from ember.storage.location import as_path
+
+        if not self.run_dir:
+            return False
+        checkpoints = complete_checkpoints(as_path(group_dir(self._base_dir(), group)) / "checkpoints")
+        return bool(checkpoints) and checkpoints[-1][0] >= self.max_steps
 
     def _quorum_groups(self) -> list[int]:
         """The groups in the step's quorum: torchft configures the cross-group process group with their global

@@ -63,7 +63,7 @@ class TorchEngine:
         ft = self.cfg.fault_tolerance
         if ft.enable:
             self.replicas = ft_lib.ReplicaGroups(ft, ft_lib.group_from_env(ft), self.rank, self.world_size,
-                                                 self.device)
+                                                 self.device, self.cfg.output_dir, self.cfg.max_steps)
             self.notes.append(f"replica group {self.replicas.group} of {ft.replica_groups} (fault_tolerance, "
                               f"{'DiLoCo' if ft.semi_sync == 'diloco' else 'gradients averaged every step'})")
 

@@ -2,6 +2,7 @@
 token those of the uninterrupted run, for every source type and with or without the prefetch thread;
 and a run saved at 2 data-parallel ranks continues the same global order at 1 and at 4 ranks."""
 
+import dataclasses
 import json
 import random
 import subprocess
@@ -162,3 +163,17 @@ def test_stream_refuses_a_missing_text_field_at_start(tmp_path, data_dir):
     cfg = DataConfig(dataset=str(path), tokenizer=str(data_dir / "tok" / "tokenizer.json"), streaming=True)
     with pytest.raises(ValueError, match=r"other\.jsonl has no 'text' field \(it has: body\); set data.text_field"):
         build_loader(cfg, build_tokenizer(cfg, 512), seq_len=16, micro_batch_size=4)
+
+
+def test_streamed_files_have_no_held_out_split_and_say_what_to_do(data_dir):
+    """Without data.val_split: no validation, said with the fix; naming one (a hub dataset's) is refused."""
+    from ember.data.stream import open_stream
+    from ember.errors import ConfigError, DataError
+
+    spec = _spec(data_dir, "stream", 0)
+    cfg = DataConfig(dataset=spec["dataset"], tokenizer=spec["tokenizer"], streaming=True, num_workers=0)
+    with pytest.raises(DataError, match=r"streamed files have no held-out split \(data.streaming=false holds out "):
+        open_stream(cfg, "val", 0, 1)
+    with pytest.raises(ConfigError, match="data.val_split=validation names a split of a hub dataset; streamed files "
+                                          "have none: drop it"):
+        open_stream(dataclasses.replace(cfg, val_split="validation"), "val", 0, 1)

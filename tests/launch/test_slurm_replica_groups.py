@@ -132,6 +132,12 @@ def test_a_requeued_group_heals_while_the_other_trains_on(cluster: SlurmCluster,
     try:
         _wait_for(marks / "held", "group 1 to reach its hold")
         groups_id = (out / "launch" / "ember-debug.groups-job").read_text().strip()
+        # while it runs: the same submission again is refused (two jobs would write one run), and the array's
+        # status is one line per group
+        again = run_ember(*argv, env=env, cwd=tmp_path)
+        assert again.returncode == 2 and f"still in the queue (job {groups_id}" in again.stderr, again.stderr
+        status = run_ember("launch", "status", groups_id, env=env).stdout.splitlines()
+        assert [line.split(":")[0] for line in status] == [f"job {groups_id}_{g} ember-debug" for g in (0, 1)]
         cluster.run("scontrol", "requeue", f"{groups_id}_1")  # cancel the running job and put it back in the queue
         stdout, stderr = launch.communicate(timeout=900)
     finally:
@@ -167,6 +173,21 @@ def test_a_requeued_group_heals_while_the_other_trains_on(cluster: SlurmCluster,
     assert mine.keys() == peer.keys() and all(torch.equal(mine[k], peer[k]) for k in mine)
 
 
+def test_groups_that_cannot_all_run_at_once_are_refused(cluster: SlurmCluster, tmp_path: Path):
+    """Three nodes: three groups and the lighthouse cannot run together (a late group would train alone); a
+    mistyped --lighthouse-partition is named as such. Nothing is queued."""
+    env = dict(cluster.env, OMP_NUM_THREADS="1")
+    base = ["launch", "slurm", "debug", *TINY, "global_batch_size=12", f"output_dir={tmp_path / 'run'}",
+            "--nproc-per-node", "1"]
+    proc = run_ember(*base, "--replica-groups", "3", env=env)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "3 replica groups of 1 node(s) and the lighthouse need 4 nodes at once, and the default partition has " \
+           "3" in proc.stderr and "--lighthouse-partition" in proc.stderr
+    proc = run_ember(*base, "--replica-groups", "2", "--lighthouse-partition", "nosuch", env=env)
+    assert proc.returncode == 2 and "--lighthouse-partition names no partition" in proc.stderr, proc.stderr
+    assert not cluster.run("squeue", "-h").stdout.strip()
+
+
 def _lighthouse_log(out: Path) -> str:
     return next((out / "logs").glob("ember-debug-lighthouse-*.out")).read_text()
 
@@ -193,9 +214,9 @@ def test_the_scripts_are_valid_bash_and_the_groups_an_array_after_the_lighthouse
 
 @pytest.mark.parametrize("flags, message", [
     (["--max-restarts", "2"], "--max-restarts and --lighthouse-partition go with --replica-groups R"),
-    (["--replica-groups", "0", "--lighthouse-partition", "cpu"],
-     "--max-restarts and --lighthouse-partition go with --replica-groups R"),
+    (["--lighthouse-partition", "cpu"], "--max-restarts and --lighthouse-partition go with --replica-groups R"),
     (["--replica-groups", "-1"], "--replica-groups must be >= 1, got -1"),
+    (["--replica-groups", "0"], "--replica-groups must be >= 1, got 0"),
     (["--replica-groups", "2", "fault_tolerance.replica_groups=3"],
      "--replica-groups 2 contradicts fault_tolerance.replica_groups=3"),
     (["--replica-groups", "3"], "not divisible by micro_batch_size x data-parallel size (over "

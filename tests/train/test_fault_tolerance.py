@@ -325,6 +325,22 @@ def test_a_group_that_starts_late_is_waited_for(tmp_path, lighthouse):
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
 
 
+@pytest.mark.slow
+def test_a_group_that_starts_after_the_others_finished_stops_instead_of_training_alone(tmp_path, lighthouse):
+    """A cluster too small for every group at once: group 1 starts once group 0 has finished (after its timeout,
+    alone). It is refused in one line before any step, instead of training alone to other weights."""
+    run = tmp_path / "run"
+    extra = ["fault_tolerance.replica_groups=2", "global_batch_size=4", "fault_tolerance.quorum_timeout_s=3"]
+    first = _group(0, lighthouse, run, 3, extra, job_env())
+    assert first.wait(timeout=600) == 0, first.communicate()[1][-3000:]
+    late = _group(1, lighthouse, run, 3, extra, job_env())
+    _, err = late.communicate(timeout=600)
+    assert late.returncode == 2, err[-3000:]
+    assert "replica group(s) [0] already finished this run (a checkpoint at max_steps=3 in their run directories): " \
+           "group 1 would train without them" in err and f"their model: {run})" in err
+    assert not [r for r in read_records(run / "replica-group-1") if "loss" in r]
+
+
 def test_diloco_saves_and_ends_only_at_a_sync():
     for key in ("max_steps=42", "checkpoint.interval=12"):
         with pytest.raises(ConfigError, match=f"{key} is not a multiple of fault_tolerance.diloco.sync_steps=5"):
