@@ -288,8 +288,9 @@ class MetricsLogger:
         if cfg.tensorboard:
             self._tb = _summary_writer(output_dir / "tb", purge_step=start_step + 1)
 
-    def log(self, step: int, values: dict[str, Any]) -> None:
-        """Record `values` for optimizer step `step`; JSONL keys are exactly those given (plus `step`)."""
+    def log(self, step: int, values: dict[str, Any], console: bool = True) -> None:
+        """Record `values` for optimizer step `step`; JSONL keys are exactly those given (plus `step`). console=False:
+        the record is not printed (it is still written everywhere else)."""
         if not self.enabled:
             return
         if self._jsonl is not None:
@@ -303,7 +304,7 @@ class MetricsLogger:
                     self._tb.add_scalar(key, value, step)
         if self._trackers is not None:
             self._trackers.log(step, values)
-        if self.print_to_console:
+        if self.print_to_console and console:
             # soft_wrap: one line even when it is wider than the console (a pipe counts as 80 columns).
             self.console.print(format_line(step, values), markup=False, highlight=False, soft_wrap=True)
 

@@ -247,7 +247,7 @@ class Trainer:
                 if groups is not None and len(groups) < self.replicas.count:  # the step's real batch, recorded
                     record = ft_lib.degraded_record(self.step, groups, self.replicas.count, self.spec.tokens_per_step)
                     self.tokens_missed += self.spec.tokens_per_step - record["tokens"]
-                    logger.log(self.step, record)
+                    logger.log(self.step, record, console=self.step % cfg.logging_steps == 0)  # (printed as often)
                 skipped = not is_finite_step(loss, grad_norm)  # train_step changed no weight
                 progress.update(task, advance=1, **({} if skipped else {"loss": f"{loss:.3f}"}))
                 if skipped:
