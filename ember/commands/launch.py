@@ -234,6 +234,7 @@ def _default_name(recipe: str) -> str:
 
 def _slurm(args: argparse.Namespace) -> int:
     from ember.launch import slurm
+    from ember.launch.command import refuse_finished
 
     # The flags' own formats first: a mistyped flag is said before what the job's config needs.
     if args.time is not None:
@@ -242,6 +243,8 @@ def _slurm(args: argparse.Namespace) -> int:
         raise EmberError(f"--signal-seconds must be >= 1, got {args.signal_seconds}")
     groups = _replica_groups(args)
     job, cfg, output_dir, gpus, request = _prepare(args)
+    if not args.dry_run:
+        refuse_finished(cfg)
     if groups and not args.dry_run:  # before anything is written: every group must fit at once
         from ember.launch.slurm_groups import check_capacity
 

@@ -129,3 +129,19 @@ def shell_words(argv: list[str]) -> str:
 def kubernetes_args(argv: list[str]) -> list[str]:
     """argv for a container's `command`: Kubernetes expands $(NAME) from the container's env, with no shell."""
     return [ENV_REF.sub(r"$(\1)", arg) for arg in argv]
+
+
+def refuse_finished(cfg: JobConfig) -> None:
+    """A run that already holds its last step would only book nodes to say so (resume=auto continues from it)."""
+    from ember.checkpoint.run_dir import complete_checkpoints
+    from ember.storage.location import as_path
+
+    if cfg.resume != "auto":
+        return
+    try:
+        steps = complete_checkpoints(as_path(cfg.output_dir) / "checkpoints")
+    except Exception:  # a store this machine cannot list: the job finds out for itself
+        return
+    if steps and steps[-1][0] >= cfg.max_steps:
+        raise ConfigError(f"{cfg.output_dir} already holds step {steps[-1][0]} of max_steps={cfg.max_steps}: "
+                          "nothing to train; raise max_steps to train on from it, or give another output_dir")

@@ -227,3 +227,16 @@ def test_bad_replica_group_flags_are_one_line_and_write_nothing(tmp_path: Path, 
     proc = run_ember("launch", "slurm", "debug", *TINY, f"output_dir={out}", *flags, "--dry-run")
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and not out.exists()
+
+
+def test_a_run_that_already_holds_its_last_step_is_not_submitted(tmp_path: Path):
+    """Resubmitting a finished run (resume=auto) would book nodes only to say "nothing to train": refused first."""
+    from ember.checkpoint.run_dir import MODEL_JSON
+
+    out = tmp_path / "run"
+    (out / "checkpoints" / "step-8").mkdir(parents=True)
+    (out / "checkpoints" / "step-8" / MODEL_JSON).write_text("{}")
+    proc = run_ember("launch", "slurm", "debug", *TINY, "max_steps=8", f"output_dir={out}")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert f"{out} already holds step 8 of max_steps=8: nothing to train; raise max_steps" in proc.stderr
+    assert not (out / "launch").exists()
