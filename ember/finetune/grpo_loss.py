@@ -11,7 +11,9 @@ TRL's GRPOTrainer, which tests/finetune/test_grpo_loss.py checks this against):
   whole rollout batch, over every rank and micro-batch (`token_count`), so that the loss is one token-level mean
   whatever the layout;
 - the ratio pi/pi_old is clipped to [1 - clip_low, 1 + clip_high] (DAPO's asymmetric clip when they differ);
-- beta > 0 adds beta x KL(pi || pi_ref) per token with the k3 estimator exp(q) - q - 1, q = log pi_ref - log pi.
+- beta > 0 adds beta x KL(pi || pi_ref) per token with the k3 estimator exp(q) - q - 1, q = log pi_ref - log pi,
+  multiplied by the ratio pi/pi_old (kl_ratio_correction, the default, as TRL's: the ratio, differentiable, makes
+  the KL's gradient the unbiased reverse-KL gradient for samples drawn from pi_old; DeepSeek-V3.2).
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                 *, loss_type: str = "grpo", clip_low: float = 0.2, clip_high: float = 0.2, beta: float = 0.0,
-                ref_logprobs: Optional[torch.Tensor] = None, max_completion_length: Optional[int] = None,
+                ref_logprobs: Optional[torch.Tensor] = None, kl_ratio_correction: bool = True,
+                max_completion_length: Optional[int] = None,
                 token_count: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss of B completions' tokens ((B, T) log-probs under the policy being trained, under the policy that
     sampled them, and under the reference when beta > 0; `mask` 1 on the completion tokens that count) and (B,)
@@ -67,8 +70,8 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
             raise ValueError("beta > 0 needs the reference's log-probs")
         q = ref_logprobs - logprobs
         kl = torch.exp(q) - q - 1
-        per_token = per_token + beta * kl
         stats["kl"] = ((kl * mask).sum() / mask.sum().clamp(min=1)).detach()
+        per_token = per_token + beta * (kl * ratio if kl_ratio_correction else kl)
     tokens = mask.sum().clamp(min=1)
     stats["clipped_low"] = (((ratio < 1 - clip_low) & (advantages < 0)).to(mask.dtype) * mask).sum().detach() / tokens
     stats["clipped_high"] = (((ratio > 1 + clip_high) & (advantages > 0)).to(mask.dtype) * mask).sum().detach() / tokens
