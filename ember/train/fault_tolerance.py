@@ -21,7 +21,7 @@ import os
 import socket
 import time
 from datetime import timedelta
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -290,16 +290,43 @@ class ReplicaGroups:
         self.manager.shutdown(wait=False)
 
 
-def diloco(replicas: ReplicaGroups, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Any:
-    """torchft's DiLoCo over `model`'s weights: `optimizer` steps alone, and every diloco.sync_steps steps the groups
-    average their pseudo-gradients and an outer SGD (Nesterov) steps. A context manager: enter it before training."""
+def diloco(replicas: ReplicaGroups, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+           resumed_from: Optional[Any] = None, world_size: int = 1) -> tuple[Any, torch.optim.Optimizer]:
+    """torchft's DiLoCo over `model`'s weights, entered, and its outer optimizer: `optimizer` steps alone, and every
+    diloco.sync_steps steps the groups average their pseudo-gradients and an outer SGD (Nesterov) steps. Its
+    momentum comes back from the checkpoint `resumed_from` (outer_state); the weights it syncs against are the
+    model's, since checkpoints fall on syncs."""
     from torchft.local_sgd import DiLoCo
 
     cfg = replicas.cfg.diloco
     outer = torch.optim.SGD(model.parameters(), lr=cfg.outer_lr, momentum=cfg.outer_momentum,
                             nesterov=cfg.nesterov and cfg.outer_momentum > 0)
-    return DiLoCo(replicas.manager, [model], optimizer, outer, sync_every=cfg.sync_steps,
-                  backup_device=torch.device("cpu"), pin_memory=False)
+    if resumed_from is not None:
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        path = resumed_from / f"train-rank{rank}.pt"
+        saved = {}
+        if path.is_file():
+            with path.open("rb") as file:
+                saved = torch.load(file, weights_only=True)
+        if saved.get("diloco_world") == world_size:
+            params = [p for group in outer.param_groups for p in group["params"]]
+            for param, buffer in zip(params, saved.get("diloco_outer_momentum") or []):
+                if buffer is not None:
+                    outer.state[param]["momentum_buffer"] = torch.zeros_like(param.detach())
+                    _local(outer.state[param]["momentum_buffer"]).copy_(buffer)
+    context = DiLoCo(replicas.manager, [model], optimizer, outer, sync_every=cfg.sync_steps,
+                     backup_device=torch.device("cpu"), pin_memory=False)
+    return context.__enter__(), outer
+
+
+def outer_state(outer: Optional[torch.optim.Optimizer], world_size: int) -> dict[str, Any]:
+    """DiLoCo's outer momentum (this rank's shards) for the checkpoint's train state; {} without DiLoCo. A resume at
+    another world size restarts it from zero (the shards differ)."""
+    if outer is None:
+        return {}
+    buffers = [outer.state[p].get("momentum_buffer") for group in outer.param_groups for p in group["params"]]
+    return {"diloco_world": world_size,
+            "diloco_outer_momentum": [None if b is None else _local(b).detach().clone() for b in buffers]}
 
 
 def degraded_record(step: int, groups: list[int], count: int, tokens_per_step: int) -> dict[str, Any]:
@@ -316,5 +343,5 @@ def lighthouse_command(port: int, min_groups: int, join_timeout_ms: int = 30000)
             "--join_timeout_ms", str(join_timeout_ms), "--bind", f"[::]:{port}"]
 
 
-__all__ = ["ReplicaGroups", "check", "diloco", "group_dir", "group_from_env", "lighthouse_command", "local_tensors",
-           "copy_into", "replica_groups", "degraded_record"]
+__all__ = ["ReplicaGroups", "check", "diloco", "outer_state", "group_dir", "group_from_env", "lighthouse_command",
+           "local_tensors", "copy_into", "replica_groups", "degraded_record"]

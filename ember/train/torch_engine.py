@@ -51,7 +51,9 @@ class TorchEngine:
         self.notes: list[Optional[str]] = [allocator_note and f"cpu: {allocator_note}"]
         self.mesh: Optional[ParallelMesh] = None
         self.replicas: Optional[ft_lib.ReplicaGroups] = None  # fault_tolerance.enable: this group among its peers
+        self.resumed_from = None  # the checkpoint this run resumed from
         self.diloco: Optional[Any] = None  # fault_tolerance.semi_sync=diloco: torchft's DiLoCo, entered
+        self.diloco_outer: Optional[torch.optim.Optimizer] = None  # its outer optimizer (checkpointed)
 
     def connect(self, spec: RunSpec) -> None:
         """The process group and the DeviceMesh of `spec`'s layout; with fault tolerance, torchft's manager of this
@@ -116,6 +118,7 @@ class TorchEngine:
 
     def place(self, checkpointer: CheckpointManager) -> None:
         """The weights are where they train already: DCP loaded a resume into this rank's tensors."""
+        self.resumed_from = checkpointer.resumed_from  # (DiLoCo reads its outer momentum there at its start)
 
     # ---------------------------------------------------------------- one step
     def train_step(self, micro_batches: list[Batch]) -> tuple[float, float]:
@@ -126,7 +129,8 @@ class TorchEngine:
         self.model.train()
         if self.replicas is not None and self.cfg.fault_tolerance.semi_sync == "diloco" and self.diloco is None:
             # at the first step: DiLoCo keeps the weights it syncs against, so after a resume and the first quorum
-            self.diloco = ft_lib.diloco(self.replicas, self.model, self.optimizer).__enter__()
+            self.diloco, self.diloco_outer = ft_lib.diloco(self.replicas, self.model, self.optimizer,
+                                                           self.resumed_from, self.world_size)
         loss = self.forward_backward.run(micro_batches, backward=True)
         self.moe_stats.end_step(len(micro_batches) * self.spec.pp_microbatches)
         synced = self.replicas is not None and self.diloco is None

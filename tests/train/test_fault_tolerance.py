@@ -349,10 +349,13 @@ def test_diloco_saves_and_ends_only_at_a_sync():
 
 
 @pytest.mark.slow
-def test_a_whole_job_restart_resumes_every_group_bit_for_bit(tmp_path, lighthouse):
+@pytest.mark.parametrize("semi_sync", ["none", "diloco"])
+def test_a_whole_job_restart_resumes_every_group_bit_for_bit(tmp_path, lighthouse, semi_sync):
     """Two groups stopped at step 4 and started again to 6 equal two groups run to 6 in one go: each group resumes
-    its own checkpoint, and the losses, gradient norms and final weights are those of the uninterrupted run."""
-    extra = ["fault_tolerance.replica_groups=2", "global_batch_size=4", "logging_steps=1"]
+    its own checkpoint, and the losses, gradient norms and final weights are those of the uninterrupted run. With
+    DiLoCo (a sync every 2 steps), the outer optimizer's momentum comes back too."""
+    extra = ["fault_tolerance.replica_groups=2", "global_batch_size=4", "logging_steps=1",
+             f"fault_tolerance.semi_sync={semi_sync}", "fault_tolerance.diloco.sync_steps=2"]
 
     def job(run: Path, steps: int) -> None:
         procs = [_group(g, lighthouse, run, steps, extra, job_env()) for g in range(2)]
