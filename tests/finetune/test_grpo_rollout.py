@@ -1,0 +1,53 @@
+"""GRPO's rollouts (ember/finetune/grpo_rollout.py): groups of completions sampled from the policy with the KV
+cache, reproducible from a seed, and training rows whose targets sit where the policy's logits predict them: a
+greedy rollout's every completion token is the argmax of the training forward at its masked position."""
+
+import torch
+
+from ember.finetune.grpo_rollout import Rollouts, sample, training_rows
+from ember.models import MODELS, build_model_args
+from tests.helpers import IdTokenizer
+
+PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]  # of different lengths: left-padded in generation
+
+
+def _model() -> torch.nn.Module:
+    args = build_model_args("llama3.1", "debug", {"n_layers": 2, "dim": 64, "n_heads": 4, "n_kv_heads": 2,
+                                                  "vocab_size": 64, "max_seq_len": 64})
+    torch.manual_seed(0)
+    model = MODELS["llama3.1"].model_cls(args)
+    model.init_weights()
+    return model.eval()
+
+
+def test_groups_are_consecutive_and_a_seed_reproduces_them():
+    model = _model()
+    first = sample(model, IdTokenizer(), PROMPTS, 4, max_new_tokens=6, temperature=1.0, seed=3)
+    again = sample(model, IdTokenizer(), PROMPTS, 4, max_new_tokens=6, temperature=1.0, seed=3)
+    other = sample(model, IdTokenizer(), PROMPTS, 4, max_new_tokens=6, temperature=1.0, seed=4)
+    assert first.prompt_ids == [p for p in PROMPTS for _ in range(4)]
+    assert first.completion_ids == again.completion_ids and first.completion_ids != other.completion_ids
+    assert len({tuple(c) for c in first.completion_ids[:4]}) > 1  # sampled: a group's completions differ
+    for ids, truncated in zip(first.completion_ids, first.truncated):
+        assert (len(ids) == 6 and 1 not in ids) if truncated else ids[-1] == 1  # EOS kept, and only at the end
+
+
+def test_a_greedy_rollouts_tokens_are_the_argmax_where_the_training_rows_put_them():
+    model = _model()
+    rollouts = sample(model, IdTokenizer(), PROMPTS, 2, max_new_tokens=8, temperature=0.0)
+    inputs, targets, mask = training_rows(rollouts)
+    assert mask.sum().item() == sum(len(c) for c in rollouts.completion_ids)
+    with torch.no_grad():
+        predicted = model(inputs).argmax(-1)
+    assert torch.equal(predicted[mask.bool()], targets[mask.bool()])
+    for i, (prompt, completion) in enumerate(zip(rollouts.prompt_ids, rollouts.completion_ids)):
+        assert inputs[i, :len(prompt) + len(completion)].tolist() == prompt + completion
+
+
+def test_truncated_completions_can_be_left_out_of_the_loss():
+    rollouts = Rollouts([[5, 6], [7]], [[8, 9, 1], [10, 11]], ["", ""], [False, True])
+    inputs, targets, mask = training_rows(rollouts, mask_truncated=True)
+    assert inputs.tolist() == [[5, 6, 8, 9, 1], [7, 10, 11, 0, 0]]
+    assert targets.tolist() == [[0, 8, 9, 1, 0], [10, 11, 0, 0, 0]]
+    assert mask.tolist() == [[0, 1, 1, 1, 0], [0, 0, 0, 0, 0]]
+    assert training_rows(rollouts)[2][1].tolist() == [1, 1, 0, 0, 0]
