@@ -10,9 +10,12 @@ import sys
 import time
 from pathlib import Path
 from types import ModuleType
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import pytest
+
+if TYPE_CHECKING:
+    import torch
 
 LAYOUTS_WORKER = Path(__file__).parent / "parallel" / "layouts_worker.py"
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -58,6 +61,20 @@ def write_jsonl(path: Path, rows: list[dict]) -> str:
 def tiny_model(n_layers: int = 1) -> list[str]:
     """The overrides of the suite's smallest llama: dim 64, 4 query and 2 K/V heads (tensor=2 splits both)."""
     return [f"model.n_layers={n_layers}", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2"]
+
+
+def tiny_llama(vocab_size: int, family: str = "llama3.1") -> "torch.nn.Module":
+    """A 2-layer Llama of dim 64 built in this process, seeded weights, in eval mode (no run, no checkpoint)."""
+    import torch
+
+    from ember.models import MODELS, build_model_args
+
+    args = build_model_args(family, "debug", {"n_layers": 2, "dim": 64, "n_heads": 4, "n_kv_heads": 2,
+                                              "vocab_size": vocab_size, "max_seq_len": 64})
+    torch.manual_seed(0)
+    model = MODELS[family].model_cls(args)
+    model.init_weights()
+    return model.eval()
 
 
 # A tiny run of the debug recipe, each step a fraction of a second on a CPU: what eval and generate load.

@@ -17,8 +17,7 @@ from ember.data.tokenizer import BOS, Tokenizer, train_bpe
 from ember.errors import ConfigError, DataError, UserFileNotFound
 from ember.eval import boolq, choice, lambada, loglikelihood, ppl, rolling_logprob
 from ember.eval.scoring import encode_pair
-from ember.models import MODELS, build_model_args
-from tests.helpers import TINY_RUN, read_records, run_ember, write_jsonl
+from tests.helpers import TINY_RUN, read_records, run_ember, tiny_llama, write_jsonl
 
 
 class WordTokenizer:
@@ -38,12 +37,7 @@ class WordTokenizer:
 
 @pytest.fixture(scope="module")
 def model() -> torch.nn.Module:
-    args = build_model_args("llama3", "debug", {"n_layers": 2, "dim": 64, "n_heads": 4, "n_kv_heads": 2,
-                                                "vocab_size": 128, "max_seq_len": 64})
-    torch.manual_seed(0)
-    m = MODELS["llama3"].model_cls(args)
-    m.init_weights()
-    return m.eval()
+    return tiny_llama(128, family="llama3")
 
 
 def _logprobs(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:

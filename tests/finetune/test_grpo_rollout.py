@@ -5,23 +5,13 @@ greedy rollout's every completion token is the argmax of the training forward at
 import torch
 
 from ember.finetune.grpo_rollout import Rollouts, sample, training_rows
-from ember.models import MODELS, build_model_args
-from tests.helpers import IdTokenizer
+from tests.helpers import IdTokenizer, tiny_llama
 
 PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]  # of different lengths: left-padded in generation
 
 
-def _model() -> torch.nn.Module:
-    args = build_model_args("llama3.1", "debug", {"n_layers": 2, "dim": 64, "n_heads": 4, "n_kv_heads": 2,
-                                                  "vocab_size": 64, "max_seq_len": 64})
-    torch.manual_seed(0)
-    model = MODELS["llama3.1"].model_cls(args)
-    model.init_weights()
-    return model.eval()
-
-
 def test_groups_are_consecutive_and_a_seed_reproduces_them():
-    model = _model()
+    model = tiny_llama(64)
     first = sample(model, IdTokenizer(), PROMPTS, 4, max_new_tokens=6, temperature=1.0, seed=3)
     again = sample(model, IdTokenizer(), PROMPTS, 4, max_new_tokens=6, temperature=1.0, seed=3)
     other = sample(model, IdTokenizer(), PROMPTS, 4, max_new_tokens=6, temperature=1.0, seed=4)
@@ -33,7 +23,7 @@ def test_groups_are_consecutive_and_a_seed_reproduces_them():
 
 
 def test_a_greedy_rollouts_tokens_are_the_argmax_where_the_training_rows_put_them():
-    model = _model()
+    model = tiny_llama(64)
     rollouts = sample(model, IdTokenizer(), PROMPTS, 2, max_new_tokens=8, temperature=0.0)
     inputs, targets, mask = training_rows(rollouts)
     assert mask.sum().item() == sum(len(c) for c in rollouts.completion_ids)
