@@ -169,13 +169,15 @@ def generate(model: nn.Module, tokenizer: AnyTokenizer, prompts: Sequence[Union[
              max_new_tokens: int = 64, temperature: Optional[float] = None, top_k: Optional[int] = None,
              top_p: Optional[float] = None, seed: Optional[int] = None, stop: Sequence[str] = (),
              stop_at_eos: bool = True, on_text: Optional[Callable[[int, str], None]] = None,
-             compile: bool = False) -> list[Generation]:
+             compile: bool = False, all_done: Optional[Callable[[bool], bool]] = None) -> list[Generation]:
     """Continue each prompt (text, or token ids) by up to `max_new_tokens` tokens. Greedy at temperature 0, the
     default unless top_k, top_p or seed is given (then temperature 1.0; see sampling_temperature).
     Stops a row at EOS or at any `stop` string (cut from the completion). `on_text(row, piece)` receives the
     new text of a row as it is decoded (for streaming). compile=True runs the decode step through
     torch.compile with static shapes (the cache attended whole, under a mask): one compilation, then no
-    Python between the kernels of a step; worth it for long generations."""
+    Python between the kernels of a step; worth it for long generations. `all_done(this_rank_done)`: whether every
+    rank of a sharded model is done (a collective; ranks whose rows ended keep stepping with the others until
+    then, since every forward of a sharded model is collective)."""
     temperature = sampling_temperature(temperature, top_k, top_p, seed, stop)
     ids = prompt_ids(model, tokenizer, prompts, max_new_tokens)
     longest = max(len(row) for row in ids)
@@ -228,7 +230,7 @@ def generate(model: nn.Module, tokenizer: AnyTokenizer, prompts: Sequence[Union[
                 if on_text is not None and len(text) > len(texts[row]):
                     on_text(row, text[len(texts[row]):])
                 texts[row] = text
-            if all(reasons):
+            if all_done(all(reasons)) if all_done is not None else all(reasons):
                 break
             slots, end = slots[-1:] + 1, end + 1  # decode: one new slot per row
             step_tokens = next_tokens[:, None]

@@ -31,15 +31,26 @@ class Rollouts:
 
 def sample(model: nn.Module, tokenizer: AnyTokenizer, prompts: Sequence[Sequence[int]], group_size: int, *,
            max_new_tokens: int, temperature: float = 1.0, top_k: Optional[int] = None, top_p: Optional[float] = None,
-           stop: Sequence[str] = (), seed: Optional[int] = None) -> Rollouts:
-    """group_size completions of each prompt (token ids), sampled in one batch; `seed` makes them reproducible."""
+           stop: Sequence[str] = (), seed: Optional[int] = None, sharded: bool = False) -> Rollouts:
+    """group_size completions of each prompt (token ids), sampled in one batch; `seed` makes them reproducible.
+    sharded: the model's forward is a collective of every rank (FSDP), so each rank decodes until all are done."""
     rows = [list(p) for p in prompts for _ in range(group_size)]
     generations = generate(model, tokenizer, rows, max_new_tokens=max_new_tokens, temperature=temperature,
-                           top_k=top_k, top_p=top_p, seed=seed, stop=stop)
+                           top_k=top_k, top_p=top_p, seed=seed, stop=stop,
+                           all_done=every_rank_done if sharded else None)
     eos = getattr(tokenizer, "eos_id", None)
     completions = [g.token_ids + ([eos] if g.stop_reason == "eos" and eos is not None else []) for g in generations]
     return Rollouts(rows, completions, [g.completion for g in generations],
                     [g.stop_reason == "length" for g in generations])
+
+
+def every_rank_done(done: bool) -> bool:
+    """Whether every rank of the default process group is done (an all-reduce of one flag)."""
+    import torch.distributed as dist
+
+    flag = torch.tensor([int(done)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 def training_rows(rollouts: Rollouts, mask_truncated: bool = False,

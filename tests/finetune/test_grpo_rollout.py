@@ -2,10 +2,16 @@
 cache, reproducible from a seed, and training rows whose targets sit where the policy's logits predict them: a
 greedy rollout's every completion token is the argmax of the training forward at its masked position."""
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 import torch
 
 from ember.finetune.grpo_rollout import Rollouts, sample, training_rows
-from tests.helpers import IdTokenizer, tiny_llama
+from tests.helpers import IdTokenizer, job_env, tiny_llama
 
 PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]  # of different lengths: left-padded in generation
 
@@ -41,3 +47,20 @@ def test_truncated_completions_can_be_left_out_of_the_loss():
     assert targets.tolist() == [[0, 8, 9, 1, 0], [10, 11, 0, 0, 0]]
     assert mask.tolist() == [[0, 1, 1, 1, 0], [0, 0, 0, 0, 0]]
     assert training_rows(rollouts)[2][1].tolist() == [1, 1, 0, 0, 0]
+
+
+@pytest.mark.slow
+def test_a_rollout_on_an_fsdp_sharded_policy_equals_one_process(tmp_path):
+    """Two ranks, FSDP, different prompts whose rows stop at different steps: every rank keeps decoding until all
+    are done (each forward is collective), and each rank's greedy completions equal its prompts' on one process."""
+    out = tmp_path / "rollout"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(Path(__file__).parent / "grpo_rollout_worker.py"), str(out)],
+                          capture_output=True, text=True, env=job_env(), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in range(2):
+        result = json.loads(Path(f"{out}-rank{rank}.json").read_text())
+        assert result["sharded"] == result["alone"]
+    longest = [max(len(c) for c in json.loads(Path(f"{out}-rank{rank}.json").read_text())["alone"])
+               for rank in range(2)]
+    assert longest[0] < longest[1] == 12  # rank 0 was done first: alone, it would have left rank 1 waiting
