@@ -102,7 +102,7 @@ def test_the_readme_plan_and_launch_examples_run_as_written(tmp_path, monkeypatc
         elif argv[0] == "plan":
             assert "verdict: fits" in out, argv
         elif argv[:2] == ["launch", "local"] and "--replica-groups" in argv:
-            recipe_argv, _, groups, nproc, restarts, _ = groups_started[-1]
+            recipe_argv, _, _, groups, nproc, restarts, _ = groups_started[-1]
             assert (groups, nproc, restarts) == (2, 1, 3)
             assert recipe_argv[-2:] == ["fault_tolerance.enable=true", "fault_tolerance.replica_groups=2"]
         elif argv[:2] == ["launch", "local"]:

@@ -183,7 +183,8 @@ def test_an_unknown_option_is_named_alone_with_the_commands_options(tmp_path: Pa
     eval_options = ("--output, --tokenizer, --harness, --include-path, --limit, --batch-size, --nproc-per-node, "
                     "--nnodes, --node-rank, --rdzv-endpoint")
     slurm_options = ("--nodes, --gpus-per-node, --nproc-per-node, --partition, --time, --account, --qos, --job-name, "
-                     "--container, --mounts, --env, --signal-seconds, --sbatch, --wait, --dry-run, --print")
+                     "--container, --mounts, --env, --signal-seconds, --sbatch, --replica-groups, --max-restarts, "
+                     "--lighthouse-partition, --wait, --dry-run, --print")
     for argv, message in (
             (["eval", "--bogus"], f"unknown option '--bogus' for ember eval (options: {eval_options})"),
             (["eval", "run", "ppl", "--bogus"], f"unknown option '--bogus' for ember eval (options: {eval_options})"),

@@ -254,6 +254,12 @@ def _slurm(args: argparse.Namespace) -> int:
                               gpus_per_node=gpus, container=args.container, mounts=args.mounts, env=args.env,
                               signal_seconds=args.signal_seconds, extra_sbatch=args.sbatch, replica_groups=groups,
                               max_restarts=args.max_restarts or 0)
+    if groups:
+        from ember.launch import slurm_groups
+
+        opts.group_lines = slurm_groups.group_lines(groups, slurm_groups.lighthouse_file(output_dir, opts.job_name))
+        opts.group_env, opts.reuse_note = list(slurm_groups.GROUP_NAMES), slurm_groups.REUSE_NOTE.format(
+            name=opts.job_name)
     script = slurm.render_script(job, opts, output_dir, Path.cwd(),
                                  command_line=args.command_line)
     path = slurm.write_script(script, output_dir, opts.job_name)

@@ -53,6 +53,9 @@ class SlurmOptions:
     extra_sbatch: list[str] = field(default_factory=list)  # more #SBATCH options, verbatim
     replica_groups: int = 0  # > 0: a job array, one task per fault-tolerant replica group (slurm_groups.py)
     max_restarts: int = 0  # torchrun's restarts of a failed rank inside the job (replica groups heal after one)
+    group_lines: list[str] = field(default_factory=list)  # replica groups: each task's group and lighthouse
+    group_env: list[str] = field(default_factory=list)  # the names those lines set, forwarded into a container
+    reuse_note: Optional[str] = None  # how the script is submitted again, when not on its own
 
     def __post_init__(self) -> None:
         if self.time is not None:
@@ -79,8 +82,6 @@ def render_script(job: TrainJob, opts: SlurmOptions, output_dir: Path, workdir: 
         if name not in environ:
             raise ConfigError(f"--env {name}: not set in this shell; export it before submitting (the job inherits "
                               "it by name, its value is never written)")
-    from ember.launch import slurm_groups
-
     argv = torchrun_argv(job, opts.max_restarts)
     log_name = "%x-%A_%a.out" if opts.replica_groups else "%x-%j.out"
     sbatch = [f"--job-name={opts.job_name}", f"--nodes={job.nodes}",
@@ -101,7 +102,7 @@ def render_script(job: TrainJob, opts: SlurmOptions, output_dir: Path, workdir: 
     if opts.container:
         forwarded = sorted(set(names) | {n for n in environ if n in FORWARD_NAMES or n.startswith(FORWARD_PREFIXES)}
                            | set(values) | {RDZV_ENDPOINT_ENV, RUN_ID_ENV, "OMP_NUM_THREADS"}
-                           | (set(slurm_groups.GROUP_NAMES) if opts.replica_groups else set()))
+                           | set(opts.group_env))
         mounts = [f"{workdir}:{workdir}",
                   *([] if output_dir.is_relative_to(workdir) else [f"{output_dir}:{output_dir}"]), *opts.mounts]
         srun += [f"--container-image={opts.container}", f"--container-mounts={','.join(mounts)}",
@@ -110,8 +111,8 @@ def render_script(job: TrainJob, opts: SlurmOptions, output_dir: Path, workdir: 
         "#!/bin/bash",
         f"# Written by `ember launch slurm` on {datetime.now().isoformat(timespec='seconds')}"
         + (f":\n#   {command_line}" if command_line else "."),
-        ("# Reusable as is: `sbatch THIS_FILE` submits the same job again (it resumes from the newest checkpoint)."
-         if not opts.replica_groups else slurm_groups.REUSE_NOTE.format(name=opts.job_name)),
+        opts.reuse_note or "# Reusable as is: `sbatch THIS_FILE` submits the same job again (it resumes from the "
+        "newest checkpoint).",
         *[f"#SBATCH {option}" for option in sbatch],
         "",
         "set -uo pipefail",
@@ -130,8 +131,7 @@ def render_script(job: TrainJob, opts: SlurmOptions, output_dir: Path, workdir: 
         f'export {RDZV_ENDPOINT_ENV}="${{head_addr:-$head_node}}:$((20000 + SLURM_JOB_ID % 20000))"',
         f'export {RUN_ID_ENV}="$SLURM_JOB_ID"',
         "",
-        *(slurm_groups.group_lines(opts.replica_groups, slurm_groups.lighthouse_file(output_dir, opts.job_name))
-          if opts.replica_groups else []),
+        *opts.group_lines,
         f"# Preemption and the time limit: SLURM sends USR1 to this shell {opts.signal_seconds} s before the end",
         "# (--signal=B:USR1@...; an admin can do the same with `scancel --batch --signal=USR1 JOB`). It is passed to",
         "# the training processes, which save a checkpoint at the next step boundary and exit; the job then",
