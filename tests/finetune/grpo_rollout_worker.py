@@ -4,6 +4,7 @@ rank's greedy completions before and after sharding to OUT-rank<r>.json."""
 
 import json
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -11,7 +12,9 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from ember.finetune.grpo_rollout import sample
 from ember.parallel.fsdp import apply_fsdp
-from tests.helpers import IdTokenizer, tiny_llama
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: tests.helpers
+from tests.helpers import IdTokenizer, tiny_llama  # noqa: E402
 
 out = sys.argv[1]
 dist.init_process_group("gloo")

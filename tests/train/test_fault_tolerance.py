@@ -212,11 +212,12 @@ def test_diloco_outer_step_equals_the_hand_computed_one(lighthouse_of_two, monke
         replicas = ft.ReplicaGroups(cfg, g, 0, 1, torch.device("cpu"))
         replicas.manager.register_state_dict_fn("model", model.load_state_dict, model.state_dict)
         try:
-            with ft.diloco(replicas, model, optimizer):
-                for x in data[g]:
-                    (x @ model.weight.T).pow(2).mean().backward()
-                    optimizer.step()
-                    optimizer.zero_grad()
+            context, _ = ft.diloco(replicas, model, optimizer)  # (entered)
+            for x in data[g]:
+                (x @ model.weight.T).pow(2).mean().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            context.__exit__(None, None, None)
             return model.weight.detach().clone()
         finally:
             replicas.close()
