@@ -52,11 +52,15 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                 *, loss_type: str = "grpo", clip_low: float = 0.2, clip_high: float = 0.2, beta: float = 0.0,
                 ref_logprobs: Optional[torch.Tensor] = None, kl_ratio_correction: bool = True,
-                max_completion_length: Optional[int] = None,
-                token_count: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                max_completion_length: Optional[int] = None, token_count: Optional[torch.Tensor] = None,
+                rows_total: Optional[int] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss of B completions' tokens ((B, T) log-probs under the policy being trained, under the policy that
     sampled them, and under the reference when beta > 0; `mask` 1 on the completion tokens that count) and (B,)
-    advantages; with the step's statistics (detached): the fraction of tokens clipped low and high and the mean KL."""
+    advantages; with the step's statistics (detached): the fraction of tokens clipped low and high and the mean KL.
+
+    For a micro-batch of a larger rollout batch, give the whole batch's completions (`rows_total`) and counted
+    tokens (`token_count`): the micro-batches' losses (over every rank) then sum to the whole batch's, gradients
+    included. Without them the normalizers are this batch's own (dapo always needs token_count)."""
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type={loss_type!r}: choose one of {', '.join(LOSS_TYPES)}")
     mask = mask.to(logprobs.dtype)
@@ -76,14 +80,15 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     stats["clipped_low"] = (((ratio < 1 - clip_low) & (advantages < 0)).to(mask.dtype) * mask).sum().detach() / tokens
     stats["clipped_high"] = (((ratio > 1 + clip_high) & (advantages > 0)).to(mask.dtype) * mask).sum().detach() / tokens
     masked = per_token * mask
+    rows = rows_total or logprobs.shape[0]
     if loss_type == "grpo":
-        loss = (masked.sum(dim=1) / mask.sum(dim=1).clamp(min=1)).mean()
+        loss = (masked.sum(dim=1) / mask.sum(dim=1).clamp(min=1)).sum() / rows
     elif loss_type == "bnpo":
-        loss = masked.sum() / tokens
+        loss = masked.sum() / (tokens if token_count is None else token_count.clamp(min=1))
     elif loss_type == "dr_grpo":
         if max_completion_length is None:
             raise ValueError("loss_type='dr_grpo' divides by max_completion_length: give it")
-        loss = masked.sum() / (logprobs.shape[0] * max_completion_length)
+        loss = masked.sum() / (rows * max_completion_length)
     else:
         if token_count is None:
             raise ValueError("loss_type='dapo' divides by the rollout batch's completion tokens: give token_count")

@@ -81,3 +81,25 @@ def test_token_logprobs_are_log_softmax_at_the_token():
     tokens = torch.randint(0, 7, (2, 3))
     expected = torch.log_softmax(logits, -1)[torch.arange(2)[:, None], torch.arange(3)[None], tokens]
     assert torch.equal(token_logprobs(logits, tokens), expected)
+
+
+def test_micro_batches_given_the_whole_batchs_counts_sum_to_its_loss_and_gradient():
+    """Six completions of unequal lengths split 1 + 2 + 3 (as micro-batches over ranks would be): with rows_total
+    and token_count of the whole batch, the parts' losses and gradients sum to the whole batch's, per loss type."""
+    g = torch.Generator().manual_seed(0)
+    logprobs, old = -torch.rand(6, 5, generator=g), -torch.rand(6, 5, generator=g)
+    ref, adv = -torch.rand(6, 5, generator=g), torch.randn(6, generator=g)
+    mask = (torch.arange(5)[None] < torch.tensor([5, 1, 3, 4, 2, 5])[:, None]).long()
+    tokens = mask.sum().float()
+    for kind in ("grpo", "bnpo", "dr_grpo", "dapo"):
+        options = dict(loss_type=kind, clip_low=0.2, clip_high=0.28, beta=0.05, ref_logprobs=ref,
+                       max_completion_length=5, token_count=tokens)
+        whole_in = logprobs.clone().requires_grad_(True)
+        whole, _ = policy_loss(whole_in, old, adv, mask, **options)
+        whole.backward()
+        parts_in = logprobs.clone().requires_grad_(True)
+        total = sum(policy_loss(parts_in[a:b], old[a:b], adv[a:b], mask[a:b], rows_total=6,
+                                **{**options, "ref_logprobs": ref[a:b]})[0] for a, b in ((0, 1), (1, 3), (3, 6)))
+        total.backward()
+        assert total.item() == pytest.approx(whole.item(), rel=1e-6), kind
+        torch.testing.assert_close(parts_in.grad, whole_in.grad, rtol=1e-6, atol=1e-8)
