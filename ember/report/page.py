@@ -69,6 +69,7 @@ SUMMARY_ROWS: list[tuple[str, Any]] = [
     ("checkpoints", lambda s: ", ".join(f"step-{n}" for n in s["checkpoints"]) or "none"),
     ("skipped steps", lambda s: str(s["skipped_steps"])),
     ("loss spikes", lambda s: str(s["loss_spikes"])),
+    ("steps without some replica groups", lambda s: "–" if s["degraded_steps"] is None else str(s["degraded_steps"])),
 ]
 
 

@@ -83,6 +83,9 @@ class Run:
             "checkpoints": list(self.checkpoints),
             "skipped_steps": len(self.values.get("skipped_step", {})),
             "loss_spikes": len(self.values.get("loss_spike", {})),
+            # a fault-tolerant run's steps that ran without some replica groups (None: not fault-tolerant)
+            "degraded_steps": len(self.values.get("replica_groups", {}))
+            if (self.config.get("fault_tolerance") or {}).get("enable") else None,
         }
 
     def model_label(self) -> Optional[str]:

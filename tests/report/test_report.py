@@ -223,3 +223,18 @@ def test_one_figure_is_counted_as_one(tmp_path: Path, capsys: pytest.CaptureFixt
     assert main(["report", str(run)]) == 0
     assert capsys.readouterr().out.endswith(f"wrote {run / 'report.html'} and 1 figure in {run / 'report'}/\n")
     assert [p.name for p in (run / "report").iterdir()] == ["lr.png"]
+
+
+def test_a_fault_tolerant_runs_steps_without_some_groups_are_counted(tmp_path: Path):
+    from ember.report.page import SUMMARY_ROWS
+
+    run = tmp_path / "groups"
+    run.mkdir()
+    (run / "config.yaml").write_text("max_steps: 4\nfault_tolerance:\n  enable: true\n  replica_groups: 2\n")
+    rows = [{"step": s, "loss": 5.0, "loss_avg": 5.0, "tokens_seen": 10 * s} for s in range(1, 5)]
+    rows += [{"step": s, "replica_groups": [0], "replica_groups_missing": 1, "tokens": 5} for s in (2, 3)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    show = dict(SUMMARY_ROWS)["steps without some replica groups"]
+    assert show(build_report([run]).runs[0].summary()) == "2"
+    (run / "config.yaml").write_text("max_steps: 4\n")
+    assert show(build_report([run]).runs[0].summary()) == "–"
