@@ -377,8 +377,7 @@ def _job_command(args: argparse.Namespace) -> int:
         print(f"cancelled job {args.job_id}")
         return 0
     if args.follow:
-        if not slurm.job_info(args.job_id, strict=True):
-            raise slurm.unknown_job(args.job_id)
+        slurm.log_path(args.job_id)  # an unknown job, or an array of groups (which asks for one task), said first
         return slurm.wait(args.job_id)
     log = slurm.log_path(args.job_id)
     text = log.read_text(errors="replace") if log.is_file() else ""
