@@ -31,6 +31,12 @@ def complete_checkpoints(checkpoint_dir: Location) -> list[tuple[int, Location]]
     return sorted(found)
 
 
+def newest_step(checkpoint_dir: Location) -> Optional[int]:
+    """The step of the newest complete checkpoint; None without one."""
+    found = complete_checkpoints(checkpoint_dir)
+    return found[-1][0] if found else None
+
+
 def starts_over(resume: str, output_dir: str) -> bool:
     """Whether a run begins other than from its own output_dir's checkpoints (resume=none, or another run's
     checkpoint): another run's files there are then moved aside, never mixed with this one's."""

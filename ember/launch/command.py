@@ -133,15 +133,15 @@ def kubernetes_args(argv: list[str]) -> list[str]:
 
 def refuse_finished(cfg: JobConfig) -> None:
     """A run that already holds its last step would only book nodes to say so (resume=auto continues from it)."""
-    from ember.checkpoint.run_dir import complete_checkpoints
+    from ember.checkpoint.run_dir import newest_step
     from ember.storage.location import as_path
 
     if cfg.resume != "auto":
         return
     try:
-        steps = complete_checkpoints(as_path(cfg.output_dir) / "checkpoints")
+        step = newest_step(as_path(cfg.output_dir) / "checkpoints")
     except Exception:  # a store this machine cannot list: the job finds out for itself
         return
-    if steps and steps[-1][0] >= cfg.max_steps:
-        raise ConfigError(f"{cfg.output_dir} already holds step {steps[-1][0]} of max_steps={cfg.max_steps}: "
+    if step is not None and step >= cfg.max_steps:
+        raise ConfigError(f"{cfg.output_dir} already holds step {step} of max_steps={cfg.max_steps}: "
                           "nothing to train; raise max_steps to train on from it, or give another output_dir")

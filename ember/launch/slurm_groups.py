@@ -172,10 +172,10 @@ def submit_groups(lighthouse_script: Path, groups_script: Path, output_dir: Path
 def task_states(groups_id: str) -> dict[int, dict[str, str]]:
     """The groups' tasks as `scontrol show job -o` tells them: {group: fields} (pending tasks SLURM has not split
     yet appear under each group of their ArrayTaskId range)."""
-    proc = subprocess.run(["scontrol", "show", "job", "-o", groups_id], capture_output=True, text=True)
+    from ember.launch.slurm import array_tasks
+
     tasks: dict[int, dict[str, str]] = {}
-    for line in proc.stdout.splitlines():
-        info = dict(m.groups() for m in re.finditer(r"(\w+)=(\S*)", line))
+    for info in array_tasks(groups_id):
         ids = re.sub(r"%\d+$", "", info.get("ArrayTaskId", ""))
         for part in filter(None, ids.split(",")):
             low, _, high = part.partition("-")

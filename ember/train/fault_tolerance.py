@@ -242,13 +242,13 @@ class ReplicaGroups:
 
     def _finished(self, group: int) -> bool:
         """Whether group `group`'s run holds a checkpoint at max_steps (it has ended, or is ending)."""
-        from ember.checkpoint.run_dir import complete_checkpoints
+        from ember.checkpoint.run_dir import newest_step
         from ember.storage.location import as_path
 
         if not self.run_dir:
             return False
-        checkpoints = complete_checkpoints(as_path(group_dir(self._base_dir(), group)) / "checkpoints")
-        return bool(checkpoints) and checkpoints[-1][0] >= self.max_steps
+        step = newest_step(as_path(group_dir(self._base_dir(), group)) / "checkpoints")
+        return step is not None and step >= self.max_steps
 
     def _quorum_groups(self) -> list[int]:
         """The groups in the step's quorum: torchft configures the cross-group process group with their global

@@ -147,7 +147,7 @@ class Trainer:
         """This rank's part of a checkpoint beside the DCP weights and optimizer state."""
         return {"step": self.step, "tokens_missed": self.tokens_missed, "lr_scheduler": self.lr_scheduler.state_dict(),
                 "data": self.train_loader.state_dict(), "rng": rng_state(), **self.health.state_dict(),
-                **ft_lib.outer_state(getattr(self.engine, "diloco_outer", None), self.world_size)}
+                **ft_lib.outer_state(self.engine.diloco_outer, self.world_size)}
 
     # ---------------------------------------------------------------- one optimizer step
     def global_batches(self) -> Iterator[list[Batch]]:

@@ -40,6 +40,7 @@ class XlaEngine:
     """This host's part of a jax SPMD job; see the module docstring."""
 
     replicas = None  # no torchft replica groups (fault_tolerance.enable is refused on XLA)
+    diloco_outer = None  # (nor DiLoCo)
 
     def __init__(self, cfg: JobConfig):
         import jax

@@ -124,6 +124,17 @@ def _stop(procs) -> None:
             proc.wait()
 
 
+def _run_groups(lighthouse: str, run: Path, steps: int, extra: list[str], groups: int = 2) -> None:
+    """Every group of a run started together and run to its end, each succeeding."""
+    procs = [_group(g, lighthouse, run, steps, extra, job_env()) for g in range(groups)]
+    try:
+        for proc in procs:
+            _, err = proc.communicate(timeout=900)
+            assert proc.returncode == 0, err[-3000:]
+    finally:
+        _stop(procs)
+
+
 def _final_weights(run: Path) -> dict[str, torch.Tensor]:
     from ember.model_io.load import load_model
 
@@ -237,13 +248,7 @@ def test_a_diloco_run_over_two_groups_trains_and_ends_with_one_model(tmp_path, l
     run = tmp_path / "run"
     extra = ["fault_tolerance.replica_groups=2", "global_batch_size=4", "fault_tolerance.semi_sync=diloco",
              "fault_tolerance.diloco.sync_steps=4", "logging_steps=1"]
-    procs = [_group(g, lighthouse_of_two, run, 12, extra, job_env()) for g in range(2)]
-    try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=900)
-            assert proc.returncode == 0, err[-3000:]
-    finally:
-        _stop(procs)
+    _run_groups(lighthouse_of_two, run, 12, extra)
     weights = [load_model(d).state_dict() for d in (run, run / "replica-group-1")]
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0]), "the groups differ after the sync"
     losses = [r["loss"] for r in read_records(run) if "loss" in r]
@@ -358,18 +363,9 @@ def test_a_whole_job_restart_resumes_every_group_bit_for_bit(tmp_path, lighthous
     extra = ["fault_tolerance.replica_groups=2", "global_batch_size=4", "logging_steps=1",
              f"fault_tolerance.semi_sync={semi_sync}", "fault_tolerance.diloco.sync_steps=2"]
 
-    def job(run: Path, steps: int) -> None:
-        procs = [_group(g, lighthouse, run, steps, extra, job_env()) for g in range(2)]
-        try:
-            for proc in procs:
-                _, err = proc.communicate(timeout=900)
-                assert proc.returncode == 0, err[-3000:]
-        finally:
-            _stop(procs)
-
-    job(tmp_path / "straight", 6)
-    job(tmp_path / "resumed", 4)
-    job(tmp_path / "resumed", 6)
+    _run_groups(lighthouse, tmp_path / "straight", 6, extra)
+    _run_groups(lighthouse, tmp_path / "resumed", 4, extra)
+    _run_groups(lighthouse, tmp_path / "resumed", 6, extra)
     for group in ("", "replica-group-1"):
         logged = [{r["step"]: (r["loss"], r["grad_norm"]) for r in read_records(tmp_path / run / group) if "loss" in r}
                   for run in ("straight", "resumed")]
