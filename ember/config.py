@@ -237,7 +237,7 @@ def _check_output_dir(output_dir: str) -> None:
         raise ConfigError(f"output_dir={output_dir}: {existing} is not writable; choose another output_dir")
 
 
-TASKS = ("lm", "dpo")
+TASKS = ("lm", "dpo", "grpo")  # task=dpo|grpo's own checks: ember/finetune/checks.py
 
 
 def fp8_enabled(cfg: JobConfig) -> bool:
@@ -259,23 +259,6 @@ def _check_fp8(cfg: JobConfig) -> None:
     if importlib.util.find_spec("torchao") is None:
         raise ConfigError("fp8 training needs torchao: pip install -e '.[fp8]' (with your torch on the same pip "
                           "line), or drop precision=fp8 / fp8.enabled")
-
-
-def _check_dpo(cfg: JobConfig) -> None:
-    if cfg.task not in TASKS:
-        raise not_one_of("task", cfg.task, TASKS)
-    if cfg.task != "dpo":
-        return
-    if not (cfg.dpo.beta > 0 and math.isfinite(cfg.dpo.beta)):
-        raise ConfigError(f"dpo.beta must be a positive number, got {cfg.dpo.beta}")
-    if cfg.data.dataset in ("embedded", "synthetic") or cfg.data.mixture or cfg.data.streaming:
-        raise ConfigError("task=dpo reads preference pairs from data.dataset (a jsonl of {prompt, chosen, rejected} "
-                          "rows or a hub dataset), not the embedded corpus, synthetic data, a mixture or a stream")
-    # data.messages_field / prompt_field (an SFT recipe's) are not read: pairs name theirs in dpo.*_field.
-    for axis in ("pipeline", "context"):
-        if getattr(cfg.ici_mesh, axis) * getattr(cfg.dcn_mesh, axis) != 1:
-            raise ConfigError(f"task=dpo scores whole sequences per rank; {axis} parallelism splits them: set "
-                              f"ici_mesh.{axis}=1 and dcn_mesh.{axis}=1 (data, fsdp, tensor and expert work)")
 
 
 def _check_resume_allow_changes(names: list[str]) -> None:
@@ -330,7 +313,8 @@ def validate(cfg: JobConfig) -> None:
         value = getattr(cfg.model, key)
         if not (value >= 0 and math.isfinite(value)):
             raise ConfigError(f"model.{key}={value} must be a finite number >= 0 (0 turns it off)")
-    _check_dpo(cfg)
+    if cfg.task not in TASKS:
+        raise not_one_of("task", cfg.task, TASKS)
     _check_trackers(cfg.metrics)
     if cfg.profile.step < 1 or cfg.profile.steps < 1:
         raise ConfigError(f"profile.step={cfg.profile.step} and profile.steps={cfg.profile.steps} must be >= 1 (the "

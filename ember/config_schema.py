@@ -285,6 +285,36 @@ class DPOConfig:
 
 
 @dataclass
+class GRPOConfig:
+    """Reinforcement learning from verifiable rewards for task=grpo (ember/finetune/grpo.py): rollouts of the prompts
+    in data.dataset sampled from the policy, scored by the rewards, and the clipped-ratio policy loss. Each step
+    trains on global_batch_size completions, group_size of each prompt."""
+
+    group_size: int = 8  # completions sampled per prompt; the advantages compare a completion with its group's
+    max_new_tokens: int = 256  # a completion's length limit (a prompt may take seq_len - max_new_tokens tokens)
+    temperature: float = 1.0  # sampling temperature; the loss's log-probabilities are of the same tempered policy
+    top_p: float = 1.0  # nucleus sampling (1.0: off)
+    top_k: int = 0  # sample among the k likeliest tokens (0: off)
+    stop: list[str] = field(default_factory=list)  # strings that end a completion (besides EOS)
+    rewards: list[str] = field(default_factory=lambda: ["math"])  # exact | math | format | module:function
+    reward_weights: list[float] = field(default_factory=list)  # one per reward (empty: 1 each)
+    format_pattern: str = ""  # the `format` reward's regex, which the whole completion must match
+    reward_errors: str = "fail"  # a reward that raises or times out: fail (one line) | zero (scored 0, counted)
+    reward_timeout_s: float = 5.0  # per call of a reward on one completion
+    # advantages: true or group: (r - group mean) / (group std + eps) (GRPO); batch: the rollout batch's std;
+    # false or none: r - group mean (Dr. GRPO)
+    scale_rewards: str = "group"
+    loss_type: str = "dapo"  # dapo (token mean over the batch) | grpo (per-completion means) | dr_grpo (/ max length)
+    clip_low: float = 0.2  # the ratio pi / pi_old is clipped to [1 - clip_low, 1 + clip_high]
+    clip_high: float = 0.2  # DAPO raises it (0.28) so that unlikely tokens can grow
+    beta: float = 0.0  # KL(pi || reference) weight; > 0 keeps the starting model (model.init_from) as the reference
+    iterations: int = 1  # optimizer steps per batch of rollouts (the rollout-time log-probs are the old policy)
+    mask_truncated: bool = False  # completions cut by max_new_tokens take no part in the loss (DAPO)
+    prompt_field: str = "prompt"  # a row's prompt: text, or a list of messages rendered with data.chat_template
+    gym_size: int = 1000  # rows drawn from a reasoning_gym:NAME generator (seeded by `seed`)
+
+
+@dataclass
 class DiLoCoConfig:
     """fault_tolerance.semi_sync=diloco: each replica group takes sync_steps local steps, then the groups average
     their pseudo-gradients (the weights' change since the last sync) and an outer SGD step applies it."""
@@ -315,7 +345,7 @@ class FaultToleranceConfig:
 class JobConfig:
     seed: int = 0
     # lm: next-token loss (pretraining, SFT); dpo: preference pairs (dpo.* keys), the reference being the starting
-    # model (with LoRA: the base with adapters off)
+    # model (with LoRA: the base with adapters off); grpo: reinforcement learning from verifiable rewards (grpo.*)
     task: str = "lm"
     max_steps: int = 200
     logging_steps: int = 10
@@ -333,7 +363,9 @@ class JobConfig:
     # Unlisted, such a change is refused on resume.
     resume_allow_changes: list[str] = field(default_factory=list)
     max_skipped_steps: int = 5  # non-finite loss or grad norm: skip the step; stop after this many in a row
-    loss_spike_factor: float = 3.0  # warn when a step's loss exceeds this times the running mean (0: off)
+    # warn when a step's loss exceeds this times the running mean (0: off; not for task=grpo, whose policy-gradient
+    # loss has no level to spike from)
+    loss_spike_factor: float = 3.0
     eval_interval: int = 0  # validation loss every N steps (0: only at the end)
     eval_batches: int = 8  # global batches of validation data per evaluation
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -348,6 +380,7 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     fp8: Fp8Config = field(default_factory=Fp8Config)
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)

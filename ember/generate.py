@@ -70,14 +70,17 @@ def _attention_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if hasattr(m, "kv_cache") and (hasattr(m, "wk") or hasattr(m, "make_kv_cache"))]
 
 
-def attach_kv_caches(model: nn.Module, batch: int, max_len: int) -> list[KVCache]:
+def attach_kv_caches(model: nn.Module, batch: int, max_len: int,
+                     dtype: Optional[torch.dtype] = None) -> list[KVCache]:
     """Give every attention module of `model` a cache for `batch` rows of up to `max_len` positions: its own
-    `make_kv_cache(batch, max_len, dtype, device)` where it has one, else a KVCache."""
+    `make_kv_cache(batch, max_len, dtype, device)` where it has one, else a KVCache. dtype: the cache's (None: the
+    parameters'; under autocast the compute dtype, so that attention reads the cache without a cast)."""
     caches = []
     param = next(model.parameters())
+    dtype = dtype or param.dtype
     for attention in _attention_modules(model):
         if hasattr(attention, "make_kv_cache"):  # a cache of its own form (MLA's latent: nn/mla.py)
-            attention.use_kv_cache(attention.make_kv_cache(batch, max_len, param.dtype, param.device))
+            attention.use_kv_cache(attention.make_kv_cache(batch, max_len, dtype, param.device))
             caches.append(attention.kv_cache)
             continue
         head_dim = attention.head_dim
@@ -87,7 +90,7 @@ def attach_kv_caches(model: nn.Module, batch: int, max_len: int) -> list[KVCache
         mesh = getattr(attention.wk.weight, "device_mesh", None)
         if mesh is not None and "tensor" in (mesh.mesh_dim_names or ()):
             kv_heads //= mesh.size(mesh.mesh_dim_names.index("tensor"))
-        attention.use_kv_cache(KVCache(batch, kv_heads, max_len, head_dim, param.dtype, param.device))
+        attention.use_kv_cache(KVCache(batch, kv_heads, max_len, head_dim, dtype, param.device))
         caches.append(attention.kv_cache)
     return caches
 
@@ -169,7 +172,8 @@ def generate(model: nn.Module, tokenizer: AnyTokenizer, prompts: Sequence[Union[
              max_new_tokens: int = 64, temperature: Optional[float] = None, top_k: Optional[int] = None,
              top_p: Optional[float] = None, seed: Optional[int] = None, stop: Sequence[str] = (),
              stop_at_eos: bool = True, on_text: Optional[Callable[[int, str], None]] = None,
-             compile: bool = False, all_done: Optional[Callable[[bool], bool]] = None) -> list[Generation]:
+             compile: bool = False, all_done: Optional[Callable[[bool], bool]] = None,
+             cache_dtype: Optional[torch.dtype] = None) -> list[Generation]:
     """Continue each prompt (text, or token ids) by up to `max_new_tokens` tokens. Greedy at temperature 0, the
     default unless top_k, top_p or seed is given (then temperature 1.0; see sampling_temperature).
     Stops a row at EOS or at any `stop` string (cut from the completion). `on_text(row, piece)` receives the
@@ -177,7 +181,7 @@ def generate(model: nn.Module, tokenizer: AnyTokenizer, prompts: Sequence[Union[
     torch.compile with static shapes (the cache attended whole, under a mask): one compilation, then no
     Python between the kernels of a step; worth it for long generations. `all_done(this_rank_done)`: whether every
     rank of a sharded model is done (a collective; ranks whose rows ended keep stepping with the others until
-    then, since every forward of a sharded model is collective)."""
+    then, since every forward of a sharded model is collective). cache_dtype: the KV cache's (attach_kv_caches)."""
     temperature = sampling_temperature(temperature, top_k, top_p, seed, stop)
     ids = prompt_ids(model, tokenizer, prompts, max_new_tokens)
     longest = max(len(row) for row in ids)
@@ -188,7 +192,7 @@ def generate(model: nn.Module, tokenizer: AnyTokenizer, prompts: Sequence[Union[
     generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
     was_training = model.training
     model.eval()
-    caches = attach_kv_caches(model, batch, total)
+    caches = attach_kv_caches(model, batch, total, cache_dtype)
     decode_step = model
     if compile:
         for cache in caches:

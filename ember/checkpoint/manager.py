@@ -352,7 +352,7 @@ def open_checkpoints(spec: RunSpec, model_parts: list[nn.Module], model: nn.Modu
     meta = meta_for(cfg.model.family, spec.flavor, spec.args)
     if cfg.lora.rank:  # a LoRA checkpoint holds the adapters and their optimizer state, and names its base
         meta.update(lora_meta(cfg.lora, cfg.model.init_from))
-    elif cfg.task == "dpo" and cfg.model.init_from:
+    elif (cfg.task == "dpo" or (cfg.task == "grpo" and cfg.grpo.beta > 0)) and cfg.model.init_from:
         meta.update(reference_meta(cfg.model.init_from))
     manager = (manager_type or CheckpointManager)(
         cfg.checkpoint, output_dir, model_parts, model, optimizer, meta, say=say, adapters_only=bool(cfg.lora.rank),

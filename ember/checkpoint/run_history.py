@@ -34,7 +34,7 @@ HISTORY_DIR = "config_history"
 CHECKPOINT_CONFIG = "run_config.yaml"
 
 # What a run is. A section name covers every key in it.
-IDENTITY = ("seed", "task", "seq_len", "global_batch_size", "model", "data", "lora", "dpo", "optim.name")
+IDENTITY = ("seed", "task", "seq_len", "global_batch_size", "model", "data", "lora", "dpo", "grpo", "optim.name")
 # Keys inside those sections that change how the run computes, not what: memory, the loader's thread.
 NOT_IDENTITY = ("model.remat", "model.remat_every", "model.scan_layers", "data.num_workers", "data.prefetch")
 # Keys of what the run is that no resume can change, allowed or not: the checkpoint holds other tensors (the

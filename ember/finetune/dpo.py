@@ -143,11 +143,11 @@ def as_base(policy: nn.Module, start: dict[str, torch.Tensor]) -> Any:
                 buffers[name].copy_(value)
 
 
-def dpo_objective(spec: RunSpec, mesh: Optional[ParallelMesh], policy: nn.Module) -> DPOObjective:
-    """task=dpo's loss (spec: an ember.train.run.RunSpec), with the frozen starting model as its reference: under LoRA
-    the policy with its adapters off (no second model in memory); otherwise a second copy of the starting
-    weights, built and sharded as the policy is (its init and model.init_from, never the resumed checkpoint).
-    The reference's logits come in the policy's chunks."""
+def frozen_reference(spec: RunSpec, mesh: Optional[ParallelMesh], policy: nn.Module) -> Callable[..., Logits]:
+    """The frozen starting model as a function of (inputs, positions, document_ids) -> its logits, in the policy's
+    chunks: under LoRA the policy with its adapters off (no second model in memory); otherwise a second copy of
+    the starting weights, built and sharded as the policy is (its init and model.init_from, never the resumed
+    checkpoint). task=dpo's reference, and task=grpo's with grpo.beta > 0."""
     from ember.train.run import build_model
 
     if spec.cfg.lora.rank:
@@ -157,12 +157,17 @@ def dpo_objective(spec: RunSpec, mesh: Optional[ParallelMesh], policy: nn.Module
         def reference(*inputs: Optional[torch.Tensor]) -> Logits:
             with as_base(policy, start):
                 return policy(*inputs, chunks=spec.output_chunks)
-    else:
-        frozen = build_model(spec, mesh).parts[0].requires_grad_(False).eval()
+        return reference
+    frozen = build_model(spec, mesh).parts[0].requires_grad_(False).eval()
 
-        def reference(*inputs: Optional[torch.Tensor]) -> Logits:
-            return frozen(*inputs, chunks=spec.output_chunks)
-    return DPOObjective(spec.cfg.dpo.beta, reference)
+    def frozen_forward(*inputs: Optional[torch.Tensor]) -> Logits:
+        return frozen(*inputs, chunks=spec.output_chunks)
+    return frozen_forward
+
+
+def dpo_objective(spec: RunSpec, mesh: Optional[ParallelMesh], policy: nn.Module) -> DPOObjective:
+    """task=dpo's loss (spec: an ember.train.run.RunSpec), with the frozen starting model as its reference."""
+    return DPOObjective(spec.cfg.dpo.beta, frozen_reference(spec, mesh, policy))
 
 
 # ---------------------------------------------------------------- the data

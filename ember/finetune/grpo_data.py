@@ -1,10 +1,11 @@
 """GRPO's prompts: the rows rollouts start from, each with the fields its rewards read (`answer`, ...).
 
-Sources: a local .jsonl/.json file of rows with `prompt` (text) or `messages` (chat, rendered with the run's chat
-template and a generation prompt) and whatever the rewards need; or `reasoning_gym:NAME` (reasoning-gym's
-procedural generator NAME, offline and seeded: its `question` is the prompt, its `answer` the answer; the `.[rl]`
-extra). Every row is checked before any work: a missing prompt, a field a reward reads, or a prompt too long to
-leave room for max_new_tokens is one line naming the file and line.
+Sources: a local .jsonl/.json/.parquet file, or a hub dataset by name (through `datasets`), of rows with a prompt
+(`prompt`, or the field grpo.prompt_field names: text, or a list of messages rendered with the run's chat template
+and a generation prompt; a row without it may give `messages`) and whatever the rewards need; or
+`reasoning_gym:NAME` (reasoning-gym's procedural generator NAME, offline and seeded: its `question` is the prompt,
+its `answer` the answer; the `.[rl]` extra). Every row is checked before any work: a missing prompt, a field a
+reward reads, or a prompt too long to leave room for max_new_tokens is one line naming the file and line.
 
 PromptLoader deals the rows to data-parallel ranks in a seeded order per epoch; its state (epoch, position) makes
 a resume continue with the next prompts.
@@ -44,26 +45,59 @@ def _gym_rows(spec: str, size: int, seed: int) -> list[tuple[str, dict]]:
             for i, entry in enumerate(dataset)]
 
 
-def load_prompts(spec: str, encode: Callable[[dict], list[int]], needs: Sequence[str], max_prompt_tokens: int,
-                 gym_size: int = 1000, seed: int = 0) -> list[PromptRow]:
-    """Every row of `spec`, its prompt tokenized by `encode(row)` (which renders `prompt` or `messages`), checked
-    for the fields in `needs` and for fitting max_prompt_tokens (seq_len - max_new_tokens)."""
+def _table_rows(spec: str, split: str) -> list[tuple[str, dict]]:
+    """Rows of a local parquet file or of a hub dataset, through `datasets` (offline: what its cache holds)."""
+    from ember.data.hub import import_datasets
+
+    datasets = import_datasets(f"GRPO prompts from {spec}")
+    if Path(spec).suffix == ".parquet":
+        table = datasets.load_dataset("parquet", data_files=str(Path(spec).expanduser()), split="train")
+        return [(f"{spec} row {i}", dict(row)) for i, row in enumerate(table, 1)]
+    try:
+        table = datasets.load_dataset(spec, split=split)
+    except Exception as err:  # no such dataset, no network, no such split: the user's to fix
+        raise DataError(f"data.dataset '{spec}': cannot load it as a hub dataset ({type(err).__name__}: {err}); give "
+                        f"a .jsonl/.json/.parquet file or {GYM_PREFIX}NAME") from None
+    return [(f"{spec} row {i}", dict(row)) for i, row in enumerate(table, 1)]
+
+
+def read_prompt_rows(spec: str, split: str = "train", gym_size: int = 1000, seed: int = 0) -> list[tuple[str, dict]]:
+    """(where, row) of every row of `spec`: a reasoning_gym:NAME generator, a local .jsonl/.json/.parquet file, or a
+    hub dataset's `split`."""
     if spec.startswith(GYM_PREFIX):
-        rows = _gym_rows(spec, gym_size, seed)
-    else:
-        path = Path(spec).expanduser()
-        if not path.is_file():
-            raise UserFileNotFound(f"data.dataset '{spec}' is not a file; task=grpo reads a .jsonl of prompts "
-                                   f"(or {GYM_PREFIX}NAME)")
-        if path.suffix not in (".jsonl", ".json"):
-            raise DataError(f"data.dataset '{spec}': task=grpo reads .jsonl or .json rows of prompts")
-        rows = read_json_rows(path, "GRPO prompts")
+        return _gym_rows(spec, gym_size, seed)
+    path = Path(spec).expanduser()
+    if path.suffix == ".parquet" and path.is_file():
+        return _table_rows(spec, split)
+    if path.is_file() and path.suffix in (".jsonl", ".json"):
+        return read_json_rows(path, "GRPO prompts")
+    if path.is_file():
+        raise DataError(f"data.dataset '{spec}': task=grpo reads .jsonl, .json or .parquet rows of prompts")
+    if path.suffix or spec.startswith(("/", ".", "~")) or spec.count("/") > 1:
+        raise UserFileNotFound(f"data.dataset '{spec}' does not exist; task=grpo reads a .jsonl/.json/.parquet of "
+                               f"prompts, a hub dataset, or {GYM_PREFIX}NAME")
+    return _table_rows(spec, split)
+
+
+def prompt_of(row: dict, prompt_field: str = "prompt") -> Any:
+    """A row's prompt: row[prompt_field] (text or messages), else its `messages`; None when it has neither."""
+    value = row.get(prompt_field, row.get("messages"))
+    return value if isinstance(value, str) or isinstance(value, list) else None
+
+
+def load_prompts(spec: str, encode: Callable[[dict], list[int]], needs: Sequence[str], max_prompt_tokens: int,
+                 gym_size: int = 1000, seed: int = 0, prompt_field: str = "prompt",
+                 split: str = "train") -> list[PromptRow]:
+    """Every row of `spec`, its prompt tokenized by `encode(row)` (which renders the text or the messages), checked
+    for the fields in `needs` and for fitting max_prompt_tokens (seq_len - max_new_tokens)."""
+    rows = read_prompt_rows(spec, split, gym_size, seed)
     if not rows:
         raise DataError(f"data.dataset '{spec}' holds no rows")
     prompts = []
     for where, row in rows:
-        if not isinstance(row.get("prompt"), str) and not isinstance(row.get("messages"), list):
-            raise DataError(f"{where}: no 'prompt' (text) or 'messages' (a chat) to start a completion from")
+        if prompt_of(row, prompt_field) is None:
+            raise DataError(f"{where}: no '{prompt_field}' (text or messages) or 'messages' to start a completion "
+                            "from; set grpo.prompt_field to the row's prompt column")
         missing = [name for name in needs if name not in row]
         if missing:
             raise DataError(f"{where}: no '{missing[0]}', which the rewards read (grpo.rewards)")

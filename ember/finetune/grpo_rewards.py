@@ -26,7 +26,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
-from ember.errors import ConfigError
+from ember.errors import ConfigError, EmberError
 
 Reward = Callable[[str, str, Mapping[str, Any]], float]
 BUILT_IN = ("exact", "math", "format")
@@ -34,7 +34,7 @@ NEEDS = {"exact": ("answer",), "math": ("answer",)}  # the row fields a built-in
 TIMEOUT_S = 5
 
 
-class RewardError(RuntimeError):
+class RewardError(EmberError, RuntimeError):
     """A reward function failed on a row: the message names both."""
 
 

@@ -65,9 +65,9 @@ def check(cfg: JobConfig) -> None:
     if cfg.device in ("tpu", "xla"):
         raise ConfigError(f"fault_tolerance.enable=true runs on the torch engine (device=cpu|cuda), not device="
                           f"{cfg.device}: XLA SPMD has no replica groups; restart from checkpoints there")
-    if cfg.task == "dpo":
-        raise ConfigError("fault_tolerance.enable=true trains task=lm; DPO's reference and reward metrics are not "
-                          "averaged over replica groups: run task=dpo without fault_tolerance")
+    if cfg.task != "lm":
+        raise ConfigError(f"fault_tolerance.enable=true trains task=lm; task={cfg.task}'s reference, rollouts and "
+                          f"metrics are not shared over replica groups: run task={cfg.task} without fault_tolerance")
     # torchft's Rust side logs every quorum and commit at INFO (six lines a step); its warnings and errors stay
     os.environ.setdefault("RUST_LOG", "warn")
     try:

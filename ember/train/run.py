@@ -45,9 +45,9 @@ from ember.train.engines import mesh_shape
 
 def uses_loss_parallel(cfg: JobConfig, shape: MeshShape) -> bool:
     """Cross-entropy on vocabulary-sharded logits: with tensor > 1 and parallel.loss_parallel, never with a
-    pipeline, nor for task=dpo (which sums each row's log-probabilities from whole logits)."""
+    pipeline, nor for task=dpo|grpo (which read each token's log-probability from whole logits)."""
     return (shape.degree("tensor") > 1 and cfg.parallel.loss_parallel and shape.degree("pipeline") == 1
-            and cfg.task != "dpo")
+            and cfg.task == "lm")
 
 
 def uses_fsdp_mixed_precision(cfg: JobConfig, shape: MeshShape, compute_dtype: torch.dtype) -> bool:
@@ -79,8 +79,10 @@ def check(cfg: JobConfig, world_size: int) -> None:
     parallel layout against it, and LoRA. Each is one ConfigError naming the keys."""
     from ember.data import chat, sources
     from ember.eval import tasks
+    from ember.finetune import checks as finetune_checks
 
     sources.check(cfg)
+    finetune_checks.check(cfg)
     tasks.check(cfg)
     chat.check(cfg)
     fault_tolerance.check(cfg)
@@ -120,7 +122,10 @@ def _init_from_family(recipe_family: str, init_from: str) -> str:
 def check_batch(cfg: JobConfig, shape: MeshShape) -> None:
     """global_batch_size against micro_batch_size x the data-parallel ranks of every replica group (the accumulation is
     their ratio)."""
+    from ember.finetune.checks import check_rollout_layout
+
     dp = shape.dp * fault_tolerance.replica_groups(cfg)
+    check_rollout_layout(cfg, dp)
     per_step = cfg.micro_batch_size * dp
     if cfg.global_batch_size % per_step:
         groups = " (over fault_tolerance.replica_groups)" if dp != shape.dp else ""
@@ -267,7 +272,7 @@ def _decide(cfg: JobConfig, world_size: int, device: torch.device, shape: MeshSh
     # Plain-tensor logits of the whole sequence (no tensor or pipeline split) are computed in chunks; the XLA path's
     # loss is one traced function of the micro-batch's whole logits (ember/xla/step.py), which `ember plan` counts.
     whole_logits = shape.degree("tensor") > 1 or pp > 1 or engines.rules(cfg.device).whole_logits
-    fused_output = not whole_logits and world_size == 1 and cfg.task != "dpo"
+    fused_output = not whole_logits and world_size == 1 and cfg.task == "lm"
     chunks = 1 if whole_logits else output_chunks(cfg.micro_batch_size, cfg.seq_len // shape.degree("context"),
                                                   args.vocab_size, device.type, fused=fused_output)
     grad_accum = config_lib.grad_accum_steps(cfg, shape.dp * fault_tolerance.replica_groups(cfg))

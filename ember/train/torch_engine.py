@@ -20,7 +20,7 @@ from ember.checkpoint.manager import CheckpointManager
 from ember.config_schema import JobConfig
 from ember.data.tokenizer import AnyTokenizer
 from ember.eval.distributed import EvalRanks
-from ember.finetune import dpo as dpo_lib
+from ember.finetune import dpo as dpo_lib, grpo as grpo_lib
 from ember.hardware.cpu_allocator import keep_freed_cpu_memory
 from ember.hardware.device import pick_device
 from ember.hardware.peaks import PeakFlops, peak_flops
@@ -102,6 +102,9 @@ class TorchEngine:
                                                 cp_impl=spec.parallel.cp_impl, eos_id=eos_id,
                                                 output_chunks=spec.output_chunks, fused_output=spec.fused_output,
                                                 dpo=self.dpo)
+        # task=grpo: rollouts from this model and its update, through forward_backward's mesh and autocast
+        self.grpo = (grpo_lib.GRPOStep(spec, self.mesh, self.model, tokenizer, self.forward_backward)
+                     if cfg.task == "grpo" else None)
         if spec.num_stages > 1:
             self.forward_backward.build_pipeline(built.stages, spec.num_stages, cfg.parallel.pp_schedule,
                                                  spec.pp_microbatches)
@@ -131,7 +134,10 @@ class TorchEngine:
             # at the first step: DiLoCo keeps the weights it syncs against, so after a resume and the first quorum
             self.diloco, self.diloco_outer = ft_lib.diloco(self.replicas, self.model, self.optimizer,
                                                            self.resumed_from, self.world_size)
-        loss = self.forward_backward.run(micro_batches, backward=True)
+        if self.grpo is not None:  # micro_batches are GRPO's slots of a rollout batch (ember/finetune/grpo.py)
+            loss = self.grpo.run(micro_batches)
+        else:
+            loss = self.forward_backward.run(micro_batches, backward=True)
         self.moe_stats.end_step(len(micro_batches) * self.spec.pp_microbatches)
         synced = self.replicas is not None and self.diloco is None
         if synced:
@@ -180,6 +186,9 @@ class TorchEngine:
         return StepProfiler(cfg.profile.enabled, cfg.profile.step, cfg.profile.steps, output_dir, self.rank,
                             self.device, say)
 
-    def window_metrics(self) -> dict[str, float]:
-        """DPO's reward margin, accuracy and rewards over the logging window's pairs."""
+    def window_metrics(self, record: dict[str, Any]) -> dict[str, Any]:
+        """Over the logging window: DPO's reward margin, accuracy and rewards; GRPO's rewards, lengths, clipping,
+        KL, entropy and rollout/update times, with `record`'s throughput in the tokens GRPO processed."""
+        if self.grpo is not None:
+            return self.grpo.pop_metrics(record)
         return self.dpo.pop_metrics() if self.dpo is not None else {}

@@ -28,7 +28,7 @@ from ember.data.loader import build_loader
 from ember.data.tokenizer import build_tokenizer
 from ember.errors import DataError
 from ember.eval.tasks import run_tasks
-from ember.finetune import dpo as dpo_lib
+from ember.finetune import dpo as dpo_lib, grpo as grpo_lib
 from ember.metrics.profiling import phase
 from ember.metrics.run_metrics import (
     MetricsLogger,
@@ -100,8 +100,8 @@ class Trainer:
         # Validation reads every group's share in each group (the same samples, whichever groups are alive).
         groups = ft_lib.replica_groups(cfg)
         val_kwargs = {**loader_kwargs, "dp_rank": dp_rank % (dp_world // groups), "dp_world": dp_world // groups}
-        make_loader = (build_loader if cfg.task == "lm"
-                       else functools.partial(dpo_lib.build_pair_loader, dpo_cfg=cfg.dpo))
+        make_loader = {"lm": build_loader, "dpo": functools.partial(dpo_lib.build_pair_loader, dpo_cfg=cfg.dpo),
+                       "grpo": functools.partial(grpo_lib.build_prompt_loader, cfg=cfg)}[cfg.task]
         self.train_loader = make_loader(data, self.tokenizer, split="train", **loader_kwargs)
         self.val_loader, val_note = None, None
         try:
@@ -117,7 +117,7 @@ class Trainer:
         # 5. Health, checkpoints: resume restores weights, optimizer, schedule, data position and RNG; then the
         # engine places the weights where they train.
         self.step, self.tokens_missed = 0, 0  # tokens_missed: of steps that ran without some replica groups
-        self.health = HealthGuard(cfg.max_skipped_steps, cfg.loss_spike_factor, self._say)
+        self.health = HealthGuard(cfg.max_skipped_steps, cfg.loss_spike_factor * (cfg.task != "grpo"), self._say)
         self.checkpointer, state = open_checkpoints(spec, self.model_parts, self.model, self.optimizer, self._say,
                                                     manager_type=engine.checkpoint_manager)
         if state is not None:
@@ -343,7 +343,7 @@ class Trainer:
         if n_experts:  # MoE: router losses, and the load of every expert of every layer over the window
             record.update(self.engine.moe_stats.collect_metrics(self.model_parts, self.spec.args.n_layers, n_experts,
                                                                 self.engine.all_sum, self.device))
-        record.update(self.engine.window_metrics())  # DPO's reward margin, accuracy, rewards over the window
+        record.update(self.engine.window_metrics(record))  # DPO's and GRPO's over the window
         for source, count in (self.train_loader.mixture_counts() or {}).items():
             record[f"mix/{source}"] = count  # samples drawn from each mixture source so far
         self.engine.device_memory(record)

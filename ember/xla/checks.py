@@ -43,7 +43,8 @@ def check(cfg: JobConfig, shape: MeshShape) -> None:
     where = f"device={cfg.device}"
     refuse_pipeline(cfg)
     refused = [
-        (cfg.task != "lm", f"task={cfg.task}", "task=lm, or train DPO on cpu/cuda"),
+        (cfg.task != "lm", f"task={cfg.task}", "task=lm, or train DPO and GRPO on cpu/cuda (GRPO's rollouts need "
+         "KV-cache generation, which the XLA engine does not have yet)"),
         (cfg.lora.rank > 0, "lora.rank", "lora.rank=0, or fine-tune with LoRA on cpu/cuda"),
         (fp8_enabled(cfg), "precision=fp8 (fp8.enabled)", "precision=bf16"),
         # torch.compile compiles torch's own kernels; this path traces the whole step into one jax.jit already

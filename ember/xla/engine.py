@@ -178,7 +178,7 @@ class XlaEngine:
         return JaxStepProfiler(cfg.profile.enabled, cfg.profile.step, cfg.profile.steps, output_dir, self.rank,
                                self.device, say)
 
-    def window_metrics(self) -> dict[str, float]:
+    def window_metrics(self, record: dict[str, Any]) -> dict[str, Any]:
         return {}
 
 

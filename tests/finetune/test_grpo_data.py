@@ -29,7 +29,7 @@ def test_rows_from_a_jsonl_text_or_chat(tmp_path):
 
 
 @pytest.mark.parametrize("rows, message", [
-    ([{"answer": "4"}], "p.jsonl line 1: no 'prompt' (text) or 'messages' (a chat)"),
+    ([{"answer": "4"}], "p.jsonl line 1: no 'prompt' (text or messages) or 'messages'"),
     ([{"prompt": "a"}, {"prompt": "b"}], "p.jsonl line 1: no 'answer', which the rewards read (grpo.rewards)"),
     ([{"prompt": "a b c d e f g h i", "answer": "x"}], "p.jsonl line 1: the prompt is 9 tokens, more than seq_len - "
                                                        "grpo.max_new_tokens = 8"),
