@@ -27,7 +27,7 @@ from torch import nn
 
 from ember.config_schema import DataConfig, JobConfig
 from ember.data.tokenizer import AnyTokenizer
-from ember.errors import DataError
+from ember.errors import ConfigError, DataError
 from ember.finetune import grpo_loss, grpo_rewards
 from ember.finetune.checks import advantage_scale
 from ember.finetune.grpo_data import PromptLoader, PromptRow, load_prompts, prompt_of
@@ -68,6 +68,7 @@ class GRPOLoader:
 
     def __init__(self, prompts: PromptLoader, grad_accum: int, iterations: int, name: str):
         self.prompts, self.grad_accum, self.iterations, self.name = prompts, grad_accum, iterations, name
+        self.dp_world = prompts.world
         self.batch: Optional[RolloutBatch] = None
         self.batches, self.iteration = 0, 0  # rollout batches drawn; steps taken on the current one
         self.trained_tokens = 0  # tokens of every row the steps trained on, over every rank
@@ -84,13 +85,19 @@ class GRPOLoader:
     def state_dict(self) -> dict[str, Any]:
         keep = self.batch is not None and self.iteration < self.iterations and self.batch.rows is not None
         return {"prompts": self.prompts.state_dict(), "batches": self.batches, "iteration": self.iteration,
-                "trained_tokens": self.trained_tokens, "rows": dict(self.batch.rows) if keep else None}
+                "trained_tokens": self.trained_tokens, "rows": dict(self.batch.rows) if keep else None,
+                "dp_world": self.dp_world}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.prompts.load_state_dict(state["prompts"])
         self.batches, self.iteration = int(state["batches"]), int(state["iteration"])
         self.trained_tokens = int(state["trained_tokens"])
         rows = state.get("rows")
+        if rows is not None and int(state["dp_world"]) != self.dp_world:  # the rows are each rank's own
+            raise ConfigError(f"this checkpoint is between two of grpo.iterations={self.iterations} steps on one "
+                              f"rollout batch, whose rows were sampled over {state['dp_world']} data-parallel ranks, "
+                              f"not {self.dp_world}: resume it with {state['dp_world']}, or from a checkpoint at a step "
+                              f"that starts a rollout batch (a multiple of grpo.iterations)")
         self.batch = RolloutBatch(self.batches - 1, [], dict(rows)) if rows is not None else None
         if rows is None:
             self.iteration = self.iterations  # the next step draws the next rollout batch
@@ -141,7 +148,11 @@ def prompt_encoder(data_cfg: DataConfig, tokenizer: AnyTokenizer, prompt_field: 
         if "template" not in state:
             state["template"] = chat.load_template(data_cfg.chat_template, tokenizer)
             state["encoder"] = chat.chat_encoder(tokenizer)
-        text = chat.render(state["template"], chat.check_messages(prompt, "a GRPO prompt"), add_generation_prompt=True)
+        if not all(isinstance(m, dict) and m.get("role") in chat.ROLES and isinstance(m.get("content"), str)
+                   for m in prompt):
+            raise DataError(f'the messages must be {{"role": one of {", ".join(chat.ROLES)}, "content": "text"}} '
+                            "objects; fix the row")
+        text = chat.render(state["template"], prompt, add_generation_prompt=True)
         return list(state["encoder"].encode(text, add_special_tokens=False).ids)
     return encode
 
@@ -353,26 +364,28 @@ class GRPOStep:
         completion) for tokens_per_s, and for TFLOP/s and MFU also the forwards without backward (the rollout's,
         the old and reference log-probs': 2 N per token, a third of training's 6 N)."""
         w, names = self.window, self.rewards.names
-        if not w.completions or not w.steps:
+        if not w.steps:
             return {}
         window_time, world_size = record["step_time_s"] * w.steps, self.spec.world_size
         peak = record.get("mfu_peak_tflops")
-        out: dict[str, Any] = {"grpo/reward": w.total_sum / w.completions}
-        for name, value, binary in zip(names, (w.reward_sum / w.completions).tolist(), w.binary.tolist()):
-            out[f"grpo/reward/{name}"] = value
-            if binary:  # a 0/1 reward's mean is an accuracy
-                out[f"grpo/accuracy/{name}"] = value
         tokens = max(w.tokens, 1.0)
-        out.update({
-            "grpo/reward_std": w.group_std_sum / max(w.groups, 1),
-            "grpo/zero_std_groups": w.zero_std_groups / max(w.groups, 1),
-            "grpo/completion_length": w.length_sum / w.completions, "grpo/completion_length_max": w.length_max,
-            "grpo/truncated": w.truncated / w.completions,
-            **{f"grpo/{key}": value / tokens for key, value in w.stats.items()},
-            "grpo/rollout_s": w.rollout_s, "grpo/update_s": w.update_s,
-            "grpo/rollout_tokens_per_s": w.generated / w.rollout_s if w.rollout_s else None,
-            "grpo/update_tokens_per_s": w.trained / w.update_s if w.update_s else None,
-        })
+        out: dict[str, Any] = {f"grpo/{key}": value / tokens for key, value in w.stats.items()}
+        out.update({"grpo/update_s": w.update_s,
+                    "grpo/update_tokens_per_s": w.trained / w.update_s if w.update_s else None})
+        if w.completions:  # the window sampled rollouts (with grpo.iterations > 1, not every step does)
+            out["grpo/reward"] = w.total_sum / w.completions
+            for name, value, binary in zip(names, (w.reward_sum / w.completions).tolist(), w.binary.tolist()):
+                out[f"grpo/reward/{name}"] = value
+                if binary:  # a 0/1 reward's mean is an accuracy
+                    out[f"grpo/accuracy/{name}"] = value
+            out.update({
+                "grpo/reward_std": w.group_std_sum / max(w.groups, 1),
+                "grpo/zero_std_groups": w.zero_std_groups / max(w.groups, 1),
+                "grpo/completion_length": w.length_sum / w.completions,
+                "grpo/completion_length_max": w.length_max, "grpo/truncated": w.truncated / w.completions,
+                "grpo/rollout_s": w.rollout_s,
+                "grpo/rollout_tokens_per_s": w.generated / w.rollout_s if w.rollout_s else None,
+            })
         for k, name in enumerate(names):
             if self.rewards.errors[k]:
                 out[f"grpo/reward_errors/{name}"] = self.rewards.errors[k]  # since the start (reward_errors=zero)

@@ -101,7 +101,10 @@ def load_prompts(spec: str, encode: Callable[[dict], list[int]], needs: Sequence
         missing = [name for name in needs if name not in row]
         if missing:
             raise DataError(f"{where}: no '{missing[0]}', which the rewards read (grpo.rewards)")
-        ids = encode(row)
+        try:
+            ids = encode(row)
+        except DataError as err:  # a chat prompt the template cannot render: named by its row
+            raise DataError(f"{where}: {err}") from None
         if len(ids) > max_prompt_tokens:
             raise DataError(f"{where}: the prompt is {len(ids)} tokens, more than seq_len - grpo.max_new_tokens = "
                             f"{max_prompt_tokens}; shorten it, or raise seq_len or lower grpo.max_new_tokens")
