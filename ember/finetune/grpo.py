@@ -96,8 +96,8 @@ class GRPOLoader:
         if rows is not None and int(state["dp_world"]) != self.dp_world:  # the rows are each rank's own
             raise ConfigError(f"this checkpoint is between two of grpo.iterations={self.iterations} steps on one "
                               f"rollout batch, whose rows were sampled over {state['dp_world']} data-parallel ranks, "
-                              f"not {self.dp_world}: resume it with {state['dp_world']}, or from a checkpoint at a step "
-                              f"that starts a rollout batch (a multiple of grpo.iterations)")
+                              f"not {self.dp_world}: resume it with {state['dp_world']}, or from a checkpoint at a "
+                              "step that starts a rollout batch (a multiple of grpo.iterations)")
         self.batch = RolloutBatch(self.batches - 1, [], dict(rows)) if rows is not None else None
         if rows is None:
             self.iteration = self.iterations  # the next step draws the next rollout batch

@@ -2,7 +2,6 @@
 iterations of one rollout batch continues exactly, a group of equal rewards moves nothing, failing rewards are
 one line (or counted), and every bad input is refused before any work."""
 
-import json
 from pathlib import Path
 
 import pytest
@@ -130,8 +129,8 @@ def test_bad_prompts_are_one_line_naming_the_file_and_line(words, tmp_path):
         Trainer(run_lib.load_config("debug", [*words, f"data.dataset={bare}", "grpo.rewards=[exact]",
                                               f"output_dir={tmp_path / 'b'}"]))
     with pytest.raises(DataError, match="2 prompts are fewer than one step.s 3 .global_batch_size"):
-        Trainer(run_lib.load_config("debug", [*words, f"data.dataset={long}", "grpo.max_new_tokens=2", "global_batch_size=24",
-                                              f"output_dir={tmp_path / 'c'}"]))
+        Trainer(run_lib.load_config("debug", [*words, f"data.dataset={long}", "grpo.max_new_tokens=2",
+                                              "global_batch_size=24", f"output_dir={tmp_path / 'c'}"]))
 
 
 def test_chat_prompts_are_rendered_with_the_generation_prompt(words, tmp_path):
@@ -152,5 +151,9 @@ def test_chat_prompts_are_rendered_with_the_generation_prompt(words, tmp_path):
 def test_the_cli_refuses_before_any_work_with_exit_2(words, tmp_path):
     proc = run_ember("train", "debug", *words, f"data.dataset={tmp_path / 'missing.jsonl'}",
                      f"output_dir={tmp_path / 'run'}", expect=2)
-    assert proc.stderr.strip().splitlines()[-1].startswith("error: data.dataset") and not (tmp_path / "run").exists()
-    json.dumps(proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert lines[-1].startswith("error: data.dataset") and "Traceback" not in proc.stderr
+    assert not (tmp_path / "run").exists()
+    proc = run_ember("train", "debug", *words, "grpo.rewards=[no_such_module:f]", f"output_dir={tmp_path / 'run'}",
+                     expect=2)
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: reward 'no_such_module:f': cannot import")
