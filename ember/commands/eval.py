@@ -20,10 +20,16 @@ USAGE = """usage: ember eval PATH TASK[=DATA] ... [key=value ...] [--output FILE
   tasks: ppl (the run's data source, its validation split), ppl=DATA (all of DATA: a file, folder, glob or
          any data.dataset value), lambada=FILE.jsonl ({"text"}), boolq=FILE.jsonl ({"passage", "question",
          "answer": true/false}), choice=FILE.jsonl ({"context", "choices", "label"}, scored as context + " " +
-         choice: no space of a choice's own); `lambada` / `boolq` alone: the hub dataset. Each task once per command.
+         choice: no space of a choice's own); `lambada` / `boolq` alone: the hub dataset; gen=FILE (.jsonl, .json
+         or .parquet rows of {"prompt" or "messages", "answer"}) or gen=reasoning_gym:NAME: greedy completions
+         scored by rewards, each reward's mean its metric. Each task once per command.
   keys: eval.limit=N (the first N rows of each task, N >= 1; unset: all), eval.batch_size=N, eval.seq_len=N and
         eval.stride=N (ppl's window), eval.max_tokens=N (ppl), eval.split=val|train|all (ppl; default: val
-        for the run's data, all for ppl=DATA), data.* (ppl's data source)
+        for the run's data, all for ppl=DATA), data.* (ppl's data source; gen reads data.chat_template)
+  gen keys: gen.rewards=[exact,math,format,module:function] (default exact), gen.reward_weights=[..],
+        gen.format_pattern=REGEX, gen.max_new_tokens=N (256, or a GRPO run's), gen.stop=[TEXT,..],
+        gen.prompt_field=NAME, gen.completions=FILE.jsonl (every prompt, completion and reward),
+        gen.reward_errors=fail|zero, gen.reward_timeout_s=S, gen.gym_size=N and gen.seed=N (reasoning_gym rows)
   writes eval.json next to the checkpoint, on the store for a URL (--output FILE or URL elsewhere): {"model",
   "step", "results": {task: {metric: value, "data": what was scored}}}; a task run again replaces its own entry,
   the others stay
@@ -64,23 +70,31 @@ def run(args: argparse.Namespace) -> int:
 
 def _eval_tasks(args: argparse.Namespace) -> int:
     """The TASK[=DATA] arguments scored, the results merged into eval.json."""
-    from ember.eval import TASKS, ppl
+    from ember.eval import TASKS, generative, ppl
     from ember.eval.options import check_task_rows, data_label
     from ember.eval.results import eval_json_target, read_previous, write_results
     from ember.generate import tokenizer_for
 
     options, data_cfg = args.options, args.data
     check_task_rows(args.tasks)
+    gen_rows = generative.read_rows(args.tasks["gen"], args.gen, options.limit) if args.gen else None
     target = eval_json_target(as_path(args.path), args.output)
     read_previous(target, as_path(args.path))  # a file we may not add to stops us before any work
     model, ranks = _load(args.path, args.meshes)
     tokenizer = tokenizer_for(args.path, args.tokenizer)  # a torch file's error says how to get the run's
+    gen_prompts = (generative.encode_prompts(gen_rows, tokenizer, data_cfg, args.gen, model.args.max_seq_len)
+                   if args.gen else None)  # every prompt fits, before any task runs
     results: dict[str, dict] = {}
     for task, data in args.tasks.items():
         if task == "ppl":
             metrics = ppl(model, tokenizer, data_cfg, options.split, options.seq_len, options.stride,
                           options.max_tokens, options.batch_size, ranks)
             results["ppl"] = {**metrics, "data": data_label(data_cfg.dataset), "split": options.split}
+        elif task == "gen":
+            scored = generative.evaluate(model, tokenizer, gen_prompts, args.gen, options.batch_size, ranks)
+            results["gen"] = {**scored.metrics, "data": generative.data_label(data, args.gen)}
+            if args.gen.completions and _is_main():
+                generative.write_completions(args.gen.completions, scored.records)
         else:
             metrics = TASKS[task](model, tokenizer, data or task, options.limit, options.batch_size, ranks)
             results[task] = {**metrics, "data": data_label(data or task, task)}

@@ -1,18 +1,21 @@
-"""`ember eval`'s arguments, every one checked before any work: the model, its tasks (`ppl`, `ppl=DATA` and the row
-tasks `lambada`, `boolq`, `choice` with or without a jsonl file, or lm-eval's through `--harness`), the options
-(--output, --tokenizer, the harness's own) and the `eval.*` / `data.*` keys.
+"""`ember eval`'s arguments, every one checked before any work: the model, its tasks (`ppl`, `ppl=DATA`, the row
+tasks `lambada`, `boolq`, `choice` with or without a jsonl file, the generative `gen=FILE`, or lm-eval's through
+`--harness`), the options (--output, --tokenizer, the harness's own) and the `eval.*` / `data.*` / `gen.*` keys.
 
 The keys take the config's path, not one of their own: ember.config.apply_overrides (ember/overrides.py's form,
 OmegaConf's types, an unknown key with the closest known one) into one EvalCommandConfig (ember/config_schema.py),
 whose eval section is training's EvalConfig with ppl's window and whose data section, when ppl is asked for, starts
-from the run's own (its config.yaml) and is checked as training checks it (ember.config.validate_data)."""
+from the run's own (its config.yaml) and is checked as training checks it (ember.config.validate_data). gen's keys
+(ember/eval/generative.py's GenOptions) are a section beside them, starting from a GRPO run's own grpo.* values;
+gen renders chat prompts with the run's data.chat_template, the one data.* key it reads."""
 
 from __future__ import annotations
 
 import argparse
 import glob
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import yaml
 from omegaconf import OmegaConf
@@ -20,16 +23,25 @@ from omegaconf import OmegaConf
 from ember.config import EVAL_COMMAND_KEYS, apply_overrides, merge_file, validate_data
 from ember.config_schema import DataConfig, EvalCommandConfig
 from ember.errors import ConfigError, UserFileNotFound, did_you_mean
+from ember.eval.generative import GEN_KEYS, LIST_KEYS, GenOptions, check_options, run_defaults
 from ember.eval.tasks import HUB, PPL_SPLITS, TASK_ROWS, TASKS, check_limit
 from ember.launch.local import TORCHRUN_FLAGS, unknown_option
 from ember.storage.location import Location, as_path, check_input, check_output
 
-TASK_NAMES = ("ppl", *TASKS)
+TASK_NAMES = ("ppl", *TASKS, "gen")
+ROW_TASKS = "lambada, boolq, choice and gen"  # what eval.limit counts rows of
 PPL_KEYS = EVAL_COMMAND_KEYS  # ppl's window: each needs a ppl task
 EVAL_KEYS = ("eval.limit", "eval.batch_size", *PPL_KEYS)
 HARNESS_OPTIONS = ("--include-path", "--limit", "--batch-size")  # with --harness only
 OPTIONS = ("--output", "--tokenizer", "--harness", *HARNESS_OPTIONS)  # each takes a value
-KEYS_HINT = f" for ember eval (keys: {', '.join(EVAL_KEYS)}, data.*)"  # what an unknown key's line adds
+KEYS_HINT = f" for ember eval (keys: {', '.join(EVAL_KEYS)}, data.*, gen.*)"  # what an unknown key's line adds
+
+
+@dataclass
+class EvalKeys(EvalCommandConfig):
+    """Every key=value `ember eval` takes: EvalCommandConfig's eval and data sections, and gen's."""
+
+    gen: GenOptions = field(default_factory=GenOptions)
 
 
 def split_mesh_keys(argv: list[str]) -> tuple[list[str], dict[str, dict[str, int]]]:
@@ -43,7 +55,7 @@ def split_mesh_keys(argv: list[str]) -> tuple[list[str], dict[str, dict[str, int
 def parse(items: list[str]) -> argparse.Namespace:
     """The arguments after the launcher flags and the mesh keys: either the harness's (`harness` set) or the
     tasks' (`path`, `tasks` {task: data or None}, `options` EvalOptions with the run's defaults filled in, `data`
-    ppl's DataConfig or None, `output`, `tokenizer`)."""
+    the DataConfig of ppl and gen or None, `gen` GenOptions or None, `output`, `tokenizer`)."""
     _check_options(items)
     if any(item.partition("=")[0] == "--harness" for item in items):
         return _parse_harness(items)
@@ -108,26 +120,29 @@ def _parse_tasks(items: list[str]) -> argparse.Namespace:
         elif path is None:
             path = item
         elif name in TASK_NAMES:
-            if eq and not value:
-                raise ConfigError(f"'{item}' names no data; give {name}=FILE" + ("" if name == "choice" else
-                                                                                   f" or {name} alone"))
+            if (eq and not value) or (name == "gen" and not eq):
+                raise ConfigError(f"'{item}' names no data; give {name}=FILE" + (
+                    " (.jsonl, .json or .parquet rows of prompts) or gen=reasoning_gym:NAME" if name == "gen" else
+                    "" if name == "choice" else f" or {name} alone"))
             if name in tasks:  # eval.json keeps one entry per task
                 raise ConfigError(f"{name} is given twice ({tasks[name] or name}, {value or name}); eval.json holds "
                                   f"one {name} entry: run one `ember eval` per data, each with its own --output FILE")
             tasks[name] = value or None
-        elif name.startswith(("eval.", "data.")) and eq:
-            keys.append(item)
+        elif name.startswith(("eval.", "data.", "gen.")) and eq:
+            # one value of a list key is a list of one (gen.rewards=math)
+            keys.append(f"{name}=[{value}]" if name in LIST_KEYS and not value.strip().startswith("[") else item)
         else:
-            known = (*TASK_NAMES, *EVAL_KEYS, *(f"data.{key}" for key in DataConfig.__dataclass_fields__))
+            known = (*TASK_NAMES, *EVAL_KEYS, *(f"data.{key}" for key in DataConfig.__dataclass_fields__), *GEN_KEYS)
             raise ConfigError(f"unknown eval task or key '{item}'{did_you_mean(name, known)} (tasks: "
-                              f"{', '.join(TASK_NAMES)}; keys: {', '.join(EVAL_KEYS)}, data.*)")
+                              f"{', '.join(TASK_NAMES)}; keys: {', '.join(EVAL_KEYS)}, data.*, gen.*)")
     if path is None:
         raise ConfigError("name the model to evaluate: ember eval PATH TASK[=DATA] ... (see ember eval --help)")
     check_locations(path, output, tokenizer)
     _check_combination(tasks, [item.partition("=")[0] for item in keys])
     cfg = _resolve_keys(path, tasks, keys)
     return argparse.Namespace(harness=None, path=path, tasks=tasks, options=cfg.eval,
-                              data=cfg.data if "ppl" in tasks else None, output=output, tokenizer=tokenizer)
+                              data=cfg.data if {"ppl", "gen"} & set(tasks) else None,
+                              gen=cfg.gen if "gen" in tasks else None, output=output, tokenizer=tokenizer)
 
 
 def check_locations(path: str, output: Optional[str], tokenizer: Optional[str]) -> None:
@@ -142,30 +157,47 @@ def _check_combination(tasks: dict[str, Optional[str]], given: list[str]) -> Non
     """Each key applies to a task of the command, and ppl's data is named once."""
     if "eval.tasks" in given:
         raise ConfigError("eval.tasks is the training config's list; name ember eval's tasks as arguments "
-                          "(ppl, lambada=FILE, boolq=FILE, choice=FILE)")
+                          "(ppl, lambada=FILE, boolq=FILE, choice=FILE, gen=FILE)")
     if not tasks:
-        raise ConfigError("name at least one task: ppl, ppl=DATA, lambada=FILE, boolq=FILE or choice=FILE")
+        raise ConfigError("name at least one task: ppl, ppl=DATA, lambada=FILE, boolq=FILE, choice=FILE or gen=FILE")
     if "ppl" not in tasks:
-        unused = [key for key in given if key in PPL_KEYS] + [key for key in given if key.startswith("data.")]
+        # gen reads one key of the data section: how its chat prompts are rendered
+        unused = [key for key in given if key in PPL_KEYS] + [
+            key for key in given if key.startswith("data.") and ("gen" not in tasks or key != "data.chat_template")]
         if unused:
-            raise ConfigError(f"{unused[0]} is a key of ppl, and no ppl task is given")
+            raise ConfigError(f"{unused[0]} is a key of ppl, and no ppl task is given"
+                              + ("; gen reads data.chat_template only" if "gen" in tasks else ""))
+    if "gen" not in tasks and any(key.startswith("gen.") for key in given):
+        raise ConfigError(f"{next(k for k in given if k.startswith('gen.'))} is a key of gen, and no gen task is "
+                          "given (gen=FILE)")
     if set(tasks) == {"ppl"} and "eval.limit" in given:
-        raise ConfigError("eval.limit counts rows of lambada, boolq and choice; ppl is bounded by eval.max_tokens")
+        raise ConfigError(f"eval.limit counts rows of {ROW_TASKS}; ppl is bounded by eval.max_tokens")
     if tasks.get("ppl") and "data.dataset" in given:
         raise ConfigError("ppl=DATA and data.dataset both name ppl's data; give one")
 
 
-def _resolve_keys(path: str, tasks: dict[str, Optional[str]], keys: list[str]) -> EvalCommandConfig:
-    """The eval.* and data.* keys in one merge (ppl=DATA as data.dataset=DATA) over the defaults and, for ppl, the
-    run's data section; then the checks of the values: the eval numbers, ppl's source, the data section as
-    training checks it. ppl's window and split defaults filled in: the run's seq_len, val (all for ppl=DATA)."""
-    base = OmegaConf.structured(EvalCommandConfig)
-    config_yaml = run_config_yaml(as_path(path)) if "ppl" in tasks else None
+def _resolve_keys(path: str, tasks: dict[str, Optional[str]], keys: list[str]) -> EvalKeys:
+    """The eval.*, data.* and gen.* keys in one merge (ppl=DATA as data.dataset=DATA) over the defaults and, for
+    ppl and gen, the run's data section (and a GRPO run's generation keys for gen); then the checks of the values:
+    the eval numbers, ppl's source, the data section as training checks it, gen's keys. ppl's window and split
+    defaults filled in: the run's seq_len, val (all for ppl=DATA)."""
+    base = OmegaConf.structured(EvalKeys)
+    config_yaml = run_config_yaml(as_path(path)) if {"ppl", "gen"} & set(tasks) else None
+    run: dict[str, Any] = _read_yaml(config_yaml) if config_yaml else {}
     if config_yaml:  # a missing section, or an older run's key, is said naming the file
-        base = merge_file(base, {"data": _read_yaml(config_yaml).get("data") or {}}, str(config_yaml))
+        base = merge_file(base, {"data": run.get("data") or {}}, str(config_yaml))
+        if "gen" in tasks:
+            base = merge_file(base, {"gen": run_defaults(run)}, str(config_yaml))
     dataset = [f"data.dataset={tasks['ppl']}"] if tasks.get("ppl") else []
-    cfg: EvalCommandConfig = apply_overrides(base, keys + dataset, KEYS_HINT)
+    cfg: EvalKeys = apply_overrides(base, keys + dataset, KEYS_HINT)
     _check_numbers(cfg)
+    if "gen" in tasks:
+        from ember.data.chat import TEMPLATE_CHOICES
+
+        check_options(cfg.gen, tasks["gen"], run)
+        if cfg.data.chat_template not in TEMPLATE_CHOICES:
+            raise ConfigError(f"data.chat_template '{cfg.data.chat_template}' is not one of "
+                              f"{', '.join(TEMPLATE_CHOICES)}")
     if "ppl" in tasks:
         named = "ppl" if dataset else "data.dataset" if any(k.startswith("data.dataset=") for k in keys) else None
         _check_ppl_source(path, cfg.data, config_yaml, named)
@@ -210,9 +242,10 @@ def _check_ppl_source(path: str, data: DataConfig, config_yaml: Optional[Locatio
 
 
 def check_task_rows(tasks: dict[str, Optional[str]]) -> None:
-    """Every row of each local task file read and checked (fields, types): before the model loads."""
+    """Every row of each local task file read and checked (fields, types): before the model loads (gen's rows,
+    which its keys shape, by ember.eval.generative.read_rows)."""
     for task, data in tasks.items():
-        if task != "ppl" and data not in (None, task, HUB.get(task, ("",))[0]):
+        if task not in ("ppl", "gen") and data not in (None, task, HUB.get(task, ("",))[0]):
             TASK_ROWS[task](data)
 
 

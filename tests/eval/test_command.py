@@ -92,7 +92,7 @@ def test_bad_values_are_one_line_and_lose_nothing(run: Path, tmp_path: Path):
         ([f"lambada={lam}", "eval.limit=-1"], "eval.limit must be an integer >= 1 (leave it unset to score every row), "
                                               "got -1"),
         ([f"lambada={lam}", "eval.limit=0"], "eval.limit must be an integer >= 1"),
-        (["ppl", "eval.limit=5"], "eval.limit counts rows of lambada, boolq and choice; ppl is bounded by "
+        (["ppl", "eval.limit=5"], "eval.limit counts rows of lambada, boolq, choice and gen; ppl is bounded by "
                                   "eval.max_tokens"),
         ([f"lambada={five}"], f"{five} line 2: 'text' must be a string of a context and a last word (the target), "
                               "got 5"),

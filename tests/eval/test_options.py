@@ -14,7 +14,7 @@ from ember.config_schema import DataConfig
 from ember.errors import ConfigError, UserFileNotFound
 from tests.helpers import write_jsonl
 
-KEYS = "eval.limit, eval.batch_size, eval.seq_len, eval.stride, eval.max_tokens, eval.split, data.*"
+KEYS = "eval.limit, eval.batch_size, eval.seq_len, eval.stride, eval.max_tokens, eval.split, data.*, gen.*"
 
 
 def _error(capsys: pytest.CaptureFixture, *argv: str) -> str:
@@ -30,7 +30,7 @@ def test_a_misspelt_key_or_task_is_one_line_naming_the_closest(tmp_path: Path, c
     a misspelt task with the tasks and keys."""
     lam = write_jsonl(tmp_path / "l.jsonl", [{"text": "a b c"}])
     run = str(tmp_path / "run")
-    keys, tasks = f"for ember eval (keys: {KEYS})", f"(tasks: ppl, lambada, boolq, choice; keys: {KEYS})"
+    keys, tasks = f"for ember eval (keys: {KEYS})", f"(tasks: ppl, lambada, boolq, choice, gen; keys: {KEYS})"
     for args, message in (
             ([f"lambada={lam}", "eval.limt=3"], f"unknown config key 'eval.limt' (did you mean 'eval.limit'?) {keys}"),
             ([f"lambada={lam}", "eval.BATCH_SIZE=2"],
