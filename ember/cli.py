@@ -9,6 +9,7 @@
                                              a LoRA run's adapters as a peft directory, or merged into its base
     ember data prepare SOURCE OUT_DIR        tokenize a source once into memory-mapped shards + manifest
     ember data tokenizer train SOURCE OUT --vocab-size N     train a byte-level BPE tokenizer.json
+    ember data gym NAME OUT.jsonl [--size N --seed S]       rows of a reasoning-gym generator (SFT, GRPO, eval)
     ember eval PATH TASK[=DATA] ... [key=value ...]   ppl, lambada, boolq, choice (see `ember eval --help`)
     ember generate PATH --prompt TEXT [--max-new-tokens N --temperature T --top-k K --top-p P --stop S --json]
                                              continue prompts with a trained model (KV-cache decoding)

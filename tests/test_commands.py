@@ -34,7 +34,7 @@ SUBCOMMANDS = _subcommands()
 
 
 def test_the_walk_finds_every_subcommand():
-    assert len(SUBCOMMANDS) == 20 and ["launch", "local"] in SUBCOMMANDS and ["launch", "k8s"] in SUBCOMMANDS
+    assert len(SUBCOMMANDS) == 21 and ["launch", "local"] in SUBCOMMANDS and ["launch", "k8s"] in SUBCOMMANDS
     assert ["launch", "xpk"] in SUBCOMMANDS and ["launch", "tpu-vm"] in SUBCOMMANDS
     assert ["data", "tokenizer", "train"] in SUBCOMMANDS and ["train"] in SUBCOMMANDS and ["eval"] in SUBCOMMANDS
 
@@ -163,7 +163,7 @@ def test_eval_keys_are_the_configs_eval_section():
     assert options == EvalOptions(limit=None, batch_size=4, split="train", seq_len=64)
     for items, message in (
             (["eval.seq_lenn=5"], "unknown config key 'eval.seq_lenn' (did you mean 'eval.seq_len'?) for ember eval "
-             "(keys: eval.limit, eval.batch_size, eval.seq_len, eval.stride, eval.max_tokens, eval.split, data.*)"),
+             "(keys: eval.limit, eval.batch_size, eval.seq_len, eval.stride, eval.max_tokens, eval.split, data.*, gen.*)"),
             (["eval.batch_size=x"], "bad value for config key 'eval.batch_size': got 'x' (expected int)"),
             (["eval.limit=2.5"], "bad value for config key 'eval.limit': got 2.5 (expected int or null)"),
             (["eval.stride=0"], "eval.stride must be an integer >= 1, got 0"),

@@ -1,6 +1,7 @@
 """`ember data`: `prepare` tokenizes a source once into memory-mapped shards and a manifest (ember.data.prepare),
-`tokenizer train` trains a byte-level BPE tokenizer.json (ember.data.tokenizer). Neither writes over an existing
-output without --overwrite: it may be what a run trains on."""
+`tokenizer train` trains a byte-level BPE tokenizer.json (ember.data.tokenizer), `gym` writes rows of one of
+reasoning-gym's procedural generators (ember.finetune.grpo_data) as a jsonl that SFT, GRPO and the generative eval
+read. None writes over an existing output without --overwrite: it may be what a run trains on."""
 
 from __future__ import annotations
 
@@ -42,6 +43,16 @@ def parser() -> ArgumentParser:
     train.add_argument("--config", default=None)
     train.add_argument("--val-fraction", type=float, default=0.02)
     train.add_argument("--overwrite", action="store_true", help="replace an existing tokenizer.json")
+    gym = sub.add_parser("gym", help="write N rows of a reasoning-gym generator as {prompt, response, answer} jsonl")
+    gym.add_argument("name", help="the generator, e.g. basic_arithmetic (the .[rl] extra)")
+    gym.add_argument("out", help="the .jsonl to write")
+    gym.add_argument("--size", type=int, default=1000, help="rows (default 1000)")
+    gym.add_argument("--seed", type=int, default=0)
+    gym.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                     help="a generator option (a YAML value: max_digits=2, operators=[+,-]); repeatable")
+    gym.add_argument("--exclude", action="append", default=[], metavar="FILE",
+                     help="leave out rows whose prompt is in FILE (a held-out set); repeatable")
+    gym.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
     return root
 
 
@@ -60,6 +71,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> int:
     from ember.data import sources
 
+    if args.what == "gym":
+        return _gym(args)
     if not 0 <= args.val_fraction < 1:
         raise ConfigError(f"--val-fraction must be in [0, 1), got {args.val_fraction}")
     try:
@@ -138,6 +151,42 @@ def _train_tokenizer(args: argparse.Namespace) -> int:
     short = fewer_tokens_note(tok.get_vocab_size(), args.vocab_size, f"--vocab-size {args.vocab_size:,}")
     if short:
         print(f"note: {short}")
+    return 0
+
+
+def _gym(args: argparse.Namespace) -> int:
+    """`ember data gym`: the generator's rows as {prompt, response, answer} (the response is " " + the answer, what
+    SFT trains), without the prompts of the --exclude files, written whole or not at all."""
+    import json
+
+    import yaml
+
+    from ember.data import sources
+    from ember.data.jsonl import read_json_rows
+    from ember.finetune.grpo_data import GYM_PREFIX, read_prompt_rows
+
+    out = Path(args.out)
+    if out.exists() and not args.overwrite:
+        raise ConfigError(f"'{out}' exists; give --overwrite to replace it, or write to another OUT")
+    if args.size < 1:
+        raise ConfigError(f"--size must be >= 1, got {args.size}")
+    options = {}
+    for item in args.option:
+        key, equals, value = item.partition("=")
+        if not equals or not key:
+            raise ConfigError(f"--option {item!r}: give KEY=VALUE, e.g. --option max_digits=2")
+        options[key] = yaml.safe_load(value)
+    excluded = {row.get("prompt") for path in args.exclude for _, row in read_json_rows(Path(path), "--exclude")}
+    rows = [row for _, row in read_prompt_rows(GYM_PREFIX + args.name, gym_size=args.size, seed=args.seed,
+                                               gym_options=options) if row["prompt"] not in excluded]
+    if not rows:
+        raise ConfigError(f"every row of {args.name} is in the --exclude files; raise --size or change --option")
+    text = "".join(json.dumps({**row, "response": f" {row['answer']}"}) + "\n" for row in rows)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    sources.atomic_write(out, lambda f: f.write(text.encode()))
+    distinct = len({row["prompt"] for row in rows})
+    print(f"{len(rows):,} rows ({distinct:,} distinct prompts) of reasoning-gym {args.name} -> {out}"
+          + (f"; {args.size - len(rows):,} left out as in --exclude" if len(rows) < args.size else ""))
     return 0
 
 

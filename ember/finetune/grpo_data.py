@@ -31,16 +31,17 @@ class PromptRow:
     where: str  # file:line (or generator:index), for errors
 
 
-def _gym_rows(spec: str, size: int, seed: int) -> list[tuple[str, dict]]:
+def _gym_rows(spec: str, size: int, seed: int, options: Optional[dict] = None) -> list[tuple[str, dict]]:
     try:
         import reasoning_gym
     except ImportError:
         raise ConfigError(f"data.dataset={spec} needs reasoning-gym: pip install -e '.[rl]'") from None
     name = spec[len(GYM_PREFIX):]
     try:
-        dataset = reasoning_gym.create_dataset(name, seed=seed, size=size)
+        dataset = reasoning_gym.create_dataset(name, seed=seed, size=size, **(options or {}))
     except Exception as err:  # an unknown generator name, or its options
-        raise ConfigError(f"data.dataset={spec}: reasoning-gym has no generator '{name}' ({err})") from None
+        raise ConfigError(f"{spec}: reasoning-gym cannot make generator '{name}' with options {options or {}} "
+                          f"({type(err).__name__}: {err})") from None
     return [(f"{spec}:{i}", {"prompt": entry["question"], "answer": entry["answer"]})
             for i, entry in enumerate(dataset)]
 
@@ -61,11 +62,12 @@ def _table_rows(spec: str, split: str) -> list[tuple[str, dict]]:
     return [(f"{spec} row {i}", dict(row)) for i, row in enumerate(table, 1)]
 
 
-def read_prompt_rows(spec: str, split: str = "train", gym_size: int = 1000, seed: int = 0) -> list[tuple[str, dict]]:
-    """(where, row) of every row of `spec`: a reasoning_gym:NAME generator, a local .jsonl/.json/.parquet file, or a
-    hub dataset's `split`."""
+def read_prompt_rows(spec: str, split: str = "train", gym_size: int = 1000, seed: int = 0,
+                     gym_options: Optional[dict] = None) -> list[tuple[str, dict]]:
+    """(where, row) of every row of `spec`: a reasoning_gym:NAME generator (with its `gym_options`), a local
+    .jsonl/.json/.parquet file, or a hub dataset's `split`."""
     if spec.startswith(GYM_PREFIX):
-        return _gym_rows(spec, gym_size, seed)
+        return _gym_rows(spec, gym_size, seed, gym_options)
     path = Path(spec).expanduser()
     if path.suffix == ".parquet" and path.is_file():
         return _table_rows(spec, split)

@@ -227,3 +227,36 @@ def test_a_run_on_shards_prepared_with_val_fraction_0_trains_without_validation(
     assert not [line for line in proc.stdout.splitlines() if line.strip().split() in (["step", "1"], ["step", "2"])]
     records = read_records(tmp_path / "run")
     assert [r["step"] for r in records] == [1, 2, 3] and all("loss" in r for r in records)
+
+
+def test_gym_writes_seeded_rows_without_the_excluded_prompts(tmp_path: Path, capsys: pytest.CaptureFixture):
+    options = ["--option", "max_terms=2", "--option", "max_digits=1", "--option", "operators=[+]",
+               "--option", "allow_parentheses=false", "--option", "allow_negation=false"]
+    held = tmp_path / "held.jsonl"
+    assert _ember(capsys, "gym", "basic_arithmetic", str(held), "--size", "10", "--seed", "2", *options)[0] == 0
+    code, out, _ = _ember(capsys, "gym", "basic_arithmetic", str(tmp_path / "train.jsonl"), "--size", "200",
+                          *options, "--exclude", str(held))
+    rows = [json.loads(line) for line in (tmp_path / "train.jsonl").read_text().splitlines()]
+    held_prompts = {json.loads(line)["prompt"] for line in held.read_text().splitlines()}
+    assert code == 0 and f"{len(rows)} rows" in out and "left out as in --exclude" in out
+    assert 0 < len(rows) < 200 and not held_prompts & {r["prompt"] for r in rows}
+    for row in rows:  # one-digit sums, as the options asked; the response is what SFT trains
+        a, b = row["prompt"].removeprefix("Calculate ").rstrip(".").split(" + ")
+        assert int(a) + int(b) == int(row["answer"]) and row["response"] == f" {row['answer']}"
+    again = tmp_path / "again.jsonl"
+    _ember(capsys, "gym", "basic_arithmetic", str(again), "--size", "10", "--seed", "2", *options)
+    assert again.read_text() == held.read_text()  # seeded
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--option", "max_digits"], "--option 'max_digits': give KEY=VALUE"),
+    (["--option", "no_such_option=1"], "reasoning-gym cannot make generator 'basic_arithmetic'"),
+    (["--size", "0"], "--size must be >= 1"),
+])
+def test_gym_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture, args: list[str], message: str):
+    code, _, err = _ember(capsys, "gym", "basic_arithmetic", str(tmp_path / "out.jsonl"), *args)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out.jsonl").exists()
+    (tmp_path / "out.jsonl").write_text("mine\n")
+    code, _, err = _ember(capsys, "gym", "basic_arithmetic", str(tmp_path / "out.jsonl"), "--size", "2")
+    assert code == 2 and "exists; give --overwrite" in err and (tmp_path / "out.jsonl").read_text() == "mine\n"

@@ -46,7 +46,7 @@ def test_reasoning_gym_rows_are_seeded_and_carry_their_answer():
     again = load_prompts("reasoning_gym:basic_arithmetic", _encode, ["answer"], 64, gym_size=20, seed=1)
     assert len(rows) == 20 and [r.row for r in rows] == [r.row for r in again]
     assert rows[0].row["prompt"].startswith("Calculate") and rows[0].where == "reasoning_gym:basic_arithmetic:0"
-    with pytest.raises(ConfigError, match="reasoning-gym has no generator 'no_such_task'"):
+    with pytest.raises(ConfigError, match="reasoning-gym cannot make generator .no_such_task."):
         load_prompts("reasoning_gym:no_such_task", _encode, [], 64)
 
 
