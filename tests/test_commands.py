@@ -163,14 +163,15 @@ def test_eval_keys_are_the_configs_eval_section():
     assert options == EvalOptions(limit=None, batch_size=4, split="train", seq_len=64)
     for items, message in (
             (["eval.seq_lenn=5"], "unknown config key 'eval.seq_lenn' (did you mean 'eval.seq_len'?) for ember eval "
-             "(keys: eval.limit, eval.batch_size, eval.seq_len, eval.stride, eval.max_tokens, eval.split, data.*, gen.*)"),
+             "(keys: eval.limit, eval.batch_size, eval.seq_len, eval.stride, eval.max_tokens, eval.split, data.*, "
+             "gen.*)"),
             (["eval.batch_size=x"], "bad value for config key 'eval.batch_size': got 'x' (expected int)"),
             (["eval.limit=2.5"], "bad value for config key 'eval.limit': got 2.5 (expected int or null)"),
             (["eval.stride=0"], "eval.stride must be an integer >= 1, got 0"),
             (["eval.limit=0"], "eval.limit must be an integer >= 1 (leave it unset to score every row), got 0"),
             (["eval.split=test"], "eval.split must be one of val, train, all, got 'test'"),
             (["eval.tasks=[]"], "eval.tasks is the training config's list; name ember eval's tasks as arguments "
-             "(ppl, lambada=FILE, boolq=FILE, choice=FILE)")):
+             "(ppl, lambada=FILE, boolq=FILE, choice=FILE, gen=FILE)")):
         with pytest.raises(ConfigError) as err:
             parse(["run", "ppl", "lambada=l.jsonl", *items])
         assert str(err.value) == message, items
