@@ -50,6 +50,9 @@ def parser() -> ArgumentParser:
     gym.add_argument("--seed", type=int, default=0)
     gym.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                      help="a generator option (a YAML value: max_digits=2, operators=[+,-]); repeatable")
+    gym.add_argument("--response", action="append", default=[], metavar="TEMPLATE",
+                     help="the response SFT trains, with {answer} in it (default ' {answer}'); given several "
+                     "times, each row takes one at random (seeded)")
     gym.add_argument("--exclude", action="append", default=[], metavar="FILE",
                      help="leave out rows whose prompt is in FILE (a held-out set); repeatable")
     gym.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
@@ -155,9 +158,11 @@ def _train_tokenizer(args: argparse.Namespace) -> int:
 
 
 def _gym(args: argparse.Namespace) -> int:
-    """`ember data gym`: the generator's rows as {prompt, response, answer} (the response is " " + the answer, what
-    SFT trains), without the prompts of the --exclude files, written whole or not at all."""
+    """`ember data gym`: the generator's rows as {prompt, response, answer} (the response, what SFT trains, is a
+    --response template filled with the answer), without the prompts of the --exclude files, written whole or not
+    at all."""
     import json
+    import random
 
     import yaml
 
@@ -181,7 +186,13 @@ def _gym(args: argparse.Namespace) -> int:
                                                gym_options=options) if row["prompt"] not in excluded]
     if not rows:
         raise ConfigError(f"every row of {args.name} is in the --exclude files; raise --size or change --option")
-    text = "".join(json.dumps({**row, "response": f" {row['answer']}"}) + "\n" for row in rows)
+    templates = args.response or [" {answer}"]
+    if any("{answer}" not in t for t in templates):
+        raise ConfigError(f"--response {next(t for t in templates if '{answer}' not in t)!r} has no {{answer}}; "
+                          "write where the answer goes, e.g. --response ' The answer is {answer}.'")
+    pick = random.Random(args.seed)
+    text = "".join(json.dumps({**row, "response": pick.choice(templates).replace("{answer}", str(row["answer"]))})
+                   + "\n" for row in rows)
     out.parent.mkdir(parents=True, exist_ok=True)
     sources.atomic_write(out, lambda f: f.write(text.encode()))
     distinct = len({row["prompt"] for row in rows})

@@ -246,12 +246,19 @@ def test_gym_writes_seeded_rows_without_the_excluded_prompts(tmp_path: Path, cap
     again = tmp_path / "again.jsonl"
     _ember(capsys, "gym", "basic_arithmetic", str(again), "--size", "10", "--seed", "2", *options)
     assert again.read_text() == held.read_text()  # seeded
+    mixed = tmp_path / "mixed.jsonl"
+    _ember(capsys, "gym", "basic_arithmetic", str(mixed), "--size", "40", *options, "--response", " {answer}",
+           "--response", " The answer is {answer}.")
+    responses = [(r["response"], r["answer"]) for r in map(json.loads, mixed.read_text().splitlines())]
+    short = sum(response == f" {answer}" for response, answer in responses)
+    assert 0 < short < 40 and all(r in (f" {a}", f" The answer is {a}.") for r, a in responses)
 
 
 @pytest.mark.parametrize("args, message", [
     (["--option", "max_digits"], "--option 'max_digits': give KEY=VALUE"),
     (["--option", "no_such_option=1"], "reasoning-gym cannot make generator 'basic_arithmetic'"),
     (["--size", "0"], "--size must be >= 1"),
+    (["--response", "The answer"], "--response 'The answer' has no {answer}"),
 ])
 def test_gym_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture, args: list[str], message: str):
     code, _, err = _ember(capsys, "gym", "basic_arithmetic", str(tmp_path / "out.jsonl"), *args)
