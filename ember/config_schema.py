@@ -296,6 +296,9 @@ class GRPOConfig:
     top_p: float = 1.0  # nucleus sampling (1.0: off)
     top_k: int = 0  # sample among the k likeliest tokens (0: off)
     stop: list[str] = field(default_factory=list)  # strings that end a completion (besides EOS)
+    # the rollout's decode step through torch.compile, its KV cache seq_len long (one compilation for the run):
+    # on a GPU, where a small model's decode is bound by kernel launches; one process, no sharded model
+    compile_rollout: bool = False
     rewards: list[str] = field(default_factory=lambda: ["math"])  # exact | math | format | module:function
     reward_weights: list[float] = field(default_factory=list)  # one per reward (empty: 1 each)
     format_pattern: str = ""  # the `format` reward's regex, which the whole completion must match

@@ -164,6 +164,13 @@ def _sample(logits: torch.Tensor, temperature: float, top_k: Optional[int], top_
         drop = cumulative - torch.softmax(sorted_logits, dim=-1) > top_p  # keep the smallest set reaching top_p
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
     probs = torch.softmax(logits, dim=-1)
+    if probs.device.type == "cpu":
+        # torch.multinomial on a CPU draws a random number per vocabulary entry (a third of a small model's decode
+        # step); the inverse of the cumulative distribution at one uniform draw per row samples the same
+        # distribution, and a token of probability 0 is never the first whose cumulative sum passes the draw.
+        cdf = probs.cumsum(dim=-1)
+        draw = torch.rand(probs.shape[0], 1, generator=generator, dtype=cdf.dtype) * cdf[:, -1:]
+        return torch.searchsorted(cdf, draw, right=True).clamp_max(probs.shape[-1] - 1).squeeze(-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
@@ -173,7 +180,7 @@ def generate(model: nn.Module, tokenizer: AnyTokenizer, prompts: Sequence[Union[
              top_p: Optional[float] = None, seed: Optional[int] = None, stop: Sequence[str] = (),
              stop_at_eos: bool = True, on_text: Optional[Callable[[int, str], None]] = None,
              compile: bool = False, all_done: Optional[Callable[[bool], bool]] = None,
-             cache_dtype: Optional[torch.dtype] = None) -> list[Generation]:
+             cache_dtype: Optional[torch.dtype] = None, cache_len: Optional[int] = None) -> list[Generation]:
     """Continue each prompt (text, or token ids) by up to `max_new_tokens` tokens. Greedy at temperature 0, the
     default unless top_k, top_p or seed is given (then temperature 1.0; see sampling_temperature).
     Stops a row at EOS or at any `stop` string (cut from the completion). `on_text(row, piece)` receives the
@@ -181,12 +188,14 @@ def generate(model: nn.Module, tokenizer: AnyTokenizer, prompts: Sequence[Union[
     torch.compile with static shapes (the cache attended whole, under a mask): one compilation, then no
     Python between the kernels of a step; worth it for long generations. `all_done(this_rank_done)`: whether every
     rank of a sharded model is done (a collective; ranks whose rows ended keep stepping with the others until
-    then, since every forward of a sharded model is collective). cache_dtype: the KV cache's (attach_kv_caches)."""
+    then, since every forward of a sharded model is collective). cache_dtype: the KV cache's (attach_kv_caches);
+    cache_len: the cache's length when longer than the prompts and max_new_tokens need (with compile, one length
+    for every call keeps one compiled decode step whatever the prompts' lengths)."""
     temperature = sampling_temperature(temperature, top_k, top_p, seed, stop)
     ids = prompt_ids(model, tokenizer, prompts, max_new_tokens)
     longest = max(len(row) for row in ids)
     device = next(model.parameters()).device
-    batch, total = len(ids), longest + max_new_tokens
+    batch, total = len(ids), max(longest + max_new_tokens, cache_len or 0)
     pad = torch.tensor([longest - len(row) for row in ids], device=device)  # (B,) right-aligned prompts
     tokens = torch.tensor([[0] * (longest - len(row)) + row for row in ids], device=device)  # (B, P)
     generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None

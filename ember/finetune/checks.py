@@ -68,6 +68,9 @@ def _check_grpo(cfg: JobConfig) -> None:
         raise ConfigError(f"grpo.temperature={grpo.temperature}: rollouts are sampled, so it must be > 0")
     if not 0 < grpo.top_p <= 1 or grpo.top_k < 0:
         raise ConfigError(f"grpo.top_p={grpo.top_p} must be in (0, 1] and grpo.top_k={grpo.top_k} >= 0 (0: off)")
+    if grpo.compile_rollout and (cfg.ici_mesh.tensor * cfg.dcn_mesh.tensor > 1):
+        raise ConfigError("grpo.compile_rollout=true compiles the decode step of one unsharded model; under tensor "
+                          "parallelism drop it (the rollout runs eagerly)")
     if grpo.loss_type not in GRPO_LOSSES:
         raise not_one_of("grpo.loss_type", grpo.loss_type, GRPO_LOSSES)
     advantage_scale(grpo.scale_rewards)
@@ -88,6 +91,9 @@ def _check_grpo(cfg: JobConfig) -> None:
 def check_rollout_layout(cfg: JobConfig, dp: int) -> None:
     """task=grpo: each data-parallel rank samples whole groups, so group_size divides its share of the batch."""
     per_rank = cfg.global_batch_size // dp
+    if cfg.task == "grpo" and cfg.grpo.compile_rollout and dp > 1:
+        raise ConfigError(f"grpo.compile_rollout=true compiles the decode step of one unsharded model, not one over "
+                          f"{dp} data-parallel ranks; drop it (the rollout runs eagerly)")
     if cfg.task == "grpo" and per_rank % cfg.grpo.group_size:
         raise ConfigError(f"grpo.group_size={cfg.grpo.group_size} does not divide each data-parallel rank's {per_rank} "
                           f"completions (global_batch_size={cfg.global_batch_size} over {dp} ranks): a group is "

@@ -228,11 +228,11 @@ class GRPOStep:
         for chunk in chunks:
             part = targets[:, start:start + chunk.shape[1]]
             start += chunk.shape[1]
-            scaled = chunk.float() / self.grpo.temperature
-            logprobs.append(grpo_loss.token_logprobs(scaled, part))
+            scaled = chunk.float() if self.grpo.temperature == 1 else chunk.float() / self.grpo.temperature
+            log_p = torch.log_softmax(scaled, dim=-1)  # (one pass serves the log-probs and the entropy)
+            logprobs.append(log_p.gather(-1, part.unsqueeze(-1)).squeeze(-1))
             if entropy:
                 with torch.no_grad():
-                    log_p = torch.log_softmax(scaled.detach(), dim=-1)
                     entropies.append(-(log_p.exp() * log_p).sum(-1))
         return torch.cat(logprobs, 1), (torch.cat(entropies, 1) if entropy else None)
 
@@ -250,7 +250,8 @@ class GRPOStep:
                               max_new_tokens=grpo.max_new_tokens, temperature=grpo.temperature,
                               top_k=grpo.top_k or None, top_p=grpo.top_p if grpo.top_p < 1 else None,
                               stop=list(grpo.stop), seed=seed, sharded=self.mesh is not None,
-                              cache_dtype=self.spec.autocast_dtype)
+                              cache_dtype=self.spec.autocast_dtype, compile=grpo.compile_rollout,
+                              cache_len=self.cfg.seq_len if grpo.compile_rollout else None)
         self.model.train()
         rows = [p for p in batch.prompts for _ in range(grpo.group_size)]
         prompt_texts = [self.tokenizer.decode(p.prompt_ids) for p in rows]

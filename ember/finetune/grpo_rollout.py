@@ -32,14 +32,16 @@ class Rollouts:
 def sample(model: nn.Module, tokenizer: AnyTokenizer, prompts: Sequence[Sequence[int]], group_size: int, *,
            max_new_tokens: int, temperature: float = 1.0, top_k: Optional[int] = None, top_p: Optional[float] = None,
            stop: Sequence[str] = (), seed: Optional[int] = None, sharded: bool = False,
-           cache_dtype: Optional[torch.dtype] = None) -> Rollouts:
+           cache_dtype: Optional[torch.dtype] = None, compile: bool = False,
+           cache_len: Optional[int] = None) -> Rollouts:
     """group_size completions of each prompt (token ids), sampled in one batch; `seed` makes them reproducible.
     sharded: the model's forward is a collective of every rank (FSDP), so each rank decodes until all are done.
-    cache_dtype: the KV cache's (the compute dtype under autocast)."""
+    cache_dtype: the KV cache's (the compute dtype under autocast); compile, cache_len: generate()'s."""
     rows = [list(p) for p in prompts for _ in range(group_size)]
     generations = generate(model, tokenizer, rows, max_new_tokens=max_new_tokens, temperature=temperature,
                            top_k=top_k, top_p=top_p, seed=seed, stop=stop,
-                           all_done=every_rank_done if sharded else None, cache_dtype=cache_dtype)
+                           all_done=every_rank_done if sharded else None, cache_dtype=cache_dtype,
+                           compile=compile, cache_len=cache_len)
     eos = getattr(tokenizer, "eos_id", None)
     completions = [g.token_ids + ([eos] if g.stop_reason == "eos" and eos is not None else []) for g in generations]
     return Rollouts(rows, completions, [g.completion for g in generations],

@@ -106,11 +106,13 @@ def test_a_failing_reward_is_one_line_or_scores_zero_and_is_counted(words, tmp_p
     (["data.dataset=embedded"], "task=grpo reads prompts from data.dataset"),
     (["ici_mesh.pipeline=2"], "task=grpo scores whole sequences per rank; pipeline parallelism"),
     (["task=lm"], "grpo.max_new_tokens is set, but task=lm: grpo.* keys configure task=grpo"),
+    (["grpo.compile_rollout=true", "ici_mesh.tensor=2"], "grpo.compile_rollout=true compiles the decode step of one"),
+    (["grpo.compile_rollout=true", "ici_mesh.fsdp=2"], "not one over 2 data-parallel ranks"),
     (["device=xla"], "task=grpo is not supported with device=xla; use task=lm, or train DPO and GRPO on cpu/cuda"),
 ])
 def test_bad_grpo_config_is_one_line_naming_the_key(words, overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
-        run_lib.load_config("debug", [*words, *overrides], world_size=2 if "pipeline" in overrides[0] else None)
+        run_lib.load_config("debug", [*words, *overrides], world_size=2 if "ici_mesh" in str(overrides) else None)
 
 
 def test_each_data_parallel_rank_samples_whole_groups(words):
