@@ -219,9 +219,13 @@ FIGURES: list[tuple[str, str]] = [
     ("loss_steps", "train loss (`loss`)"), ("loss_tokens", "`loss` with `tokens_seen`"), ("lr", "`lr`"),
     ("grad_norm", "`grad_norm`"), ("throughput", "`tokens_per_s` / `mfu`"), ("memory", "`memory_gb`"),
     ("data_wait", "`data_wait_frac`"), ("moe_load", "`moe/layer*/tokens_per_expert` (MoE runs only)"),
-    ("eval", "`eval/*` (eval.tasks during training)"),
+    ("eval", "`eval/*` (eval.tasks during training)"), ("grpo_reward", "`grpo/reward` (task=grpo only)"),
+    ("grpo_completions", "`grpo/completion_length` (task=grpo only)"),
+    ("grpo_policy", "`grpo/clipped_*`, `grpo/entropy` (task=grpo only)"),
+    ("grpo_time", "`grpo/rollout_s`, `grpo/update_s` (task=grpo only)"),
 ]
-OPTIONAL = {"moe_load", "eval"}  # figures of runs of some kinds only: no note when they are absent
+OPTIONAL = {"moe_load", "eval", "grpo_reward", "grpo_completions", "grpo_policy",
+            "grpo_time"}  # figures of runs of some kinds only: no note when they are absent
 
 
 def all_plots(runs: list[Run]) -> list[Optional[Plot]]:
@@ -237,6 +241,25 @@ def all_plots(runs: list[Run]) -> list[Optional[Plot]]:
         metric_plot(runs, "data_wait", "Share of step time waiting for data", [("data_wait_frac", "data wait", True)]),
         moe_plot(runs),
         eval_plot(runs),
+        *grpo_plots(runs),
+    ]
+
+
+def grpo_plots(runs: list[Run]) -> list[Optional[Plot]]:
+    """task=grpo's figures (ember/finetune/grpo.py's metrics): rewards, completions, the policy's clipping, KL and
+    entropy, and where a step's time goes."""
+    return [
+        metric_plot(runs, "grpo_reward", "GRPO: reward of the sampled completions",
+                    [("grpo/reward", "mean reward", False), ("grpo/reward_std", "mean std within a group", False),
+                     ("grpo/zero_std_groups", "groups of equal rewards", True)]),
+        metric_plot(runs, "grpo_completions", "GRPO: completions",
+                    [("grpo/completion_length", "tokens (mean)", False),
+                     ("grpo/truncated", "cut by max_new_tokens", True)]),
+        metric_plot(runs, "grpo_policy", "GRPO: clipped ratios, KL to the reference, entropy",
+                    [("grpo/clipped_high", "clipped high", True), ("grpo/clipped_low", "clipped low", True),
+                     ("grpo/kl", "KL", False), ("grpo/entropy", "entropy (nats)", False)]),
+        metric_plot(runs, "grpo_time", "GRPO: rollout and update time per logging window",
+                    [("grpo/rollout_s", "rollout s", False), ("grpo/update_s", "update s", False)]),
     ]
 
 

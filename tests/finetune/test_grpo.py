@@ -45,6 +45,11 @@ def test_the_policy_learns_what_its_reward_asks_for(words, tmp_path):
     assert "grpo/accuracy/yes_fraction" not in first  # a fraction, not a 0/1 reward: no accuracy
     # tokens_seen counts the rows trained on (prompt and completion), not global_batch_size x seq_len
     assert first["tokens_seen"] < 16 * 16 and records[1]["tokens_seen"] > first["tokens_seen"]
+    from ember.report import build_report
+
+    plots = {plot.name: plot for plot in build_report([tmp_path / "run"]).plots}
+    assert plots["grpo_reward"].series["run"]["grpo/reward"] == {"x": list(range(1, 9)), "y": rewards}
+    assert {"grpo_completions", "grpo_policy", "grpo_time"} <= set(plots)
 
 
 def test_a_resume_between_iterations_of_one_rollout_batch_equals_the_straight_run(words, tmp_path):

@@ -28,6 +28,20 @@ def test_rows_from_a_jsonl_text_or_chat(tmp_path):
     assert [r.row["answer"] for r in rows] == ["4", "2"] and rows[1].where.endswith("p.jsonl line 2")
 
 
+def test_rows_from_parquet_and_another_prompt_column(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({"question": ["two plus two", "one plus one"], "answer": ["4", "2"]})
+    pq.write_table(table, tmp_path / "p.parquet")
+    rows = load_prompts(str(tmp_path / "p.parquet"), lambda row: [len(w) for w in row["question"].split()], ["answer"],
+                        max_prompt_tokens=8, prompt_field="question")
+    assert [r.prompt_ids for r in rows] == [[3, 4, 3], [3, 4, 3]] and [r.row["answer"] for r in rows] == ["4", "2"]
+    assert rows[1].where.endswith("p.parquet row 2")
+    with pytest.raises(DataError, match="no 'prompt' .text or messages. or 'messages'"):
+        load_prompts(str(tmp_path / "p.parquet"), _encode, [], max_prompt_tokens=8)
+
+
 @pytest.mark.parametrize("rows, message", [
     ([{"answer": "4"}], "p.jsonl line 1: no 'prompt' (text or messages) or 'messages'"),
     ([{"prompt": "a"}, {"prompt": "b"}], "p.jsonl line 1: no 'answer', which the rewards read (grpo.rewards)"),
