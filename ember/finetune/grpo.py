@@ -221,7 +221,7 @@ class GRPOStep:
                   entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(B, T) log-probabilities of `targets` under `model`'s tempered logits (the policy rollouts sample from),
         and with `entropy` the (B, T) entropies of those distributions (no gradient)."""
-        with self.fb._autocast():
+        with self.fb.autocast():
             logits = model(inputs, None, None)
         chunks = logits if isinstance(logits, (list, tuple)) else [logits]
         logprobs, entropies, start = [], [], 0
@@ -245,7 +245,7 @@ class GRPOStep:
         """Sample, score and prepare this rank's rows of `batch` (see the module docstring)."""
         grpo, started = self.grpo, time.perf_counter()
         seed = (self.cfg.seed * 1_000_003 + batch.index) * 4099 + self.dp_rank
-        with phase("rollout"), self.fb._autocast():
+        with phase("rollout"), self.fb.autocast():
             rollouts = sample(self.model, self.tokenizer, [p.prompt_ids for p in batch.prompts], grpo.group_size,
                               max_new_tokens=grpo.max_new_tokens, temperature=grpo.temperature,
                               top_k=grpo.top_k or None, top_p=grpo.top_p if grpo.top_p < 1 else None,
@@ -256,8 +256,8 @@ class GRPOStep:
         rows = [p for p in batch.prompts for _ in range(grpo.group_size)]
         prompt_texts = [self.tokenizer.decode(p.prompt_ids) for p in rows]
         with phase("rewards"):
-            total, per = self.rewards.score(prompt_texts, rollouts.texts, [p.row for p in rows],
-                                            [p.where for p in rows])
+            _, per = self.rewards.score(prompt_texts, rollouts.texts, [p.row for p in rows],
+                                        [p.where for p in rows])
         every = self._gather(per.double())  # (N, k): the whole rollout batch's rewards
         weights = torch.tensor(self.rewards.weights, dtype=torch.float64, device=every.device)
         totals = every @ weights

@@ -289,7 +289,7 @@ def track_step(spec: RunSpec, mesh: Optional[ParallelMesh], part: nn.Module, kin
             if kind == "whole":
                 fb._loss_sum(tokens, tokens, 1.0, backward=True)  # the trainer's own micro-batch step
                 return
-            with fb._autocast():
+            with fb.autocast():
                 out = part(tokens if kind == "first" else hidden())
             if kind == "last":
                 with fb._loss_context():

@@ -126,7 +126,8 @@ class ForwardBackward:
         # Every rank's share summed; tensor-parallel ranks each hold the whole replica's loss.
         return float(self.all_sum(loss_total) / self.tp)
 
-    def _autocast(self) -> contextlib.AbstractContextManager:
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The forward's autocast (also GRPO's rollouts and no-grad log-probs, and the planner's measured step)."""
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
@@ -161,16 +162,16 @@ class ForwardBackward:
         with ring, self._loss_context():
             if self.fused_output:  # the loss and both of the projection's gradients come out of the forward
                 fused = partial(_fused_loss, labels=labels, scale=scale, chunks=self.output_chunks)
-                with self._autocast(), phase("forward"):
+                with self.autocast(), phase("forward"):
                     loss = self.model(inputs, positions, document_ids, output_fn=fused)
                 if backward:
                     with phase("backward"):
                         loss.backward()
                 return loss.detach()
-            with self._autocast(), phase("forward"):
+            with self.autocast(), phase("forward"):
                 logits = self.model(inputs, positions, document_ids, chunks=self.output_chunks)  # (B, T, V)
             if self.dpo is not None:
-                loss, stats = self.dpo.loss_sum(logits, inputs, labels, positions, document_ids, self._autocast)
+                loss, stats = self.dpo.loss_sum(logits, inputs, labels, positions, document_ids, self.autocast)
                 loss = loss * scale
                 self._dpo_stats += stats
             else:
@@ -192,7 +193,7 @@ class ForwardBackward:
         losses: list[torch.Tensor] = []
         step = self.schedule.step if backward else self.schedule.eval
         # forward and backward interleaved by the schedule, in this thread: autocast covers the stages' forwards
-        with self._autocast(), phase("pipeline_step"):
+        with self.autocast(), phase("pipeline_step"):
             step(*args, target=labels.to(self.device), losses=losses)
         if self.has_last_stage and losses:
             return torch.stack([loss.detach() for loss in losses]).sum()

@@ -86,6 +86,18 @@ def test_beta_keeps_a_frozen_reference_and_reports_the_kl(words, tmp_path):
     assert records[2]["grpo/kl"] > 0
 
 
+@pytest.mark.slow
+def test_a_moe_policy_learns_and_counts_the_expert_load_of_its_updates_only(words, tmp_path):
+    """Mixtral (8 experts, top 2): the rollouts and the no-grad log-probs run in eval mode, so the step's expert load
+    is the update's tokens alone (each routed to top_k experts in every layer)."""
+    trainer, records = _train(tmp_path / "run", [*words, "model.family=mixtral", "grpo.iterations=2", "max_steps=6"])
+    rewards = [r["grpo/reward"] for r in records if "grpo/reward" in r]
+    assert rewards[-1] > rewards[0]
+    tokens = 16 * trainer.train_loader.batch.rows["inputs"].shape[1]  # every row of the last step, padding too
+    load = read_records(tmp_path / "run")[-1]["moe/layer0/tokens_per_expert"]
+    assert sum(load) == 2 * tokens
+
+
 def test_a_failing_reward_is_one_line_or_scores_zero_and_is_counted(words, tmp_path):
     with pytest.raises(RewardError, match=rf"reward {FIXTURES}:raises failed on .*say.jsonl line \d+: ValueError: "
                                           "no score for this"):
