@@ -181,6 +181,13 @@ def _gym(args: argparse.Namespace) -> int:
         if not equals or not key:
             raise ConfigError(f"--option {item!r}: give KEY=VALUE, e.g. --option max_digits=2")
         options[key] = yaml.safe_load(value)
+    for path in args.exclude:
+        if not Path(path).is_file():
+            raise ConfigError(f"--exclude {path}: no such file; give a jsonl of rows with a prompt (a held-out set)")
+    if out.is_dir():
+        raise ConfigError(f"'{out}' is a directory; give the .jsonl file to write")
+    if out.suffix not in (".jsonl", ".json"):
+        raise ConfigError(f"'{out}': write a .jsonl (what SFT, task=grpo and ember eval gen= read)")
     excluded = {row.get("prompt") for path in args.exclude for _, row in read_json_rows(Path(path), "--exclude")}
     rows = [row for _, row in read_prompt_rows(GYM_PREFIX + args.name, gym_size=args.size, seed=args.seed,
                                                gym_options=options) if row["prompt"] not in excluded]
@@ -193,8 +200,11 @@ def _gym(args: argparse.Namespace) -> int:
     pick = random.Random(args.seed)
     text = "".join(json.dumps({**row, "response": pick.choice(templates).replace("{answer}", str(row["answer"]))})
                    + "\n" for row in rows)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    sources.atomic_write(out, lambda f: f.write(text.encode()))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        sources.atomic_write(out, lambda f: f.write(text.encode()))
+    except OSError as err:
+        raise ConfigError(f"cannot write '{out}' ({err.strerror or err}); write to another OUT") from None
     distinct = len({row["prompt"] for row in rows})
     print(f"{len(rows):,} rows ({distinct:,} distinct prompts) of reasoning-gym {args.name} -> {out}"
           + (f"; {args.size - len(rows):,} left out as in --exclude" if len(rows) < args.size else ""))

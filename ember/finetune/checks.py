@@ -78,8 +78,13 @@ def _check_grpo(cfg: JobConfig) -> None:
         raise ConfigError(f"grpo.clip_low={grpo.clip_low} must be in [0, 1) and grpo.clip_high={grpo.clip_high} >= 0")
     if not (grpo.beta >= 0 and math.isfinite(grpo.beta)):
         raise ConfigError(f"grpo.beta={grpo.beta} must be a finite number >= 0 (0: no KL term, no reference)")
-    if grpo.iterations < 1 or grpo.gym_size < 1 or not grpo.reward_timeout_s > 0:
-        raise ConfigError("grpo.iterations and grpo.gym_size must be >= 1 and grpo.reward_timeout_s > 0")
+    for key, value, ok in (("iterations", grpo.iterations, grpo.iterations >= 1),
+                           ("gym_size", grpo.gym_size, grpo.gym_size >= 1),
+                           ("reward_timeout_s", grpo.reward_timeout_s, grpo.reward_timeout_s > 0)):
+        if not ok:
+            raise ConfigError(f"grpo.{key}={value} must be {'> 0' if key == 'reward_timeout_s' else '>= 1'}")
+    if any(not text for text in grpo.stop):
+        raise ConfigError("grpo.stop holds an empty string, which would end every completion at once; drop it")
     if grpo.reward_errors not in ("fail", "zero"):
         raise not_one_of("grpo.reward_errors", grpo.reward_errors, ("fail", "zero"))
     _whole_sequences(cfg)

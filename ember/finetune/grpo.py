@@ -389,7 +389,7 @@ class GRPOStep:
             })
         for k, name in enumerate(names):
             if self.rewards.errors[k]:
-                out[f"grpo/reward_errors/{name}"] = self.rewards.errors[k]  # since the start (reward_errors=zero)
+                out[f"grpo/reward_errors/{name}"] = self.rewards.errors[k]  # since this process started
         flops = self.spec.flops_per_token * (w.trained + w.forward_tokens / 3)
         per_device = flops / window_time / world_size
         out.update({"tokens_per_s": w.trained / window_time, "tokens_per_s_per_device": w.trained / window_time

@@ -18,6 +18,7 @@ scores 0 instead, and the error is counted (the trainer reports the count).
 from __future__ import annotations
 
 import importlib
+import math as _math  # (the module's `math` is the reward)
 import re
 import signal
 import threading
@@ -135,7 +136,7 @@ class Rewards:
     weights: list[float]
     on_error: str = "fail"
     timeout_s: float = TIMEOUT_S
-    errors: list[int] = field(default_factory=list)  # per function, since the start
+    errors: list[int] = field(default_factory=list)  # per function, since this process started
 
     def __post_init__(self) -> None:
         self.errors = self.errors or [0] * len(self.functions)
@@ -150,12 +151,15 @@ class Rewards:
                     value = fn(prompt, completion, row) if fn is math else _with_timeout(
                         fn, (prompt, completion, row), self.timeout_s)
                     per[i, k] = float(value)
+                    if not _math.isfinite(per[i, k].item()):  # NaN or inf would skip every step as non-finite
+                        raise ValueError(f"returned {value!r}, not a finite number")
                 except ConfigError:
                     raise
                 except Exception as err:
                     if self.on_error != "zero":
                         raise RewardError(f"reward {self.names[k]} failed on {where[i]}: {type(err).__name__}: "
                                           f"{err} (grpo.reward_errors=zero scores such a completion 0)") from None
+                    per[i, k] = 0.0
                     self.errors[k] += 1
         return per @ torch.tensor(self.weights, dtype=per.dtype), per
 
@@ -166,6 +170,8 @@ def build_rewards(names: Sequence[str], weights: Optional[Sequence[float]], form
     if not names:
         raise ConfigError("grpo.rewards is empty: name at least one (exact, math, format or module:function)")
     weights = list(weights) if weights else [1.0] * len(names)
+    if not all(_math.isfinite(float(w)) for w in weights):
+        raise ConfigError(f"grpo.reward_weights={list(weights)}: each weight must be a finite number")
     if len(weights) != len(names):
         raise ConfigError(f"grpo.reward_weights has {len(weights)} values for {len(names)} grpo.rewards; give one "
                           "weight per reward")

@@ -259,6 +259,7 @@ def test_gym_writes_seeded_rows_without_the_excluded_prompts(tmp_path: Path, cap
     (["--option", "no_such_option=1"], "reasoning-gym cannot make generator 'basic_arithmetic'"),
     (["--size", "0"], "--size must be >= 1"),
     (["--response", "The answer"], "--response 'The answer' has no {answer}"),
+    (["--exclude", "missing.jsonl"], "--exclude missing.jsonl: no such file"),
 ])
 def test_gym_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture, args: list[str], message: str):
     code, _, err = _ember(capsys, "gym", "basic_arithmetic", str(tmp_path / "out.jsonl"), *args)
@@ -267,3 +268,6 @@ def test_gym_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture, 
     (tmp_path / "out.jsonl").write_text("mine\n")
     code, _, err = _ember(capsys, "gym", "basic_arithmetic", str(tmp_path / "out.jsonl"), "--size", "2")
     assert code == 2 and "exists; give --overwrite" in err and (tmp_path / "out.jsonl").read_text() == "mine\n"
+    for out, message in ((tmp_path, "is a directory"), (tmp_path / "x.txt", "write a .jsonl")):
+        code, _, err = _ember(capsys, "gym", "basic_arithmetic", str(out), "--size", "2", "--overwrite")
+        assert code == 2 and message in err

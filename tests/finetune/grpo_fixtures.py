@@ -43,6 +43,10 @@ def raises(prompt: str, completion: str, row: dict) -> float:
     raise ValueError("no score for this")
 
 
+def nan(prompt: str, completion: str, row: dict) -> float:
+    return float("nan")
+
+
 def sleeps(prompt: str, completion: str, row: dict) -> float:
     import time
 

@@ -105,6 +105,9 @@ def test_a_failing_reward_is_one_line_or_scores_zero_and_is_counted(words, tmp_p
     _, records = _train(tmp_path / "zero", [*words, f"grpo.rewards=[{FIXTURES}:raises,{FIXTURES}:yes_fraction]",
                                             "grpo.reward_errors=zero", "max_steps=1"])
     assert records[0][f"grpo/reward_errors/{FIXTURES}:raises"] == 16
+    with pytest.raises(RewardError, match=rf"reward {FIXTURES}:nan failed on .*say.jsonl line \d+: ValueError: "
+                                          "returned nan, not a finite number"):
+        _train(tmp_path / "nan", [*words, f"grpo.rewards=[{FIXTURES}:nan]", "max_steps=1"])
     with pytest.raises(RewardError, match=r"sleeps failed on .*: TimeoutError: ran past 0.2 s"):
         _train(tmp_path / "slow", [*words, f"grpo.rewards=[{FIXTURES}:sleeps]", "grpo.reward_timeout_s=0.2",
                                    "max_steps=1"])
@@ -120,6 +123,9 @@ def test_a_failing_reward_is_one_line_or_scores_zero_and_is_counted(words, tmp_p
     (["grpo.scale_rewards=maybe"], "grpo.scale_rewards='maybe': choose group"),
     (["grpo.max_new_tokens=16"], "grpo.max_new_tokens=16 must be >= 1 and below seq_len=16"),
     (["grpo.temperature=0"], "rollouts are sampled, so it must be > 0"),
+    (["grpo.reward_weights=[.nan]"], "each weight must be a finite number"),
+    (["grpo.iterations=0"], "grpo.iterations=0 must be >= 1"),
+    (["grpo.stop=['']"], "grpo.stop holds an empty string"),
     (["data.dataset=embedded"], "task=grpo reads prompts from data.dataset"),
     (["ici_mesh.pipeline=2"], "task=grpo scores whole sequences per rank; pipeline parallelism"),
     (["task=lm"], "grpo.max_new_tokens is set, but task=lm: grpo.* keys configure task=grpo"),
