@@ -6,6 +6,7 @@ import argparse
 import math
 
 from ember import config as config_lib
+from ember.errors import EmberError
 from ember.parallel.mesh_shape import AXES, fewest_ranks
 from ember.usage import ArgumentParser
 
@@ -40,7 +41,17 @@ def run(args: argparse.Namespace) -> int:
         cfg = config_lib.load(name)
         if cfg.device not in config_lib.XLA_DEVICES:  # a TPU recipe's checks are the XLA path's, for its chip count
             # checked on the fewest ranks its fixed axes need (an expert axis of 8: 8), the -1 axis at 1
-            cfg = run_lib.load_config(name, world_size=fewest_ranks(cfg.ici_mesh, cfg.dcn_mesh))
+            try:
+                cfg = run_lib.load_config(name, world_size=fewest_ranks(cfg.ici_mesh, cfg.dcn_mesh))
+            except EmberError as err:
+                if "does not exist" not in str(err):
+                    raise
+                # a recipe over files its user makes first (arith-sft's data, arith-grpo's SFT model): listed
+                # with what it says of itself; a model taken from model.init_from has no size until it exists
+                if cfg.model.init_from:
+                    table.add_row(name, cfg.model.family, f"from {cfg.model.init_from}", "-", "-", str(cfg.seq_len),
+                                  str(cfg.global_batch_size), f"{cfg.seq_len * cfg.global_batch_size:,}", _device(cfg))
+                    continue
         spec = MODELS[cfg.model.family]
         model_args = build_model_args(cfg.model.family, cfg.model.flavor, config_lib.model_overrides(cfg.model))
         with torch.device("meta"):  # shapes only: 405B costs no memory here
