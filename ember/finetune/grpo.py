@@ -325,8 +325,9 @@ class GRPOStep:
         started = time.perf_counter()
         rows, size = batch.rows, self.cfg.micro_batch_size
         pad = self.tokenizer.eos_id if getattr(self.tokenizer, "eos_id", None) is not None else 0
-        counted = self._sum(rows["mask"].sum())  # the whole rollout batch's completion tokens
-        trained = self._sum(rows["inputs"].ne(pad).sum())
+        # the whole rollout batch's completion tokens and its rows' tokens, in one reduction
+        local = torch.stack([rows["mask"].sum(), rows["inputs"].ne(pad).sum()]).double()[None]
+        counted, trained = self._gather(local).sum(0).tolist()
         token_count = torch.tensor(counted, device=self.fb.device)
         loss_total = torch.zeros((), device=self.fb.device)
         stats_sum: dict[str, torch.Tensor] = {}
