@@ -20,18 +20,45 @@ def test_debug_recipe_defaults():
     assert cfg.global_batch_size % cfg.micro_batch_size == 0
 
 
-def test_every_builtin_recipe_loads():
-    names = config_lib.recipe_names()
-    for required in ("debug", "llama3-8b", "llama3.1-8b", "llama3.1-70b", "llama3.1-405b", "llama3.2-1b", "llama2-7b"):
-        assert required in names
+# recipes over files their user makes first, as docs/rl.md's chain does: they load once those exist
+CHAIN_RECIPES = {"arith-sft": "arith/train.jsonl", "arith-grpo": "arith/train.jsonl"}  # the first file missing
+
+
+def _load_every_recipe(names: list[str]) -> None:
     for name in names:
         # device=tpu|xla recipes: the schema's load only, since load_config asks jax for the devices
         # (tests/test_tpu_recipes.py checks their meshes)
         cfg = config_lib.load(name)
         if cfg.device not in config_lib.XLA_DEVICES:  # on the ranks its fixed axes need (an expert axis of 8: 8)
             run_lib.load_config(name, world_size=fewest_ranks(cfg.ici_mesh, cfg.dcn_mesh))
+
+
+def test_every_builtin_recipe_loads(tmp_path: Path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no arith/ or outputs/ of a developer's own
+    names = config_lib.recipe_names()
+    for required in ("debug", "llama3-8b", "llama3.1-8b", "llama3.1-70b", "llama3.1-405b", "llama3.2-1b", "llama2-7b",
+                     *CHAIN_RECIPES):
+        assert required in names
+    _load_every_recipe([name for name in names if name not in CHAIN_RECIPES])
+    for name, missing in CHAIN_RECIPES.items():  # before the chain: the one line naming the file to make
+        with pytest.raises(ConfigError, match=f"'{missing}' does not exist"):
+            run_lib.load_config(name, world_size=1)
     cfg = run_lib.load_config("llama3.1-8b")
     assert (cfg.seq_len, cfg.global_batch_size) == (8192, 1024)
+
+
+@pytest.mark.slow
+def test_the_rl_chain_recipes_load_over_the_files_the_chain_makes(tmp_path: Path, monkeypatch):
+    """docs/rl.md's commands, small: the gym data, its tokenizer, two SFT steps; then both recipes load."""
+    gym = ["basic_arithmetic", "--option", "max_terms=2", "--option", "max_digits=2", "--option", "operators=[+]"]
+    commands = [["data", "gym", *gym, "arith/train.jsonl", "--size", "200", "--seed", "1"],
+                ["data", "tokenizer", "train", "arith/train.jsonl", "arith/tok", "--vocab-size", "260",
+                 "--text-field", "prompt"],
+                ["train", "arith-sft", "max_steps=2", "checkpoint.interval=2"]]
+    for command in commands:
+        subprocess.run([sys.executable, "-m", "ember.cli", *command], cwd=tmp_path, check=True, capture_output=True)
+    monkeypatch.chdir(tmp_path)
+    _load_every_recipe(list(CHAIN_RECIPES))
 
 
 def test_overrides_reach_nested_sections_and_cast_types():
