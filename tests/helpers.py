@@ -25,6 +25,7 @@ def load_benchmark(name: str) -> ModuleType:
     """benchmarks/NAME.py as a module (benchmarks/ is a folder of scripts, not a package)."""
     spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # a dataclass in it looks its module up there
     spec.loader.exec_module(module)
     return module
 

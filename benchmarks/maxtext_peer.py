@@ -1,0 +1,280 @@
+"""ember's XLA engine (device=xla: torchax + jax) against MaxText, the two XLA trainers a TPU user chooses between,
+on the same jax devices: the same Llama shape, global batch, sequence, dtype, AdamW and clipping, blocks as one
+scan with full remat, random tokens, timed side by side in one run of this script.
+
+On this CPU the devices are jax's CPU backend, one device or eight virtual ones
+(XLA_FLAGS=--xla_force_host_platform_device_count=8), at three layouts: 1 device, fsdp=8, fsdp=4 x tensor=2.
+Each side is its own subprocess, alternating ember and MaxText for --rounds rounds. A side's figure is the
+median of its steady per-step seconds: ember's from its metrics.jsonl windows, MaxText's from its
+`completed step: N, seconds: S` lines, the first --warmup steps left out of both (they hold the compile).
+`ratio` is MaxText's step time over ember's: above 1, ember is faster.
+
+MaxText runs in its own environment (it needs Python >= 3.12 and a newer jax than ember's torchax pins). Set it
+up from the repository root:
+
+    python3.12 -m venv .venv-maxtext && .venv-maxtext/bin/pip install -r benchmarks/requirements-maxtext.txt
+
+    python benchmarks/maxtext_peer.py                                   # debug shape, fp32, every layout
+    python benchmarks/maxtext_peer.py --shape debug,100m --precision fp32,bf16 --rounds 2
+    python benchmarks/maxtext_peer.py --layout fsdp8 --dump-hlo /tmp/hlo   # both sides' compiled HLO, to compare
+
+Writes benchmarks/results/maxtext_peer-cpu.json: the CPU, the date, both sides' jax versions, every command, and
+per row both sides' step times and losses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from datetime import date
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+SETUP = ("python3.12 -m venv .venv-maxtext && .venv-maxtext/bin/pip install -r "
+         "benchmarks/requirements-maxtext.txt")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A Llama 3 shape, as both trainers spell it (ember's model.* keys, MaxText's base_* keys)."""
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_hidden_dim: int
+    vocab_size: int
+    batch: int  # global, sequences
+    seq_len: int
+    steps: int  # a run's length, warm-up included
+
+
+# debug: ember's `debug` recipe's model; 100m: a GPT-2-small-sized Llama (125M parameters, 49M of them embeddings)
+SHAPES = {"debug": Shape(256, 4, 8, 4, 704, 8192, batch=8, seq_len=256, steps=14),
+          "100m": Shape(768, 12, 12, 4, 2048, 32000, batch=8, seq_len=256, steps=6)}
+# name -> (jax devices, fsdp, tensor)
+LAYOUTS = {"1": (1, 1, 1), "fsdp8": (8, 8, 1), "fsdp4-tensor2": (8, 4, 2)}
+PRECISIONS = {"fp32": "float32", "bf16": "bfloat16"}  # ember's precision -> MaxText's dtype (weights stay fp32)
+ROPE_THETA = 500000.0  # Llama 3's, ember's debug flavor's
+MAXTEXT_STEP = re.compile(r"completed step: (\d+), seconds: ([0-9.]+).*?loss: ([0-9.]+)")
+
+
+def find_maxtext_python(given: Optional[str], environ: dict[str, str], repo: Path = ROOT) -> Path:
+    """--maxtext-python, else $EMBER_MAXTEXT_PYTHON, else the repository's .venv-maxtext/bin/python."""
+    path = Path(given or environ.get("EMBER_MAXTEXT_PYTHON") or repo / ".venv-maxtext" / "bin" / "python")
+    if not path.is_file():
+        raise SystemExit(f"no MaxText environment: {path} does not exist; set one up with `{SETUP}` (or point "
+                         "--maxtext-python or EMBER_MAXTEXT_PYTHON at a python that has maxtext)")
+    return path
+
+
+def device_env(devices: int, dump_hlo: Optional[Path] = None) -> dict[str, str]:
+    """jax's CPU backend with `devices` virtual devices (and XLA's HLO dumps where asked), the rest of os.environ."""
+    flags = [f"--xla_force_host_platform_device_count={devices}"]
+    if dump_hlo is not None:
+        flags += [f"--xla_dump_to={dump_hlo}", "--xla_dump_hlo_as_text"]
+    return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(flags), TOKENIZERS_PARALLELISM="false")
+
+
+def ember_command(shape: Shape, layout: str, precision: str, logging_steps: int, output_dir: Path) -> list[str]:
+    devices, fsdp, tensor = LAYOUTS[layout]
+    return [sys.executable, "-m", "ember", "train", "debug", "device=xla", f"precision={precision}",
+            f"model.dim={shape.dim}", f"model.n_layers={shape.n_layers}", f"model.n_heads={shape.n_heads}",
+            f"model.n_kv_heads={shape.n_kv_heads}", f"model.ffn_hidden_dim={shape.ffn_hidden_dim}",
+            f"model.vocab_size={shape.vocab_size}", "model.scan_layers=true", "model.remat=full",
+            f"global_batch_size={shape.batch}", f"micro_batch_size={shape.batch * tensor // devices}",
+            f"seq_len={shape.seq_len}", f"ici_mesh.fsdp={fsdp}", f"ici_mesh.tensor={tensor}",
+            "optim.betas=[0.9,0.95]", "optim.eps=1e-8", "optim.weight_decay=0.1", "optim.max_grad_norm=1.0",
+            f"max_steps={shape.steps}", f"logging_steps={logging_steps}", "data.dataset=synthetic",
+            "checkpoint.interval=0", "eval_interval=0", "resume=none", "seed=0", "metrics.console=false",
+            f"output_dir={output_dir}"]
+
+
+def maxtext_command(python: Path, shape: Shape, layout: str, precision: str, output_dir: Path) -> list[str]:
+    """MaxText's pre-training entry point with its base.yml and the same model, batch, optimizer and layout."""
+    devices, fsdp, tensor = LAYOUTS[layout]
+    return [str(python), "-m", "maxtext.trainers.pre_train.train", "BASE_YML", "run_name=peer",
+            f"base_output_directory={output_dir}", "hardware=cpu", "skip_jax_distributed_system=true",
+            "dataset_type=synthetic", f"steps={shape.steps}", "enable_checkpointing=false",
+            f"per_device_batch_size={shape.batch / devices:g}", f"max_target_length={shape.seq_len}",
+            f"dtype={PRECISIONS[precision]}", "weight_dtype=float32", f"base_emb_dim={shape.dim}",
+            f"base_num_query_heads={shape.n_heads}", f"base_num_kv_heads={shape.n_kv_heads}",
+            f"base_mlp_dim={shape.ffn_hidden_dim}", f"base_num_decoder_layers={shape.n_layers}",
+            f"head_dim={shape.dim // shape.n_heads}", f"vocab_size={shape.vocab_size}", "decoder_block=llama2",
+            "logits_via_embedding=false", "normalization_layer_epsilon=1e-5", f"rope_max_timescale={ROPE_THETA:g}",
+            "scan_layers=true", "remat_policy=full", "attention=dot_product", "enable_dropout=false",
+            "opt_type=adamw", "adam_b1=0.9", "adam_b2=0.95", "adam_eps=1e-8", "adam_weight_decay=0.1",
+            "gradient_clipping_threshold=1.0", "enable_tensorboard=false", "enable_goodput_recording=false",
+            f"ici_fsdp_parallelism={fsdp}", f"ici_tensor_parallelism={tensor}", "ici_data_parallelism=1"]
+
+
+def base_yml(python: Path) -> str:
+    """MaxText's configs/base.yml in its environment."""
+    probe = "import maxtext, os; print(os.path.join(os.path.dirname(maxtext.__file__), 'configs', 'base.yml'))"
+    done = subprocess.run([str(python), "-c", probe], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{python} cannot import maxtext ({(done.stderr.strip().splitlines() or ['?'])[-1]}); "
+                         f"set its environment up with `{SETUP}`")
+    return done.stdout.strip()
+
+
+def maxtext_steps(log: str) -> list[tuple[int, float, float]]:
+    """(step, seconds, loss) of each `completed step` line MaxText logged."""
+    return [(int(m[1]), float(m[2]), float(m[3])) for m in MAXTEXT_STEP.finditer(log)]
+
+
+def ember_steps(metrics: list[dict[str, Any]], tokens_per_step: int) -> list[tuple[int, float, float]]:
+    """(last step of the window, seconds a step, loss) of each window in ember's metrics.jsonl records."""
+    return [(r["step"], tokens_per_step / r["tokens_per_s"], r["loss"]) for r in metrics if "tokens_per_s" in r]
+
+
+def steady_seconds(steps: list[tuple[int, float, float]], warmup: int) -> list[float]:
+    """The seconds of the steps after the first `warmup` (MaxText counts steps from 0, ember's windows end at
+    their last step, from 1)."""
+    return [seconds for step, seconds, _ in steps if step > warmup]
+
+
+def run(command: list[str], env: dict[str, str], shown: str) -> str:
+    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT)
+    if done.returncode != 0:
+        raise SystemExit(f"`{shown}` failed (exit {done.returncode}):\n{(done.stdout + done.stderr)[-4000:]}")
+    return done.stdout + done.stderr
+
+
+def measure_ember(shape: Shape, layout: str, precision: str, args: argparse.Namespace,
+                  scratch: Path) -> dict[str, Any]:
+    out = scratch / f"ember-{layout}-{precision}"
+    command = ember_command(shape, layout, precision, args.logging_steps, out)
+    shown = " ".join(command[2:]).replace(str(out), "OUT")
+    run(command, device_env(LAYOUTS[layout][0], _dump(args, "ember", layout, precision)), shown)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = ember_steps(records, shape.batch * shape.seq_len)
+    return {"command": shown, "steps": steps, "seconds": steady_seconds(steps, args.warmup)}
+
+
+def measure_maxtext(shape: Shape, layout: str, precision: str, args: argparse.Namespace,
+                    scratch: Path) -> dict[str, Any]:
+    out = scratch / f"maxtext-{layout}-{precision}"
+    command = maxtext_command(args.maxtext_python, shape, layout, precision, out)
+    shown = " ".join(["python", *command[1:]])
+    command[command.index("BASE_YML")] = args.base_yml
+    log = run(command, device_env(LAYOUTS[layout][0], _dump(args, "maxtext", layout, precision)), shown)
+    steps = maxtext_steps(log)
+    if len(steps) != shape.steps:
+        raise SystemExit(f"`{shown}` logged {len(steps)} of {shape.steps} steps:\n{log[-3000:]}")
+    return {"command": shown, "steps": steps, "seconds": steady_seconds(steps, args.warmup - 1)}
+
+
+def _dump(args: argparse.Namespace, side: str, layout: str, precision: str) -> Optional[Path]:
+    return args.dump_hlo / f"{side}-{layout}-{precision}" if args.dump_hlo else None
+
+
+def measure_row(shape_name: str, layout: str, precision: str, args: argparse.Namespace,
+                scratch: Path) -> dict[str, Any]:
+    """Both sides, alternating, --rounds times; the median of each side's per-round medians."""
+    shape = replace_steps(SHAPES[shape_name], args)
+    sides: dict[str, list[dict[str, Any]]] = {"ember": [], "maxtext": []}
+    for _ in range(args.rounds):
+        sides["ember"].append(measure_ember(shape, layout, precision, args, scratch))
+        sides["maxtext"].append(measure_maxtext(shape, layout, precision, args, scratch))
+    row: dict[str, Any] = {"shape": shape_name, "precision": precision, "layout": layout}
+    for side, runs in sides.items():
+        medians = [statistics.median(r["seconds"]) for r in runs if r["seconds"]]
+        if not medians:
+            raise SystemExit(f"{side} kept no step after --warmup {args.warmup}: raise --steps")
+        row[f"{side}_step_s"] = statistics.median(medians)
+        row[f"{side}_tokens_per_s"] = shape.batch * shape.seq_len / row[f"{side}_step_s"]
+        row[f"{side}_round_step_s"] = medians
+        row[f"{side}_first_loss"] = runs[0]["steps"][0][2]
+        row[f"{side}_command"] = runs[0]["command"]
+    row["ratio"] = row["maxtext_step_s"] / row["ember_step_s"]
+    return row
+
+
+def replace_steps(shape: Shape, args: argparse.Namespace) -> Shape:
+    return Shape(**(asdict(shape) | ({"steps": args.steps} if args.steps else {})))
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    print(f"\n{'shape':<7}{'precision':<10}{'layout':<15}{'ember s/step':>13}{'MaxText s/step':>15}{'ratio':>8}")
+    for r in rows:
+        print(f"{r['shape']:<7}{r['precision']:<10}{r['layout']:<15}{r['ember_step_s']:>13.3f}"
+              f"{r['maxtext_step_s']:>15.3f}{r['ratio']:>7.2f}x")
+
+
+def maxtext_versions(python: Path) -> dict[str, str]:
+    probe = ("from importlib.metadata import version as v; "
+             "print(v('maxtext'), v('jax'), v('jaxlib'), sep='\\n')")
+    done = subprocess.run([str(python), "-c", probe], capture_output=True, text=True)
+    names = ("maxtext", "maxtext_jax", "maxtext_jaxlib")
+    return dict(zip(names, done.stdout.split())) if done.returncode == 0 else {}
+
+
+def parse_list(text: str, known: dict[str, Any] | tuple[str, ...], flag: str,
+               parser: argparse.ArgumentParser) -> list[str]:
+    chosen = [item.strip() for item in text.split(",") if item.strip()]
+    wrong = [item for item in chosen if item not in known]
+    if wrong or not chosen:
+        parser.error(f"{flag} {text}: choose from {', '.join(known)}")
+    return chosen
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="debug", help=f"comma-separated, from {', '.join(SHAPES)}")
+    parser.add_argument("--layout", default=",".join(LAYOUTS), help=f"comma-separated, from {', '.join(LAYOUTS)}")
+    parser.add_argument("--precision", default="fp32", help="comma-separated, from fp32, bf16")
+    parser.add_argument("--rounds", type=int, default=2, help="runs of each side per row, alternating")
+    parser.add_argument("--steps", type=int, default=None, help="steps a run, warm-up included (default: the "
+                        "shape's: 14 for debug, 6 for 100m)")
+    parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the timing (the compile)")
+    parser.add_argument("--maxtext-python", default=None, help="default: $EMBER_MAXTEXT_PYTHON, else "
+                        ".venv-maxtext/bin/python")
+    parser.add_argument("--dump-hlo", type=Path, default=None, help="write both sides' compiled HLO under this "
+                        "folder (XLA_FLAGS=--xla_dump_to), one subfolder per side and row")
+    parser.add_argument("--notes", default="", help="a note stored with the results")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args(argv)
+    shapes = parse_list(args.shape, SHAPES, "--shape", parser)
+    layouts = parse_list(args.layout, LAYOUTS, "--layout", parser)
+    precisions = parse_list(args.precision, tuple(PRECISIONS), "--precision", parser)
+    if args.rounds < 1 or args.warmup < 1:
+        parser.error("--rounds and --warmup must be at least 1 (the first step holds the compile)")
+    if args.steps is not None and args.steps <= args.warmup:
+        parser.error(f"--steps {args.steps} leaves no step after --warmup {args.warmup}")
+    args.logging_steps = 1
+    args.maxtext_python = find_maxtext_python(args.maxtext_python, dict(os.environ))
+    args.base_yml = base_yml(args.maxtext_python)
+
+    from ember.hardware import cpu_rates
+
+    rows = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for shape in shapes:
+            for precision in precisions:
+                for layout in layouts:
+                    rows.append(measure_row(shape, layout, precision, args, Path(scratch)))
+                    print_table(rows[-1:])
+    print_table(rows)
+    result = {"benchmark": "maxtext_peer", "date": date.today().isoformat(),
+              "machine": f"{cpu_rates.cpu_model()}, {os.cpu_count()} cores", "jax": metadata.version("jax"),
+              "torchax": metadata.version("torchax"), **maxtext_versions(args.maxtext_python),
+              "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+              "shapes": {name: asdict(SHAPES[name]) for name in shapes}, "rows": rows}
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "maxtext_peer-cpu.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
