@@ -4,10 +4,17 @@ scan with full remat, random tokens, timed side by side in one run of this scrip
 
 On this CPU the devices are jax's CPU backend, one device or eight virtual ones
 (XLA_FLAGS=--xla_force_host_platform_device_count=8), at three layouts: 1 device, fsdp=8, fsdp=4 x tensor=2.
-Each side is its own subprocess, alternating ember and MaxText for --rounds rounds. A side's figure is the
-median of its steady per-step seconds: ember's from its metrics.jsonl windows, MaxText's from its
-`completed step: N, seconds: S` lines, the first --warmup steps left out of both (they hold the compile).
-`ratio` is MaxText's step time over ember's: above 1, ember is faster.
+Each side is its own subprocess, alternating ember and MaxText for --rounds rounds. A run's figure is the mean
+of its steady steps' seconds (their sum over their count), the first --warmup steps left out (they hold the
+compile): ember's from its metrics.jsonl windows, MaxText's from its `completed step: N, seconds: S` lines.
+MaxText times a step from its dispatch to the next one's, with one step queued behind the running one, so its
+single steps alternate short and long while their sum is the run's time; a median of them would not be. A
+row's figure is the median of its runs'. `ratio` is MaxText's step time over ember's: above 1, ember is faster.
+
+--profile adds one profiled run of each side per row (jax.profiler on both, two steady steps) and sums its trace
+by XLA op kind: the matmuls (XLA:CPU's YNNPACK fusions and dots), each collective, the copies and transposes,
+the other fusions, per device and step, and the time no device thread ran an op: where two equal programs
+differ, this says which ops take the difference.
 
 MaxText runs in its own environment (it needs Python >= 3.12 and a newer jax than ember's torchax pins). Set it
 up from the repository root:
@@ -38,6 +45,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Optional
 
+sys.path.insert(0, str(Path(__file__).parent))  # benchmarks/ is a folder of scripts: its modules by file name
+import xla_trace  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 SETUP = ("python3.12 -m venv .venv-maxtext && .venv-maxtext/bin/pip install -r "
          "benchmarks/requirements-maxtext.txt")
@@ -58,7 +68,7 @@ class Shape:
 
 
 # debug: ember's `debug` recipe's model; 100m: a GPT-2-small-sized Llama (125M parameters, 49M of them embeddings)
-SHAPES = {"debug": Shape(256, 4, 8, 4, 704, 8192, batch=8, seq_len=256, steps=14),
+SHAPES = {"debug": Shape(256, 4, 8, 4, 704, 8192, batch=8, seq_len=256, steps=20),
           "100m": Shape(768, 12, 12, 4, 2048, 32000, batch=8, seq_len=256, steps=6)}
 # name -> (jax devices, fsdp, tensor)
 LAYOUTS = {"1": (1, 1, 1), "fsdp8": (8, 8, 1), "fsdp4-tensor2": (8, 4, 2)}
@@ -173,29 +183,55 @@ def measure_maxtext(shape: Shape, layout: str, precision: str, args: argparse.Na
     return {"command": shown, "steps": steps, "seconds": steady_seconds(steps, args.warmup - 1)}
 
 
+PROFILED_STEPS = 2
+
+
+def profile_side(side: str, shape: Shape, layout: str, precision: str, args: argparse.Namespace,
+                 scratch: Path) -> dict[str, Any]:
+    """One run of `side` with jax.profiler tracing PROFILED_STEPS steps after --warmup, summed by op kind
+    (xla_trace.summarize)."""
+    out = scratch / f"profile-{side}-{layout}-{precision}"
+    first = args.warmup + 1  # 1-based: the first steady step
+    steps = Shape(**(asdict(shape) | {"steps": first + PROFILED_STEPS + 1}))
+    if side == "ember":
+        command = ember_command(steps, layout, precision, args.logging_steps, out) + [
+            "profile.enabled=true", f"profile.step={first}", f"profile.steps={PROFILED_STEPS}"]
+    else:
+        command = maxtext_command(args.maxtext_python, steps, layout, precision, out) + [
+            "profiler=xplane", f"skip_first_n_steps_for_profiler={first - 1}", f"profiler_steps={PROFILED_STEPS}"]
+        command[command.index("BASE_YML")] = args.base_yml
+    devices = LAYOUTS[layout][0]
+    run(command, device_env(devices), f"{side} --profile")
+    return xla_trace.summarize(xla_trace.find_trace(out), devices, PROFILED_STEPS)
+
+
 def _dump(args: argparse.Namespace, side: str, layout: str, precision: str) -> Optional[Path]:
     return args.dump_hlo / f"{side}-{layout}-{precision}" if args.dump_hlo else None
 
 
 def measure_row(shape_name: str, layout: str, precision: str, args: argparse.Namespace,
                 scratch: Path) -> dict[str, Any]:
-    """Both sides, alternating, --rounds times; the median of each side's per-round medians."""
+    """Both sides, alternating, --rounds times; the median of each side's per-round means."""
     shape = replace_steps(SHAPES[shape_name], args)
     sides: dict[str, list[dict[str, Any]]] = {"ember": [], "maxtext": []}
     for _ in range(args.rounds):
         sides["ember"].append(measure_ember(shape, layout, precision, args, scratch))
         sides["maxtext"].append(measure_maxtext(shape, layout, precision, args, scratch))
-    row: dict[str, Any] = {"shape": shape_name, "precision": precision, "layout": layout}
+    row: dict[str, Any] = {"shape": shape_name, "precision": precision, "layout": layout, "steps": shape.steps,
+                           "rounds": args.rounds}
     for side, runs in sides.items():
-        medians = [statistics.median(r["seconds"]) for r in runs if r["seconds"]]
-        if not medians:
+        means = [statistics.fmean(r["seconds"]) for r in runs if r["seconds"]]
+        if not means:
             raise SystemExit(f"{side} kept no step after --warmup {args.warmup}: raise --steps")
-        row[f"{side}_step_s"] = statistics.median(medians)
+        row[f"{side}_step_s"] = statistics.median(means)
         row[f"{side}_tokens_per_s"] = shape.batch * shape.seq_len / row[f"{side}_step_s"]
-        row[f"{side}_round_step_s"] = medians
+        row[f"{side}_round_step_s"] = means
         row[f"{side}_first_loss"] = runs[0]["steps"][0][2]
         row[f"{side}_command"] = runs[0]["command"]
     row["ratio"] = row["maxtext_step_s"] / row["ember_step_s"]
+    if args.profile:
+        row["profile_ms_per_device_step"] = {
+            side: profile_side(side, shape, layout, precision, args, scratch) for side in ("ember", "maxtext")}
     return row
 
 
@@ -234,12 +270,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--precision", default="fp32", help="comma-separated, from fp32, bf16")
     parser.add_argument("--rounds", type=int, default=2, help="runs of each side per row, alternating")
     parser.add_argument("--steps", type=int, default=None, help="steps a run, warm-up included (default: the "
-                        "shape's: 14 for debug, 6 for 100m)")
+                        "shape's: 20 for debug, 6 for 100m)")
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the timing (the compile)")
     parser.add_argument("--maxtext-python", default=None, help="default: $EMBER_MAXTEXT_PYTHON, else "
                         ".venv-maxtext/bin/python")
     parser.add_argument("--dump-hlo", type=Path, default=None, help="write both sides' compiled HLO under this "
                         "folder (XLA_FLAGS=--xla_dump_to), one subfolder per side and row")
+    parser.add_argument("--profile", action="store_true", help="one profiled run of each side per row: the "
+                        "trace's ms per device and step by XLA op kind, and the device threads' idle time")
+    parser.add_argument("--merge", action="store_true", help="keep the results file's rows of other shapes, "
+                        "precisions and layouts (a long matrix measured in parts)")
     parser.add_argument("--notes", default="", help="a note stored with the results")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args(argv)
@@ -271,6 +311,12 @@ def main(argv: Optional[list[str]] = None) -> int:
               "shapes": {name: asdict(SHAPES[name]) for name in shapes}, "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "maxtext_peer-cpu.json"
+    if args.merge and path.exists():
+        measured = {(r["shape"], r["precision"], r["layout"]) for r in rows}
+        kept = [r for r in json.loads(path.read_text())["rows"]
+                if (r["shape"], r["precision"], r["layout"]) not in measured]
+        result["rows"] = kept + rows
+        result["shapes"] = {name: asdict(SHAPES[name]) for name in {r["shape"] for r in result["rows"]}}
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {path}")
     return 0
