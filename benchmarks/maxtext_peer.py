@@ -254,6 +254,22 @@ def maxtext_versions(python: Path) -> dict[str, str]:
     return dict(zip(names, done.stdout.split())) if done.returncode == 0 else {}
 
 
+PER_ROW = ("shape", "layout", "precision", "rounds", "steps", "profile", "merge")
+
+
+def run_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The command line as the results file keeps it: paths inside the repository relative to it, MaxText's own
+    config file (found in its environment) left out."""
+    config = {}
+    for key, value in vars(args).items():
+        if key == "base_yml":
+            continue
+        if isinstance(value, Path):
+            value = str(value.relative_to(ROOT)) if value.is_absolute() and value.is_relative_to(ROOT) else str(value)
+        config[key] = value
+    return config
+
+
 def parse_list(text: str, known: dict[str, Any] | tuple[str, ...], flag: str,
                parser: argparse.ArgumentParser) -> list[str]:
     chosen = [item.strip() for item in text.split(",") if item.strip()]
@@ -307,7 +323,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     result = {"benchmark": "maxtext_peer", "date": date.today().isoformat(),
               "machine": f"{cpu_rates.cpu_model()}, {os.cpu_count()} cores", "jax": metadata.version("jax"),
               "torchax": metadata.version("torchax"), **maxtext_versions(args.maxtext_python),
-              "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+              "torch": metadata.version("torch"), "config": run_config(args),
               "shapes": {name: asdict(SHAPES[name]) for name in shapes}, "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "maxtext_peer-cpu.json"
@@ -316,6 +332,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         kept = [r for r in json.loads(path.read_text())["rows"]
                 if (r["shape"], r["precision"], r["layout"]) not in measured]
         result["rows"] = kept + rows
+        for key in PER_ROW:  # each row says its own; the header's would be the last part's only
+            result["config"].pop(key, None)
         result["shapes"] = {name: asdict(SHAPES[name]) for name in {r["shape"] for r in result["rows"]}}
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {path}")
