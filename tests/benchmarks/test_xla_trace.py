@@ -49,7 +49,8 @@ def test_ops_are_summed_by_kind_per_device_and_step_over_the_steps_runs(tmp_path
 
 
 @pytest.mark.parametrize("name, kind", [("ynn_fusion.12", "matmul"), ("dot.3", "matmul"),
-                                        ("all-reduce.120", "all-reduce"), ("all-to-all", "all-to-all"), ("copy", "copy/transpose"),
+                                        ("all-reduce.120", "all-reduce"), ("all-to-all", "all-to-all"),
+                                        ("copy", "copy/transpose"),
                                         ("transpose_copy_fusion", "copy/transpose"), ("multiply_add_fusion", "other"),
                                         ("Rendezvous", None), ("Wait: pending_threads=2/", None), ("while.3", None),
                                         ("$python.py:12 f", None)])
