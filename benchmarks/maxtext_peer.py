@@ -12,9 +12,9 @@ single steps alternate short and long while their sum is the run's time; a media
 row's figure is the median of its runs'. `ratio` is MaxText's step time over ember's: above 1, ember is faster.
 
 --profile adds one profiled run of each side per row (jax.profiler on both, two steady steps) and sums its trace
-by XLA op kind: the matmuls (XLA:CPU's YNNPACK fusions and dots), each collective, the copies and transposes,
-the other fusions, per device and step, and the time no device thread ran an op: where two equal programs
-differ, this says which ops take the difference.
+by XLA op kind in busy thread-ms per device and step (benchmarks/xla_trace.py): the matmuls (XLA:CPU's YNNPACK
+fusions and dots), each collective, the copies and transposes, the other fusions, and the ms a step no device
+thread ran an op: where two equal programs differ, this says which ops take the difference.
 
 MaxText runs in its own environment (it needs Python >= 3.12 and a newer jax than ember's torchax pins). Set it
 up from the repository root:
@@ -25,8 +25,9 @@ up from the repository root:
     python benchmarks/maxtext_peer.py --shape debug,100m --precision fp32,bf16 --rounds 2
     python benchmarks/maxtext_peer.py --layout fsdp8 --dump-hlo /tmp/hlo   # both sides' compiled HLO, to compare
 
-Writes benchmarks/results/maxtext_peer-cpu.json: the CPU, the date, both sides' jax versions, every command, and
-per row both sides' step times and losses.
+Writes maxtext_peer-cpu.json into --out (default benchmarks/results, the committed figures) after each row: the
+CPU, the date, both sides' jax versions, every command, and per row both sides' step times and first losses (a
+fresh model on random tokens starts about 0.5 above ln(vocab) on both sides).
 """
 
 from __future__ import annotations
@@ -79,9 +80,12 @@ MAXTEXT_STEP = re.compile(r"completed step: (\d+), seconds: ([0-9.]+).*?loss: ([
 
 def find_maxtext_python(given: Optional[str], environ: dict[str, str], repo: Path = ROOT) -> Path:
     """--maxtext-python, else $EMBER_MAXTEXT_PYTHON, else the repository's .venv-maxtext/bin/python."""
+    source = ("--maxtext-python " if given else "EMBER_MAXTEXT_PYTHON=" if environ.get("EMBER_MAXTEXT_PYTHON")
+              else "")
     path = Path(given or environ.get("EMBER_MAXTEXT_PYTHON") or repo / ".venv-maxtext" / "bin" / "python")
-    if not path.is_file():
-        raise SystemExit(f"no MaxText environment: {path} does not exist; set one up with `{SETUP}` (or point "
+    if not path.is_file() or not os.access(path, os.X_OK):
+        what = "is not an executable file" if path.exists() else "does not exist"
+        raise SystemExit(f"no MaxText environment: {source}{path} {what}; set one up with `{SETUP}` (or point "
                          "--maxtext-python or EMBER_MAXTEXT_PYTHON at a python that has maxtext)")
     return path
 
@@ -174,7 +178,7 @@ def measure_maxtext(shape: Shape, layout: str, precision: str, args: argparse.Na
                     scratch: Path) -> dict[str, Any]:
     out = scratch / f"maxtext-{layout}-{precision}"
     command = maxtext_command(args.maxtext_python, shape, layout, precision, out)
-    shown = " ".join(["python", *command[1:]])
+    shown = " ".join(["python", *command[1:]]).replace(str(out), "OUT")
     command[command.index("BASE_YML")] = args.base_yml
     log = run(command, device_env(LAYOUTS[layout][0], _dump(args, "maxtext", layout, precision)), shown)
     steps = maxtext_steps(log)
@@ -226,6 +230,7 @@ def measure_row(shape_name: str, layout: str, precision: str, args: argparse.Nam
         row[f"{side}_step_s"] = statistics.median(means)
         row[f"{side}_tokens_per_s"] = shape.batch * shape.seq_len / row[f"{side}_step_s"]
         row[f"{side}_round_step_s"] = means
+        row[f"{side}_kept_step_s"] = [r["seconds"] for r in runs]
         row[f"{side}_first_loss"] = runs[0]["steps"][0][2]
         row[f"{side}_command"] = runs[0]["command"]
     row["ratio"] = row["maxtext_step_s"] / row["ember_step_s"]
@@ -275,67 +280,100 @@ def parse_list(text: str, known: dict[str, Any] | tuple[str, ...], flag: str,
     chosen = [item.strip() for item in text.split(",") if item.strip()]
     wrong = [item for item in chosen if item not in known]
     if wrong or not chosen:
-        parser.error(f"{flag} {text}: choose from {', '.join(known)}")
+        named = f"unknown {', '.join(wrong)}" if wrong else "names none"
+        parser.error(f"{flag} {text}: {named}; choose from {', '.join(known)}")
     return chosen
+
+
+MIN_KEPT_STEPS = 3  # MaxText's first steady steps run long (its one-step queue filling): one alone misleads
+
+
+def write_results(rows: list[dict[str, Any]], args: argparse.Namespace) -> Path:
+    """benchmarks/results/maxtext_peer-cpu.json (--out: the folder) with the rows so far; with --merge, the file's
+    rows of other (shape, precision, layout) kept, and the header's per-row settings left to the rows."""
+    from ember.hardware import cpu_rates
+
+    result = {"benchmark": "maxtext_peer", "date": date.today().isoformat(),
+              "machine": f"{cpu_rates.cpu_model()}, {os.cpu_count()} cores", "jax": metadata.version("jax"),
+              "torchax": metadata.version("torchax"), **maxtext_versions(args.maxtext_python),
+              "torch": metadata.version("torch"), "config": run_config(args), "rows": rows}
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "maxtext_peer-cpu.json"
+    if args.merge:
+        measured = {(r["shape"], r["precision"], r["layout"]) for r in rows}
+        try:
+            earlier = json.loads(path.read_text())["rows"] if path.exists() else []
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise SystemExit(f"--merge: {path} is not a results file of this benchmark; move it away or drop "
+                             "--merge") from None
+        result["rows"] = [r for r in earlier if (r["shape"], r["precision"], r["layout"]) not in measured] + rows
+        for key in PER_ROW:  # each row says its own; the header's would be the last part's only
+            result["config"].pop(key, None)
+    result["shapes"] = {name: {k: v for k, v in asdict(SHAPES[name]).items() if k != "steps"}
+                        for name in sorted({r["shape"] for r in result["rows"]})}
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    return path
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", default="debug", help=f"comma-separated, from {', '.join(SHAPES)}")
-    parser.add_argument("--layout", default=",".join(LAYOUTS), help=f"comma-separated, from {', '.join(LAYOUTS)}")
-    parser.add_argument("--precision", default="fp32", help="comma-separated, from fp32, bf16")
-    parser.add_argument("--rounds", type=int, default=2, help="runs of each side per row, alternating")
+    parser.add_argument("--shape", default="debug", help=f"comma-separated, from {', '.join(SHAPES)} "
+                        "(default: %(default)s)")
+    parser.add_argument("--layout", default=",".join(LAYOUTS), help=f"comma-separated, from {', '.join(LAYOUTS)} "
+                        "(default: all)")
+    parser.add_argument("--precision", default="fp32", help="comma-separated, from fp32, bf16 (default: %(default)s)")
+    parser.add_argument("--rounds", type=int, default=2, help="runs of each side per row, alternating "
+                        "(default: %(default)s)")
     parser.add_argument("--steps", type=int, default=None, help="steps a run, warm-up included (default: the "
-                        "shape's: 20 for debug, 6 for 100m)")
-    parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the timing (the compile)")
+                        f"shape's: 20 for debug, 6 for 100m); at least --warmup + {MIN_KEPT_STEPS}")
+    parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the timing, the compile "
+                        "(default: %(default)s)")
     parser.add_argument("--maxtext-python", default=None, help="default: $EMBER_MAXTEXT_PYTHON, else "
                         ".venv-maxtext/bin/python")
     parser.add_argument("--dump-hlo", type=Path, default=None, help="write both sides' compiled HLO under this "
-                        "folder (XLA_FLAGS=--xla_dump_to), one subfolder per side and row")
+                        "folder (XLA_FLAGS=--xla_dump_to), one subfolder per side and row; the train programs are "
+                        "ember's *jit_train.* and MaxText's *jit_train_step.* files")
     parser.add_argument("--profile", action="store_true", help="one profiled run of each side per row: the "
-                        "trace's ms per device and step by XLA op kind, and the device threads' idle time")
+                        "trace's busy thread-ms per device and step by XLA op kind, and the ms a step no device "
+                        "thread ran an op (in the results file, each row's profile_ms_per_device_step)")
     parser.add_argument("--merge", action="store_true", help="keep the results file's rows of other shapes, "
                         "precisions and layouts (a long matrix measured in parts)")
     parser.add_argument("--notes", default="", help="a note stored with the results")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results",
+                        help="the folder of maxtext_peer-cpu.json (default: benchmarks/results, the committed "
+                        "figures: a trial run belongs elsewhere)")
     args = parser.parse_args(argv)
     shapes = parse_list(args.shape, SHAPES, "--shape", parser)
     layouts = parse_list(args.layout, LAYOUTS, "--layout", parser)
     precisions = parse_list(args.precision, tuple(PRECISIONS), "--precision", parser)
     if args.rounds < 1 or args.warmup < 1:
         parser.error("--rounds and --warmup must be at least 1 (the first step holds the compile)")
-    if args.steps is not None and args.steps <= args.warmup:
-        parser.error(f"--steps {args.steps} leaves no step after --warmup {args.warmup}")
+    for shape in shapes:
+        steps = args.steps or SHAPES[shape].steps
+        if steps - args.warmup < MIN_KEPT_STEPS:
+            parser.error(f"--steps {steps} keeps {max(steps - args.warmup, 0)} step(s) after --warmup "
+                         f"{args.warmup}; give --steps of at least {args.warmup + MIN_KEPT_STEPS}")
     args.logging_steps = 1
+    args.out = args.out.resolve()  # the children run in the repository root
+    args.dump_hlo = args.dump_hlo.resolve() if args.dump_hlo else None
     args.maxtext_python = find_maxtext_python(args.maxtext_python, dict(os.environ))
     args.base_yml = base_yml(args.maxtext_python)
 
-    from ember.hardware import cpu_rates
-
-    rows = []
-    with tempfile.TemporaryDirectory() as scratch:
-        for shape in shapes:
-            for precision in precisions:
-                for layout in layouts:
-                    rows.append(measure_row(shape, layout, precision, args, Path(scratch)))
-                    print_table(rows[-1:])
-    print_table(rows)
-    result = {"benchmark": "maxtext_peer", "date": date.today().isoformat(),
-              "machine": f"{cpu_rates.cpu_model()}, {os.cpu_count()} cores", "jax": metadata.version("jax"),
-              "torchax": metadata.version("torchax"), **maxtext_versions(args.maxtext_python),
-              "torch": metadata.version("torch"), "config": run_config(args),
-              "shapes": {name: asdict(SHAPES[name]) for name in shapes}, "rows": rows}
-    args.out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict[str, Any]] = []
     path = args.out / "maxtext_peer-cpu.json"
-    if args.merge and path.exists():
-        measured = {(r["shape"], r["precision"], r["layout"]) for r in rows}
-        kept = [r for r in json.loads(path.read_text())["rows"]
-                if (r["shape"], r["precision"], r["layout"]) not in measured]
-        result["rows"] = kept + rows
-        for key in PER_ROW:  # each row says its own; the header's would be the last part's only
-            result["config"].pop(key, None)
-        result["shapes"] = {name: asdict(SHAPES[name]) for name in {r["shape"] for r in result["rows"]}}
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    try:
+        with tempfile.TemporaryDirectory() as scratch:
+            for shape in shapes:
+                for precision in precisions:
+                    for layout in layouts:
+                        rows.append(measure_row(shape, layout, precision, args, Path(scratch)))
+                        print_table(rows[-1:])
+                        path = write_results(rows, args)  # a later failure or Ctrl-C keeps this row
+    except KeyboardInterrupt:
+        kept = f"; the {len(rows)} row(s) measured are in {path}" if rows else ""
+        print(f"interrupted{kept}", file=sys.stderr)
+        return 130
+    print_table(rows)
     print(f"wrote {path}")
     return 0
 

@@ -1,5 +1,8 @@
-"""A jax.profiler trace (the trace.json.gz it writes beside the xplane) summed by XLA op kind, per device and step:
-what benchmarks/maxtext_peer.py --profile compares between two XLA programs that should cost the same.
+"""A jax.profiler trace (the trace.json.gz it writes beside the xplane) summed by XLA op kind, in busy thread-ms per
+device and step: what benchmarks/maxtext_peer.py --profile compares between two XLA programs that should cost the
+same. Thread-ms, not wall time: an op that runs on two threads counts twice, so a kind's figure (and "ops", their
+sum) can exceed the step's wall time ("step"); on devices that share few cores an op's span also holds the time
+its thread waited for a core.
 
 On jax's CPU backend each device runs its program on XLA's threads (tf_XLAEigen, tf_XLAExecute, tf_XLAPjRtCpuClient);
 an op is one complete event there named after its HLO instruction (`ynn_fusion.12`, `all-gather.3`). Nested
@@ -54,8 +57,8 @@ def step_windows(events: list[dict[str, Any]], threads: dict[tuple[int, int], st
 
 
 def summarize(trace: Path, devices: int, steps: int) -> dict[str, Any]:
-    """ms per device and step of each op kind in the last `steps` train steps of a trace, their sum ("ops"), a
-    step's wall time ("step") and the ms a step in which no XLA thread ran an op ("idle")."""
+    """Busy thread-ms per device and step of each op kind in the last `steps` train steps of a trace, their sum
+    ("ops"), a step's wall time in ms ("step") and the ms a step in which no XLA thread ran an op ("idle")."""
     data = json.load(gzip.open(trace))
     threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in data["traceEvents"]
                if e.get("ph") == "M" and e.get("name") == "thread_name"}

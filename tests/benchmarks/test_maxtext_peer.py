@@ -72,12 +72,16 @@ def test_a_missing_maxtext_environment_names_its_setup(tmp_path):
     with pytest.raises(SystemExit, match=r"no MaxText environment: .*\.venv-maxtext/bin/python does not exist; "
                                          r"set one up with `python3.12 -m venv \.venv-maxtext"):
         peer.find_maxtext_python(None, {}, repo=tmp_path)
+    with pytest.raises(SystemExit, match=f"EMBER_MAXTEXT_PYTHON={tmp_path} is not an executable file"):
+        peer.find_maxtext_python(None, {"EMBER_MAXTEXT_PYTHON": str(tmp_path)})
     assert peer.find_maxtext_python(None, {"EMBER_MAXTEXT_PYTHON": sys.executable}) == Path(sys.executable)
 
 
-@pytest.mark.parametrize("argv, message", [(["--layout", "fsdp2"], "--layout fsdp2: choose from 1, fsdp8"),
-                                           (["--shape", "8b"], "--shape 8b: choose from debug, 100m"),
-                                           (["--steps", "2"], "--steps 2 leaves no step after --warmup 2")])
+@pytest.mark.parametrize("argv, message", [
+    (["--layout", "fsdp8,fsdp2"], "--layout fsdp8,fsdp2: unknown fsdp2; choose from 1, fsdp8"),
+    (["--shape", "8b"], "--shape 8b: unknown 8b; choose from debug, 100m"),
+    (["--steps", "4"], "--steps 4 keeps 2 step(s) after --warmup 2; give --steps of at least 5"),
+    (["--shape", "100m", "--warmup", "4"], "--steps 6 keeps 2 step(s) after --warmup 4; give --steps of at least 7")])
 def test_wrong_arguments_are_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as raised:
         peer.main(argv)
@@ -103,15 +107,33 @@ def test_the_script_runs_end_to_end_and_writes_its_results(tmp_path, capsys):
     fake.write_text(FAKE_MAXTEXT.format(python=sys.executable))
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     flags = os.environ.get("XLA_FLAGS")
-    assert peer.main(["--layout", "fsdp4-tensor2", "--rounds", "1", "--steps", "3", "--maxtext-python", str(fake),
+    assert peer.main(["--layout", "fsdp4-tensor2", "--rounds", "1", "--steps", "5", "--maxtext-python", str(fake),
                       "--out", str(tmp_path / "results")]) == 0
     result = json.loads((tmp_path / "results" / "maxtext_peer-cpu.json").read_text())
     (row,) = result["rows"]
     assert (row["shape"], row["precision"], row["layout"]) == ("debug", "fp32", "fsdp4-tensor2")
     assert row["maxtext_step_s"] == 2.0 and row["ratio"] == pytest.approx(2.0 / row["ember_step_s"])
+    assert row["maxtext_kept_step_s"] == [[2.0, 2.0, 2.0]] and len(row["ember_kept_step_s"][0]) == 3
     assert row["ember_tokens_per_s"] == pytest.approx(8 * 256 / row["ember_step_s"])
     assert 8.5 < row["ember_first_loss"] < 9.6  # ln(8192) = 9.01: random tokens on a fresh model
     assert (result["maxtext"], result["maxtext_jax"]) == ("0.2.5", "0.12.0.1")
     assert "ici_mesh.fsdp=4 ici_mesh.tensor=2" in row["ember_command"]
     assert "fsdp4-tensor2" in capsys.readouterr().out
     assert os.environ.get("XLA_FLAGS") == flags  # the devices are the children's, not this process's
+
+
+def test_merge_keeps_the_other_rows_and_refuses_a_foreign_file(tmp_path):
+    import argparse
+
+    args = argparse.Namespace(merge=True, out=tmp_path, maxtext_python=Path(sys.executable), shape="debug",
+                              layout="1", precision="fp32", rounds=1, steps=None, warmup=2, profile=False)
+    row = {"shape": "debug", "precision": "fp32", "layout": "1", "ratio": 1.2}
+    peer.write_results([row], args)
+    peer.write_results([row | {"layout": "fsdp8", "ratio": 0.9}], args)
+    path = peer.write_results([row | {"ratio": 1.3}], args)  # the same row again: replaced, not doubled
+    result = json.loads(path.read_text())
+    assert [(r["layout"], r["ratio"]) for r in result["rows"]] == [("fsdp8", 0.9), ("1", 1.3)]
+    assert "layout" not in result["config"] and result["config"]["warmup"] == 2
+    path.write_text("not json")
+    with pytest.raises(SystemExit, match="is not a results file of this benchmark; move it away or drop --merge"):
+        peer.write_results([row], args)
