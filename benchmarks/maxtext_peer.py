@@ -165,7 +165,7 @@ def run(command: list[str], env: dict[str, str], shown: str) -> str:
 
 def measure_ember(shape: Shape, layout: str, precision: str, args: argparse.Namespace,
                   scratch: Path) -> dict[str, Any]:
-    out = scratch / f"ember-{layout}-{precision}"
+    out = Path(tempfile.mkdtemp(prefix=f"ember-{layout}-{precision}-", dir=scratch))  # each run its own folder
     command = ember_command(shape, layout, precision, args.logging_steps, out)
     shown = " ".join(command[2:]).replace(str(out), "OUT")
     run(command, device_env(LAYOUTS[layout][0], _dump(args, "ember", layout, precision)), shown)
@@ -176,7 +176,7 @@ def measure_ember(shape: Shape, layout: str, precision: str, args: argparse.Name
 
 def measure_maxtext(shape: Shape, layout: str, precision: str, args: argparse.Namespace,
                     scratch: Path) -> dict[str, Any]:
-    out = scratch / f"maxtext-{layout}-{precision}"
+    out = Path(tempfile.mkdtemp(prefix=f"maxtext-{layout}-{precision}-", dir=scratch))
     command = maxtext_command(args.maxtext_python, shape, layout, precision, out)
     shown = " ".join(["python", *command[1:]]).replace(str(out), "OUT")
     command[command.index("BASE_YML")] = args.base_yml
