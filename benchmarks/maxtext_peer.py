@@ -33,6 +33,7 @@ fresh model on random tokens starts about 0.5 above ln(vocab) on both sides).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -196,7 +197,7 @@ def profile_side(side: str, shape: Shape, layout: str, precision: str, args: arg
     (xla_trace.summarize)."""
     out = scratch / f"profile-{side}-{layout}-{precision}"
     first = args.warmup + 1  # 1-based: the first steady step
-    steps = Shape(**(asdict(shape) | {"steps": first + PROFILED_STEPS + 1}))
+    steps = dataclasses.replace(shape, steps=first + PROFILED_STEPS + 1)
     if side == "ember":
         command = ember_command(steps, layout, precision, args.logging_steps, out) + [
             "profile.enabled=true", f"profile.step={first}", f"profile.steps={PROFILED_STEPS}"]
@@ -241,7 +242,7 @@ def measure_row(shape_name: str, layout: str, precision: str, args: argparse.Nam
 
 
 def replace_steps(shape: Shape, args: argparse.Namespace) -> Shape:
-    return Shape(**(asdict(shape) | ({"steps": args.steps} if args.steps else {})))
+    return dataclasses.replace(shape, steps=args.steps or shape.steps)
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:

@@ -11,6 +11,7 @@ from ember import config as config_lib
 from ember.config import ConfigError
 from ember.parallel.mesh_shape import fewest_ranks
 from ember.train import run as run_lib
+from tests.helpers import run_ember
 
 
 def test_debug_recipe_defaults():
@@ -56,7 +57,7 @@ def test_the_rl_chain_recipes_load_over_the_files_the_chain_makes(tmp_path: Path
                  "--text-field", "prompt"],
                 ["train", "arith-sft", "max_steps=2", "checkpoint.interval=2"]]
     for command in commands:
-        subprocess.run([sys.executable, "-m", "ember.cli", *command], cwd=tmp_path, check=True, capture_output=True)
+        run_ember(*command, cwd=tmp_path, expect=0)
     monkeypatch.chdir(tmp_path)
     _load_every_recipe(list(CHAIN_RECIPES))
 
