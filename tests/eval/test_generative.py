@@ -96,7 +96,7 @@ def test_stop_strings_cut_the_completion(model, tmp_path: Path):
 def test_several_rewards_their_weights_and_errors(model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """A module:function reward beside exact: each reward's mean, and `reward` the weighted sum's; a reward that
     raises is one line naming it and the row, or with reward_errors=zero scored 0 and counted."""
-    (tmp_path / "my_rewards.py").write_text(
+    (tmp_path / "gen_eval_rewards.py").write_text(
         "def length(prompt, completion, row):\n    return len(completion.split()) / 10\n"
         "def picky(prompt, completion, row):\n    if row['answer'] == 'boom':\n        raise KeyError('x')\n"
         "    return 1.0\n")
@@ -106,19 +106,19 @@ def test_several_rewards_their_weights_and_errors(model, tmp_path: Path, monkeyp
     expected = [_greedy(model, tok, tok.encode(t), 4) for t in texts]
     rows = [{"prompt": t, "answer": e[0].strip() if i < 2 else "boom"} for i, (t, e) in enumerate(zip(texts, expected))]
     path = write_jsonl(tmp_path / "g.jsonl", rows)
-    options = GenOptions(rewards=["exact", "my_rewards:length"], reward_weights=[1.0, 0.5], max_new_tokens=4)
+    options = GenOptions(rewards=["exact", "gen_eval_rewards:length"], reward_weights=[1.0, 0.5], max_new_tokens=4)
     metrics = _run_gen(model, path, options, 2).metrics
     lengths = [len(e[0].split()) / 10 for e in expected]
-    assert metrics["exact"] == 2 / 5 and metrics["my_rewards:length"] == pytest.approx(sum(lengths) / 5)
+    assert metrics["exact"] == 2 / 5 and metrics["gen_eval_rewards:length"] == pytest.approx(sum(lengths) / 5)
     assert metrics["reward"] == pytest.approx((2 + 0.5 * sum(lengths)) / 5)
-    options = GenOptions(rewards=["my_rewards:picky"], max_new_tokens=4)
+    options = GenOptions(rewards=["gen_eval_rewards:picky"], max_new_tokens=4)
     with pytest.raises(RewardError) as err:
         _run_gen(model, path, options, 2)
-    assert str(err.value) == (f"reward my_rewards:picky failed on {path} line 3: KeyError: 'x' "
+    assert str(err.value) == (f"reward gen_eval_rewards:picky failed on {path} line 3: KeyError: 'x' "
                               "(gen.reward_errors=zero scores such a completion 0)")
     options.reward_errors = "zero"
     metrics = _run_gen(model, path, options, 2).metrics
-    assert metrics["my_rewards:picky"] == 2 / 5 and metrics["reward_errors/my_rewards:picky"] == 3
+    assert metrics["gen_eval_rewards:picky"] == 2 / 5 and metrics["reward_errors/gen_eval_rewards:picky"] == 3
 
 
 def test_a_prompt_that_leaves_no_room_is_named_by_its_line(model, tmp_path: Path):

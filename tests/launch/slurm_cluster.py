@@ -41,6 +41,15 @@ def _free_port_range(count: int) -> int:
     raise SlurmUnavailable(f"no {count} consecutive free ports for the slurmds")
 
 
+def _first_job_id() -> int:
+    """Each pytest-xdist worker's cluster numbers its jobs from its own thousand: a job's rendezvous port and id
+    come from its job id (ember/launch/slurm.py), and two clusters on one machine numbering from 1 would put their
+    concurrent jobs on one c10d store."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    return 1000 * (1 + index % 19)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -49,6 +58,7 @@ def _free_port() -> int:
 
 SLURM_CONF = """\
 ClusterName=ember-test
+FirstJobId={first_job_id}
 SlurmctldHost={host}(127.0.0.1)
 SlurmctldPort={ctld_port}
 SlurmUser=root
@@ -109,7 +119,8 @@ class SlurmCluster:
         node_port = _free_port_range(len(self.nodes))
         self.conf.write_text(SLURM_CONF.format(host=socket.gethostname(), ctld_port=_free_port(), dir=self.root,
                                                node_port=node_port, node_port_end=node_port + len(self.nodes) - 1,
-                                               cpus=CPUS_PER_NODE, nodes=len(self.nodes)))
+                                               cpus=CPUS_PER_NODE, nodes=len(self.nodes),
+                                               first_job_id=_first_job_id()))
         sbin = lambda name: shutil.which(name) or f"/usr/sbin/{name}"  # noqa: E731
         # -F: in the foreground, so the pid is ours to stop; -f: the temporary directory's permissions are ours
         self._spawn([sbin("munged"), "-F", "-f", f"--socket={self.root}/munge.socket", f"--key-file={key}",
