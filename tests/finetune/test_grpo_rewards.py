@@ -40,23 +40,23 @@ def test_weights_combine_the_rewards_and_format_matches_the_whole_completion():
 
 
 def test_a_users_reward_and_its_failures(tmp_path, monkeypatch):
-    (tmp_path / "grpo_test_rewards.py").write_text(
+    (tmp_path / "user_rewards.py").write_text(
         "import time\n"
         "def length(prompt, completion, row):\n    return len(completion) / row['scale']\n"
         "def hang(prompt, completion, row):\n    time.sleep(30)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    rewards = build_rewards(["grpo_test_rewards:length"], None, None)
+    rewards = build_rewards(["user_rewards:length"], None, None)
     assert rewards.score(["q"], ["abcd"], [{"scale": 2}], ["x"])[0].tolist() == [2.0]
     with pytest.raises(RewardError) as err:
         rewards.score(["q"], ["abcd"], [{}], ["train.jsonl:7"])
-    assert "reward grpo_test_rewards:length failed on train.jsonl:7: KeyError" in str(err.value)
+    assert "reward user_rewards:length failed on train.jsonl:7: KeyError" in str(err.value)
     assert "\n" not in str(err.value)
-    forgiving = build_rewards(["grpo_test_rewards:length"], None, None, on_error="zero")
+    forgiving = build_rewards(["user_rewards:length"], None, None, on_error="zero")
     assert forgiving.score(["q", "q"], ["ab", "abcd"], [{}, {"scale": 4}], ["l1", "l2"])[0].tolist() == [0.0, 1.0]
     assert forgiving.errors == [1]
-    hanging = build_rewards(["grpo_test_rewards:hang"], None, None)
+    hanging = build_rewards(["user_rewards:hang"], None, None)
     hanging.timeout_s = 0.2
-    with pytest.raises(RewardError, match="reward grpo_test_rewards:hang failed on row 3: TimeoutError: ran past 0.2 s"):
+    with pytest.raises(RewardError, match="reward user_rewards:hang failed on row 3: TimeoutError: ran past 0.2 s"):
         hanging.score(["q"], ["c"], [{}], ["row 3"])
 
 
