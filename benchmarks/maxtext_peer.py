@@ -10,6 +10,8 @@ compile): ember's from its metrics.jsonl windows, MaxText's from its `completed 
 MaxText times a step from its dispatch to the next one's, with one step queued behind the running one, so its
 single steps alternate short and long while their sum is the run's time; a median of them would not be. A
 row's figure is the median of its runs'. `ratio` is MaxText's step time over ember's: above 1, ember is faster.
+Each row also holds what `ember plan ... --device cpu` predicts of ember's step (ember_planned_step_s) and
+its error against the measured one (plan_error).
 
 --profile adds one profiled run of each side per row (jax.profiler on both, two steady steps) and sums its trace
 by XLA op kind in busy thread-ms per device and step (benchmarks/xla_trace.py): the matmuls (XLA:CPU's YNNPACK
@@ -25,9 +27,11 @@ up from the repository root:
     python benchmarks/maxtext_peer.py --shape debug,100m --precision fp32,bf16 --rounds 2
     python benchmarks/maxtext_peer.py --layout fsdp8 --dump-hlo /tmp/hlo   # both sides' compiled HLO, to compare
 
-Writes maxtext_peer-cpu.json into --out (default benchmarks/results, the committed figures) after each row: the
-CPU, the date, both sides' jax versions, every command, and per row both sides' step times and first losses (a
-fresh model on random tokens starts about 0.5 above ln(vocab) on both sides).
+--ember-python runs ember's side in another environment (a Python 3.12 one with MaxText's jax release puts both
+sides on the same XLA); --tag TAG writes maxtext_peer-TAG-cpu.json. The results go to maxtext_peer-cpu.json in
+--out (default benchmarks/results, the committed figures) after each row: the CPU, the date, both sides' jax
+versions, every command, and per row both sides' step times and first losses (a fresh model on random tokens
+starts about 0.5 above ln(vocab) on both sides).
 """
 
 from __future__ import annotations
@@ -43,16 +47,12 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from datetime import date
-from importlib import metadata
 from pathlib import Path
 from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).parent))  # benchmarks/ is a folder of scripts: its modules by file name
 import xla_trace  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
-SETUP = ("python3.12 -m venv .venv-maxtext && .venv-maxtext/bin/pip install -r "
-         "benchmarks/requirements-maxtext.txt")
+from maxtext_env import ROOT, base_yml, ember_versions, find_maxtext_python, maxtext_versions  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -79,18 +79,6 @@ ROPE_THETA = 500000.0  # Llama 3's, ember's debug flavor's
 MAXTEXT_STEP = re.compile(r"completed step: (\d+), seconds: ([0-9.]+).*?loss: ([0-9.]+)")
 
 
-def find_maxtext_python(given: Optional[str], environ: dict[str, str], repo: Path = ROOT) -> Path:
-    """--maxtext-python, else $EMBER_MAXTEXT_PYTHON, else the repository's .venv-maxtext/bin/python."""
-    source = ("--maxtext-python " if given else "EMBER_MAXTEXT_PYTHON=" if environ.get("EMBER_MAXTEXT_PYTHON")
-              else "")
-    path = Path(given or environ.get("EMBER_MAXTEXT_PYTHON") or repo / ".venv-maxtext" / "bin" / "python")
-    if not path.is_file() or not os.access(path, os.X_OK):
-        what = "is not an executable file" if path.exists() else "does not exist"
-        raise SystemExit(f"no MaxText environment: {source}{path} {what}; set one up with `{SETUP}` (or point "
-                         "--maxtext-python or EMBER_MAXTEXT_PYTHON at a python that has maxtext)")
-    return path
-
-
 def device_env(devices: int, dump_hlo: Optional[Path] = None) -> dict[str, str]:
     """jax's CPU backend with `devices` virtual devices (and XLA's HLO dumps where asked), the rest of os.environ."""
     flags = [f"--xla_force_host_platform_device_count={devices}"]
@@ -99,9 +87,10 @@ def device_env(devices: int, dump_hlo: Optional[Path] = None) -> dict[str, str]:
     return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(flags), TOKENIZERS_PARALLELISM="false")
 
 
-def ember_command(shape: Shape, layout: str, precision: str, logging_steps: int, output_dir: Path) -> list[str]:
+def ember_command(shape: Shape, layout: str, precision: str, logging_steps: int, output_dir: Path,
+                  python: str = sys.executable) -> list[str]:
     devices, fsdp, tensor = LAYOUTS[layout]
-    return [sys.executable, "-m", "ember", "train", "debug", "device=xla", f"precision={precision}",
+    return [python, "-m", "ember", "train", "debug", "device=xla", f"precision={precision}",
             f"model.dim={shape.dim}", f"model.n_layers={shape.n_layers}", f"model.n_heads={shape.n_heads}",
             f"model.n_kv_heads={shape.n_kv_heads}", f"model.ffn_hidden_dim={shape.ffn_hidden_dim}",
             f"model.vocab_size={shape.vocab_size}", "model.scan_layers=true", "model.remat=full",
@@ -131,16 +120,6 @@ def maxtext_command(python: Path, shape: Shape, layout: str, precision: str, out
             f"ici_fsdp_parallelism={fsdp}", f"ici_tensor_parallelism={tensor}", "ici_data_parallelism=1"]
 
 
-def base_yml(python: Path) -> str:
-    """MaxText's configs/base.yml in its environment."""
-    probe = "import maxtext, os; print(os.path.join(os.path.dirname(maxtext.__file__), 'configs', 'base.yml'))"
-    done = subprocess.run([str(python), "-c", probe], capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"{python} cannot import maxtext ({(done.stderr.strip().splitlines() or ['?'])[-1]}); "
-                         f"set its environment up with `{SETUP}`")
-    return done.stdout.strip()
-
-
 def maxtext_steps(log: str) -> list[tuple[int, float, float]]:
     """(step, seconds, loss) of each `completed step` line MaxText logged."""
     return [(int(m[1]), float(m[2]), float(m[3])) for m in MAXTEXT_STEP.finditer(log)]
@@ -167,7 +146,7 @@ def run(command: list[str], env: dict[str, str], shown: str) -> str:
 def measure_ember(shape: Shape, layout: str, precision: str, args: argparse.Namespace,
                   scratch: Path) -> dict[str, Any]:
     out = Path(tempfile.mkdtemp(prefix=f"ember-{layout}-{precision}-", dir=scratch))  # each run its own folder
-    command = ember_command(shape, layout, precision, args.logging_steps, out)
+    command = ember_command(shape, layout, precision, args.logging_steps, out, args.ember_python)
     shown = " ".join(command[2:]).replace(str(out), "OUT")
     run(command, device_env(LAYOUTS[layout][0], _dump(args, "ember", layout, precision)), shown)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -188,6 +167,16 @@ def measure_maxtext(shape: Shape, layout: str, precision: str, args: argparse.Na
     return {"command": shown, "steps": steps, "seconds": steady_seconds(steps, args.warmup - 1)}
 
 
+def planned_step_s(shape: Shape, layout: str, precision: str, args: argparse.Namespace, scratch: Path) -> float:
+    """What `ember plan ... --device cpu` predicts of ember's run of the row: its step time on these cores."""
+    train = ember_command(shape, layout, precision, args.logging_steps, scratch / "plan", args.ember_python)
+    command = [*train[:3], "plan", *train[4:], "--world", str(LAYOUTS[layout][0]), "--device", "cpu", "--json"]
+    done = subprocess.run(command, capture_output=True, text=True, env=device_env(LAYOUTS[layout][0]), cwd=ROOT)
+    if done.returncode != 0:
+        raise SystemExit(f"`ember plan` of the {layout} row failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout)["step_time_s"]
+
+
 PROFILED_STEPS = 2
 
 
@@ -199,7 +188,7 @@ def profile_side(side: str, shape: Shape, layout: str, precision: str, args: arg
     first = args.warmup + 1  # 1-based: the first steady step
     steps = dataclasses.replace(shape, steps=first + PROFILED_STEPS + 1)
     if side == "ember":
-        command = ember_command(steps, layout, precision, args.logging_steps, out) + [
+        command = ember_command(steps, layout, precision, args.logging_steps, out, args.ember_python) + [
             "profile.enabled=true", f"profile.step={first}", f"profile.steps={PROFILED_STEPS}"]
     else:
         command = maxtext_command(args.maxtext_python, steps, layout, precision, out) + [
@@ -235,6 +224,8 @@ def measure_row(shape_name: str, layout: str, precision: str, args: argparse.Nam
         row[f"{side}_first_loss"] = runs[0]["steps"][0][2]
         row[f"{side}_command"] = runs[0]["command"]
     row["ratio"] = row["maxtext_step_s"] / row["ember_step_s"]
+    row["ember_planned_step_s"] = planned_step_s(shape, layout, precision, args, scratch)
+    row["plan_error"] = row["ember_planned_step_s"] / row["ember_step_s"] - 1
     if args.profile:
         row["profile_ms_per_device_step"] = {
             side: profile_side(side, shape, layout, precision, args, scratch) for side in ("ember", "maxtext")}
@@ -246,18 +237,16 @@ def replace_steps(shape: Shape, args: argparse.Namespace) -> Shape:
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    print(f"\n{'shape':<7}{'precision':<10}{'layout':<15}{'ember s/step':>13}{'MaxText s/step':>15}{'ratio':>8}")
+    print(f"\n{'shape':<7}{'precision':<10}{'layout':<15}{'ember s/step':>13}{'MaxText s/step':>15}{'ratio':>8}"
+          f"{'planned s/step':>16}{'plan error':>11}")
     for r in rows:
         print(f"{r['shape']:<7}{r['precision']:<10}{r['layout']:<15}{r['ember_step_s']:>13.3f}"
-              f"{r['maxtext_step_s']:>15.3f}{r['ratio']:>7.2f}x")
+              f"{r['maxtext_step_s']:>15.3f}{r['ratio']:>7.2f}x{r['ember_planned_step_s']:>16.3f}"
+              f"{r['plan_error']:>+11.1%}")
 
 
-def maxtext_versions(python: Path) -> dict[str, str]:
-    probe = ("from importlib.metadata import version as v; "
-             "print(v('maxtext'), v('jax'), v('jaxlib'), sep='\\n')")
-    done = subprocess.run([str(python), "-c", probe], capture_output=True, text=True)
-    names = ("maxtext", "maxtext_jax", "maxtext_jaxlib")
-    return dict(zip(names, done.stdout.split())) if done.returncode == 0 else {}
+def results_path(args: argparse.Namespace) -> Path:
+    return args.out / f"maxtext_peer{'-' + args.tag if args.tag else ''}-cpu.json"
 
 
 PER_ROW = ("shape", "layout", "precision", "rounds", "steps", "profile", "merge")
@@ -272,6 +261,8 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
             continue
         if isinstance(value, Path):
             value = str(value.relative_to(ROOT)) if value.is_absolute() and value.is_relative_to(ROOT) else str(value)
+        if key == "ember_python" and value == sys.executable:
+            value = "python"  # the interpreter the script ran in
         config[key] = value
     return config
 
@@ -295,11 +286,10 @@ def write_results(rows: list[dict[str, Any]], args: argparse.Namespace) -> Path:
     from ember.hardware import cpu_rates
 
     result = {"benchmark": "maxtext_peer", "date": date.today().isoformat(),
-              "machine": f"{cpu_rates.cpu_model()}, {os.cpu_count()} cores", "jax": metadata.version("jax"),
-              "torchax": metadata.version("torchax"), **maxtext_versions(args.maxtext_python),
-              "torch": metadata.version("torch"), "config": run_config(args), "rows": rows}
+              "machine": f"{cpu_rates.cpu_model()}, {os.cpu_count()} cores", **ember_versions(args.ember_python),
+              **maxtext_versions(args.maxtext_python), "config": run_config(args), "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "maxtext_peer-cpu.json"
+    path = results_path(args)
     if args.merge:
         measured = {(r["shape"], r["precision"], r["layout"]) for r in rows}
         try:
@@ -331,6 +321,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                         "(default: %(default)s)")
     parser.add_argument("--maxtext-python", default=None, help="default: $EMBER_MAXTEXT_PYTHON, else "
                         ".venv-maxtext/bin/python")
+    parser.add_argument("--ember-python", default=sys.executable, help="the interpreter ember's side runs in, an "
+                        "environment with ember's tpu extra (default: this one); a Python 3.12 one with MaxText's jax "
+                        "puts both sides on the same jax release")
+    parser.add_argument("--tag", default="", help="writes maxtext_peer-TAG-cpu.json (a set of figures kept apart: "
+                        "another --ember-python's, say)")
     parser.add_argument("--dump-hlo", type=Path, default=None, help="write both sides' compiled HLO under this "
                         "folder (XLA_FLAGS=--xla_dump_to), one subfolder per side and row; the train programs are "
                         "ember's *jit_train.* and MaxText's *jit_train_step.* files")
@@ -357,11 +352,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     args.logging_steps = 1
     args.out = args.out.resolve()  # the children run in the repository root
     args.dump_hlo = args.dump_hlo.resolve() if args.dump_hlo else None
+    if args.tag and not re.fullmatch(r"[a-z0-9][a-z0-9.-]*", args.tag):
+        parser.error(f"--tag {args.tag}: lowercase letters, digits, dots and dashes (it names the results file)")
+    ember_versions(args.ember_python)  # a wrong --ember-python fails now, not after the first MaxText run
     args.maxtext_python = find_maxtext_python(args.maxtext_python, dict(os.environ))
     args.base_yml = base_yml(args.maxtext_python)
 
     rows: list[dict[str, Any]] = []
-    path = args.out / "maxtext_peer-cpu.json"
+    path = results_path(args)
     try:
         with tempfile.TemporaryDirectory() as scratch:
             for shape in shapes:

@@ -263,7 +263,7 @@ class Rates:
     where: str
 
 
-def _cached(key: str, measure: Callable[[], dict[str, float]], expected: tuple[str, ...],
+def cached_rates(key: str, measure: Callable[[], dict[str, float]], expected: tuple[str, ...],
             again: bool = False) -> Rates:
     """The rates kept under `key`, measured (by `measure`) where there are none yet, or where the figures are
     provisional and another job made them, or `again` (a provisional figure that a run has beaten). A new
@@ -306,7 +306,7 @@ def cpu_peak_flops(dtype: torch.dtype = torch.float32, again: bool = False) -> R
     while other threads or processes compete, comes out low and makes MFU exceed 100%). `again`: measure a
     provisional figure once more now."""
     name = dtype_name(dtype)
-    return _cached(_peak_key(dtype), lambda: {name: measure_cpu_matmul_flops(dtype=dtype)}, (name,), again)
+    return cached_rates(_peak_key(dtype), lambda: {name: measure_cpu_matmul_flops(dtype=dtype)}, (name,), again)
 
 
 def cpu_gemm_rates(gemms: list[Gemm], training: bool = True) -> Rates:
@@ -316,7 +316,7 @@ def cpu_gemm_rates(gemms: list[Gemm], training: bool = True) -> Rates:
         rates = measure_gemm_rates(gemms, (torch.float32, torch.bfloat16), training)
         return {dtype_name(dtype): rate for dtype, rate in rates.items()}
 
-    return _cached(_gemm_key(gemms, training), measure, ("fp32", "bf16"))
+    return cached_rates(_gemm_key(gemms, training), measure, ("fp32", "bf16"))
 
 
 def raise_cached_peak(dtype: torch.dtype, flops: float) -> float:

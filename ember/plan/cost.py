@@ -81,17 +81,26 @@ def fabric(name: str) -> Fabric:
     return FABRICS[name]
 
 
-def cpu_fabric(world_size: int, dtype: torch.dtype = torch.float32) -> Fabric:
+def cpu_fabric(world_size: int, dtype: torch.dtype = torch.float32, xla: bool = False) -> Fabric:
     """This machine's CPU (the plan checked against real CPU runs): the measured matmul peak (bf16's too for a
     bf16 plan, as ember.hardware.peaks.peak_flops measures it for a run) shared by the ranks (gloo processes or jax's
     virtual devices all run on these cores), host memory, every rank on one node (gloo over loopback; the
-    bandwidth is a placeholder)."""
+    bandwidth is a placeholder). `xla`: the peak is XLA:CPU's own matmul rate (ember.xla.cpu_rates), the one
+    device=xla's step runs at, not torch's."""
     ranks = max(world_size, 1)
-    flops = hardware.peak_flops(torch.device("cpu"), torch.float32).value_flops / ranks
-    bf16 = hardware.peak_flops(torch.device("cpu"), dtype)
-    bf16_flops = bf16.value_flops / ranks if bf16.cpu_dtype == torch.bfloat16 else None
+    if xla:
+        from ember.xla.cpu_rates import xla_cpu_peak_flops
+
+        flops = xla_cpu_peak_flops(torch.float32).rates["fp32"] / ranks
+        bf16_flops = xla_cpu_peak_flops(dtype).rates["bf16"] / ranks if dtype == torch.bfloat16 else None
+        source = "measured XLA:CPU matmul rate, host memory"
+    else:
+        flops = hardware.peak_flops(torch.device("cpu"), torch.float32).value_flops / ranks
+        bf16 = hardware.peak_flops(torch.device("cpu"), dtype)
+        bf16_flops = bf16.value_flops / ranks if bf16.cpu_dtype == torch.bfloat16 else None
+        source = "measured matmul rate, host memory"
     memory_gb = hardware_memory_gb()
-    spec = hardware.DeviceSpec("CPU", bf16_flops, None, flops, None, memory_gb, "measured matmul rate, host memory")
+    spec = hardware.DeviceSpec("CPU", bf16_flops, None, flops, None, memory_gb, source)
     return Fabric(spec, ranks, 5, 5, "gloo over loopback (placeholder bandwidth)")
 
 

@@ -117,7 +117,12 @@ class Plan:
 
 def compute_dtype(cfg: JobConfig, device: str) -> torch.dtype:
     """The trainer's choice (ember.train.run.choose_precision): on `--device cpu` this machine's CPU decides (bf16 where
-    its bf16 matmuls measured faster at the model's shapes); accelerators in the table all run bf16."""
+    its bf16 matmuls measured faster at the model's shapes); accelerators in the table all run bf16. The XLA path
+    (device=tpu|xla) has its own rule (ember.xla.rules.xla_compute_dtype: auto is bf16 on a TPU, fp32 elsewhere)."""
+    if cfg.device in XLA_DEVICES:
+        from ember.xla.rules import xla_compute_dtype
+
+        return xla_compute_dtype(cfg.precision, "tpu" if cfg.device == "tpu" or device.startswith("tpu") else "xla")
     if device == "cpu":
         return run_lib.choose_precision(cfg, torch.device("cpu"), run_lib.model_choice(cfg).args).dtype
     return torch.float32 if cfg.precision == "fp32" else torch.bfloat16
@@ -246,7 +251,7 @@ def make_plan(cfg: JobConfig, world: int, nodes: Optional[int] = None, device: s
     """Plan `cfg` (a loaded JobConfig) on `world` devices of type `device` over `nodes` nodes."""
     start = time.perf_counter()
     dtype = compute_dtype(cfg, device)
-    fab = cost.cpu_fabric(world, dtype) if device == "cpu" else cost.fabric(device)
+    fab = cost.cpu_fabric(world, dtype, xla=cfg.device in XLA_DEVICES) if device == "cpu" else cost.fabric(device)
     per_node = fab.per_node or world
     nodes = nodes or max(1, math.ceil(world / per_node))
     if nodes < 1 or world % nodes:

@@ -81,11 +81,21 @@ def test_a_missing_maxtext_environment_names_its_setup(tmp_path):
     (["--layout", "fsdp8,fsdp2"], "--layout fsdp8,fsdp2: unknown fsdp2; choose from 1, fsdp8"),
     (["--shape", "8b"], "--shape 8b: unknown 8b; choose from debug, 100m"),
     (["--steps", "4"], "--steps 4 keeps 2 step(s) after --warmup 2; give --steps of at least 5"),
-    (["--shape", "100m", "--warmup", "4"], "--steps 6 keeps 2 step(s) after --warmup 4; give --steps of at least 7")])
+    (["--shape", "100m", "--warmup", "4"], "--steps 6 keeps 2 step(s) after --warmup 4; give --steps of at least 7"),
+    (["--tag", "../x"], "--tag ../x: lowercase letters, digits, dots and dashes (it names the results file)")])
 def test_wrong_arguments_are_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as raised:
         peer.main(argv)
     assert raised.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_an_ember_python_without_the_tpu_extra_is_refused_before_any_run(tmp_path):
+    bare = tmp_path / "python"
+    bare.write_text("#!/bin/sh\nexit 1\n")
+    bare.chmod(bare.stat().st_mode | stat.S_IEXEC)
+    with pytest.raises(SystemExit, match=f"--ember-python {bare} cannot read jax, torchax and torch's versions: "
+                       "install ember's tpu extra there"):
+        peer.main(["--ember-python", str(bare), "--maxtext-python", str(tmp_path / "none")])
 
 
 FAKE_MAXTEXT = """#!{python}
@@ -115,6 +125,7 @@ def test_the_script_runs_end_to_end_and_writes_its_results(tmp_path, capsys):
     assert row["maxtext_step_s"] == 2.0 and row["ratio"] == pytest.approx(2.0 / row["ember_step_s"])
     assert row["maxtext_kept_step_s"] == [[2.0, 2.0, 2.0]] and len(row["ember_kept_step_s"][0]) == 3
     assert row["ember_tokens_per_s"] == pytest.approx(8 * 256 / row["ember_step_s"])
+    assert row["plan_error"] == pytest.approx(row["ember_planned_step_s"] / row["ember_step_s"] - 1)
     assert 8.5 < row["ember_first_loss"] < 9.6  # ln(8192) = 9.01: random tokens on a fresh model
     assert (result["maxtext"], result["maxtext_jax"]) == ("0.2.5", "0.12.0.1")
     assert "ici_mesh.fsdp=4 ici_mesh.tensor=2" in row["ember_command"]
@@ -124,14 +135,18 @@ def test_the_script_runs_end_to_end_and_writes_its_results(tmp_path, capsys):
 
 def test_merge_keeps_the_other_rows_and_refuses_a_foreign_file(tmp_path):
     import argparse
+    from importlib import metadata
 
     args = argparse.Namespace(merge=True, out=tmp_path, maxtext_python=Path(sys.executable), shape="debug",
-                              layout="1", precision="fp32", rounds=1, steps=None, warmup=2, profile=False)
+                              layout="1", precision="fp32", rounds=1, steps=None, warmup=2, profile=False,
+                              ember_python=sys.executable, tag="same-jax")
     row = {"shape": "debug", "precision": "fp32", "layout": "1", "ratio": 1.2}
     peer.write_results([row], args)
     peer.write_results([row | {"layout": "fsdp8", "ratio": 0.9}], args)
     path = peer.write_results([row | {"ratio": 1.3}], args)  # the same row again: replaced, not doubled
     result = json.loads(path.read_text())
+    assert path == tmp_path / "maxtext_peer-same-jax-cpu.json"  # --tag names the file
+    assert (result["jax"], result["config"]["ember_python"]) == (metadata.version("jax"), "python")
     assert [(r["layout"], r["ratio"]) for r in result["rows"]] == [("fsdp8", 0.9), ("1", 1.3)]
     assert "layout" not in result["config"] and result["config"]["warmup"] == 2
     path.write_text("not json")

@@ -1,6 +1,9 @@
 """`ember plan`: shard sizes pinned against hand computations at full scale, the planned peak and offload, layout
 warnings. The command line is in test_plan_cli.py; the planned bytes against real CPU runs in test_plan_accuracy.py."""
 
+import json
+import sys
+
 import pytest
 import torch
 
@@ -336,3 +339,30 @@ def test_the_plan_says_the_precision_and_peak_it_prices_the_step_at(precision, c
     main(["plan", "debug", "model.n_layers=1", f"precision={precision}", "--world", "1", "--device", "h100"])
     title = capsys.readouterr().out.splitlines()[0]
     assert f"{precision} matmuls at {'989.4' if precision == 'bf16' else '66.9'} TFLOP/s peak" in title
+
+
+@pytest.mark.parametrize("device, target, expected", [("xla", "cpu", torch.float32), ("xla", "h100", torch.float32),
+                                                     ("tpu", "tpu-v6e", torch.bfloat16),
+                                                     ("xla", "tpu-v5e", torch.bfloat16)])
+def test_the_xla_paths_precision_is_planned_as_its_trainer_runs_it(device, target, expected):
+    # precision=auto on the XLA path: bf16 on a TPU, fp32 elsewhere (ember.xla.rules), not the torch path's choice
+    from ember.plan.planner import compute_dtype
+
+    assert compute_dtype(run_lib.load_config("debug", [f"device={device}"], world_size=1), target) == expected
+
+
+def test_a_cpu_plan_of_the_xla_path_prices_the_step_at_xla_cpus_own_matmul_rate(tmp_path, monkeypatch):
+    from ember.hardware import cpu_rates
+    from ember.xla import cpu_rates as xla_rates
+
+    monkeypatch.setenv("EMBER_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_rates, "_IN_PROCESS", {})
+    monkeypatch.setattr(cpu_rates, "measure_cpu_matmul_flops", lambda dtype=None: 4e11)
+    monkeypatch.setattr(xla_rates, "measure_xla_matmul_flops", lambda dtype: 1e11)
+    overrides = ["model.n_layers=1", "precision=fp32", "global_batch_size=8", "micro_batch_size=8"]
+    torch_plan = make_plan(run_lib.load_config("debug", overrides), 1, device="cpu")
+    xla_plan = make_plan(run_lib.load_config("debug", ["device=xla", *overrides], world_size=1), 1, device="cpu")
+    assert (torch_plan.peak_flops, xla_plan.peak_flops) == (4e11, 1e11)
+    assert xla_plan.step.step_s == pytest.approx(4 * torch_plan.step.step_s, rel=1e-9)  # one device: no traffic
+    assert any("xla:cpu jaxlib" in key for key in json.loads((tmp_path / "hardware" / "cpu-rates.json").read_text()))
+    assert "torchax" not in sys.modules  # a plan never renames torch's privateuse1 backend under the torch tests
