@@ -31,7 +31,9 @@ def pinned_layout(mesh: Any, kernel: Kernel) -> Kernel:
     data|fsdp=2 x context=2 x tensor=2 and data=2 x context=4 at micro_batch_size=1) jax 0.10's Shardy partitioner
     computes the backward of the (B * heads) batched matmul that torch's 4-D matmul lowers to wrongly: K's and V's
     gradients came back off by more than their own size while the loss was right (tests/xla/test_xla_layouts.py
-    keeps every 8-device layout of every attention kind equal to one device). Pinned, no such sharding exists."""
+    keeps every 8-device layout of every attention kind equal to one device). Pinned, no such sharding exists.
+    Under tensor parallelism without a context split the kernel runs per device (shard_map), each on its rows and
+    its heads, as the TPU kernel does."""
     import jax
     from jax.sharding import NamedSharding, PartitionSpec as P
     from torchax import interop
@@ -46,10 +48,30 @@ def pinned_layout(mesh: Any, kernel: Kernel) -> Kernel:
         spec = P(split(t.shape[0], BATCH_AXES), split(t.shape[1], ("tensor",)), split(t.shape[2], sequence), None)
         return interop.call_jax(jax.lax.with_sharding_constraint, t, NamedSharding(mesh, spec))
 
+    def per_device(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: Optional[torch.Tensor],
+                   span: Optional[AttentionSpan]) -> torch.Tensor:
+        # Each device runs `kernel` on its own rows and heads. Through sharding propagation alone, the
+        # (B * heads, T, head_dim) batched matmuls SDPA lowers to lost the heads' tensor split: every tensor rank
+        # computed every head of its rows, twice the attention FLOPs at tensor=2 (the compiled HLO's dots).
+        rows, heads = split(q.shape[0], BATCH_AXES), present(mesh, ("tensor",))
+        qkv = P(rows, heads, None, None)
+
+        def local(q: Any, k: Any, v: Any, ids: Any) -> Any:
+            return interop.call_torch(lambda *t: kernel(*t, span), q, k, v, ids)
+
+        return interop.call_jax(lambda *a: jax.shard_map(
+            local, mesh=mesh, in_specs=(qkv, qkv, qkv, None if document_ids is None else P(rows, None)),
+            out_specs=qkv, check_vma=False)(*a), q, k, v, document_ids)
+
     def pinned(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: Optional[torch.Tensor] = None,
                span: Optional[AttentionSpan] = None) -> torch.Tensor:
-        out = kernel(place(q, ("context",)), place(k, ()), place(v, ()), document_ids, span)
-        return place(out, ("context",))
+        q, k, v = place(q, ("context",)), place(k, ()), place(v, ())
+        tensor = mesh.shape["tensor"]
+        # per device where every device holds whole sequences and whole groups of heads: the queries' heads and
+        # the keys' split alike (a K/V head replicated while its query heads split would pair the wrong heads)
+        if tensor > 1 and mesh.shape["context"] == 1 and q.shape[1] % tensor == 0 and k.shape[1] % tensor == 0:
+            return place(per_device(q, k, v, document_ids, span), ("context",))
+        return place(kernel(q, k, v, document_ids, span), ("context",))
 
     return pinned
 
