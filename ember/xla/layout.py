@@ -120,6 +120,21 @@ def layout_for(spec: RunSpec, mesh: Any, host_model: torch.nn.Module, eos_id: Op
     return build_layout(spec, mesh, host_model, spec.compute_dtype, eos_id)
 
 
+def _tensor_split(spec: RunSpec, mesh: Any) -> Optional[tuple[Any, tuple[str, ...], tuple[str, ...]]]:
+    """Under tensor parallelism: the sharding of a column-wise Linear's (B, T, features) output (rows as the batch,
+    the sequence over context, the features over tensor) and the block's column-wise and row-wise Linears."""
+    if mesh.shape["tensor"] == 1:
+        return None
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    _, block = spec.model.tp_plan(False)
+    batch = mesh_lib.present(mesh, mesh_lib.BATCH_AXES) or None
+    column = NamedSharding(mesh, P(batch, mesh_lib.present(mesh, ("context",)) or None, "tensor"))
+    return (column, tuple(n for n, style in block.items() if isinstance(style, ColwiseParallel)),
+            tuple(n for n, style in block.items() if isinstance(style, RowwiseParallel)))
+
+
 def build_layout(spec: RunSpec, mesh: Any, host_model: torch.nn.Module, compute_dtype: torch.dtype,
                  eos_id: Optional[int]) -> XlaLayout:
     """`spec`'s layout on `mesh`, compiled over a second instance of the model built here for tracing (on meta:
@@ -145,7 +160,8 @@ def build_layout(spec: RunSpec, mesh: Any, host_model: torch.nn.Module, compute_
         attention_kernel=attention_kernel(mesh.devices.flat[0].platform, mesh))
     names = device_names(host_model, spec.args.n_layers, cfg.model.scan_layers)
     tied = tied_aliases(traced)
-    traced, scanned = prepare_model(traced, options, NamedSharding(mesh, mesh_lib.hidden_spec(mesh)), stats)
+    traced, scanned = prepare_model(traced, options, NamedSharding(mesh, mesh_lib.hidden_spec(mesh)), stats,
+                                    _tensor_split(spec, mesh))
     specs = param_specs(host_model, spec.model.tp_plan, mesh, [hosts[0] for hosts in names.values()])
     param_shardings = {name: NamedSharding(mesh, P(*((None,) * (len(hosts) > 1)), *specs[hosts[0]]))
                        for name, hosts in names.items()}

@@ -134,11 +134,16 @@ class ScannedBlocks(nn.Module):
         return interop.torch_view(out)
 
 
-def prepare_model(model: nn.Module, options: StepOptions, hidden: Any,
-                  stats: MoEStats) -> tuple[nn.Module, Optional[ScannedBlocks]]:
+def prepare_model(model: nn.Module, options: StepOptions, hidden: Any, stats: MoEStats,
+                  split: Optional[tuple[Any, tuple[str, ...], tuple[str, ...]]] = None,
+                  ) -> tuple[nn.Module, Optional[ScannedBlocks]]:
     """`model` (built with xla_dispatch and `stats` as its MoE options, no autograd router loss: the step adds it)
     made ready for tracing, in place: each block's output constrained to `hidden` (a NamedSharding of (B, T,
-    dim): sequence parallelism at block boundaries); options.attention_kernel in each attention; blocks
+    dim): sequence parallelism at block boundaries); with `split` (tensor parallelism: a column-wise output's
+    sharding, the block's column-wise and row-wise Linears), the column-wise Linears' outputs constrained to whole
+    sequences and a tensor rank's features and the row-wise ones' back to `hidden`, as Megatron-LM splits a block
+    (left to propagation, the FFN ran on the sequence split with its weights gathered whole over every device, and
+    RoPE's output was resharded to heads by all-to-alls); options.attention_kernel in each attention; blocks
     rematerialised by jax.checkpoint; with scan_layers the blocks replaced by one ScannedBlocks (returned) over
     layer 0's module."""
     import jax
@@ -147,8 +152,23 @@ def prepare_model(model: nn.Module, options: StepOptions, hidden: Any,
     def constrain(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
         return interop.call_jax(jax.lax.with_sharding_constraint, out, hidden)
 
+    def to(sharding: Any) -> Callable[..., torch.Tensor]:
+        def hook(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+            return interop.call_jax(jax.lax.with_sharding_constraint, out, sharding)
+        return hook
+
     for block in model.layers.values():
         block.register_forward_hook(constrain)
+        if split is None:
+            continue
+        # Megatron's split of a block under tensor parallelism: the column-wise Linears' outputs hold whole
+        # sequences and a tensor rank's features, the row-wise ones' go back to the sequence split
+        column, colwise, rowwise = split
+        for names, sharding in ((colwise, column), (rowwise, hidden)):
+            for name in names:
+                module = _submodule(block, name)
+                if isinstance(module, nn.Linear):
+                    module.register_forward_hook(to(sharding))
     if options.attention_kernel is not None:
         set_attention_kernel(model, options.attention_kernel)
     policy = remat_policy(options.remat)
@@ -162,6 +182,14 @@ def prepare_model(model: nn.Module, options: StepOptions, hidden: Any,
                 continue
             block.forward = _rematerialised(block, policy, stats)
     return model, None
+
+
+def _submodule(block: nn.Module, name: str) -> Optional[nn.Module]:
+    """`block`'s module `name`, or None where this block has none (a dense block's FFN in an MoE block)."""
+    try:
+        return block.get_submodule(name)
+    except AttributeError:
+        return None
 
 
 def _rematerialised(block: nn.Module, policy: Any, stats: MoEStats) -> Callable[..., torch.Tensor]:

@@ -120,19 +120,24 @@ opt = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=
 batch = jax.ShapeDtypeStruct((1, 8, 32), np.int32, sharding=layout.batch_sharding)
 hlo = layout.compiled.train.lower(params, opt, batch, batch, jax.ShapeDtypeStruct((), np.float32)).compile().as_text()
 out["score-shapes"] = sorted(set(re.findall(r"f32\\[(\\d+),32,32\\]\\{[0-9,]*\\} dot\\(", hlo)))
+out["dots"] = sorted(set(re.findall(r"f32\\[([0-9,]+)\\]\\{[0-9,]*\\} dot\\(", hlo)))
 print(json.dumps(out))
 """
 
 
 @pytest.mark.slow
-def test_under_tensor_parallelism_each_device_attends_with_its_own_heads():
+def test_under_tensor_parallelism_each_device_runs_its_own_heads_and_features():
     """fsdp=4 x tensor=2: the pinned kernel runs per device, on its rows and its half of the heads (a train step's
-    scores are 2 rows x 2 heads per device, not every head of the rows), and equals SDPA's math on one device
+    scores are 2 rows x 2 heads per device, not every head of the rows; its FFN splits the features, not the
+    sequence), and equals SDPA's math on one device
     with grouped-query heads, packed documents and a sliding window, gradients included."""
     from tests.xla.conftest import run_xla_script
 
     out = run_xla_script(PER_DEVICE)
     assert out["score-shapes"] == ["4"]  # 2 rows x 2 of the 4 heads; 8 were every head of the rows
+    # the FFN split as Megatron splits it: the 64 tokens of the rank's rows x half the 192 hidden features, not
+    # half the tokens x all the features (whole weights gathered over every device)
+    assert "64,96" in out["dots"] and "32,192" not in out["dots"], out["dots"]
     for docs in ("False", "True"):
         for span in ("False", "True"):
             pinned, sdpa = out[f"pinned-{docs}-{span}"], out[f"sdpa-{docs}-{span}"]
