@@ -20,10 +20,12 @@ BLOCK = 128  # the kernel's smallest block along the sequence
 
 def attention_kernel(platform: str, mesh: Any) -> Kernel:
     """The attention kernel of a run on `mesh`: the TPU kernel where it applies, else SDPA's math; its layout pinned."""
-    return pinned_layout(mesh, flash_attention(mesh) if uses_flash(platform, mesh) else causal_attention)
+    if uses_flash(platform, mesh):  # already per device, under its own shard_map
+        return pinned_layout(mesh, flash_attention(mesh), per_device_heads=False)
+    return pinned_layout(mesh, causal_attention)
 
 
-def pinned_layout(mesh: Any, kernel: Kernel) -> Kernel:
+def pinned_layout(mesh: Any, kernel: Kernel, per_device_heads: bool = True) -> Kernel:
     """`kernel` with the shardings of its operands and output fixed, as the torch path lays them out: rows over the
     data-parallel axes, heads over tensor, the queries' sequence over context and the keys' and values' whole (the
     all-gathered K/V of parallel/cp.py). Why: left to sharding propagation, the weights' FSDP sharding reaches into
@@ -33,7 +35,8 @@ def pinned_layout(mesh: Any, kernel: Kernel) -> Kernel:
     gradients came back off by more than their own size while the loss was right (tests/xla/test_xla_layouts.py
     keeps every 8-device layout of every attention kind equal to one device). Pinned, no such sharding exists.
     Under tensor parallelism without a context split the kernel runs per device (shard_map), each on its rows and
-    its heads, as the TPU kernel does."""
+    its heads, as the TPU kernel does itself (`per_device_heads=False`: a shard_map may not nest another over the
+    same axes)."""
     import jax
     from jax.sharding import NamedSharding, PartitionSpec as P
     from torchax import interop
@@ -69,7 +72,8 @@ def pinned_layout(mesh: Any, kernel: Kernel) -> Kernel:
         tensor = mesh.shape["tensor"]
         # per device where every device holds whole sequences and whole groups of heads: the queries' heads and
         # the keys' split alike (a K/V head replicated while its query heads split would pair the wrong heads)
-        if tensor > 1 and mesh.shape["context"] == 1 and q.shape[1] % tensor == 0 and k.shape[1] % tensor == 0:
+        if (per_device_heads and tensor > 1 and mesh.shape["context"] == 1 and q.shape[1] % tensor == 0
+                and k.shape[1] % tensor == 0):
             return place(per_device(q, k, v, document_ids, span), ("context",))
         return place(kernel(q, k, v, document_ids, span), ("context",))
 
