@@ -52,7 +52,16 @@ from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).parent))  # benchmarks/ is a folder of scripts: its modules by file name
 import xla_trace  # noqa: E402
-from maxtext_env import ROOT, base_yml, ember_versions, find_maxtext_python, maxtext_versions  # noqa: E402
+from maxtext_env import (  # noqa: E402
+    ROOT,
+    base_yml,
+    check_writable,
+    earlier_rows,
+    ember_versions,
+    find_maxtext_python,
+    maxtext_versions,
+    results_path,
+)
 
 
 @dataclass(frozen=True)
@@ -149,6 +158,8 @@ def measure_ember(shape: Shape, layout: str, precision: str, args: argparse.Name
     command = ember_command(shape, layout, precision, args.logging_steps, out, args.ember_python)
     shown = " ".join(command[2:]).replace(str(out), "OUT")
     run(command, device_env(LAYOUTS[layout][0], _dump(args, "ember", layout, precision)), shown)
+    if not (out / "metrics.jsonl").is_file():
+        raise SystemExit(f"`{shown}` ended without writing its metrics.jsonl: is {args.ember_python} ember's?")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = ember_steps(records, shape.batch * shape.seq_len)
     return {"command": shown, "steps": steps, "seconds": steady_seconds(steps, args.warmup)}
@@ -173,7 +184,8 @@ def planned_step_s(shape: Shape, layout: str, precision: str, args: argparse.Nam
     command = [*train[:3], "plan", *train[4:], "--world", str(LAYOUTS[layout][0]), "--device", "cpu", "--json"]
     done = subprocess.run(command, capture_output=True, text=True, env=device_env(LAYOUTS[layout][0]), cwd=ROOT)
     if done.returncode != 0:
-        raise SystemExit(f"`ember plan` of the {layout} row failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+        raise RuntimeError(f"`ember plan` of the {layout} row failed (exit {done.returncode}): "
+                           f"{(done.stderr.strip().splitlines() or ['no output'])[-1]}")
     return json.loads(done.stdout)["step_time_s"]
 
 
@@ -224,8 +236,14 @@ def measure_row(shape_name: str, layout: str, precision: str, args: argparse.Nam
         row[f"{side}_first_loss"] = runs[0]["steps"][0][2]
         row[f"{side}_command"] = runs[0]["command"]
     row["ratio"] = row["maxtext_step_s"] / row["ember_step_s"]
-    row["ember_planned_step_s"] = planned_step_s(shape, layout, precision, args, scratch)
-    row["plan_error"] = row["ember_planned_step_s"] / row["ember_step_s"] - 1
+    row["ember_planned_step_s"] = row["plan_error"] = None
+    try:
+        row["ember_planned_step_s"] = planned_step_s(shape, layout, precision, args, scratch)
+        row["plan_error"] = row["ember_planned_step_s"] / row["ember_step_s"] - 1
+    except RuntimeError as err:  # the row's measurements are kept; the plan's failure is said and stored
+        row["plan_failed"] = str(err)
+        print(f"warning: {err}", file=sys.stderr)
+    row.update(args.ember, ember_python=args.ember_python_shown)
     if args.profile:
         row["profile_ms_per_device_step"] = {
             side: profile_side(side, shape, layout, precision, args, scratch) for side in ("ember", "maxtext")}
@@ -240,13 +258,10 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     print(f"\n{'shape':<7}{'precision':<10}{'layout':<15}{'ember s/step':>13}{'MaxText s/step':>15}{'ratio':>8}"
           f"{'planned s/step':>16}{'plan error':>11}")
     for r in rows:
+        planned = (f"{r['ember_planned_step_s']:>16.3f}{r['plan_error']:>+11.1%}" if r["plan_error"] is not None
+                   else f"{'failed':>16}{'':>11}")
         print(f"{r['shape']:<7}{r['precision']:<10}{r['layout']:<15}{r['ember_step_s']:>13.3f}"
-              f"{r['maxtext_step_s']:>15.3f}{r['ratio']:>7.2f}x{r['ember_planned_step_s']:>16.3f}"
-              f"{r['plan_error']:>+11.1%}")
-
-
-def results_path(args: argparse.Namespace) -> Path:
-    return args.out / f"maxtext_peer{'-' + args.tag if args.tag else ''}-cpu.json"
+              f"{r['maxtext_step_s']:>15.3f}{r['ratio']:>7.2f}x{planned}")
 
 
 PER_ROW = ("shape", "layout", "precision", "rounds", "steps", "profile", "merge")
@@ -257,12 +272,12 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
     config file (found in its environment) left out."""
     config = {}
     for key, value in vars(args).items():
-        if key == "base_yml":
+        if key in ("base_yml", "ember", "ember_python_shown"):
             continue
+        if key == "ember_python":
+            value = args.ember_python_shown
         if isinstance(value, Path):
             value = str(value.relative_to(ROOT)) if value.is_absolute() and value.is_relative_to(ROOT) else str(value)
-        if key == "ember_python" and value == sys.executable:
-            value = "python"  # the interpreter the script ran in
         config[key] = value
     return config
 
@@ -286,17 +301,13 @@ def write_results(rows: list[dict[str, Any]], args: argparse.Namespace) -> Path:
     from ember.hardware import cpu_rates
 
     result = {"benchmark": "maxtext_peer", "date": date.today().isoformat(),
-              "machine": f"{cpu_rates.cpu_model()}, {os.cpu_count()} cores", **ember_versions(args.ember_python),
+              "machine": f"{cpu_rates.cpu_model()}, {os.cpu_count()} cores", **args.ember,
               **maxtext_versions(args.maxtext_python), "config": run_config(args), "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
     path = results_path(args)
     if args.merge:
         measured = {(r["shape"], r["precision"], r["layout"]) for r in rows}
-        try:
-            earlier = json.loads(path.read_text())["rows"] if path.exists() else []
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise SystemExit(f"--merge: {path} is not a results file of this benchmark; move it away or drop "
-                             "--merge") from None
+        earlier = earlier_rows(path, args)
         result["rows"] = [r for r in earlier if (r["shape"], r["precision"], r["layout"]) not in measured] + rows
         for key in PER_ROW:  # each row says its own; the header's would be the last part's only
             result["config"].pop(key, None)
@@ -321,7 +332,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                         "(default: %(default)s)")
     parser.add_argument("--maxtext-python", default=None, help="default: $EMBER_MAXTEXT_PYTHON, else "
                         ".venv-maxtext/bin/python")
-    parser.add_argument("--ember-python", default=sys.executable, help="the interpreter ember's side runs in, an "
+    parser.add_argument("--ember-python", default=None, help="the interpreter ember's side runs in, an "
                         "environment with ember's tpu extra (default: this one); a Python 3.12 one with MaxText's jax "
                         "puts both sides on the same jax release")
     parser.add_argument("--tag", default="", help="writes maxtext_peer-TAG-cpu.json (a set of figures kept apart: "
@@ -342,6 +353,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     shapes = parse_list(args.shape, SHAPES, "--shape", parser)
     layouts = parse_list(args.layout, LAYOUTS, "--layout", parser)
     precisions = parse_list(args.precision, tuple(PRECISIONS), "--precision", parser)
+    if args.steps is not None and args.steps < 1:
+        parser.error(f"--steps {args.steps}: give a positive number of steps a run")
     if args.rounds < 1 or args.warmup < 1:
         parser.error("--rounds and --warmup must be at least 1 (the first step holds the compile)")
     for shape in shapes:
@@ -352,11 +365,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     args.logging_steps = 1
     args.out = args.out.resolve()  # the children run in the repository root
     args.dump_hlo = args.dump_hlo.resolve() if args.dump_hlo else None
-    if args.tag and not re.fullmatch(r"[a-z0-9][a-z0-9.-]*", args.tag):
-        parser.error(f"--tag {args.tag}: lowercase letters, digits, dots and dashes (it names the results file)")
-    ember_versions(args.ember_python)  # a wrong --ember-python fails now, not after the first MaxText run
+    if args.tag and not (len(args.tag) <= 64 and re.fullmatch(r"[a-z0-9]+([.-][a-z0-9]+)*", args.tag)):
+        parser.error(f"--tag {args.tag}: up to 64 lowercase letters and digits, words joined by dots or dashes "
+                     "(it names the results file)")
+    # everything a row needs is checked before the first run: the interpreters, the results file and its folder
+    args.ember_python, args.ember_python_shown, args.ember = ember_versions(args.ember_python, sys.executable)
     args.maxtext_python = find_maxtext_python(args.maxtext_python, dict(os.environ))
     args.base_yml = base_yml(args.maxtext_python)
+    check_writable(results_path(args), args)
+    print(f"ember: {args.ember_python} (Python {args.ember['ember_python_version']}, jax {args.ember['ember_jax']}); "
+          f"MaxText: {args.maxtext_python}; results: {results_path(args)}")
 
     rows: list[dict[str, Any]] = []
     path = results_path(args)

@@ -82,7 +82,9 @@ def test_a_missing_maxtext_environment_names_its_setup(tmp_path):
     (["--shape", "8b"], "--shape 8b: unknown 8b; choose from debug, 100m"),
     (["--steps", "4"], "--steps 4 keeps 2 step(s) after --warmup 2; give --steps of at least 5"),
     (["--shape", "100m", "--warmup", "4"], "--steps 6 keeps 2 step(s) after --warmup 4; give --steps of at least 7"),
-    (["--tag", "../x"], "--tag ../x: lowercase letters, digits, dots and dashes (it names the results file)")])
+    (["--tag", "../x"], "--tag ../x: up to 64 lowercase letters and digits, words joined by dots or dashes"),
+    (["--tag", "a.."], "--tag a..: up to 64 lowercase letters"),
+    (["--steps", "0"], "--steps 0: give a positive number of steps a run")])
 def test_wrong_arguments_are_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as raised:
         peer.main(argv)
@@ -93,16 +95,27 @@ def test_an_ember_python_without_the_tpu_extra_is_refused_before_any_run(tmp_pat
     bare = tmp_path / "python"
     bare.write_text("#!/bin/sh\nexit 1\n")
     bare.chmod(bare.stat().st_mode | stat.S_IEXEC)
-    with pytest.raises(SystemExit, match=f"--ember-python {bare} cannot read jax, torchax and torch's versions: "
-                       "install ember's tpu extra there"):
+    with pytest.raises(SystemExit, match=f"--ember-python {bare} has no ember, jax, torchax or torch: install "
+                       "ember's tpu extra there"):
         peer.main(["--ember-python", str(bare), "--maxtext-python", str(tmp_path / "none")])
+    with pytest.raises(SystemExit, match=f"--ember-python {tmp_path} is not an executable file"):
+        peer.main(["--ember-python", str(tmp_path), "--maxtext-python", str(tmp_path / "none")])
+
+
+def test_an_unwritable_results_folder_is_refused_before_any_run(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_MAXTEXT.format(python=sys.executable))
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    with pytest.raises(SystemExit, match="--out .*a-file: cannot write maxtext_peer-cpu.json there"):
+        peer.main(["--maxtext-python", str(fake), "--out", str(tmp_path / "a-file")])
 
 
 FAKE_MAXTEXT = """#!{python}
 # MaxText's process as benchmarks/maxtext_peer.py sees it: the probes it runs with -c, and a training run's lines.
 import sys
 if sys.argv[1] == "-c":
-    print("/fake/maxtext/configs/base.yml" if "base.yml" in sys.argv[2] else "0.2.5\\n0.12.0.1\\n0.12.0.1")
+    print("/fake/maxtext/configs/base.yml" if "base.yml" in sys.argv[2] else "3.12.1\\n0.2.5\\n0.12.0.1\\n0.12.0.1")
     sys.exit(0)
 args = dict(a.split("=", 1) for a in sys.argv[4:])
 assert sys.argv[2:4] == ["maxtext.trainers.pre_train.train", "/fake/maxtext/configs/base.yml"], sys.argv
@@ -127,7 +140,9 @@ def test_the_script_runs_end_to_end_and_writes_its_results(tmp_path, capsys):
     assert row["ember_tokens_per_s"] == pytest.approx(8 * 256 / row["ember_step_s"])
     assert row["plan_error"] == pytest.approx(row["ember_planned_step_s"] / row["ember_step_s"] - 1)
     assert 8.5 < row["ember_first_loss"] < 9.6  # ln(8192) = 9.01: random tokens on a fresh model
-    assert (result["maxtext"], result["maxtext_jax"]) == ("0.2.5", "0.12.0.1")
+    assert (result["maxtext"], result["maxtext_jax"], result["maxtext_python_version"]) == ("0.2.5", "0.12.0.1",
+                                                                                           "3.12.1")
+    assert (row["ember_python"], row["ember_jax"]) == ("python", result["ember_jax"])  # each row says its ember
     assert "ici_mesh.fsdp=4 ici_mesh.tensor=2" in row["ember_command"]
     assert "fsdp4-tensor2" in capsys.readouterr().out
     assert os.environ.get("XLA_FLAGS") == flags  # the devices are the children's, not this process's
@@ -139,16 +154,20 @@ def test_merge_keeps_the_other_rows_and_refuses_a_foreign_file(tmp_path):
 
     args = argparse.Namespace(merge=True, out=tmp_path, maxtext_python=Path(sys.executable), shape="debug",
                               layout="1", precision="fp32", rounds=1, steps=None, warmup=2, profile=False,
-                              ember_python=sys.executable, tag="same-jax")
+                              ember_python=sys.executable, ember_python_shown="python", tag="same-jax",
+                              ember={"ember_jax": metadata.version("jax"), "ember_torchax": "0.0.13"})
     row = {"shape": "debug", "precision": "fp32", "layout": "1", "ratio": 1.2}
     peer.write_results([row], args)
     peer.write_results([row | {"layout": "fsdp8", "ratio": 0.9}], args)
     path = peer.write_results([row | {"ratio": 1.3}], args)  # the same row again: replaced, not doubled
     result = json.loads(path.read_text())
     assert path == tmp_path / "maxtext_peer-same-jax-cpu.json"  # --tag names the file
-    assert (result["jax"], result["config"]["ember_python"]) == (metadata.version("jax"), "python")
+    assert (result["ember_jax"], result["config"]["ember_python"]) == (metadata.version("jax"), "python")
     assert [(r["layout"], r["ratio"]) for r in result["rows"]] == [("fsdp8", 0.9), ("1", 1.3)]
     assert "layout" not in result["config"] and result["config"]["warmup"] == 2
+    other = argparse.Namespace(**{**vars(args), "ember": {"ember_jax": "9.9", "ember_torchax": "0.0.13"}})
+    with pytest.raises(SystemExit, match="holds figures of ember on .* this run.s is .*9.9.*; give another --tag"):
+        peer.write_results([row], other)  # another jax's figures are never merged into these
     path.write_text("not json")
     with pytest.raises(SystemExit, match="is not a results file of this benchmark; move it away or drop --merge"):
         peer.write_results([row], args)
