@@ -149,16 +149,13 @@ def prepare_model(model: nn.Module, options: StepOptions, hidden: Any, stats: Mo
     import jax
     from torchax import interop
 
-    def constrain(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
-        return interop.call_jax(jax.lax.with_sharding_constraint, out, hidden)
-
-    def to(sharding: Any) -> Callable[..., torch.Tensor]:
+    def to(sharding: Any) -> Callable[..., torch.Tensor]:  # a forward hook constraining a module's output
         def hook(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
             return interop.call_jax(jax.lax.with_sharding_constraint, out, sharding)
         return hook
 
     for block in model.layers.values():
-        block.register_forward_hook(constrain)
+        block.register_forward_hook(to(hidden))
         if split is None:
             continue
         # Megatron's split of a block under tensor parallelism: the column-wise Linears' outputs hold whole

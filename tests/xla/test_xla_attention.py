@@ -13,7 +13,21 @@ import pytest
 
 from tests.xla.conftest import XLA_ENV
 
-COMPARE = """
+# Both scripts' inputs: seeded q (B, H, T, D), k and v (B, KV, T, D), and two packed documents per row
+INPUTS = """
+import torch
+
+
+def attention_inputs(B, H, KV, T, D, first_document):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, H, T, D, generator=g), torch.randn(B, KV, T, D, generator=g),
+               torch.randn(B, KV, T, D, generator=g))
+    documents = torch.cat([torch.zeros(B, first_document, dtype=torch.long),
+                           torch.ones(B, T - first_document, dtype=torch.long)], 1)
+    return q, k, v, documents
+"""
+
+COMPARE = INPUTS + """
 import json
 from ember.xla import runtime
 runtime.import_torchax()
@@ -28,11 +42,7 @@ from ember.xla.mesh import jax_mesh
 
 one = SimpleNamespace(**{a: 1 for a in ("pipeline", "data", "fsdp", "context", "expert", "tensor")})
 attend = flash_attention(jax_mesh(resolve_mesh(one, one, 1), jax.devices()[:1]))
-g = torch.Generator().manual_seed(0)
-B, H, KV, T, D = 2, 4, 2, 256, 64
-q, k, v = (torch.randn(B, H, T, D, generator=g), torch.randn(B, KV, T, D, generator=g),
-           torch.randn(B, KV, T, D, generator=g))
-documents = torch.cat([torch.zeros(B, 100, dtype=torch.long), torch.ones(B, 156, dtype=torch.long)], 1)
+q, k, v, documents = attention_inputs(B=2, H=4, KV=2, T=256, D=64, first_document=100)
 out = {}
 for name, fn in (("flash", attend), ("sdpa", causal_attention)):
     for docs in (None, documents):
@@ -71,7 +81,7 @@ def test_the_kernel_is_used_on_tpus_without_a_context_split():
     assert uses_flash("tpu", mesh(1)) and not uses_flash("tpu", mesh(2)) and not uses_flash("cpu", mesh(1))
 
 
-PER_DEVICE = """
+PER_DEVICE = INPUTS + """
 import json, re
 from ember.xla import runtime
 runtime.import_torchax()
@@ -87,11 +97,7 @@ axes = ("pipeline", "data", "fsdp", "context", "expert", "tensor")
 ici = SimpleNamespace(**{a: {"fsdp": 4, "tensor": 2}.get(a, 1) for a in axes})
 mesh = jax_mesh(resolve_mesh(ici, SimpleNamespace(**{a: 1 for a in axes}), 8), jax.devices())
 attend = pinned_layout(mesh, causal_attention)
-g = torch.Generator().manual_seed(0)
-B, H, KV, T, D = 4, 4, 2, 32, 8
-q, k, v = (torch.randn(B, H, T, D, generator=g), torch.randn(B, KV, T, D, generator=g),
-           torch.randn(B, KV, T, D, generator=g))
-documents = torch.cat([torch.zeros(B, 12, dtype=torch.long), torch.ones(B, 20, dtype=torch.long)], 1)
+q, k, v, documents = attention_inputs(B=4, H=4, KV=2, T=32, D=8, first_document=12)
 out = {}
 for docs in (None, documents):
     for span in (None, AttentionSpan(window=8)):
