@@ -10,7 +10,7 @@ compile): ember's from its metrics.jsonl windows, MaxText's from its `completed 
 MaxText times a step from its dispatch to the next one's, with one step queued behind the running one, so its
 single steps alternate short and long while their sum is the run's time; a median of them would not be. A
 row's figure is the median of its runs'. `ratio` is MaxText's step time over ember's: above 1, ember is faster.
-Each row also holds what `ember plan ... --device cpu` predicts of ember's step (ember_planned_step_s) and
+Each row also holds `ember plan --device cpu`'s step priced from the compiled program (plan.json's xla_step), and
 its error against the measured one (plan_error).
 
 --profile adds one profiled run of each side per row (jax.profiler on both, two steady steps) and sums its trace
@@ -23,10 +23,9 @@ up from the repository root:
 
     python3.12 -m venv .venv-maxtext && .venv-maxtext/bin/pip install -r benchmarks/requirements-maxtext.txt
 
-    python benchmarks/maxtext_peer.py                                   # debug shape, fp32, every layout
+    python benchmarks/maxtext_peer.py         # debug shape, fp32, every layout; or:
     python benchmarks/maxtext_peer.py --shape debug,100m --precision fp32,bf16 --rounds 2
     python benchmarks/maxtext_peer.py --layout fsdp8 --dump-hlo /tmp/hlo   # both sides' compiled HLO, to compare
-
 --ember-python runs ember's side in another environment (a Python 3.12 one with MaxText's jax release puts both
 sides on the same XLA); --tag TAG writes maxtext_peer-TAG-cpu.json. The results go to maxtext_peer-cpu.json in
 --out (default benchmarks/results, the committed figures) after each row: the CPU, the date, both sides' jax
@@ -178,15 +177,15 @@ def measure_maxtext(shape: Shape, layout: str, precision: str, args: argparse.Na
     return {"command": shown, "steps": steps, "seconds": steady_seconds(steps, args.warmup - 1)}
 
 
-def planned_step_s(shape: Shape, layout: str, precision: str, args: argparse.Namespace, scratch: Path) -> float:
-    """What `ember plan ... --device cpu` predicts of ember's run of the row: its step time on these cores."""
+def planned_step(shape: Shape, layout: str, precision: str, args: argparse.Namespace, scratch: Path) -> dict:
+    """What `ember plan ... --device cpu` predicts of ember's run of the row: plan.json's xla_step."""
     train = ember_command(shape, layout, precision, args.logging_steps, scratch / "plan", args.ember_python)
     command = [*train[:3], "plan", *train[4:], "--world", str(LAYOUTS[layout][0]), "--device", "cpu", "--json"]
     done = subprocess.run(command, capture_output=True, text=True, env=device_env(LAYOUTS[layout][0]), cwd=ROOT)
     if done.returncode != 0:
         raise RuntimeError(f"`ember plan` of the {layout} row failed (exit {done.returncode}): "
                            f"{(done.stderr.strip().splitlines() or ['no output'])[-1]}")
-    return json.loads(done.stdout)["step_time_s"]
+    return json.loads(done.stdout)["xla_step"]
 
 
 PROFILED_STEPS = 2
@@ -237,10 +236,12 @@ def measure_row(shape_name: str, layout: str, precision: str, args: argparse.Nam
         row[f"{side}_command"] = runs[0]["command"]
     row["ratio"] = row["maxtext_step_s"] / row["ember_step_s"]
     row["ember_planned_step_s"] = row["plan_error"] = None
-    try:
-        row["ember_planned_step_s"] = planned_step_s(shape, layout, precision, args, scratch)
-        row["plan_error"] = row["ember_planned_step_s"] / row["ember_step_s"] - 1
-    except RuntimeError as err:  # the row's measurements are kept; the plan's failure is said and stored
+    try:  # the row's measurements are kept where the plan fails: its failure is said and stored
+        planned = planned_step(shape, layout, precision, args, scratch)
+        row["ember_planned_parts_s"] = {part: planned[f"{part}_s"] for part in ("matmul", "memory", "collective")}
+        row["ember_planned_step_s"] = planned["step_s"]
+        row["plan_error"] = planned["step_s"] / row["ember_step_s"] - 1
+    except RuntimeError as err:
         row["plan_failed"] = str(err)
         print(f"warning: {err}", file=sys.stderr)
     row.update(args.ember, ember_python=args.ember_python_shown)

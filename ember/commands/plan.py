@@ -78,9 +78,10 @@ def run(args: argparse.Namespace) -> int:
         _check_replaceable(path)  # before the planning: a file of the user's is never overwritten
     plan = make_plan(cfg, args.world, args.nodes, args.device, args.search)
     if cfg.device in XLA_DEVICES:  # beside the model above: the XLA path's own compiled step, on virtual CPU devices
-        from ember.xla.plan import compiled_memory_on_virtual_devices
+        from ember.xla.plan import compiled_step_on_virtual_devices
 
-        plan.xla_memory = compiled_memory_on_virtual_devices(cfg, args.world, args.device)
+        compiled = compiled_step_on_virtual_devices(cfg, args.world, args.device)
+        plan.xla_memory, plan.xla_step = compiled["memory"], compiled["step"]
     text = json.dumps(plan.to_json(), indent=1) + "\n"
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -165,6 +166,11 @@ def render(plan: Plan, console: Console, path: Optional[Path]) -> None:
                       f"{_gib(x['peak'])} GiB. The CPU compiler's: it counts SDPA's full score matrix where a TPU "
                       "runs the flash kernel, and remat outside a layer scan saves it nothing; the verdict below "
                       "is the model's above")
+    if plan.xla_step is not None:
+        x = plan.xla_step
+        console.print(f"XLA path step, priced op by op from the compiled program: {x['step_s']:.3f} s (matmuls "
+                      f"{x['matmul_s']:.3f} s, other ops {x['memory_s']:.3f} s, collectives {x['collective_s']:.3f} s; "
+                      f"{x['priced_by']})")
     verdict = "[green]fits[/green]" if plan.fits else "[red]does not fit[/red]"
     best = (f"; the largest micro-batch that fits: {plan.max_micro_batch}" if plan.max_micro_batch
             else "; no micro-batch fits")

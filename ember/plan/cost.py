@@ -40,38 +40,44 @@ MEMORY_RESERVE = 0.1
 
 @dataclass(frozen=True)
 class Fabric:
-    """A device as `--device` names it: its compute and memory (ember.hardware.peaks), devices per node, and the
-    bandwidth per device in one direction, in GB/s (10^9 bytes), within a node and across nodes."""
+    """A device as `--device` names it: its compute and memory (ember.hardware.peaks), devices per node, the
+    bandwidth per device in one direction, in GB/s (10^9 bytes), within a node and across nodes, and its memory's
+    bandwidth (HBM, GB/s; what the XLA path's compiled step is priced by, ember.xla.plan)."""
 
     spec: hardware.DeviceSpec
     per_node: int  # 0: one fast domain whatever the world size (a TPU slice)
     intra_gbs: float
     inter_gbs: float
     source: str
+    memory_gbs: Optional[float] = None
 
 
 # Per-device, one-direction bandwidths. NVIDIA's NVLink figures are bidirectional per GPU (halved here);
-# node networks are one NIC per GPU.
+# node networks are one NIC per GPU. The last figure is the device's memory bandwidth (GB/s) from the same
+# vendor's datasheet: A100 80GB SXM 2,039; H100 SXM 3,350; H200 4,800; B200 and GB200 8,000; MI300X 5,300;
+# Cloud TPU pages: v5p 2,765, v5e 819, v6e 1,640.
 FABRICS: dict[str, Fabric] = {
     # DGX A100: NVLink 3, 600 GB/s per GPU; 8 ConnectX-6 HDR 200 Gb/s (one per GPU).
-    "a100": Fabric(hardware.A100_80GB, 8, 300, 25, "DGX A100 datasheet: NVLink 600 GB/s, 8x 200 Gb/s HDR"),
+    "a100": Fabric(hardware.A100_80GB, 8, 300, 25, "DGX A100 datasheet: NVLink 600 GB/s, 8x 200 Gb/s HDR", 2039),
     # DGX H100: NVLink 4, 900 GB/s per GPU; 8 ConnectX-7 400 Gb/s (one per GPU).
-    "h100": Fabric(hardware.H100_SXM, 8, 450, 50, "DGX H100 datasheet: NVLink 900 GB/s, 8x 400 Gb/s ConnectX-7"),
+    "h100": Fabric(hardware.H100_SXM, 8, 450, 50, "DGX H100 datasheet: NVLink 900 GB/s, 8x 400 Gb/s ConnectX-7", 3350),
     # HGX H200: the H100's NVLink 4 (900 GB/s) and 400 Gb/s per GPU.
-    "h200": Fabric(hardware.H200_SXM, 8, 450, 50, "HGX H200 datasheet: NVLink 900 GB/s, 400 Gb/s per GPU"),
+    "h200": Fabric(hardware.H200_SXM, 8, 450, 50, "HGX H200 datasheet: NVLink 900 GB/s, 400 Gb/s per GPU", 4800),
     # DGX B200: NVLink 5, 1.8 TB/s per GPU; 8 ConnectX-7 400 Gb/s.
-    "b200": Fabric(hardware.B200, 8, 900, 50, "DGX B200 datasheet: NVLink 1.8 TB/s, 8x 400 Gb/s ConnectX-7"),
+    "b200": Fabric(hardware.B200, 8, 900, 50, "DGX B200 datasheet: NVLink 1.8 TB/s, 8x 400 Gb/s ConnectX-7", 8000),
     # GB200 NVL72: one NVLink domain of 72 GPUs at 1.8 TB/s each; 800 Gb/s ConnectX-8 per GPU between racks.
-    "gb200": Fabric(hardware.GB200, 72, 900, 100, "GB200 NVL72 datasheet: 72-GPU NVLink domain, 1.8 TB/s per GPU"),
+    "gb200": Fabric(hardware.GB200, 72, 900, 100, "GB200 NVL72 datasheet: 72-GPU NVLink domain, 1.8 TB/s per GPU",
+                    8000),
     # MI300X platform: each GPU has 7 Infinity Fabric links of 128 GB/s (bidirectional) to the other 7;
     # a 400 Gb/s NIC per GPU.
-    "mi300x": Fabric(hardware.MI300X, 8, 448, 50, "AMD MI300X platform datasheet: 7x 128 GB/s Infinity Fabric"),
+    "mi300x": Fabric(hardware.MI300X, 8, 448, 50, "AMD MI300X platform datasheet: 7x 128 GB/s Infinity Fabric",
+                     5300),
     # Cloud TPU: inter-chip interconnect per chip, v5p 4,800 Gb/s, v5e 1,600 Gb/s, v6e 3,584 Gb/s (Cloud TPU
     # system architecture pages); a "node" is a slice. Between slices (DCN) Google publishes no per-chip
     # figure: 25 GB/s is an assumption.
-    "tpu-v5p": Fabric(hardware.TPU_V5P, 0, 300, 25, "Cloud TPU v5p: ICI 4,800 Gb/s per chip; DCN assumed"),
-    "tpu-v5e": Fabric(hardware.TPU_V5E, 0, 100, 25, "Cloud TPU v5e: ICI 1,600 Gb/s per chip; DCN assumed"),
-    "tpu-v6e": Fabric(hardware.TPU_V6E, 0, 224, 25, "Cloud TPU v6e: ICI 3,584 Gb/s per chip; DCN assumed"),
+    "tpu-v5p": Fabric(hardware.TPU_V5P, 0, 300, 25, "Cloud TPU v5p: ICI 4,800 Gb/s per chip; DCN assumed", 2765),
+    "tpu-v5e": Fabric(hardware.TPU_V5E, 0, 100, 25, "Cloud TPU v5e: ICI 1,600 Gb/s per chip; DCN assumed", 819),
+    "tpu-v6e": Fabric(hardware.TPU_V6E, 0, 224, 25, "Cloud TPU v6e: ICI 3,584 Gb/s per chip; DCN assumed", 1640),
 }
 
 

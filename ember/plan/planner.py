@@ -96,8 +96,10 @@ class Plan:
     searched: bool = False
     seconds: float = 0.0
     micro_batch_limit: Optional[int] = None  # the largest the batch allows (global_batch_size / data-parallel size)
-    # device=tpu|xla: the compiled XLA step's memory per device on virtual CPU devices (ember/xla/plan.py)
+    # device=tpu|xla: the compiled XLA step's memory per device on virtual CPU devices, and its time priced op by
+    # op from the program (ember/xla/plan.py)
     xla_memory: Optional[dict[str, int]] = None
+    xla_step: Optional[dict[str, Any]] = None
     precision: str = "fp32"  # what the step's matmuls run in: fp32 | bf16 | fp8 (precision=auto resolved)
     peak_flops: float = 0.0  # the device's dense peak at that precision, FLOP/s: what compute time and MFU divide by
 
@@ -112,6 +114,8 @@ class Plan:
             document["candidates"] = [dict(o) for o in self.options]
         if self.xla_memory is not None:
             document["xla_memory"] = dict(self.xla_memory)
+        if self.xla_step is not None:
+            document["xla_step"] = dict(self.xla_step)
         return document
 
 

@@ -1,18 +1,24 @@
-"""What jax's CPU backend (XLA:CPU) runs a matmul at on this machine: the peak `ember plan --device cpu` prices the
-XLA path's step by (device=xla). XLA:CPU's dot is its own code, not the oneDNN kernels torch calls: on a 2-core
-Xeon with AMX it ran fp32 at about half of torch's rate (docs/tpu.md), so torch's figure planned the XLA step twice
-as fast as it runs. Measured once per machine and jax release, on one CPU device, and kept in the same cache as
-torch's rates (ember.hardware.cpu_rates: a figure measured while other processes were busy is provisional)."""
+"""What jax's CPU backend (XLA:CPU) runs at on this machine, for `ember plan --device cpu` of the XLA path
+(device=xla): its matmul peak (the per-role model's rate), the rate of each matmul a compiled step runs, and the
+bandwidth of its element-wise fusions (ember.xla.plan prices the compiled step with both). XLA:CPU's dot is its own
+code, not the oneDNN kernels torch calls: on a 2-core Xeon with AMX it ran fp32 at about half of torch's rate
+(docs/tpu.md), so torch's figures would plan the XLA step twice as fast as it runs. Measured once per machine and
+jax release, on one CPU device, and kept in the same cache as torch's rates (ember.hardware.cpu_rates: a figure
+measured while other processes were busy is provisional)."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from importlib import metadata
+from pathlib import Path
+from typing import Iterable
 
 import torch
 
 from ember.hardware import cpu_rates
+from ember.xla.program_cost import NUMPY_DTYPES, Dot
 
 
 def measure_xla_matmul_flops(dtype: torch.dtype, seconds: float = 0.6,
@@ -56,3 +62,83 @@ def xla_cpu_peak_flops(dtype: torch.dtype) -> cpu_rates.Rates:
     """This machine's XLA:CPU n x n matmul peak in `dtype` (rates[dtype_name(dtype)]), measured once and cached."""
     name = cpu_rates.dtype_name(dtype)
     return cpu_rates.cached_rates(_key(dtype), lambda: {name: measure_xla_matmul_flops(dtype)}, (name,))
+
+
+def l2_cache_bytes() -> int:
+    """One core's L2 cache (Linux sysfs), or 1 MiB where the kernel does not say."""
+    try:
+        size = Path("/sys/devices/system/cpu/cpu0/cache/index2/size").read_text().strip()
+        return int(size[:-1]) * {"K": 2**10, "M": 2**20}[size[-1]] if size[-1] in "KM" else int(size)
+    except (OSError, ValueError):
+        return 2**20
+
+
+STREAMED_ELEMENTS = 1 << 26  # 768 MB moved by one a * x + y: far past any cache
+
+
+def measure_xla_bandwidths(seconds: float = 0.5) -> dict[str, float]:
+    """Bytes/s of an XLA:CPU element-wise fusion (a * x + y, fp32) on jax's first CPU device, one call a time as a
+    step runs its ops: `cached`, moving as many bytes as one core's L2 holds; `streaming`, far past any cache, into
+    a new output as a step's large temporaries are written. The best of the calls within ~`seconds` each."""
+    import jax
+    import jax.numpy as jnp
+
+    device = jax.devices("cpu")[0]
+    axpy = jax.jit(lambda x, y: x * 1.0001 + y)
+    rates = {}
+    for name, n in (("cached", max(l2_cache_bytes() // 12, 1024)), ("streaming", STREAMED_ELEMENTS)):
+        x, y = (jax.device_put(jnp.ones((n,), jnp.float32), device) for _ in range(2))
+        axpy(x, y).block_until_ready()
+        fastest, deadline = float("inf"), time.perf_counter() + seconds
+        while time.perf_counter() < deadline or fastest == float("inf"):
+            start = time.perf_counter()
+            axpy(x, y).block_until_ready()
+            fastest = min(fastest, time.perf_counter() - start)
+        rates[name] = 12 * n / fastest
+    return rates
+
+
+def xla_cpu_bandwidths() -> cpu_rates.Rates:
+    """measure_xla_bandwidths, measured once per machine and jax release and cached (rates: bytes/s)."""
+    key = f"{_key(torch.float32).rsplit(' | ', 1)[0]} | element-wise bandwidth, one call"
+    return cpu_rates.cached_rates(key, measure_xla_bandwidths, ("cached", "streaming"))
+
+
+def _dot_signature(dot: Dot) -> str:
+    return (f"{dot.describe()} -> {dot.out_dtype} b{list(dot.lhs_batch)}{list(dot.rhs_batch)} "
+            f"c{list(dot.lhs_contracting)}{list(dot.rhs_contracting)}")
+
+
+def measure_dot_flops(dots: list[Dot], seconds: float = 0.15) -> dict[str, float]:
+    """FLOP/s of each of `dots` (by _dot_signature) run alone on jax's first CPU device: the best of its runs
+    within ~`seconds` (at least three)."""
+    import jax
+    import jax.numpy as jnp
+
+    device = jax.devices("cpu")[0]
+    rates = {}
+    for dot in dots:
+        lhs = jax.device_put(jnp.ones(dot.lhs, NUMPY_DTYPES[dot.lhs_dtype]), device)
+        rhs = jax.device_put(jnp.ones(dot.rhs, NUMPY_DTYPES[dot.rhs_dtype]), device)
+        numbers = ((dot.lhs_contracting, dot.rhs_contracting), (dot.lhs_batch, dot.rhs_batch))
+        product = jax.jit(lambda a, b, numbers=numbers, out=dot.out_dtype:
+                          jax.lax.dot_general(a, b, numbers, preferred_element_type=jnp.dtype(NUMPY_DTYPES[out])))
+        product(lhs, rhs).block_until_ready()
+        fastest, runs, deadline = float("inf"), 0, time.perf_counter() + seconds
+        while time.perf_counter() < deadline or runs < 3:
+            start = time.perf_counter()
+            product(lhs, rhs).block_until_ready()
+            fastest, runs = min(fastest, time.perf_counter() - start), runs + 1
+        rates[_dot_signature(dot)] = dot.flops / fastest
+    return rates
+
+
+def xla_dot_seconds(dots: Iterable[Dot]) -> dict[Dot, float]:
+    """Seconds one run of each of `dots` takes on XLA:CPU here: its own measured rate (measure_dot_flops), cached
+    under the set of shapes, since a small model's matmuls run well under the n x n peak and a large one's above."""
+    dots = sorted(set(dots), key=_dot_signature)
+    signatures = [_dot_signature(d) for d in dots]
+    digest = hashlib.sha1("\n".join(signatures).encode()).hexdigest()[:16]
+    key = f"{_key(torch.float32).rsplit(' | ', 1)[0]} | dots {digest}"
+    rates = cpu_rates.cached_rates(key, lambda: measure_dot_flops(dots), tuple(signatures)).rates
+    return {dot: dot.flops / rates[sig] for dot, sig in zip(dots, signatures)}

@@ -191,12 +191,11 @@ def _initial_buffer(name: str, buffer: torch.Tensor, host_model: torch.nn.Module
     return host.detach() if not host.is_meta else torch.zeros(buffer.shape, dtype=buffer.dtype)
 
 
-def compiled_memory(layout: XlaLayout, micro_batches: int, rows: int, seq_len: int,
-                    params: Any = None, opt_state: Any = None) -> dict[str, int]:
-    """XLA's memory analysis of the compiled train step, per device, in bytes: `arguments` (weights, optimizer
-    state, the batch), `temporaries` (activations, gradients, workspace), `outputs` and `aliased` (outputs
-    written over donated arguments), and `peak` = arguments + outputs - aliased + temporaries. `params` and
-    `opt_state`: the run's arrays; default abstract ones of the layout's shapes (nothing is allocated)."""
+def compile_step(layout: XlaLayout, micro_batches: int, rows: int, seq_len: int, params: Any = None,
+                 opt_state: Any = None) -> Any:
+    """The train step compiled (never run) for `micro_batches` x `rows` x `seq_len` batches: a jax `Compiled`.
+    `params` and `opt_state`: the run's arrays; default abstract ones of the layout's shapes (nothing is
+    allocated)."""
     import jax
 
     if params is None:
@@ -208,8 +207,21 @@ def compiled_memory(layout: XlaLayout, micro_batches: int, rows: int, seq_len: i
     batch = jax.ShapeDtypeStruct((micro_batches, rows, seq_len), np.int64 if jax.config.jax_enable_x64 else np.int32,
                                  sharding=layout.batch_sharding)
     lr = jax.ShapeDtypeStruct((), np.float32)
-    analysis = layout.compiled.train.lower(params, opt_state, batch, batch, lr).compile().memory_analysis()
+    return layout.compiled.train.lower(params, opt_state, batch, batch, lr).compile()
+
+
+def memory_figures(compiled: Any) -> dict[str, int]:
+    """XLA's memory analysis of a compiled step, per device, in bytes: `arguments` (weights, optimizer state, the
+    batch), `temporaries` (activations, gradients, workspace), `outputs` and `aliased` (outputs written over
+    donated arguments), and `peak` = arguments + outputs - aliased + temporaries."""
+    analysis = compiled.memory_analysis()
     figures = {"arguments": analysis.argument_size_in_bytes, "outputs": analysis.output_size_in_bytes,
                "aliased": analysis.alias_size_in_bytes, "temporaries": analysis.temp_size_in_bytes}
     figures["peak"] = figures["arguments"] + figures["outputs"] - figures["aliased"] + figures["temporaries"]
     return figures
+
+
+def compiled_memory(layout: XlaLayout, micro_batches: int, rows: int, seq_len: int,
+                    params: Any = None, opt_state: Any = None) -> dict[str, int]:
+    """memory_figures of the train step compiled (compile_step)."""
+    return memory_figures(compile_step(layout, micro_batches, rows, seq_len, params, opt_state))

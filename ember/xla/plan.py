@@ -1,9 +1,16 @@
-"""`ember plan` for the XLA path: the per-device memory of the compiled train step, as XLA's own memory analysis
-reports it, for the run's layout at any world size. The step is compiled (never run) over abstract arrays on
-jax's virtual CPU devices, one per planned device, in a subprocess started with that many (jax fixes its
-device count when it starts): the same shardings and the same program the trainer compiles, laid out by
-XLA's CPU compiler. A TPU's compiler fuses and schedules differently, so on a TPU the figure is an estimate
-of what XLA's TPU compiler reports (docs/tpu.md)."""
+"""`ember plan` for the XLA path: the compiled train step of the run's layout at any world size, per device: its
+memory, as XLA's own memory analysis reports it, and its time, priced op by op from the program itself
+(ember.xla.program_cost). The step is compiled (never run) over abstract arrays on jax's virtual CPU devices, one
+per planned device, in a subprocess started with that many (jax fixes its device count when it starts): the same
+shardings and the same program the trainer compiles, laid out by XLA's CPU compiler. A TPU's compiler fuses and
+schedules differently, so on a TPU both figures are estimates of what its own compiler would report (docs/tpu.md).
+
+The time: each matmul at the device's rate, each other op's bytes at its memory's bandwidth, the collectives'
+bytes at its links'. On a CPU (`--device cpu`) the rates are XLA:CPU's own, measured here: each of the step's
+matmuls timed alone at its shape, and the element-wise bandwidth within a core's L2 and past every cache; the
+virtual devices share the cores, so the step is the sum over devices. On an accelerator they are its datasheet's
+(the matmul peak at the run's compute dtype times the planner's COMPUTE_EFFICIENCY, HBM and the link), and
+nothing overlaps: a bound a TPU's asynchronous collectives and fusions come in under."""
 
 from __future__ import annotations
 
@@ -14,19 +21,55 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from ember.config import JobConfig, load, save
 from ember.errors import ConfigError
+from ember.xla.program_cost import ProgramCost, program_cost
 
 
-def compiled_memory_here(cfg: JobConfig, world: int, target: str) -> dict[str, int]:
-    """In a process whose jax has >= `world` devices: the compiled step's memory per device (layout.compiled_memory)
-    for `cfg` on `world` devices of `target` (tpu: bf16 compute, else the precision's)."""
+def priced_step(cost: ProgramCost, world: int, target: str, dtype: torch.dtype) -> dict[str, Any]:
+    """The step time of a program of per-device `cost` on `world` devices of `target` (a --device name), and its
+    parts, in seconds; the per-device FLOPs and bytes they come from."""
+    from ember.plan import cost as cost_lib
+
+    if target == "cpu":
+        from ember.xla import cpu_rates
+
+        seconds = cpu_rates.xla_dot_seconds(cost.dots)
+        bandwidth = cpu_rates.xla_cpu_bandwidths().rates
+        fits = cpu_rates.l2_cache_bytes()
+        matmul = sum(seconds[dot] * n for dot, n in cost.dots.items())
+        memory = sum(n * size / bandwidth["cached" if size <= fits else "streaming"]
+                     for size, n in cost.op_bytes.items())
+        collective = cost.collective_bytes / bandwidth["streaming"]  # copies between buffers of one host
+        share = world  # every virtual device's program runs on the same cores
+        priced_by = "XLA:CPU's measured matmul rates and element-wise bandwidths on this machine"
+    else:
+        fab = cost_lib.fabric(target)
+        if not fab.memory_gbs:
+            raise ConfigError(f"--device {target} lists no memory bandwidth to price the XLA step by")
+        # the CPU compiler's dot dtypes are not the device's (jax 0.10's XLA:CPU runs bf16 dots as fp32): every
+        # matmul at the run's compute dtype
+        matmul = cost.dot_flops / (cost_lib.peak_flops(fab, dtype) * cost_lib.COMPUTE_EFFICIENCY)
+        memory = cost.memory_bytes / (fab.memory_gbs * 1e9)
+        collective = cost.collective_bytes / (fab.intra_gbs * 1e9 * cost_lib.LINK_EFFICIENCY)
+        share = 1
+        priced_by = f"{fab.spec.name}'s datasheet rates, nothing overlapped"
+    return {"step_s": share * (matmul + memory + collective), "matmul_s": share * matmul,
+            "memory_s": share * memory, "collective_s": share * collective, "matmul_flops": cost.dot_flops,
+            "memory_bytes": cost.memory_bytes, "collective_bytes": cost.collective_bytes, "priced_by": priced_by}
+
+
+def compiled_step_here(cfg: JobConfig, world: int, target: str) -> dict[str, dict[str, Any]]:
+    """In a process whose jax has >= `world` devices, for `cfg` on `world` devices of `target` (tpu: bf16
+    compute, else the precision's): the compiled step's memory per device ("memory": layout.memory_figures) and
+    its priced time ("step": priced_step)."""
     from ember.train import run as run_lib
     from ember.xla import mesh as mesh_lib, runtime
-    from ember.xla.layout import compiled_memory, layout_for
+    from ember.xla.layout import compile_step, layout_for, memory_figures
     from ember.xla.rules import xla_compute_dtype
 
     devices = runtime.devices("xla")[:world]
@@ -34,12 +77,14 @@ def compiled_memory_here(cfg: JobConfig, world: int, target: str) -> dict[str, i
     spec = run_lib.resolve(cfg, world, torch.device("cpu"), compute_dtype=dtype)
     host = run_lib.build_model(dataclasses.replace(spec, device=torch.device("cpu")), None, materialize=False).parts[0]
     layout = layout_for(spec, mesh_lib.jax_mesh(spec.shape, devices), host, eos_id=None)
-    return compiled_memory(layout, spec.grad_accum, cfg.micro_batch_size * spec.shape.dp, cfg.seq_len)
+    compiled = compile_step(layout, spec.grad_accum, cfg.micro_batch_size * spec.shape.dp, cfg.seq_len)
+    return {"memory": memory_figures(compiled),
+            "step": priced_step(program_cost(compiled.as_text()), world, target, dtype)}
 
 
-def compiled_memory_on_virtual_devices(cfg: JobConfig, world: int, target: str,
-                                       timeout_s: float = 3600) -> dict[str, int]:
-    """compiled_memory_here in a subprocess with `world` virtual CPU devices."""
+def compiled_step_on_virtual_devices(cfg: JobConfig, world: int, target: str,
+                                     timeout_s: float = 3600) -> dict[str, dict[str, Any]]:
+    """compiled_step_here in a subprocess with `world` virtual CPU devices."""
     with tempfile.TemporaryDirectory(prefix="ember-xla-plan-") as folder:
         config = Path(folder) / "config.yaml"
         save(dataclasses.replace(cfg, device="xla"), config)
@@ -56,4 +101,4 @@ def compiled_memory_on_virtual_devices(cfg: JobConfig, world: int, target: str,
 
 if __name__ == "__main__":  # python -m ember.xla.plan CONFIG WORLD TARGET
     config_path, world_arg, target_arg = sys.argv[1:4]
-    print(json.dumps(compiled_memory_here(load(config_path), int(world_arg), target_arg)))
+    print(json.dumps(compiled_step_here(load(config_path), int(world_arg), target_arg)))

@@ -1,5 +1,6 @@
 """`ember plan` on the XLA path: the compiled step's per-device memory (XLA's memory analysis of abstract arrays on
-virtual devices) against the same analysis of the step a real device=xla run compiled over its arrays."""
+virtual devices) against the same analysis of the step a real device=xla run compiled over its arrays, and the
+step's time priced from the same program."""
 
 import json
 import subprocess
@@ -41,6 +42,13 @@ def test_the_plan_predicts_the_compiled_steps_memory(xla_env: dict, tmp_path: Pa
                                env=xla_env, expect=0).stdout)
     # weights and AdamW moments sharded 8 ways: an eighth of one device's, to within the replicated scalars
     assert planned["xla_memory"]["arguments"] == pytest.approx(one["xla_memory"]["arguments"] / 8, rel=0.02)
+    # the step's matmuls split over fsdp=4 x tensor=2 with nothing computed twice: each device an eighth, exactly
+    assert planned["xla_step"]["matmul_flops"] * 8 == one["xla_step"]["matmul_flops"] > 0
+    for plan in (planned, one):  # priced on this CPU: the parts add up to the step
+        step = plan["xla_step"]
+        assert step["step_s"] == pytest.approx(step["matmul_s"] + step["memory_s"] + step["collective_s"])
+        assert step["matmul_s"] > 0 and step["memory_s"] > 0 and "XLA:CPU" in step["priced_by"]
+    assert planned["xla_step"]["collective_bytes"] > 0 == one["xla_step"]["collective_bytes"]
 
 
 @pytest.mark.slow
@@ -48,3 +56,4 @@ def test_plan_for_a_tpu_device_reports_the_xla_path_and_its_verdict(xla_env: dic
     out = run_ember("plan", "debug", "device=xla", "ici_mesh.fsdp=8", "micro_batch_size=1", "--world", "8",
                     "--device", "tpu-v6e", env=xla_env, expect=0).stdout
     assert "XLA path (device=tpu|xla): the compiled step per device" in out and "verdict: fits" in out
+    assert "XLA path step, priced op by op from the compiled program" in out and "TPU v6e's datasheet rates" in out
