@@ -195,7 +195,7 @@ def program_cost(text: str) -> ProgramCost:
             if inst.op == "dot":
                 cost.dots[_dot(computations[name], inst)] += times
                 found = True
-            elif inst.op in ("fusion", "call"):
+            elif inst.op == "fusion":
                 found = dots_inside(_attribute(inst, "calls"), times) or found
         return found
 
@@ -208,7 +208,9 @@ def program_cost(text: str) -> ProgramCost:
                 visit(_attribute(inst, "body"), times * _trip_count(inst))
             elif inst.op == "dot":
                 cost.dots[_dot(comp, inst)] += times
-            elif inst.op in ("fusion", "call"):
+            elif inst.op == "call":  # an outlined computation: its ops run as the caller's would
+                visit(_attribute(inst, "to_apply"), times)
+            elif inst.op == "fusion":
                 called = _attribute(inst, "calls")
                 if not dots_inside(called, times):  # a matmul's fusion is priced as its matmul
                     cost.op_bytes[_fusion_bytes(computations[called], comp, inst)] += times

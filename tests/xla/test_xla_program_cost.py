@@ -134,3 +134,21 @@ def test_each_matmul_is_timed_at_its_own_shape():
     rates = xla_rates.measure_dot_flops(dots, seconds=0.01)
     assert len(rates) == 2 and all(1e5 < r < 1e14 for r in rates.values())
     assert dots[1].flops == 2 * 2 * 8 * 8 * 4 == 2 * math.prod((2, 8, 8)) * 4
+
+
+CALL_HLO = """HloModule m
+
+%outlined (a: f32[256]) -> f32[256] {
+  %a = f32[256]{0} parameter(0)
+  ROOT %sum = f32[256]{0} add(%a, %a)
+}
+
+ENTRY %main (x: f32[256]) -> f32[256] {
+  %x = f32[256]{0} parameter(0)
+  ROOT %called = f32[256]{0} call(%x), to_apply=%outlined
+}
+"""
+
+
+def test_an_outlined_computations_ops_count_as_the_callers():
+    assert program_cost(CALL_HLO).op_bytes == {3 * 256 * 4: 1}
