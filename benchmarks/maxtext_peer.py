@@ -26,6 +26,8 @@ up from the repository root:
     python benchmarks/maxtext_peer.py         # debug shape, fp32, every layout; or:
     python benchmarks/maxtext_peer.py --shape debug,100m --precision fp32,bf16 --rounds 2
     python benchmarks/maxtext_peer.py --layout fsdp8 --dump-hlo /tmp/hlo   # both sides' compiled HLO, to compare
+    python benchmarks/maxtext_peer.py --replan   # the stored rows priced again by this checkout's planner
+
 --ember-python runs ember's side in another environment (a Python 3.12 one with MaxText's jax release puts both
 sides on the same XLA); --tag TAG writes maxtext_peer-TAG-cpu.json. The results go to maxtext_peer-cpu.json in
 --out (default benchmarks/results, the committed figures) after each row: the CPU, the date, both sides' jax
@@ -44,13 +46,24 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from datetime import date
 from pathlib import Path
 from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).parent))  # benchmarks/ is a folder of scripts: its modules by file name
 import xla_trace  # noqa: E402
+from maxtext_commands import (  # noqa: E402
+    LAYOUTS,
+    PRECISIONS,
+    SHAPES,
+    Shape,
+    device_env,
+    ember_command,
+    ember_steps,
+    maxtext_command,
+    maxtext_steps,
+)
 from maxtext_env import (  # noqa: E402
     ROOT,
     base_yml,
@@ -61,81 +74,6 @@ from maxtext_env import (  # noqa: E402
     maxtext_versions,
     results_path,
 )
-
-
-@dataclass(frozen=True)
-class Shape:
-    """A Llama 3 shape, as both trainers spell it (ember's model.* keys, MaxText's base_* keys)."""
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    ffn_hidden_dim: int
-    vocab_size: int
-    batch: int  # global, sequences
-    seq_len: int
-    steps: int  # a run's length, warm-up included
-
-
-# debug: ember's `debug` recipe's model; 100m: a GPT-2-small-sized Llama (125M parameters, 49M of them embeddings)
-SHAPES = {"debug": Shape(256, 4, 8, 4, 704, 8192, batch=8, seq_len=256, steps=20),
-          "100m": Shape(768, 12, 12, 4, 2048, 32000, batch=8, seq_len=256, steps=6)}
-# name -> (jax devices, fsdp, tensor)
-LAYOUTS = {"1": (1, 1, 1), "fsdp8": (8, 8, 1), "fsdp4-tensor2": (8, 4, 2)}
-PRECISIONS = {"fp32": "float32", "bf16": "bfloat16"}  # ember's precision -> MaxText's dtype (weights stay fp32)
-ROPE_THETA = 500000.0  # Llama 3's, ember's debug flavor's
-MAXTEXT_STEP = re.compile(r"completed step: (\d+), seconds: ([0-9.]+).*?loss: ([0-9.]+)")
-
-
-def device_env(devices: int, dump_hlo: Optional[Path] = None) -> dict[str, str]:
-    """jax's CPU backend with `devices` virtual devices (and XLA's HLO dumps where asked), the rest of os.environ."""
-    flags = [f"--xla_force_host_platform_device_count={devices}"]
-    if dump_hlo is not None:
-        flags += [f"--xla_dump_to={dump_hlo}", "--xla_dump_hlo_as_text"]
-    return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(flags), TOKENIZERS_PARALLELISM="false")
-
-
-def ember_command(shape: Shape, layout: str, precision: str, logging_steps: int, output_dir: Path,
-                  python: str = sys.executable) -> list[str]:
-    devices, fsdp, tensor = LAYOUTS[layout]
-    return [python, "-m", "ember", "train", "debug", "device=xla", f"precision={precision}",
-            f"model.dim={shape.dim}", f"model.n_layers={shape.n_layers}", f"model.n_heads={shape.n_heads}",
-            f"model.n_kv_heads={shape.n_kv_heads}", f"model.ffn_hidden_dim={shape.ffn_hidden_dim}",
-            f"model.vocab_size={shape.vocab_size}", "model.scan_layers=true", "model.remat=full",
-            f"global_batch_size={shape.batch}", f"micro_batch_size={shape.batch * tensor // devices}",
-            f"seq_len={shape.seq_len}", f"ici_mesh.fsdp={fsdp}", f"ici_mesh.tensor={tensor}",
-            "optim.betas=[0.9,0.95]", "optim.eps=1e-8", "optim.weight_decay=0.1", "optim.max_grad_norm=1.0",
-            f"max_steps={shape.steps}", f"logging_steps={logging_steps}", "data.dataset=synthetic",
-            "checkpoint.interval=0", "eval_interval=0", "resume=none", "seed=0", "metrics.console=false",
-            f"output_dir={output_dir}"]
-
-
-def maxtext_command(python: Path, shape: Shape, layout: str, precision: str, output_dir: Path) -> list[str]:
-    """MaxText's pre-training entry point with its base.yml and the same model, batch, optimizer and layout."""
-    devices, fsdp, tensor = LAYOUTS[layout]
-    return [str(python), "-m", "maxtext.trainers.pre_train.train", "BASE_YML", "run_name=peer",
-            f"base_output_directory={output_dir}", "hardware=cpu", "skip_jax_distributed_system=true",
-            "dataset_type=synthetic", f"steps={shape.steps}", "enable_checkpointing=false",
-            f"per_device_batch_size={shape.batch / devices:g}", f"max_target_length={shape.seq_len}",
-            f"dtype={PRECISIONS[precision]}", "weight_dtype=float32", f"base_emb_dim={shape.dim}",
-            f"base_num_query_heads={shape.n_heads}", f"base_num_kv_heads={shape.n_kv_heads}",
-            f"base_mlp_dim={shape.ffn_hidden_dim}", f"base_num_decoder_layers={shape.n_layers}",
-            f"head_dim={shape.dim // shape.n_heads}", f"vocab_size={shape.vocab_size}", "decoder_block=llama2",
-            "logits_via_embedding=false", "normalization_layer_epsilon=1e-5", f"rope_max_timescale={ROPE_THETA:g}",
-            "scan_layers=true", "remat_policy=full", "attention=dot_product", "enable_dropout=false",
-            "opt_type=adamw", "adam_b1=0.9", "adam_b2=0.95", "adam_eps=1e-8", "adam_weight_decay=0.1",
-            "gradient_clipping_threshold=1.0", "enable_tensorboard=false", "enable_goodput_recording=false",
-            f"ici_fsdp_parallelism={fsdp}", f"ici_tensor_parallelism={tensor}", "ici_data_parallelism=1"]
-
-
-def maxtext_steps(log: str) -> list[tuple[int, float, float]]:
-    """(step, seconds, loss) of each `completed step` line MaxText logged."""
-    return [(int(m[1]), float(m[2]), float(m[3])) for m in MAXTEXT_STEP.finditer(log)]
-
-
-def ember_steps(metrics: list[dict[str, Any]], tokens_per_step: int) -> list[tuple[int, float, float]]:
-    """(last step of the window, seconds a step, loss) of each window in ember's metrics.jsonl records."""
-    return [(r["step"], tokens_per_step / r["tokens_per_s"], r["loss"]) for r in metrics if "tokens_per_s" in r]
 
 
 def steady_seconds(steps: list[tuple[int, float, float]], warmup: int) -> list[float]:
@@ -235,20 +173,48 @@ def measure_row(shape_name: str, layout: str, precision: str, args: argparse.Nam
         row[f"{side}_first_loss"] = runs[0]["steps"][0][2]
         row[f"{side}_command"] = runs[0]["command"]
     row["ratio"] = row["maxtext_step_s"] / row["ember_step_s"]
-    row["ember_planned_step_s"] = row["plan_error"] = None
-    try:  # the row's measurements are kept where the plan fails: its failure is said and stored
-        planned = planned_step(shape, layout, precision, args, scratch)
+    store_plan(row, shape, args, scratch)
+    row.update(args.ember, ember_python=args.ember_python_shown)
+    if args.profile:
+        row["profile_ms_per_device_step"] = {
+            side: profile_side(side, shape, layout, precision, args, scratch) for side in ("ember", "maxtext")}
+    return row
+
+
+def store_plan(row: dict[str, Any], shape: Shape, args: argparse.Namespace, scratch: Path) -> None:
+    """The row's planned step and its parts, and plan_error against its measured step; a failing plan is said and
+    stored (plan_failed), the row's measurements kept."""
+    row.update(ember_planned_step_s=None, plan_error=None)
+    row.pop("plan_failed", None)
+    try:
+        planned = planned_step(shape, row["layout"], row["precision"], args, scratch)
         row["ember_planned_parts_s"] = {part: planned[f"{part}_s"] for part in ("matmul", "memory", "collective")}
         row["ember_planned_step_s"] = planned["step_s"]
         row["plan_error"] = planned["step_s"] / row["ember_step_s"] - 1
     except RuntimeError as err:
         row["plan_failed"] = str(err)
         print(f"warning: {err}", file=sys.stderr)
-    row.update(args.ember, ember_python=args.ember_python_shown)
-    if args.profile:
-        row["profile_ms_per_device_step"] = {
-            side: profile_side(side, shape, layout, precision, args, scratch) for side in ("ember", "maxtext")}
-    return row
+
+
+def replan(args: argparse.Namespace) -> int:
+    """--replan: the results file's rows priced again by this checkout's `ember plan`, their measured steps kept;
+    refused where the file's figures were measured on another CPU or by another ember environment."""
+    from ember.hardware import cpu_rates
+
+    path = results_path(args)
+    result = json.loads(path.read_text()) if earlier_rows(path, args) else {}  # checked, then read for writing
+    rows = result.get("rows", [])
+    machine = f"{cpu_rates.cpu_model()}, {os.cpu_count()} cores"
+    if not rows or result.get("machine") != machine:
+        raise SystemExit(f"--replan: {path} holds no rows measured on this machine ({machine}): measure them first")
+    with tempfile.TemporaryDirectory() as scratch:
+        for row in rows:
+            store_plan(row, dataclasses.replace(SHAPES[row["shape"]], steps=row["steps"]), args, Path(scratch))
+    result["replanned"] = date.today().isoformat()
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print_table(rows)
+    print(f"wrote {path}")
+    return 0
 
 
 def replace_steps(shape: Shape, args: argparse.Namespace) -> Shape:
@@ -347,6 +313,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--merge", action="store_true", help="keep the results file's rows of other shapes, "
                         "precisions and layouts (a long matrix measured in parts)")
     parser.add_argument("--notes", default="", help="a note stored with the results")
+    parser.add_argument("--replan", action="store_true", help="price the results file's rows again with this "
+                        "checkout's `ember plan`, their measurements kept (after a planner change; same CPU)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results",
                         help="the folder of maxtext_peer-cpu.json (default: benchmarks/results, the committed "
                         "figures: a trial run belongs elsewhere)")
@@ -371,6 +339,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                      "(it names the results file)")
     # everything a row needs is checked before the first run: the interpreters, the results file and its folder
     args.ember_python, args.ember_python_shown, args.ember = ember_versions(args.ember_python, sys.executable)
+    if args.replan:
+        return replan(args)
     args.maxtext_python = find_maxtext_python(args.maxtext_python, dict(os.environ))
     args.base_yml = base_yml(args.maxtext_python)
     check_writable(results_path(args), args)

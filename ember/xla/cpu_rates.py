@@ -109,36 +109,45 @@ def _dot_signature(dot: Dot) -> str:
             f"c{list(dot.lhs_contracting)}{list(dot.rhs_contracting)}")
 
 
-def measure_dot_flops(dots: list[Dot], seconds: float = 0.15) -> dict[str, float]:
-    """FLOP/s of each of `dots` (by _dot_signature) run alone on jax's first CPU device: the best of its runs
-    within ~`seconds` (at least three)."""
+def measure_dot_flops(dots: list[Dot], devices: int = 1, seconds: float = 0.15) -> dict[str, float]:
+    """FLOP/s of each of `dots` (by _dot_signature) run on jax's first `devices` CPU devices at once, one product
+    per device as a step's devices each run theirs, all sharing the cores: the best of its runs within ~`seconds`
+    (at least three). Several small products at once run faster per FLOP than one alone, which leaves threads
+    idle between its tiles."""
     import jax
     import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    device = jax.devices("cpu")[0]
+    mesh = Mesh(np.array(jax.devices("cpu")[:devices]), ("device",))
+    each = NamedSharding(mesh, PartitionSpec("device"))
     rates = {}
     for dot in dots:
-        lhs = jax.device_put(jnp.ones(dot.lhs, NUMPY_DTYPES[dot.lhs_dtype]), device)
-        rhs = jax.device_put(jnp.ones(dot.rhs, NUMPY_DTYPES[dot.rhs_dtype]), device)
+        lhs = jax.device_put(jnp.ones((devices, *dot.lhs), NUMPY_DTYPES[dot.lhs_dtype]), each)
+        rhs = jax.device_put(jnp.ones((devices, *dot.rhs), NUMPY_DTYPES[dot.rhs_dtype]), each)
         numbers = ((dot.lhs_contracting, dot.rhs_contracting), (dot.lhs_batch, dot.rhs_batch))
-        product = jax.jit(lambda a, b, numbers=numbers, out=dot.out_dtype:
-                          jax.lax.dot_general(a, b, numbers, preferred_element_type=jnp.dtype(NUMPY_DTYPES[out])))
+
+        def one(a: jax.Array, b: jax.Array, numbers: tuple = numbers, out: str = dot.out_dtype) -> jax.Array:
+            return jax.lax.dot_general(a[0], b[0], numbers, preferred_element_type=jnp.dtype(NUMPY_DTYPES[out]))[None]
+
+        product = jax.jit(jax.shard_map(one, mesh=mesh, in_specs=(PartitionSpec("device"),) * 2,
+                                        out_specs=PartitionSpec("device")))
         product(lhs, rhs).block_until_ready()
         fastest, runs, deadline = float("inf"), 0, time.perf_counter() + seconds
         while time.perf_counter() < deadline or runs < 3:
             start = time.perf_counter()
             product(lhs, rhs).block_until_ready()
             fastest, runs = min(fastest, time.perf_counter() - start), runs + 1
-        rates[_dot_signature(dot)] = dot.flops / fastest
+        rates[_dot_signature(dot)] = devices * dot.flops / fastest
     return rates
 
 
-def xla_dot_seconds(dots: Iterable[Dot]) -> dict[Dot, float]:
-    """Seconds one run of each of `dots` takes on XLA:CPU here: its own measured rate (measure_dot_flops), cached
-    under the set of shapes, since a small model's matmuls run well under the n x n peak and a large one's above."""
+def xla_dot_seconds(dots: Iterable[Dot], devices: int = 1) -> dict[Dot, float]:
+    """Seconds each of `dots` takes on XLA:CPU here when `devices` devices run it at once (measure_dot_flops),
+    cached under the set of shapes: a small model's matmuls run well under the n x n peak, a large one's above."""
     dots = sorted(set(dots), key=_dot_signature)
     signatures = [_dot_signature(d) for d in dots]
     digest = hashlib.sha1("\n".join(signatures).encode()).hexdigest()[:16]
-    key = f"{_key(torch.float32).rsplit(' | ', 1)[0]} | dots {digest}"
-    rates = cpu_rates.cached_rates(key, lambda: measure_dot_flops(dots), tuple(signatures)).rates
-    return {dot: dot.flops / rates[sig] for dot, sig in zip(dots, signatures)}
+    key = f"{_key(torch.float32).rsplit(' | ', 1)[0]} | {devices} devices' dots {digest}"
+    rates = cpu_rates.cached_rates(key, lambda: measure_dot_flops(dots, devices), tuple(signatures)).rates
+    return {dot: devices * dot.flops / rates[sig] for dot, sig in zip(dots, signatures)}

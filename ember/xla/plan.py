@@ -7,10 +7,11 @@ schedules differently, so on a TPU both figures are estimates of what its own co
 
 The time: each matmul at the device's rate, each other op's bytes at its memory's bandwidth, the collectives'
 bytes at its links'. On a CPU (`--device cpu`) the rates are XLA:CPU's own, measured here: each of the step's
-matmuls timed alone at its shape, and the element-wise bandwidth within a core's L2 and past every cache; the
-virtual devices share the cores, so the step is the sum over devices. On an accelerator they are its datasheet's
-(the matmul peak at the run's compute dtype times the planner's COMPUTE_EFFICIENCY, HBM and the link), and
-nothing overlaps: a bound a TPU's asynchronous collectives and fusions come in under."""
+matmuls timed at its shape on every virtual device at once (as the step runs them, sharing the cores), and the
+element-wise bandwidth within a core's L2 and past every cache, every device's other ops summed. On an
+accelerator they are its datasheet's (the matmul peak at the run's compute dtype times the planner's
+COMPUTE_EFFICIENCY, HBM and the link), and nothing overlaps: a bound a TPU's asynchronous collectives and
+fusions come in under."""
 
 from __future__ import annotations
 
@@ -38,14 +39,14 @@ def priced_step(cost: ProgramCost, world: int, target: str, dtype: torch.dtype) 
     if target == "cpu":
         from ember.xla import cpu_rates
 
-        seconds = cpu_rates.xla_dot_seconds(cost.dots)
+        seconds = cpu_rates.xla_dot_seconds(cost.dots, world)  # every device's product at once: the step's time
         bandwidth = cpu_rates.xla_cpu_bandwidths().rates
         fits = cpu_rates.l2_cache_bytes()
+        # the other ops one after another on each device, every device's on the same cores
+        memory = world * sum(n * size / bandwidth["cached" if size <= fits else "streaming"]
+                             for size, n in cost.op_bytes.items())
+        collective = world * cost.collective_bytes / bandwidth["streaming"]  # copies between buffers of one host
         matmul = sum(seconds[dot] * n for dot, n in cost.dots.items())
-        memory = sum(n * size / bandwidth["cached" if size <= fits else "streaming"]
-                     for size, n in cost.op_bytes.items())
-        collective = cost.collective_bytes / bandwidth["streaming"]  # copies between buffers of one host
-        share = world  # every virtual device's program runs on the same cores
         priced_by = "XLA:CPU's measured matmul rates and element-wise bandwidths on this machine"
     else:
         fab = cost_lib.fabric(target)
@@ -56,10 +57,9 @@ def priced_step(cost: ProgramCost, world: int, target: str, dtype: torch.dtype) 
         matmul = cost.dot_flops / (cost_lib.peak_flops(fab, dtype) * cost_lib.COMPUTE_EFFICIENCY)
         memory = cost.memory_bytes / (fab.memory_gbs * 1e9)
         collective = cost.collective_bytes / (fab.intra_gbs * 1e9 * cost_lib.LINK_EFFICIENCY)
-        share = 1
         priced_by = f"{fab.spec.name}'s datasheet rates, nothing overlapped"
-    return {"step_s": share * (matmul + memory + collective), "matmul_s": share * matmul,
-            "memory_s": share * memory, "collective_s": share * collective, "matmul_flops": cost.dot_flops,
+    return {"step_s": matmul + memory + collective, "matmul_s": matmul, "memory_s": memory,
+            "collective_s": collective, "matmul_flops": cost.dot_flops,
             "memory_bytes": cost.memory_bytes, "collective_bytes": cost.collective_bytes, "priced_by": priced_by}
 
 

@@ -102,6 +102,25 @@ class _Computation:
     def root(self) -> _Instruction:
         return next(i for i in self.instructions if i.root)
 
+    def type_of(self, name: str) -> str:
+        """A value's type; `%t#k`, the k-th element of tuple `%t` (XLA's dumps write get-tuple-element so)."""
+        if name in self.types:
+            return self.types[name]
+        base, _, index = name.rpartition("#")
+        if base not in self.types or not index.isdigit():
+            return ""
+        inner, depth, elements, start = self.types[base][1:-1], 0, [], 0
+        for i, ch in enumerate(inner):  # the tuple's top-level elements
+            if ch in "([{":
+                depth += 1
+            elif ch in ")]}":
+                depth -= 1
+            elif ch == "," and depth == 0:
+                elements.append(inner[start:i])
+                start = i + 1
+        elements.append(inner[start:])
+        return elements[int(index)] if int(index) < len(elements) else ""
+
 
 def _split_call(rest: str) -> tuple[str, str]:
     """`a, b), attr=...` -> ("a, b", ", attr=..."): an op's operands and its attributes."""
@@ -130,7 +149,7 @@ def parse(text: str) -> tuple[dict[str, _Computation], str]:
             current = None
         elif current is not None and (m := _INSTRUCTION.match(line)):
             operands, attributes = _split_call(m[5])
-            inst = _Instruction(m[2], m[3], m[4], re.findall(r"%([\w.\-]+)", operands), attributes, bool(m[1]))
+            inst = _Instruction(m[2], m[3], m[4], re.findall(r"%([\w.\-#]+)", operands), attributes, bool(m[1]))
             current.instructions.append(inst)
             current.types[inst.name] = inst.type
     if not entry:
@@ -158,8 +177,8 @@ def _trip_count(inst: _Instruction) -> int:
 
 
 def _dot(comp: _Computation, inst: _Instruction) -> Dot:
-    (lhs_dtype, lhs), = shapes(comp.types[inst.operands[0]])
-    (rhs_dtype, rhs), = shapes(comp.types[inst.operands[1]])
+    (lhs_dtype, lhs), = shapes(comp.type_of(inst.operands[0]))
+    (rhs_dtype, rhs), = shapes(comp.type_of(inst.operands[1]))
     return Dot(lhs, rhs, lhs_dtype, rhs_dtype, shapes(inst.type)[0][0], _dims(inst, "lhs_batch_dims"),
                _dims(inst, "rhs_batch_dims"), _dims(inst, "lhs_contracting_dims"), _dims(inst, "rhs_contracting_dims"))
 
@@ -173,7 +192,7 @@ def _fusion_bytes(fused: _Computation, comp: _Computation, inst: _Instruction) -
             users.setdefault(name, []).append(i)
     root = fused.root
     in_place = root.op == "dynamic-update-slice"
-    read = sum(nbytes(comp.types.get(name, "")) for name in inst.operands)
+    read = sum(nbytes(comp.type_of(name)) for name in inst.operands)
     for param in (i for i in fused.instructions if i.op == "parameter"):
         used = users.get(param.name, [])
         if used and all(u.op in ("dynamic-slice", "slice") and u.operands[0] == param.name for u in used):
@@ -217,7 +236,7 @@ def program_cost(text: str) -> ProgramCost:
             elif inst.op.startswith(COLLECTIVES):
                 cost.collective_bytes += times * nbytes(inst.type)
             else:
-                cost.op_bytes[nbytes(inst.type) + sum(nbytes(comp.types.get(o, "")) for o in inst.operands)] += times
+                cost.op_bytes[nbytes(inst.type) + sum(nbytes(comp.type_of(o)) for o in inst.operands)] += times
 
     visit(entry, 1)
     return cost

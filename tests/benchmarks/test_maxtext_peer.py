@@ -13,6 +13,7 @@ import pytest
 from tests.helpers import load_benchmark
 
 peer = load_benchmark("maxtext_peer")
+commands = load_benchmark("maxtext_commands")
 
 # a line MaxText 0.2.5 logged on this CPU
 MAXTEXT_LINE = ("I1128 23:02:15.350356 140000160213888 metric_logger.py:265] completed step: 1, seconds: 0.878, "
@@ -49,7 +50,7 @@ def test_both_sides_are_handed_the_same_model_batch_optimizer_and_layout(shape_n
     assert (maxtext["scan_layers"], maxtext["remat_policy"]) == ("true", "full")
     assert (ember["precision"], maxtext["dtype"], maxtext["weight_dtype"]) == (
         precision, {"fp32": "float32", "bf16": "bfloat16"}[precision], "float32")
-    assert float(maxtext["rope_max_timescale"]) == peer.ROPE_THETA == 500000.0
+    assert float(maxtext["rope_max_timescale"]) == commands.ROPE_THETA == 500000.0
 
 
 def test_maxtext_lines_and_ember_windows_keep_the_same_steps():
@@ -146,6 +147,33 @@ def test_the_script_runs_end_to_end_and_writes_its_results(tmp_path, capsys):
     assert "ici_mesh.fsdp=4 ici_mesh.tensor=2" in row["ember_command"]
     assert "fsdp4-tensor2" in capsys.readouterr().out
     assert os.environ.get("XLA_FLAGS") == flags  # the devices are the children's, not this process's
+    # --replan prices the stored rows again with this checkout's planner, their measurements kept
+    stored = tmp_path / "results" / "maxtext_peer-cpu.json"
+    stale = result | {"rows": [row | {"ember_planned_step_s": 123.0, "plan_error": 0.0}]}
+    stored.write_text(json.dumps(stale))
+    assert peer.main(["--replan", "--out", str(tmp_path / "results")]) == 0
+    again = json.loads((tmp_path / "results" / "maxtext_peer-cpu.json").read_text())
+    (replanned,) = again["rows"]
+    assert replanned["ember_step_s"] == row["ember_step_s"] and again["replanned"] == again["date"]
+    assert replanned["ember_planned_step_s"] != 123.0
+    assert replanned["plan_error"] == pytest.approx(replanned["ember_planned_step_s"] / row["ember_step_s"] - 1)
+    assert sum(replanned["ember_planned_parts_s"].values()) == pytest.approx(replanned["ember_planned_step_s"])
+
+
+def test_replan_refuses_figures_of_another_machine_or_none(tmp_path):
+    import argparse
+
+    with pytest.raises(SystemExit, match="--replan: .*maxtext_peer-cpu.json holds no rows measured on this machine"):
+        peer.main(["--replan", "--out", str(tmp_path)])
+    ember = peer.ember_versions(None, sys.executable)[2]
+    args = argparse.Namespace(merge=False, out=tmp_path, maxtext_python=Path(sys.executable), shape="debug",
+                              layout="1", precision="fp32", rounds=1, steps=None, warmup=2, profile=False,
+                              ember_python=sys.executable, ember_python_shown="python", tag="", ember=ember)
+    path = peer.write_results([{"shape": "debug", "precision": "fp32", "layout": "1", "steps": 20,
+                                "ember_step_s": 1.0}], args)
+    path.write_text(path.read_text().replace('"machine": "', '"machine": "another CPU, '))
+    with pytest.raises(SystemExit, match="holds no rows measured on this machine"):
+        peer.main(["--replan", "--out", str(tmp_path)])
 
 
 def test_merge_keeps_the_other_rows_and_refuses_a_foreign_file(tmp_path):

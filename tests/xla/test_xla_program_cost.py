@@ -118,21 +118,24 @@ def test_a_cpu_step_is_every_virtual_devices_work_at_the_measured_rates(monkeypa
     cost.dots[_dot("f32")] = 3
     small, large = 1 << 16, 1 << 28
     cost.op_bytes.update({small: 10, large: 2})
-    monkeypatch.setattr(xla_rates, "xla_dot_seconds", lambda dots: {d: 0.5 for d in dots})
+    monkeypatch.setattr(xla_rates, "xla_dot_seconds", lambda dots, devices: {d: 0.5 * devices / 4 for d in dots})
     monkeypatch.setattr(xla_rates, "l2_cache_bytes", lambda: 2**21)
     monkeypatch.setattr(xla_rates, "xla_cpu_bandwidths",
                         lambda: xla_rates.cpu_rates.Rates({"cached": 40e9, "streaming": 10e9}, True, "test"))
     step = priced_step(cost, 8, "cpu", torch.float32)
-    # eight virtual devices share the cores: eight times one device's work
-    assert step["matmul_s"] == pytest.approx(8 * 3 * 0.5)
+    # the eight virtual devices' products timed running at once; their other ops one after another on the cores
+    assert step["matmul_s"] == pytest.approx(3 * 0.5 * 8 / 4)
     assert step["memory_s"] == pytest.approx(8 * (10 * small / 40e9 + 2 * large / 10e9))
 
 
 def test_each_matmul_is_timed_at_its_own_shape():
+    import jax
+
     dots = [Dot((64, 32), (32, 16), "f32", "f32", "f32", (), (), (1,), (0,)),
             Dot((2, 8, 4), (2, 4, 8), "bf16", "bf16", "f32", (0,), (0,), (2,), (1,))]
     rates = xla_rates.measure_dot_flops(dots, seconds=0.01)
     assert len(rates) == 2 and all(1e5 < r < 1e14 for r in rates.values())
+    assert len(xla_rates.measure_dot_flops(dots[:1], devices=len(jax.devices("cpu")), seconds=0.01)) == 1
     assert dots[1].flops == 2 * 2 * 8 * 8 * 4 == 2 * math.prod((2, 8, 8)) * 4
 
 
@@ -152,3 +155,17 @@ ENTRY %main (x: f32[256]) -> f32[256] {
 
 def test_an_outlined_computations_ops_count_as_the_callers():
     assert program_cost(CALL_HLO).op_bytes == {3 * 256 * 4: 1}
+
+
+TUPLE_INDEX_HLO = """HloModule m
+
+ENTRY %main (t: (f32[4], f32[8])) -> f32[8] {
+  %t = (f32[4]{0}, /*index=1*/f32[8]{0}) parameter(0)
+  ROOT %sum = f32[8]{0} add(%t#1, %t#1)
+}
+"""
+
+
+def test_xlas_dumps_tuple_element_shorthand_reads_the_elements_type():
+    # the files --xla_dump_to writes name a tuple's k-th element %t#k: its bytes are the element's, not the tuple's
+    assert program_cost(TUPLE_INDEX_HLO).op_bytes == {3 * 8 * 4: 1}
