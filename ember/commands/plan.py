@@ -81,7 +81,9 @@ def run(args: argparse.Namespace) -> int:
         from ember.xla.plan import compiled_step_on_virtual_devices
 
         compiled = compiled_step_on_virtual_devices(cfg, args.world, args.device)
-        plan.xla_memory, plan.xla_step = compiled["memory"], compiled["step"]
+        plan.xla_memory, plan.xla_step = compiled["memory"], compiled.get("step")
+        if "step_unpriced" in compiled:
+            plan.warnings.append(f"XLA path step: {compiled['step_unpriced']}")
     text = json.dumps(plan.to_json(), indent=1) + "\n"
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -57,3 +57,14 @@ def test_plan_for_a_tpu_device_reports_the_xla_path_and_its_verdict(xla_env: dic
                     "--device", "tpu-v6e", env=xla_env, expect=0).stdout
     assert "XLA path (device=tpu|xla): the compiled step per device" in out and "verdict: fits" in out
     assert "XLA path step, priced op by op from the compiled program" in out and "TPU v6e's datasheet rates" in out
+
+
+@pytest.mark.slow
+def test_a_moe_step_is_not_priced_for_a_tpu_from_the_cpu_program(xla_env: dict, tmp_path: Path):
+    # XLA:CPU runs ragged_dot densely over every expert: that program would price a TPU's MoE step many times over
+    out = run_ember("plan", "qwen3-30b-a3b", "device=xla", "model.n_layers=2", "seq_len=128", "global_batch_size=8",
+                    "micro_batch_size=1", "ici_mesh.fsdp=1", "ici_mesh.expert=8", "--world", "8", "--device",
+                    "tpu-v6e", "--output", str(tmp_path / "plan.json"), env=xla_env, expect=0).stdout
+    assert "mixture-of-experts step is not priced" in " ".join(out.split()) and "XLA path step, priced" not in out
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert "xla_step" not in plan and plan["xla_memory"]["peak"] > 0

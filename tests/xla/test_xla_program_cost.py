@@ -169,3 +169,4 @@ ENTRY %main (t: (f32[4], f32[8])) -> f32[8] {
 def test_xlas_dumps_tuple_element_shorthand_reads_the_elements_type():
     # the files --xla_dump_to writes name a tuple's k-th element %t#k: its bytes are the element's, not the tuple's
     assert program_cost(TUPLE_INDEX_HLO).op_bytes == {3 * 8 * 4: 1}
+
