@@ -91,19 +91,23 @@ def check_writable(path: Path, args: Any) -> None:
         earlier_rows(path, args)
 
 
-def earlier_rows(path: Path, args: Any) -> list[dict[str, Any]]:
-    """--merge: the rows of `path`, refused where it is no results file of this benchmark or its figures are another
-    ember environment's (a row's versions are its file's)."""
+def earlier_rows(path: Path, args: Any, flag: str = "--merge") -> list[dict[str, Any]]:
+    """--merge or --replan (`flag`): the rows of `path`, refused where it is no results file of this benchmark or its
+    figures are another ember environment's (a row's versions are its file's)."""
     if not path.exists():
+        if flag == "--replan":
+            raise SystemExit(f"--replan: there is no {path}: measure its rows first (without --replan), or give the "
+                             "--tag and --out of a results file")
         return []
     try:
         earlier = json.loads(path.read_text())
         rows, theirs = earlier["rows"], {k: earlier.get(k) for k in ("ember_jax", "ember_torchax")}
     except (json.JSONDecodeError, KeyError, TypeError, OSError):
-        raise SystemExit(f"--merge: {path} is not a results file of this benchmark; move it away or drop "
-                         "--merge") from None
+        fix = "give the --tag and --out of one" if flag == "--replan" else "move it away or drop --merge"
+        raise SystemExit(f"{flag}: {path} is not a results file of this benchmark; {fix}") from None
     ours = {k: args.ember[k] for k in theirs}
     if theirs != ours:
-        raise SystemExit(f"--merge: {path} holds figures of ember on {theirs}, this run's is {ours}; give another "
-                         "--tag")
+        fix = ("give the --ember-python its rows were measured with" if flag == "--replan"
+               else "give another --tag")
+        raise SystemExit(f"{flag}: {path} holds figures of ember on {theirs}, this run's is {ours}; {fix}")
     return rows

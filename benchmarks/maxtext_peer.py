@@ -202,14 +202,16 @@ def replan(args: argparse.Namespace) -> int:
     from ember.hardware import cpu_rates
 
     path = results_path(args)
-    result = json.loads(path.read_text()) if earlier_rows(path, args) else {}  # checked, then read for writing
+    result = json.loads(path.read_text()) if earlier_rows(path, args, "--replan") else {}  # checked, then read
     rows = result.get("rows", [])
     machine = f"{cpu_rates.cpu_model()}, {os.cpu_count()} cores"
     if not rows or result.get("machine") != machine:
         raise SystemExit(f"--replan: {path} holds no rows measured on this machine ({machine}): measure them first")
+    print(f"pricing {len(rows)} rows of {path} with `ember plan` (about half a minute each)")
     with tempfile.TemporaryDirectory() as scratch:
         for row in rows:
             store_plan(row, dataclasses.replace(SHAPES[row["shape"]], steps=row["steps"]), args, Path(scratch))
+            print_table([row])
     result["replanned"] = date.today().isoformat()
     path.write_text(json.dumps(result, indent=2) + "\n")
     print_table(rows)

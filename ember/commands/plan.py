@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -80,7 +82,11 @@ def run(args: argparse.Namespace) -> int:
     if cfg.device in XLA_DEVICES:  # beside the model above: the XLA path's own compiled step, on virtual CPU devices
         from ember.xla.plan import compiled_step_on_virtual_devices
 
+        print(f"compiling the XLA step on {plural(args.world, 'virtual CPU device')} and pricing it"
+              + (" (each of its matmuls timed here)" if args.device == "cpu" else ""), file=sys.stderr, flush=True)
+        start = time.perf_counter()
         compiled = compiled_step_on_virtual_devices(cfg, args.world, args.device)
+        plan.seconds += time.perf_counter() - start
         plan.xla_memory, plan.xla_step = compiled["memory"], compiled.get("step")
         if "step_unpriced" in compiled:
             plan.warnings.append(f"XLA path step: {compiled['step_unpriced']}")
@@ -163,7 +169,7 @@ def render(plan: Plan, console: Console, path: Optional[Path]) -> None:
     if plan.xla_memory is not None:
         x = plan.xla_memory
         console.print(f"XLA path (device=tpu|xla): the compiled step per device, XLA's memory analysis on "
-                      f"{plan.world_size} virtual CPU devices: weights, optimizer state and batch "
+                      f"{plural(plan.world_size, 'virtual CPU device')}: weights, optimizer state and batch "
                       f"{_gib(x['arguments'])} GiB, temporaries {_gib(x['temporaries'])} GiB -> peak "
                       f"{_gib(x['peak'])} GiB. The CPU compiler's: it counts SDPA's full score matrix where a TPU "
                       "runs the flash kernel, and remat outside a layer scan saves it nothing; the verdict below "

@@ -119,12 +119,16 @@ def measure_dot_flops(dots: list[Dot], devices: int = 1, seconds: float = 0.15) 
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    mesh = Mesh(np.array(jax.devices("cpu")[:devices]), ("device",))
-    each = NamedSharding(mesh, PartitionSpec("device"))
+    budget = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
     rates = {}
     for dot in dots:
-        lhs = jax.device_put(jnp.ones((devices, *dot.lhs), NUMPY_DTYPES[dot.lhs_dtype]), each)
-        rhs = jax.device_put(jnp.ones((devices, *dot.rhs), NUMPY_DTYPES[dot.rhs_dtype]), each)
+        # a quarter of the host's memory at most: a product too large to run on every device at once (a MoE
+        # layer's experts run densely) is timed on as many as fit, each device's share taken to be the same
+        timed = max(1, min(devices, budget // max(dot.nbytes, 1)))
+        mesh = Mesh(np.array(jax.devices("cpu")[:timed]), ("device",))
+        each = NamedSharding(mesh, PartitionSpec("device"))
+        lhs = jax.device_put(jnp.ones((timed, *dot.lhs), NUMPY_DTYPES[dot.lhs_dtype]), each)
+        rhs = jax.device_put(jnp.ones((timed, *dot.rhs), NUMPY_DTYPES[dot.rhs_dtype]), each)
         numbers = ((dot.lhs_contracting, dot.rhs_contracting), (dot.lhs_batch, dot.rhs_batch))
 
         def one(a: jax.Array, b: jax.Array, numbers: tuple = numbers, out: str = dot.out_dtype) -> jax.Array:
@@ -138,7 +142,7 @@ def measure_dot_flops(dots: list[Dot], devices: int = 1, seconds: float = 0.15) 
             start = time.perf_counter()
             product(lhs, rhs).block_until_ready()
             fastest, runs = min(fastest, time.perf_counter() - start), runs + 1
-        rates[_dot_signature(dot)] = devices * dot.flops / fastest
+        rates[_dot_signature(dot)] = timed * dot.flops / fastest
     return rates
 
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -103,9 +105,15 @@ def compiled_step_on_virtual_devices(cfg: JobConfig, world: int, target: str,
                    f"--xla_force_host_platform_device_count={world}".strip())
         proc = subprocess.run([sys.executable, "-m", "ember.xla.plan", str(config), str(world), target],
                               capture_output=True, text=True, env=env, timeout=timeout_s)
+    if proc.returncode < 0:  # a signal: the kernel's out-of-memory killer sends SIGKILL
+        name = signal.Signals(-proc.returncode).name
+        hint = " (out of memory?): plan a smaller model or world" if name == "SIGKILL" else ""
+        raise ConfigError(f"the XLA path's plan was killed by {name} while compiling and pricing the step at world "
+                          f"{world}{hint}")
     if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise ConfigError(f"the XLA path's plan could not compile the step at world {world}: {last}")
+        lines = proc.stderr.strip().splitlines() or ["no output"]
+        said = next((line for line in reversed(lines) if re.match(r"\w+(Error|Exception)\b", line)), lines[-1])
+        raise ConfigError(f"the XLA path's plan could not compile the step at world {world}: {said}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 

@@ -46,10 +46,19 @@ class Dot:
     rhs_contracting: tuple[int, ...]
 
     @property
-    def flops(self) -> int:
+    def out_elements(self) -> int:
         kept_lhs = math.prod(d for i, d in enumerate(self.lhs) if i not in self.lhs_contracting)
-        kept_rhs = math.prod(d for i, d in enumerate(self.rhs) if i not in self.rhs_contracting + self.rhs_batch)
-        return 2 * kept_lhs * kept_rhs * math.prod(self.lhs[i] for i in self.lhs_contracting)
+        return kept_lhs * math.prod(d for i, d in enumerate(self.rhs) if i not in self.rhs_contracting + self.rhs_batch)
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.out_elements * math.prod(self.lhs[i] for i in self.lhs_contracting)
+
+    @property
+    def nbytes(self) -> int:
+        """Its operands' and output's bytes."""
+        return (DTYPE_BYTES[self.lhs_dtype] * math.prod(self.lhs) + DTYPE_BYTES[self.rhs_dtype] * math.prod(self.rhs)
+                + DTYPE_BYTES[self.out_dtype] * self.out_elements)
 
     def describe(self) -> str:
         return f"{self.lhs_dtype}{list(self.lhs)} x {self.rhs_dtype}{list(self.rhs)}"

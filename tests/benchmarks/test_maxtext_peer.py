@@ -163,7 +163,7 @@ def test_the_script_runs_end_to_end_and_writes_its_results(tmp_path, capsys):
 def test_replan_refuses_figures_of_another_machine_or_none(tmp_path):
     import argparse
 
-    with pytest.raises(SystemExit, match="--replan: .*maxtext_peer-cpu.json holds no rows measured on this machine"):
+    with pytest.raises(SystemExit, match="--replan: there is no .*maxtext_peer-cpu.json: measure its rows first"):
         peer.main(["--replan", "--out", str(tmp_path)])
     ember = peer.ember_versions(None, sys.executable)[2]
     args = argparse.Namespace(merge=False, out=tmp_path, maxtext_python=Path(sys.executable), shape="debug",
@@ -173,6 +173,12 @@ def test_replan_refuses_figures_of_another_machine_or_none(tmp_path):
                                 "ember_step_s": 1.0}], args)
     path.write_text(path.read_text().replace('"machine": "', '"machine": "another CPU, '))
     with pytest.raises(SystemExit, match="holds no rows measured on this machine"):
+        peer.main(["--replan", "--out", str(tmp_path)])
+    path.write_text(path.read_text().replace(f'"ember_jax": "{ember["ember_jax"]}"', '"ember_jax": "9.9"'))
+    with pytest.raises(SystemExit, match="--replan: .* holds figures of ember on .*9.9.*give the --ember-python its "):
+        peer.main(["--replan", "--out", str(tmp_path)])
+    path.write_text("not json")
+    with pytest.raises(SystemExit, match="--replan: .* is not a results file of this benchmark; give the --tag"):
         peer.main(["--replan", "--out", str(tmp_path)])
 
 
