@@ -101,6 +101,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _duration(seconds: float) -> str:
+    """Three significant digits, in ms under a second (an accelerator's step of a small model is a few ms)."""
+    return f"{seconds:.3f} s" if seconds >= 1 else f"{seconds * 1e3:.3g} ms"
+
+
 def _check_replaceable(path: Location) -> None:
     """An existing `path` is replaced only when it is a plan.json (an earlier plan); any other file is refused,
     as `ember eval --output` refuses a file that is not an eval.json."""
@@ -176,9 +181,9 @@ def render(plan: Plan, console: Console, path: Optional[Path]) -> None:
                       "is the model's above")
     if plan.xla_step is not None:
         x = plan.xla_step
-        console.print(f"XLA path step, priced op by op from the compiled program: {x['step_s']:.3f} s (matmuls "
-                      f"{x['matmul_s']:.3f} s, other ops {x['memory_s']:.3f} s, collectives {x['collective_s']:.3f} s; "
-                      f"{x['priced_by']})")
+        console.print(f"XLA path step, priced op by op from the compiled program: {_duration(x['step_s'])} (matmuls "
+                      f"{_duration(x['matmul_s'])}, other ops {_duration(x['memory_s'])}, collectives "
+                      f"{_duration(x['collective_s'])}; {x['priced_by']})")
     verdict = "[green]fits[/green]" if plan.fits else "[red]does not fit[/red]"
     best = (f"; the largest micro-batch that fits: {plan.max_micro_batch}" if plan.max_micro_batch
             else "; no micro-batch fits")
