@@ -13,7 +13,7 @@ import os
 import time
 from importlib import metadata
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
@@ -76,6 +76,17 @@ def l2_cache_bytes() -> int:
 STREAMED_ELEMENTS = 1 << 26  # 768 MB moved by one a * x + y: far past any cache
 
 
+def _fastest(fn: Callable, args: tuple, seconds: float) -> float:
+    """The fastest of `fn(*args)`'s runs within ~`seconds`, at least three, after one that compiles it."""
+    fn(*args).block_until_ready()
+    fastest, runs, deadline = float("inf"), 0, time.perf_counter() + seconds
+    while time.perf_counter() < deadline or runs < 3:
+        start = time.perf_counter()
+        fn(*args).block_until_ready()
+        fastest, runs = min(fastest, time.perf_counter() - start), runs + 1
+    return fastest
+
+
 def measure_xla_bandwidths(seconds: float = 0.5) -> dict[str, float]:
     """Bytes/s of an XLA:CPU element-wise fusion (a * x + y, fp32) on jax's first CPU device, one call a time as a
     step runs its ops: `cached`, moving as many bytes as one core's L2 holds; `streaming`, far past any cache, into
@@ -88,13 +99,7 @@ def measure_xla_bandwidths(seconds: float = 0.5) -> dict[str, float]:
     rates = {}
     for name, n in (("cached", max(l2_cache_bytes() // 12, 1024)), ("streaming", STREAMED_ELEMENTS)):
         x, y = (jax.device_put(jnp.ones((n,), jnp.float32), device) for _ in range(2))
-        axpy(x, y).block_until_ready()
-        fastest, deadline = float("inf"), time.perf_counter() + seconds
-        while time.perf_counter() < deadline or fastest == float("inf"):
-            start = time.perf_counter()
-            axpy(x, y).block_until_ready()
-            fastest = min(fastest, time.perf_counter() - start)
-        rates[name] = 12 * n / fastest
+        rates[name] = 12 * n / _fastest(axpy, (x, y), seconds)
     return rates
 
 
@@ -136,13 +141,7 @@ def measure_dot_flops(dots: list[Dot], devices: int = 1, seconds: float = 0.15) 
 
         product = jax.jit(jax.shard_map(one, mesh=mesh, in_specs=(PartitionSpec("device"),) * 2,
                                         out_specs=PartitionSpec("device")))
-        product(lhs, rhs).block_until_ready()
-        fastest, runs, deadline = float("inf"), 0, time.perf_counter() + seconds
-        while time.perf_counter() < deadline or runs < 3:
-            start = time.perf_counter()
-            product(lhs, rhs).block_until_ready()
-            fastest, runs = min(fastest, time.perf_counter() - start), runs + 1
-        rates[_dot_signature(dot)] = timed * dot.flops / fastest
+        rates[_dot_signature(dot)] = timed * dot.flops / _fastest(product, (lhs, rhs), seconds)
     return rates
 
 
